@@ -1,0 +1,1 @@
+"""Service entry points: each subpackage is a thin composition root."""

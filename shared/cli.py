@@ -1,0 +1,91 @@
+"""The `llmgw` command line: one console script, one subcommand per service.
+
+Each subcommand imports its service lazily, so `llmgw config check` does not
+pay for FastAPI and `llmgw edge` does not pay for the simulator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+DEFAULT_CONFIG = "config/local.yaml"
+
+
+def _config_arg(parser: argparse.ArgumentParser, *, required: bool = False) -> None:
+    parser.add_argument(
+        "--config",
+        "-c",
+        default=None if required else DEFAULT_CONFIG,
+        required=required,
+        help=f"path to the YAML config (default: {DEFAULT_CONFIG})",
+    )
+
+
+def _sim_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", "-c", default=None, help="take the endpoint's `simulate` block from this config")
+    parser.add_argument("--endpoint", default=None, help="endpoint id in --config to simulate")
+    parser.add_argument("--host", default=None, help="listen host (default 127.0.0.1 or the endpoint's url)")
+    parser.add_argument("--port", type=int, default=None, help="listen port (default 8000 or the endpoint's url)")
+    parser.add_argument("--model", action="append", default=None, help="served model name (repeatable)")
+    parser.add_argument("--seed", type=int, default=None, help="seed of the simulator's randomness")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one simulator parameter, e.g. --set max_num_seqs=8 (repeatable)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="llmgw", description="LLM inference routing gateway")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    up = sub.add_parser("up", help="run a local cluster: embedded NATS, services and simulators")
+    _config_arg(up)
+    up.add_argument("--dry-run", action="store_true", help="print the processes it would start and exit")
+    up.set_defaults(target="llmgw.services.up.main:run")
+
+    edge = sub.add_parser("edge", help="the OpenAI-compatible HTTP edge")
+    _config_arg(edge)
+    edge.add_argument("--listen", default=None, help="override `listen` (host:port)")
+    edge.add_argument("--admin-listen", default=None, help="override `admin_listen` (host:port)")
+    edge.set_defaults(target="llmgw.services.edge.main:run")
+
+    admission = sub.add_parser("admission", help="the admission service (NATS queue group)")
+    _config_arg(admission)
+    admission.set_defaults(target="llmgw.services.admission.main:run")
+
+    config = sub.add_parser("config", help="configuration tools")
+    config_sub = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
+    check = config_sub.add_parser("check", help="validate a config file and print the effective config")
+    check.add_argument("file", help="path to the YAML config")
+    check.set_defaults(target="llmgw.config.check:run")
+
+    sim = sub.add_parser("sim", help="simulated engines and third-party providers")
+    sim_sub = sim.add_subparsers(dest="sim_command", required=True, metavar="KIND")
+    engine = sim_sub.add_parser("engine", help="a vLLM-like engine (batching, KV and prefix cache)")
+    _sim_args(engine)
+    engine.set_defaults(target="llmgw.services.sim.main:run_engine")
+    provider = sim_sub.add_parser("provider", help="a third-party-API-like server (drifting rate, 429s)")
+    _sim_args(provider)
+    provider.set_defaults(target="llmgw.services.sim.main:run_provider")
+
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    module_name, _, func_name = args.target.partition(":")
+    func = getattr(importlib.import_module(module_name), func_name)
+    try:
+        return int(func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

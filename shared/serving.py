@@ -1,0 +1,86 @@
+"""Run an ASGI app on uvicorn inside the current event loop.
+
+Used by tests and by in-process compositions: the server binds before
+`start_server` returns, so `RunningServer.url` is immediately connectable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from dataclasses import dataclass
+
+import uvicorn
+
+
+@dataclass
+class RunningServer:
+    """A started uvicorn server; `stop()` shuts it down gracefully."""
+
+    server: uvicorn.Server
+    task: asyncio.Task[None]
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    async def stop(self, timeout: float = 5.0) -> None:
+        self.server.should_exit = True
+        try:
+            await asyncio.wait_for(asyncio.shield(self.task), timeout)
+        except TimeoutError:
+            self.server.force_exit = True
+            self.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self.task
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket (port 0 picks a free one); reused addresses allowed."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+async def start_server(
+    app: object,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    log_level: str = "warning",
+    timeout_graceful_shutdown: float | None = 5.0,
+) -> RunningServer:
+    """Start `app` on uvicorn in this loop and return once it accepts connections."""
+    sock = bind_socket(host, port)
+    bound_port = sock.getsockname()[1]
+    config = uvicorn.Config(
+        app,
+        log_level=log_level,
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=timeout_graceful_shutdown,
+        http="httptools",
+    )
+    server = uvicorn.Server(config)
+    server.config.setup_event_loop = lambda: None  # type: ignore[method-assign]
+    task = asyncio.create_task(server.serve(sockets=[sock]), name=f"uvicorn:{bound_port}")
+    while not server.started:
+        if task.done():
+            sock.close()
+            task.result()  # raises the start-up error
+            raise RuntimeError("uvicorn exited during start-up")
+        await asyncio.sleep(0.005)
+    return RunningServer(server=server, task=task, host=host, port=bound_port)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (for subprocesses that must bind it themselves)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
