@@ -1,0 +1,166 @@
+"""What is served and where: models, providers (with per-model limits) and endpoints.
+
+An endpoint's `simulate` block is validated against the simulator's own parameter models
+(`EngineParams` / `ProviderParams`, chosen by `kind`), imported on first use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from functools import lru_cache
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, TypeAdapter, ValidationError, field_validator, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
+
+from llmgw.config.addresses import parse_http_url
+from llmgw.config.common import Feature, Name, Slug, StrictModel, fail
+
+# --- models, providers, endpoints -----------------------------------------------------------------
+
+class ModelConfig(StrictModel):
+    name: Name
+    aliases: list[Name] = Field(default_factory=list)
+    fallbacks: list[Name] = Field(default_factory=list)
+    routing_profile: str | None = None
+
+
+class Limits(StrictModel):
+    """Capacity of one provider/model pair (seed 000); absent limits mean unlimited."""
+
+    max_pinned_sessions: int = Field(ge=0)
+    max_global_in_flight_request_slots: int = Field(ge=1)
+    global_in_flight_request_slots_reserved_for_pinned_sessions: int = Field(ge=0)
+    max_per_session_in_flight_request_slots: int = Field(ge=1)
+
+    @model_validator(mode="after")
+    def _reserved_within_global(self) -> Limits:
+        reserved = self.global_in_flight_request_slots_reserved_for_pinned_sessions
+        if reserved > self.max_global_in_flight_request_slots:
+            fail([(("global_in_flight_request_slots_reserved_for_pinned_sessions",),
+                   f"{reserved} reserved slots exceed max_global_in_flight_request_slots "
+                   f"({self.max_global_in_flight_request_slots})")])
+        return self
+
+
+class ProviderModel(StrictModel):
+    name: Name
+    features: list[Feature] = Field(default_factory=lambda: ["chat", "completions"], min_length=1)
+    limits: Limits | None = None
+
+
+class ProviderConfig(StrictModel):
+    id: Slug
+    kind: Literal["managed", "unlimited"]
+    priority: int = 100
+    api_key_env: str | None = None
+    models: list[ProviderModel] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _unique_models(self) -> ProviderConfig:
+        seen: dict[str, int] = {}
+        problems: list[tuple[tuple[str | int, ...], str]] = []
+        for index, model in enumerate(self.models):
+            if model.name in seen:
+                problems.append((("models", index, "name"),
+                                 f"model {model.name!r} listed twice (also models[{seen[model.name]}])"))
+            seen.setdefault(model.name, index)
+        fail(problems)
+        return self
+
+    @property
+    def is_managed(self) -> bool:
+        return self.kind == "managed"
+
+    def model(self, name: str) -> ProviderModel | None:
+        return next((model for model in self.models if model.name == name), None)
+
+
+@lru_cache(maxsize=1)
+def _simulate_adapter() -> TypeAdapter[Any]:
+    # Imported on first use: the simulator package is optional at import time of the config module.
+    from llmgw.services.sim.params import EngineParams, ProviderParams
+
+    return TypeAdapter(Annotated[EngineParams | ProviderParams, Field(discriminator="kind")])
+
+
+def _validate_simulate(value: Any) -> Any:
+    if value is None:
+        return None
+    try:
+        adapter = _simulate_adapter()
+    except ImportError as exc:
+        raise ValueError(f"simulator parameters are unavailable ({exc})") from None
+    try:
+        return adapter.validate_python(value)
+    except ValidationError as exc:
+        # Drop the union tag ("engine"/"provider") from locations: the YAML has no such level.
+        kind = value.get("kind") if isinstance(value, Mapping) else None
+        details: list[InitErrorDetails] = []
+        for error in exc.errors():
+            loc = tuple(error["loc"])
+            if loc and loc[0] == kind:
+                loc = loc[1:]
+            message = error["msg"]
+            if message.startswith("Value error, "):
+                message = message[len("Value error, "):]
+            if error["type"] == "extra_forbidden":
+                message = "unknown simulator parameter"
+            elif error["type"] in ("union_tag_not_found", "union_tag_invalid"):
+                message = 'needs `kind: engine` or `kind: provider`'
+                loc = ("kind",)
+            elif error["type"] != "missing" and isinstance(error.get("input"), str | int | float):
+                message += f" (got {error['input']!r})"
+            details.append(InitErrorDetails(
+                type=PydanticCustomError("config", "{message}", {"message": message}),
+                loc=loc, input=None))
+        raise ValidationError.from_exception_data("simulate", details) from None
+
+
+class EndpointConfig(StrictModel):
+    id: Slug
+    url: str
+    provider: str
+    models: list[Name] = Field(min_length=1)
+    pool: Name = "default"
+    weight: int = Field(100, gt=0)
+    priority: int = 100
+    upstream_model: dict[str, str] = Field(default_factory=dict)
+    # EngineParams | ProviderParams, chosen by its `kind`; validated by `_validate_simulate`.
+    simulate: Any = None
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, url: str) -> str:
+        parse_http_url(url)
+        return url.strip().rstrip("/")
+
+    @field_validator("simulate")
+    @classmethod
+    def _check_simulate(cls, value: Any) -> Any:
+        return _validate_simulate(value)
+
+    @model_validator(mode="after")
+    def _check_local_references(self) -> EndpointConfig:
+        problems: list[tuple[tuple[str | int, ...], str]] = []
+        for name in self.upstream_model:
+            if name not in self.models:
+                problems.append((("upstream_model", name),
+                                 f"renames {name!r}, which this endpoint does not list in models"))
+        if self.simulate is not None and parse_http_url(self.url)[2] is None:
+            problems.append((("url",), "an endpoint with `simulate` needs an explicit port in its url"))
+        fail(problems)
+        return self
+
+    @property
+    def host(self) -> str:
+        return parse_http_url(self.url)[1]
+
+    @property
+    def port(self) -> int:
+        scheme, _, port = parse_http_url(self.url)
+        return port if port is not None else (443 if scheme == "https" else 80)
+
+    def upstream_name(self, model: str) -> str:
+        """The model name to send upstream (our name unless `upstream_model` renames it)."""
+        return self.upstream_model.get(model, model)

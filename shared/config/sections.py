@@ -1,0 +1,216 @@
+"""Settings sections of the config: NATS, router, timeouts, profiles, admission, scoring, pinning,
+balancer. Each section validates itself; references between sections are checked in `references`."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
+
+from llmgw.config.common import MASK, ConfigWarning, Name, StrictModel, fail
+from llmgw.config.durations import Duration, PositiveDuration
+
+# --- NATS -----------------------------------------------------------------------------------------
+
+class NatsTls(StrictModel):
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+    verify: bool = True
+
+
+class NatsConfig(StrictModel):
+    """How services reach the NATS mesh; "embedded" means `llmgw up` starts a server itself."""
+
+    url: str = "embedded"
+    embedded_port: int = Field(4222, ge=0, le=65535)
+    store_dir: str | None = None
+    user: str | None = None
+    password: SecretStr | None = None
+    token: SecretStr | None = None
+    creds_file: str | None = None
+    nkeys_seed_file: str | None = None
+    tls: NatsTls | None = None
+    connect_timeout: PositiveDuration = 2.0
+    request_timeout: PositiveDuration = 1.0
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, url: str) -> str:
+        url = url.strip()
+        if url == "embedded":
+            return url
+        for server in url.split(","):
+            scheme, _, rest = server.strip().partition("://")
+            if scheme not in ("nats", "tls", "ws", "wss") or not rest:
+                raise ValueError(
+                    f'expected "embedded" or nats://host:port (comma-separated list allowed), '
+                    f"got {server.strip()!r}"
+                )
+        return url
+
+    @field_serializer("password", "token", when_used="json")
+    def _mask(self, secret: SecretStr | None) -> str | None:
+        return None if secret is None else MASK
+
+    @property
+    def is_embedded(self) -> bool:
+        return self.url == "embedded"
+
+    @property
+    def servers(self) -> list[str]:
+        """The server URLs to connect to (empty when embedded: the caller knows its own port)."""
+        return [] if self.is_embedded else [s.strip() for s in self.url.split(",")]
+
+
+# --- router, timeouts, profiles -------------------------------------------------------------------
+
+class RouterConfig(StrictModel):
+    scrape_interval: PositiveDuration = 2.0
+    scrape_timeout: PositiveDuration = 1.0
+    stale_after: PositiveDuration = 10.0
+    retries: int = Field(2, ge=0)
+    cooldown: Duration = 15.0
+    failure_threshold: int = Field(3, ge=1)
+    default_profile: str = "chat"
+    session_header: Name = "x-session-id"
+    inject_usage: bool = True
+    max_body_bytes: int = Field(33_554_432, ge=1024)
+
+
+class Timeouts(StrictModel):
+    """Per-phase bounds on one upstream request; all strictly positive."""
+
+    dial: PositiveDuration = 5.0
+    response_header: PositiveDuration = 60.0
+    first_token: PositiveDuration = 120.0
+    idle: PositiveDuration = 60.0
+    total: PositiveDuration = 1800.0
+
+
+class TimeoutOverrides(StrictModel):
+    """A partial `Timeouts`: fields left unset fall back to the top-level `timeouts`."""
+
+    dial: PositiveDuration | None = None
+    response_header: PositiveDuration | None = None
+    first_token: PositiveDuration | None = None
+    idle: PositiveDuration | None = None
+    total: PositiveDuration | None = None
+
+
+class ProfileConfig(StrictModel):
+    """A routing profile: a named preset of overrides of `router.retries` and `timeouts`."""
+
+    retries: int | None = Field(None, ge=0)
+    timeouts: TimeoutOverrides = Field(default_factory=TimeoutOverrides)
+
+
+class ResolvedProfile(BaseModel):
+    """A profile with every value filled in from the top-level defaults."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    retries: int
+    timeouts: Timeouts
+
+
+def default_profiles() -> dict[str, dict[str, Any]]:
+    """The built-in presets; a config's `profiles` entries are merged over these field by field."""
+    return {
+        "chat": {},
+        "batch": {"retries": 4, "timeouts": {"first_token": "600s", "total": "2h"}},
+        "long-context": {"timeouts": {"first_token": "300s", "idle": "120s"}},
+        "debug": {"retries": 0},
+    }
+
+
+# --- admission, scoring, pinning, balancer --------------------------------------------------------
+
+class Band(StrictModel):
+    name: Name
+    priority: int
+    saturation_ceiling: float = Field(gt=0)
+
+
+def default_bands() -> list[Band]:
+    return [
+        Band(name="platinum", priority=400, saturation_ceiling=1.00),
+        Band(name="gold", priority=300, saturation_ceiling=0.85),
+        Band(name="silver", priority=200, saturation_ceiling=0.60),
+        Band(name="bronze", priority=100, saturation_ceiling=0.30),
+    ]
+
+
+class AdmissionConfig(StrictModel):
+    enabled: bool = True
+    band_header: Name = "x-llmgw-band"
+    default_band: str = "gold"
+    bands: list[Band] = Field(default_factory=default_bands, min_length=1)
+    queue_ttl: PositiveDuration = 30.0
+    queue_capacity_per_band: int = Field(2000, ge=1)
+    interval: PositiveDuration = 0.01
+
+    @model_validator(mode="after")
+    def _check_bands(self) -> AdmissionConfig:
+        problems: list[tuple[tuple[str | int, ...], str]] = []
+        names: dict[str, int] = {}
+        priorities: dict[int, int] = {}
+        for index, band in enumerate(self.bands):
+            if band.name in names:
+                problems.append((("bands", index, "name"), f"duplicate band name {band.name!r} "
+                                 f"(also bands[{names[band.name]}])"))
+            names.setdefault(band.name, index)
+            if band.priority in priorities:
+                problems.append((("bands", index, "priority"), f"duplicate band priority {band.priority} "
+                                 f"(also bands[{priorities[band.priority]}])"))
+            priorities.setdefault(band.priority, index)
+        if self.default_band not in names:
+            problems.append((("default_band",), f"unknown band {self.default_band!r}; "
+                             f"known bands: {', '.join(names)}"))
+        fail(problems)
+        return self
+
+    def band(self, name: str) -> Band | None:
+        return next((band for band in self.bands if band.name == name), None)
+
+
+class ScoringConfig(StrictModel):
+    target_waiting: float = Field(4, gt=0)
+    target_inflight: float = Field(8, gt=0)
+    kv_ceiling: float = Field(0.9, gt=0, le=1)
+    session_load_factor: float = Field(1.25, ge=1)
+
+
+class PinningConfig(StrictModel):
+    pin_inactivity_timeout: PositiveDuration = 300.0
+    lease_timeout: PositiveDuration = 30.0
+    max_routing_attempts: int = Field(10, ge=1)
+
+
+class BalancerConfig(StrictModel):
+    """Rate balancer among unlimited providers' endpoints; window 0 means plain round robin."""
+
+    window: Duration = 120.0
+    input_to_output_token_ratio: float = Field(250, gt=0)
+    greediness: float = Field(0.5, ge=0, le=1)
+
+    @field_validator("greediness")
+    @classmethod
+    def _warn_extreme_greediness(cls, value: float) -> float:
+        if value < 0.2:
+            warnings.warn(f"balancer.greediness {value} is below 0.2: the balancer behaves as unordered "
+                          "round-robin", ConfigWarning, stacklevel=2)
+        elif value > 0.95:
+            warnings.warn(f"balancer.greediness {value} is above 0.95: the balancer may stick to a local "
+                          "maximum", ConfigWarning, stacklevel=2)
+        return value
