@@ -1,0 +1,56 @@
+"""One closed outcome per request, mapped once to the client-facing error.
+
+The same enum value labels the request metrics, so every request ends in
+exactly one of these and no other strings leak into label cardinality.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class Outcome(enum.StrEnum):
+    """How a request through the edge ended."""
+
+    SUCCESS = "success"
+    BAD_REQUEST = "bad_request"
+    MODEL_NOT_FOUND = "model_not_found"
+    UNSUPPORTED = "unsupported"
+    BODY_TOO_LARGE = "body_too_large"
+    ADMISSION_UNAVAILABLE = "admission_unavailable"
+    NO_CAPACITY = "no_capacity"
+    UPSTREAM_UNREACHABLE = "upstream_unreachable"
+    UPSTREAM_TIMEOUT = "upstream_timeout"
+    UPSTREAM_ERROR = "upstream_error"
+    UPSTREAM_BROKEN_STREAM = "upstream_broken_stream"
+    CLIENT_DISCONNECTED = "client_disconnected"
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorShape:
+    """Status and OpenAI error `type`/`code` of an outcome that is an error."""
+
+    status: int
+    type: str
+    code: str
+    retry_after: bool = False
+
+
+# Outcomes that produce a client-facing error of their own. UPSTREAM_ERROR
+# passes the engine's own status through, and SUCCESS/CLIENT_DISCONNECTED
+# have no error body.
+ERROR_SHAPES: dict[Outcome, ErrorShape] = {
+    Outcome.BAD_REQUEST: ErrorShape(400, "invalid_request_error", "invalid_request"),
+    Outcome.MODEL_NOT_FOUND: ErrorShape(404, "invalid_request_error", "model_not_found"),
+    Outcome.UNSUPPORTED: ErrorShape(400, "invalid_request_error", "unsupported_feature"),
+    Outcome.BODY_TOO_LARGE: ErrorShape(413, "invalid_request_error", "request_too_large"),
+    Outcome.ADMISSION_UNAVAILABLE: ErrorShape(
+        503, "service_unavailable", "admission_unavailable", retry_after=True
+    ),
+    Outcome.NO_CAPACITY: ErrorShape(503, "service_unavailable", "no_capacity", retry_after=True),
+    Outcome.UPSTREAM_UNREACHABLE: ErrorShape(502, "upstream_error", "upstream_unreachable"),
+    Outcome.UPSTREAM_TIMEOUT: ErrorShape(504, "upstream_error", "upstream_timeout"),
+    Outcome.UPSTREAM_ERROR: ErrorShape(502, "upstream_error", "upstream_error"),
+    Outcome.UPSTREAM_BROKEN_STREAM: ErrorShape(502, "upstream_error", "upstream_broken_stream"),
+}

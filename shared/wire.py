@@ -1,0 +1,99 @@
+"""Versioned wire messages and the NATS subjects they travel on.
+
+Every message carries `v` (the schema version). A receiver rejects a version
+it does not know instead of guessing. Request bodies never cross NATS: only
+the metadata admission needs (a few hundred bytes), so the 1 MB NATS payload
+limit never matters. docs/architecture.md lists the subjects.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+WIRE_VERSION = 1
+
+# Subjects: one vocabulary, `llmgw.v1.<service>.<verb>`.
+ADMISSION_REQUEST_SUBJECT = "llmgw.v1.admission.request"
+ADMISSION_QUEUE_GROUP = "admission"
+ADMISSION_HEALTH_SUBJECT = "llmgw.v1.admission.health"
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+class AdmitRequest(_Message):
+    """Edge -> admission: may this request run now, and where?
+
+    `session_id` is already a hash (never raw client text); `band` and
+    `tenant` feed flow control. Sent on ADMISSION_REQUEST_SUBJECT to the
+    ADMISSION_QUEUE_GROUP, so exactly one admission instance answers.
+    """
+
+    v: Literal[1] = 1
+    request_id: str
+    edge_id: str
+    model: str
+    feature: Literal["chat", "completions", "embeddings"]
+    stream: bool = False
+    session_id: str | None = None
+    band: str | None = None
+    tenant: str | None = None
+    # Endpoints the edge already tried for this request (retries go elsewhere).
+    exclude_endpoints: tuple[str, ...] = ()
+
+
+class Target(_Message):
+    """Where an admitted request goes."""
+
+    provider: str
+    provider_kind: Literal["managed", "unlimited"]
+    endpoint: str
+    url: str
+    upstream_model: str
+
+
+class Lease(_Message):
+    """A request lease; the edge owns it from the reply until it releases it.
+
+    `key` and `revision` identify the lease record in the routing-state
+    bucket so that renew and release are compare-and-swap operations.
+    """
+
+    id: str
+    key: str
+    revision: int
+    timeout_s: float
+
+
+class RejectReason(enum.StrEnum):
+    """Why admission said no; the edge maps each to one client-facing outcome."""
+
+    UNSUPPORTED = "unsupported"  # no provider serves this model with this feature
+    NO_CAPACITY = "no_capacity"  # every candidate is degraded, full or unhealthy
+    UNKNOWN_MODEL = "unknown_model"
+    MALFORMED = "malformed"  # the request did not parse (e.g. an edge of another version)
+
+
+class AdmitReply(_Message):
+    """Admission -> edge: a target (and lease, once leases exist) or a rejection."""
+
+    v: Literal[1] = 1
+    request_id: str
+    admitted: bool
+    target: Target | None = None
+    lease: Lease | None = None
+    reject_reason: RejectReason | None = None
+    message: str | None = None
+    retry_after_s: float | None = None
+
+
+class HealthReply(_Message):
+    """Answer on ADMISSION_HEALTH_SUBJECT: who is alive (every instance answers)."""
+
+    v: Literal[1] = 1
+    service: str
+    instance: str
