@@ -47,6 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="run a local cluster: embedded NATS, services and simulators")
     _config_arg(up)
     up.add_argument("--dry-run", action="store_true", help="print the processes it would start and exit")
+    up.add_argument(
+        "--ready-timeout", type=float, default=60.0, help="seconds each service may take to get ready"
+    )
+    up.add_argument(
+        "--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL when stopping"
+    )
     up.set_defaults(target="llmgw.services.up.main:run")
 
     edge = sub.add_parser("edge", help="the OpenAI-compatible HTTP edge")

@@ -1,0 +1,45 @@
+"""`llmgw admission`: the composition root of the admission service."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from llmgw import natsconn
+from llmgw.runtime import load_or_exit, run_service, setup_logging, wait_for_stop_signal
+from llmgw.services.admission.health import HealthBoard, HealthProber
+from llmgw.services.admission.service import AdmissionService
+
+log = logging.getLogger("llmgw.admission")
+
+
+def run(args: argparse.Namespace) -> int:
+    setup_logging("admission")
+    config = load_or_exit(args.config)
+
+    async def main() -> None:
+        nc = await natsconn.connect(config.nats, name="llmgw-admission")
+        board = HealthBoard()
+        managed = [
+            (e.id, e.url)
+            for e in config.endpoints
+            if config.provider(e.provider).kind == "managed"
+        ]
+        prober = HealthProber(
+            board,
+            managed,
+            interval=config.router.scrape_interval,
+            timeout=config.router.scrape_timeout,
+        )
+        service = AdmissionService(config, nc, board)
+        await service.start()
+        prober.start()
+        print(f"llmgw admission ready ({service.instance})", flush=True)
+        try:
+            await wait_for_stop_signal()
+        finally:
+            await prober.stop()
+            await service.stop()
+            await nc.drain()
+
+    return run_service(main)

@@ -1,0 +1,294 @@
+"""The edge: OpenAI's HTTP API in front of the routing mesh.
+
+Per request: read the body (bounded), validate it, resolve the model, ask
+admission over NATS where to go, relay to that upstream and stream the answer
+back. Bad input is rejected before anything is sent to NATS, so it takes no
+admission decision and no lease.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import aiohttp
+from fastapi import FastAPI
+from llmgw.core.outcomes import Outcome
+from llmgw.core.requests import Feature, InvalidRequest, parse_request
+from llmgw.services.edge.errors import error_body, error_response
+from llmgw.services.edge.metrics import EdgeMetrics
+from llmgw.services.edge.upstream import (
+    StreamRelay,
+    Timeouts,
+    UpstreamFailure,
+    error_message_from_upstream,
+    loop_deadline,
+    open_upstream,
+    passthrough_headers,
+    read_body,
+)
+from llmgw.wire import ADMISSION_REQUEST_SUBJECT, AdmitReply, AdmitRequest, RejectReason
+from nats.errors import ConnectionClosedError, NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+if TYPE_CHECKING:
+    from llmgw.config.schema import Config
+    from nats.aio.client import Client as NATS
+
+log = logging.getLogger("llmgw.edge")
+
+_PATHS = {
+    Feature.CHAT: "/v1/chat/completions",
+    Feature.COMPLETIONS: "/v1/completions",
+    Feature.EMBEDDINGS: "/v1/embeddings",
+}
+_REJECTIONS = {
+    RejectReason.UNKNOWN_MODEL: Outcome.MODEL_NOT_FOUND,
+    RejectReason.UNSUPPORTED: Outcome.UNSUPPORTED,
+    RejectReason.NO_CAPACITY: Outcome.NO_CAPACITY,
+    RejectReason.MALFORMED: Outcome.ADMISSION_UNAVAILABLE,
+}
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+@dataclass
+class EdgeDeps:
+    """What the edge needs from outside; the composition root owns their lifetimes."""
+
+    nc: NATS
+    session: aiohttp.ClientSession
+    metrics: EdgeMetrics
+
+
+class Edge:
+    """The request handler; one per process, shared by all requests."""
+
+    def __init__(self, config: Config, deps: EdgeDeps) -> None:
+        self.config = config
+        self.deps = deps
+        self.edge_id = f"edge-{uuid.uuid4().hex[:8]}"
+        self.max_body = config.router.max_body_bytes
+        self.admission_timeout = config.nats.request_timeout
+        self.timeouts = Timeouts.from_section(config.timeouts)
+        self.band_header = config.admission.band_header
+        self._auth = self._provider_auth_headers(config)
+
+    @staticmethod
+    def _provider_auth_headers(config: Config) -> dict[str, dict[str, str]]:
+        """Upstream headers per provider: JSON, plus a bearer key where one is configured."""
+        headers = {}
+        for provider in config.providers:
+            h = {"content-type": "application/json"}
+            key = os.environ.get(provider.api_key_env) if provider.api_key_env else None
+            if key:
+                h["authorization"] = f"Bearer {key}"
+            headers[provider.id] = h
+        return headers
+
+    async def _read_body(self, request: Request) -> bytes:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body:
+            raise BodyTooLarge
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > self.max_body:
+                raise BodyTooLarge
+        return bytes(body)
+
+    async def handle(self, request: Request, feature: Feature) -> Response:
+        started = time.perf_counter()
+        response, outcome = await self._handle(request, feature, started)
+        if outcome is not None:  # streams record their outcome when they end
+            self.deps.metrics.observe(feature, outcome, time.perf_counter() - started)
+        return response
+
+    async def _handle(
+        self, request: Request, feature: Feature, started: float
+    ) -> tuple[Response, Outcome | None]:
+        request_id = uuid.uuid4().hex
+        ids = {"x-request-id": request_id}
+        try:
+            raw = await self._read_body(request)
+        except BodyTooLarge:
+            return error_response(
+                Outcome.BODY_TOO_LARGE,
+                f"The request body exceeds the limit of {self.max_body} bytes.",
+                headers=ids,
+            ), Outcome.BODY_TOO_LARGE
+        except ClientDisconnect:
+            return Response(status_code=499), Outcome.CLIENT_DISCONNECTED
+        try:
+            parsed = parse_request(feature, raw)
+        except InvalidRequest as exc:
+            return error_response(
+                Outcome.BAD_REQUEST, exc.message, param=exc.param, headers=ids
+            ), Outcome.BAD_REQUEST
+
+        model = self.config.resolve_model(parsed.model)
+        if model is None:
+            return error_response(
+                Outcome.MODEL_NOT_FOUND,
+                f"The model '{parsed.model}' does not exist or you do not have access to it.",
+                param="model",
+                headers=ids,
+            ), Outcome.MODEL_NOT_FOUND
+
+        admit = AdmitRequest(
+            request_id=request_id,
+            edge_id=self.edge_id,
+            model=model,
+            feature=feature.value,
+            stream=parsed.stream,
+            band=request.headers.get(self.band_header),
+        )
+        admitted = time.perf_counter()
+        try:
+            msg = await self.deps.nc.request(
+                ADMISSION_REQUEST_SUBJECT,
+                admit.model_dump_json(exclude_defaults=True).encode(),
+                timeout=self.admission_timeout,
+            )
+            reply = AdmitReply.model_validate_json(msg.data)
+        except (NoRespondersError, NatsTimeoutError, ConnectionClosedError, TimeoutError) as exc:
+            kind = "no admission service is running" if isinstance(exc, NoRespondersError) else (
+                "the admission service did not answer in time"
+            )
+            return error_response(
+                Outcome.ADMISSION_UNAVAILABLE,
+                f"The gateway cannot admit requests right now: {kind}.",
+                retry_after_s=1,
+                headers=ids,
+            ), Outcome.ADMISSION_UNAVAILABLE
+        finally:
+            self.deps.metrics.admission_duration.observe(time.perf_counter() - admitted)
+
+        if not reply.admitted or reply.target is None:
+            outcome = _REJECTIONS.get(reply.reject_reason, Outcome.NO_CAPACITY)  # type: ignore[arg-type]
+            return error_response(
+                outcome,
+                reply.message or "The request was not admitted.",
+                param="model" if outcome is Outcome.MODEL_NOT_FOUND else None,
+                retry_after_s=reply.retry_after_s,
+                headers=ids,
+            ), outcome
+
+        target = reply.target
+        if parsed.model != target.upstream_model:
+            parsed.body["model"] = target.upstream_model
+            raw = json.dumps(parsed.body).encode()
+        ids["x-llmgw-provider"] = target.provider
+        ids["x-llmgw-endpoint"] = target.endpoint
+        url = target.url.rstrip("/") + _PATHS[feature]
+        deadline = loop_deadline(self.timeouts.total)
+        try:
+            upstream = await open_upstream(
+                self.deps.session, url, raw, self._auth[target.provider], self.timeouts
+            )
+        except UpstreamFailure as failure:
+            return error_response(failure.outcome, failure.message, headers=ids), failure.outcome
+
+        headers = {**passthrough_headers(upstream), **ids}
+        if upstream.status != 200:
+            try:
+                body = await read_body(upstream, deadline)
+            except UpstreamFailure as failure:
+                return error_response(failure.outcome, failure.message, headers=ids), failure.outcome
+            if upstream.status < 500 and upstream.status != 429:
+                # The engine judged the request itself (e.g. prompt too long):
+                # its answer is the client's answer.
+                return Response(body, status_code=upstream.status, headers=headers), Outcome.BAD_REQUEST
+            return Response(
+                error_body(
+                    error_message_from_upstream(body, upstream.status), "upstream_error", "upstream_error"
+                ),
+                status_code=upstream.status if upstream.status in (429, 503) else 502,
+                headers=headers,
+                media_type="application/json",
+            ), Outcome.UPSTREAM_ERROR
+
+        if not parsed.stream:
+            try:
+                body = await read_body(upstream, deadline)
+            except UpstreamFailure as failure:
+                return error_response(failure.outcome, failure.message, headers=ids), failure.outcome
+            return Response(body, status_code=200, headers=headers), Outcome.SUCCESS
+
+        relay = StreamRelay(upstream, self.timeouts, deadline)
+        metrics = self.deps.metrics
+
+        async def body_then_record():
+            try:
+                async for chunk in relay:
+                    yield chunk
+            finally:
+                metrics.observe(feature, relay.outcome, time.perf_counter() - started)
+
+        headers.setdefault("content-type", "text/event-stream")
+        headers["cache-control"] = "no-cache"
+        return StreamingResponse(body_then_record(), status_code=200, headers=headers), None
+
+    # -- non-routed endpoints -------------------------------------------------
+
+    def models_response(self) -> Response:
+        created = 0
+        data = [
+            {"id": name, "object": "model", "created": created, "owned_by": "llmgw"}
+            for name in self.config.public_model_ids()
+        ]
+        return JSONResponse({"object": "list", "data": data})
+
+    def model_response(self, model_id: str) -> Response:
+        if model_id not in self.config.public_model_ids():
+            return error_response(
+                Outcome.MODEL_NOT_FOUND, f"The model '{model_id}' does not exist.", param="model"
+            )
+        return JSONResponse({"id": model_id, "object": "model", "created": 0, "owned_by": "llmgw"})
+
+
+def create_app(config: Config, deps: EdgeDeps) -> FastAPI:
+    """The client-facing ASGI app (OpenAI API). Lifetimes of deps belong to the caller."""
+    edge = Edge(config, deps)
+    app = FastAPI(title="llmgw edge", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.edge = edge
+
+    def route(feature: Feature):
+        async def endpoint(request: Request) -> Response:
+            return await edge.handle(request, feature)
+
+        return endpoint
+
+    # Plain Starlette routes: no dependency solving on the hot path.
+    for feature, path in _PATHS.items():
+        app.add_route(path, route(feature), methods=["POST"])
+
+    async def list_models(request: Request) -> Response:
+        return edge.models_response()
+
+    async def get_model(request: Request) -> Response:
+        return edge.model_response(request.path_params["model_id"])
+
+    app.add_route("/v1/models", list_models, methods=["GET"])
+    app.add_route("/v1/models/{model_id:path}", get_model, methods=["GET"])
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return Response(
+            error_body(f"{request.method} {request.url.path}: {exc.detail}", "invalid_request_error", code),
+            status_code=exc.status_code,
+            media_type="application/json",
+        )
+
+    return app

@@ -1,0 +1,178 @@
+"""Relaying one admitted request to its upstream endpoint.
+
+One pooled aiohttp session per edge process (httpx's default transport
+collapses under concurrency; see docs/benchmarks.md). Timeouts are phases,
+not one number: dial, response headers, first streamed chunk, idle gap
+between chunks, and total. Each ends the request with a clear error; for a
+stream that already began, that error is an SSE event before the close.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import aiohttp
+from llmgw.core.outcomes import Outcome
+from llmgw.services.edge.errors import sse_error_event
+
+_DONE_MARKER = b"data: [DONE]"
+_HOP_HEADERS = {"content-type", "retry-after", "x-request-id"}
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    """Per-phase limits in seconds (the `timeouts` config section)."""
+
+    dial: float
+    response_header: float
+    first_token: float
+    idle: float
+    total: float
+
+    @classmethod
+    def from_section(cls, section: object) -> Timeouts:
+        """From the config's `timeouts` section (or anything with those attributes)."""
+        return cls(*(float(getattr(section, f)) for f in ("dial", "response_header", "first_token", "idle", "total")))
+
+
+class UpstreamFailure(Exception):
+    """The upstream call failed before anything reached the client."""
+
+    def __init__(self, outcome: Outcome, message: str) -> None:
+        super().__init__(message)
+        self.outcome = outcome
+        self.message = message
+
+
+def new_session(timeouts: Timeouts) -> aiohttp.ClientSession:
+    """The edge's one upstream session: pooled keep-alive connections, no cookie jar."""
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30, ttl_dns_cache=60)
+    return aiohttp.ClientSession(
+        connector=connector,
+        cookie_jar=aiohttp.DummyCookieJar(),
+        auto_decompress=False,
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=timeouts.dial),
+        skip_auto_headers=("User-Agent",),
+    )
+
+
+async def open_upstream(
+    session: aiohttp.ClientSession,
+    url: str,
+    body: bytes,
+    headers: dict[str, str],
+    timeouts: Timeouts,
+) -> aiohttp.ClientResponse:
+    """POST and wait for the response headers; raises UpstreamFailure."""
+    try:
+        async with asyncio.timeout(timeouts.response_header):
+            return await session.post(url, data=body, headers=headers)
+    except TimeoutError:
+        raise UpstreamFailure(
+            Outcome.UPSTREAM_TIMEOUT,
+            f"The upstream did not send response headers within {timeouts.response_header:g}s.",
+        ) from None
+    except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as exc:
+        raise UpstreamFailure(
+            Outcome.UPSTREAM_UNREACHABLE, f"The upstream endpoint is unreachable: {exc}"
+        ) from None
+    except aiohttp.ClientError as exc:
+        raise UpstreamFailure(Outcome.UPSTREAM_ERROR, f"The upstream request failed: {exc}") from None
+
+
+def passthrough_headers(response: aiohttp.ClientResponse) -> dict[str, str]:
+    return {k: v for k, v in response.headers.items() if k.lower() in _HOP_HEADERS}
+
+
+async def read_body(response: aiohttp.ClientResponse, deadline: float) -> bytes:
+    """The whole (non-streamed) body, bounded by the total deadline."""
+    try:
+        async with asyncio.timeout_at(deadline):
+            return await response.read()
+    except TimeoutError:
+        raise UpstreamFailure(
+            Outcome.UPSTREAM_TIMEOUT, "The upstream did not finish the response in time."
+        ) from None
+    except aiohttp.ClientError as exc:
+        raise UpstreamFailure(
+            Outcome.UPSTREAM_BROKEN_STREAM, f"The upstream connection broke: {exc}"
+        ) from None
+    finally:
+        response.release()
+
+
+def loop_deadline(seconds: float) -> float:
+    return asyncio.get_running_loop().time() + seconds
+
+
+class StreamRelay:
+    """Relays an SSE body chunk by chunk, without buffering, and records how it ended.
+
+    `outcome` is SUCCESS only when the upstream's stream ended with
+    `data: [DONE]`. Any other ending (timeout, broken connection, a cut
+    without [DONE]) sends one SSE error event and records the failure.
+    """
+
+    def __init__(self, response: aiohttp.ClientResponse, timeouts: Timeouts, deadline: float) -> None:
+        self._response = response
+        self._timeouts = timeouts
+        self._deadline = deadline
+        self.outcome = Outcome.CLIENT_DISCONNECTED  # until the stream ends by itself
+        self.first_chunk_at: float | None = None
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        content = self._response.content
+        tail = b""
+        wait = self._timeouts.first_token
+        try:
+            while True:
+                budget = min(wait, self._deadline - asyncio.get_running_loop().time())
+                try:
+                    async with asyncio.timeout(max(budget, 0)):
+                        chunk = await content.readany()
+                except TimeoutError:
+                    phase = "first token" if self.first_chunk_at is None else "next token"
+                    self.outcome = Outcome.UPSTREAM_TIMEOUT
+                    yield sse_error_event(
+                        f"The upstream sent no {phase} within {budget:g}s; the request was ended.",
+                        "upstream_timeout",
+                    )
+                    return
+                except aiohttp.ClientError as exc:
+                    self.outcome = Outcome.UPSTREAM_BROKEN_STREAM
+                    yield sse_error_event(f"The upstream stream broke: {exc}", "upstream_broken_stream")
+                    return
+                if not chunk:
+                    break
+                if self.first_chunk_at is None:
+                    self.first_chunk_at = time.perf_counter()
+                    wait = self._timeouts.idle
+                tail = (tail + chunk)[-32:]
+                yield chunk
+            if _DONE_MARKER in tail:
+                self.outcome = Outcome.SUCCESS
+            else:
+                self.outcome = Outcome.UPSTREAM_BROKEN_STREAM
+                yield sse_error_event(
+                    "The upstream ended the stream before it was complete.", "upstream_broken_stream"
+                )
+        finally:
+            if self.outcome is Outcome.SUCCESS:
+                self._response.release()  # back to the pool
+            else:
+                self._response.close()  # the connection's state is unknown
+
+
+def error_message_from_upstream(body: bytes, status: int) -> str:
+    """The upstream's own error message when it sent an OpenAI-shaped error."""
+    try:
+        message = json.loads(body)["error"]["message"]
+        if isinstance(message, str):
+            return message
+    except (ValueError, KeyError, TypeError):
+        pass
+    return f"The upstream answered with status {status}."

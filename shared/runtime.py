@@ -1,0 +1,55 @@
+"""Process plumbing shared by the service entry points: event loop, signals, logging."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+
+from llmgw.config import ConfigError, load_config
+from llmgw.config.schema import Config
+
+
+def setup_logging(service: str) -> None:
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    # One line per HTTP call (health probes, scrapes) would drown the service's own log.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
+def load_or_exit(path: str) -> Config:
+    """The config, or the errors on stderr and exit code 2."""
+    try:
+        return load_config(path)
+    except ConfigError as exc:
+        print(str(exc), file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+async def wait_for_stop_signal() -> None:
+    """Return on SIGINT or SIGTERM."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
+def run_service(main: Callable[[], Awaitable[None]]) -> int:
+    """Run `main` on uvloop (when available) and return a process exit code."""
+    try:
+        import uvloop
+
+        runner = uvloop.run
+    except ImportError:  # pragma: no cover - uvloop ships with uvicorn[standard]
+        runner = asyncio.run
+    try:
+        runner(main())
+    except KeyboardInterrupt:
+        return 130
+    return 0

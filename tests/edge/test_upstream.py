@@ -1,0 +1,95 @@
+"""Relaying to engines: streaming without buffering, and every upstream failure made clear."""
+
+import json
+import time
+
+import httpx
+import pytest
+from llmgw.services.sim.params import EngineParams
+
+CHAT_PATH = "/v1/chat/completions"
+
+
+@pytest.fixture
+def engine_params():
+    # 40 ms between tokens: slow enough to see chunks arrive one by one.
+    return EngineParams.zero_delay(itl_base="40ms")
+
+
+def chat(max_tokens=8, stream=True, **extra):
+    return {
+        "model": "m1",
+        "messages": [{"role": "user", "content": "count slowly"}],
+        "max_tokens": max_tokens,
+        "stream": stream,
+        **extra,
+    }
+
+
+async def set_faults(engine_url, **faults):
+    async with httpx.AsyncClient() as http:
+        response = await http.post(engine_url + "/sim/faults", json=faults)
+        response.raise_for_status()
+
+
+async def test_stream_chunks_reach_the_client_as_the_engine_produces_them(gateway):
+    arrivals = []
+    async with httpx.AsyncClient() as http:
+        started = time.perf_counter()
+        async with http.stream("POST", gateway.url + CHAT_PATH, json=chat(max_tokens=10)) as response:
+            assert response.status_code == 200
+            assert response.headers["content-type"].startswith("text/event-stream")
+            async for line in response.aiter_lines():
+                if line.startswith("data: "):
+                    arrivals.append((time.perf_counter() - started, line))
+    assert arrivals[-1][1] == "data: [DONE]"
+    # Ten tokens at 40 ms each take >= 0.36 s to generate; a buffering relay
+    # would deliver the first one together with the last.
+    first, last = arrivals[0][0], arrivals[-1][0]
+    assert last - first >= 0.25, arrivals
+
+
+async def test_engine_unreachable_is_502(gateway):
+    await gateway.engines["engine-1"].stop()
+    async with httpx.AsyncClient() as http:
+        response = await http.post(gateway.url + CHAT_PATH, json=chat(stream=False))
+    assert response.status_code == 502
+    assert response.json()["error"]["code"] == "upstream_unreachable"
+
+
+async def test_engine_that_dies_mid_stream_ends_with_an_sse_error_event(gateway):
+    await set_faults(gateway.engines["engine-1"].url, die_at_token=3)
+    async with httpx.AsyncClient() as http:
+        response = await http.post(gateway.url + CHAT_PATH, json=chat(max_tokens=10))
+    events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+    assert "[DONE]" not in events
+    assert json.loads(events[-1])["error"]["code"] == "upstream_broken_stream"
+
+
+async def test_engine_stalling_after_headers_hits_the_first_token_timeout(gateway):
+    await set_faults(gateway.engines["engine-1"].url, stall_after_headers="30s")
+    started = time.monotonic()
+    async with httpx.AsyncClient(timeout=20) as http:
+        response = await http.post(gateway.url + CHAT_PATH, json=chat(max_tokens=10))
+    elapsed = time.monotonic() - started
+    events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+    assert json.loads(events[-1])["error"]["code"] == "upstream_timeout"
+    limits = gateway.config.timeouts
+    assert elapsed < limits.first_token + limits.idle + 2
+
+
+async def test_engine_429_passes_through_with_retry_after(gateway):
+    await set_faults(gateway.engines["engine-1"].url, rate_limit_rate=1.0, retry_after=7)
+    async with httpx.AsyncClient() as http:
+        response = await http.post(gateway.url + CHAT_PATH, json=chat(stream=False))
+    assert response.status_code == 429
+    assert response.headers["retry-after"] == "7"
+    assert response.json()["error"]["message"]
+
+
+async def test_engine_500_becomes_502_with_the_engine_message(gateway):
+    await set_faults(gateway.engines["engine-1"].url, error_rate=1.0)
+    async with httpx.AsyncClient() as http:
+        response = await http.post(gateway.url + CHAT_PATH, json=chat(stream=False))
+    assert response.status_code == 502
+    assert response.json()["error"]["code"] == "upstream_error"
