@@ -12,6 +12,8 @@ import logging
 import uuid
 from typing import TYPE_CHECKING
 
+from pydantic import ValidationError
+
 from llmgw.core.requests import Feature
 from llmgw.core.routing import (
     EndpointView,
@@ -32,13 +34,13 @@ from llmgw.wire import (
     RejectReason,
     Target,
 )
-from pydantic import ValidationError
 
 if TYPE_CHECKING:
-    from llmgw.config.schema import Config
     from nats.aio.client import Client as NATS
     from nats.aio.msg import Msg
     from nats.aio.subscription import Subscription
+
+    from llmgw.config.schema import Config
 
 log = logging.getLogger("llmgw.admission")
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from fastapi import FastAPI
-from llmgw.services.edge.app import EdgeDeps
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+
+from llmgw.services.edge.app import EdgeDeps
 
 
 def create_admin_app(deps: EdgeDeps) -> FastAPI:

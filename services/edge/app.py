@@ -18,6 +18,12 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 from fastapi import FastAPI
+from nats.errors import ConnectionClosedError, NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
 from llmgw.core.outcomes import Outcome
 from llmgw.core.requests import Feature, InvalidRequest, parse_request
 from llmgw.services.edge.errors import error_body, error_response
@@ -33,15 +39,11 @@ from llmgw.services.edge.upstream import (
     read_body,
 )
 from llmgw.wire import ADMISSION_REQUEST_SUBJECT, AdmitReply, AdmitRequest, RejectReason
-from nats.errors import ConnectionClosedError, NoRespondersError
-from nats.errors import TimeoutError as NatsTimeoutError
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
 
 if TYPE_CHECKING:
-    from llmgw.config.schema import Config
     from nats.aio.client import Client as NATS
+
+    from llmgw.config.schema import Config
 
 log = logging.getLogger("llmgw.edge")
 

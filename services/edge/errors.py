@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import math
 
-from llmgw.core.outcomes import ERROR_SHAPES, Outcome
 from starlette.responses import Response
+
+from llmgw.core.outcomes import ERROR_SHAPES, Outcome
 
 
 def error_body(message: str, type_: str, code: str, param: str | None = None) -> bytes:

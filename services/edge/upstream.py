@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import aiohttp
+
 from llmgw.core.outcomes import Outcome
 from llmgw.services.edge.errors import sse_error_event
 

@@ -9,14 +9,15 @@ from typing import Any
 import nats
 import pytest
 import pytest_asyncio
+
 from llmgw.config import Config, config_from_dict
-from llmgw.serving import RunningServer, free_port, start_server
 from llmgw.services.admission.service import AdmissionService
 from llmgw.services.edge.app import EdgeDeps, create_app
 from llmgw.services.edge.metrics import EdgeMetrics
 from llmgw.services.edge.upstream import Timeouts, new_session
 from llmgw.services.sim.apps import create_engine_app
 from llmgw.services.sim.params import EngineParams
+from llmgw.serving import RunningServer, free_port, start_server
 
 
 @dataclass

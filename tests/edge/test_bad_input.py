@@ -5,6 +5,7 @@ import time
 
 import httpx
 import pytest
+
 from llmgw.wire import ADMISSION_REQUEST_SUBJECT
 
 CHAT_PATH = "/v1/chat/completions"

@@ -5,6 +5,7 @@ import time
 
 import httpx
 import pytest
+
 from llmgw.services.sim.params import EngineParams
 
 CHAT_PATH = "/v1/chat/completions"
