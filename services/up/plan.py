@@ -1,0 +1,134 @@
+"""What `llmgw up` starts, as pure data: one `ServiceSpec` per child process.
+
+`plan_cluster` reads only the config object, so the compose file test and
+`llmgw up --dry-run` see exactly the plan the supervisor runs.
+
+Order (tiers start in this order and stop in reverse):
+  1. a simulator per endpoint that has a `simulate` block (`llmgw sim engine|provider`),
+  2. the admission service,
+  3. the edge (last: when it is ready, the whole cluster is).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+from urllib.parse import urlsplit
+
+if TYPE_CHECKING:
+    from llmgw.config import Config, EndpointConfig
+
+ServiceKind = Literal["sim-engine", "sim-provider", "admission", "edge"]
+
+# Every service prints a line containing "llmgw <service> ready" once it serves (the services'
+# contract). Simulators are matched loosely: either sim flavour's line counts.
+READY_PATTERNS: dict[str, re.Pattern[str]] = {
+    "sim-engine": re.compile(r"llmgw sim (engine|provider) ready"),
+    "sim-provider": re.compile(r"llmgw sim (engine|provider) ready"),
+    "admission": re.compile(r"llmgw admission ready"),
+    "edge": re.compile(r"llmgw edge ready"),
+}
+_URL_IN_LINE = re.compile(r"\bhttps?://\S+")
+TIER_OF_KIND: dict[str, int] = {"sim-engine": 0, "sim-provider": 0, "admission": 1, "edge": 2}
+
+
+@dataclass(frozen=True, slots=True)
+class ListenAddress:
+    """A host:port a service binds, with what it is for (used in error messages)."""
+
+    host: str
+    port: int
+    purpose: str
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceSpec:
+    """One child process: `argv` are the arguments of the `llmgw` command (no interpreter)."""
+
+    name: str
+    argv: tuple[str, ...]
+    kind: ServiceKind
+    listens: tuple[ListenAddress, ...] = field(default=())
+
+    def is_ready_line(self, line: str) -> bool:
+        return READY_PATTERNS[self.kind].search(line) is not None
+
+    @property
+    def tier(self) -> int:
+        return TIER_OF_KIND[self.kind]
+
+
+def plan_cluster(config: Config, config_path: str) -> list[ServiceSpec]:
+    """The child processes for `config`, in start order; every child reads `config_path`."""
+    specs: list[ServiceSpec] = []
+    for endpoint in config.endpoints:
+        simulate = getattr(endpoint, "simulate", None)
+        if simulate is None:
+            continue
+        sim_kind = simulate.kind  # "engine" | "provider"
+        specs.append(
+            ServiceSpec(
+                name=endpoint.id,
+                argv=("sim", sim_kind, "--config", config_path, "--endpoint", endpoint.id),
+                kind="sim-engine" if sim_kind == "engine" else "sim-provider",
+                listens=_endpoint_listen(endpoint),
+            )
+        )
+    specs.append(ServiceSpec("admission", ("admission", "--config", config_path), "admission"))
+    specs.append(
+        ServiceSpec(
+            "edge",
+            ("edge", "--config", config_path),
+            "edge",
+            listens=(
+                ListenAddress(config.listen_host, config.listen_port, "edge `listen`"),
+                ListenAddress(config.admin_host, config.admin_port, "edge `admin_listen`"),
+            ),
+        )
+    )
+    return specs
+
+
+def url_in_line(line: str) -> str | None:
+    """The first http(s) URL in a ready line ("llmgw edge ready on http://...")."""
+    match = _URL_IN_LINE.search(line)
+    return match.group(0).rstrip(".,;)") if match else None
+
+
+def _endpoint_listen(endpoint: EndpointConfig) -> tuple[ListenAddress, ...]:
+    parts = urlsplit(endpoint.url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    host = parts.hostname or "127.0.0.1"
+    return (ListenAddress(host, port, f"simulated endpoint {endpoint.id}"),)
+
+
+def duplicate_listens(specs: Iterable[ServiceSpec]) -> list[str]:
+    """Problems where two services of the plan would bind the same port (port 0 excepted)."""
+    seen: dict[int, ListenAddress] = {}
+    problems = []
+    for spec in specs:
+        for address in spec.listens:
+            if address.port == 0:
+                continue
+            other = seen.get(address.port)
+            if other is not None:
+                problems.append(
+                    f"port {address.port} is used twice: {other.purpose} and {address.purpose}"
+                )
+            else:
+                seen[address.port] = address
+    return problems
+
+
+def format_plan(specs: Iterable[ServiceSpec], nats_line: str) -> str:
+    """Human-readable plan for `llmgw up --dry-run`."""
+    lines = [nats_line]
+    for spec in specs:
+        where = ", ".join(f"{a} ({a.purpose})" for a in spec.listens)
+        lines.append(f"{spec.name:<16} llmgw {' '.join(spec.argv)}" + (f"   # {where}" if where else ""))
+    return "\n".join(lines)

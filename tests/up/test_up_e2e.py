@@ -1,0 +1,100 @@
+"""`llmgw up` end to end: real NATS, simulators, admission and edge as processes."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+from up_harness import UpProcess, process_exists
+
+pytestmark = pytest.mark.e2e
+
+READY = r"^llmgw is ready: OpenAI API at (http://\S+/v1) \(Ctrl-C to stop\)$"
+SERVICES = {"nats", "engine-1", "engine-2", "tensorx-east", "tensorx-west", "admission", "edge"}
+
+
+def _chat(api: str) -> httpx.Response:
+    return httpx.post(
+        f"{api}/chat/completions",
+        json={"model": "llama", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8},
+        timeout=30,
+    )
+
+
+def _stop_order(up: UpProcess) -> list[str]:
+    return [line[1:].split("]")[0] for line in up.lines if line.endswith(")") and "] stopping" in line]
+
+
+def test_up_serves_a_chat_completion_and_stops_cleanly_on_sigterm(
+    cluster_config: Path, start_up: Callable[..., UpProcess]
+) -> None:
+    up = start_up(cluster_config)
+    api = up.wait_for(READY, timeout=90).group(1)
+    pids = up.pids()
+    assert set(pids) == SERVICES
+
+    response = _chat(api)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["choices"][0]["message"]["content"]
+    assert body["usage"]["completion_tokens"] > 0
+
+    assert up.stop(signal.SIGTERM) == 0
+    assert "llmgw up: stopped" in up.lines
+    assert not [name for name, pid in pids.items() if process_exists(pid)]
+    order = _stop_order(up)
+    assert order[:2] == ["edge", "admission"]
+    assert set(order[2:]) == {"engine-1", "engine-2", "tensorx-east", "tensorx-west"}
+
+
+def test_up_restarts_a_killed_engine_and_keeps_serving(
+    cluster_config: Path, start_up: Callable[..., UpProcess]
+) -> None:
+    up = start_up(cluster_config)
+    api = up.wait_for(READY, timeout=90).group(1)
+    first_pid = up.pids()["engine-1"]
+
+    os.kill(first_pid, signal.SIGKILL)
+    up.wait_for(r"^\[engine-1\] exited with code -9; restarting \(1/5\)", timeout=30)
+    up.wait_for(r"^\[engine-1\] ready again", timeout=60)
+    second_pid = up.pids()["engine-1"]
+    assert second_pid != first_pid and process_exists(second_pid)
+
+    assert _chat(api).status_code == 200
+
+    assert up.stop(signal.SIGINT) == 0  # Ctrl-C behaves like SIGTERM
+    assert not [pid for pid in up.all_pids() if process_exists(pid)]
+
+
+def test_children_do_not_outlive_a_killed_supervisor(
+    cluster_config: Path, start_up: Callable[..., UpProcess]
+) -> None:
+    up = start_up(cluster_config)
+    up.wait_for(READY, timeout=90)
+    pids = up.pids()
+
+    store = Path(up.wait_for(r"^\[nats\] .* store (\S+)\)$").group(1))
+
+    up.process.kill()  # no chance to stop anything: the children must notice on their own
+    up.process.wait(10)
+    leftovers = {name: pid for name, pid in pids.items() if _still_alive_after(pid, timeout=15)}
+    assert not leftovers
+    # Only the killed supervisor could have removed the temporary NATS store.
+    assert store.parent.name.startswith("llmgw-nats-")
+    shutil.rmtree(store.parent)
+
+
+def _still_alive_after(pid: int, timeout: float) -> bool:
+    """Whether `pid` still runs after `timeout` (orphans exit via their own SIGTERM path)."""
+    deadline = time.monotonic() + timeout
+    while process_exists(pid):
+        if time.monotonic() > deadline:
+            return True
+        time.sleep(0.05)  # polling an exit we cannot wait() on: these are not our children
+    return False

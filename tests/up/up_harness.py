@@ -1,0 +1,136 @@
+"""Test harness for `llmgw up`: a config on free ports and a handle on a running `llmgw up`."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from llmgw.serving import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+LOCAL_CONFIG = REPO / "config" / "local.yaml"
+
+
+def _distinct_free_ports(count: int) -> list[int]:
+    ports: list[int] = []
+    while len(ports) < count:
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
+    return ports
+
+
+def write_cluster_config(path: Path, **overrides: Any) -> Path:
+    """config/local.yaml with every port replaced by a free one (NATS: any free port)."""
+    data = yaml.safe_load(LOCAL_CONFIG.read_text())
+    ports = iter(_distinct_free_ports(2 + len(data["endpoints"])))
+    data["listen"] = f"127.0.0.1:{next(ports)}"
+    data["admin_listen"] = f"127.0.0.1:{next(ports)}"
+    data["nats"] = {"url": "embedded", "embedded_port": 0}
+    for endpoint in data["endpoints"]:
+        endpoint["url"] = f"http://127.0.0.1:{next(ports)}"
+    data.update(overrides)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+class UpProcess:
+    """`python -m llmgw up` as a subprocess; its output is collected line by line."""
+
+    def __init__(self, config: Path, *extra_args: str) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.upper().startswith("LLMGW_")}
+        env["PYTHONUNBUFFERED"] = "1"
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "llmgw", "up", "--config", str(config), *extra_args],
+            cwd=REPO,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        self.lines: list[str] = []
+        self._changed = threading.Condition()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            with self._changed:
+                self.lines.append(line.rstrip("\n"))
+                self._changed.notify_all()
+        with self._changed:
+            self._changed.notify_all()
+
+    def output(self) -> str:
+        with self._changed:
+            return "\n".join(self.lines)
+
+    def wait_for(self, pattern: str, timeout: float = 60.0, count: int = 1) -> re.Match[str]:
+        """The `count`-th output line matching `pattern`; fails with the output so far."""
+        regex = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                matches = [m for m in map(regex.search, self.lines) if m]
+                if len(matches) >= count:
+                    return matches[count - 1]
+                left = deadline - time.monotonic()
+                if left <= 0 or (not self._reader.is_alive()):
+                    raise AssertionError(
+                        f"no line matching {pattern!r} (x{count}); output:\n" + "\n".join(self.lines)
+                    )
+                self._changed.wait(left)
+
+    def pids(self) -> dict[str, int]:
+        """Latest pid of every process it reported ("[name] started pid N", "[nats] ... pid N")."""
+        found: dict[str, int] = {}
+        for line in list(self.lines):
+            if match := re.match(r"^\[([\w.-]+)\] started pid (\d+)", line):
+                found[match.group(1)] = int(match.group(2))
+            elif match := re.match(r"^\[nats\] .*\(pid (\d+)", line):
+                found["nats"] = int(match.group(1))
+        return found
+
+    def all_pids(self) -> set[int]:
+        pids = {int(m) for line in list(self.lines) for m in re.findall(r"started pid (\d+)", line)}
+        return pids | set(self.pids().values())
+
+    def stop(self, sig: signal.Signals = signal.SIGTERM, timeout: float = 30.0) -> int:
+        self.process.send_signal(sig)
+        code = self.process.wait(timeout)
+        self._reader.join(5)
+        return code
+
+    def kill_everything(self) -> None:
+        """Last-resort cleanup: SIGKILL `llmgw up` and every process it reported."""
+        for pid in [self.process.pid, *self.all_pids()]:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(5)
+
+
+def process_exists(pid: int) -> bool:
+    """Whether `pid` runs (a zombie awaiting its reaper counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with contextlib.suppress(OSError):
+        # /proc/PID/stat: "pid (comm) STATE ..."; comm may contain spaces and parentheses.
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[0] != "Z"
+    return True
