@@ -1,0 +1,78 @@
+"""Composition roots: build an engine or provider simulator as an ASGI app (no I/O until served).
+
+Each call builds independent state (model, KV cache, metrics registry, RNGs), so several
+simulators can run in one process, e.g. in tests.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Sequence
+
+from llmgw.services.sim.asgi import install_crash_log_filter
+from llmgw.services.sim.engine_runtime import EngineBackend
+from llmgw.services.sim.openai_app import SimApp
+from llmgw.services.sim.params import EngineParams, ProviderParams
+from llmgw.services.sim.provider_runtime import ProviderBackend
+
+__all__ = ["DEFAULT_MODEL", "create_engine_app", "create_provider_app"]
+
+DEFAULT_MODEL = "sim-model"
+
+
+def _served(params_models: Sequence[str], models: Sequence[str] | None) -> list[str]:
+    served = list(params_models) or list(models or []) or [DEFAULT_MODEL]
+    return list(dict.fromkeys(served))  # unique, in order
+
+
+def create_engine_app(
+    params: EngineParams,
+    models: Sequence[str] | None = None,
+    *,
+    clock: Callable[[], float] = time.monotonic,
+    rng: random.Random | None = None,
+) -> SimApp:
+    """A vLLM-like engine. Served names: ``params.served_models``, else `models`, else a default.
+
+    `rng` (default: seeded with ``params.seed``) drives output lengths, generated text and, via a
+    derived generator, fault draws.
+    """
+    rng = rng if rng is not None else random.Random(params.seed)
+    fault_rng = random.Random(rng.getrandbits(64))
+    served = _served(params.served_models, models)
+    backend = EngineBackend(params, served[0], clock=clock, rng=rng)
+    install_crash_log_filter()
+    return SimApp(
+        backend,
+        kind="engine",
+        models=served,
+        faults=params.faults(),
+        embedding_dim=params.embedding_dim,
+        max_model_len=params.max_model_len,
+        fault_rng=fault_rng,
+    )
+
+
+def create_provider_app(
+    params: ProviderParams,
+    models: Sequence[str] | None = None,
+    *,
+    clock: Callable[[], float] = time.monotonic,
+    rng: random.Random | None = None,
+) -> SimApp:
+    """A third-party-API-like server; the drift schedule's time 0 is this call."""
+    rng = rng if rng is not None else random.Random(params.seed)
+    fault_rng = random.Random(rng.getrandbits(64))
+    served = _served(params.served_models, models)
+    backend = ProviderBackend(params, clock=clock, rng=rng)
+    install_crash_log_filter()
+    return SimApp(
+        backend,
+        kind="provider",
+        models=served,
+        faults=params.faults(),
+        embedding_dim=params.embedding_dim,
+        max_model_len=params.max_model_len,
+        fault_rng=fault_rng,
+    )

@@ -1,0 +1,288 @@
+"""The engine model: continuous batching over a paged KV cache, as a discrete-event simulation.
+
+Pure: no asyncio, no wall clock, no global randomness. Callers pass the current time to
+`EngineModel.submit` / `advance` and a seeded ``random.Random`` at construction; the runtime
+(`engine_runtime`) arms a timer for `next_due()`. Times of events are exact simulated times, not
+the times the caller happened to call `advance`, so results don't depend on event-loop lateness.
+
+Semantics (vLLM-like):
+- at most ``max_num_seqs`` sequences run; others wait in FIFO order. The head of the queue is
+  admitted only when the KV cache can hold its prompt (minus prefix hits) plus its output, so a
+  big request blocks those behind it (no overtaking) and nothing is ever preempted;
+- a request whose prompt + output can never fit the whole cache, or whose prompt reaches
+  ``max_model_len``, is rejected at submission (`PromptTooLong`), so the queue never deadlocks;
+- TTFT = queue wait + prefill_base + prefill_per_token * uncached prompt tokens;
+- after each token a sequence's next token comes itl_base + itl_per_running_seq * (running
+  sequences at that moment) later, so latency grows with the batch;
+- full prompt blocks are registered in the prefix cache when prefill completes.
+
+Ownership: a `Sequence` is created by `submit` and finalised exactly once (finished or aborted);
+its KV blocks are released at that moment.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections import deque
+from collections.abc import Callable
+from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass, field
+from enum import Enum
+
+from llmgw.services.sim.kvcache import KVCache
+from llmgw.services.sim.params import EngineParams
+from llmgw.services.sim.sampling import draw_output_len
+from llmgw.services.sim.tokenizer import hash_token_blocks
+
+__all__ = ["EngineModel", "EngineStats", "PromptTooLong", "SeqState", "Sequence"]
+
+
+class PromptTooLong(ValueError):
+    """The request can never run on this engine (answered with 400)."""
+
+
+class SeqState(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+@dataclass(eq=False, slots=True)
+class Sequence:
+    """One request inside the engine. Read-only for callers except `listener`."""
+
+    seq_id: int
+    prompt_tokens: int
+    block_hashes: list[int]
+    output_len: int
+    finish_reason: str  # "length" when max_tokens bounded the output, else "stop"
+    arrived_at: float
+    text_seed: int
+    listener: Callable[[Sequence], None] | None = None
+    state: SeqState = SeqState.WAITING
+    admitted_at: float | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    cached_tokens: int = 0
+    emitted: int = 0
+    # KV bookkeeping
+    held_hashes: list[int] = field(default_factory=list)
+    hit_blocks: int = 0
+    private_blocks: int = 0
+    reserved_blocks: int = 0
+    allocated_blocks: int = 0
+
+    @property
+    def done(self) -> bool:
+        return self.state is SeqState.FINISHED or self.state is SeqState.ABORTED
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.arrived_at
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Monotonic counters (vLLM's counters are derived from these)."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # tokens found
+    finished: dict[str, int] = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0})
+    rejected: int = 0
+
+
+class EngineModel:
+    """Scheduler + KV cache of one simulated engine."""
+
+    def __init__(
+        self,
+        params: EngineParams,
+        rng: random.Random,
+        *,
+        on_first_token: Callable[[Sequence], None] | None = None,
+        on_finish: Callable[[Sequence], None] | None = None,
+    ) -> None:
+        self.params = params
+        self.rng = rng
+        self.kv = KVCache(params.num_gpu_blocks, params.block_size)
+        self.waiting: deque[Sequence] = deque()
+        self.running: set[Sequence] = set()
+        self.stats = EngineStats()
+        self.now = -math.inf
+        self._on_first_token = on_first_token
+        self._on_finish = on_finish
+        self._due: list[tuple[float, int, Sequence]] = []  # (time of next token, tie-break, seq)
+        self._ids = 0
+
+    # -- requests --------------------------------------------------------------------------
+    def submit(
+        self,
+        now: float,
+        prompt: SequenceOf[int],
+        max_tokens: int | None,
+        listener: Callable[[Sequence], None] | None = None,
+    ) -> Sequence:
+        """Queue a request at `now` and run the engine up to `now` (zero timings finish it here).
+
+        Raises PromptTooLong when the request could never be scheduled.
+        """
+        self.advance(now)
+        params = self.params
+        prompt_len = len(prompt)
+        if prompt_len == 0:
+            raise PromptTooLong("prompt is empty")
+        if prompt_len >= params.max_model_len:
+            self.stats.rejected += 1
+            raise PromptTooLong(
+                f"prompt too long: this model's maximum context length is {params.max_model_len} "
+                f"tokens, the prompt has {prompt_len} (the output needs at least one more)"
+            )
+        room = params.max_model_len - prompt_len
+        if max_tokens is not None:
+            output_len, finish_reason = min(max_tokens, room), "length"
+        else:
+            drawn = draw_output_len(params, self.rng)
+            output_len, finish_reason = (drawn, "stop") if drawn <= room else (room, "length")
+        block_size = params.block_size
+        total_blocks = -(-(prompt_len + output_len) // block_size)
+        if total_blocks > params.num_gpu_blocks:
+            self.stats.rejected += 1
+            raise PromptTooLong(
+                f"prompt too long: {prompt_len} prompt + {output_len} output tokens need "
+                f"{total_blocks} KV blocks, the cache has {params.num_gpu_blocks}"
+            )
+        self._ids += 1
+        seq = Sequence(
+            seq_id=self._ids,
+            prompt_tokens=prompt_len,
+            block_hashes=hash_token_blocks(prompt, block_size),
+            output_len=output_len,
+            finish_reason=finish_reason,
+            arrived_at=self.now,
+            text_seed=self.rng.getrandbits(32),
+            listener=listener,
+        )
+        self.stats.prompt_tokens += prompt_len
+        self.waiting.append(seq)
+        self._admit(self.now)
+        self.advance(self.now)
+        return seq
+
+    def abort(self, seq: Sequence, now: float) -> None:
+        """Drop a request whose client went away; frees its blocks. No-op when already done."""
+        if seq.done:
+            return
+        self.advance(now)
+        if seq.done:
+            return
+        if seq.state is SeqState.WAITING:
+            self.waiting.remove(seq)
+            self._finalise(seq, self.now, SeqState.ABORTED)
+        else:
+            self._finalise(seq, self.now, SeqState.ABORTED)
+            self._admit(self.now)
+
+    # -- time ------------------------------------------------------------------------------
+    def next_due(self) -> float | None:
+        """Simulated time of the next event, or None when idle (nothing running)."""
+        due = self._due
+        while due and due[0][2].state is not SeqState.RUNNING:
+            heapq.heappop(due)  # lazily drop aborted sequences
+        return due[0][0] if due else None
+
+    def advance(self, now: float) -> None:
+        """Process every event due at or before `now`, in time order."""
+        if now > self.now:
+            self.now = now
+        due = self._due
+        while due and due[0][0] <= self.now:
+            at, _, seq = heapq.heappop(due)
+            if seq.state is SeqState.RUNNING:
+                self._emit(seq, at)
+
+    def itl(self) -> float:
+        """Inter-token latency at the current batch size."""
+        return self.params.itl_base + self.params.itl_per_running_seq * len(self.running)
+
+    # -- internals -------------------------------------------------------------------------
+    def _admit(self, at: float) -> None:
+        params = self.params
+        kv = self.kv
+        block_size = params.block_size
+        while self.waiting and len(self.running) < params.max_num_seqs:
+            seq = self.waiting[0]
+            hashes = seq.block_hashes
+            hits = kv.longest_prefix(hashes)
+            if hits * block_size >= seq.prompt_tokens:
+                hits -= 1  # like vLLM, always recompute the last prompt token
+            prompt_blocks = -(-seq.prompt_tokens // block_size)
+            total_blocks = -(-(seq.prompt_tokens + seq.output_len) // block_size)
+            hit_hashes = hashes[:hits]
+            if not kv.can_admit(hit_hashes, total_blocks - hits):
+                break  # FIFO: the head waits for blocks, nobody overtakes it
+            self.waiting.popleft()
+            kv.admit(hit_hashes, prompt_blocks - hits, total_blocks - prompt_blocks)
+            seq.held_hashes = list(hit_hashes)
+            seq.hit_blocks = hits
+            seq.private_blocks = prompt_blocks - hits
+            seq.reserved_blocks = total_blocks - prompt_blocks
+            seq.allocated_blocks = prompt_blocks
+            seq.cached_tokens = hits * block_size
+            seq.state = SeqState.RUNNING
+            seq.admitted_at = at
+            self.stats.prefix_cache_queries += seq.prompt_tokens
+            self.stats.prefix_cache_hits += seq.cached_tokens
+            self.running.add(seq)
+            uncached = seq.prompt_tokens - seq.cached_tokens
+            first_at = at + params.prefill_base + params.prefill_per_token * uncached
+            heapq.heappush(self._due, (first_at, seq.seq_id, seq))
+
+    def _emit(self, seq: Sequence, at: float) -> None:
+        if seq.emitted == 0:
+            seq.first_token_at = at
+            self._register_prompt_blocks(seq)
+            if self._on_first_token is not None:
+                self._on_first_token(seq)
+        seq.emitted += 1
+        self.stats.generation_tokens += 1
+        # The new token's KV needs a block once it crosses a block boundary.
+        needed = -(-(seq.prompt_tokens + seq.emitted) // self.params.block_size)
+        if needed > seq.allocated_blocks and seq.reserved_blocks > 0:
+            self.kv.grow()
+            seq.reserved_blocks -= 1
+            seq.private_blocks += 1
+            seq.allocated_blocks += 1
+        if seq.emitted >= seq.output_len:
+            self._finalise(seq, at, SeqState.FINISHED)
+            self._admit(at)
+        else:
+            heapq.heappush(self._due, (at + self.itl(), seq.seq_id, seq))
+            if seq.listener is not None:
+                seq.listener(seq)
+
+    def _register_prompt_blocks(self, seq: Sequence) -> None:
+        kv = self.kv
+        for block_hash in seq.block_hashes[seq.hit_blocks :]:
+            if kv.register(block_hash):
+                seq.private_blocks -= 1
+                seq.held_hashes.append(block_hash)
+
+    def _finalise(self, seq: Sequence, at: float, state: SeqState) -> None:
+        if seq.state is SeqState.RUNNING:
+            self.running.discard(seq)
+            self.kv.release(seq.held_hashes, seq.private_blocks, seq.reserved_blocks)
+            seq.held_hashes = []
+            seq.private_blocks = seq.reserved_blocks = 0
+        seq.state = state
+        seq.finished_at = at
+        reason = "abort" if state is SeqState.ABORTED else seq.finish_reason
+        self.stats.finished[reason] += 1
+        if self._on_finish is not None:
+            self._on_finish(seq)
+        if seq.listener is not None:
+            seq.listener(seq)

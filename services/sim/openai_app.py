@@ -1,0 +1,325 @@
+"""The simulators' HTTP surface: OpenAI endpoints, health, metrics, state and fault control.
+
+One ASGI app serves both kinds; the `Backend` decides how tokens are paced. Per request the hot
+path is: parse JSON, tokenize, draw faults, `backend.start`, then one body write for zero-delay
+responses (streamed or not). Faults are drawn from the app's own seeded RNG so a given seed and
+request order reproduce the same faults.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import random
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from pydantic import ValidationError
+
+from llmgw.services.sim.asgi import (
+    BodyTooLarge,
+    ClientGone,
+    Receive,
+    Scope,
+    Send,
+    error_body,
+    read_body,
+    send_bytes,
+    send_json,
+)
+from llmgw.services.sim.embeddings import embedding_item
+from llmgw.services.sim.generation import Backend, SimError
+from llmgw.services.sim.params import FaultKnobs
+from llmgw.services.sim.responses import (
+    FaultPlan,
+    GenerationRequest,
+    stream_response,
+    whole_response,
+)
+from llmgw.services.sim.tokenizer import (
+    TokenizeError,
+    embedding_inputs,
+    render_chat,
+    token_ids,
+    tokenize_prompt,
+)
+
+__all__ = ["SimApp"]
+
+Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+class SimApp:
+    """ASGI app of one simulated server (engine or provider)."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        kind: str,
+        models: list[str],
+        faults: FaultKnobs,
+        embedding_dim: int,
+        max_model_len: int,
+        fault_rng: random.Random,
+    ) -> None:
+        if not models:
+            raise ValueError("a simulator needs at least one served model name")
+        self.backend = backend
+        self.kind = kind
+        self.models = list(models)
+        self.faults = faults
+        self.embedding_dim = embedding_dim
+        self.fault_rng = fault_rng
+        self._model_set = frozenset(models)
+        self._ids = itertools.count(1)
+        self._id_prefix = os.urandom(3).hex()
+        created = int(time.time())
+        self._models_body = json.dumps(
+            {
+                "object": "list",
+                "data": [
+                    {"id": name, "object": "model", "created": created,
+                     "owned_by": f"llmgw-sim-{kind}", "max_model_len": max_model_len}
+                    for name in models
+                ],
+            }
+        ).encode()
+        self._routes: dict[tuple[str, str], Handler] = {
+            ("POST", "/v1/chat/completions"): self._chat,
+            ("POST", "/v1/completions"): self._completions,
+            ("POST", "/v1/embeddings"): self._embeddings,
+            ("GET", "/v1/models"): self._list_models,
+            ("GET", "/health"): self._health,
+            ("GET", "/metrics"): self._metrics,
+            ("GET", "/sim/state"): self._state,
+            ("GET", "/sim/faults"): self._get_faults,
+            ("POST", "/sim/faults"): self._set_faults,
+        }
+        self._paths = {path for _, path in self._routes}
+
+    # -- ASGI ------------------------------------------------------------------------------
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            handler = self._routes.get((scope["method"], scope["path"]))
+            if handler is not None:
+                await handler(scope, receive, send)
+            elif scope["path"] in self._paths:
+                await _send_error(send, SimError(405, "method not allowed", code="method_not_allowed"))
+            else:
+                await _send_error(
+                    send, SimError(404, f"no route {scope['path']}", code="not_found")
+                )
+        elif scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                self.backend.shutdown()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    # -- generation ------------------------------------------------------------------------
+    async def _chat(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._generate(receive, send, chat=True)
+
+    async def _completions(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._generate(receive, send, chat=False)
+
+    async def _generate(self, receive: Receive, send: Send, *, chat: bool) -> None:
+        try:
+            body = await _json_object(receive)
+            request = self._parse_generation(body, chat)
+            faults = self._draw_faults()
+            if faults.slow_headers > 0:
+                await asyncio.sleep(faults.slow_headers)
+            generation = self.backend.start(request.prompt, request.max_tokens)
+        except SimError as exc:
+            await _send_error(send, exc)
+            return
+        except ClientGone:
+            return
+        try:
+            request_id = self._new_id("chatcmpl" if chat else "cmpl")
+            if request.stream:
+                await stream_response(receive, send, request, request_id, generation, faults, chat)
+            else:
+                await whole_response(receive, send, request, request_id, generation, faults, chat)
+        finally:
+            generation.close()
+
+    def _parse_generation(self, body: dict[str, Any], chat: bool) -> GenerationRequest:
+        model = self._check_model(body)
+        try:
+            if chat:
+                prompt = token_ids(render_chat(body.get("messages")))
+            else:
+                prompt = tokenize_prompt(body.get("prompt"))
+        except TokenizeError as exc:
+            raise SimError(400, str(exc), param="messages" if chat else "prompt") from None
+        max_tokens = body.get("max_completion_tokens")
+        param = "max_completion_tokens"
+        if max_tokens is None:
+            max_tokens, param = body.get("max_tokens"), "max_tokens"
+        if max_tokens is not None and (
+            not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1
+        ):
+            raise SimError(400, f"{param} must be an integer >= 1", param=param)
+        n = body.get("n")
+        if n is not None and n != 1:
+            raise SimError(400, "n: only n=1 is supported by the simulator", param="n")
+        options = body.get("stream_options")
+        include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+        return GenerationRequest(model, prompt, max_tokens, bool(body.get("stream")), include_usage)
+
+    def _check_model(self, body: dict[str, Any]) -> str:
+        model = body.get("model")
+        if not isinstance(model, str):
+            raise SimError(400, "model: a string is required", param="model")
+        if model not in self._model_set:
+            raise SimError(
+                404, f"The model `{model}` does not exist.", code="model_not_found", param="model"
+            )
+        return model
+
+    def _draw_faults(self) -> FaultPlan:
+        knobs = self.faults
+        rng = self.fault_rng
+        if _hit(knobs.error_rate, rng):
+            raise SimError(
+                500, "The server had an error while processing your request (simulated).",
+                type="server_error", code="internal_error",
+            )
+        if _hit(knobs.rate_limit_rate, rng):
+            raise SimError(
+                429, "Rate limit reached (simulated).", type="requests",
+                code="rate_limit_exceeded",
+                headers=[(b"retry-after", str(knobs.retry_after).encode())],
+            )
+        faults = FaultPlan()
+        if knobs.slow_headers > 0 and _hit(knobs.slow_headers_rate, rng):
+            faults.slow_headers = knobs.slow_headers
+        if knobs.stall_after_headers > 0 and _hit(knobs.stall_rate, rng):
+            faults.stall = knobs.stall_after_headers
+        if knobs.die_at_token is not None and _hit(knobs.die_rate, rng):
+            faults.die_at = knobs.die_at_token
+        return faults
+
+    def _new_id(self, prefix: str) -> str:
+        return f"{prefix}-{self._id_prefix}{next(self._ids):x}"
+
+    # -- embeddings ------------------------------------------------------------------------
+    async def _embeddings(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            body = await _json_object(receive)
+            model = self._check_model(body)
+            try:
+                inputs = embedding_inputs(body.get("input"))
+            except TokenizeError as exc:
+                raise SimError(400, str(exc), param="input") from None
+            encoding = body.get("encoding_format") or "float"
+            if encoding not in ("float", "base64"):
+                raise SimError(400, "encoding_format must be 'float' or 'base64'",
+                               param="encoding_format")
+            dim = body.get("dimensions") or self.embedding_dim
+            if not isinstance(dim, int) or isinstance(dim, bool) or not 1 <= dim <= 65536:
+                raise SimError(400, "dimensions must be an integer in 1..65536", param="dimensions")
+            faults = self._draw_faults()
+            tokens = sum(len(item) for item in inputs)
+            delay = faults.slow_headers + self.backend.embedding_delay(tokens)
+        except SimError as exc:
+            await _send_error(send, exc)
+            return
+        except ClientGone:
+            return
+        if delay > 0:
+            await asyncio.sleep(delay)
+        data = [embedding_item(index, ids, dim, encoding) for index, ids in enumerate(inputs)]
+        await send_json(send, 200, {
+            "object": "list",
+            "data": data,
+            "model": model,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        })
+
+    # -- misc routes -----------------------------------------------------------------------
+    async def _list_models(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send_bytes(send, 200, self._models_body, b"application/json")
+
+    async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.faults.unhealthy:
+            await send_bytes(send, 503, b"unhealthy", b"text/plain; charset=utf-8")
+        else:
+            await send_bytes(send, 200, b"ok", b"text/plain; charset=utf-8")
+
+    async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
+        exposition = self.backend.metrics()
+        if exposition is None:
+            await _send_error(send, SimError(404, "this simulator exposes no metrics",
+                                             code="not_found"))
+            return
+        body, content_type = exposition
+        await send_bytes(send, 200, body, content_type.encode())
+
+    async def _state(self, scope: Scope, receive: Receive, send: Send) -> None:
+        state = dict(self.backend.state())
+        state["models"] = self.models
+        state["faults"] = self.faults.model_dump()
+        await send_json(send, 200, state)
+
+    async def _get_faults(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send_json(send, 200, self.faults.model_dump())
+
+    async def _set_faults(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Merge the posted knobs into the current ones; ``{"reset": true}`` restores none-faults."""
+        try:
+            body = await _json_object(receive)
+            base = {} if body.pop("reset", False) is True else self.faults.model_dump()
+            try:
+                self.faults = FaultKnobs.model_validate({**base, **body})
+            except ValidationError as exc:
+                problems = "; ".join(
+                    f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()
+                )
+                raise SimError(400, problems) from None
+        except SimError as exc:
+            await _send_error(send, exc)
+            return
+        except ClientGone:
+            return
+        await send_json(send, 200, self.faults.model_dump())
+
+
+def _hit(rate: float, rng: random.Random) -> bool:
+    """A Bernoulli draw that consumes no randomness for rates 0 and 1."""
+    if rate <= 0.0:
+        return False
+    return rate >= 1.0 or rng.random() < rate
+
+
+async def _json_object(receive: Receive) -> dict[str, Any]:
+    try:
+        raw = await read_body(receive)
+    except BodyTooLarge:
+        raise SimError(413, "request body too large", code="body_too_large") from None
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise SimError(400, "request body is not valid JSON", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise SimError(400, "request body must be a JSON object", code="invalid_json")
+    return body
+
+
+async def _send_error(send: Send, exc: SimError) -> None:
+    await send_json(send, exc.status, error_body(exc.message, exc.type, exc.code, exc.param),
+                    exc.headers)
+
+

@@ -1,0 +1,197 @@
+"""Simulator parameters: `EngineParams` (a vLLM-like engine) and `ProviderParams` (a third-party API).
+
+Both are pydantic models with ``extra="forbid"`` so a typo in a config's ``endpoints[].simulate``
+block fails with the field's name. The ``kind`` field is the discriminator the config schema uses.
+Durations are seconds inside Python and accept strings such as ``"5ms"``, ``"2s"``, ``"1h30m"``.
+Fault knobs are shared by both kinds (`FaultKnobs`) and can be changed at runtime through
+``POST /sim/faults``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from typing import Annotated, Any, Literal, Self, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from llmgw.config.durations import Duration
+
+__all__ = [
+    "DriftPoint",
+    "Duration",
+    "EngineParams",
+    "FaultKnobs",
+    "ProviderParams",
+    "apply_overrides",
+]
+
+
+_Params = TypeVar("_Params", bound=BaseModel)
+Fraction = Annotated[float, Field(ge=0.0, le=1.0)]
+
+
+class FaultKnobs(BaseModel):
+    """Fault injection shared by engines and providers; every draw uses the simulator's seeded RNG."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    error_rate: Fraction = 0.0
+    """Fraction of generation requests answered with a 500 OpenAI error."""
+    rate_limit_rate: Fraction = 0.0
+    """Fraction of generation requests answered with 429 and ``Retry-After``."""
+    retry_after: int = Field(default=1, ge=0)
+    """Seconds sent in ``Retry-After`` with simulated (and real) 429s."""
+    slow_headers: Duration = 0.0
+    """Delay before the response headers of affected requests."""
+    slow_headers_rate: Fraction = 1.0
+    """Fraction of requests `slow_headers` applies to."""
+    stall_after_headers: Duration = 0.0
+    """After sending the headers (and the first SSE bytes), stall this long before continuing."""
+    stall_rate: Fraction = 1.0
+    """Fraction of requests `stall_after_headers` applies to."""
+    die_at_token: int | None = Field(default=None, ge=0)
+    """Cut the connection after this many generated tokens (no ``[DONE]``, no complete body)."""
+    die_rate: Fraction = 1.0
+    """Fraction of requests `die_at_token` applies to."""
+    unhealthy: bool = False
+    """``GET /health`` answers 503 while set."""
+
+    def faults(self) -> FaultKnobs:
+        """The fault knobs alone (a copy), e.g. to seed the runtime-mutable fault state."""
+        return FaultKnobs.model_validate(self.model_dump(include=set(FaultKnobs.model_fields)))
+
+
+class _GenerationParams(FaultKnobs):
+    served_models: list[str] = Field(default_factory=list)
+    """Model names served; empty means the endpoint's models (filled in by the caller)."""
+    max_model_len: int = Field(default=32768, ge=2)
+    """Context length: prompt + output tokens. Longer prompts get 400; outputs are capped."""
+    output_len_distribution: Literal["lognormal", "uniform", "fixed"] = "lognormal"
+    """How output lengths are drawn when a request gives no ``max_tokens``."""
+    output_len_mean: int = Field(default=128, ge=1)
+    output_len_max: int = Field(default=1024, ge=1)
+    output_len_sigma: float = Field(default=0.6, gt=0)
+    """Shape of the lognormal distribution (sigma of the underlying normal)."""
+    embedding_dim: int = Field(default=64, ge=1, le=65536)
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _mean_within_max(self) -> Self:
+        if self.output_len_mean > self.output_len_max:
+            raise ValueError(
+                f"output_len_mean ({self.output_len_mean}) must be <= output_len_max "
+                f"({self.output_len_max})"
+            )
+        return self
+
+
+class EngineParams(_GenerationParams):
+    """A vLLM-like engine: continuous batching, a paged KV cache with prefix caching, vLLM metrics.
+
+    Timing: TTFT = queue wait + prefill_base + prefill_per_token * uncached prompt tokens;
+    inter-token latency = itl_base + itl_per_running_seq * running sequences.
+    """
+
+    kind: Literal["engine"] = "engine"
+    max_num_seqs: int = Field(default=64, ge=1)
+    num_gpu_blocks: int = Field(default=4096, ge=1)
+    block_size: int = Field(default=16, ge=1)
+    prefill_base: Duration = 0.002
+    prefill_per_token: Duration = 0.0001
+    itl_base: Duration = 0.005
+    itl_per_running_seq: Duration = 0.0002
+
+    @classmethod
+    def zero_delay(cls, **overrides: Any) -> EngineParams:
+        """A preset with every timing 0: requests are answered as fast as the HTTP layer allows."""
+        timings = {"prefill_base": 0, "prefill_per_token": 0, "itl_base": 0, "itl_per_running_seq": 0}
+        return cls.model_validate({**timings, **overrides})
+
+
+class DriftPoint(BaseModel):
+    """From ``at`` seconds after start, the provider's output rate is ``tokens_per_second``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    at: Duration
+    tokens_per_second: float = Field(ge=0)
+
+
+class ProviderParams(_GenerationParams):
+    """A third-party-API-like server: per-request pacing, drifting output rate, rate limits.
+
+    TTFT = base_latency + prompt_tokens / input_tokens_per_second; then tokens at the current
+    output rate (``tokens_per_second``, replaced by the `drift` schedule once it starts).
+    A rate of 0 means "no pacing" (tokens are sent at once).
+    """
+
+    kind: Literal["provider"] = "provider"
+    max_model_len: int = Field(default=131072, ge=2)
+    tokens_per_second: float = Field(default=60.0, ge=0)
+    input_tokens_per_second: float = Field(default=20000.0, ge=0)
+    base_latency: Duration = 0.2
+    drift: list[DriftPoint] = Field(default_factory=list)
+    """Rate schedule; before the first point the rate is `tokens_per_second`."""
+    drift_mode: Literal["step", "linear"] = "step"
+    """``step``: piecewise constant; ``linear``: interpolate between consecutive points."""
+    drift_period: Duration | None = None
+    """Repeat the schedule every this many seconds (None: hold the last point's rate)."""
+    requests_per_second: float | None = Field(default=None, gt=0)
+    """Token-bucket rate limit on generation requests (None: unlimited)."""
+    burst: int | None = Field(default=None, ge=1)
+    """Bucket size; default max(1, requests_per_second)."""
+    max_concurrent: int | None = Field(default=None, ge=1)
+    """At most this many requests in flight; beyond it 429."""
+
+    @model_validator(mode="after")
+    def _drift_sorted(self) -> Self:
+        times = [point.at for point in self.drift]
+        if times != sorted(times):
+            raise ValueError("drift points must be sorted by `at`")
+        if self.drift_period is not None and self.drift_period <= 0:
+            raise ValueError("drift_period must be > 0")
+        return self
+
+    @classmethod
+    def zero_delay(cls, **overrides: Any) -> ProviderParams:
+        """A preset without pacing or latency."""
+        timings = {"tokens_per_second": 0, "input_tokens_per_second": 0, "base_latency": 0}
+        return cls.model_validate({**timings, **overrides})
+
+
+def _override_value(text: str) -> Any:
+    """JSON for lists/objects/null, else the raw string (pydantic's lax mode converts it)."""
+    stripped = text.strip()
+    if stripped.startswith(("[", "{")) or stripped == "null":
+        return json.loads(stripped)
+    return stripped
+
+
+def apply_overrides(
+    params: _Params, assignments: Iterable[str], extra: Mapping[str, Any] | None = None
+) -> _Params:
+    """A copy of `params` with ``key=value`` overrides applied and validated.
+
+    Raises ValueError naming the key for malformed assignments or invalid values.
+    """
+    data = params.model_dump(exclude_unset=False)
+    for assignment in assignments:
+        key, sep, value = assignment.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ValueError(f"--set {assignment!r}: expected KEY=VALUE")
+        if key not in type(params).model_fields:
+            raise ValueError(f"--set {key}: unknown parameter for {type(params).__name__}")
+        try:
+            data[key] = _override_value(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--set {key}: invalid JSON value: {exc}") from None
+    data.update(extra or {})
+    try:
+        return type(params).model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()
+        )
+        raise ValueError(problems) from None
