@@ -98,3 +98,48 @@ def _still_alive_after(pid: int, timeout: float) -> bool:
             return True
         time.sleep(0.05)  # polling an exit we cannot wait() on: these are not our children
     return False
+
+
+def test_openai_client_gets_every_api_through_llmgw_up(
+    cluster_config: Path, start_up: Callable[..., UpProcess]
+) -> None:
+    """The quickstart promise: the official SDK works against the cluster `llmgw up` starts."""
+    from openai import NotFoundError, OpenAI
+
+    up = start_up(cluster_config)
+    api = up.wait_for(READY, timeout=90).group(1)
+    client = OpenAI(base_url=api, api_key="unused", max_retries=0, timeout=30)
+
+    assert {m.id for m in client.models.list()} == {"llama-3.3-70b", "llama", "qwen2.5-32b", "qwen"}
+    reply = client.chat.completions.create(
+        model="llama", messages=[{"role": "user", "content": "Hello!"}], max_tokens=8
+    )
+    assert reply.choices[0].message.content and reply.usage.completion_tokens == 8
+    chunks = list(
+        client.chat.completions.create(
+            model="qwen",
+            messages=[{"role": "user", "content": "Stream it"}],
+            max_tokens=6,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks[-1].usage.completion_tokens == 6
+    completion = client.completions.create(model="llama-3.3-70b", prompt="Once upon", max_tokens=4)
+    assert completion.choices[0].text
+    embedding = client.embeddings.create(model="qwen2.5-32b", input="embed me")
+    assert len(embedding.data[0].embedding) > 0
+    with pytest.raises(NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+
+    # Bad input through the real edge: clear errors with the documented statuses.
+    bad = httpx.post(f"{api}/chat/completions", content=b"{oops", timeout=10)
+    assert bad.status_code == 400 and bad.json()["error"]["message"]
+    wrong_type = httpx.post(
+        f"{api}/chat/completions",
+        json={"model": "llama", "messages": [{"role": "user", "content": "x"}], "max_tokens": "many"},
+        timeout=10,
+    )
+    assert wrong_type.status_code == 400 and wrong_type.json()["error"]["param"] == "max_tokens"
+    assert up.stop(signal.SIGTERM) == 0
