@@ -1,0 +1,141 @@
+"""Start a measured llmgw topology as separate processes, pinned to CPUs.
+
+Shared by the benchmarks: an embedded nats-server, one zero-delay engine
+simulator, the admission service and the edge, each a real process started
+through the `llmgw` CLI with a generated config file.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import yaml
+
+from llmgw.nats_embedded import EmbeddedNats
+from llmgw.serving import free_port
+
+ZERO_DELAY = ["prefill_base=0", "prefill_per_token=0", "itl_base=0", "itl_per_running_seq=0"]
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log: Path
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+
+@dataclass
+class Cluster:
+    edge_url: str
+    engine_url: str
+    procs: dict[str, Proc] = field(default_factory=dict)
+    nats: EmbeddedNats | None = None
+
+    def gateway_pids(self) -> list[int]:
+        """The processes that make up the gateway (not the engine)."""
+        pids = [self.procs["edge"].pid, self.procs["admission"].pid]
+        if self.nats is not None:
+            pids.append(self.nats.pid)
+        return pids
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU time consumed so far by `pids` (Linux /proc)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / ticks
+
+
+def _config(nats_url: str, engine_url: str, edge_port: int, admin_port: int) -> dict:
+    return {
+        "listen": f"127.0.0.1:{edge_port}",
+        "admin_listen": f"127.0.0.1:{admin_port}",
+        "nats": {"url": nats_url},
+        "router": {"scrape_interval": "2s"},
+        "models": [{"name": "bench-model"}],
+        "providers": [{"id": "local", "kind": "managed", "models": [{"name": "bench-model"}]}],
+        "endpoints": [
+            {"id": "engine-1", "url": engine_url, "provider": "local", "models": ["bench-model"]}
+        ],
+    }
+
+
+def _start(name: str, argv: list[str], cpus: set[int], logdir: Path, env: dict) -> Proc:
+    log = logdir / f"{name}.log"
+    popen = subprocess.Popen(
+        argv, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )
+    os.sched_setaffinity(popen.pid, cpus)
+    return Proc(name, popen, log)
+
+
+def _wait_ready(proc: Proc, marker: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if marker in proc.log.read_text():
+            return
+        if proc.popen.poll() is not None:
+            raise RuntimeError(f"{proc.name} exited: {proc.log.read_text()[-2000:]}")
+        time.sleep(0.05)
+    raise RuntimeError(f"{proc.name} not ready in {timeout}s: {proc.log.read_text()[-2000:]}")
+
+
+@contextmanager
+def running_cluster(gateway_cpus: set[int], engine_cpus: set[int]):
+    """Yield a Cluster; everything is stopped afterwards."""
+    with tempfile.TemporaryDirectory(prefix="llmgw-bench-") as tmp:
+        logdir = Path(tmp)
+        nats = EmbeddedNats()
+        nats.start()
+        os.sched_setaffinity(nats.pid, gateway_cpus)
+        engine_port, edge_port, admin_port = free_port(), free_port(), free_port()
+        engine_url = f"http://127.0.0.1:{engine_port}"
+        config_path = logdir / "bench.yaml"
+        config_path.write_text(yaml.safe_dump(_config(nats.url, engine_url, edge_port, admin_port)))
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        cli = [sys.executable, "-m", "llmgw"]
+        cluster = Cluster(edge_url=f"http://127.0.0.1:{edge_port}", engine_url=engine_url, nats=nats)
+        try:
+            sim_args = [f"--set={s}" for s in ZERO_DELAY]
+            cluster.procs["engine"] = _start(
+                "engine",
+                [*cli, "sim", "engine", "--port", str(engine_port), "--model", "bench-model", *sim_args],
+                engine_cpus, logdir, env,
+            )
+            _wait_ready(cluster.procs["engine"], "ready")
+            cluster.procs["admission"] = _start(
+                "admission", [*cli, "admission", "--config", str(config_path)], gateway_cpus, logdir, env
+            )
+            _wait_ready(cluster.procs["admission"], "ready")
+            cluster.procs["edge"] = _start(
+                "edge", [*cli, "edge", "--config", str(config_path)], gateway_cpus, logdir, env
+            )
+            _wait_ready(cluster.procs["edge"], "ready")
+            httpx.get(cluster.edge_url + "/v1/models").raise_for_status()
+            yield cluster
+        finally:
+            for proc in reversed(list(cluster.procs.values())):
+                if proc.popen.poll() is None:
+                    proc.popen.send_signal(signal.SIGTERM)
+            for proc in cluster.procs.values():
+                try:
+                    proc.popen.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.popen.kill()
+            nats.stop()

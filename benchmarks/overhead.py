@@ -1,0 +1,197 @@
+"""Added latency and CPU cost of edge + admission versus calling the engine directly.
+
+    python benchmarks/overhead.py [--rounds 5] [--requests 300] [--profile]
+
+The engine simulator runs at zero delay, so every millisecond measured is
+transport and gateway work. The load generator (aiohttp, this process) and
+the engine share CPU 0; nats-server, admission and edge share CPU 1. Rounds
+interleave direct and gateway runs; the report gives, per scenario, the
+paired difference gateway - direct of p50 and p99 as median [min..max] over
+rounds, and the gateway's CPU time per request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).parent))
+from cluster import cpu_seconds, running_cluster
+
+LOADGEN_CPUS = {0}
+GATEWAY_CPUS = {1}
+
+
+def body(stream: bool) -> bytes:
+    return (
+        b'{"model": "bench-model", "messages": [{"role": "user", "content": "hello"}],'
+        b' "max_tokens": 20, "stream": ' + (b"true" if stream else b"false") + b"}"
+    )
+
+
+async def one(session: aiohttp.ClientSession, url: str, payload: bytes, stream: bool) -> float:
+    started = time.perf_counter()
+    async with session.post(url, data=payload, headers={"content-type": "application/json"}) as r:
+        if stream:
+            async for _ in r.content.iter_any():
+                pass
+        else:
+            await r.read()
+        if r.status != 200:
+            raise RuntimeError(f"status {r.status}")
+    return time.perf_counter() - started
+
+
+async def run_load(base_url: str, concurrency: int, total: int, stream: bool) -> list[float]:
+    url = base_url + "/v1/chat/completions"
+    payload = body(stream)
+    latencies: list[float] = []
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        for _ in range(min(20, total)):  # warm connections
+            await one(session, url, payload, stream)
+        queue = iter(range(total))
+
+        async def worker() -> None:
+            for _ in queue:
+                latencies.append(await one(session, url, payload, stream))
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return latencies
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def fmt_ms(values: list[float]) -> str:
+    return f"{statistics.median(values) * 1e3:.2f} [{min(values) * 1e3:.2f}..{max(values) * 1e3:.2f}]"
+
+
+def profile_edge(pid: int, seconds: int, out: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        ["py-spy", "record", "--pid", str(pid), "--duration", str(seconds), "--rate", "500",
+         "--format", "raw", "--output", str(out), "--nonblocking"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+
+
+_AREAS = (
+    ("llmgw (edge, core, config)", ("services/", "shared/", "llmgw/")),
+    ("uvicorn + starlette (HTTP server)", ("uvicorn/", "starlette/", "fastapi/", "httptools")),
+    ("aiohttp (upstream client)", ("aiohttp/", "multidict/", "yarl/")),
+    ("nats-py (admission request)", ("nats/",)),
+    ("pydantic (wire messages)", ("pydantic/", "pydantic_core/")),
+    ("prometheus-client", ("prometheus_client/",)),
+)
+
+
+def summarize_profile(path: Path) -> tuple[list[tuple[str, float]], list[tuple[str, float]]]:
+    """Where the edge's samples went: by area (innermost library frame) and by function.
+
+    py-spy attributes time spent inside the event loop's C code (epoll,
+    socket syscalls) to the frame that runs the loop; that is reported as
+    "event loop and sockets".
+    """
+    areas: Counter[str] = Counter()
+    functions: Counter[str] = Counter()
+    total = 0
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames = stack.split(";")
+        n = int(count)
+        total += n
+        area = "event loop and sockets (uvloop, syscalls)"
+        for frame in reversed(frames):
+            hit = next((name for name, keys in _AREAS if any(k in frame for k in keys)), None)
+            if hit:
+                area = hit
+                break
+            if "uvloop" in frame or "runtime.py" in frame:
+                break  # the loop itself: C code for epoll and sockets
+            if "asyncio/" not in frame and "runners.py" not in frame:
+                area = "other Python"
+                break
+        areas[area] += n
+        functions[frames[-1].rsplit(":", 1)[0] + ")"] += n
+    return (
+        [(name, n / total) for name, n in areas.most_common()],
+        [(name, n / total) for name, n in functions.most_common(15)],
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--requests", type=int, default=300, help="requests per run")
+    parser.add_argument("--profile", action="store_true", help="py-spy the edge during an extra c=32 run")
+    args = parser.parse_args()
+    os.sched_setaffinity(0, LOADGEN_CPUS)
+    scenarios = [(1, False), (1, True), (32, False), (32, True)]
+    diffs: dict[tuple, dict[str, list[float]]] = {s: {"p50": [], "p99": []} for s in scenarios}
+    absolute: dict[tuple, dict[str, list[float]]] = {s: {"direct": [], "gateway": []} for s in scenarios}
+    cpu_per_request: dict[tuple, list[float]] = {s: [] for s in scenarios}
+    with running_cluster(GATEWAY_CPUS, LOADGEN_CPUS) as cluster:
+        for round_no in range(args.rounds):
+            for scenario in scenarios:
+                concurrency, stream = scenario
+                order = ["direct", "gateway"] if round_no % 2 == 0 else ["gateway", "direct"]
+                results = {}
+                for target in order:
+                    url = cluster.engine_url if target == "direct" else cluster.edge_url
+                    before = cpu_seconds(cluster.gateway_pids())
+                    results[target] = asyncio.run(run_load(url, concurrency, args.requests, stream))
+                    if target == "gateway":
+                        used = cpu_seconds(cluster.gateway_pids()) - before
+                        cpu_per_request[scenario].append(used / (args.requests + 20))
+                for q, key in ((0.5, "p50"), (0.99, "p99")):
+                    diffs[scenario][key].append(pct(results["gateway"], q) - pct(results["direct"], q))
+                for target in ("direct", "gateway"):
+                    absolute[scenario][target].append(pct(results[target], 0.5))
+            print(f"round {round_no + 1}/{args.rounds} done", file=sys.stderr)
+        profile = None
+        if args.profile:
+            out = Path("/tmp/llmgw-edge-profile.txt")
+            spy = profile_edge(cluster.procs["edge"].pid, 8, out)
+            time.sleep(0.5)
+            asyncio.run(run_load(cluster.edge_url, 32, 4000, False))
+            spy.wait(30)
+            if out.exists():
+                profile = summarize_profile(out)
+
+    print(f"\n{args.rounds} interleaved rounds x {args.requests} requests per run; "
+          "values are median [min..max] over rounds, milliseconds\n")
+    print("| concurrency | streamed | direct p50 | gateway p50 | added p50 | added p99 | gateway CPU / request |")
+    print("|---|---|---|---|---|---|---|")
+    for scenario in scenarios:
+        c, s = scenario
+        print(
+            f"| {c} | {'yes' if s else 'no'} | {fmt_ms(absolute[scenario]['direct'])} | "
+            f"{fmt_ms(absolute[scenario]['gateway'])} | {fmt_ms(diffs[scenario]['p50'])} | "
+            f"{fmt_ms(diffs[scenario]['p99'])} | {fmt_ms(cpu_per_request[scenario])} |"
+        )
+    if profile:
+        by_area, by_function = profile
+        print("\nWhere the edge's CPU goes (py-spy samples, c=32 non-streamed, innermost library):\n")
+        print("| share | area |\n|---|---|")
+        for name, share in by_area:
+            print(f"| {share * 100:.1f}% | {name} |")
+        print("\nTop functions by self time:\n")
+        print("| share | function |\n|---|---|")
+        for name, share in by_function:
+            print(f"| {share * 100:.1f}% | `{name}` |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
