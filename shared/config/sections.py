@@ -4,7 +4,7 @@ balancer. Each section validates itself; references between sections are checked
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -195,6 +195,14 @@ class PinningConfig(StrictModel):
     pin_inactivity_timeout: PositiveDuration = 300.0
     lease_timeout: PositiveDuration = 30.0
     max_routing_attempts: int = Field(10, ge=1)
+    # The JetStream KV bucket that holds pins and leases (docs/adr/0001-routing-state.md).
+    bucket: str = Field("llmgw_routing", pattern=r"^[A-Za-z0-9_-]+$")
+    storage: Literal["file", "memory"] = "file"
+    replicas: int = Field(1, ge=1, le=5)
+    # Revisions kept per key: 1 in production; tests raise it so a recorder never misses one.
+    history: int = Field(1, ge=1, le=64)
+    # How often the reaper looks for expired leases and idle pins.
+    reaper_interval: PositiveDuration = 1.0
 
 
 class BalancerConfig(StrictModel):

@@ -74,7 +74,9 @@ def test_defaults_follow_the_spec():
     assert config.scoring.model_dump() == {"target_waiting": 4, "target_inflight": 8, "kv_ceiling": 0.9,
                                            "session_load_factor": 1.25}
     assert config.pinning.model_dump() == {"pin_inactivity_timeout": 300.0, "lease_timeout": 30.0,
-                                           "max_routing_attempts": 10}
+                                           "max_routing_attempts": 10, "bucket": "llmgw_routing",
+                                           "storage": "file", "replicas": 1, "history": 1,
+                                           "reaper_interval": 1.0}
     assert config.balancer.model_dump() == {"window": 120.0, "input_to_output_token_ratio": 250,
                                             "greediness": 0.5}
     assert config.providers[0].models[0].features == ["chat", "completions"]
