@@ -58,6 +58,7 @@ async def start_server(
     *,
     log_level: str = "warning",
     timeout_graceful_shutdown: float | None = 5.0,
+    timeout_keep_alive: int = 65,
 ) -> RunningServer:
     """Start `app` on uvicorn in this loop and return once it accepts connections."""
     sock = bind_socket(host, port)
@@ -68,6 +69,9 @@ async def start_server(
         access_log=False,
         lifespan="on",
         timeout_graceful_shutdown=timeout_graceful_shutdown,
+        # Longer than clients keep idle connections (httpx: 5 s), so a client
+        # never sends a request on a connection the server is just closing.
+        timeout_keep_alive=timeout_keep_alive,
         http="httptools",
     )
     server = uvicorn.Server(config)

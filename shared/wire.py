@@ -13,6 +13,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from llmgw.core.leasekeys import LeaseKind
+from llmgw.core.leases import Lease as CoreLease
+
 WIRE_VERSION = 1
 
 # Subjects: one vocabulary, `llmgw.v1.<service>.<verb>`.
@@ -60,13 +63,55 @@ class Lease(_Message):
     """A request lease; the edge owns it from the reply until it releases it.
 
     `key` and `revision` identify the lease record in the routing-state
-    bucket so that renew and release are compare-and-swap operations.
+    bucket so that renew and release are compare-and-swap operations; the
+    other fields are what the record holds (see llmgw.core.leases.Lease).
     """
 
-    id: str
     key: str
     revision: int
-    timeout_s: float
+    lease_id: str
+    kind: Literal["pinned", "new_pin", "temporary"]
+    provider: str
+    model: str
+    session: str | None = None
+    pin_id: str | None = None
+    edge_id: str
+    granted_at: float
+    renewed_at: float
+    slot: int | None = None
+
+    @classmethod
+    def from_core(cls, lease: CoreLease) -> Lease:
+        return cls(
+            key=lease.key,
+            revision=lease.revision,
+            lease_id=lease.lease_id,
+            kind=lease.kind.value,
+            provider=lease.provider,
+            model=lease.model,
+            session=lease.session,
+            pin_id=lease.pin_id,
+            edge_id=lease.edge_id,
+            granted_at=lease.granted_at,
+            renewed_at=lease.renewed_at,
+            slot=lease.slot,
+        )
+
+    def to_core(self) -> CoreLease:
+        return CoreLease(
+            key=self.key,
+            revision=self.revision,
+            lease_id=self.lease_id,
+            kind=LeaseKind(self.kind),
+            provider=self.provider,
+            model=self.model,
+            session=self.session,
+            pin_id=self.pin_id,
+            edge_id=self.edge_id,
+            granted_at=self.granted_at,
+            renewed_at=self.renewed_at,
+            slot=self.slot,
+        )
 
 
 class RejectReason(enum.StrEnum):
@@ -86,6 +131,10 @@ class AdmitReply(_Message):
     admitted: bool
     target: Target | None = None
     lease: Lease | None = None
+    # How the request relates to its session's pin (llmgw.core.pinning.Route).
+    route: str | None = None
+    # Release the lease with refresh_pin=True if the request succeeds.
+    refresh_pin_on_success: bool = False
     reject_reason: RejectReason | None = None
     message: str | None = None
     retry_after_s: float | None = None

@@ -9,6 +9,7 @@ from llmgw import natsconn
 from llmgw.runtime import load_or_exit, run_service, setup_logging, wait_for_stop_signal
 from llmgw.services.admission.health import HealthBoard, HealthProber
 from llmgw.services.admission.service import AdmissionService
+from llmgw.state.setup import open_routing_state
 
 log = logging.getLogger("llmgw.admission")
 
@@ -31,7 +32,8 @@ def run(args: argparse.Namespace) -> int:
             interval=config.router.scrape_interval,
             timeout=config.router.scrape_timeout,
         )
-        service = AdmissionService(config, nc, board)
+        routing = await open_routing_state(nc, config, instance_id="admission")
+        service = AdmissionService(config, nc, routing, board)
         await service.start()
         prober.start()
         print(f"llmgw admission ready ({service.instance})", flush=True)
@@ -40,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
         finally:
             await prober.stop()
             await service.stop()
+            await routing.close()
             await nc.drain()
 
     return run_service(main)

@@ -1,28 +1,36 @@
 """The admission service: answers AdmitRequests from edges over NATS.
 
 Several instances share the ADMISSION_QUEUE_GROUP, so each request is
-decided by exactly one of them. The decision itself is the pure
-`llmgw.core.routing.first_available` over a snapshot built from the config
-and the health board; this module only decodes, decides and replies.
+decided by exactly one of them, and all of them share the routing state
+(pins and leases in JetStream KV), so limits hold across instances. Per
+request: the pinning algorithm (`llmgw.core.pinning`) picks the provider and
+takes the lease; the first healthy endpoint of that provider is the target.
+
+Lease ownership: a lease taken here belongs to the edge once the reply is
+sent. If no endpoint can take the request after all, the lease is released
+here before replying. A reply that never reaches the edge leaves a lease
+nobody renews: the reaper reclaims it after pinning.lease_timeout.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import random
 import uuid
 from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
+from llmgw.core.pinning import PinningRouter, Placement, Rejection
 from llmgw.core.requests import Feature
 from llmgw.core.routing import (
     EndpointView,
-    NoRoute,
     ProviderKind,
     ProviderView,
     RoutingSnapshot,
-    first_available,
 )
+from llmgw.services.admission.catalog import ConfigCatalog
 from llmgw.services.admission.health import HealthBoard
 from llmgw.wire import (
     ADMISSION_HEALTH_SUBJECT,
@@ -31,6 +39,7 @@ from llmgw.wire import (
     AdmitReply,
     AdmitRequest,
     HealthReply,
+    Lease,
     RejectReason,
     Target,
 )
@@ -41,6 +50,7 @@ if TYPE_CHECKING:
     from nats.aio.subscription import Subscription
 
     from llmgw.config.schema import Config
+    from llmgw.state.routing_state import RoutingState
 
 log = logging.getLogger("llmgw.admission")
 
@@ -76,65 +86,107 @@ def build_snapshot(config: Config, health: HealthBoard) -> RoutingSnapshot:
 
 
 class AdmissionService:
-    """Decides AdmitRequests; owns its NATS subscriptions, not the connection."""
+    """Decides AdmitRequests; owns its NATS subscriptions, not the connection or the state."""
 
-    def __init__(self, config: Config, nc: NATS, health: HealthBoard | None = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        nc: NATS,
+        routing: RoutingState,
+        health: HealthBoard | None = None,
+        *,
+        rng: random.Random | None = None,
+    ) -> None:
         self._config = config
         self._nc = nc
+        self.routing = routing
         self.health = health or HealthBoard()
         self.instance = f"admission-{uuid.uuid4().hex[:8]}"
+        self._rng = rng or random.Random()
+        self.catalog = ConfigCatalog(config, self.health)
+        self.router = PinningRouter(
+            routing, self.catalog, config.pinning.max_routing_attempts, pause=self._pause
+        )
         self._snapshot = build_snapshot(config, self.health)
         self.health.on_change(self._rebuild)
         self._subs: list[Subscription] = []
+        self._in_flight: set[asyncio.Task[None]] = set()
+
+    async def _pause(self, attempt: int) -> None:
+        """Jittered backoff between routing attempts: a racing pin creation gets to finish."""
+        await asyncio.sleep(self._rng.uniform(0, 0.0005 * attempt))
 
     def _rebuild(self) -> None:
         self._snapshot = build_snapshot(self._config, self.health)
 
-    def decide(self, request: AdmitRequest) -> AdmitReply:
-        """The reply to one request (pure given the current snapshot)."""
-        if self._config.resolve_model(request.model) != request.model:
-            return AdmitReply(
-                request_id=request.request_id,
-                admitted=False,
-                reject_reason=RejectReason.UNKNOWN_MODEL,
-                message=f"The model '{request.model}' does not exist.",
-            )
-        routed = first_available(
-            self._snapshot, request.model, Feature(request.feature), request.exclude_endpoints
+    def _endpoint(self, provider: str, model: str, exclude: tuple[str, ...]) -> EndpointView | None:
+        for view in self._snapshot.providers:
+            if view.id == provider:
+                candidates = view.healthy_endpoints(model, exclude)
+                return candidates[0] if candidates else None
+        return None
+
+    def _reject(self, request: AdmitRequest, reason: RejectReason, message: str) -> AdmitReply:
+        retry = NO_CAPACITY_RETRY_AFTER_S if reason is RejectReason.NO_CAPACITY else None
+        return AdmitReply(
+            request_id=request.request_id,
+            admitted=False,
+            reject_reason=reason,
+            message=message,
+            retry_after_s=retry,
         )
-        if routed is NoRoute.UNSUPPORTED:
-            return AdmitReply(
-                request_id=request.request_id,
-                admitted=False,
-                reject_reason=RejectReason.UNSUPPORTED,
-                message=f"No provider serves '{request.model}' for {request.feature} requests.",
+
+    async def decide(self, request: AdmitRequest) -> AdmitReply:
+        """Place one request: provider and lease by the pinning algorithm, then an endpoint."""
+        model = request.model
+        if self._config.resolve_model(model) != model:
+            return self._reject(
+                request, RejectReason.UNKNOWN_MODEL, f"The model '{model}' does not exist."
             )
-        if routed is NoRoute.NO_CAPACITY:
-            return AdmitReply(
-                request_id=request.request_id,
-                admitted=False,
-                reject_reason=RejectReason.NO_CAPACITY,
-                message=f"No healthy endpoint can take '{request.model}' right now.",
-                retry_after_s=NO_CAPACITY_RETRY_AFTER_S,
+        feature = Feature(request.feature)
+        placed = await self.router.place(model, feature, request.session_id, edge_id=request.edge_id)
+        if placed is Rejection.UNSUPPORTED:
+            return self._reject(
+                request,
+                RejectReason.UNSUPPORTED,
+                f"No provider serves '{model}' for {request.feature} requests.",
             )
+        if not isinstance(placed, Placement):
+            return self._reject(
+                request,
+                RejectReason.NO_CAPACITY,
+                f"No provider can take a '{model}' request right now.",
+            )
+        endpoint = self._endpoint(placed.provider, model, request.exclude_endpoints)
+        if endpoint is None:
+            if placed.lease is not None:
+                await self.routing.release_request_lease(placed.lease, refresh_pin=False)
+            return self._reject(
+                request,
+                RejectReason.NO_CAPACITY,
+                f"No healthy endpoint of '{placed.provider}' can take '{model}' right now.",
+            )
+        provider_kind = "managed" if self._config.provider(placed.provider).kind == "managed" else "unlimited"
         return AdmitReply(
             request_id=request.request_id,
             admitted=True,
             target=Target(
-                provider=routed.provider.id,
-                provider_kind=routed.provider.kind.value,
-                endpoint=routed.endpoint.id,
-                url=routed.endpoint.url,
-                upstream_model=routed.endpoint.upstream_model(request.model),
+                provider=placed.provider,
+                provider_kind=provider_kind,
+                endpoint=endpoint.id,
+                url=endpoint.url,
+                upstream_model=endpoint.upstream_model(model),
             ),
+            lease=None if placed.lease is None else Lease.from_core(placed.lease),
+            route=placed.route.value,
+            refresh_pin_on_success=placed.refresh_pin_on_success,
         )
 
-    async def _on_request(self, msg: Msg) -> None:
+    async def _answer(self, msg: Msg) -> None:
         try:
             request = AdmitRequest.model_validate_json(msg.data)
         except ValidationError as exc:
-            # Not ours to answer with a decision; an edge of another version
-            # gets a clear rejection instead of a timeout.
+            # An edge of another version gets a clear rejection instead of a timeout.
             log.warning("malformed admission request: %s", exc.errors()[:1])
             reply = AdmitReply(
                 request_id="?",
@@ -143,9 +195,22 @@ class AdmissionService:
                 message="malformed admission request",
             )
         else:
-            reply = self.decide(request)
+            try:
+                reply = await self.decide(request)
+            except Exception:
+                log.exception("admission failed for request %s", request.request_id)
+                reply = self._reject(
+                    request, RejectReason.NO_CAPACITY, "The admission service failed to decide."
+                )
         if msg.reply:
             await msg.respond(reply.model_dump_json(exclude_none=True).encode())
+
+    async def _on_request(self, msg: Msg) -> None:
+        # nats-py runs a subscription's callbacks one after another; a decision
+        # waits on KV round trips, so each runs in its own task.
+        task = asyncio.create_task(self._answer(msg))
+        self._in_flight.add(task)
+        task.add_done_callback(self._in_flight.discard)
 
     async def _on_health(self, msg: Msg) -> None:
         if msg.reply:
@@ -163,6 +228,9 @@ class AdmissionService:
         await self._nc.flush()
 
     async def stop(self) -> None:
+        """Stop taking requests; decisions already under way finish and are answered."""
         for sub in self._subs:
             await sub.unsubscribe()
         self._subs.clear()
+        if self._in_flight:
+            await asyncio.wait(list(self._in_flight), timeout=5)

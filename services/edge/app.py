@@ -8,6 +8,7 @@ admission decision and no lease.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -25,10 +26,13 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from llmgw.core.outcomes import Outcome
-from llmgw.core.requests import Feature, InvalidRequest, parse_request
+from llmgw.core.requests import Feature, InvalidRequest, ParsedRequest, parse_request
+from llmgw.core.sessions import session_id
 from llmgw.services.edge.errors import error_body, error_response
+from llmgw.services.edge.leases import LeaseHolder
 from llmgw.services.edge.metrics import EdgeMetrics
 from llmgw.services.edge.upstream import (
+    LEASE_LOST_MESSAGE,
     StreamRelay,
     Timeouts,
     UpstreamFailure,
@@ -38,12 +42,13 @@ from llmgw.services.edge.upstream import (
     passthrough_headers,
     read_body,
 )
-from llmgw.wire import ADMISSION_REQUEST_SUBJECT, AdmitReply, AdmitRequest, RejectReason
+from llmgw.wire import ADMISSION_REQUEST_SUBJECT, AdmitReply, AdmitRequest, RejectReason, Target
 
 if TYPE_CHECKING:
     from nats.aio.client import Client as NATS
 
     from llmgw.config.schema import Config
+    from llmgw.state.routing_state import RoutingState
 
 log = logging.getLogger("llmgw.edge")
 
@@ -71,6 +76,7 @@ class EdgeDeps:
     nc: NATS
     session: aiohttp.ClientSession
     metrics: EdgeMetrics
+    routing: RoutingState  # renews and releases the leases admission grants
 
 
 class Edge:
@@ -84,6 +90,10 @@ class Edge:
         self.admission_timeout = config.nats.request_timeout
         self.timeouts = Timeouts.from_section(config.timeouts)
         self.band_header = config.admission.band_header
+        self.session_header = config.router.session_header
+        self.renew_every = config.pinning.lease_timeout / 3
+        # Lease releases run here, outside the requests that end them.
+        self.background: set[asyncio.Task[None]] = set()
         # name or alias -> canonical name, as a plain dict for the hot path
         self._canonical = {m: config.resolve_model(m) for m in config.public_model_ids()}
         self._auth = self._provider_auth_headers(config)
@@ -155,6 +165,9 @@ class Edge:
             model=model,
             feature=feature.value,
             stream=parsed.stream,
+            session_id=session_id(
+                feature, model, parsed.body, header_key=request.headers.get(self.session_header)
+            ),
             band=request.headers.get(self.band_header),
         )
         admitted = time.perf_counter()
@@ -188,7 +201,38 @@ class Edge:
                 headers=ids,
             ), outcome
 
-        target = reply.target
+        if reply.route is not None:
+            ids["x-llmgw-route"] = reply.route
+        holder = None
+        if reply.lease is not None:
+            holder = LeaseHolder(
+                self.deps.routing,
+                reply.lease.to_core(),
+                renew_every=self.renew_every,
+                refresh_pin_on_success=reply.refresh_pin_on_success,
+                background=self.background,
+            )
+        try:
+            response, outcome = await self._relay(feature, parsed, raw, reply.target, ids, holder, started)
+        except BaseException:
+            if holder is not None:
+                holder.finish(success=False)
+            raise
+        if holder is not None and outcome is not None:  # a stream finishes its lease itself
+            holder.finish(success=outcome is Outcome.SUCCESS)
+        return response, outcome
+
+    async def _relay(
+        self,
+        feature: Feature,
+        parsed: ParsedRequest,
+        raw: bytes,
+        target: Target,
+        ids: dict[str, str],
+        holder: LeaseHolder | None,
+        started: float,
+    ) -> tuple[Response, Outcome | None]:
+        """Send the request upstream and answer the client; outcome None: a stream that runs on."""
         if parsed.model != target.upstream_model:
             parsed.body["model"] = target.upstream_model
             raw = json.dumps(parsed.body).encode()
@@ -202,13 +246,15 @@ class Edge:
             )
         except UpstreamFailure as failure:
             return error_response(failure.outcome, failure.message, headers=ids), failure.outcome
+        if holder is not None:
+            holder.on_lost = upstream.close  # a lost lease cancels the upstream request
 
         headers = {**passthrough_headers(upstream), **ids}
         if upstream.status != 200:
             try:
                 body = await read_body(upstream, deadline)
             except UpstreamFailure as failure:
-                return error_response(failure.outcome, failure.message, headers=ids), failure.outcome
+                return self._failure(failure, holder, ids)
             if upstream.status < 500 and upstream.status != 429:
                 # The engine judged the request itself (e.g. prompt too long):
                 # its answer is the client's answer.
@@ -226,22 +272,37 @@ class Edge:
             try:
                 body = await read_body(upstream, deadline)
             except UpstreamFailure as failure:
-                return error_response(failure.outcome, failure.message, headers=ids), failure.outcome
+                return self._failure(failure, holder, ids)
             return Response(body, status_code=200, headers=headers), Outcome.SUCCESS
 
-        relay = StreamRelay(upstream, self.timeouts, deadline)
+        relay = StreamRelay(upstream, self.timeouts, deadline, lease_lost=lambda: holder is not None and holder.lost)
         metrics = self.deps.metrics
 
-        async def body_then_record():
+        async def body_then_finish():
             try:
                 async for chunk in relay:
                     yield chunk
             finally:
+                if holder is not None:
+                    holder.finish(success=relay.outcome is Outcome.SUCCESS)
                 metrics.observe(feature, relay.outcome, time.perf_counter() - started)
 
         headers.setdefault("content-type", "text/event-stream")
         headers["cache-control"] = "no-cache"
-        return StreamingResponse(body_then_record(), status_code=200, headers=headers), None
+        return StreamingResponse(body_then_finish(), status_code=200, headers=headers), None
+
+    @staticmethod
+    def _failure(
+        failure: UpstreamFailure, holder: LeaseHolder | None, ids: dict[str, str]
+    ) -> tuple[Response, Outcome]:
+        if holder is not None and holder.lost:
+            return error_response(Outcome.LEASE_LOST, LEASE_LOST_MESSAGE, headers=ids), Outcome.LEASE_LOST
+        return error_response(failure.outcome, failure.message, headers=ids), failure.outcome
+
+    async def drain(self, timeout: float = 5.0) -> None:
+        """Wait for lease releases still running in the background (at shutdown)."""
+        if self.background:
+            await asyncio.wait(list(self.background), timeout=timeout)
 
     # -- non-routed endpoints -------------------------------------------------
 

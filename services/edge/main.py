@@ -14,6 +14,7 @@ from llmgw.services.edge.app import EdgeDeps, create_app
 from llmgw.services.edge.metrics import EdgeMetrics
 from llmgw.services.edge.upstream import Timeouts, new_session
 from llmgw.serving import start_server
+from llmgw.state.setup import open_routing_state
 
 log = logging.getLogger("llmgw.edge")
 
@@ -27,8 +28,10 @@ def run(args: argparse.Namespace) -> int:
     async def main() -> None:
         nc = await natsconn.connect(config.nats, name="llmgw-edge")
         session = new_session(Timeouts.from_section(config.timeouts))
-        deps = EdgeDeps(nc=nc, session=session, metrics=EdgeMetrics())
-        api = await start_server(create_app(config, deps), host, port)
+        routing = await open_routing_state(nc, config, instance_id="edge", follow_slots=False)
+        deps = EdgeDeps(nc=nc, session=session, metrics=EdgeMetrics(), routing=routing)
+        app = create_app(config, deps)
+        api = await start_server(app, host, port)
         admin = await start_server(create_admin_app(deps), admin_host, admin_port)
         print(f"llmgw edge ready on {api.url} (admin {admin.url})", flush=True)
         try:
@@ -37,6 +40,7 @@ def run(args: argparse.Namespace) -> int:
             # Stop taking requests, let running ones finish (uvicorn's
             # graceful shutdown), then close what they used.
             await asyncio.gather(api.stop(timeout=10), admin.stop())
+            await app.edge.drain()  # lease releases still in flight
             await session.close()
             await nc.drain()
 

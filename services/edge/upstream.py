@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -21,6 +21,10 @@ from llmgw.core.outcomes import Outcome
 from llmgw.services.edge.errors import sse_error_event
 
 _DONE_MARKER = b"data: [DONE]"
+LEASE_LOST_MESSAGE = (
+    "The gateway lost this request's capacity lease (it could not be renewed in time); "
+    "the request was ended. Retry it."
+)
 _HOP_HEADERS = {"content-type", "retry-after", "x-request-id"}
 
 
@@ -118,8 +122,15 @@ class StreamRelay:
     without [DONE]) sends one SSE error event and records the failure.
     """
 
-    def __init__(self, response: aiohttp.ClientResponse, timeouts: Timeouts, deadline: float) -> None:
+    def __init__(
+        self,
+        response: aiohttp.ClientResponse,
+        timeouts: Timeouts,
+        deadline: float,
+        lease_lost: Callable[[], bool] = lambda: False,
+    ) -> None:
         self._response = response
+        self._lease_lost = lease_lost
         self._timeouts = timeouts
         self._deadline = deadline
         self.outcome = Outcome.CLIENT_DISCONNECTED  # until the stream ends by itself
@@ -144,8 +155,12 @@ class StreamRelay:
                     )
                     return
                 except aiohttp.ClientError as exc:
-                    self.outcome = Outcome.UPSTREAM_BROKEN_STREAM
-                    yield sse_error_event(f"The upstream stream broke: {exc}", "upstream_broken_stream")
+                    if self._lease_lost():
+                        self.outcome = Outcome.LEASE_LOST
+                        yield sse_error_event(LEASE_LOST_MESSAGE, "lease_lost")
+                    else:
+                        self.outcome = Outcome.UPSTREAM_BROKEN_STREAM
+                        yield sse_error_event(f"The upstream stream broke: {exc}", "upstream_broken_stream")
                     return
                 if not chunk:
                     break
@@ -154,7 +169,10 @@ class StreamRelay:
                     wait = self._timeouts.idle
                 tail = (tail + chunk)[-32:]
                 yield chunk
-            if _DONE_MARKER in tail:
+            if self._lease_lost():
+                self.outcome = Outcome.LEASE_LOST
+                yield sse_error_event(LEASE_LOST_MESSAGE, "lease_lost")
+            elif _DONE_MARKER in tail:
                 self.outcome = Outcome.SUCCESS
             else:
                 self.outcome = Outcome.UPSTREAM_BROKEN_STREAM

@@ -25,6 +25,7 @@ class Outcome(enum.StrEnum):
     UPSTREAM_ERROR = "upstream_error"
     UPSTREAM_BROKEN_STREAM = "upstream_broken_stream"
     CLIENT_DISCONNECTED = "client_disconnected"
+    LEASE_LOST = "lease_lost"  # the lease expired under the request (e.g. the edge was paused)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,4 +54,5 @@ ERROR_SHAPES: dict[Outcome, ErrorShape] = {
     Outcome.UPSTREAM_TIMEOUT: ErrorShape(504, "upstream_error", "upstream_timeout"),
     Outcome.UPSTREAM_ERROR: ErrorShape(502, "upstream_error", "upstream_error"),
     Outcome.UPSTREAM_BROKEN_STREAM: ErrorShape(502, "upstream_error", "upstream_broken_stream"),
+    Outcome.LEASE_LOST: ErrorShape(503, "service_unavailable", "lease_lost", retry_after=True),
 }

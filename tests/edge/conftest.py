@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import nats
@@ -18,6 +18,8 @@ from llmgw.services.edge.upstream import Timeouts, new_session
 from llmgw.services.sim.apps import create_engine_app
 from llmgw.services.sim.params import EngineParams
 from llmgw.serving import RunningServer, free_port, start_server
+from llmgw.state.routing_state import RoutingState
+from llmgw.state.setup import open_routing_state
 
 
 @dataclass
@@ -27,18 +29,22 @@ class Gateway:
     admission: AdmissionService | None
     engines: dict[str, RunningServer]
     deps: EdgeDeps
-    _closers: list[Callable[[], Any]] = field(default_factory=list)
+    routing: RoutingState | None = None
+    app: Any = None
 
     @property
     def url(self) -> str:
         return self.edge.url
 
 
-def gateway_config(nats_url: str, engine_urls: dict[str, str], **overrides: Any) -> Config:
+def gateway_config(
+    nats_url: str, engine_urls: dict[str, str], bucket: str = "llmgw_routing", **overrides: Any
+) -> Config:
     """Two managed engines and an unlimited deployment serving `m1` (alias `small`) and `m2`."""
     data: dict[str, Any] = {
         "nats": {"url": nats_url, "request_timeout": "500ms"},
         "router": {"max_body_bytes": 4096},
+        "pinning": {"bucket": bucket, "lease_timeout": "3s"},
         "timeouts": {"dial": "1s", "response_header": "2s", "first_token": "2s", "idle": "1s", "total": "10s"},
         "models": [
             {"name": "m1", "aliases": ["small"]},
@@ -49,7 +55,16 @@ def gateway_config(nats_url: str, engine_urls: dict[str, str], **overrides: Any)
                 "id": "iris",
                 "kind": "managed",
                 "models": [
-                    {"name": "m1", "features": ["chat", "completions", "embeddings"]},
+                    {
+                        "name": "m1",
+                        "features": ["chat", "completions", "embeddings"],
+                        "limits": {
+                            "max_pinned_sessions": 8,
+                            "max_global_in_flight_request_slots": 8,
+                            "global_in_flight_request_slots_reserved_for_pinned_sessions": 2,
+                            "max_per_session_in_flight_request_slots": 2,
+                        },
+                    },
                     {"name": "m2", "features": ["chat", "completions"]},
                 ],
             },
@@ -73,29 +88,37 @@ def engine_params() -> EngineParams:
 
 
 @pytest_asyncio.fixture
-async def gateway(nats_url: str, engine_params: EngineParams) -> AsyncIterator[Gateway]:
+async def gateway(
+    nats_url: str, engine_params: EngineParams, unique_id: str
+) -> AsyncIterator[Gateway]:
     """Edge + one admission instance + two simulated engines and a third 'deployment'."""
     engines = {}
     for seed, name in enumerate(("engine-1", "engine-2", "tensorx-1")):
         params = engine_params.model_copy(update={"seed": seed})
         engines[name] = await start_server(create_engine_app(params, ["m1", "m2"]))
-    config = gateway_config(nats_url, {k: v.url for k, v in engines.items()})
+    config = gateway_config(nats_url, {k: v.url for k, v in engines.items()}, f"routing_{unique_id}")
     admission_nc = await nats.connect(nats_url)
-    admission = AdmissionService(config, admission_nc)
+    routing = await open_routing_state(admission_nc, config, instance_id="admission")
+    admission = AdmissionService(config, admission_nc, routing)
     await admission.start()
     edge_nc = await nats.connect(nats_url)
     session = new_session(Timeouts.from_section(config.timeouts))
-    deps = EdgeDeps(nc=edge_nc, session=session, metrics=EdgeMetrics())
-    edge = await start_server(create_app(config, deps))
-    gw = Gateway(config, edge, admission, engines, deps)
+    edge_routing = await open_routing_state(edge_nc, config, instance_id="edge", follow_slots=False)
+    deps = EdgeDeps(nc=edge_nc, session=session, metrics=EdgeMetrics(), routing=edge_routing)
+    app = create_app(config, deps)
+    edge = await start_server(app)
+    gw = Gateway(config, edge, admission, engines, deps, routing=routing, app=app)
     try:
         yield gw
     finally:
         await edge.stop()
+        await app.edge.drain()
         await session.close()
         await edge_nc.close()
         if gw.admission is not None:
             await gw.admission.stop()
+        await routing.close()
+        await admission_nc.jetstream().delete_key_value(config.pinning.bucket)
         await admission_nc.close()
         for server in engines.values():
             await server.stop()
