@@ -304,6 +304,14 @@ class PinValue:
     pin_slot: int | None
     leases: Mapping[str, str] = field(default_factory=dict)
     refreshed_at: float = 0.0
+    # A pin being created (or moved) that has not yet taken its pin slot and first
+    # lease. It names its pin_id before the slot does, so a slot naming a pin that
+    # no key names is provably orphaned. Not yet a pin: it routes nothing, counts
+    # against no limit, lists no lease, and an abandoned one is deleted by repair.
+    pending: bool = False
+    # While pending for a move: the pin_id of the pin it replaces, whose value is written back
+    # if the move fails; that pin's slot stays its own until the move completes.
+    replaces: str | None = None
 
     @property
     def mk(self) -> str:
@@ -333,6 +341,8 @@ class PinValue:
             "pin_slot": self.pin_slot,
             "leases": dict(self.leases),
             "refreshed_at": self.refreshed_at,
+            **({"pending": True} if self.pending else {}),
+            **({"replaces": self.replaces} if self.replaces else {}),
         })
 
     @classmethod
@@ -343,6 +353,12 @@ class PinValue:
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in leases.items()):
             raise ValueFormatError(f"{what}: field 'leases': expected an object of string -> string")
         pin_slot = _field(what, obj, "pin_slot", (int,), nullable=True)
+        pending = obj.get("pending", False)
+        if not isinstance(pending, bool):
+            raise ValueFormatError(f"{what}: field 'pending': expected bool, got {pending!r}")
+        replaces = obj.get("replaces")
+        if replaces is not None and not isinstance(replaces, str):
+            raise ValueFormatError(f"{what}: field 'replaces': expected str, got {replaces!r}")
         return cls(
             pin_id=_field(what, obj, "pin_id", (str,)),
             provider=_field(what, obj, "provider", (str,)),
@@ -351,6 +367,8 @@ class PinValue:
             pin_slot=pin_slot,
             leases=dict(leases),
             refreshed_at=_number(what, obj, "refreshed_at"),
+            pending=pending,
+            replaces=replaces,
         )
 
 

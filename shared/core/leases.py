@@ -123,6 +123,11 @@ class Pin:
     def refreshed_at(self) -> float:
         return self.value.refreshed_at
 
+    @property
+    def pending(self) -> bool:
+        """Being created or moved: not yet usable (see PinValue.pending)."""
+        return self.value.pending
+
 
 @dataclass(frozen=True, slots=True)
 class Lease:
@@ -187,6 +192,7 @@ class ReaperActionKind(enum.StrEnum):
     PIN_EXPIRED = "pin_expired"  # an idle pin deleted
     PIN_SLOT_FREED = "pin_slot_freed"  # the pin slot of an expired pin freed
     ORPHAN_PIN_SLOT_FREED = "orphan_pin_slot_freed"  # repair: pin slot naming no live pin
+    ABANDONED_PIN_DELETED = "abandoned_pin_deleted"  # repair: a pending pin its creator left
 
 
 @dataclass(frozen=True, slots=True)

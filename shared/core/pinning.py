@@ -167,6 +167,8 @@ class PinningRouter:
     async def _pinned(
         self, model: str, feature: Feature, session: str, pin: Pin, edge_id: str | None
     ) -> _Step:
+        if pin.pending:
+            return RETRY  # another request is creating or moving this pin: follow it
         if not self._usable(pin.provider, model, feature):
             return await self._repin(model, feature, session, pin, edge_id)
         admission = await self.state.try_admit_pinned_session_request(
@@ -206,6 +208,8 @@ class PinningRouter:
                 return Placement(provider, Route.REPINNED, admission.lease, True, admission.pin)
             if admission.result is AdmissionResult.ALREADY_PINNED:
                 return RETRY
+            if admission.pin is not None:
+                current = admission.pin  # the same pin, at the revision it was restored to
             # The target lacks pin or request capacity; the pin is unchanged:
             # try the next provider with the same expected pin.
         return Rejection.UNAVAILABLE

@@ -14,6 +14,8 @@ looks at the state it produced and reports:
     I2d          taken pin slots of a pair > P, a pin slot index >= P, live pins of a pair > P,
                  or a live pin of a pair with limits whose pin slot is not taken in its name
     double-grant a taken slot overwritten by another lease (or pin) without passing through free
+    pending      a pending pin (being created or moved) holds no slot and no lease, and is
+                 not counted as a pin; a layout breach otherwise
     I-expiry     a pin deleted while its last value still lists leases (the pin would expire
                  under a lease it holds); live ones are named, with now = the latest time
                  written in any value so far (the injected clock's domain)
@@ -197,8 +199,15 @@ class _Replay:
             self.report("layout", f"pin value names session {pin.session!r} / model "
                                   f"{pin.model!r}, not the key's")
         pm = (pin.provider, parsed.mk)
-        self.live_pins[pm].add(key)
         self.pin_keys_by_id[pin.pin_id] = key
+        if pin.pending:
+            # Not a pin yet: it must hold nothing, and counts against no limit.
+            if pin.leases or pin.pin_slot is not None:
+                self.report("layout", f"pending pin {pin.pin_id} lists leases or a pin slot")
+            return
+        if pin.replaces is not None:
+            self.report("layout", f"active pin {pin.pin_id} still names the pin it replaced")
+        self.live_pins[pm].add(key)
         if not self.known(*pm):
             return
         limits = self.limits_of(*pm)

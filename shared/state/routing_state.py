@@ -162,29 +162,65 @@ class RoutingState:
         PIN_LIMIT_REACHED / UNRESERVED_IN_FLIGHT_REQUEST_LIMIT_REACHED when the pair lacks pin
         or unreserved request capacity; ALREADY_PINNED (pin None) when the session got pinned
         meanwhile. Any capacity taken on the way is given back before returning.
+
+        On a pair with limits the pin is written first, pending, and only then takes its pin
+        slot and lease: a pin slot is therefore never taken for a pin that no key names yet,
+        so repair can free a slot whose pin is gone without guessing whether its creator is
+        merely slow (see docs/adr/0001-routing-state.md).
         """
         pair = self._pair(provider, model)
         now = self._clock()
         pin_id = new_token(self._rng)
         key = pin_key(pair.mk, session)
-        pin_slot: tuple[int, int] | None = None
-        if pair.pin_slots is not None:
-            pin_slot = await self._take_pin_slot(pair.pin_slots, session, pin_id, now)
-            if pin_slot is None:
-                return Admission(AdmissionResult.PIN_LIMIT_REACHED)
-        lease = await self._grant(pair, LeaseKind.NEW_PIN, session, pin_id, edge_id, now)
+        if pair.pin_slots is None:
+            lease = await self._grant(pair, LeaseKind.NEW_PIN, session, pin_id, edge_id, now)
+            if lease is None:  # pragma: no cover - a pair without limits always grants
+                return Admission(AdmissionResult.UNRESERVED_IN_FLIGHT_REQUEST_LIMIT_REACHED)
+            value = PinValue(pin_id, provider, model, session, None, {lease.lease_id: lease.key}, now)
+            try:
+                revision = await self._kv.create(key, value.to_json())
+            except CasConflict:
+                await self._end(lease)
+                return Admission(AdmissionResult.ALREADY_PINNED)
+            return Admission(AdmissionResult.ADMITTED, Pin(key, revision, value), lease)
+
+        pending = PinValue(pin_id, provider, model, session, None, {}, now, pending=True)
+        try:
+            pending_revision = await self._kv.create(key, pending.to_json())
+        except CasConflict:
+            return Admission(AdmissionResult.ALREADY_PINNED)
+        result, pin, lease = await self._fill_pending(pair, pending, pending_revision, edge_id, now)
+        if result is not AdmissionResult.ADMITTED:
+            await self._delete(key, pending_revision)  # no-op if someone already replaced it
+        return Admission(result, pin, lease)
+
+    async def _fill_pending(
+        self, pair: _Pair, pending: PinValue, revision: int, edge_id: str | None, now: float
+    ) -> tuple[AdmissionResult, Pin | None, Lease | None]:
+        """Take a pin slot and a first lease for a pending pin, then activate it by CAS.
+
+        Returns ADMITTED with the active pin and lease; or the limit that stopped it, or
+        ALREADY_PINNED when the pending pin was replaced meanwhile (an abandoned pending pin
+        deleted by repair, or a concurrent move), with everything taken given back.
+        """
+        assert pair.pin_slots is not None
+        pin_slot = await self._take_pin_slot(pair.pin_slots, pending.session, pending.pin_id, now)
+        if pin_slot is None:
+            return AdmissionResult.PIN_LIMIT_REACHED, None, None
+        lease = await self._grant(pair, LeaseKind.NEW_PIN, pending.session, pending.pin_id,
+                                  edge_id, now)
         if lease is None:
             await self._give_back_pin_slot(pair, pin_slot)
-            return Admission(AdmissionResult.UNRESERVED_IN_FLIGHT_REQUEST_LIMIT_REACHED)
-        value = PinValue(pin_id, provider, model, session, None if pin_slot is None else pin_slot[0],
-                         {lease.lease_id: lease.key}, now)
+            return AdmissionResult.UNRESERVED_IN_FLIGHT_REQUEST_LIMIT_REACHED, None, None
+        active = replace(pending, pin_slot=pin_slot[0], leases={lease.lease_id: lease.key},
+                         pending=False, replaces=None)
         try:
-            revision = await self._kv.create(key, value.to_json())
+            activated = await self._kv.update(pending.key, active.to_json(), revision)
         except CasConflict:
             await self._end(lease)
-            await self._give_back_pin_slot(pair, pin_slot)
-            return Admission(AdmissionResult.ALREADY_PINNED)
-        return Admission(AdmissionResult.ADMITTED, Pin(key, revision, value), lease)
+            await self._free_pin_slot(pair.provider, pair.mk, pin_slot[0], pending.pin_id)
+            return AdmissionResult.ALREADY_PINNED, None, None
+        return AdmissionResult.ADMITTED, Pin(pending.key, activated, active), lease
 
     async def try_admit_pinned_session_request(
         self, model: str, session: str, *, pin: Pin | None = None, edge_id: str | None = None
@@ -201,6 +237,8 @@ class RoutingState:
             pin = _pin(await self._kv.get(key))
         if pin is None:
             return Admission(AdmissionResult.SESSION_NOT_PINNED)
+        if pin.pending:
+            return Admission(AdmissionResult.ALREADY_PINNED, pin)  # not usable yet: route again
         pair = self._pair(pin.provider, model)
         per_session = (None if pair.limits is None
                        else pair.limits.max_per_session_in_flight_request_slots)
@@ -234,41 +272,60 @@ class RoutingState:
     ) -> RepinResult:
         """Move the session's pin to `provider` if it is still `expected_pin` (its revision).
 
-        Capacity on `provider` is taken first (failures leave the pin untouched: MATCHED with the
-        limit result). On success the old pin's slot is freed; the old pin's running leases
-        keep their slots on the old provider until they are released.
+        NOT_MATCHED when the pin changed meanwhile. When the target lacks capacity the pin is
+        the expected one again (MATCHED with the limit result; the admission's `pin` is that
+        pin at its current revision, for trying the next provider). On success the old pin's
+        slot is freed; the old pin's running leases keep their slots on the old provider
+        until they are released.
+
+        On a pair with limits the move is pin-first, like a creation: the pin is swapped to a
+        pending pin naming the target, which then takes its pin slot and lease; if the target
+        is full the expected pin's value is written back.
         """
         pair = self._pair(provider, model)
-        if expected_pin.key != pin_key(pair.mk, session):
-            return RepinResult(PinMatch.NOT_MATCHED, None)  # another session's or model's pin
         now = self._clock()
         pin_id = new_token(self._rng)
-        pin_slot: tuple[int, int] | None = None
-        if pair.pin_slots is not None:
-            pin_slot = await self._take_pin_slot(pair.pin_slots, session, pin_id, now)
-            if pin_slot is None:
+        key = expected_pin.key
+        if pair.pin_slots is None:
+            lease = await self._grant(pair, LeaseKind.NEW_PIN, session, pin_id, edge_id, now)
+            if lease is None:  # pragma: no cover - a pair without limits always grants
                 return RepinResult(PinMatch.MATCHED, Admission(
-                    AdmissionResult.PIN_LIMIT_REACHED, expected_pin))
-        lease = await self._grant(pair, LeaseKind.NEW_PIN, session, pin_id, edge_id, now)
-        if lease is None:
-            await self._give_back_pin_slot(pair, pin_slot)
-            return RepinResult(PinMatch.MATCHED, Admission(
-                AdmissionResult.UNRESERVED_IN_FLIGHT_REQUEST_LIMIT_REACHED, expected_pin))
-        value = PinValue(pin_id, provider, model, session, None if pin_slot is None else pin_slot[0],
-                         {lease.lease_id: lease.key}, now)
-        try:
-            revision = await self._kv.update(expected_pin.key, value.to_json(),
-                                             expected_pin.revision)
-        except CasConflict:
-            await self._end(lease)
-            await self._give_back_pin_slot(pair, pin_slot)
-            return RepinResult(PinMatch.NOT_MATCHED, None)
-        if expected_pin.pin_slot is not None:
+                    AdmissionResult.UNRESERVED_IN_FLIGHT_REQUEST_LIMIT_REACHED, expected_pin))
+            value = PinValue(pin_id, provider, model, session, None, {lease.lease_id: lease.key},
+                             now)
+            try:
+                revision = await self._kv.update(key, value.to_json(), expected_pin.revision)
+            except CasConflict:
+                await self._end(lease)
+                return RepinResult(PinMatch.NOT_MATCHED, None)
+            moved = Pin(key, revision, value)
+        else:
+            pending = PinValue(pin_id, provider, model, session, None, {}, now, pending=True,
+                               replaces=expected_pin.id)
+            try:
+                pending_revision = await self._kv.update(key, pending.to_json(),
+                                                         expected_pin.revision)
+            except CasConflict:
+                return RepinResult(PinMatch.NOT_MATCHED, None)
+            result, pin, lease = await self._fill_pending(pair, pending, pending_revision,
+                                                          edge_id, now)
+            if result is AdmissionResult.ALREADY_PINNED:
+                return RepinResult(PinMatch.NOT_MATCHED, None)
+            if result is not AdmissionResult.ADMITTED:
+                try:
+                    restored = await self._kv.update(key, expected_pin.value.to_json(),
+                                                     pending_revision)
+                except CasConflict:
+                    return RepinResult(PinMatch.NOT_MATCHED, None)
+                return RepinResult(PinMatch.MATCHED, Admission(
+                    result, Pin(key, restored, expected_pin.value)))
+            assert pin is not None
+            moved = pin
+        if expected_pin.pin_slot is not None and not expected_pin.pending:
             old_mk = model_key(expected_pin.model)
             await self._free_pin_slot(expected_pin.provider, old_mk, expected_pin.pin_slot,
                                       expected_pin.id)
-        return RepinResult(PinMatch.MATCHED, Admission(
-            AdmissionResult.ADMITTED, Pin(expected_pin.key, revision, value), lease))
+        return RepinResult(PinMatch.MATCHED, Admission(AdmissionResult.ADMITTED, moved, lease))
 
     async def try_admit_request_without_pin(
         self, provider: str, model: str, *, edge_id: str | None = None
@@ -347,8 +404,8 @@ class RoutingState:
         """Delete every pin without leases idle for pin_inactivity_timeout; free its pin slot."""
         actions: list[ReaperAction] = []
         for entry, parsed, pin in _decoded(await self._kv.list(PIN_PREFIX), PinValue):
-            if not isinstance(parsed, PinKey):
-                continue
+            if not isinstance(parsed, PinKey) or pin.pending:
+                continue  # a pending pin is repair's business, not expiry's
             if not pin_is_idle_expired(pin, now, self.pin_inactivity_timeout):
                 continue
             revision = await self._delete(entry.key, entry.revision)
@@ -372,22 +429,37 @@ class RoutingState:
         - a pin slot taken for longer than `grace` whose pin is missing or is another pin: free
           (an admission or repin died before writing its pin, or an expiry before freeing it);
         - a lease listed in a pin whose slot is free or holds another lease: unlist (a release
-          or an expiry died before unlisting).
-        Reads are ordered so neither repair can act on an operation still in progress: pin slots
-        are read before pins (a slot's pin is written after the slot), pins before leases (a
-        lease is listed after its slot is taken). `grace` must exceed any admission's duration.
+          or an expiry died before unlisting);
+        - a pending pin older than lease_timeout: delete (its creator died or stalls; if it
+          resumes, its activation CAS fails and it gives back what it took).
+        Reads are ordered so no repair acts on an operation still in progress: abandoned pending
+        pins go first (so their slots are freed in the same pass); then pin slots are read before
+        pins (a pin, pending or active, is written before the slot that names it, so a slot
+        whose pin is missing from a later read is orphaned for good, however slow its writer);
+        pins before leases (a lease is listed after its slot is taken). `grace` only delays
+        freeing; safety does not depend on it.
         """
         actions: list[ReaperAction] = []
+        for entry, _, pin in _decoded(await self._kv.list(PIN_PREFIX), PinValue):
+            if pin.pending and now >= pin.refreshed_at + self.lease_timeout:
+                revision = await self._delete(entry.key, entry.revision)
+                if revision is not None:
+                    actions.append(ReaperAction(
+                        ReaperActionKind.ABANDONED_PIN_DELETED, entry.key, revision, pin.provider,
+                        pin.model, pin.session, pin.pin_id))
         pin_slots = _decoded(await self._kv.list(PIN_SLOT_PREFIX), PinSlotValue)
         pins = _decoded(await self._kv.list(PIN_PREFIX), PinValue)
         leases = _decoded(await self._kv.list(LEASE_PREFIX), LeaseSlotValue)
-        pin_ids = {entry.key: pin.pin_id for entry, _, pin in pins}
+        # A slot stays its pin's while the pin key names it, as the pin or as the pin a
+        # pending move replaces (written back if the move fails).
+        owners = {(entry.key, pin.pin_id) for entry, _, pin in pins}
+        owners |= {(entry.key, pin.replaces) for entry, _, pin in pins if pin.replaces}
         for entry, parsed, slot in pin_slots:
             if not isinstance(parsed, PinSlotKey) or not slot.is_taken or slot.session is None:
                 continue
             if slot.at is not None and now < slot.at + grace:
                 continue
-            if pin_ids.get(pin_key(parsed.mk, slot.session)) == slot.pin_id:
+            if (pin_key(parsed.mk, slot.session), slot.pin_id) in owners:
                 continue
             family = self.mirror.family(pin_slot_prefix(parsed.provider, parsed.mk))
             revision = await self._free_slot(family, entry.key, parsed.index, entry.revision)

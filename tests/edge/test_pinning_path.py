@@ -111,7 +111,7 @@ async def test_client_disconnect_mid_stream_releases_the_lease(gateway):
         async with http.stream("POST", gateway.url + CHAT_PATH, json=turn(max_tokens=200, stream=True)) as r:
             async for _ in r.aiter_lines():
                 break
-            assert len(await taken_leases(gateway)) == 1
+            assert len(await taken_leases(gateway)) == 1, dict(r.headers)
     await eventually(lambda: _no_leases(gateway))
 
 
