@@ -175,7 +175,22 @@ class NatsKV:
                 entry = await consumer.next()
                 if entry is not None:
                     latest[entry.key] = entry
+            # A key rewritten while the replay ran lost its replayed message (history 1) and
+            # its new one may come after "caught up": read on to the prefix's last write as of
+            # now, or a listing could miss a live key (and repair would act on its absence).
+            target = await self._last_sequence(consumer.subject)
+            while consumer.last_sequence < target:
+                entry = await consumer.next()
+                if entry is not None:
+                    latest[entry.key] = entry
         return sorted((e for e in latest.values() if not e.deleted), key=lambda e: e.revision)
+
+    async def _last_sequence(self, subject: str) -> int:
+        """Stream sequence of the last message on `subject` (wildcards allowed), 0 if none."""
+        try:
+            return (await self._js.get_msg(self.stream, subject=subject, direct=False)).seq
+        except NotFoundError:
+            return 0
 
     async def watch(self, prefix: str) -> AsyncIterator[KVEntry]:
         validate_prefix(prefix)
@@ -208,9 +223,11 @@ class _PrefixConsumer:
         self._pre = pre
         self._prefix = prefix
         self._subject, self._needs_filter = _filter_subject(pre, prefix)
+        self.subject = self._subject
         self._queue: asyncio.Queue[Msg] = asyncio.Queue(maxsize=_WATCH_QUEUE_SIZE)
         self._sub: Any = None
         self.caught_up = False
+        self.last_sequence = 0  # stream sequence of the last message received (any key)
 
     async def __aenter__(self) -> _PrefixConsumer:
         # The same ordered push consumer `js.subscribe(ordered_consumer=True)` makes, created
@@ -259,6 +276,7 @@ class _PrefixConsumer:
                 if self._js._nc.is_closed:
                     raise ConnectionClosedError from None
         meta = msg.metadata
+        self.last_sequence = max(self.last_sequence, meta.sequence.stream)
         if meta.num_pending == 0:
             self.caught_up = True
         key = msg.subject[len(self._pre):]

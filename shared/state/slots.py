@@ -148,12 +148,16 @@ class SlotMirror:
                                                    name=f"slot-mirror {family.prefix}"))
 
     async def close(self) -> None:
+        """Stop following. Cancels until each watch task is done: a cancellation that lands
+        inside the NATS client's own timeout handling can be swallowed (Python 3.11), so one
+        cancel is not always enough."""
         tasks, self._tasks = self._tasks, []
         for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            while not task.done():
+                task.cancel()
+                await asyncio.wait({task}, timeout=0.5)
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                task.result()
 
     async def _follow(self, prefix: str) -> None:
         while True:
