@@ -65,6 +65,16 @@ def build_parser() -> argparse.ArgumentParser:
     _config_arg(admission)
     admission.set_defaults(target="llmgw.services.admission.main:run")
 
+    reaper = sub.add_parser("reaper", help="expires leases and idle pins, repairs interrupted transitions")
+    _config_arg(reaper)
+    reaper.set_defaults(target="llmgw.services.reaper.main:run")
+
+    state = sub.add_parser("state", help="pins, leases and capacity use, read from the live bucket")
+    _config_arg(state)
+    state.add_argument("--json", action="store_true", help="machine-readable output")
+    state.add_argument("--pins", action="store_true", help="also list every pin")
+    state.set_defaults(target="llmgw.services.state.main:run")
+
     config = sub.add_parser("config", help="configuration tools")
     config_sub = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
     check = config_sub.add_parser("check", help="validate a config file and print the effective config")

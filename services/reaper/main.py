@@ -1,0 +1,112 @@
+"""`llmgw reaper`: the composition root of the reaper service.
+
+Connects to NATS, opens the routing state (no slot mirror: the reaper takes no slots), and runs
+`Reaper` passes every `pinning.reaper_interval` until SIGTERM/SIGINT, which lets the current pass
+finish before exiting 0. Prints "llmgw reaper ready (...)" once running. Several reapers may run
+at once (each change is made, and announced, once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+import time
+import uuid
+from collections.abc import Callable
+
+from nats.aio.client import Client as NATS
+
+from llmgw import natsconn
+from llmgw.config import Config, parse_hostport
+from llmgw.events import EventPublisher
+from llmgw.runtime import load_or_exit, run_service, setup_logging
+from llmgw.services.reaper.metrics import ReaperMetrics
+from llmgw.services.reaper.service import Reaper, repair_grace, step_timeout
+from llmgw.state.routing_state import RoutingState
+from llmgw.state.setup import open_routing_state
+
+__all__ = ["open_reaper", "run", "serve"]
+
+log = logging.getLogger("llmgw.reaper")
+
+EMBEDDED_NATS_HELP = (
+    "nats.url is 'embedded': the reaper needs a running NATS server. `llmgw up` starts one "
+    "(and its own reaper); to run another reaper against it, set LLMGW_NATS__URL to the NATS "
+    "URL that `llmgw up` prints"
+)
+
+
+def run(args: argparse.Namespace) -> int:
+    setup_logging("reaper")
+    config = load_or_exit(args.config)
+    if config.nats.is_embedded:
+        print(f"llmgw reaper: {EMBEDDED_NATS_HELP}", file=sys.stderr)
+        return 2
+    admin_listen = getattr(args, "admin_listen", None)
+    admin = parse_hostport(admin_listen) if admin_listen else None
+    return run_service(lambda: serve(config, admin=admin))
+
+
+async def open_reaper(
+    nc: NATS,
+    config: Config,
+    *,
+    instance: str,
+    clock: Callable[[], float] = time.time,
+    metrics: ReaperMetrics | None = None,
+) -> tuple[Reaper, RoutingState]:
+    """A Reaper over the configured bucket, publishing on `nc`; close the state when done."""
+    pinning = config.pinning
+    routing = await open_routing_state(nc, config, instance_id=instance, follow_slots=False)
+    reaper = Reaper(
+        routing,
+        EventPublisher(nc, instance, clock=clock),
+        metrics or ReaperMetrics(),
+        clock=clock,
+        interval=pinning.reaper_interval,
+        grace=repair_grace(pinning.lease_timeout),
+        step_timeout=step_timeout(pinning.reaper_interval),
+    )
+    return reaper, routing
+
+
+async def serve(config: Config, *, admin: tuple[str, int] | None = None,
+                stop: asyncio.Event | None = None, ready: asyncio.Event | None = None) -> None:
+    """Run one reaper until `stop` is set (default: until SIGTERM or SIGINT).
+
+    `ready` is set once it runs (and its admin port, if any, accepts connections).
+    """
+    if stop is None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+    instance = f"reaper-{uuid.uuid4().hex[:8]}"
+    nc = await natsconn.connect(config.nats, name="llmgw-reaper")
+    admin_server = None
+    routing: RoutingState | None = None
+    try:
+        reaper, routing = await open_reaper(nc, config, instance=instance)
+        where = ""
+        if admin is not None:
+            # Imported only when asked for: the HTTP stack is not the reaper's default path.
+            from llmgw.services.reaper.admin import create_admin_app
+            from llmgw.serving import start_server
+
+            admin_server = await start_server(create_admin_app(reaper.metrics, nc), *admin)
+            where = f", admin {admin_server.url}"
+        print(f"llmgw reaper ready ({instance}, bucket {config.pinning.bucket}, "
+              f"every {reaper.interval:g}s{where})", flush=True)
+        if ready is not None:
+            ready.set()
+        await reaper.run(stop)
+        log.info("stopping after %d passes", reaper.passes)
+    finally:
+        if admin_server is not None:
+            await admin_server.stop()
+        if routing is not None:
+            await routing.close()
+        await nc.drain()

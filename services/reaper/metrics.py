@@ -1,0 +1,51 @@
+"""The reaper's Prometheus metrics, in a registry of its own (never the global one)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from llmgw.core.leases import ReaperActionKind
+
+_PASS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+STEPS = ("expire_leases", "expire_pins", "repair")
+
+
+class ReaperMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.actions = Counter(
+            "llmgw_reaper_actions",
+            "Changes this reaper made to the routing state, by kind.",
+            ["kind"],
+            registry=self.registry,
+        )
+        self.pass_duration = Histogram(
+            "llmgw_reaper_pass_duration_seconds",
+            "Duration of one reaper pass (every step, events included).",
+            buckets=_PASS_BUCKETS,
+            registry=self.registry,
+        )
+        self.last_pass = Gauge(
+            "llmgw_reaper_last_pass_timestamp_seconds",
+            "Unix time at which the last reaper pass ended.",
+            registry=self.registry,
+        )
+        self.step_failures = Counter(
+            "llmgw_reaper_step_failures",
+            "Reaper steps that raised or timed out (the next pass retries them).",
+            ["step"],
+            registry=self.registry,
+        )
+        self.unpublished_events = Counter(
+            "llmgw_reaper_unpublished_events",
+            "Changes made whose event could not be published.",
+            registry=self.registry,
+        )
+        # Pre-create every label so dashboards see zeros before the first action.
+        self._actions = {kind: self.actions.labels(kind.value) for kind in ReaperActionKind}
+        for step in STEPS:
+            self.step_failures.labels(step)
+
+    def count_action(self, kind: ReaperActionKind | str) -> None:
+        counter = self._actions.get(kind)  # type: ignore[call-overload]
+        (counter if counter is not None else self.actions.labels(str(kind))).inc()
