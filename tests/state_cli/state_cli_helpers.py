@@ -1,0 +1,29 @@
+"""Shared pieces of the `llmgw state` tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+LOCAL_CONFIG = REPO / "config" / "local.yaml"
+MODEL = "llama-3.3-70b"
+OTHER_MODEL = "qwen2.5-32b"
+IRIS = "iris"  # limits in config/local.yaml: P=200, G=64, R=16, S=4
+TENSORX = "tensorx"  # no limits
+
+
+def session_id(n: int) -> str:
+    """A session id as the edge makes them: a hex hash (a safe key token)."""
+    return f"{n:032x}"
+
+
+def write_config(path: Path, nats_url: str, bucket: str) -> Path:
+    """config/local.yaml pointed at `nats_url` and `bucket`."""
+    data: dict[str, Any] = yaml.safe_load(LOCAL_CONFIG.read_text())
+    data["nats"] = {"url": nats_url, "connect_timeout": "1s"}
+    data["pinning"] = {"bucket": bucket}
+    path.write_text(yaml.safe_dump(data))
+    return path

@@ -1,0 +1,122 @@
+"""`llmgw state` against a live bucket on a real nats-server: text and --json output, and the
+clear failures (embedded config, no bucket, no server) that never create anything."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from nats.aio.client import Client as NatsClient
+from nats.js.errors import NotFoundError
+from state_cli_helpers import IRIS, LOCAL_CONFIG, MODEL, REPO, TENSORX, session_id, write_config
+
+from llmgw.config import load_config
+from llmgw.core.leases import AdmissionResult
+from llmgw.services.state.main import run
+from llmgw.serving import free_port
+from llmgw.state import open_routing_bucket
+from llmgw.state.routing_state import RoutingState
+from llmgw.state.setup import limits_from_config
+
+
+async def _populate(nc: NatsClient, config_file: Path) -> None:
+    """Two pins on iris (one with two leases), one on tensorx, one temporary lease on iris that
+    an edge abandoned a minute ago (expired, not yet reaped)."""
+    config = load_config(config_file, env={})
+    kv = await open_routing_bucket(nc.jetstream(), config.pinning.bucket)
+    limits = limits_from_config(config)
+    # Not started: the only writers on a new bucket need no slot mirror.
+    a_minute_ago = RoutingState(kv, limits, clock=lambda: time.time() - 60, rng=random.Random(1))
+    now = RoutingState(kv, limits, clock=time.time, rng=random.Random(2))
+    admissions = [await a_minute_ago.try_admit_request_without_pin(IRIS, MODEL)]
+    for session, provider in ((1, IRIS), (2, IRIS), (3, TENSORX)):
+        admissions.append(await now.try_admit_unpinned_session_request(
+            provider, MODEL, session_id(session)))
+    admissions.append(await now.try_admit_pinned_session_request(MODEL, session_id(2)))
+    assert {a.result for a in admissions} == {AdmissionResult.ADMITTED}
+
+
+async def test_json_output_counts_the_live_bucket(
+    tmp_path: Path, nats_url: str, bucket: str, nats_client: NatsClient,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    config_file = write_config(tmp_path / "c.yaml", nats_url, bucket)
+    await _populate(nats_client, config_file)
+
+    # run() owns its event loop, as the console command does: give it a thread.
+    code = await asyncio.to_thread(
+        run, argparse.Namespace(config=str(config_file), json=True, pins=True))
+    out = capsys.readouterr().out
+    assert code == 0
+    data = json.loads(out)
+    assert data["bucket"] == bucket
+    pairs = {(p["provider"], p["model"]): p for p in data["pairs"]}
+    iris = pairs[(IRIS, MODEL)]
+    assert (iris["pins"], iris["leases"], iris["live_leases"], iris["expired_leases"]) == (
+        2, 4, 3, 1)
+    assert iris["top_sessions"][0] == {"session": session_id(2), "leases": 2}
+    assert (pairs[(TENSORX, MODEL)]["pins"], pairs[(TENSORX, MODEL)]["leases"]) == (1, 1)
+    assert sorted(p["session"] for p in data["pins"]) == [session_id(n) for n in (1, 2, 3)]
+
+
+async def test_text_output_from_the_command_line(
+    tmp_path: Path, nats_url: str, bucket: str, nats_client: NatsClient,
+) -> None:
+    """The real console entry (`python -m llmgw state --pins`) on an empty bucket."""
+    config_file = write_config(tmp_path / "c.yaml", nats_url, bucket)
+    await open_routing_bucket(nats_client.jetstream(), bucket)  # as the first service does
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("LLMGW_")}
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "llmgw", "state", "--config", str(config_file), "--pins",
+        cwd=REPO, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    async with asyncio.timeout(30):
+        out, err = await process.communicate()
+    assert process.returncode == 0, err.decode()
+    lines = out.decode().splitlines()
+    assert lines[0] == (f"routing bucket {bucket}: lease timeout 30s, "
+                        "pin inactivity timeout 5m")
+    assert lines[1].startswith("read at ") and lines[1].endswith(" UTC")
+    assert [line.split() for line in lines if line.startswith(f"{IRIS} ")] == [
+        [IRIS, MODEL, "0/200", "0/64", "0/16", "0", "-"],
+        [IRIS, "qwen2.5-32b", "0/200", "0/64", "0/16", "0", "-"]]
+    assert lines[-1] == "pins (0):"
+
+
+async def test_a_missing_bucket_exits_1_and_is_not_created(
+    tmp_path: Path, nats_url: str, bucket: str, nats_client: NatsClient,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    config_file = write_config(tmp_path / "c.yaml", nats_url, bucket)
+    code = await asyncio.to_thread(
+        run, argparse.Namespace(config=str(config_file), json=False, pins=False))
+    assert code == 1
+    assert f"no routing bucket '{bucket}'" in capsys.readouterr().err
+    with pytest.raises(NotFoundError):
+        await nats_client.jetstream().stream_info(f"KV_{bucket}")
+
+
+def test_an_unreachable_server_exits_1_quickly(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    config_file = write_config(tmp_path / "c.yaml", f"nats://127.0.0.1:{free_port()}", "b")
+    started = time.monotonic()
+    code = run(argparse.Namespace(config=str(config_file), json=False, pins=False))
+    assert code == 1
+    assert time.monotonic() - started < 10
+    assert "cannot read from NATS" in capsys.readouterr().err
+
+
+def test_an_embedded_nats_config_exits_2_explaining_what_to_set(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code = run(argparse.Namespace(config=str(LOCAL_CONFIG), json=False, pins=False))
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "LLMGW_NATS__URL=nats://HOST:PORT llmgw state" in err and "llmgw up" in err
