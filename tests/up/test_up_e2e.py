@@ -16,7 +16,9 @@ from up_harness import UpProcess, process_exists
 pytestmark = pytest.mark.e2e
 
 READY = r"^llmgw is ready: OpenAI API at (http://\S+/v1) \(Ctrl-C to stop\)$"
-SERVICES = {"nats", "engine-1", "engine-2", "tensorx-east", "tensorx-west", "admission", "edge"}
+SERVICES = {
+    "nats", "engine-1", "engine-2", "tensorx-east", "tensorx-west", "admission", "reaper", "edge",
+}
 
 
 def _chat(api: str) -> httpx.Response:
@@ -49,8 +51,9 @@ def test_up_serves_a_chat_completion_and_stops_cleanly_on_sigterm(
     assert "llmgw up: stopped" in up.lines
     assert not [name for name, pid in pids.items() if process_exists(pid)]
     order = _stop_order(up)
-    assert order[:2] == ["edge", "admission"]
-    assert set(order[2:]) == {"engine-1", "engine-2", "tensorx-east", "tensorx-west"}
+    assert order[0] == "edge"
+    assert set(order[1:3]) == {"admission", "reaper"}  # one tier, stopped together
+    assert set(order[3:]) == {"engine-1", "engine-2", "tensorx-east", "tensorx-west"}
 
 
 def test_up_restarts_a_killed_engine_and_keeps_serving(

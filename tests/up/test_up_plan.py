@@ -24,6 +24,7 @@ def test_plans_simulators_then_admission_then_edge_for_the_local_config() -> Non
         ("tensorx-east", "sim-provider", 0),
         ("tensorx-west", "sim-provider", 0),
         ("admission", "admission", 1),
+        ("reaper", "reaper", 1),
         ("edge", "edge", 2),
     ]
     by_name = {s.name: s for s in plan}
@@ -32,6 +33,8 @@ def test_plans_simulators_then_admission_then_edge_for_the_local_config() -> Non
     )
     assert by_name["tensorx-west"].argv[:2] == ("sim", "provider")
     assert by_name["admission"].argv == ("admission", "--config", "config/local.yaml")
+    assert by_name["reaper"].argv == ("reaper", "--config", "config/local.yaml")
+    assert by_name["reaper"].listens == ()  # no port of its own (metrics only on request)
     assert by_name["edge"].argv == ("edge", "--config", "config/local.yaml")
     assert [str(a) for a in by_name["edge"].listens] == ["127.0.0.1:8080", "127.0.0.1:9090"]
     assert [str(a) for a in by_name["engine-2"].listens] == ["127.0.0.1:8102"]
@@ -43,7 +46,7 @@ def test_endpoints_without_simulate_are_not_started() -> None:
         if endpoint["provider"] == "tensorx":
             del endpoint["simulate"]
     plan = plan_cluster(config_from_dict(data, env={}), "c.yaml")
-    assert [s.name for s in plan] == ["engine-1", "engine-2", "admission", "edge"]
+    assert [s.name for s in plan] == ["engine-1", "engine-2", "admission", "reaper", "edge"]
 
 
 @pytest.mark.parametrize(
@@ -52,6 +55,8 @@ def test_endpoints_without_simulate_are_not_started() -> None:
         ("llmgw sim engine ready on http://127.0.0.1:8101", "sim-engine", True),
         ("llmgw sim provider ready on http://127.0.0.1:8201", "sim-provider", True),
         ("llmgw admission ready (adm-1)", "admission", True),
+        ("llmgw reaper ready (reaper-1, bucket llmgw_routing, every 1s)", "reaper", True),
+        ("llmgw admission ready", "reaper", False),
         ("llmgw edge ready on http://127.0.0.1:8080 (admin http://127.0.0.1:9090)", "edge", True),
         ("INFO waiting until llmgw edge is ready", "edge", False),
         ("llmgw admission ready", "edge", False),
