@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import socket
 import sys
 from collections.abc import Awaitable, Callable
 
 from llmgw.config import ConfigError, load_config
 from llmgw.config.schema import Config
+
+
+def service_instance(service: str) -> str:
+    """This process's name in events and lease records: service, host and pid."""
+    return f"{service}-{socket.gethostname()}-{os.getpid()}"
 
 
 def setup_logging(service: str) -> None:

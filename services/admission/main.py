@@ -6,7 +6,14 @@ import argparse
 import logging
 
 from llmgw import natsconn
-from llmgw.runtime import load_or_exit, run_service, setup_logging, wait_for_stop_signal
+from llmgw.events import EventPublisher
+from llmgw.runtime import (
+    load_or_exit,
+    run_service,
+    service_instance,
+    setup_logging,
+    wait_for_stop_signal,
+)
 from llmgw.services.admission.health import HealthBoard, HealthProber
 from llmgw.services.admission.service import AdmissionService
 from llmgw.state.setup import open_routing_state
@@ -32,8 +39,11 @@ def run(args: argparse.Namespace) -> int:
             interval=config.router.scrape_interval,
             timeout=config.router.scrape_timeout,
         )
-        routing = await open_routing_state(nc, config, instance_id="admission")
-        service = AdmissionService(config, nc, routing, board)
+        instance = service_instance("admission")
+        routing = await open_routing_state(nc, config, instance_id=instance)
+        service = AdmissionService(
+            config, nc, routing, board, events=EventPublisher(nc, instance)
+        )
         await service.start()
         prober.start()
         print(f"llmgw admission ready ({service.instance})", flush=True)

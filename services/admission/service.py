@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
-from llmgw.core.pinning import PinningRouter, Placement, Rejection
+from llmgw.core.pinning import PinningRouter, Placement, Rejection, Route
 from llmgw.core.requests import Feature
 from llmgw.core.routing import (
     EndpointView,
@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from nats.aio.subscription import Subscription
 
     from llmgw.config.schema import Config
+    from llmgw.events import EventPublisher
     from llmgw.state.routing_state import RoutingState
 
 log = logging.getLogger("llmgw.admission")
@@ -95,11 +96,13 @@ class AdmissionService:
         routing: RoutingState,
         health: HealthBoard | None = None,
         *,
+        events: EventPublisher | None = None,
         rng: random.Random | None = None,
     ) -> None:
         self._config = config
         self._nc = nc
         self.routing = routing
+        self.events = events
         self.health = health or HealthBoard()
         self.instance = f"admission-{uuid.uuid4().hex[:8]}"
         self._rng = rng or random.Random()
@@ -157,6 +160,7 @@ class AdmissionService:
                 RejectReason.NO_CAPACITY,
                 f"No provider can take a '{model}' request right now.",
             )
+        await self._announce(placed)
         endpoint = self._endpoint(placed.provider, model, request.exclude_endpoints)
         if endpoint is None:
             if placed.lease is not None:
@@ -181,6 +185,15 @@ class AdmissionService:
             route=placed.route.value,
             refresh_pin_on_success=placed.refresh_pin_on_success,
         )
+
+    async def _announce(self, placed: Placement) -> None:
+        """Publish the pin change this placement made (core NATS: never waits, never raises)."""
+        if self.events is None or placed.pin is None:
+            return
+        if placed.route is Route.NEW_PIN:
+            await self.events.publish_pin_created(placed.pin, placed.lease)
+        elif placed.route is Route.REPINNED and placed.moved_from is not None:
+            await self.events.publish_pin_moved(placed.moved_from, placed.pin, placed.lease)
 
     async def _answer(self, msg: Msg) -> None:
         try:

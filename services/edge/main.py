@@ -8,7 +8,13 @@ import logging
 
 from llmgw import natsconn
 from llmgw.config import parse_hostport
-from llmgw.runtime import load_or_exit, run_service, setup_logging, wait_for_stop_signal
+from llmgw.runtime import (
+    load_or_exit,
+    run_service,
+    service_instance,
+    setup_logging,
+    wait_for_stop_signal,
+)
 from llmgw.services.edge.admin import create_admin_app
 from llmgw.services.edge.app import EdgeDeps, create_app
 from llmgw.services.edge.metrics import EdgeMetrics
@@ -28,7 +34,9 @@ def run(args: argparse.Namespace) -> int:
     async def main() -> None:
         nc = await natsconn.connect(config.nats, name="llmgw-edge")
         session = new_session(Timeouts.from_section(config.timeouts))
-        routing = await open_routing_state(nc, config, instance_id="edge", follow_slots=False)
+        routing = await open_routing_state(
+            nc, config, instance_id=service_instance("edge"), follow_slots=False
+        )
         deps = EdgeDeps(nc=nc, session=session, metrics=EdgeMetrics(), routing=routing)
         app = create_app(config, deps)
         api = await start_server(app, host, port)

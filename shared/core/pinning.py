@@ -89,6 +89,7 @@ class Placement:
     lease: Lease | None
     refresh_pin_on_success: bool
     pin: Pin | None = None
+    moved_from: Pin | None = None  # REPINNED: the pin as it was before the move
 
 
 class Rejection(enum.StrEnum):
@@ -205,7 +206,9 @@ class PinningRouter:
                 return RETRY
             admission = result.admission
             if admission.result is AdmissionResult.ADMITTED:
-                return Placement(provider, Route.REPINNED, admission.lease, True, admission.pin)
+                return Placement(
+                    provider, Route.REPINNED, admission.lease, True, admission.pin, moved_from=current
+                )
             if admission.result is AdmissionResult.ALREADY_PINNED:
                 return RETRY
             if admission.pin is not None:

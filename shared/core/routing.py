@@ -1,10 +1,9 @@
-"""Choosing a target for an admitted request (the foundation's rule).
+"""The routing view of providers and endpoints at one moment.
 
-The rule today: the highest-priority provider that serves (model, feature)
-and is not degraded, and within it the highest-priority healthy endpoint.
-Managed providers come before unlimited ones (seed 000: prefer our own).
-Pins, leases, capacity and scoring layer on top of this in later modules;
-the snapshot shape is what they will read too.
+Admission builds a RoutingSnapshot from the config and endpoint health; the
+pinning algorithm picks the provider, then the snapshot yields the provider's
+usable endpoints (highest endpoint priority first). Endpoint scoring and
+balancing read the same views.
 """
 
 from __future__ import annotations
@@ -71,34 +70,3 @@ class RoutingSnapshot:
     """Providers in priority order (managed first), as of one moment."""
 
     providers: tuple[ProviderView, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class Routed:
-    provider: ProviderView
-    endpoint: EndpointView
-
-
-class NoRoute(enum.StrEnum):
-    UNSUPPORTED = "unsupported"  # nobody serves (model, feature)
-    NO_CAPACITY = "no_capacity"  # someone does, but nothing is usable now
-
-
-def first_available(
-    snapshot: RoutingSnapshot,
-    model: str,
-    feature: Feature,
-    exclude_endpoints: Collection[str] = (),
-) -> Routed | NoRoute:
-    """The first usable endpoint of the first suitable provider, or why there is none."""
-    supported = False
-    for provider in snapshot.providers:
-        if not provider.supports(model, feature):
-            continue
-        supported = True
-        if provider.degraded(model):
-            continue
-        candidates = provider.healthy_endpoints(model, exclude_endpoints)
-        if candidates:
-            return Routed(provider, candidates[0])
-    return NoRoute.NO_CAPACITY if supported else NoRoute.UNSUPPORTED

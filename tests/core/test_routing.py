@@ -1,58 +1,32 @@
-"""The foundation's routing rule: first usable endpoint of the first suitable provider."""
+"""The routing view: which endpoints of a provider are usable, and when a provider is degraded."""
 
 from llmgw.core.requests import Feature
-from llmgw.core.routing import (
-    EndpointView,
-    NoRoute,
-    ProviderKind,
-    ProviderView,
-    RoutingSnapshot,
-    first_available,
-)
-
-ALL = frozenset(Feature)
+from llmgw.core.routing import EndpointView, ProviderKind, ProviderView
 
 
-def provider(pid, kind, endpoints, features=None):
-    return ProviderView(pid, kind, {"m": features or ALL}, tuple(endpoints))
+def provider(kind, endpoints, features=frozenset(Feature)):
+    return ProviderView("p", kind, {"m": features}, tuple(endpoints))
 
 
-def ep(eid, pid, healthy=True):
-    return EndpointView(eid, f"http://{eid}", pid, frozenset({"m"}), healthy=healthy)
+def ep(eid, healthy=True, models=("m",)):
+    return EndpointView(eid, f"http://{eid}", "p", frozenset(models), healthy=healthy)
 
 
-def test_managed_provider_is_preferred_when_healthy():
-    snap = RoutingSnapshot((
-        provider("iris", ProviderKind.MANAGED, [ep("e1", "iris"), ep("e2", "iris")]),
-        provider("tx", ProviderKind.UNLIMITED, [ep("t1", "tx")]),
-    ))
-    routed = first_available(snap, "m", Feature.CHAT)
-    assert (routed.provider.id, routed.endpoint.id) == ("iris", "e1")
+def test_healthy_endpoints_keep_their_order_and_skip_unhealthy_excluded_and_other_models():
+    view = provider(ProviderKind.MANAGED, [ep("e1", False), ep("e2"), ep("e3"), ep("e4", models=("x",))])
+    assert [e.id for e in view.healthy_endpoints("m")] == ["e2", "e3"]
+    assert [e.id for e in view.healthy_endpoints("m", exclude={"e2"})] == ["e3"]
 
 
-def test_unhealthy_endpoint_is_skipped_and_degraded_provider_falls_through():
-    snap = RoutingSnapshot((
-        provider("iris", ProviderKind.MANAGED, [ep("e1", "iris", False), ep("e2", "iris")]),
-        provider("tx", ProviderKind.UNLIMITED, [ep("t1", "tx")]),
-    ))
-    assert first_available(snap, "m", Feature.CHAT).endpoint.id == "e2"
-    degraded = RoutingSnapshot((
-        provider("iris", ProviderKind.MANAGED, [ep("e1", "iris", False)]),
-        provider("tx", ProviderKind.UNLIMITED, [ep("t1", "tx")]),
-    ))
-    assert first_available(degraded, "m", Feature.CHAT).provider.id == "tx"
+def test_a_managed_provider_without_a_healthy_endpoint_is_degraded_an_unlimited_one_never():
+    assert provider(ProviderKind.MANAGED, [ep("e1", False)]).degraded("m")
+    assert not provider(ProviderKind.MANAGED, [ep("e1", False), ep("e2")]).degraded("m")
+    assert not provider(ProviderKind.UNLIMITED, [ep("e1", False)]).degraded("m")
 
 
-def test_unsupported_feature_versus_no_capacity():
-    snap = RoutingSnapshot((
-        provider("iris", ProviderKind.MANAGED, [ep("e1", "iris", False)], frozenset({Feature.CHAT})),
-    ))
-    assert first_available(snap, "m", Feature.EMBEDDINGS) is NoRoute.UNSUPPORTED
-    assert first_available(snap, "m", Feature.CHAT) is NoRoute.NO_CAPACITY
-    assert first_available(snap, "other", Feature.CHAT) is NoRoute.UNSUPPORTED
-
-
-def test_excluded_endpoints_are_not_chosen():
-    snap = RoutingSnapshot((provider("iris", ProviderKind.MANAGED, [ep("e1", "iris"), ep("e2", "iris")]),))
-    assert first_available(snap, "m", Feature.CHAT, exclude_endpoints={"e1"}).endpoint.id == "e2"
-    assert first_available(snap, "m", Feature.CHAT, exclude_endpoints={"e1", "e2"}) is NoRoute.NO_CAPACITY
+def test_supports_means_the_model_with_that_feature():
+    view = provider(ProviderKind.MANAGED, [ep("e1")], frozenset({Feature.CHAT}))
+    assert view.supports("m", Feature.CHAT)
+    assert not view.supports("m", Feature.EMBEDDINGS)
+    assert not view.supports("other", Feature.CHAT)
+    assert EndpointView("e", "u", "p", frozenset({"m"}), upstream_models={"m": "m-v2"}).upstream_model("m") == "m-v2"

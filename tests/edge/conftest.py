@@ -11,6 +11,7 @@ import pytest
 import pytest_asyncio
 
 from llmgw.config import Config, config_from_dict
+from llmgw.events import EventPublisher
 from llmgw.services.admission.service import AdmissionService
 from llmgw.services.edge.app import EdgeDeps, create_app
 from llmgw.services.edge.metrics import EdgeMetrics
@@ -99,7 +100,9 @@ async def gateway(
     config = gateway_config(nats_url, {k: v.url for k, v in engines.items()}, f"routing_{unique_id}")
     admission_nc = await nats.connect(nats_url)
     routing = await open_routing_state(admission_nc, config, instance_id="admission")
-    admission = AdmissionService(config, admission_nc, routing)
+    admission = AdmissionService(
+        config, admission_nc, routing, events=EventPublisher(admission_nc, "admission-test")
+    )
     await admission.start()
     edge_nc = await nats.connect(nats_url)
     session = new_session(Timeouts.from_section(config.timeouts))

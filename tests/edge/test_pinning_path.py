@@ -7,6 +7,7 @@ import httpx
 import pytest
 
 from llmgw.core.leasekeys import LEASE_PREFIX, LeaseSlotValue
+from llmgw.events import EVENTS_SUBJECT_PREFIX, parse_event
 from llmgw.services.sim.params import EngineParams
 
 CHAT_PATH = "/v1/chat/completions"
@@ -61,6 +62,13 @@ async def _no_leases(gateway):
 
 async def test_degraded_provider_repins_the_session_once_and_it_stays(gateway, nats_client):
     moved = []
+    events = []
+
+    async def record(msg):
+        events.append(parse_event(msg.data))
+
+    sub = await nats_client.subscribe(f"{EVENTS_SUBJECT_PREFIX}.pin.>", cb=record)
+    await nats_client.flush()
 
     async with httpx.AsyncClient() as http:
         first = await http.post(gateway.url + CHAT_PATH, json=turn())
@@ -74,6 +82,11 @@ async def test_degraded_provider_repins_the_session_once_and_it_stays(gateway, n
         new_pin = await gateway.routing.get_pin("m1", first_session)
     assert moved == ["tensorx"] * 3
     assert new_pin.provider == "tensorx" and new_pin.id != pin.id
+    await nats_client.flush()
+    await sub.unsubscribe()
+    # Admission announced exactly what it did: one pin created, one pin moved.
+    assert [e.event for e in events] == ["pin.created", "pin.moved"], events
+    assert events[1].from_provider == "iris" and events[1].provider == "tensorx"
     # Only the first request after the flip moved it: the pin's identity stayed since.
     assert new_pin.refreshed_at >= pin.refreshed_at
 
