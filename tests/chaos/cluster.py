@@ -1,0 +1,101 @@
+"""Services as real processes (edge, admission, reaper) for crash and pause tests."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import yaml
+
+from llmgw.serving import free_port
+
+MODEL = "chat-model"
+
+
+def write_config(path: Path, nats_url: str, engine_url: str, bucket: str, limits: dict, **pinning) -> Path:
+    data = {
+        "listen": f"127.0.0.1:{free_port()}",
+        "admin_listen": f"127.0.0.1:{free_port()}",
+        "nats": {"url": nats_url, "request_timeout": "2s"},
+        "router": {"scrape_interval": "60s"},
+        "timeouts": {"first_token": "30s", "idle": "30s", "total": "60s"},
+        "pinning": {"bucket": bucket, "history": 64, **pinning},
+        "models": [{"name": MODEL}],
+        "providers": [
+            {"id": "iris", "kind": "managed", "models": [{"name": MODEL, "limits": limits}]},
+        ],
+        "endpoints": [{"id": "engine-1", "url": engine_url, "provider": "iris", "models": [MODEL]}],
+    }
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+class Service:
+    """`python -m llmgw <command> --config F`, with its output collected line by line."""
+
+    def __init__(self, command: str, config: Path) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("LLMGW_")}
+        env["PYTHONUNBUFFERED"] = "1"
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "llmgw", command, "--config", str(config)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
+        self.lines: list[str] = []
+        self._ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.lines.append(line.rstrip())
+            if " ready" in line:
+                self._ready.set()
+
+    def wait_ready(self, timeout: float = 30) -> None:
+        if not self._ready.wait(timeout):
+            raise AssertionError("service never got ready:\n" + "\n".join(self.lines[-30:]))
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def signal(self, sig: int) -> None:
+        os.kill(self.process.pid, sig)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            with_cont = [signal.SIGCONT, signal.SIGTERM]
+            for sig in with_cont:
+                try:
+                    os.kill(self.process.pid, sig)
+                except ProcessLookupError:
+                    return
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)
+
+
+def edge_url(config: Path) -> str:
+    return "http://" + yaml.safe_load(config.read_text())["listen"]
+
+
+async def eventually(predicate, timeout: float, interval: float = 0.05) -> float:
+    """Poll an observable async condition; the seconds it took (AssertionError past `timeout`)."""
+    started = time.monotonic()
+    while not await predicate():
+        if time.monotonic() - started > timeout:
+            raise AssertionError("condition never held")
+        await asyncio.sleep(interval)
+    return time.monotonic() - started
