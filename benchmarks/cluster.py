@@ -76,7 +76,13 @@ def _config(nats_url: str, engine_url: str, edge_port: int, admin_port: int) -> 
     }
 
 
-def _start(name: str, argv: list[str], cpus: set[int], logdir: Path, env: dict) -> Proc:
+def pin_process(pid: int, cpus: set[int]) -> None:
+    """Pin every thread of a running process (sched_setaffinity on a pid pins one thread)."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        os.sched_setaffinity(int(task.name), cpus)
+
+
+def start_process(name: str, argv: list[str], cpus: set[int], logdir: Path, env: dict) -> Proc:
     log = logdir / f"{name}.log"
     popen = subprocess.Popen(
         argv, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True
@@ -85,7 +91,7 @@ def _start(name: str, argv: list[str], cpus: set[int], logdir: Path, env: dict) 
     return Proc(name, popen, log)
 
 
-def _wait_ready(proc: Proc, marker: str, timeout: float = 30) -> None:
+def wait_ready(proc: Proc, marker: str, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if marker in proc.log.read_text():
@@ -103,7 +109,7 @@ def running_cluster(gateway_cpus: set[int], engine_cpus: set[int]):
         logdir = Path(tmp)
         nats = EmbeddedNats()
         nats.start()
-        os.sched_setaffinity(nats.pid, gateway_cpus)
+        pin_process(nats.pid, gateway_cpus)
         engine_port, edge_port, admin_port = free_port(), free_port(), free_port()
         engine_url = f"http://127.0.0.1:{engine_port}"
         config_path = logdir / "bench.yaml"
@@ -113,20 +119,20 @@ def running_cluster(gateway_cpus: set[int], engine_cpus: set[int]):
         cluster = Cluster(edge_url=f"http://127.0.0.1:{edge_port}", engine_url=engine_url, nats=nats)
         try:
             sim_args = [f"--set={s}" for s in ZERO_DELAY]
-            cluster.procs["engine"] = _start(
+            cluster.procs["engine"] = start_process(
                 "engine",
                 [*cli, "sim", "engine", "--port", str(engine_port), "--model", "bench-model", *sim_args],
                 engine_cpus, logdir, env,
             )
-            _wait_ready(cluster.procs["engine"], "ready")
-            cluster.procs["admission"] = _start(
+            wait_ready(cluster.procs["engine"], "ready")
+            cluster.procs["admission"] = start_process(
                 "admission", [*cli, "admission", "--config", str(config_path)], gateway_cpus, logdir, env
             )
-            _wait_ready(cluster.procs["admission"], "ready")
-            cluster.procs["edge"] = _start(
+            wait_ready(cluster.procs["admission"], "ready")
+            cluster.procs["edge"] = start_process(
                 "edge", [*cli, "edge", "--config", str(config_path)], gateway_cpus, logdir, env
             )
-            _wait_ready(cluster.procs["edge"], "ready")
+            wait_ready(cluster.procs["edge"], "ready")
             httpx.get(cluster.edge_url + "/v1/models").raise_for_status()
             yield cluster
         finally:
