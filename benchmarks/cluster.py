@@ -69,7 +69,23 @@ def _config(nats_url: str, engine_url: str, edge_port: int, admin_port: int) -> 
         "nats": {"url": nats_url},
         "router": {"scrape_interval": "2s"},
         "models": [{"name": "bench-model"}],
-        "providers": [{"id": "local", "kind": "managed", "models": [{"name": "bench-model"}]}],
+        "providers": [
+            {
+                "id": "local",
+                "kind": "managed",
+                "models": [
+                    {
+                        "name": "bench-model",
+                        "limits": {
+                            "max_pinned_sessions": 1000,
+                            "max_global_in_flight_request_slots": 256,
+                            "global_in_flight_request_slots_reserved_for_pinned_sessions": 32,
+                            "max_per_session_in_flight_request_slots": 4,
+                        },
+                    }
+                ],
+            }
+        ],
         "endpoints": [
             {"id": "engine-1", "url": engine_url, "provider": "local", "models": ["bench-model"]}
         ],

@@ -31,11 +31,16 @@ LOADGEN_CPUS = {0}
 GATEWAY_CPUS = {1}
 
 
-def body(stream: bool) -> bytes:
-    return (
+SESSIONS = 256  # requests cycle through this many sessions (the `user` field is the session key)
+
+
+def bodies(stream: bool) -> list[bytes]:
+    flag = b"true" if stream else b"false"
+    return [
         b'{"model": "bench-model", "messages": [{"role": "user", "content": "hello"}],'
-        b' "max_tokens": 20, "stream": ' + (b"true" if stream else b"false") + b"}"
-    )
+        b' "max_tokens": 20, "user": "u%d", "stream": %s}' % (i, flag)
+        for i in range(SESSIONS)
+    ]
 
 
 async def one(session: aiohttp.ClientSession, url: str, payload: bytes, stream: bool) -> float:
@@ -53,17 +58,17 @@ async def one(session: aiohttp.ClientSession, url: str, payload: bytes, stream: 
 
 async def run_load(base_url: str, concurrency: int, total: int, stream: bool) -> list[float]:
     url = base_url + "/v1/chat/completions"
-    payload = body(stream)
+    payloads = bodies(stream)
     latencies: list[float] = []
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
-        for _ in range(min(20, total)):  # warm connections
-            await one(session, url, payload, stream)
+        for i in range(min(20, total)):  # warm connections
+            await one(session, url, payloads[i % SESSIONS], stream)
         queue = iter(range(total))
 
         async def worker() -> None:
-            for _ in queue:
-                latencies.append(await one(session, url, payload, stream))
+            for i in queue:
+                latencies.append(await one(session, url, payloads[i % SESSIONS], stream))
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     return latencies

@@ -67,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     reaper = sub.add_parser("reaper", help="expires leases and idle pins, repairs interrupted transitions")
     _config_arg(reaper)
+    reaper.add_argument("--admin-listen", default=None, help="serve /metrics and /health on host:port")
     reaper.set_defaults(target="llmgw.services.reaper.main:run")
 
     state = sub.add_parser("state", help="pins, leases and capacity use, read from the live bucket")
