@@ -35,7 +35,6 @@ import contextvars
 import multiprocessing
 import os
 import random
-import shutil
 import signal
 import statistics
 import subprocess
@@ -55,6 +54,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cluster import ZERO_DELAY, Proc, cpu_seconds, pin_process, start_process, wait_ready
+from measure import pct, py_spy, summarize_profile
 
 from llmgw.config import load_config
 from llmgw.config.schema import Config
@@ -95,10 +95,6 @@ def bench_config(nats_url: str, engine_url: str, bucket: str) -> dict:
         "pinning": {"bucket": bucket, "history": 64},
     }
 
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def spread(values: list[float], scale: float = 1.0, digits: int = 2) -> str:
@@ -487,39 +483,6 @@ _AREAS = (
 )
 
 
-def py_spy() -> str:
-    """py-spy from this interpreter's environment if it is there, else from PATH."""
-    beside = Path(sys.executable).parent / "py-spy"
-    return str(beside) if beside.exists() else (shutil.which("py-spy") or "py-spy")
-
-
-def summarize_profile(path: Path) -> tuple[list[tuple[str, float]], list[tuple[str, float]]]:
-    """Samples by area (innermost library frame on the stack) and by function (self time)."""
-    areas: Counter[str] = Counter()
-    functions: Counter[str] = Counter()
-    total = 0
-    for line in path.read_text().splitlines():
-        stack, _, count = line.rpartition(" ")
-        frames = stack.split(";")
-        n = int(count)
-        total += n
-        area = "event loop and sockets (uvloop, asyncio, syscalls)"
-        for frame in reversed(frames):
-            hit = next((name for name, keys in _AREAS if any(k in frame for k in keys)), None)
-            if hit:
-                area = hit
-                break
-            if "uvloop" in frame or "runtime.py" in frame:
-                break
-            if "asyncio/" not in frame and "runners.py" not in frame:
-                area = "other Python"
-                break
-        areas[area] += n
-        functions[frames[-1].rsplit(":", 1)[0] + ")"] += n
-    return ([(name, n / total) for name, n in areas.most_common()],
-            [(name, n / total) for name, n in functions.most_common(15)])
-
-
 # ---- main -------------------------------------------------------------------------------------
 
 
@@ -640,7 +603,7 @@ async def amain(args: argparse.Namespace, nats_server: EmbeddedNats, engine_url:
                             on_sustained_start=spy)
             for process in spies:
                 process.wait(30)
-            profile = summarize_profile(out) if out.exists() else None
+            profile = summarize_profile(out, _AREAS) if out.exists() else None
     finally:
         await nc.close()
     report(args, results)

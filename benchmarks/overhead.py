@@ -19,13 +19,13 @@ import statistics
 import subprocess
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cluster import cpu_seconds, running_cluster
+from measure import pct, py_spy, summarize_profile
 
 LOADGEN_CPUS = {0}
 GATEWAY_CPUS = {1}
@@ -74,10 +74,6 @@ async def run_load(base_url: str, concurrency: int, total: int, stream: bool) ->
     return latencies
 
 
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
 
 def fmt_ms(values: list[float]) -> str:
     return f"{statistics.median(values) * 1e3:.2f} [{min(values) * 1e3:.2f}..{max(values) * 1e3:.2f}]"
@@ -85,7 +81,7 @@ def fmt_ms(values: list[float]) -> str:
 
 def profile_edge(pid: int, seconds: int, out: Path) -> subprocess.Popen:
     return subprocess.Popen(
-        ["py-spy", "record", "--pid", str(pid), "--duration", str(seconds), "--rate", "500",
+        [py_spy(), "record", "--pid", str(pid), "--duration", str(seconds), "--rate", "500",
          "--format", "raw", "--output", str(out), "--nonblocking"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
@@ -99,40 +95,6 @@ _AREAS = (
     ("pydantic (wire messages)", ("pydantic/", "pydantic_core/")),
     ("prometheus-client", ("prometheus_client/",)),
 )
-
-
-def summarize_profile(path: Path) -> tuple[list[tuple[str, float]], list[tuple[str, float]]]:
-    """Where the edge's samples went: by area (innermost library frame) and by function.
-
-    py-spy attributes time spent inside the event loop's C code (epoll,
-    socket syscalls) to the frame that runs the loop; that is reported as
-    "event loop and sockets".
-    """
-    areas: Counter[str] = Counter()
-    functions: Counter[str] = Counter()
-    total = 0
-    for line in path.read_text().splitlines():
-        stack, _, count = line.rpartition(" ")
-        frames = stack.split(";")
-        n = int(count)
-        total += n
-        area = "event loop and sockets (uvloop, syscalls)"
-        for frame in reversed(frames):
-            hit = next((name for name, keys in _AREAS if any(k in frame for k in keys)), None)
-            if hit:
-                area = hit
-                break
-            if "uvloop" in frame or "runtime.py" in frame:
-                break  # the loop itself: C code for epoll and sockets
-            if "asyncio/" not in frame and "runners.py" not in frame:
-                area = "other Python"
-                break
-        areas[area] += n
-        functions[frames[-1].rsplit(":", 1)[0] + ")"] += n
-    return (
-        [(name, n / total) for name, n in areas.most_common()],
-        [(name, n / total) for name, n in functions.most_common(15)],
-    )
 
 
 def main() -> int:
@@ -172,7 +134,7 @@ def main() -> int:
             asyncio.run(run_load(cluster.edge_url, 32, 4000, False))
             spy.wait(30)
             if out.exists():
-                profile = summarize_profile(out)
+                profile = summarize_profile(out, _AREAS)
 
     print(f"\n{args.rounds} interleaved rounds x {args.requests} requests per run; "
           "values are median [min..max] over rounds, milliseconds\n")

@@ -1,0 +1,59 @@
+"""Small measuring helpers shared by the benchmarks: percentiles and py-spy summaries."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+
+Areas = Sequence[tuple[str, Sequence[str]]]
+
+
+def pct(values: list[float], q: float) -> float:
+    """The q-quantile (0..1) of `values`, nearest rank."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def py_spy() -> str:
+    """py-spy from this interpreter's environment if it is there, else from PATH."""
+    beside = Path(sys.executable).parent / "py-spy"
+    return str(beside) if beside.exists() else (shutil.which("py-spy") or "py-spy")
+
+
+def summarize_profile(
+    path: Path, areas: Areas
+) -> tuple[list[tuple[str, float]], list[tuple[str, float]]]:
+    """Share of samples by area (innermost frame matching an area) and by function (self time).
+
+    Input: py-spy's raw (collapsed stacks) output. py-spy attributes time inside the event
+    loop's C code (epoll, socket syscalls) to the frame that runs the loop: that is reported
+    as "event loop and sockets".
+    """
+    by_area: Counter[str] = Counter()
+    functions: Counter[str] = Counter()
+    total = 0
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames = stack.split(";")
+        n = int(count)
+        total += n
+        area = "event loop and sockets (uvloop, asyncio, syscalls)"
+        for frame in reversed(frames):
+            hit = next((name for name, keys in areas if any(k in frame for k in keys)), None)
+            if hit:
+                area = hit
+                break
+            if "uvloop" in frame or "runtime.py" in frame:
+                break  # the loop itself
+            if "asyncio/" not in frame and "runners.py" not in frame:
+                area = "other Python"
+                break
+        by_area[area] += n
+        functions[frames[-1].rsplit(":", 1)[0] + ")"] += n
+    return (
+        [(name, n / total) for name, n in by_area.most_common()],
+        [(name, n / total) for name, n in functions.most_common(15)],
+    )
