@@ -38,6 +38,17 @@ def load_or_exit(path: str) -> Config:
         raise SystemExit(2) from None
 
 
+def require_nats_server(config: Config, service: str) -> None:
+    """Exit 2 with a clear message when the config names no NATS server to connect to."""
+    if config.nats.is_embedded:
+        print(
+            f"llmgw {service}: nats.url is 'embedded', which only `llmgw up` can start; set "
+            "LLMGW_NATS__URL=nats://HOST:PORT (the URL `llmgw up` prints) or nats.url in the config",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
+
+
 async def wait_for_stop_signal() -> None:
     """Return on SIGINT or SIGTERM."""
     stop = asyncio.Event()

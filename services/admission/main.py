@@ -9,6 +9,7 @@ from llmgw import natsconn
 from llmgw.events import EventPublisher
 from llmgw.runtime import (
     load_or_exit,
+    require_nats_server,
     run_service,
     service_instance,
     setup_logging,
@@ -24,6 +25,7 @@ log = logging.getLogger("llmgw.admission")
 def run(args: argparse.Namespace) -> int:
     setup_logging("admission")
     config = load_or_exit(args.config)
+    require_nats_server(config, "admission")
 
     async def main() -> None:
         nc = await natsconn.connect(config.nats, name="llmgw-admission")

@@ -10,6 +10,7 @@ from llmgw import natsconn
 from llmgw.config import parse_hostport
 from llmgw.runtime import (
     load_or_exit,
+    require_nats_server,
     run_service,
     service_instance,
     setup_logging,
@@ -28,6 +29,7 @@ log = logging.getLogger("llmgw.edge")
 def run(args: argparse.Namespace) -> int:
     setup_logging("edge")
     config = load_or_exit(args.config)
+    require_nats_server(config, "edge")
     host, port = parse_hostport(args.listen or config.listen)
     admin_host, admin_port = parse_hostport(args.admin_listen or config.admin_listen)
 
