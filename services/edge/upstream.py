@@ -90,7 +90,7 @@ async def open_upstream(
 
 
 def passthrough_headers(response: aiohttp.ClientResponse) -> dict[str, str]:
-    return {k: v for k, v in response.headers.items() if k.lower() in _HOP_HEADERS}
+    return {k.lower(): v for k, v in response.headers.items() if k.lower() in _HOP_HEADERS}
 
 
 async def read_body(response: aiohttp.ClientResponse, deadline: float) -> bytes:

@@ -40,6 +40,7 @@ async def test_stream_chunks_reach_the_client_as_the_engine_produces_them(gatewa
         async with http.stream("POST", gateway.url + CHAT_PATH, json=chat(max_tokens=10)) as response:
             assert response.status_code == 200
             assert response.headers["content-type"].startswith("text/event-stream")
+            assert len(response.headers.get_list("content-type")) == 1
             async for line in response.aiter_lines():
                 if line.startswith("data: "):
                     arrivals.append((time.perf_counter() - started, line))
