@@ -13,8 +13,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from llmgw.core.leasekeys import LeaseKind
+from llmgw.core.leasekeys import LeaseKind, PinValue
 from llmgw.core.leases import Lease as CoreLease
+from llmgw.core.leases import Pin as CorePin
 
 WIRE_VERSION = 1
 
@@ -114,6 +115,21 @@ class Lease(_Message):
         )
 
 
+class PinRef(_Message):
+    """The session's pin as admission left it: a hint that saves the edge a read on release."""
+
+    key: str
+    revision: int
+    value: str  # the pin's JSON value (llmgw.core.leasekeys.PinValue)
+
+    @classmethod
+    def from_core(cls, pin: CorePin) -> PinRef:
+        return cls(key=pin.key, revision=pin.revision, value=pin.value.to_json().decode())
+
+    def to_core(self) -> CorePin:
+        return CorePin(self.key, self.revision, PinValue.from_json(self.value.encode()))
+
+
 class RejectReason(enum.StrEnum):
     """Why admission said no; the edge maps each to one client-facing outcome."""
 
@@ -131,6 +147,7 @@ class AdmitReply(_Message):
     admitted: bool
     target: Target | None = None
     lease: Lease | None = None
+    pin: PinRef | None = None
     # How the request relates to its session's pin (llmgw.core.pinning.Route).
     route: str | None = None
     # Release the lease with refresh_pin=True if the request succeeds.

@@ -40,6 +40,7 @@ from llmgw.wire import (
     AdmitRequest,
     HealthReply,
     Lease,
+    PinRef,
     RejectReason,
     Target,
 )
@@ -182,6 +183,7 @@ class AdmissionService:
                 upstream_model=endpoint.upstream_model(model),
             ),
             lease=None if placed.lease is None else Lease.from_core(placed.lease),
+            pin=PinRef.from_core(placed.pin) if placed.pin is not None and placed.lease else None,
             route=placed.route.value,
             refresh_pin_on_success=placed.refresh_pin_on_success,
         )

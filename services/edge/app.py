@@ -211,6 +211,7 @@ class Edge:
                 renew_every=self.renew_every,
                 refresh_pin_on_success=reply.refresh_pin_on_success,
                 background=self.background,
+                pin=reply.pin.to_core() if reply.pin is not None else None,
             )
         try:
             response, outcome = await self._relay(feature, parsed, raw, reply.target, ids, holder, started)

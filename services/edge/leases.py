@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from llmgw.core.leases import Lease
+    from llmgw.core.leases import Lease, Pin
     from llmgw.state.routing_state import RoutingState
 
 log = logging.getLogger("llmgw.edge.leases")
@@ -39,8 +39,10 @@ class LeaseHolder:
         renew_every: float,
         refresh_pin_on_success: bool,
         background: set[asyncio.Task[None]],
+        pin: Pin | None = None,
     ) -> None:
         self.lease = lease
+        self._pin = pin  # as admission left it: a hint for the release
         self.lost = False
         self.on_lost: Callable[[], None] | None = None
         self._state = state
@@ -82,7 +84,9 @@ class LeaseHolder:
         if self.lost:
             return
         try:
-            await self._state.release_request_lease(self.lease, refresh_pin=success and self._refresh)
+            await self._state.release_request_lease(
+                self.lease, refresh_pin=success and self._refresh, pin=self._pin
+            )
         except Exception:
             # Left to the reaper, which reclaims it after lease_timeout.
             log.warning("lease %s: release failed", self.lease.lease_id, exc_info=True)

@@ -357,17 +357,20 @@ class RoutingState:
                 self.mirror.note(family, lease.slot, revision, lease.lease_id, taken=True)
         return replace(renewed, revision=revision)
 
-    async def release_request_lease(self, lease: Lease, refresh_pin: bool) -> ReleaseResult:
+    async def release_request_lease(self, lease: Lease, refresh_pin: bool, *,
+                                    pin: Pin | None = None) -> ReleaseResult:
         """Free the lease's slot, then take it off its pin (refreshing the pin if asked).
 
-        LOST: the slot was no longer at the lease's revision; nothing at all was changed.
+        `pin`: the pin as the admission left it (a hint): while nobody has written it since,
+        unlisting is one CAS without reading it first. LOST: the slot was no longer at the
+        lease's revision; nothing at all was changed.
         """
         if not await self._end(lease):
             return ReleaseResult.LOST
         if lease.pin_id is not None and lease.session is not None:
             key = pin_key(model_key(lease.model), lease.session)
             await self._unlist(key, lease.pin_id, (lease.lease_id,),
-                               refresh_at=self._clock() if refresh_pin else None)
+                               refresh_at=self._clock() if refresh_pin else None, hint=pin)
         return ReleaseResult.RELEASED
 
     # ---- reaper primitives -----------------------------------------------------------------
@@ -649,16 +652,19 @@ class RoutingState:
         return None
 
     async def _unlist(self, key: str, pin_id: str, lease_ids: Collection[str], *,
-                      refresh_at: float | None = None) -> int | None:
+                      refresh_at: float | None = None, hint: Pin | None = None) -> int | None:
         """Remove `lease_ids` from pin `pin_id` at `key` (and refresh it if asked).
 
         Retries on conflict while the key still holds that pin. Returns the revision written,
         or None if nothing needed writing (pin gone, replaced, or already without them).
+        `hint`, a recent read of the pin, saves the first read (the CAS still decides).
         """
         for _ in range(_MAX_PIN_ATTEMPTS):
-            entry = await self._kv.get(key)
-            current = _pin(entry)
-            if entry is None or current is None or current.id != pin_id:
+            if hint is not None and hint.key == key:
+                current, hint = hint, None
+            else:
+                current = _pin(await self._kv.get(key))
+            if current is None or current.id != pin_id:
                 return None
             value = current.value
             if any(lease_id in value.leases for lease_id in lease_ids):
@@ -669,7 +675,7 @@ class RoutingState:
             if value == current.value:
                 return None
             try:
-                return await self._kv.update(key, value.to_json(), entry.revision)
+                return await self._kv.update(key, value.to_json(), current.revision)
             except CasConflict:
                 continue
         return None
