@@ -122,9 +122,10 @@ async def test_per_session_limit_sends_extra_requests_to_a_temporary_fallback(ga
 async def test_client_disconnect_mid_stream_releases_the_lease(gateway):
     async with httpx.AsyncClient() as http:
         async with http.stream("POST", gateway.url + CHAT_PATH, json=turn(max_tokens=200, stream=True)) as r:
-            async for _ in r.aiter_lines():
-                break
-            assert len(await taken_leases(gateway)) == 1, dict(r.headers)
+            lines = r.aiter_lines()
+            assert (await anext(lines)).startswith("data: ")  # streaming, lease held
+            assert len(await taken_leases(gateway)) == 1
+        # Leaving the block closes the connection mid-stream.
     await eventually(lambda: _no_leases(gateway))
 
 
