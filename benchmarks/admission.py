@@ -54,7 +54,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cluster import ZERO_DELAY, Proc, cpu_seconds, pin_process, start_process, wait_ready
-from measure import pct, py_spy, summarize_profile
+from measure import pct, print_profile, py_spy, summarize_profile
 
 from llmgw.config import load_config
 from llmgw.config.schema import Config
@@ -559,16 +559,8 @@ def report_breakdown(kinds: dict[str, Breakdown]) -> None:
 
 def report_profile(profile: tuple[list[tuple[str, float]], list[tuple[str, float]]],
                    workers: int) -> None:
-    by_area, by_function = profile
-    print(f"\nWhere one admission worker's CPU goes (py-spy, {workers} worker(s), sustained "
-          "phase, innermost library frame):\n")
-    print("| share | area |\n|---|---|")
-    for name, share in by_area:
-        print(f"| {share * 100:.1f}% | {name} |")
-    print("\nTop functions by self time:\n")
-    print("| share | function |\n|---|---|")
-    for name, share in by_function:
-        print(f"| {share * 100:.1f}% | `{name}` |")
+    print_profile(profile, f"Where one admission worker's CPU goes (py-spy, {workers} worker(s), "
+                           "sustained phase, innermost library frame):")
 
 
 async def amain(args: argparse.Namespace, nats_server: EmbeddedNats, engine_url: str,

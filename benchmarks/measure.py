@@ -57,3 +57,16 @@ def summarize_profile(
         [(name, n / total) for name, n in by_area.most_common()],
         [(name, n / total) for name, n in functions.most_common(15)],
     )
+
+
+def print_profile(profile: tuple[list[tuple[str, float]], list[tuple[str, float]]], heading: str) -> None:
+    """Markdown tables of a summarize_profile result: by area, then top functions."""
+    by_area, by_function = profile
+    print(f"\n{heading}\n")
+    print("| share | area |\n|---|---|")
+    for name, share in by_area:
+        print(f"| {share * 100:.1f}% | {name} |")
+    print("\nTop functions by self time:\n")
+    print("| share | function |\n|---|---|")
+    for name, share in by_function:
+        print(f"| {share * 100:.1f}% | `{name}` |")

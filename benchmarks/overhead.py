@@ -25,7 +25,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cluster import cpu_seconds, running_cluster
-from measure import pct, py_spy, summarize_profile
+from measure import pct, print_profile, py_spy, summarize_profile
 
 LOADGEN_CPUS = {0}
 GATEWAY_CPUS = {1}
@@ -148,15 +148,8 @@ def main() -> int:
             f"{fmt_ms(diffs[scenario]['p99'])} | {fmt_ms(cpu_per_request[scenario])} |"
         )
     if profile:
-        by_area, by_function = profile
-        print("\nWhere the edge's CPU goes (py-spy samples, c=32 non-streamed, innermost library):\n")
-        print("| share | area |\n|---|---|")
-        for name, share in by_area:
-            print(f"| {share * 100:.1f}% | {name} |")
-        print("\nTop functions by self time:\n")
-        print("| share | function |\n|---|---|")
-        for name, share in by_function:
-            print(f"| {share * 100:.1f}% | `{name}` |")
+        print_profile(profile, "Where the edge's CPU goes (py-spy samples, c=32 non-streamed, "
+                               "innermost library):")
     return 0
 
 
