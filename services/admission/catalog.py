@@ -1,49 +1,83 @@
-"""The provider catalog the pinning algorithm reads: config plus live endpoint health.
+"""What admission knows about providers and endpoints: the config plus live endpoint health.
 
-A managed provider is *degraded* for a model when none of its endpoints that
-serve the model is healthy (the health board, fed by probes today and by the
-scraper later). Operators and tests can also mark a provider degraded by
-hand. Unlimited providers are never degraded (seed 000: no health checks).
+`ProviderCatalog` keeps one RoutingSnapshot (rebuilt whenever the health board
+changes) and answers the pinning algorithm's questions from it: providers in
+priority order, which (model, feature) each supports, and whether a managed
+provider is degraded for a model — none of its endpoints serving the model is
+healthy (health comes from probes today, from the scraper later), or an
+operator or test marked it so by hand. Unlimited providers are never degraded
+(seed 000: no health checks).
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 from llmgw.core.requests import Feature
+from llmgw.core.routing import EndpointView, ProviderKind, ProviderView, RoutingSnapshot
 from llmgw.services.admission.health import HealthBoard
 
 if TYPE_CHECKING:
     from llmgw.config.schema import Config
 
 
-class ConfigCatalog:
-    """Providers in priority order with their features and current degradation."""
+def build_snapshot(config: Config, health: HealthBoard) -> RoutingSnapshot:
+    """The routing view of `config` with the current health of each endpoint."""
+    providers = []
+    for provider in config.providers_in_priority_order():
+        kind = ProviderKind(provider.kind)
+        endpoints = tuple(
+            EndpointView(
+                id=e.id,
+                url=e.url,
+                provider=provider.id,
+                models=frozenset(e.models),
+                healthy=kind is ProviderKind.UNLIMITED or health.is_healthy(e.id),
+                priority=e.priority,
+                pool=e.pool,
+                weight=e.weight,
+                upstream_models=dict(e.upstream_model),
+            )
+            for e in config.endpoints
+            if e.provider == provider.id
+        )
+        endpoints = tuple(sorted(endpoints, key=lambda e: -e.priority))
+        features = {m.name: frozenset(Feature(f) for f in m.features) for m in provider.models}
+        providers.append(ProviderView(provider.id, kind, features, endpoints))
+    return RoutingSnapshot(tuple(providers))
+
+
+class ProviderCatalog:
+    """The pinning algorithm's view of providers (llmgw.core.pinning.ProviderCatalog)."""
 
     def __init__(self, config: Config, health: HealthBoard) -> None:
+        self._config = config
         self._health = health
-        self._order = [p.id for p in config.providers_in_priority_order()]
-        self._managed = {p.id for p in config.providers if p.kind == "managed"}
-        self._features = {
-            (p.id, m.name): frozenset(Feature(f) for f in m.features)
-            for p in config.providers
-            for m in p.models
-        }
-        self._endpoints: dict[tuple[str, str], list[str]] = {}
-        for endpoint in config.endpoints:
-            for model in endpoint.models:
-                self._endpoints.setdefault((endpoint.provider, model), []).append(endpoint.id)
         self.forced_degraded: set[tuple[str, str]] = set()  # (provider, model) marked by hand
+        self._rebuild()
+        health.on_change(self._rebuild)
+
+    def _rebuild(self) -> None:
+        self._snapshot = build_snapshot(self._config, self._health)
+        self._views = {view.id: view for view in self._snapshot.providers}
+        self._order = [view.id for view in self._snapshot.providers]
 
     def in_priority_order(self) -> list[str]:
         return self._order
 
     def supports(self, provider: str, model: str, feature: Feature) -> bool:
-        return feature in self._features.get((provider, model), ())
+        view = self._views.get(provider)
+        return view is not None and view.supports(model, feature)
 
     def degraded(self, provider: str, model: str) -> bool:
-        if provider not in self._managed:
+        view = self._views.get(provider)
+        if view is None or view.kind is ProviderKind.UNLIMITED:
             return False
-        if (provider, model) in self.forced_degraded:
-            return True
-        return not any(self._health.is_healthy(e) for e in self._endpoints.get((provider, model), ()))
+        return (provider, model) in self.forced_degraded or view.degraded(model)
+
+    def endpoint(self, provider: str, model: str, exclude: Collection[str] = ()) -> EndpointView | None:
+        """The provider's highest-priority healthy endpoint for `model`, or None."""
+        view = self._views.get(provider)
+        candidates = view.healthy_endpoints(model, exclude) if view is not None else []
+        return candidates[0] if candidates else None

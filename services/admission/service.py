@@ -24,13 +24,7 @@ from pydantic import ValidationError
 
 from llmgw.core.pinning import PinningRouter, Placement, Rejection, Route
 from llmgw.core.requests import Feature
-from llmgw.core.routing import (
-    EndpointView,
-    ProviderKind,
-    ProviderView,
-    RoutingSnapshot,
-)
-from llmgw.services.admission.catalog import ConfigCatalog
+from llmgw.services.admission.catalog import ProviderCatalog
 from llmgw.services.admission.health import HealthBoard
 from llmgw.wire import (
     ADMISSION_HEALTH_SUBJECT,
@@ -61,32 +55,6 @@ log = logging.getLogger("llmgw.admission")
 NO_CAPACITY_RETRY_AFTER_S = 1.0
 
 
-def build_snapshot(config: Config, health: HealthBoard) -> RoutingSnapshot:
-    """The routing view of `config` with the current health of each endpoint."""
-    providers = []
-    for provider in config.providers_in_priority_order():
-        kind = ProviderKind(provider.kind)
-        endpoints = tuple(
-            EndpointView(
-                id=e.id,
-                url=e.url,
-                provider=provider.id,
-                models=frozenset(e.models),
-                healthy=kind is ProviderKind.UNLIMITED or health.is_healthy(e.id),
-                priority=e.priority,
-                pool=e.pool,
-                weight=e.weight,
-                upstream_models=dict(e.upstream_model),
-            )
-            for e in config.endpoints
-            if e.provider == provider.id
-        )
-        endpoints = tuple(sorted(endpoints, key=lambda e: -e.priority))
-        features = {m.name: frozenset(Feature(f) for f in m.features) for m in provider.models}
-        providers.append(ProviderView(provider.id, kind, features, endpoints))
-    return RoutingSnapshot(tuple(providers))
-
-
 class AdmissionService:
     """Decides AdmitRequests; owns its NATS subscriptions, not the connection or the state."""
 
@@ -107,28 +75,16 @@ class AdmissionService:
         self.health = health or HealthBoard()
         self.instance = f"admission-{uuid.uuid4().hex[:8]}"
         self._rng = rng or random.Random()
-        self.catalog = ConfigCatalog(config, self.health)
+        self.catalog = ProviderCatalog(config, self.health)
         self.router = PinningRouter(
             routing, self.catalog, config.pinning.max_routing_attempts, pause=self._pause
         )
-        self._snapshot = build_snapshot(config, self.health)
-        self.health.on_change(self._rebuild)
         self._subs: list[Subscription] = []
         self._in_flight: set[asyncio.Task[None]] = set()
 
     async def _pause(self, attempt: int) -> None:
         """Jittered backoff between routing attempts: a racing pin creation gets to finish."""
         await asyncio.sleep(self._rng.uniform(0, 0.0005 * attempt))
-
-    def _rebuild(self) -> None:
-        self._snapshot = build_snapshot(self._config, self.health)
-
-    def _endpoint(self, provider: str, model: str, exclude: tuple[str, ...]) -> EndpointView | None:
-        for view in self._snapshot.providers:
-            if view.id == provider:
-                candidates = view.healthy_endpoints(model, exclude)
-                return candidates[0] if candidates else None
-        return None
 
     def _reject(self, request: AdmitRequest, reason: RejectReason, message: str) -> AdmitReply:
         retry = NO_CAPACITY_RETRY_AFTER_S if reason is RejectReason.NO_CAPACITY else None
@@ -162,7 +118,7 @@ class AdmissionService:
                 f"No provider can take a '{model}' request right now.",
             )
         await self._announce(placed)
-        endpoint = self._endpoint(placed.provider, model, request.exclude_endpoints)
+        endpoint = self.catalog.endpoint(placed.provider, model, request.exclude_endpoints)
         if endpoint is None:
             if placed.lease is not None:
                 await self.routing.release_request_lease(placed.lease, refresh_pin=False)
