@@ -278,19 +278,28 @@ class Edge:
 
         relay = StreamRelay(upstream, self.timeouts, deadline, lease_lost=lambda: holder is not None and holder.lost)
         metrics = self.deps.metrics
+        ended = False
+
+        def end_once() -> None:
+            """The stream's end: release the lease and record the outcome, exactly once."""
+            nonlocal ended
+            if ended:
+                return
+            ended = True
+            if holder is not None:
+                holder.finish(success=relay.outcome is Outcome.SUCCESS)
+            metrics.observe(feature, relay.outcome, time.perf_counter() - started)
 
         async def body_then_finish():
             try:
                 async for chunk in relay:
                     yield chunk
             finally:
-                if holder is not None:
-                    holder.finish(success=relay.outcome is Outcome.SUCCESS)
-                metrics.observe(feature, relay.outcome, time.perf_counter() - started)
+                end_once()
 
         headers.setdefault("content-type", "text/event-stream")
         headers["cache-control"] = "no-cache"
-        return StreamingResponse(body_then_finish(), status_code=200, headers=headers), None
+        return _EndingStream(body_then_finish(), end_once, upstream, headers=headers), None
 
     @staticmethod
     def _failure(
@@ -321,6 +330,27 @@ class Edge:
                 Outcome.MODEL_NOT_FOUND, f"The model '{model_id}' does not exist.", param="model"
             )
         return JSONResponse({"id": model_id, "object": "model", "created": 0, "owned_by": "llmgw"})
+
+
+class _EndingStream(StreamingResponse):
+    """A streamed response that ends its request even if its body never starts.
+
+    When the client is gone before the first byte, Starlette fails on sending the
+    headers and never starts the body generator, whose `finally` would release
+    the lease; this runs the same ending (and closes the upstream) regardless.
+    """
+
+    def __init__(self, body, on_end, upstream, *, headers: dict[str, str]) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(body, status_code=200, headers=headers)
+        self._on_end = on_end
+        self._upstream = upstream
+
+    async def __call__(self, scope, receive, send) -> None:  # type: ignore[no-untyped-def]
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_end()
+            self._upstream.close()
 
 
 class HotPathApp:

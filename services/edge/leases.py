@@ -73,7 +73,12 @@ class LeaseHolder:
             self.lease = renewed
 
     def finish(self, success: bool) -> None:
-        """Stop renewing and release (refreshing the pin only on success), off the request path."""
+        """Stop renewing and release (refreshing the pin only on success), off the request path.
+
+        Only the first call counts: a stream's end and its response's close may both call it.
+        """
+        if self._stop.is_set():
+            return
         self._stop.set()
         task = asyncio.create_task(self._release(success), name="lease-release")
         self._background.add(task)

@@ -149,3 +149,4 @@ async def test_a_lost_lease_ends_the_stream_with_an_error_event(gateway):
     # The edge did not free the slot it no longer holds.
     [(entry_after, value)] = await taken_leases(gateway)
     assert entry_after.key == entry.key and value.lease_id.startswith("x")
+
