@@ -1,0 +1,285 @@
+"""Engine load from a Prometheus text exposition: the numbers the saturation detector needs.
+
+Pure: takes the body of an engine's ``/metrics`` response as text and returns an `EngineSample`.
+Fetching it is the scraper's job.
+
+Two dialects are understood, told apart by metric names:
+
+- vLLM: ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``
+  (older engines: ``vllm:gpu_cache_usage_perc``), optionally ``vllm:cache_config_info`` whose
+  ``block_size`` and ``num_gpu_blocks`` labels describe the KV cache;
+- SGLang: ``sglang:num_running_reqs``, ``sglang:num_queue_reqs``, ``sglang:token_usage``.
+
+When an exposition has both complete sets, vLLM wins (it is the contract our simulator speaks).
+
+Aggregation over label sets (one engine may label series by model name, or by data-parallel rank):
+request counts are summed; KV usage, a fraction of one cache, takes the maximum, because summing
+fractions of separate caches is meaningless and the saturation detector wants the worst cache.
+
+Parsing follows Prometheus: a malformed line rejects the whole exposition (`MetricsFormatError`,
+naming the line), since a half-read scrape is worse than a clearly failed one. Comments (``#``),
+blank lines, trailing timestamps and OpenMetrics exemplars are skipped.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+__all__ = [
+    "EngineDialect",
+    "EngineSample",
+    "MetricsFormatError",
+    "Series",
+    "parse_engine_metrics",
+    "parse_exposition",
+]
+
+# A usage reading this far above 1 is float noise; further above it is a unit mix-up (percent).
+_USAGE_TOLERANCE = 1e-6
+
+_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+_ESCAPES = {"\\": "\\", '"': '"', "n": "\n"}
+
+
+class MetricsFormatError(ValueError):
+    """The exposition is malformed, or lacks the metrics a dialect needs to describe engine load.
+
+    Raised instead of guessing: an engine whose load cannot be read must count as unknown
+    (stale), not as idle.
+    """
+
+
+class EngineDialect(enum.StrEnum):
+    VLLM = "vllm"
+    SGLANG = "sglang"
+
+
+@dataclass(frozen=True, slots=True)
+class Series:
+    """One sample line: metric name, its labels and the value."""
+
+    name: str
+    labels: Mapping[str, str]
+    value: float
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSample:
+    """An engine's load at one scrape.
+
+    Invariants: ``running`` and ``waiting`` are >= 0; ``0 <= kv_usage <= 1``; ``block_size`` and
+    ``num_gpu_blocks`` are None (not reported) or >= 1.
+    """
+
+    dialect: EngineDialect
+    running: int
+    waiting: int
+    kv_usage: float
+    block_size: int | None = None
+    num_gpu_blocks: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.running < 0:
+            raise ValueError(f"running must be >= 0, got {self.running}")
+        if self.waiting < 0:
+            raise ValueError(f"waiting must be >= 0, got {self.waiting}")
+        if not 0.0 <= self.kv_usage <= 1.0:  # also rejects NaN
+            raise ValueError(f"kv_usage must be within 0..1, got {self.kv_usage}")
+        for field_name in ("block_size", "num_gpu_blocks"):
+            value = getattr(self, field_name)
+            if value is not None and value < 1:
+                raise ValueError(f"{field_name} must be >= 1 when present, got {value}")
+
+
+@dataclass(frozen=True, slots=True)
+class _Dialect:
+    dialect: EngineDialect
+    running: str
+    waiting: str
+    kv_usage: tuple[str, ...]  # first present name wins
+    cache_info: str | None
+
+
+_DIALECTS = (
+    _Dialect(
+        EngineDialect.VLLM,
+        running="vllm:num_requests_running",
+        waiting="vllm:num_requests_waiting",
+        kv_usage=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+        cache_info="vllm:cache_config_info",
+    ),
+    _Dialect(
+        EngineDialect.SGLANG,
+        running="sglang:num_running_reqs",
+        waiting="sglang:num_queue_reqs",
+        kv_usage=("sglang:token_usage",),
+        cache_info=None,
+    ),
+)
+
+
+def parse_engine_metrics(text: str) -> EngineSample:
+    """Read running, waiting and KV usage of one engine from its ``/metrics`` text.
+
+    Raises `MetricsFormatError` when the text is malformed, when no dialect's metrics are all
+    present (the message lists what is missing), or when a value is out of range.
+    """
+    by_name: dict[str, list[Series]] = {}
+    for series in parse_exposition(text):
+        by_name.setdefault(series.name, []).append(series)
+
+    problems = []
+    for dialect in _DIALECTS:
+        missing = _missing(dialect, by_name)
+        if not missing:
+            return _sample(dialect, by_name)
+        problems.append(f"{dialect.dialect.value}: missing {', '.join(missing)}")
+    raise MetricsFormatError("no engine load metrics found (" + "; ".join(problems) + ")")
+
+
+def parse_exposition(text: str) -> list[Series]:
+    """Every sample line of a Prometheus text exposition, in order."""
+    result = []
+    # Lines end at "\n" only (str.splitlines would also split inside label values).
+    for number, line in enumerate(text.split("\n"), start=1):
+        stripped = line.strip()
+        if not stripped or stripped.startswith("#"):
+            continue
+        try:
+            result.append(_parse_line(stripped))
+        except MetricsFormatError as exc:
+            raise MetricsFormatError(f"line {number}: {exc}: {stripped[:200]!r}") from None
+    return result
+
+
+def _missing(dialect: _Dialect, by_name: Mapping[str, list[Series]]) -> list[str]:
+    missing = [name for name in (dialect.running, dialect.waiting) if name not in by_name]
+    if not any(name in by_name for name in dialect.kv_usage):
+        missing.append(" or ".join(dialect.kv_usage))
+    return missing
+
+
+def _sample(dialect: _Dialect, by_name: Mapping[str, list[Series]]) -> EngineSample:
+    usage_name = next(name for name in dialect.kv_usage if name in by_name)
+    readings = [series.value for series in by_name[usage_name]]
+    for value in readings:
+        if not 0.0 <= value <= 1.0 + _USAGE_TOLERANCE:  # also rejects NaN
+            raise MetricsFormatError(f"{usage_name} must be a fraction within 0..1, got {value}")
+    usage = max(readings)
+    block_size = num_gpu_blocks = None
+    if dialect.cache_info is not None and dialect.cache_info in by_name:
+        infos = by_name[dialect.cache_info]
+        block_size = _agreed_int_label(infos, "block_size")
+        num_gpu_blocks = _agreed_int_label(infos, "num_gpu_blocks")
+    return EngineSample(
+        dialect=dialect.dialect,
+        running=_count(by_name, dialect.running),
+        waiting=_count(by_name, dialect.waiting),
+        kv_usage=min(usage, 1.0),
+        block_size=block_size,
+        num_gpu_blocks=num_gpu_blocks,
+    )
+
+
+def _count(by_name: Mapping[str, list[Series]], name: str) -> int:
+    total = math.fsum(series.value for series in by_name[name])
+    if not math.isfinite(total) or total < 0 or total != int(total):
+        raise MetricsFormatError(f"{name} must be a non-negative whole number, got {total}")
+    return int(total)
+
+
+def _agreed_int_label(infos: list[Series], label: str) -> int | None:
+    """The label's value when every series carries the same positive integer, else None.
+
+    The cache description is informative only, so a missing or odd label leaves it unknown
+    rather than failing the scrape.
+    """
+    values = {series.labels.get(label) for series in infos}
+    if len(values) != 1:
+        return None
+    (value,) = values
+    if value is None or not value.isdigit() or int(value) < 1:
+        return None
+    return int(value)
+
+
+def _parse_line(line: str) -> Series:
+    match = _NAME.match(line)
+    if match is None:
+        raise MetricsFormatError("expected a metric name")
+    name = match.group()
+    position = match.end()
+    labels: dict[str, str] = {}
+    if position < len(line) and line[position] == "{":
+        labels, position = _parse_labels(line, position + 1)
+    rest = line[position:]
+    if rest[:1] not in (" ", "\t"):
+        raise MetricsFormatError("expected whitespace before the value")
+    # After the value: an optional timestamp, then an optional OpenMetrics exemplar ("# {...}").
+    fields = rest.split("#", 1)[0].split()
+    if not 1 <= len(fields) <= 2:
+        raise MetricsFormatError("expected a value and at most a timestamp")
+    return Series(name, labels, _parse_value(fields[0]))
+
+
+def _parse_labels(line: str, position: int) -> tuple[dict[str, str], int]:
+    """Labels from just after ``{``; returns them and the position just after ``}``."""
+    labels: dict[str, str] = {}
+    while True:
+        position = _skip_blanks(line, position)
+        if line[position:position + 1] == "}":
+            return labels, position + 1
+        match = _LABEL_NAME.match(line, position)
+        if match is None:
+            raise MetricsFormatError("expected a label name")
+        position = _skip_blanks(line, match.end())
+        if line[position:position + 1] != "=":
+            raise MetricsFormatError(f"expected =\"...\" after label {match.group()}")
+        position = _skip_blanks(line, position + 1)
+        if line[position:position + 1] != '"':
+            raise MetricsFormatError(f"expected =\"...\" after label {match.group()}")
+        labels[match.group()], position = _parse_label_value(line, position + 1)
+        position = _skip_blanks(line, position)
+        if line[position:position + 1] == ",":
+            position += 1
+        elif line[position:position + 1] != "}":
+            raise MetricsFormatError("expected , or } after a label")
+
+
+def _skip_blanks(line: str, position: int) -> int:
+    while position < len(line) and line[position] in " \t":
+        position += 1
+    return position
+
+
+def _parse_label_value(line: str, position: int) -> tuple[str, int]:
+    """A quoted label value from just after the opening quote; returns it and the next position."""
+    chars = []
+    while position < len(line):
+        char = line[position]
+        if char == '"':
+            return "".join(chars), position + 1
+        if char == "\\":
+            escaped = line[position + 1:position + 2]
+            if escaped not in _ESCAPES:
+                raise MetricsFormatError(f"invalid escape \\{escaped} in a label value")
+            chars.append(_ESCAPES[escaped])
+            position += 2
+        else:
+            chars.append(char)
+            position += 1
+    raise MetricsFormatError("unterminated label value")
+
+
+def _parse_value(text: str) -> float:
+    try:
+        if "_" in text:  # Python's float() takes digit separators; Prometheus does not
+            raise ValueError
+        return float(text)  # accepts NaN, +Inf, -Inf as Prometheus writes them
+    except ValueError:
+        raise MetricsFormatError(f"invalid sample value {text!r}") from None
