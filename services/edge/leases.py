@@ -50,27 +50,38 @@ class LeaseHolder:
         self._refresh = refresh_pin_on_success
         self._background = background
         self._stop = asyncio.Event()
-        self._renewal = asyncio.create_task(self._renew_until_stopped(), name="lease-renewal")
+        # Most requests end before their first renewal is due: the renewal task
+        # starts only then, so a short request costs a timer, not a task.
+        self._renewal: asyncio.Task[None] | None = None
+        self._first_renewal = asyncio.get_running_loop().call_later(
+            renew_every, self._start_renewing
+        )
+
+    def _start_renewing(self) -> None:
+        if not self._stop.is_set():
+            self._renewal = asyncio.create_task(self._renew_until_stopped(), name="lease-renewal")
 
     async def _renew_until_stopped(self) -> None:
         while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), self._renew_every)
-            if self._stop.is_set():
-                return
             try:
                 renewed = await self._state.renew_request_lease(self.lease)
             except Exception:
-                # NATS unreachable: keep trying; the lease stays valid until lease_timeout.
+                # NATS unreachable: try again next interval; the lease stays valid until
+                # lease_timeout.
                 log.warning("lease %s: renewal failed; will retry", self.lease.lease_id, exc_info=True)
-                continue
-            if renewed is None:
-                self.lost = True
-                log.warning("lease %s was lost; ending its request", self.lease.lease_id)
-                if self.on_lost is not None:
-                    self.on_lost()
+            else:
+                if renewed is None:
+                    self.lost = True
+                    log.warning("lease %s was lost; ending its request", self.lease.lease_id)
+                    if self.on_lost is not None:
+                        self.on_lost()
+                    return
+                self.lease = renewed
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self._renew_every):
+                    await self._stop.wait()
+            if self._stop.is_set():
                 return
-            self.lease = renewed
 
     def finish(self, success: bool) -> None:
         """Stop renewing and release (refreshing the pin only on success), off the request path.
@@ -80,12 +91,14 @@ class LeaseHolder:
         if self._stop.is_set():
             return
         self._stop.set()
+        self._first_renewal.cancel()
         task = asyncio.create_task(self._release(success), name="lease-release")
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
     async def _release(self, success: bool) -> None:
-        await self._renewal
+        if self._renewal is not None:
+            await self._renewal  # a renewal in flight lands first: release names its revision
         if self.lost:
             return
         try:
