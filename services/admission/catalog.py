@@ -66,6 +66,9 @@ class ProviderCatalog:
     def in_priority_order(self) -> list[str]:
         return self._order
 
+    def kind(self, provider: str) -> ProviderKind:
+        return self._views[provider].kind
+
     def supports(self, provider: str, model: str, feature: Feature) -> bool:
         view = self._views.get(provider)
         return view is not None and view.supports(model, feature)

@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
         instance = service_instance("admission")
         routing = await open_routing_state(nc, config, instance_id=instance)
         service = AdmissionService(
-            config, nc, routing, board, events=EventPublisher(nc, instance)
+            config, nc, routing, board, events=EventPublisher(nc, instance), instance=instance
         )
         await service.start()
         prober.start()

@@ -67,13 +67,14 @@ class AdmissionService:
         *,
         events: EventPublisher | None = None,
         rng: random.Random | None = None,
+        instance: str | None = None,
     ) -> None:
         self._config = config
         self._nc = nc
         self.routing = routing
         self.events = events
         self.health = health or HealthBoard()
-        self.instance = f"admission-{uuid.uuid4().hex[:8]}"
+        self.instance = instance or f"admission-{uuid.uuid4().hex[:8]}"
         self._rng = rng or random.Random()
         self.catalog = ProviderCatalog(config, self.health)
         self.router = PinningRouter(
@@ -127,13 +128,12 @@ class AdmissionService:
                 RejectReason.NO_CAPACITY,
                 f"No healthy endpoint of '{placed.provider}' can take '{model}' right now.",
             )
-        provider_kind = "managed" if self._config.provider(placed.provider).kind == "managed" else "unlimited"
         return AdmitReply(
             request_id=request.request_id,
             admitted=True,
             target=Target(
                 provider=placed.provider,
-                provider_kind=provider_kind,
+                provider_kind=self.catalog.kind(placed.provider).value,
                 endpoint=endpoint.id,
                 url=endpoint.url,
                 upstream_model=endpoint.upstream_model(model),
