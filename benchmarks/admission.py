@@ -93,6 +93,7 @@ def bench_config(nats_url: str, engine_url: str, bucket: str) -> dict:
         "endpoints": [{"id": "engine-1", "url": engine_url, "provider": "local",
                        "models": [MODEL]}],
         "pinning": {"bucket": bucket, "history": 64},
+        "admission": {"enabled": False},  # pinning and leases alone; flow control is measured apart
     }
 
 

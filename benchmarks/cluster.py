@@ -62,12 +62,14 @@ def cpu_seconds(pids: list[int]) -> float:
     return total / ticks
 
 
-def _config(nats_url: str, engine_url: str, edge_port: int, admin_port: int) -> dict:
+def _config(nats_url: str, engine_url: str, edge_port: int, admin_port: int, flow: bool) -> dict:
     return {
         "listen": f"127.0.0.1:{edge_port}",
         "admin_listen": f"127.0.0.1:{admin_port}",
         "nats": {"url": nats_url},
-        "router": {"scrape_interval": "2s"},
+        "router": {"scrape_interval": "500ms"},
+        # Flow control needs the scraper's load reports; without it, it is off.
+        "admission": {"enabled": flow, "default_band": "platinum"},
         "models": [{"name": "bench-model"}],
         "providers": [
             {
@@ -119,8 +121,12 @@ def wait_ready(proc: Proc, marker: str, timeout: float = 30) -> None:
 
 
 @contextmanager
-def running_cluster(gateway_cpus: set[int], engine_cpus: set[int]):
-    """Yield a Cluster; everything is stopped afterwards."""
+def running_cluster(gateway_cpus: set[int], engine_cpus: set[int], *, flow: bool = False):
+    """Yield a Cluster; everything is stopped afterwards.
+
+    ``flow``: admission runs flow control (every request passes an unsaturated queue) and a
+    scraper feeds it; otherwise flow control is off and no scraper runs.
+    """
     with tempfile.TemporaryDirectory(prefix="llmgw-bench-") as tmp:
         logdir = Path(tmp)
         nats = EmbeddedNats()
@@ -129,7 +135,7 @@ def running_cluster(gateway_cpus: set[int], engine_cpus: set[int]):
         engine_port, edge_port, admin_port = free_port(), free_port(), free_port()
         engine_url = f"http://127.0.0.1:{engine_port}"
         config_path = logdir / "bench.yaml"
-        config_path.write_text(yaml.safe_dump(_config(nats.url, engine_url, edge_port, admin_port)))
+        config_path.write_text(yaml.safe_dump(_config(nats.url, engine_url, edge_port, admin_port, flow)))
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         cli = [sys.executable, "-m", "llmgw"]
         cluster = Cluster(edge_url=f"http://127.0.0.1:{edge_port}", engine_url=engine_url, nats=nats)
@@ -141,6 +147,12 @@ def running_cluster(gateway_cpus: set[int], engine_cpus: set[int]):
                 engine_cpus, logdir, env,
             )
             wait_ready(cluster.procs["engine"], "ready")
+            if flow:
+                cluster.procs["scraper"] = start_process(
+                    "scraper", [*cli, "scraper", "--config", str(config_path)], gateway_cpus, logdir,
+                    env,
+                )
+                wait_ready(cluster.procs["scraper"], "ready")
             cluster.procs["admission"] = start_process(
                 "admission", [*cli, "admission", "--config", str(config_path)], gateway_cpus, logdir, env
             )

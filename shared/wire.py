@@ -23,6 +23,11 @@ WIRE_VERSION = 1
 ADMISSION_REQUEST_SUBJECT = "llmgw.v1.admission.request"
 ADMISSION_QUEUE_GROUP = "admission"
 ADMISSION_HEALTH_SUBJECT = "llmgw.v1.admission.health"
+# Edge -> every admission instance: the client of a queued request has gone.
+ADMISSION_CANCEL_SUBJECT = "llmgw.v1.admission.cancel"
+# Admission instance -> the others: its queue depths, and the grants it made (flow control).
+ADMISSION_FLOW_SUBJECT = "llmgw.v1.admission.flow"
+ADMISSION_GRANTS_SUBJECT = "llmgw.v1.admission.grants"
 
 
 class _Message(BaseModel):
@@ -136,7 +141,11 @@ class RejectReason(enum.StrEnum):
     UNSUPPORTED = "unsupported"  # no provider serves this model with this feature
     NO_CAPACITY = "no_capacity"  # every candidate is degraded, full or unhealthy
     UNKNOWN_MODEL = "unknown_model"
+    UNKNOWN_BAND = "unknown_band"
     MALFORMED = "malformed"  # the request did not parse (e.g. an edge of another version)
+    QUEUE_FULL = "queue_full"  # flow control: the band's queue is at capacity
+    QUEUE_TIMEOUT = "queue_timeout"  # flow control: waited admission.queue_ttl
+    CANCELLED = "cancelled"  # the edge said its client left while the request was queued
 
 
 class AdmitReply(_Message):
@@ -163,3 +172,42 @@ class HealthReply(_Message):
     v: Literal[1] = 1
     service: str
     instance: str
+
+
+class AdmitCancel(_Message):
+    """Edge -> all admission instances (ADMISSION_CANCEL_SUBJECT): drop this queued request.
+
+    The instance holding it answers the pending AdmitRequest with CANCELLED. A request already
+    granted is not affected: the edge releases the lease it receives.
+    """
+
+    v: Literal[1] = 1
+    request_id: str
+
+
+class FlowState(_Message):
+    """One admission instance's waiters per model and band (ADMISSION_FLOW_SUBJECT).
+
+    Sent when it changes (at most once per dispatch tick) and every second while non-empty; a
+    state not refreshed for a few seconds is forgotten (its instance is gone).
+    """
+
+    v: Literal[1] = 1
+    instance: str
+    # The routing bucket the instance serves: gateways sharing one NATS server stay apart.
+    scope: str
+    at: float
+    waiting: dict[str, dict[str, int]]
+
+
+class FlowGrants(_Message):
+    """Grants one admission instance made, as (endpoint, unix time) pairs (ADMISSION_GRANTS_SUBJECT).
+
+    Other instances count them against the endpoint's saturation until a scrape taken after
+    them shows the request in the engine's own numbers.
+    """
+
+    v: Literal[1] = 1
+    instance: str
+    scope: str  # as in FlowState
+    grants: list[tuple[str, float]]

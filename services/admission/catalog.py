@@ -20,6 +20,7 @@ from llmgw.services.admission.health import HealthBoard
 
 if TYPE_CHECKING:
     from llmgw.config.schema import Config
+    from llmgw.services.admission.loadboard import LoadBoard
 
 
 def build_snapshot(config: Config, health: HealthBoard) -> RoutingSnapshot:
@@ -51,9 +52,10 @@ def build_snapshot(config: Config, health: HealthBoard) -> RoutingSnapshot:
 class ProviderCatalog:
     """The pinning algorithm's view of providers (llmgw.core.pinning.ProviderCatalog)."""
 
-    def __init__(self, config: Config, health: HealthBoard) -> None:
+    def __init__(self, config: Config, health: HealthBoard, load: LoadBoard | None = None) -> None:
         self._config = config
         self._health = health
+        self._load = load
         self.forced_degraded: set[tuple[str, str]] = set()  # (provider, model) marked by hand
         self._rebuild()
         health.on_change(self._rebuild)
@@ -73,14 +75,35 @@ class ProviderCatalog:
         view = self._views.get(provider)
         return view is not None and view.supports(model, feature)
 
+    def is_unlimited(self, provider: str) -> bool:
+        view = self._views.get(provider)
+        return view is not None and view.kind is ProviderKind.UNLIMITED
+
     def degraded(self, provider: str, model: str) -> bool:
         view = self._views.get(provider)
         if view is None or view.kind is ProviderKind.UNLIMITED:
             return False
         return (provider, model) in self.forced_degraded or view.degraded(model)
 
-    def endpoint(self, provider: str, model: str, exclude: Collection[str] = ()) -> EndpointView | None:
-        """The provider's highest-priority healthy endpoint for `model`, or None."""
+    def endpoint(
+        self, provider: str, model: str, exclude: Collection[str] = (), *, now: float = 0.0,
+        prefer: str | None = None,
+    ) -> EndpointView | None:
+        """A healthy endpoint of the provider for `model`, or None.
+
+        Managed providers with a load board: `prefer` if it is a candidate (the endpoint flow
+        control reserved), else the least saturated candidate (ties: highest priority first).
+        Otherwise the highest-priority candidate.
+        """
         view = self._views.get(provider)
         candidates = view.healthy_endpoints(model, exclude) if view is not None else []
-        return candidates[0] if candidates else None
+        if not candidates:
+            return None
+        if self._load is None or view is None or view.kind is ProviderKind.UNLIMITED:
+            return candidates[0]
+        by_id = {e.id: e for e in candidates}
+        if prefer in by_id:
+            return by_id[prefer]
+        pool = self._load.view(by_id, now)
+        chosen = pool.least_saturated(by_id) if pool is not None else None
+        return by_id[chosen] if chosen is not None else candidates[0]

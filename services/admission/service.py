@@ -3,8 +3,13 @@
 Several instances share the ADMISSION_QUEUE_GROUP, so each request is
 decided by exactly one of them, and all of them share the routing state
 (pins and leases in JetStream KV), so limits hold across instances. Per
-request: the pinning algorithm (`llmgw.core.pinning`) picks the provider and
-takes the lease; the first healthy endpoint of that provider is the target.
+request: flow control (`llmgw.services.admission.flow`) decides when it may
+run, the pinning algorithm (`llmgw.core.pinning`) picks the provider and takes
+the lease, and the least saturated healthy endpoint of that provider is the
+target.
+
+A request waiting in flow control holds no lease: the lease is taken only
+after the grant, so a queue never holds capacity.
 
 Lease ownership: a lease taken here belongs to the edge once the reply is
 sent. If no endpoint can take the request after all, the lease is released
@@ -17,15 +22,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 import uuid
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
+from llmgw.core.flow import GateDecision
 from llmgw.core.pinning import PinningRouter, Placement, Rejection, Route
 from llmgw.core.requests import Feature
+from llmgw.core.routing import EndpointView
 from llmgw.services.admission.catalog import ProviderCatalog
+from llmgw.services.admission.flow import Admission, FlowControl
 from llmgw.services.admission.health import HealthBoard
+from llmgw.services.admission.loadboard import LoadBoard
+from llmgw.services.admission.metrics import AdmissionMetrics
 from llmgw.wire import (
     ADMISSION_HEALTH_SUBJECT,
     ADMISSION_QUEUE_GROUP,
@@ -50,13 +62,34 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("llmgw.admission")
 
-# How long a client is told to wait after "no capacity" (until flow control
-# computes a real estimate).
-NO_CAPACITY_RETRY_AFTER_S = 1.0
+# Seconds a client is told to wait (Retry-After) after each retryable rejection.
+RETRY_AFTER_S = {
+    RejectReason.NO_CAPACITY: 1.0,
+    RejectReason.QUEUE_FULL: 1.0,
+    RejectReason.QUEUE_TIMEOUT: 1.0,
+}
+ANONYMOUS_TENANT = "anonymous"  # the tenant of requests that name none
+FLOW_REJECTIONS = {
+    GateDecision.QUEUE_FULL: (
+        RejectReason.QUEUE_FULL,
+        "Too many requests are waiting in the '{band}' band; retry later.",
+    ),
+    GateDecision.EXPIRED: (
+        RejectReason.QUEUE_TIMEOUT,
+        "The request waited the longest allowed time in the '{band}' band without capacity.",
+    ),
+    GateDecision.CANCELLED: (RejectReason.CANCELLED, "The client went away while queued."),
+}
 
 
 class AdmissionService:
-    """Decides AdmitRequests; owns its NATS subscriptions, not the connection or the state."""
+    """Decides AdmitRequests; owns its NATS subscriptions, not the connection or the state.
+
+    Per request: flow control (when admission.enabled) says whether it may run now, waits, or
+    overflows to an unlimited provider; then the pinning algorithm places it and takes its lease;
+    then an endpoint of the chosen provider is picked (the least saturated one of a managed
+    provider, preferring the one flow control reserved).
+    """
 
     def __init__(
         self,
@@ -65,20 +98,31 @@ class AdmissionService:
         routing: RoutingState,
         health: HealthBoard | None = None,
         *,
+        load: LoadBoard | None = None,
+        metrics: AdmissionMetrics | None = None,
         events: EventPublisher | None = None,
         rng: random.Random | None = None,
         instance: str | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self._config = config
         self._nc = nc
         self.routing = routing
         self.events = events
         self.health = health or HealthBoard()
+        self.load = load or LoadBoard(config, self.health)
+        self.metrics = metrics or AdmissionMetrics()
         self.instance = instance or f"admission-{uuid.uuid4().hex[:8]}"
         self._rng = rng or random.Random()
-        self.catalog = ProviderCatalog(config, self.health)
+        self._clock = clock
+        self.catalog = ProviderCatalog(config, self.health, self.load)
         self.router = PinningRouter(
             routing, self.catalog, config.pinning.max_routing_attempts, pause=self._pause
+        )
+        self.flow = (
+            FlowControl(config, self.load, nc, self.instance, self.metrics, clock=clock)
+            if config.admission.enabled
+            else None
         )
         self._subs: list[Subscription] = []
         self._in_flight: set[asyncio.Task[None]] = set()
@@ -88,38 +132,74 @@ class AdmissionService:
         await asyncio.sleep(self._rng.uniform(0, 0.0005 * attempt))
 
     def _reject(self, request: AdmitRequest, reason: RejectReason, message: str) -> AdmitReply:
-        retry = NO_CAPACITY_RETRY_AFTER_S if reason is RejectReason.NO_CAPACITY else None
+        self.metrics.rejections.labels(reason.value).inc()
         return AdmitReply(
             request_id=request.request_id,
             admitted=False,
             reject_reason=reason,
             message=message,
-            retry_after_s=retry,
+            retry_after_s=RETRY_AFTER_S.get(reason),
         )
 
+    async def _gate(self, request: AdmitRequest, feature: Feature) -> Admission | AdmitReply:
+        """Flow control's verdict, or the rejection to send."""
+        assert self.flow is not None
+        band = self.flow.band(request.band)
+        if band is None:
+            return self._reject(request, RejectReason.UNKNOWN_BAND,
+                                f"Unknown priority band '{request.band}'.")
+        can_overflow = band.overflow and self.router.can_overflow(request.model, feature)
+        admission = await self.flow.admit(
+            request.request_id, request.model, band, request.tenant or ANONYMOUS_TENANT,
+            can_overflow=can_overflow,
+        )
+        self.metrics.flow_decisions.labels(band.name, admission.decision.value).inc()
+        rejection = FLOW_REJECTIONS.get(admission.decision)
+        if rejection is None:
+            return admission
+        reason, message = rejection
+        return self._reject(request, reason, message.format(band=band.name))
+
     async def decide(self, request: AdmitRequest) -> AdmitReply:
-        """Place one request: provider and lease by the pinning algorithm, then an endpoint."""
+        """Gate, place (provider and lease), then pick the endpoint."""
         model = request.model
         if self._config.resolve_model(model) != model:
             return self._reject(
                 request, RejectReason.UNKNOWN_MODEL, f"The model '{model}' does not exist."
             )
         feature = Feature(request.feature)
-        placed = await self.router.place(model, feature, request.session_id, edge_id=request.edge_id)
-        if placed is Rejection.UNSUPPORTED:
-            return self._reject(
-                request,
-                RejectReason.UNSUPPORTED,
-                f"No provider serves '{model}' for {request.feature} requests.",
+        admission = None
+        if self.flow is not None:
+            gated = await self._gate(request, feature)
+            if isinstance(gated, AdmitReply):
+                return gated
+            admission = gated
+        if admission is not None and admission.decision is GateDecision.OVERFLOW:
+            placed = await self.router.place_overflow(model, feature, edge_id=request.edge_id)
+        else:
+            placed = await self.router.place(
+                model, feature, request.session_id, edge_id=request.edge_id
             )
         if not isinstance(placed, Placement):
+            self._drop_reservation(admission)
+            if placed is Rejection.UNSUPPORTED:
+                return self._reject(
+                    request,
+                    RejectReason.UNSUPPORTED,
+                    f"No provider serves '{model}' for {request.feature} requests.",
+                )
             return self._reject(
                 request,
                 RejectReason.NO_CAPACITY,
                 f"No provider can take a '{model}' request right now.",
             )
         await self._announce(placed)
-        endpoint = self.catalog.endpoint(placed.provider, model, request.exclude_endpoints)
+        now = self._clock()
+        endpoint = self.catalog.endpoint(
+            placed.provider, model, request.exclude_endpoints, now=now,
+            prefer=admission.endpoint if admission is not None else None,
+        )
+        self._settle_reservation(admission, endpoint, now)
         if endpoint is None:
             if placed.lease is not None:
                 await self.routing.release_request_lease(placed.lease, refresh_pin=False)
@@ -128,6 +208,7 @@ class AdmissionService:
                 RejectReason.NO_CAPACITY,
                 f"No healthy endpoint of '{placed.provider}' can take '{model}' right now.",
             )
+        self.metrics.placements.labels(placed.provider, placed.route.value).inc()
         return AdmitReply(
             request_id=request.request_id,
             admitted=True,
@@ -143,6 +224,26 @@ class AdmissionService:
             route=placed.route.value,
             refresh_pin_on_success=placed.refresh_pin_on_success,
         )
+
+    def _drop_reservation(self, admission: Admission | None) -> None:
+        if admission is not None and admission.endpoint is not None:
+            assert admission.reserved_at is not None
+            self.load.forget_grant(admission.endpoint, admission.reserved_at)
+
+    def _settle_reservation(
+        self, admission: Admission | None, endpoint: EndpointView | None, now: float
+    ) -> None:
+        """Make the load board count the request on the endpoint it actually goes to."""
+        reserved = admission.endpoint if admission is not None else None
+        chosen = endpoint.id if endpoint is not None else None
+        if reserved == chosen:
+            return
+        self._drop_reservation(admission)
+        if chosen is not None and self.load.knows(chosen):
+            if self.flow is not None:
+                self.flow.reserve_endpoint(chosen, now)
+            else:
+                self.load.record_grant(chosen, now)
 
     async def _announce(self, placed: Placement) -> None:
         """Publish the pin change this placement made (core NATS: never waits, never raises)."""
@@ -166,6 +267,7 @@ class AdmissionService:
                 message="malformed admission request",
             )
         else:
+            started = time.perf_counter()
             try:
                 reply = await self.decide(request)
             except Exception:
@@ -173,6 +275,7 @@ class AdmissionService:
                 reply = self._reject(
                     request, RejectReason.NO_CAPACITY, "The admission service failed to decide."
                 )
+            self.metrics.decision_duration.observe(time.perf_counter() - started)
         if msg.reply:
             await msg.respond(reply.model_dump_json(exclude_none=True).encode())
 
@@ -196,6 +299,8 @@ class AdmissionService:
             )
         )
         self._subs.append(await self._nc.subscribe(ADMISSION_HEALTH_SUBJECT, cb=self._on_health))
+        if self.flow is not None:
+            await self.flow.start()
         await self._nc.flush()
 
     async def stop(self) -> None:
@@ -203,5 +308,7 @@ class AdmissionService:
         for sub in self._subs:
             await sub.unsubscribe()
         self._subs.clear()
+        if self.flow is not None:
+            await self.flow.stop()
         if self._in_flight:
             await asyncio.wait(list(self._in_flight), timeout=5)

@@ -27,7 +27,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from llmgw.core.outcomes import Outcome
 from llmgw.core.requests import Feature, InvalidRequest, ParsedRequest, parse_request
-from llmgw.core.sessions import session_id
+from llmgw.core.sessions import session_id, tenant_id
 from llmgw.services.edge.errors import error_body, error_response
 from llmgw.services.edge.leases import LeaseHolder
 from llmgw.services.edge.metrics import EdgeMetrics
@@ -42,10 +42,19 @@ from llmgw.services.edge.upstream import (
     passthrough_headers,
     read_body,
 )
-from llmgw.wire import ADMISSION_REQUEST_SUBJECT, AdmitReply, AdmitRequest, RejectReason, Target
+from llmgw.wire import (
+    ADMISSION_CANCEL_SUBJECT,
+    ADMISSION_REQUEST_SUBJECT,
+    AdmitCancel,
+    AdmitReply,
+    AdmitRequest,
+    RejectReason,
+    Target,
+)
 
 if TYPE_CHECKING:
     from nats.aio.client import Client as NATS
+    from nats.aio.msg import Msg
 
     from llmgw.config.schema import Config
     from llmgw.state.routing_state import RoutingState
@@ -62,6 +71,9 @@ _REJECTIONS = {
     RejectReason.UNSUPPORTED: Outcome.UNSUPPORTED,
     RejectReason.NO_CAPACITY: Outcome.NO_CAPACITY,
     RejectReason.MALFORMED: Outcome.ADMISSION_UNAVAILABLE,
+    RejectReason.UNKNOWN_BAND: Outcome.BAD_REQUEST,
+    RejectReason.QUEUE_FULL: Outcome.QUEUE_FULL,
+    RejectReason.QUEUE_TIMEOUT: Outcome.QUEUE_TIMEOUT,
 }
 
 
@@ -87,9 +99,14 @@ class Edge:
         self.deps = deps
         self.edge_id = f"edge-{uuid.uuid4().hex[:8]}"
         self.max_body = config.router.max_body_bytes
-        self.admission_timeout = config.nats.request_timeout
+        # With flow control a request may wait up to queue_ttl in admission before its answer.
+        self.flow_control = config.admission.enabled
+        self.admission_timeout = config.nats.request_timeout + (
+            config.admission.queue_ttl if self.flow_control else 0.0
+        )
         self.timeouts = Timeouts.from_section(config.timeouts)
         self.band_header = config.admission.band_header
+        self.bands = frozenset(b.name for b in config.admission.bands)
         self.session_header = config.router.session_header
         self.renew_every = config.pinning.lease_timeout / 3
         # Lease releases run here, outside the requests that end them.
@@ -159,6 +176,15 @@ class Edge:
                 headers=ids,
             ), Outcome.MODEL_NOT_FOUND
 
+        band = request.headers.get(self.band_header)
+        if band is not None and band not in self.bands:
+            return error_response(
+                Outcome.BAD_REQUEST,
+                f"Unknown priority band '{band}' in the {self.band_header} header; "
+                f"known bands: {', '.join(sorted(self.bands))}.",
+                param=self.band_header,
+                headers=ids,
+            ), Outcome.BAD_REQUEST
         admit = AdmitRequest(
             request_id=request_id,
             edge_id=self.edge_id,
@@ -168,14 +194,14 @@ class Edge:
             session_id=session_id(
                 feature, model, parsed.body, header_key=request.headers.get(self.session_header)
             ),
-            band=request.headers.get(self.band_header),
+            band=band,
+            tenant=tenant_id(request.headers.get("authorization"), parsed.user),
         )
         admitted = time.perf_counter()
+        client_left = False
         try:
-            msg = await self.deps.nc.request(
-                ADMISSION_REQUEST_SUBJECT,
-                admit.model_dump_json(exclude_defaults=True).encode(),
-                timeout=self.admission_timeout,
+            msg, client_left = await self._ask_admission(
+                request, admit.model_dump_json(exclude_defaults=True).encode(), request_id
             )
             reply = AdmitReply.model_validate_json(msg.data)
         except (NoRespondersError, NatsTimeoutError, ConnectionClosedError, TimeoutError) as exc:
@@ -190,6 +216,13 @@ class Edge:
             ), Outcome.ADMISSION_UNAVAILABLE
         finally:
             self.deps.metrics.admission_duration.observe(time.perf_counter() - admitted)
+
+        if client_left or reply.reject_reason is RejectReason.CANCELLED:
+            if reply.lease is not None:  # granted before the cancel landed: give it back now
+                await self.deps.routing.release_request_lease(
+                    reply.lease.to_core(), refresh_pin=False
+                )
+            return Response(status_code=499), Outcome.CLIENT_DISCONNECTED
 
         if not reply.admitted or reply.target is None:
             outcome = _REJECTIONS.get(reply.reject_reason, Outcome.NO_CAPACITY)  # type: ignore[arg-type]
@@ -222,6 +255,35 @@ class Edge:
         if holder is not None and outcome is not None:  # a stream finishes its lease itself
             holder.finish(success=outcome is Outcome.SUCCESS)
         return response, outcome
+
+    async def _ask_admission(
+        self, request: Request, payload: bytes, request_id: str
+    ) -> tuple[Msg, bool]:
+        """Admission's answer, and whether the client left while waiting for it.
+
+        With flow control the answer may take up to queue_ttl, so the client connection is
+        watched: once the body has been read, the next ASGI receive() returns only when the
+        client disconnects. Then every admission instance is told to drop the request, and the
+        answer is still awaited: CANCELLED, or a grant that raced with the cancel (whose lease
+        the caller releases at once).
+        """
+        asking = self.deps.nc.request(ADMISSION_REQUEST_SUBJECT, payload, timeout=self.admission_timeout)
+        if not self.flow_control:
+            return await asking, False
+        answer = asyncio.ensure_future(asking)
+        watcher = asyncio.ensure_future(request.receive())
+        try:
+            await asyncio.wait((answer, watcher), return_when=asyncio.FIRST_COMPLETED)
+            if answer.done() or watcher.result().get("type") != "http.disconnect":
+                return await answer, False
+            cancel = AdmitCancel(request_id=request_id).model_dump_json().encode()
+            await self.deps.nc.publish(ADMISSION_CANCEL_SUBJECT, cancel)
+            return await answer, True
+        finally:
+            if not watcher.done():
+                watcher.cancel()
+            if not answer.done():
+                answer.cancel()
 
     async def _relay(
         self,

@@ -85,6 +85,9 @@ class RouterConfig(StrictModel):
     session_header: Name = "x-session-id"
     inject_usage: bool = True
     max_body_bytes: int = Field(33_554_432, ge=1024)
+    # The JetStream KV bucket (memory storage) where the scraper keeps each endpoint's latest
+    # load report (llmgw.load).
+    load_bucket: str = Field("llmgw_load", pattern=r"^[A-Za-z0-9_-]+$")
 
 
 class Timeouts(StrictModel):
@@ -137,15 +140,19 @@ def default_profiles() -> dict[str, dict[str, Any]]:
 # --- admission, scoring, pinning, balancer --------------------------------------------------------
 
 class Band(StrictModel):
+    """A priority band. `overflow`: when the managed pool is above this band's ceiling, run the
+    request on an unlimited (third-party) provider at once instead of waiting in the queue."""
+
     name: Name
     priority: int
     saturation_ceiling: float = Field(gt=0)
+    overflow: bool = False
 
 
 def default_bands() -> list[Band]:
     return [
-        Band(name="platinum", priority=400, saturation_ceiling=1.00),
-        Band(name="gold", priority=300, saturation_ceiling=0.85),
+        Band(name="platinum", priority=400, saturation_ceiling=1.00, overflow=True),
+        Band(name="gold", priority=300, saturation_ceiling=0.85, overflow=True),
         Band(name="silver", priority=200, saturation_ceiling=0.60),
         Band(name="bronze", priority=100, saturation_ceiling=0.30),
     ]

@@ -26,6 +26,8 @@ class Outcome(enum.StrEnum):
     UPSTREAM_BROKEN_STREAM = "upstream_broken_stream"
     CLIENT_DISCONNECTED = "client_disconnected"
     LEASE_LOST = "lease_lost"  # the lease expired under the request (e.g. the edge was paused)
+    QUEUE_FULL = "queue_full"  # flow control: the band's queue was at capacity
+    QUEUE_TIMEOUT = "queue_timeout"  # flow control: waited admission.queue_ttl without a grant
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,4 +57,9 @@ ERROR_SHAPES: dict[Outcome, ErrorShape] = {
     Outcome.UPSTREAM_ERROR: ErrorShape(502, "upstream_error", "upstream_error"),
     Outcome.UPSTREAM_BROKEN_STREAM: ErrorShape(502, "upstream_error", "upstream_broken_stream"),
     Outcome.LEASE_LOST: ErrorShape(503, "service_unavailable", "lease_lost", retry_after=True),
+    # Flow control (docs/architecture.md, "Status codes"): a full queue is back-pressure the
+    # client should slow down for (429, what OpenAI clients retry with backoff); a request that
+    # waited queue_ttl found the service overloaded (503). Both carry Retry-After.
+    Outcome.QUEUE_FULL: ErrorShape(429, "rate_limit_error", "queue_full", retry_after=True),
+    Outcome.QUEUE_TIMEOUT: ErrorShape(503, "service_unavailable", "queue_timeout", retry_after=True),
 }

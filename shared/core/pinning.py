@@ -69,6 +69,10 @@ class ProviderCatalog(Protocol):
         """True only for a managed provider that cannot serve `model` now (never for unlimited)."""
         ...
 
+    def is_unlimited(self, provider: str) -> bool:
+        """A third-party provider without limits (seed 000's "unlimited")."""
+        ...
+
 
 class Route(enum.StrEnum):
     """How a placed request relates to its session's pin (a metrics label)."""
@@ -78,6 +82,7 @@ class Route(enum.StrEnum):
     REPINNED = "repinned"  # moved the pin off an unsupported/degraded provider
     TEMPORARY = "temporary"  # capacity spike on the pin's provider: ran elsewhere, pin kept
     UNPINNED = "unpinned"  # no session (e.g. embeddings)
+    OVERFLOW = "overflow"  # flow control: the managed pool was saturated; ran on a third party
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +148,26 @@ class PinningRouter:
             if not isinstance(step, _Retry):
                 return step
         return Rejection.UNAVAILABLE
+
+    async def place_overflow(
+        self, model: str, feature: Feature, *, edge_id: str | None = None
+    ) -> Outcome:
+        """Place on the first usable unlimited provider, leaving every pin alone.
+
+        Flow control's overflow: the managed pool is saturated for the request's band, so it runs
+        elsewhere this once. No pin is created or moved (a session stays with our own providers,
+        which the algorithm prefers), and the pin's countdown is not refreshed.
+        """
+        for provider in self.catalog.in_priority_order():
+            if self.catalog.is_unlimited(provider) and self._usable(provider, model, feature):
+                return Placement(provider, Route.OVERFLOW, None, False)
+        return Rejection.UNAVAILABLE
+
+    def can_overflow(self, model: str, feature: Feature) -> bool:
+        return any(
+            self.catalog.is_unlimited(p) and self._usable(p, model, feature)
+            for p in self.catalog.in_priority_order()
+        )
 
     def _usable(self, provider: str, model: str, feature: Feature) -> bool:
         return self.catalog.supports(provider, model, feature) and not self.catalog.degraded(

@@ -91,3 +91,19 @@ def session_id(
     if prefix is None:
         return None
     return _digest("prefix", user, model, feature_class, prefix)
+
+
+def tenant_id(authorization: str | None, user: str | None) -> str | None:
+    """Who a request is from, for flow control's round robin: API key, else the `user` field.
+
+    A hash (raw keys never leave the edge): "key-<hex>" from a bearer token, else "user-<hex>"
+    from the body's `user`, else None (every such request shares one anonymous tenant).
+    """
+    if authorization:
+        scheme, _, token = authorization.strip().partition(" ")
+        token = token.strip() if scheme.lower() == "bearer" else authorization.strip()
+        if token:
+            return "key-" + _digest("tenant-key", token)[:16]
+    if user:
+        return "user-" + _digest("tenant-user", user)[:16]
+    return None

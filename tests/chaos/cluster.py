@@ -26,6 +26,8 @@ def write_config(path: Path, nats_url: str, engine_url: str, bucket: str, limits
         "router": {"scrape_interval": "60s"},
         "timeouts": {"first_token": "30s", "idle": "30s", "total": "60s"},
         "pinning": {"bucket": bucket, "history": 64, **pinning},
+        # These tests are about leases and crashes, with no scraper: flow control stays off.
+        "admission": {"enabled": False},
         "models": [{"name": MODEL}],
         "providers": [
             {"id": "iris", "kind": "managed", "models": [{"name": MODEL, "limits": limits}]},

@@ -46,6 +46,9 @@ class Catalog:
     def degraded(self, provider, model):
         return provider in self.degraded_providers and provider != "c"
 
+    def is_unlimited(self, provider):
+        return provider == "c"
+
 
 class Clock:
     now = 1000.0
@@ -153,3 +156,19 @@ async def test_many_concurrent_first_requests_of_one_session_make_exactly_one_pi
         assert r.route in (Route.NEW_PIN, Route.PINNED, Route.TEMPORARY)
         if r.route is Route.PINNED:
             assert r.pin.id == pin.id
+
+
+async def test_overflow_runs_on_an_unlimited_provider_and_leaves_the_pin_alone(world):
+    kv, state, catalog, router = world
+    first = await router.place(MODEL, Feature.CHAT, "s1")
+    await state.release_request_lease(first.lease, refresh_pin=True)
+    writes = len(kv.history)
+    assert router.can_overflow(MODEL, Feature.CHAT)
+    placed = await router.place_overflow(MODEL, Feature.CHAT)
+    assert (placed.provider, placed.route, placed.lease, placed.refresh_pin_on_success) == (
+        "c", Route.OVERFLOW, None, False)
+    assert len(kv.history) == writes  # no pin, no lease: nothing written
+    assert (await state.get_pin(MODEL, "s1")).provider == "a"
+    catalog.unsupported = {("c", Feature.CHAT)}
+    assert not router.can_overflow(MODEL, Feature.CHAT)
+    assert await router.place_overflow(MODEL, Feature.CHAT) is Rejection.UNAVAILABLE

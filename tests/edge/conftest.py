@@ -46,6 +46,8 @@ def gateway_config(
         "nats": {"url": nats_url, "request_timeout": "500ms"},
         "router": {"max_body_bytes": 4096},
         "pinning": {"bucket": bucket, "lease_timeout": "3s"},
+        # No scraper runs here: flow control is off unless a test turns it on (tests/flow).
+        "admission": {"enabled": False},
         "timeouts": {"dial": "1s", "response_header": "2s", "first_token": "2s", "idle": "1s", "total": "10s"},
         "models": [
             {"name": "m1", "aliases": ["small"]},

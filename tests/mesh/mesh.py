@@ -44,6 +44,8 @@ def mesh_config(
             "nats": {"url": nats_url, "request_timeout": "2s"},
             "timeouts": {"dial": "1s", "response_header": "5s", "first_token": "5s", "idle": "2s", "total": "30s"},
             "pinning": {"bucket": bucket, "history": 64, "lease_timeout": "5s", **pinning},
+            # Pins and leases under concurrency, with no scraper: flow control stays off.
+            "admission": {"enabled": False},
             "models": [{"name": MODEL}],
             "providers": [
                 {"id": "a", "kind": "managed", "priority": 200,

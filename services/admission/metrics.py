@@ -1,0 +1,96 @@
+"""The admission service's Prometheus metrics, in a registry of its own (never the global one).
+
+Names start with ``llmgw_admission_``; labels use the closed vocabularies of the code (band
+names from the config, `GateDecision`, `RejectReason`, `Route`), so cardinality stays bounded.
+Pool saturation and scrape age are computed when scraped, from the live `LoadBoard`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from llmgw.services.admission.loadboard import LoadBoard
+
+_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_DECISION_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5, 30)
+_TICK_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05)
+
+
+class AdmissionMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.queue_depth = Gauge(
+            "llmgw_admission_queue_depth", "Requests waiting in this instance's queue, by band.",
+            ["band"], registry=r)
+        self.queue_wait = Histogram(
+            "llmgw_admission_queue_wait_seconds",
+            "Time queued requests waited, by band and how the wait ended.",
+            ["band", "decision"], buckets=_WAIT_BUCKETS, registry=r)
+        self.flow_decisions = Counter(
+            "llmgw_admission_flow_decisions",
+            "Flow-control outcomes by band: granted (dispatched), overflow, queue_full, expired, "
+            "cancelled.", ["band", "decision"], registry=r)
+        self.rejections = Counter(
+            "llmgw_admission_rejections", "Admission requests answered with a rejection, by reason.",
+            ["reason"], registry=r)
+        self.placements = Counter(
+            "llmgw_admission_placements", "Admitted requests by provider and route.",
+            ["provider", "route"], registry=r)
+        self.decision_duration = Histogram(
+            "llmgw_admission_decision_seconds",
+            "Time from an admission request's arrival to its answer (queueing included).",
+            buckets=_DECISION_BUCKETS, registry=r)
+        self.tick_duration = Histogram(
+            "llmgw_admission_tick_seconds", "Duration of one flow-control dispatch tick.",
+            buckets=_TICK_BUCKETS, registry=r)
+        self.cancellations = Counter(
+            "llmgw_admission_cancellations",
+            "Queued requests dropped because their client went away.", registry=r)
+
+    def watch_load(self, board: LoadBoard, models: Iterable[str],
+                   clock: Callable[[], float] = time.time) -> None:
+        """Export pool saturation per model and scrape age per endpoint from `board`."""
+        self.registry.register(_LoadCollector(board, list(models), clock))
+
+
+class _LoadCollector(Collector):
+    def __init__(self, board: LoadBoard, models: list[str], clock: Callable[[], float]) -> None:
+        self._board = board
+        self._models = models
+        self._clock = clock
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        now = self._clock()
+        saturation = GaugeMetricFamily(
+            "llmgw_admission_pool_saturation",
+            "Saturation of each model's healthy managed endpoints as flow control sees it "
+            "(grants not yet visible in engine metrics included); 1 = the healthy limit.",
+            labels=["model"])
+        for model in self._models:
+            pool = self._board.pool(model, now)
+            if pool is not None:
+                saturation.add_metric([model], pool.saturation())
+        yield saturation
+        age = GaugeMetricFamily(
+            "llmgw_admission_scrape_age_seconds",
+            "Age of the newest engine sample per managed endpoint (absent: never scraped).",
+            labels=["endpoint"])
+        for endpoint in self._board.endpoints():
+            value = self._board.scrape_age(endpoint, now)
+            if value is not None:
+                age.add_metric([endpoint], value)
+        yield age
+        pending = GaugeMetricFamily(
+            "llmgw_admission_pending_grants",
+            "Grants counted against an endpoint until a scrape shows them.", labels=["endpoint"])
+        for endpoint in self._board.endpoints():
+            pending.add_metric([endpoint], self._board.pending(endpoint, now))
+        yield pending

@@ -1,0 +1,149 @@
+"""Endpoint load reports: what the scraper learns about each managed endpoint, on the wire.
+
+One `EndpointReport` per managed endpoint per scrape. The scraper
+
+- puts it in the load bucket (JetStream KV, config ``router.load_bucket``) under
+  `report_key(endpoint)`, so a newly started admission instance reads current state at once
+  (a KV watch delivers the last report of every endpoint, then every new one);
+- publishes it on `endpoint_event_subject("scraped", provider)`, and a health transition on
+  ``...endpoint.healthy.<provider>`` / ``...endpoint.unhealthy.<provider>`` (docs/events.md).
+
+After each round it also publishes one `PoolReport` per (provider, pool) on
+`pool_event_subject("measured", provider)`, for dashboards (not kept in the bucket: admission
+derives pool saturation from the endpoint reports, with its own grants counted).
+
+Several scrapers may run. Duplicates are harmless by construction rather than avoided: a report
+is a complete, timestamped state (never a delta), readers keep the newest report per endpoint
+(`scraped_at`) and the largest learned capacity, so two scrapers only cost the engines a second
+scrape. Health transition events may then be announced once per scraper.
+
+Times are unix seconds by the scraper's clock; readers compare them with their own clock to
+judge staleness, so hosts must keep their clocks in sync (NTP: a few ms matter little next to
+``router.stale_after``).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from llmgw.core.engine_metrics import EngineDialect, EngineSample
+
+__all__ = [
+    "ENDPOINT_EVENT_VERBS",
+    "LOAD_BUCKET_HISTORY",
+    "LOAD_BUCKET_STORAGE",
+    "POOL_EVENT_VERBS",
+    "REPORT_KEY_PREFIX",
+    "EndpointReport",
+    "LoadSample",
+    "PoolReport",
+    "endpoint_event_subject",
+    "pool_event_subject",
+    "report_key",
+]
+
+REPORT_KEY_PREFIX = "endpoint."
+# `llmgw.v1.events.endpoint.<verb>.<provider>`: one vocabulary with the routing events.
+ENDPOINT_EVENT_VERBS = ("scraped", "healthy", "unhealthy")
+POOL_EVENT_VERBS = ("measured",)
+# How every user opens the load bucket (`open_routing_bucket(js, config.router.load_bucket,
+# storage=LOAD_BUCKET_STORAGE, history=LOAD_BUCKET_HISTORY)`): an opener asking for other
+# settings gets BucketConfigMismatch. Memory storage: the reports are rebuilt every scrape
+# interval, so surviving a server restart is worth nothing; history 1: only the latest counts.
+LOAD_BUCKET_STORAGE = "memory"
+LOAD_BUCKET_HISTORY = 1
+
+
+def report_key(endpoint_id: str) -> str:
+    """The load bucket key of an endpoint's latest report (endpoint ids are key-safe slugs)."""
+    return REPORT_KEY_PREFIX + endpoint_id
+
+
+def endpoint_event_subject(verb: str, provider: str) -> str:
+    if verb not in ENDPOINT_EVENT_VERBS:
+        raise ValueError(f"unknown endpoint event verb {verb!r}")
+    return f"llmgw.v1.events.endpoint.{verb}.{provider}"
+
+
+def pool_event_subject(verb: str, provider: str) -> str:
+    """`llmgw.v1.events.pool.<verb>.<provider>` (pool names may hold "/": never a token)."""
+    if verb not in POOL_EVENT_VERBS:
+        raise ValueError(f"unknown pool event verb {verb!r}")
+    return f"llmgw.v1.events.pool.{verb}.{provider}"
+
+
+class LoadSample(BaseModel):
+    """The engine's own load gauges at scrape time (see llmgw.core.engine_metrics)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    dialect: EngineDialect
+    running: int = Field(ge=0)
+    waiting: int = Field(ge=0)
+    kv_usage: float = Field(ge=0, le=1)
+
+    @classmethod
+    def from_core(cls, sample: EngineSample) -> LoadSample:
+        return cls(dialect=sample.dialect, running=sample.running, waiting=sample.waiting,
+                   kv_usage=sample.kv_usage)
+
+    def to_core(self) -> EngineSample:
+        return EngineSample(self.dialect, self.running, self.waiting, self.kv_usage)
+
+
+class EndpointReport(BaseModel):
+    """One endpoint at one scrape.
+
+    Invariants: ``sample`` is None exactly when the metrics could not be read (``metrics_error``
+    says why); ``healthy`` is the /health probe's verdict (False also when unreachable);
+    ``capacity`` is the batch capacity learned so far (the high-water mark of ``running``, never
+    decreasing within one scraper's life); ``saturation`` is the scraper's own reading, for
+    dashboards: admission recomputes it with its own grants counted.
+    """
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    v: Literal[1] = 1
+    endpoint: str
+    provider: str
+    pool: str
+    models: tuple[str, ...]
+    healthy: bool
+    health_error: str | None = None
+    sample: LoadSample | None = None
+    metrics_error: str | None = None
+    capacity: int = Field(0, ge=0)
+    saturation: float | None = None
+    scraped_at: float  # unix seconds when the scrape was sent
+    scraper: str  # the instance that made it
+
+    def to_bytes(self) -> bytes:
+        return self.model_dump_json(exclude_none=True).encode()
+
+
+class PoolReport(BaseModel):
+    """One pool (the endpoints of one provider sharing ``pool``) after one scraper round.
+
+    Invariants: ``endpoints`` lists every configured endpoint of the pool, in config order (a
+    stale or unreachable one included: never dropped); ``healthy`` and ``stale`` are subsets of
+    it; ``saturation`` is the mean endpoint saturation (`llmgw.core.saturation.pool_saturation`,
+    stale endpoints counted as at least 1.0) by the scraper's own reading, without admission's
+    grants.
+    """
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    v: Literal[1] = 1
+    provider: str
+    pool: str
+    endpoints: tuple[str, ...]
+    healthy: tuple[str, ...]
+    stale: tuple[str, ...]
+    saturation: float = Field(ge=0)
+    measured_at: float  # unix seconds when the round's reports were complete
+    scraper: str
+
+    def to_bytes(self) -> bytes:
+        return self.model_dump_json().encode()
