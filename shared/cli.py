@@ -63,12 +63,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     admission = sub.add_parser("admission", help="the admission service (NATS queue group)")
     _config_arg(admission)
+    admission.add_argument("--admin-listen", default=None, help="serve /metrics and /health on host:port")
     admission.set_defaults(target="llmgw.services.admission.main:run")
 
     reaper = sub.add_parser("reaper", help="expires leases and idle pins, repairs interrupted transitions")
     _config_arg(reaper)
     reaper.add_argument("--admin-listen", default=None, help="serve /metrics and /health on host:port")
     reaper.set_defaults(target="llmgw.services.reaper.main:run")
+
+    scraper = sub.add_parser("scraper", help="scrapes managed endpoints, publishes their load")
+    _config_arg(scraper)
+    scraper.add_argument("--admin-listen", default=None, help="serve /metrics and /health on host:port")
+    scraper.set_defaults(target="llmgw.services.scraper.main:run")
 
     state = sub.add_parser("state", help="pins, leases and capacity use, read from the live bucket")
     _config_arg(state)

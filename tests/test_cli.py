@@ -9,7 +9,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("service", ["edge", "admission", "reaper"])
+@pytest.mark.parametrize("service", ["edge", "admission", "reaper", "scraper"])
 def test_services_explain_that_an_embedded_nats_needs_llmgw_up(service):
     env = {"PATH": "/usr/bin:/bin"}
     result = subprocess.run(

@@ -5,7 +5,7 @@ keeps it current from the load bucket the scraper writes (llmgw.load): it reads 
 latest report at start, so a new instance has current state at once, then follows a KV watch.
 
 A grant made at time t for endpoint e (by this instance or, via flow-control gossip, another)
-counts against e's saturation until a report of e scraped at or after t + VISIBILITY_MARGIN
+counts against e's saturation until a report of e scraped at or after t + `visibility_margin`
 arrives (by then the engine's own running/waiting numbers include the request), or until it is
 ``router.stale_after`` old. Without this, a burst granted between two scrapes would pass the
 saturation check en masse (seed 002).
@@ -38,8 +38,14 @@ if TYPE_CHECKING:
 log = logging.getLogger("llmgw.admission.load")
 
 # Seconds between a grant and the first scrape that can be trusted to show its request: the
-# edge's lease handling and dispatch to the engine come first.
-VISIBILITY_MARGIN = 0.1
+# edge's lease handling and dispatch to the engine come first (a few ms; this allows for a busy
+# host). Capped at a quarter of the scrape interval: a longer margin counts each grant twice for
+# a whole scrape (in the engine's numbers and as pending), which leaves batch slots idle.
+MAX_VISIBILITY_MARGIN = 0.1
+
+
+def visibility_margin(config: Config) -> float:
+    return min(MAX_VISIBILITY_MARGIN, config.router.scrape_interval / 4)
 
 
 def saturation_settings(config: Config) -> SaturationSettings:
@@ -55,6 +61,7 @@ class LoadBoard:
 
     def __init__(self, config: Config, health: HealthBoard) -> None:
         self.settings = saturation_settings(config)
+        self.visibility_margin = visibility_margin(config)
         self.health = health
         managed = {p.id for p in config.providers if p.kind == "managed"}
         self._endpoints = [e.id for e in config.endpoints if e.provider in managed]
@@ -92,7 +99,7 @@ class LoadBoard:
             return
         self._loads[endpoint_id] = EndpointLoad(capacity, sample, report.scraped_at)
         pending = self._pending[endpoint_id]
-        del pending[: bisect.bisect_right(pending, report.scraped_at - VISIBILITY_MARGIN)]
+        del pending[: bisect.bisect_right(pending, report.scraped_at - self.visibility_margin)]
 
     def record_grant(self, endpoint_id: str, at: float) -> None:
         pending = self._pending.get(endpoint_id)

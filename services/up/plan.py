@@ -5,7 +5,7 @@
 
 Order (tiers start in this order and stop in reverse):
   1. a simulator per endpoint that has a `simulate` block (`llmgw sim engine|provider`),
-  2. the admission service and the reaper (together: neither needs the other),
+  2. the admission service, the reaper and the scraper (together: none needs another),
   3. the edge (last: when it is ready, the whole cluster is).
 """
 
@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 if TYPE_CHECKING:
     from llmgw.config import Config, EndpointConfig
 
-ServiceKind = Literal["sim-engine", "sim-provider", "admission", "reaper", "edge"]
+ServiceKind = Literal["sim-engine", "sim-provider", "admission", "reaper", "scraper", "edge"]
 
 # Every service prints a line containing "llmgw <service> ready" once it serves (the services'
 # contract). Simulators are matched loosely: either sim flavour's line counts.
@@ -29,11 +29,12 @@ READY_PATTERNS: dict[str, re.Pattern[str]] = {
     "sim-provider": re.compile(r"llmgw sim (engine|provider) ready"),
     "admission": re.compile(r"llmgw admission ready"),
     "reaper": re.compile(r"llmgw reaper ready"),
+    "scraper": re.compile(r"llmgw scraper ready"),
     "edge": re.compile(r"llmgw edge ready"),
 }
 _URL_IN_LINE = re.compile(r"\bhttps?://\S+")
 TIER_OF_KIND: dict[str, int] = {
-    "sim-engine": 0, "sim-provider": 0, "admission": 1, "reaper": 1, "edge": 2,
+    "sim-engine": 0, "sim-provider": 0, "admission": 1, "reaper": 1, "scraper": 1, "edge": 2,
 }
 
 
@@ -84,6 +85,7 @@ def plan_cluster(config: Config, config_path: str) -> list[ServiceSpec]:
         )
     specs.append(ServiceSpec("admission", ("admission", "--config", config_path), "admission"))
     specs.append(ServiceSpec("reaper", ("reaper", "--config", config_path), "reaper"))
+    specs.append(ServiceSpec("scraper", ("scraper", "--config", config_path), "scraper"))
     specs.append(
         ServiceSpec(
             "edge",

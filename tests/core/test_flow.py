@@ -10,7 +10,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmgw.core.engine_metrics import EngineDialect, EngineSample
-from llmgw.core.flow import BandPolicy, FlowQueues, GateDecision, PoolView, Waiter, gate, plan_dispatch
+from llmgw.core.flow import (
+    BandPolicy,
+    FlowQueues,
+    GateDecision,
+    PoolView,
+    Waiter,
+    gate,
+    plan_dispatch,
+)
 from llmgw.core.saturation import EndpointLoad, SaturationSettings
 
 SETTINGS = SaturationSettings(target_waiting=4, kv_ceiling=0.9, stale_after=10)

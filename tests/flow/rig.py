@@ -35,25 +35,36 @@ MODEL = "m1"
 ENDPOINTS = ("engine-1", "engine-2")
 
 
-def rig_config(nats_url: str, unique_id: str, **admission: Any) -> Config:
-    """Managed `iris` (two engines, no lease limits) and unlimited `tensorx`, serving m1."""
+def rig_config(nats_url: str, unique_id: str, *, urls: dict[str, str] | None = None,
+               limits: dict[str, int] | None = None, router: dict[str, Any] | None = None,
+               **admission: Any) -> Config:
+    """Managed `iris` (two engines; lease limits only if given) and unlimited `tensorx`, for m1.
+
+    ``urls`` maps endpoint ids (engine-1, engine-2, tensorx-1) to real servers where requests
+    are relayed; without them nothing listens (tests that only ask admission).
+    """
+    urls = urls or {}
+    iris_model: dict[str, Any] = {"name": MODEL}
+    if limits:
+        iris_model["limits"] = limits
     return config_from_dict(
         {
             "nats": {"url": nats_url, "request_timeout": "2s"},
-            "router": {"load_bucket": f"load_{unique_id}", "stale_after": "5s"},
+            "router": {"load_bucket": f"load_{unique_id}", "stale_after": "5s", **(router or {})},
             "pinning": {"bucket": f"routing_{unique_id}"},
             "scoring": {"target_waiting": 4, "kv_ceiling": 0.9},
             "admission": {"interval": "5ms", **admission},
             "models": [{"name": MODEL}],
             "providers": [
-                {"id": "iris", "kind": "managed", "priority": 100, "models": [{"name": MODEL}]},
+                {"id": "iris", "kind": "managed", "priority": 100, "models": [iris_model]},
                 {"id": "tensorx", "kind": "unlimited", "models": [{"name": MODEL}]},
             ],
             "endpoints": [
-                {"id": e, "url": f"http://127.0.0.1:1/{e}", "provider": "iris", "models": [MODEL]}
+                {"id": e, "url": urls.get(e, f"http://127.0.0.1:1/{e}"), "provider": "iris",
+                 "models": [MODEL]}
                 for e in ENDPOINTS
-            ] + [{"id": "tensorx-1", "url": "http://127.0.0.1:1/t", "provider": "tensorx",
-                  "models": [MODEL]}],
+            ] + [{"id": "tensorx-1", "url": urls.get("tensorx-1", "http://127.0.0.1:1/t"),
+                  "provider": "tensorx", "models": [MODEL]}],
         },
         source="<flow rig>",
         env={},
@@ -135,8 +146,10 @@ class Rig:
         await self.nc.close()
 
 
-async def open_rig(nats_url: str, unique_id: str, instances: int = 1, **admission: Any) -> Rig:
-    config = rig_config(nats_url, unique_id, **admission)
+async def open_rig(nats_url: str, unique_id: str, instances: int = 1, *,
+                   urls: dict[str, str] | None = None, limits: dict[str, int] | None = None,
+                   router: dict[str, Any] | None = None, **admission: Any) -> Rig:
+    config = rig_config(nats_url, unique_id, urls=urls, limits=limits, router=router, **admission)
     nc = await nats.connect(nats_url)
     load_kv = await open_routing_bucket(nc.jetstream(), config.router.load_bucket,
                                         storage="memory", history=1)

@@ -17,7 +17,8 @@ pytestmark = pytest.mark.e2e
 
 READY = r"^llmgw is ready: OpenAI API at (http://\S+/v1) \(Ctrl-C to stop\)$"
 SERVICES = {
-    "nats", "engine-1", "engine-2", "tensorx-east", "tensorx-west", "admission", "reaper", "edge",
+    "nats", "engine-1", "engine-2", "tensorx-east", "tensorx-west", "admission", "reaper",
+    "scraper", "edge",
 }
 
 
@@ -52,8 +53,8 @@ def test_up_serves_a_chat_completion_and_stops_cleanly_on_sigterm(
     assert not [name for name, pid in pids.items() if process_exists(pid)]
     order = _stop_order(up)
     assert order[0] == "edge"
-    assert set(order[1:3]) == {"admission", "reaper"}  # one tier, stopped together
-    assert set(order[3:]) == {"engine-1", "engine-2", "tensorx-east", "tensorx-west"}
+    assert set(order[1:4]) == {"admission", "reaper", "scraper"}  # one tier, stopped together
+    assert set(order[4:]) == {"engine-1", "engine-2", "tensorx-east", "tensorx-west"}
 
 
 def test_up_restarts_a_killed_engine_and_keeps_serving(

@@ -25,6 +25,7 @@ def test_plans_simulators_then_admission_then_edge_for_the_local_config() -> Non
         ("tensorx-west", "sim-provider", 0),
         ("admission", "admission", 1),
         ("reaper", "reaper", 1),
+        ("scraper", "scraper", 1),
         ("edge", "edge", 2),
     ]
     by_name = {s.name: s for s in plan}
@@ -35,6 +36,8 @@ def test_plans_simulators_then_admission_then_edge_for_the_local_config() -> Non
     assert by_name["admission"].argv == ("admission", "--config", "config/local.yaml")
     assert by_name["reaper"].argv == ("reaper", "--config", "config/local.yaml")
     assert by_name["reaper"].listens == ()  # no port of its own (metrics only on request)
+    assert by_name["scraper"].argv == ("scraper", "--config", "config/local.yaml")
+    assert by_name["scraper"].listens == ()
     assert by_name["edge"].argv == ("edge", "--config", "config/local.yaml")
     assert [str(a) for a in by_name["edge"].listens] == ["127.0.0.1:8080", "127.0.0.1:9090"]
     assert [str(a) for a in by_name["engine-2"].listens] == ["127.0.0.1:8102"]
@@ -46,7 +49,9 @@ def test_endpoints_without_simulate_are_not_started() -> None:
         if endpoint["provider"] == "tensorx":
             del endpoint["simulate"]
     plan = plan_cluster(config_from_dict(data, env={}), "c.yaml")
-    assert [s.name for s in plan] == ["engine-1", "engine-2", "admission", "reaper", "edge"]
+    assert [s.name for s in plan] == [
+        "engine-1", "engine-2", "admission", "reaper", "scraper", "edge",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -57,6 +62,9 @@ def test_endpoints_without_simulate_are_not_started() -> None:
         ("llmgw admission ready (adm-1)", "admission", True),
         ("llmgw reaper ready (reaper-1, bucket llmgw_routing, every 1s)", "reaper", True),
         ("llmgw admission ready", "reaper", False),
+        ("llmgw scraper ready (scraper-h-1, bucket llmgw_load, 2 endpoints every 2s)", "scraper",
+         True),
+        ("llmgw reaper ready", "scraper", False),
         ("llmgw edge ready on http://127.0.0.1:8080 (admin http://127.0.0.1:9090)", "edge", True),
         ("INFO waiting until llmgw edge is ready", "edge", False),
         ("llmgw admission ready", "edge", False),

@@ -1,0 +1,117 @@
+"""`llmgw scraper`: the composition root of the scraper service.
+
+Connects to NATS, opens the load bucket (``router.load_bucket``, memory storage, history 1),
+creates the one HTTP client every scrape shares, and runs `Scraper` rounds every
+``router.scrape_interval`` until SIGTERM/SIGINT, which lets the current round finish before
+exiting 0. Prints "llmgw scraper ready (...)" once running. Several scrapers may run at once:
+duplicates are harmless (see `llmgw.load`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+
+from llmgw import natsconn
+from llmgw.config import Config, parse_hostport
+from llmgw.load import LOAD_BUCKET_HISTORY, LOAD_BUCKET_STORAGE
+from llmgw.runtime import (
+    load_or_exit,
+    require_nats_server,
+    run_service,
+    service_instance,
+    setup_logging,
+    wait_for_stop_signal,
+)
+from llmgw.services.scraper.metrics import ScraperMetrics
+from llmgw.services.scraper.reports import saturation_settings, scrape_targets
+from llmgw.services.scraper.service import Scraper, new_http_client
+from llmgw.state.nats_kv import open_routing_bucket
+
+__all__ = ["run", "serve"]
+
+log = logging.getLogger("llmgw.scraper")
+
+
+def run(args: argparse.Namespace) -> int:
+    setup_logging("scraper")
+    config = load_or_exit(args.config)
+    require_nats_server(config, "scraper")
+    admin_listen = getattr(args, "admin_listen", None)
+    admin = parse_hostport(admin_listen) if admin_listen else None
+    return run_service(lambda: serve(config, admin=admin))
+
+
+async def _set_on_signal(stop: asyncio.Event) -> None:
+    await wait_for_stop_signal()
+    stop.set()
+
+
+async def serve(
+    config: Config,
+    *,
+    admin: tuple[str, int] | None = None,
+    stop: asyncio.Event | None = None,
+    ready: asyncio.Event | None = None,
+    instance: str | None = None,
+    metrics: ScraperMetrics | None = None,
+) -> None:
+    """Run one scraper until `stop` is set (default: until SIGTERM or SIGINT).
+
+    `ready` is set once it runs (and its admin port, if any, accepts connections). `instance`
+    names it in reports (default: service, host and pid).
+    """
+    signal_task = None
+    if stop is None:
+        stop = asyncio.Event()
+        signal_task = asyncio.create_task(_set_on_signal(stop))
+    instance = instance or service_instance("scraper")
+    router = config.router
+    targets = scrape_targets(config)
+    if not targets:
+        log.warning("no endpoint of a managed provider in the config: nothing to scrape")
+    nc = await natsconn.connect(config.nats, name="llmgw-scraper")
+    client = new_http_client(router.scrape_timeout, len(targets))
+    admin_server = None
+    try:
+        bucket = await open_routing_bucket(nc.jetstream(), router.load_bucket,
+                                           storage=LOAD_BUCKET_STORAGE,
+                                           history=LOAD_BUCKET_HISTORY)
+        scraper = Scraper(
+            targets,
+            client=client,
+            bucket=bucket,
+            publisher=nc,
+            metrics=metrics or ScraperMetrics(),
+            settings=saturation_settings(config),
+            instance=instance,
+            interval=router.scrape_interval,
+            timeout=router.scrape_timeout,
+        )
+        await scraper.adopt_known_capacity()
+        where = ""
+        if admin is not None:
+            # Imported only when asked for: the HTTP server stack is not the default path.
+            from llmgw.services.scraper.admin import create_admin_app
+            from llmgw.serving import start_server
+
+            admin_server = await start_server(
+                create_admin_app(scraper.metrics, nc, scraper), *admin)
+            where = f", admin {admin_server.url}"
+        print(f"llmgw scraper ready ({instance}, bucket {router.load_bucket}, "
+              f"{len(targets)} endpoints every {router.scrape_interval:g}s{where})", flush=True)
+        if ready is not None:
+            ready.set()
+        await scraper.run(stop)
+        log.info("stopping after %d rounds", scraper.rounds)
+    finally:
+        if signal_task is not None:
+            signal_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await signal_task
+        if admin_server is not None:
+            await admin_server.stop()
+        await client.aclose()
+        await nc.drain()

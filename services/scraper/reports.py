@@ -1,0 +1,243 @@
+"""The scraper's decisions, as pure functions: what a scrape means, and what to publish.
+
+No I/O here: `service.Scraper` fetches ``/health`` and ``/metrics`` (giving `Fetched` values),
+and these functions turn the fetched responses into an `EndpointReport`, a scrape outcome (the
+metrics label), health transitions and `PoolReport`s. Parsing and saturation math live in
+`llmgw.core.engine_metrics` and `llmgw.core.saturation`; this module only applies them.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from llmgw.core.engine_metrics import EngineSample, MetricsFormatError, parse_engine_metrics
+from llmgw.core.saturation import (
+    EndpointLoad,
+    SaturationSettings,
+    endpoint_saturation,
+    is_stale,
+    pool_saturation,
+    update,
+)
+from llmgw.load import EndpointReport, LoadSample, PoolReport
+
+if TYPE_CHECKING:
+    from llmgw.config import Config
+
+__all__ = [
+    "ERROR_TEXT_LIMIT",
+    "Fetched",
+    "ScrapeOutcome",
+    "ScrapeTarget",
+    "build_report",
+    "classify",
+    "engine_inflight",
+    "health_event_verb",
+    "health_verdict",
+    "known_capacities",
+    "pool_reports",
+    "read_sample",
+    "saturation_settings",
+    "scrape_targets",
+]
+
+# Error texts travel in every report of a failing endpoint: keep them short.
+ERROR_TEXT_LIMIT = 300
+
+
+class ScrapeOutcome(enum.StrEnum):
+    """How one scrape of one endpoint went (closed set: the ``result`` metrics label).
+
+    Precedence, first match wins: no HTTP answer at all (``timeout`` if a request timed out,
+    else ``unreachable``), then ``unhealthy`` (``/health`` did not answer 200), then
+    ``metrics_error`` (``/metrics`` unreadable), else ``ok``.
+    """
+
+    OK = "ok"
+    UNHEALTHY = "unhealthy"
+    METRICS_ERROR = "metrics_error"
+    TIMEOUT = "timeout"
+    UNREACHABLE = "unreachable"
+
+
+@dataclass(frozen=True, slots=True)
+class ScrapeTarget:
+    """A managed endpoint to scrape (from the config's ``endpoints``)."""
+
+    endpoint: str
+    provider: str
+    pool: str
+    models: tuple[str, ...]
+    url: str  # base URL without a trailing "/"
+
+
+@dataclass(frozen=True, slots=True)
+class Fetched:
+    """One GET: the status and body when the endpoint answered, else the error (``status`` None).
+
+    ``timed_out`` is set only for an unanswered request that ran out of time.
+    """
+
+    status: int | None = None
+    body: str = ""
+    error: str | None = None
+    timed_out: bool = False
+
+    @property
+    def answered(self) -> bool:
+        return self.status is not None
+
+
+def scrape_targets(config: Config) -> list[ScrapeTarget]:
+    """Every endpoint of a managed provider, in config order (unlimited providers expose none
+    of the engine metrics, and their health is not ours to judge)."""
+    return [
+        ScrapeTarget(e.id, e.provider, e.pool, tuple(e.models), e.url.rstrip("/"))
+        for e in config.endpoints
+        if config.provider(e.provider).kind == "managed"
+    ]
+
+
+def saturation_settings(config: Config) -> SaturationSettings:
+    return SaturationSettings(
+        target_waiting=config.scoring.target_waiting,
+        kv_ceiling=config.scoring.kv_ceiling,
+        stale_after=config.router.stale_after,
+    )
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= ERROR_TEXT_LIMIT else text[: ERROR_TEXT_LIMIT - 3] + "..."
+
+
+def health_verdict(health: Fetched) -> tuple[bool, str | None]:
+    """Healthy exactly when ``/health`` answered 200; otherwise why not."""
+    if health.status == 200:
+        return True, None
+    if health.status is not None:
+        return False, f"HTTP {health.status}"
+    return False, _short(health.error or "no answer")
+
+
+def read_sample(metrics: Fetched) -> tuple[EngineSample | None, str | None]:
+    """The engine's load from a ``/metrics`` answer, or None and why it could not be read."""
+    if metrics.status is None:
+        return None, _short(metrics.error or "no answer")
+    if metrics.status != 200:
+        return None, f"HTTP {metrics.status}"
+    try:
+        return parse_engine_metrics(metrics.body), None
+    except MetricsFormatError as exc:
+        return None, _short(str(exc))
+
+
+def classify(health: Fetched, metrics: Fetched, *, healthy: bool,
+             sample: EngineSample | None) -> ScrapeOutcome:
+    """The scrape's outcome (see `ScrapeOutcome` for the precedence)."""
+    if not health.answered and not metrics.answered:
+        if health.timed_out or metrics.timed_out:
+            return ScrapeOutcome.TIMEOUT
+        return ScrapeOutcome.UNREACHABLE
+    if not healthy:
+        return ScrapeOutcome.UNHEALTHY
+    if sample is None:
+        return ScrapeOutcome.METRICS_ERROR
+    return ScrapeOutcome.OK
+
+
+def engine_inflight(load: EndpointLoad) -> int:
+    """What the engine itself holds (running + waiting) by its latest sample; 0 if none."""
+    sample = load.sample
+    return 0 if sample is None else sample.running + sample.waiting
+
+
+def build_report(
+    target: ScrapeTarget,
+    health: Fetched,
+    metrics: Fetched,
+    load: EndpointLoad,
+    *,
+    scraped_at: float,
+    now: float,
+    settings: SaturationSettings,
+    scraper: str,
+) -> tuple[EndpointReport, EndpointLoad, ScrapeOutcome]:
+    """The report of one scrape sent at ``scraped_at``, the endpoint's load after it, the outcome.
+
+    A failed metrics read keeps the previous sample in the load (so the capacity and the last
+    reading survive) but not in the report; once that sample is older than ``stale_after``
+    the saturation is at least 1.0 (`endpoint_saturation`): scored down, never dropped.
+    """
+    healthy, health_error = health_verdict(health)
+    sample, metrics_error = read_sample(metrics)
+    if sample is not None:
+        load = update(load, sample, scraped_at)
+    saturation = endpoint_saturation(load, now, settings, inflight=engine_inflight(load))
+    report = EndpointReport(
+        endpoint=target.endpoint,
+        provider=target.provider,
+        pool=target.pool,
+        models=target.models,
+        healthy=healthy,
+        health_error=health_error,
+        sample=LoadSample.from_core(sample) if sample is not None else None,
+        metrics_error=metrics_error,
+        capacity=load.capacity,
+        saturation=saturation,
+        scraped_at=scraped_at,
+        scraper=scraper,
+    )
+    return report, load, classify(health, metrics, healthy=healthy, sample=sample)
+
+
+def health_event_verb(previous: bool | None, healthy: bool) -> str | None:
+    """"healthy"/"unhealthy" when the verdict changed, or is this scraper's first for the
+    endpoint (``previous`` None: subscribers learn the initial state); None otherwise."""
+    if previous is not None and previous == healthy:
+        return None
+    return "healthy" if healthy else "unhealthy"
+
+
+def pool_reports(
+    targets: Sequence[ScrapeTarget],
+    loads: Mapping[str, EndpointLoad],
+    healthy: Mapping[str, bool],
+    *,
+    now: float,
+    settings: SaturationSettings,
+    scraper: str,
+) -> list[PoolReport]:
+    """One report per (provider, pool), in order of first appearance among ``targets``.
+
+    An endpoint absent from ``loads`` counts as never sampled (stale), absent from ``healthy``
+    as not healthy: the pool report never looks better than what was actually observed.
+    """
+    pools: dict[tuple[str, str], list[str]] = {}
+    for target in targets:
+        pools.setdefault((target.provider, target.pool), []).append(target.endpoint)
+    reports = []
+    for (provider, pool), members in pools.items():
+        member_loads = {e: loads.get(e, EndpointLoad()) for e in members}
+        inflight = {e: engine_inflight(load) for e, load in member_loads.items()}
+        reports.append(PoolReport(
+            provider=provider,
+            pool=pool,
+            endpoints=tuple(members),
+            healthy=tuple(e for e in members if healthy.get(e, False)),
+            stale=tuple(e for e in members if is_stale(member_loads[e], now, settings)),
+            saturation=pool_saturation(member_loads, now, settings, inflight),
+            measured_at=now,
+            scraper=scraper,
+        ))
+    return reports
+
+
+def known_capacities(reports: Iterable[EndpointReport]) -> dict[str, int]:
+    """The largest capacity any report shows per endpoint (a floor for a starting scraper)."""
+    capacities: dict[str, int] = {}
+    for report in reports:
+        capacities[report.endpoint] = max(capacities.get(report.endpoint, 0), report.capacity)
+    return capacities

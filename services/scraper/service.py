@@ -1,0 +1,308 @@
+"""The scrape loop: every interval, scrape every managed endpoint and publish what it learned.
+
+A round scrapes all endpoints concurrently through the one `httpx.AsyncClient` it is given;
+per endpoint, ``GET /health`` and ``GET /metrics`` also run concurrently, each bounded by
+``timeout``. Each endpoint publishes its own report as soon as its scrape is done, so a slow or
+dead endpoint delays no other endpoint's report (only the pool reports, which need them all,
+wait for the slowest, at most ``timeout``). Per endpoint and round:
+
+1. the report goes to the load bucket under `report_key` (latest state for new readers), then
+2. on `endpoint_event_subject("scraped", provider)`, then
+3. on ``...healthy`` / ``...unhealthy`` when the health verdict changed, or is this scraper's
+   first verdict for the endpoint (so subscribers learn the initial state).
+
+After every endpoint: one `PoolReport` per (provider, pool) on `pool_event_subject`.
+
+Failures: an endpoint that cannot be scraped still gets its report (healthy False, or sample
+None; stale endpoints score at least 1.0): nothing is ever dropped. A bucket write or publish
+that fails is counted (``llmgw_scraper_publish_failures_total``) and logged once per outage; it
+never stops the loop. Rounds run at a fixed rate (``interval`` from one start to the next); a
+round that overruns starts the next one at once, without bursts to catch up.
+
+Ownership: the loop is the only writer of its per-endpoint state (learned load, last health),
+and rounds never overlap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Protocol
+
+import httpx
+
+from llmgw.core.saturation import EndpointLoad, SaturationSettings
+from llmgw.load import (
+    EndpointReport,
+    endpoint_event_subject,
+    pool_event_subject,
+    report_key,
+)
+from llmgw.services.scraper.metrics import ScraperMetrics
+from llmgw.services.scraper.reports import (
+    Fetched,
+    ScrapeOutcome,
+    ScrapeTarget,
+    build_report,
+    health_event_verb,
+    pool_reports,
+)
+from llmgw.state.kv import KVEntry
+
+__all__ = ["LoadBucket", "Publisher", "Scraper", "health_window", "new_http_client"]
+
+_log = logging.getLogger("llmgw.scraper")
+
+
+class LoadBucket(Protocol):
+    """The load bucket as the scraper uses it (`llmgw.state.NatsKV` satisfies it)."""
+
+    async def put(self, key: str, value: bytes) -> int: ...
+
+    async def get(self, key: str) -> KVEntry | None: ...
+
+
+class Publisher(Protocol):
+    """Core NATS publish (a nats-py `Client` satisfies it)."""
+
+    async def publish(self, subject: str, payload: bytes = b"") -> None: ...
+
+
+def health_window(interval: float, timeout: float) -> float:
+    """How long after its last round a healthy scraper may go without completing another.
+
+    Two intervals, as long as a round fits in one; a round lasts up to ``timeout`` (the scrape)
+    plus a publish bounded by ``interval``, so a longer timeout widens the window.
+    """
+    return max(2 * interval, interval + 2 * timeout)
+
+
+def new_http_client(timeout: float, endpoints: int) -> httpx.AsyncClient:
+    """The one client of a scraper: two requests per endpoint at once, kept alive between rounds.
+
+    Environment proxies are ignored: scrapes go to the engines directly, as the edge does.
+    """
+    connections = max(10, 2 * endpoints)
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(timeout),
+        limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
+        trust_env=False,
+    )
+
+
+class Scraper:
+    """Scrapes `targets` every `interval` seconds; see the module docstring.
+
+    `clock` (unix seconds in the product) stamps reports and judges staleness; readers compare
+    ``scraped_at`` with their own clock. `timer` measures durations and paces rounds.
+    """
+
+    def __init__(
+        self,
+        targets: Sequence[ScrapeTarget],
+        *,
+        client: httpx.AsyncClient,
+        bucket: LoadBucket,
+        publisher: Publisher,
+        metrics: ScraperMetrics,
+        settings: SaturationSettings,
+        instance: str,
+        interval: float,
+        timeout: float,
+        clock: Callable[[], float] = time.time,
+        timer: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.targets = tuple(targets)
+        self._client = client
+        self._bucket = bucket
+        self._publisher = publisher
+        self.metrics = metrics
+        self.settings = settings
+        self.instance = instance
+        self.interval = interval
+        self.timeout = timeout
+        # A stalled NATS call must not hold the loop for longer than a round is meant to take.
+        self.publish_timeout = interval
+        self._clock = clock
+        self._timer = timer
+        self._loads: dict[str, EndpointLoad] = {}
+        self._healthy: dict[str, bool] = {}
+        self._outcomes: dict[str, ScrapeOutcome] = {}
+        self._failing: set[str] = set()  # publish kinds in an outage (logged once each)
+        self.rounds = 0
+        self.started_at: float | None = None
+        self.last_round_at: float | None = None
+        self._round_done = asyncio.Condition()
+        metrics.declare(t.endpoint for t in self.targets)
+        metrics.watch_ages(self.scrape_ages)
+
+    # ---- state, read by metrics and the admin port ----------------------------------------
+
+    def load(self, endpoint: str) -> EndpointLoad:
+        return self._loads.get(endpoint, EndpointLoad())
+
+    def scrape_ages(self) -> Iterable[tuple[str, float | None]]:
+        """Seconds since each endpoint's metrics were last read (None: never)."""
+        now = self._clock()
+        for target in self.targets:
+            sampled_at = self.load(target.endpoint).sampled_at
+            yield target.endpoint, None if sampled_at is None else max(0.0, now - sampled_at)
+
+    def health_problem(self) -> str | None:
+        """Why the loop is not keeping up (None when it is): for the admin port's /health."""
+        reference = self.last_round_at if self.last_round_at is not None else self.started_at
+        if reference is None:
+            return "the scrape loop has not started"
+        quiet = self._clock() - reference
+        window = health_window(self.interval, self.timeout)
+        if quiet > window:
+            return f"no scrape round completed for {quiet:.1f}s (allowed {window:g}s)"
+        return None
+
+    # ---- the loop -------------------------------------------------------------------------
+
+    async def adopt_known_capacity(self) -> None:
+        """Take each endpoint's capacity in the bucket's report as this scraper's floor.
+
+        Capacity is learned slowly (only a busy engine shows it), so a restarted or second
+        scraper starts from what is already known rather than from 0. Best effort: an
+        unreadable bucket or report leaves the capacity to be learned.
+        """
+        async def adopt(target: ScrapeTarget) -> None:
+            try:
+                async with asyncio.timeout(self.publish_timeout):
+                    entry = await self._bucket.get(report_key(target.endpoint))
+                if entry is None:
+                    return
+                report = EndpointReport.model_validate_json(entry.value)
+            except Exception as exc:  # unreachable bucket, foreign or old report
+                _log.info("no known capacity for %s: %s", target.endpoint, exc)
+                return
+            load = self.load(target.endpoint)
+            if report.capacity > load.capacity:
+                self._loads[target.endpoint] = EndpointLoad(
+                    report.capacity, load.sample, load.sampled_at)
+
+        await asyncio.gather(*(adopt(t) for t in self.targets))
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Round after round, `interval` apart, until `stop` is set (the current round ends)."""
+        self.started_at = self._clock()
+        next_start = self._timer()
+        while not stop.is_set():
+            try:
+                await self.run_round()
+            except Exception:  # a bug in one round must not end the scraper
+                _log.exception("scrape round failed")
+            next_start += self.interval
+            delay = next_start - self._timer()
+            if delay < 0:  # overran: go again now, and pace from here
+                next_start, delay = self._timer(), 0.0
+            try:
+                async with asyncio.timeout(delay):
+                    await stop.wait()
+            except TimeoutError:
+                pass
+
+    async def run_round(self) -> list[EndpointReport]:
+        """Scrape and publish every endpoint, then the pools; the endpoint reports, in order."""
+        started = self._timer()
+        results = await asyncio.gather(*(self._scrape(t) for t in self.targets),
+                                       return_exceptions=True)
+        reports = []
+        for target, result in zip(self.targets, results, strict=True):
+            if isinstance(result, BaseException):
+                if isinstance(result, asyncio.CancelledError):
+                    raise result
+                _log.error("scraping %s failed", target.endpoint, exc_info=result)
+            else:
+                reports.append(result)
+        for pool in pool_reports(self.targets, self._loads, self._healthy, now=self._clock(),
+                                 settings=self.settings, scraper=self.instance):
+            self.metrics.observe_pool(pool)
+            await self._send("event", lambda p=pool: self._publisher.publish(
+                pool_event_subject("measured", p.provider), p.to_bytes()))
+        self.metrics.round_duration.observe(self._timer() - started)
+        self.last_round_at = self._clock()
+        self.metrics.last_round.set(self.last_round_at)
+        self.metrics.rounds.inc()
+        async with self._round_done:
+            self.rounds += 1
+            self._round_done.notify_all()
+        return reports
+
+    async def wait_for_rounds(self, count: int) -> None:
+        """Return once `count` rounds have completed in total (bound it with asyncio.timeout)."""
+        async with self._round_done:
+            await self._round_done.wait_for(lambda: self.rounds >= count)
+
+    # ---- one endpoint ---------------------------------------------------------------------
+
+    async def _scrape(self, target: ScrapeTarget) -> EndpointReport:
+        scraped_at = self._clock()
+        started = self._timer()
+        health, metrics = await asyncio.gather(
+            self._get(target.url + "/health"), self._get(target.url + "/metrics"))
+        duration = self._timer() - started
+        report, load, outcome = build_report(
+            target, health, metrics, self.load(target.endpoint), scraped_at=scraped_at,
+            now=self._clock(), settings=self.settings, scraper=self.instance)
+        self._loads[target.endpoint] = load
+        previous = self._healthy.get(target.endpoint)
+        self._healthy[target.endpoint] = report.healthy
+        self.metrics.observe_scrape(report, outcome, duration)
+        self._log_outcome(report, outcome)
+        await self._publish(report, health_event_verb(previous, report.healthy))
+        return report
+
+    async def _get(self, url: str) -> Fetched:
+        try:
+            # httpx's timeout bounds each phase; this bounds the whole request (a trickling body).
+            async with asyncio.timeout(self.timeout):
+                response = await self._client.get(url)
+        except (TimeoutError, httpx.TimeoutException):
+            return Fetched(error=f"no answer within {self.timeout:g}s", timed_out=True)
+        except Exception as exc:  # connection refused, reset, bad URL...: the endpoint is down
+            detail = str(exc)
+            return Fetched(error=type(exc).__name__ + (f": {detail}" if detail else ""))
+        return Fetched(status=response.status_code, body=response.text)
+
+    def _log_outcome(self, report: EndpointReport, outcome: ScrapeOutcome) -> None:
+        """One line when an endpoint's outcome changes, not one per round."""
+        previous = self._outcomes.get(report.endpoint)
+        self._outcomes[report.endpoint] = outcome
+        if previous == outcome or (previous is None and outcome is ScrapeOutcome.OK):
+            return
+        if outcome is ScrapeOutcome.OK:
+            _log.info("endpoint %s: scraped fine again", report.endpoint)
+        else:
+            _log.warning("endpoint %s: %s (%s)", report.endpoint, outcome.value,
+                         report.health_error or report.metrics_error)
+
+    async def _publish(self, report: EndpointReport, transition: str | None) -> None:
+        payload = report.to_bytes()
+        await self._send("kv", lambda: self._bucket.put(report_key(report.endpoint), payload))
+        await self._send("event", lambda: self._publisher.publish(
+            endpoint_event_subject("scraped", report.provider), payload))
+        if transition is not None:
+            await self._send("event", lambda: self._publisher.publish(
+                endpoint_event_subject(transition, report.provider), payload))
+
+    async def _send(self, kind: str, send: Callable[[], Awaitable[object]]) -> bool:
+        """Run one write or publish, bounded; never raises (but cancellation)."""
+        try:
+            async with asyncio.timeout(self.publish_timeout):
+                await send()
+        except Exception as exc:
+            self.metrics.publish_failures.labels(kind).inc()
+            if kind not in self._failing:
+                self._failing.add(kind)
+                _log.warning("cannot publish to %s: %r (further failures are only counted until "
+                             "one succeeds)", kind, exc)
+            return False
+        if kind in self._failing:
+            self._failing.discard(kind)
+            _log.info("publishing to %s again", kind)
+        return True

@@ -1,0 +1,141 @@
+"""Flow control as a client sees it through the real edge: statuses, Retry-After, leaving early."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import nats
+import pytest
+from rig import open_rig, until
+from test_flow_control import open_headroom, saturate
+
+from llmgw.services.edge.app import EdgeDeps, create_app
+from llmgw.services.edge.metrics import EdgeMetrics
+from llmgw.services.edge.upstream import Timeouts, new_session
+from llmgw.services.sim.apps import create_engine_app
+from llmgw.services.sim.params import EngineParams
+from llmgw.serving import start_server
+from llmgw.state.setup import open_routing_state
+
+LIMITS = {
+    "max_pinned_sessions": 100,
+    "max_global_in_flight_request_slots": 100,
+    "global_in_flight_request_slots_reserved_for_pinned_sessions": 10,
+    "max_per_session_in_flight_request_slots": 10,
+}
+BODY = {"model": "m1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+@pytest.fixture
+async def stack(nats_url, unique_id, request):
+    """Engines, admission (flow control on, per-test settings) and an edge in front."""
+    admission = getattr(request, "param", {})
+    engines = {name: await start_server(create_engine_app(EngineParams.zero_delay(), ["m1"]))
+               for name in ("engine-1", "engine-2", "tensorx-1")}
+    rig = await open_rig(nats_url, unique_id, urls={k: v.url for k, v in engines.items()},
+                         limits=LIMITS, **admission)
+    edge_nc = await nats.connect(nats_url)
+    session = new_session(Timeouts.from_section(rig.config.timeouts))
+    routing = await open_routing_state(edge_nc, rig.config, instance_id="edge", follow_slots=False)
+    app = create_app(rig.config, EdgeDeps(edge_nc, session, EdgeMetrics(), routing))
+    edge = await start_server(app)
+    rig.edge_url = edge.url
+    rig.routing = routing
+    try:
+        yield rig
+    finally:
+        await edge.stop()
+        await app.edge.drain()
+        await session.close()
+        await routing.close()
+        await edge_nc.close()
+        await rig.close()
+        for server in engines.values():
+            await server.stop()
+
+
+async def post(rig, band: str, timeout: float = 10) -> httpx.Response:
+    async with httpx.AsyncClient(timeout=timeout) as client:
+        return await client.post(rig.edge_url + "/v1/chat/completions", json=BODY,
+                                 headers={"x-llmgw-band": band})
+
+
+async def leases(rig) -> int:
+    usage = await rig.routing.usage()
+    return sum(pair.leases for pair in usage.pairs)
+
+
+@pytest.mark.parametrize("stack", [{"queue_capacity_per_band": 1}], indirect=True)
+async def test_a_full_queue_answers_429_with_retry_after(stack):
+    await saturate(stack)
+    first = asyncio.create_task(post(stack, "bronze"))
+    await until(lambda: stack.queued() == 1)
+    response = await post(stack, "bronze")
+    assert response.status_code == 429
+    assert int(response.headers["retry-after"]) >= 1
+    error = response.json()["error"]
+    assert (error["type"], error["code"]) == ("rate_limit_error", "queue_full")
+    assert "bronze" in error["message"]
+    await open_headroom(stack)
+    assert (await first).status_code == 200
+    assert await leases(stack) == 0 or await until_no_leases(stack)
+
+
+@pytest.mark.parametrize("stack", [{"queue_ttl": "300ms"}], indirect=True)
+async def test_a_request_that_outwaits_the_queue_ttl_answers_503_with_retry_after(stack):
+    await saturate(stack)
+    started = time.monotonic()
+    response = await post(stack, "silver")
+    assert time.monotonic() - started >= 0.3
+    assert response.status_code == 503
+    assert int(response.headers["retry-after"]) >= 1
+    assert response.json()["error"]["code"] == "queue_timeout"
+    assert await leases(stack) == 0  # waiting never held a lease
+
+
+async def test_an_unknown_band_is_a_400_naming_the_header(stack):
+    response = await post(stack, "diamond")
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "x-llmgw-band" and "diamond" in error["message"]
+    assert stack.queued() == 0 and await leases(stack) == 0
+
+
+async def test_a_client_that_leaves_while_queued_leaves_the_queue(stack):
+    await saturate(stack)
+    with pytest.raises(httpx.ReadTimeout):
+        await post(stack, "bronze", timeout=0.3)
+    await until(lambda: stack.queued() == 0, what="the queue to empty after the client left")
+    assert stack.admissions[0].metrics.cancellations._value.get() == 1
+
+
+async def until_no_leases(rig, timeout: float = 2.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while await leases(rig):
+        assert time.monotonic() < deadline, "a lease outlived its request"
+        await asyncio.sleep(0.02)
+    return True
+
+
+async def test_a_grant_that_races_with_the_client_leaving_is_released_at_once(stack):
+    """Clients give up just as room opens; whichever wins, no lease outlives them.
+
+    Leases are renewed for 30 s, so one that the edge failed to release would stay in the
+    bucket far beyond the 2 s this test allows.
+    """
+    outcomes = []
+    for attempt in range(12):
+        await saturate(stack)
+        leaving = asyncio.create_task(post(stack, "bronze", timeout=0.2))
+        await until(lambda: stack.queued() == 1)
+        await asyncio.sleep(0.2 - 0.11 - 0.003 * attempt)  # room opens around the timeout
+        await open_headroom(stack)
+        try:
+            outcomes.append((await leaving).status_code)
+        except httpx.ReadTimeout:
+            outcomes.append("left")
+        await until(lambda: stack.queued() == 0)
+        await until_no_leases(stack)
+    assert "left" in outcomes

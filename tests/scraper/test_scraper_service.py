@@ -1,0 +1,237 @@
+"""The scraper against real engines (simulators on uvicorn) and a real NATS server: what lands
+in the load bucket and on the event subjects."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import httpx
+import pytest
+import pytest_asyncio
+from nats.aio.client import Client as NatsClient
+from scraper_helpers import (
+    MODEL,
+    Connect,
+    EventLog,
+    LoadGenerator,
+    StartEngine,
+    config_data,
+    running_scraper,
+)
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse
+from starlette.routing import Route
+
+from llmgw.config import Config, config_from_dict
+from llmgw.load import LOAD_BUCKET_HISTORY, LOAD_BUCKET_STORAGE, EndpointReport, report_key
+from llmgw.services.scraper.metrics import ScraperMetrics
+from llmgw.services.scraper.reports import ScrapeTarget, saturation_settings
+from llmgw.services.scraper.service import Scraper, new_http_client
+from llmgw.serving import RunningServer, free_port, start_server
+from llmgw.state import NatsKV, open_routing_bucket
+
+StartStatic = Callable[[str], Awaitable[RunningServer]]
+
+
+def make_config(nats_url: str, bucket: str, provider: str, endpoints: dict[str, str]) -> Config:
+    return config_from_dict(config_data(nats_url, bucket, provider, endpoints), env={})
+
+
+async def open_load_bucket(nc: NatsClient, name: str) -> NatsKV:
+    return await open_routing_bucket(nc.jetstream(), name, storage=LOAD_BUCKET_STORAGE,
+                                     history=LOAD_BUCKET_HISTORY)
+
+
+async def stored_report(kv: NatsKV, endpoint: str) -> EndpointReport:
+    entry = await kv.get(report_key(endpoint))
+    assert entry is not None, f"no report of {endpoint} in the bucket"
+    return EndpointReport.model_validate_json(entry.value)
+
+
+@pytest_asyncio.fixture
+async def start_static() -> AsyncIterator[StartStatic]:
+    """Factory of fake engines: /health answers 200, /metrics answers the given text."""
+    servers: list[RunningServer] = []
+
+    async def start(metrics_text: str) -> RunningServer:
+        async def metrics(request: Request) -> PlainTextResponse:
+            return PlainTextResponse(metrics_text)
+
+        async def health(request: Request) -> PlainTextResponse:
+            return PlainTextResponse("ok")
+
+        app = Starlette(routes=[Route("/metrics", metrics), Route("/health", health)])
+        server = await start_server(app)
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        await server.stop()
+
+
+async def test_reports_land_in_the_bucket_with_the_capacity_learned_under_load(
+    nats_url: str, load_bucket: str, unique_id: str, nats_client: NatsClient,
+    start_engine: StartEngine, events: EventLog, load: LoadGenerator,
+) -> None:
+    engine = await start_engine(max_num_seqs=2, itl_base=0.5)
+    config = make_config(nats_url, load_bucket, unique_id, {"busy": engine.url})
+    async with running_scraper(config, instance="scraper-one"):
+        idle = await events.wait_for_report("busy", lambda r: r.sample is not None)
+        assert idle.healthy and idle.capacity == 0 and idle.sample is not None
+        assert idle.sample.running == 0
+
+        load.start(engine.url, 3)  # two run (max_num_seqs), one waits
+        busy = await events.wait_for_report("busy", lambda r: r.sample is not None and (
+            r.sample.running, r.sample.waiting) == (2, 1))
+        assert busy.capacity == 2
+        assert busy.saturation == pytest.approx(1 / 4)  # 1 waiting / scoring.target_waiting
+
+        kv = await open_load_bucket(nats_client, load_bucket)
+        stored = await stored_report(kv, "busy")  # written before the event was published
+        assert stored.capacity == 2 and stored.scraper == "scraper-one"
+        assert stored.models == (MODEL,) and stored.pool == "gpu/a" and stored.provider == unique_id
+        assert stored.scraped_at >= busy.scraped_at
+    assert await kv.get(report_key("third-party")) is None  # unlimited providers: not scraped
+
+
+async def test_an_engine_turning_unhealthy_is_reported_and_announced(
+    nats_url: str, load_bucket: str, unique_id: str, nats_client: NatsClient,
+    start_engine: StartEngine, events: EventLog,
+) -> None:
+    engine = await start_engine()
+    config = make_config(nats_url, load_bucket, unique_id, {"flaky": engine.url})
+    async with running_scraper(config, instance="scraper-one"), httpx.AsyncClient() as http:
+        # The first verdict of a scraper is announced, so subscribers learn the initial state.
+        await events.wait_until(lambda log: log.transitions("flaky") == ["healthy"])
+
+        (await http.post(f"{engine.url}/sim/faults", json={"unhealthy": True})).raise_for_status()
+        await events.wait_until(lambda log: log.transitions("flaky") == ["healthy", "unhealthy"])
+        announced = events.reports("flaky", verb="unhealthy")[0]
+        assert not announced.healthy and announced.health_error == "HTTP 503"
+        assert announced.sample is not None  # its metrics are still read
+        stored = await stored_report(await open_load_bucket(nats_client, load_bucket), "flaky")
+        assert not stored.healthy
+
+        (await http.post(f"{engine.url}/sim/faults", json={"reset": True})).raise_for_status()
+        await events.wait_until(
+            lambda log: log.transitions("flaky") == ["healthy", "unhealthy", "healthy"])
+    # One health event per change of verdict (plus the first), not one per round: each
+    # follows the "scraped" publish of the same report on one connection, so all are here.
+    verdicts = [r.healthy for r in events.reports("flaky")]
+    changes = sum(a != b for a, b in itertools.pairwise(verdicts))
+    assert len(events.transitions("flaky")) == 1 + changes
+    scraped_times = {r.scraped_at for r in events.reports("flaky")}
+    for verb in ("healthy", "unhealthy"):
+        assert all(r.scraped_at in scraped_times for r in events.reports("flaky", verb=verb))
+
+
+async def test_an_unreachable_endpoint_is_reported_every_round_and_never_dropped(
+    nats_url: str, load_bucket: str, unique_id: str, nats_client: NatsClient,
+    start_engine: StartEngine, events: EventLog,
+) -> None:
+    engine = await start_engine()
+    dead = f"http://127.0.0.1:{free_port()}"
+    config = make_config(nats_url, load_bucket, unique_id, {"live": engine.url, "dead": dead})
+    async with running_scraper(config, instance="scraper-one"):
+        await events.wait_until(lambda log: len(log.reports("dead")) >= 3
+                                and any(p.healthy == ("live",) for p in log.pools()))
+        stored = await stored_report(await open_load_bucket(nats_client, load_bucket), "dead")
+    for report in [*events.reports("dead"), stored]:
+        assert not report.healthy and report.health_error
+        assert report.sample is None and report.metrics_error
+        assert report.saturation == 1.0  # never read: stale, counted as saturated
+    assert events.transitions("dead") == ["unhealthy"]
+    pool = next(p for p in events.pools() if p.healthy == ("live",))
+    assert pool.provider == unique_id and pool.pool == "gpu/a"
+    assert pool.endpoints == ("live", "dead") and pool.stale == ("dead",)
+    assert pool.saturation == pytest.approx(0.5)  # mean of an idle 0 and a stale 1
+
+
+GARBLED = '# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{model_name="m1" 3\n'
+SGLANG = ('sglang:num_running_reqs{model_name="m1"} 5\nsglang:num_queue_reqs{model_name="m1"} 2\n'
+          'sglang:token_usage{model_name="m1"} 0.45\n')
+
+
+async def test_malformed_metrics_are_a_metrics_error_and_sglang_metrics_are_read(
+    nats_url: str, load_bucket: str, unique_id: str, start_static: StartStatic, events: EventLog,
+) -> None:
+    garbled, sglang = await start_static(GARBLED), await start_static(SGLANG)
+    config = make_config(nats_url, load_bucket, unique_id,
+                         {"garbled": garbled.url, "sglang": sglang.url})
+    metrics = ScraperMetrics()
+    async with running_scraper(config, instance="scraper-one", metrics=metrics):
+        bad = await events.wait_for_report("garbled", lambda r: True)
+        good = await events.wait_for_report("sglang", lambda r: True)
+    assert bad.healthy and bad.sample is None
+    assert bad.metrics_error is not None and bad.metrics_error.startswith("line 2:")
+    assert good.sample is not None and good.sample.dialect == "sglang"
+    assert (good.sample.running, good.sample.waiting, good.capacity) == (5, 2, 5)
+    assert good.saturation == pytest.approx(0.5)  # kv 0.45 / 0.9 beats 2 waiting / 4
+
+    def scrapes(endpoint: str, result: str) -> float | None:
+        return metrics.registry.get_sample_value(
+            "llmgw_scraper_scrapes_total", {"endpoint": endpoint, "result": result})
+
+    assert scrapes("garbled", "metrics_error") >= 1 and scrapes("garbled", "ok") == 0
+    assert scrapes("sglang", "ok") >= 1 and scrapes("sglang", "metrics_error") == 0
+
+
+async def test_two_scrapers_leave_consistent_reports_and_a_new_one_adopts_known_capacity(
+    nats_url: str, load_bucket: str, unique_id: str, nats_client: NatsClient,
+    start_engine: StartEngine, events: EventLog, load: LoadGenerator,
+) -> None:
+    engine = await start_engine(max_num_seqs=2, itl_base=0.5)
+    config = make_config(nats_url, load_bucket, unique_id, {"busy": engine.url})
+    async with running_scraper(config, instance="scraper-a"):
+        load.start(engine.url, 2)
+        await events.wait_for_report("busy", lambda r: r.capacity == 2)
+        await load.stop()
+        idle = await events.wait_for_report(
+            "busy", lambda r: r.sample is not None and r.sample.running == 0 and r.capacity == 2)
+        async with running_scraper(config, instance="scraper-b"):
+            await events.wait_until(lambda log: sum(
+                r.scraper == "scraper-b" for r in log.reports("busy")) >= 3)
+        stored = await stored_report(await open_load_bucket(nats_client, load_bucket), "busy")
+
+    b_reports = [r for r in events.reports("busy") if r.scraper == "scraper-b"]
+    # scraper-b never saw the engine running 2, yet knows its capacity from the bucket.
+    assert all(r.sample is not None and r.sample.running == 0 for r in b_reports)
+    assert all(r.capacity == 2 for r in b_reports)
+    a_during_b = [r for r in events.reports("busy") if r.scraper == "scraper-a"
+                  and r.scraped_at > b_reports[0].scraped_at]
+    assert a_during_b  # both scraped at once, and agree
+    assert all(r.capacity == 2 and r.healthy for r in a_during_b)
+    assert stored.capacity == 2 and stored.scraped_at >= idle.scraped_at
+    assert events.transitions("busy") == ["healthy", "healthy"]  # each scraper's first verdict
+
+
+async def test_failed_publishing_is_counted_and_never_stops_the_loop(
+    load_bucket: str, connect: Connect, start_engine: StartEngine, nats_url: str,
+    unique_id: str,
+) -> None:
+    engine = await start_engine()
+    config = make_config(nats_url, load_bucket, unique_id, {"e1": engine.url})
+    nc = await connect()
+    kv = await open_load_bucket(nc, load_bucket)
+    metrics = ScraperMetrics()
+    target = ScrapeTarget("e1", unique_id, "gpu/a", (MODEL,), engine.url)
+    async with new_http_client(0.5, 1) as client:
+        scraper = Scraper([target], client=client, bucket=kv, publisher=nc, metrics=metrics,
+                          settings=saturation_settings(config), instance="scraper-one",
+                          interval=0.5, timeout=0.5)
+
+        def failures(kind: str) -> float | None:
+            return metrics.registry.get_sample_value(
+                "llmgw_scraper_publish_failures_total", {"kind": kind})
+
+        (first,) = await scraper.run_round()
+        assert first.healthy and failures("kv") == 0 and failures("event") == 0
+        await nc.close()
+        (second,) = await scraper.run_round()
+    assert second.healthy and second.sample is not None  # scraping goes on without NATS
+    assert failures("kv") == 1
+    assert failures("event") == 2  # the endpoint's report and the pool's
+    assert scraper.rounds == 2
