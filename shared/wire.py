@@ -28,6 +28,8 @@ ADMISSION_CANCEL_SUBJECT = "llmgw.v1.admission.cancel"
 # Admission instance -> the others: its queue depths, and the grants it made (flow control).
 ADMISSION_FLOW_SUBJECT = "llmgw.v1.admission.flow"
 ADMISSION_GRANTS_SUBJECT = "llmgw.v1.admission.grants"
+# Edge -> every admission instance: a request admission counted on an endpoint has ended.
+ADMISSION_DONE_SUBJECT = "llmgw.v1.admission.done"
 
 
 class _Message(BaseModel):
@@ -164,6 +166,9 @@ class AdmitReply(_Message):
     reject_reason: RejectReason | None = None
     message: str | None = None
     retry_after_s: float | None = None
+    # Set when admission counts the request against the target endpoint's load: the edge
+    # announces the request's end with it (RequestDone), so the count ends with the request.
+    granted_at: float | None = None
 
 
 class HealthReply(_Message):
@@ -211,3 +216,17 @@ class FlowGrants(_Message):
     instance: str
     scope: str  # as in FlowState
     grants: list[tuple[str, float]]
+
+
+class RequestDone(_Message):
+    """Edge -> all admission instances (ADMISSION_DONE_SUBJECT): a counted request has ended.
+
+    ``endpoint`` and ``granted_at`` are the target and `AdmitReply.granted_at` of the request.
+    Instances stop counting it against the endpoint at once instead of at the next scrape, so
+    short requests do not look like load for a whole scrape interval. Best effort: a lost one
+    only delays that to the next scrape.
+    """
+
+    v: Literal[1] = 1
+    endpoint: str
+    granted_at: float

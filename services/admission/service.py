@@ -39,6 +39,7 @@ from llmgw.services.admission.health import HealthBoard
 from llmgw.services.admission.loadboard import LoadBoard
 from llmgw.services.admission.metrics import AdmissionMetrics
 from llmgw.wire import (
+    ADMISSION_DONE_SUBJECT,
     ADMISSION_HEALTH_SUBJECT,
     ADMISSION_QUEUE_GROUP,
     ADMISSION_REQUEST_SUBJECT,
@@ -48,6 +49,7 @@ from llmgw.wire import (
     Lease,
     PinRef,
     RejectReason,
+    RequestDone,
     Target,
 )
 
@@ -199,7 +201,7 @@ class AdmissionService:
             placed.provider, model, request.exclude_endpoints, now=now,
             prefer=admission.endpoint if admission is not None else None,
         )
-        self._settle_reservation(admission, endpoint, now)
+        granted_at = self._settle_reservation(admission, endpoint, now)
         if endpoint is None:
             if placed.lease is not None:
                 await self.routing.release_request_lease(placed.lease, refresh_pin=False)
@@ -223,6 +225,7 @@ class AdmissionService:
             pin=PinRef.from_core(placed.pin) if placed.pin is not None and placed.lease else None,
             route=placed.route.value,
             refresh_pin_on_success=placed.refresh_pin_on_success,
+            granted_at=granted_at,
         )
 
     def _drop_reservation(self, admission: Admission | None) -> None:
@@ -232,18 +235,32 @@ class AdmissionService:
 
     def _settle_reservation(
         self, admission: Admission | None, endpoint: EndpointView | None, now: float
-    ) -> None:
-        """Make the load board count the request on the endpoint it actually goes to."""
+    ) -> float | None:
+        """Make the load board count the request on the endpoint it actually goes to.
+
+        Returns the time the count is filed under (the reply's ``granted_at``), or None when
+        the target is not a managed endpoint (nothing counted).
+        """
         reserved = admission.endpoint if admission is not None else None
         chosen = endpoint.id if endpoint is not None else None
-        if reserved == chosen:
-            return
+        if reserved == chosen and reserved is not None:
+            assert admission is not None
+            return admission.reserved_at
         self._drop_reservation(admission)
-        if chosen is not None and self.load.knows(chosen):
-            if self.flow is not None:
-                self.flow.reserve_endpoint(chosen, now)
-            else:
-                self.load.record_grant(chosen, now)
+        if chosen is None or not self.load.knows(chosen):
+            return None
+        if self.flow is not None:
+            self.flow.reserve_endpoint(chosen, now)
+        else:
+            self.load.record_grant(chosen, now)
+        return now
+
+    async def _on_done(self, msg: Msg) -> None:
+        try:
+            done = RequestDone.model_validate_json(msg.data)
+        except ValidationError:
+            return
+        self.load.forget_grant(done.endpoint, done.granted_at)
 
     async def _announce(self, placed: Placement) -> None:
         """Publish the pin change this placement made (core NATS: never waits, never raises)."""
@@ -299,6 +316,7 @@ class AdmissionService:
             )
         )
         self._subs.append(await self._nc.subscribe(ADMISSION_HEALTH_SUBJECT, cb=self._on_health))
+        self._subs.append(await self._nc.subscribe(ADMISSION_DONE_SUBJECT, cb=self._on_done))
         if self.flow is not None:
             await self.flow.start()
         await self._nc.flush()

@@ -14,6 +14,7 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -44,11 +45,13 @@ from llmgw.services.edge.upstream import (
 )
 from llmgw.wire import (
     ADMISSION_CANCEL_SUBJECT,
+    ADMISSION_DONE_SUBJECT,
     ADMISSION_REQUEST_SUBJECT,
     AdmitCancel,
     AdmitReply,
     AdmitRequest,
     RejectReason,
+    RequestDone,
     Target,
 )
 
@@ -222,6 +225,8 @@ class Edge:
                 await self.deps.routing.release_request_lease(
                     reply.lease.to_core(), refresh_pin=False
                 )
+            if (counted := self._counted_request_end(reply)) is not None:
+                counted()
             return Response(status_code=499), Outcome.CLIENT_DISCONNECTED
 
         if not reply.admitted or reply.target is None:
@@ -246,15 +251,44 @@ class Edge:
                 background=self.background,
                 pin=reply.pin.to_core() if reply.pin is not None else None,
             )
+        counted = self._counted_request_end(reply)
         try:
-            response, outcome = await self._relay(feature, parsed, raw, reply.target, ids, holder, started)
+            response, outcome = await self._relay(
+                feature, parsed, raw, reply.target, ids, holder, started, counted
+            )
         except BaseException:
             if holder is not None:
                 holder.finish(success=False)
+            if counted is not None:
+                counted()
             raise
-        if holder is not None and outcome is not None:  # a stream finishes its lease itself
-            holder.finish(success=outcome is Outcome.SUCCESS)
+        if outcome is not None:  # a stream ends itself (lease, count) when it ends
+            if holder is not None:
+                holder.finish(success=outcome is Outcome.SUCCESS)
+            if counted is not None:
+                counted()
         return response, outcome
+
+    def _counted_request_end(self, reply: AdmitReply) -> Callable[[], None] | None:
+        """What tells admission that a request it counted on an endpoint has ended (or None)."""
+        if reply.granted_at is None or reply.target is None:
+            return None
+        payload = RequestDone(
+            endpoint=reply.target.endpoint, granted_at=reply.granted_at
+        ).model_dump_json().encode()
+
+        def announce() -> None:
+            task = asyncio.ensure_future(self._publish_quietly(ADMISSION_DONE_SUBJECT, payload))
+            self.background.add(task)
+            task.add_done_callback(self.background.discard)
+
+        return announce
+
+    async def _publish_quietly(self, subject: str, payload: bytes) -> None:
+        try:
+            await self.deps.nc.publish(subject, payload)
+        except Exception as exc:  # best effort: admission catches up at the next scrape
+            log.debug("not published on %s: %s", subject, exc)
 
     async def _ask_admission(
         self, request: Request, payload: bytes, request_id: str
@@ -294,8 +328,12 @@ class Edge:
         ids: dict[str, str],
         holder: LeaseHolder | None,
         started: float,
+        counted: Callable[[], None] | None = None,
     ) -> tuple[Response, Outcome | None]:
-        """Send the request upstream and answer the client; outcome None: a stream that runs on."""
+        """Send the request upstream and answer the client; outcome None: a stream that runs on.
+
+        A stream calls `counted` (and finishes its lease) when it ends; otherwise the caller does.
+        """
         if parsed.model != target.upstream_model:
             parsed.body["model"] = target.upstream_model
             raw = json.dumps(parsed.body).encode()
@@ -350,6 +388,8 @@ class Edge:
             ended = True
             if holder is not None:
                 holder.finish(success=relay.outcome is Outcome.SUCCESS)
+            if counted is not None:
+                counted()
             metrics.observe(feature, relay.outcome, time.perf_counter() - started)
 
         async def body_then_finish():

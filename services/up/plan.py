@@ -3,6 +3,9 @@
 `plan_cluster` reads only the config object, so the compose file test and
 `llmgw up --dry-run` see exactly the plan the supervisor runs.
 
+Admin ports: the edge serves /metrics and /health on `admin_listen`; admission, the reaper and the
+scraper on the next three ports (+1, +2, +3), unless `admin_listen`'s port is 0.
+
 Order (tiers start in this order and stop in reverse):
   1. a simulator per endpoint that has a `simulate` block (`llmgw sim engine|provider`),
   2. the admission service, the reaper and the scraper (together: none needs another),
@@ -83,9 +86,14 @@ def plan_cluster(config: Config, config_path: str) -> list[ServiceSpec]:
                 listens=_endpoint_listen(endpoint),
             )
         )
-    specs.append(ServiceSpec("admission", ("admission", "--config", config_path), "admission"))
-    specs.append(ServiceSpec("reaper", ("reaper", "--config", config_path), "reaper"))
-    specs.append(ServiceSpec("scraper", ("scraper", "--config", config_path), "scraper"))
+    for offset, kind in enumerate(("admission", "reaper", "scraper"), start=1):
+        argv: tuple[str, ...] = (kind, "--config", config_path)
+        listens: tuple[ListenAddress, ...] = ()
+        if config.admin_port:  # admin ports follow the edge's: admission +1, reaper +2, scraper +3
+            admin = ListenAddress(config.admin_host, config.admin_port + offset, f"{kind} admin")
+            argv += ("--admin-listen", str(admin))
+            listens = (admin,)
+        specs.append(ServiceSpec(kind, argv, kind, listens=listens))  # type: ignore[arg-type]
     specs.append(
         ServiceSpec(
             "edge",

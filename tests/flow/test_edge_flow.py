@@ -139,3 +139,19 @@ async def test_a_grant_that_races_with_the_client_leaving_is_released_at_once(st
         await until(lambda: stack.queued() == 0)
         await until_no_leases(stack)
     assert "left" in outcomes
+
+
+async def test_a_finished_request_stops_counting_against_its_engine_before_the_next_scrape(stack):
+    """Short requests must not look like load for a whole scrape interval (2 s here)."""
+    await stack.report_all(running=0, capacity=8)
+    board = stack.admissions[0].load
+    for _ in range(3):
+        response = await post(stack, "bronze")
+        assert response.status_code == 200
+        endpoint = response.headers["x-llmgw-endpoint"]
+        await until(lambda e=endpoint: board.pending(e, time.time()) == 0,
+                    what="the edge's end-of-request notice to reach admission")
+    # 30 short requests one after another all go through at once: none waits on stale counts.
+    for _ in range(30):
+        assert (await post(stack, "bronze")).status_code == 200
+    assert stack.admissions[0].metrics.flow_decisions.labels("bronze", "granted")._value.get() == 33

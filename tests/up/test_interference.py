@@ -28,7 +28,7 @@ from typing import Any
 import aiohttp
 import pytest
 import yaml
-from up_harness import UpProcess
+from up_harness import ADMIN_PORTS, UpProcess, admin_port_block
 
 from llmgw.serving import free_port
 
@@ -56,9 +56,18 @@ def interference_config(path: Path, *, admission: bool) -> Path:
         "global_in_flight_request_slots_reserved_for_pinned_sessions": 100,
         "max_per_session_in_flight_request_slots": 1_000,
     }
+    admin = admin_port_block()
+    taken = set(range(admin, admin + ADMIN_PORTS))
+
+    def port() -> int:
+        while (chosen := free_port()) in taken:
+            pass
+        taken.add(chosen)
+        return chosen
+
     data: dict[str, Any] = {
-        "listen": f"127.0.0.1:{free_port()}",
-        "admin_listen": f"127.0.0.1:{free_port()}",
+        "listen": f"127.0.0.1:{port()}",
+        "admin_listen": f"127.0.0.1:{admin}",
         "nats": {"url": "embedded", "embedded_port": 0},
         "router": {"scrape_interval": "100ms", "scrape_timeout": "500ms", "stale_after": "2s"},
         "scoring": {"target_waiting": 4},
@@ -70,7 +79,7 @@ def interference_config(path: Path, *, admission: bool) -> Path:
         "providers": [{"id": "iris", "kind": "managed",
                        "models": [{"name": "sim-model", "limits": limits}]}],
         "endpoints": [
-            {"id": f"engine-{i}", "url": f"http://127.0.0.1:{free_port()}", "provider": "iris",
+            {"id": f"engine-{i}", "url": f"http://127.0.0.1:{port()}", "provider": "iris",
              "models": ["sim-model"], "pool": "sim", "simulate": {**engine, "seed": i}}
             for i in (1, 2)
         ],
@@ -107,7 +116,41 @@ def p99(values: list[float]) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[98]
 
 
-async def measure(api: str) -> dict[str, Any]:
+async def bronze_queue_depth(session: aiohttp.ClientSession, admission_admin: str) -> float:
+    """llmgw_admission_queue_depth{band="bronze"} from admission's admin port (0 if absent)."""
+    async with session.get(f"{admission_admin}/metrics") as response:
+        text = await response.text()
+    for line in text.splitlines():
+        if line.startswith('llmgw_admission_queue_depth{band="bronze"}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+async def engines_waiting(session: aiohttp.ClientSession, engines: list[str]) -> int:
+    total = 0
+    for url in engines:
+        async with session.get(f"{url}/sim/state") as response:
+            total += (await response.json())["waiting"]
+    return total
+
+
+async def until_flooded(session: aiohttp.ClientSession, engines: list[str], admission_admin: str,
+                        timeout: float = 20) -> None:
+    """Until most of the flood waits in admission's or the engines' queues (at most `timeout`).
+
+    The rest is in flight through the gateway. Measuring starts after `timeout` regardless: the
+    assertions on the probes judge whether the load was real.
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        waiting = (await bronze_queue_depth(session, admission_admin)
+                   + await engines_waiting(session, engines))
+        if waiting >= 0.6 * BRONZE_CONCURRENCY:
+            return
+        await asyncio.sleep(0.1)
+
+
+async def measure(api: str, admission_admin: str, engines: list[str]) -> dict[str, Any]:
     """Idle probes, then probes under a continuous bronze flood; bronze completions counted."""
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=300)
@@ -124,22 +167,27 @@ async def measure(api: str) -> dict[str, Any]:
                 next(done)
 
         workers = [asyncio.create_task(bronze_worker(u)) for u in users]
-        await asyncio.sleep(3)  # the flood reaches the engines (or admission's queue)
+        await until_flooded(session, engines, admission_admin)
         loaded = await probes(session, api, LOADED_PROBES)
+        queued = await bronze_queue_depth(session, admission_admin)
         stop.set()
         bronze_done = next(done)
         for worker in workers:
             worker.cancel()
         await asyncio.gather(*workers, return_exceptions=True)
-    return {"idle": idle, "loaded": loaded, "bronze_done": bronze_done}
+    return {"idle": idle, "loaded": loaded, "bronze_done": bronze_done, "bronze_queued": queued}
 
 
 def run_cluster(tmp_path: Path, start_up, *, admission: bool) -> dict[str, Any]:
     config = interference_config(tmp_path / f"admission-{admission}.yaml", admission=admission)
     up: UpProcess = start_up(config)
     api = up.wait_for(READY, timeout=90).group(1)
+    data = yaml.safe_load(config.read_text())
+    host, port = data["admin_listen"].rsplit(":", 1)
+    admission_admin = f"http://{host}:{int(port) + 1}"
+    engines = [endpoint["url"] for endpoint in data["endpoints"]]
     try:
-        return asyncio.run(measure(api))
+        return asyncio.run(measure(api, admission_admin, engines))
     finally:
         up.stop()
 
@@ -148,15 +196,18 @@ def summary(result: dict[str, Any]) -> str:
     idle, loaded = result["idle"], result["loaded"]
     return (f"idle p50 {statistics.median(idle) * 1000:.0f} ms p99 {p99(idle) * 1000:.0f} ms; "
             f"loaded p50 {statistics.median(loaded) * 1000:.0f} ms p99 {p99(loaded) * 1000:.0f} ms "
-            f"({p99(loaded) / p99(idle):.2f}x); bronze completed {result['bronze_done']}")
+            f"({p99(loaded) / p99(idle):.2f}x); bronze completed {result['bronze_done']}, "
+            f"queued in admission {result['bronze_queued']:.0f}")
 
 
 def test_platinum_latency_holds_under_a_bronze_flood_only_with_admission(tmp_path, start_up):
     on = run_cluster(tmp_path, start_up, admission=True)
     print("admission on: " + summary(on))
     assert on["bronze_done"] > 50, "bronze made no progress: the load was not a real load"
+    assert on["bronze_queued"] > 100, "bronze was not held back in admission"
     assert p99(on["loaded"]) <= 1.5 * p99(on["idle"]), summary(on)
 
     off = run_cluster(tmp_path, start_up, admission=False)
     print("admission off: " + summary(off))
     assert p99(off["loaded"]) >= 10 * p99(off["idle"]), summary(off)
+    assert off["bronze_queued"] == 0

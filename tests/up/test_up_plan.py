@@ -33,11 +33,11 @@ def test_plans_simulators_then_admission_then_edge_for_the_local_config() -> Non
         "sim", "engine", "--config", "config/local.yaml", "--endpoint", "engine-1",
     )
     assert by_name["tensorx-west"].argv[:2] == ("sim", "provider")
-    assert by_name["admission"].argv == ("admission", "--config", "config/local.yaml")
-    assert by_name["reaper"].argv == ("reaper", "--config", "config/local.yaml")
-    assert by_name["reaper"].listens == ()  # no port of its own (metrics only on request)
-    assert by_name["scraper"].argv == ("scraper", "--config", "config/local.yaml")
-    assert by_name["scraper"].listens == ()
+    # Admin ports follow the edge's 9090: admission, reaper, scraper.
+    for offset, name in enumerate(("admission", "reaper", "scraper"), start=1):
+        address = f"127.0.0.1:{9090 + offset}"
+        assert by_name[name].argv == (name, "--config", "config/local.yaml", "--admin-listen", address)
+        assert [str(a) for a in by_name[name].listens] == [address]
     assert by_name["edge"].argv == ("edge", "--config", "config/local.yaml")
     assert [str(a) for a in by_name["edge"].listens] == ["127.0.0.1:8080", "127.0.0.1:9090"]
     assert [str(a) for a in by_name["engine-2"].listens] == ["127.0.0.1:8102"]
@@ -132,3 +132,12 @@ def test_a_port_in_use_is_reported_before_anything_starts(
     up.wait_for("nothing was started", timeout=5)
     assert expected in up.output()
     assert not up.pids()  # neither NATS nor any service was started
+
+
+def test_an_admin_port_of_zero_gives_the_other_services_none() -> None:
+    data = yaml.safe_load(LOCAL_CONFIG.read_text())
+    data["admin_listen"] = "127.0.0.1:0"
+    plan = plan_cluster(config_from_dict(data, source="<test>", env={}), "c.yaml")
+    for spec in plan:
+        if spec.kind in ("admission", "reaper", "scraper"):
+            assert "--admin-listen" not in spec.argv and spec.listens == ()

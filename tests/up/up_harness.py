@@ -6,6 +6,7 @@ import contextlib
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -21,11 +22,31 @@ REPO = Path(__file__).resolve().parents[2]
 LOCAL_CONFIG = REPO / "config" / "local.yaml"
 
 
-def _distinct_free_ports(count: int) -> list[int]:
+ADMIN_PORTS = 4  # `llmgw up` gives admission, reaper and scraper the three after the edge's
+
+
+def _port_is_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def admin_port_block() -> int:
+    """A port p with p .. p+3 free: the edge's admin port and the three that follow it."""
+    while True:
+        port = free_port()
+        if port + ADMIN_PORTS <= 65535 and all(_port_is_free(port + i) for i in range(1, ADMIN_PORTS)):
+            return port
+
+
+def _distinct_free_ports(count: int, avoid: set[int] = frozenset()) -> list[int]:  # type: ignore[assignment]
     ports: list[int] = []
     while len(ports) < count:
         port = free_port()
-        if port not in ports:
+        if port not in ports and port not in avoid:
             ports.append(port)
     return ports
 
@@ -33,9 +54,10 @@ def _distinct_free_ports(count: int) -> list[int]:
 def write_cluster_config(path: Path, **overrides: Any) -> Path:
     """config/local.yaml with every port replaced by a free one (NATS: any free port)."""
     data = yaml.safe_load(LOCAL_CONFIG.read_text())
-    ports = iter(_distinct_free_ports(2 + len(data["endpoints"])))
+    admin = admin_port_block()
+    ports = iter(_distinct_free_ports(1 + len(data["endpoints"]), set(range(admin, admin + ADMIN_PORTS))))
     data["listen"] = f"127.0.0.1:{next(ports)}"
-    data["admin_listen"] = f"127.0.0.1:{next(ports)}"
+    data["admin_listen"] = f"127.0.0.1:{admin}"
     data["nats"] = {"url": "embedded", "embedded_port": 0}
     for endpoint in data["endpoints"]:
         endpoint["url"] = f"http://127.0.0.1:{next(ports)}"
