@@ -68,8 +68,12 @@ def _config(nats_url: str, engine_url: str, edge_port: int, admin_port: int, flo
         "admin_listen": f"127.0.0.1:{admin_port}",
         "nats": {"url": nats_url},
         "router": {"scrape_interval": "500ms"},
-        # Flow control needs the scraper's load reports; without it, it is off.
-        "admission": {"enabled": flow, "default_band": "platinum"},
+        # Flow control needs the scraper's load reports; without it, it is off. The one band's
+        # ceiling is far above any load here: every request passes through the whole machinery
+        # (gate, reservation, gossip, end notice) and none waits. A zero-delay engine never
+        # shows anything running, so with real ceilings c=32 would count as saturated.
+        "admission": {"enabled": flow, "default_band": "bench",
+                      "bands": [{"name": "bench", "priority": 1, "saturation_ceiling": 1000}]},
         "models": [{"name": "bench-model"}],
         "providers": [
             {

@@ -91,3 +91,26 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def free_port_block(count: int, host: str = "127.0.0.1") -> int:
+    """A port p such that p .. p+count-1 were all free a moment ago.
+
+    For `llmgw up`, whose admission, reaper and scraper take the three ports after the edge's
+    admin port: a config written on free ports must leave those free too.
+    """
+    while True:
+        port = free_port(host)
+        if port + count - 1 > 65535:
+            continue
+        if all(_port_is_free(host, port + offset) for offset in range(1, count)):
+            return port
+
+
+def _port_is_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True

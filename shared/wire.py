@@ -230,3 +230,4 @@ class RequestDone(_Message):
     v: Literal[1] = 1
     endpoint: str
     granted_at: float
+    ended_at: float  # unix seconds, the edge's clock

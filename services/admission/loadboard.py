@@ -5,8 +5,8 @@ keeps it current from the load bucket the scraper writes (llmgw.load): it reads 
 latest report at start, so a new instance has current state at once, then follows a KV watch.
 
 A grant made at time t for endpoint e (by this instance or, via flow-control gossip, another)
-counts against e's saturation until a report of e scraped at or after t + `visibility_margin`
-arrives (by then the engine's own running/waiting numbers include the request), or until it is
+counts against e's saturation until the edge announces the request's end, or a report of e
+scraped at or after t + `visibility_margin` arrives (by then the engine's own running/waiting numbers include the request), or until it is
 ``router.stale_after`` old. Without this, a burst granted between two scrapes would pass the
 saturation check en masse (seed 002).
 
@@ -73,6 +73,7 @@ class LoadBoard:
         self._loads: dict[str, EndpointLoad] = {e: EndpointLoad() for e in self._endpoints}
         self._health_at: dict[str, float] = {}
         self._pending: dict[str, list[float]] = {e: [] for e in self._endpoints}
+        self._ended_since_sample: dict[str, int] = {e: 0 for e in self._endpoints}
         self.reports = 0
 
     def knows(self, endpoint_id: str) -> bool:
@@ -98,6 +99,7 @@ class LoadBoard:
             self._loads[endpoint_id] = EndpointLoad(capacity, load.sample, load.sampled_at)
             return
         self._loads[endpoint_id] = EndpointLoad(capacity, sample, report.scraped_at)
+        self._ended_since_sample[endpoint_id] = 0
         pending = self._pending[endpoint_id]
         del pending[: bisect.bisect_right(pending, report.scraped_at - self.visibility_margin)]
 
@@ -106,13 +108,32 @@ class LoadBoard:
         if pending is not None:
             bisect.insort(pending, at)
 
-    def forget_grant(self, endpoint_id: str, at: float) -> None:
-        """Undo `record_grant` (the request went elsewhere after all)."""
+    def forget_grant(self, endpoint_id: str, at: float) -> bool:
+        """Undo `record_grant` (the request went elsewhere, or ended); False if not pending."""
         pending = self._pending.get(endpoint_id)
         if pending:
             index = bisect.bisect_left(pending, at)
             if index < len(pending) and pending[index] == at:
                 del pending[index]
+                return True
+        return False
+
+    def request_ended(self, endpoint_id: str, granted_at: float, ended_at: float) -> None:
+        """A request counted on `endpoint_id` ended (the edge's RequestDone).
+
+        Still pending: it stops counting. Otherwise, if the last sample showed it (granted early
+        enough to be visible, ended after the scrape), that sample now overstates the engine by
+        one until the next scrape: counted in ``_ended_since_sample``. Both keep inflight exact
+        between scrapes, so a finished request's slot is refilled at once rather than at the
+        next scrape (which would let batches fill in synchronized bursts).
+        """
+        if self.forget_grant(endpoint_id, granted_at):
+            return
+        load = self._loads.get(endpoint_id)
+        if load is None or load.sampled_at is None:
+            return
+        if granted_at + self.visibility_margin <= load.sampled_at < ended_at:
+            self._ended_since_sample[endpoint_id] += 1
 
     def pending(self, endpoint_id: str, now: float) -> int:
         pending = self._pending[endpoint_id]
@@ -120,9 +141,10 @@ class LoadBoard:
         return len(pending)
 
     def inflight(self, endpoint_id: str, now: float) -> int:
-        """Engine running + waiting at its last scrape, plus grants made since."""
+        """Engine running + waiting at its last scrape, less what ended since, plus new grants."""
         sample = self._loads[endpoint_id].sample
         seen = sample.running + sample.waiting if sample is not None else 0
+        seen = max(0, seen - self._ended_since_sample[endpoint_id])
         return seen + self.pending(endpoint_id, now)
 
     def load(self, endpoint_id: str) -> EndpointLoad:

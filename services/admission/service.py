@@ -260,7 +260,7 @@ class AdmissionService:
             done = RequestDone.model_validate_json(msg.data)
         except ValidationError:
             return
-        self.load.forget_grant(done.endpoint, done.granted_at)
+        self.load.request_ended(done.endpoint, done.granted_at, done.ended_at)
 
     async def _announce(self, placed: Placement) -> None:
         """Publish the pin change this placement made (core NATS: never waits, never raises)."""

@@ -273,11 +273,12 @@ class Edge:
         """What tells admission that a request it counted on an endpoint has ended (or None)."""
         if reply.granted_at is None or reply.target is None:
             return None
-        payload = RequestDone(
-            endpoint=reply.target.endpoint, granted_at=reply.granted_at
-        ).model_dump_json().encode()
+        endpoint, granted_at = reply.target.endpoint, reply.granted_at
 
         def announce() -> None:
+            payload = RequestDone(
+                endpoint=endpoint, granted_at=granted_at, ended_at=time.time()
+            ).model_dump_json().encode()
             task = asyncio.ensure_future(self._publish_quietly(ADMISSION_DONE_SUBJECT, payload))
             self.background.add(task)
             task.add_done_callback(self.background.discard)

@@ -6,7 +6,6 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -16,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from llmgw.serving import free_port
+from llmgw.serving import free_port, free_port_block
 
 REPO = Path(__file__).resolve().parents[2]
 LOCAL_CONFIG = REPO / "config" / "local.yaml"
@@ -25,21 +24,9 @@ LOCAL_CONFIG = REPO / "config" / "local.yaml"
 ADMIN_PORTS = 4  # `llmgw up` gives admission, reaper and scraper the three after the edge's
 
 
-def _port_is_free(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def admin_port_block() -> int:
     """A port p with p .. p+3 free: the edge's admin port and the three that follow it."""
-    while True:
-        port = free_port()
-        if port + ADMIN_PORTS <= 65535 and all(_port_is_free(port + i) for i in range(1, ADMIN_PORTS)):
-            return port
+    return free_port_block(ADMIN_PORTS)
 
 
 def _distinct_free_ports(count: int, avoid: set[int] = frozenset()) -> list[int]:  # type: ignore[assignment]

@@ -1,0 +1,329 @@
+"""Seed 002's exit criterion as a benchmark: platinum latency under a 500-request bronze flood.
+
+The scenario (shared with tests/up/test_interference.py, which asserts on one run of it): a whole
+cluster under `llmgw up` (embedded NATS, two simulated engines, scraper, admission, reaper,
+edge), driven through the edge's HTTP API like any client:
+
+1. idle: platinum probes alone (a fixed rate, open loop) give the baseline;
+2. 500 bronze requests run continuously (each worker sends the next as soon as one ends) and
+   platinum probes arrive at the same fixed rate. With admission on, bronze waits in admission's
+   queue (its ceiling is 0.3) and platinum goes straight to an engine;
+3. the same with `admission.enabled: false`: every bronze request sits in the engines' FIFO
+   queues and platinum waits behind them.
+
+Sizing (2 cores, under a minute per pair of runs): 8 sequences run at once per engine; a probe
+is ~0.65 s of engine time and a bronze request ~0.25 s, so 500 bronze requests are ~8 s of engine
+work queued ahead of a probe when nothing holds them back.
+
+    python benchmarks/interference.py [--runs 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import os
+import random
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+
+from llmgw.serving import free_port, free_port_block
+
+READY = r"^llmgw is ready: OpenAI API at (http://\S+/v1) \(Ctrl-C to stop\)$"
+ADMIN_PORTS = 4  # `llmgw up`: the edge's admin port, then admission, reaper, scraper
+BRONZE_CONCURRENCY = 500
+MAX_NUM_SEQS = 8
+# Engine time per request: itl 10 ms (+0.02 ms per running sequence) per token.
+PROBE_TOKENS = 64  # ~0.65 s
+# Bronze lengths vary (8..40 tokens, ~0.25 s on average), as real requests do: equal lengths
+# would make a batch start and finish in lockstep cohorts, and a probe arriving mid-cohort would
+# wait for the whole cohort. Drawn from a seeded generator: every run sends the same lengths.
+BRONZE_TOKENS = (8, 40)
+IDLE_PROBES = 20
+LOADED_PROBES = 50
+PROBE_EVERY = 0.1
+
+
+def interference_config(path: Path, *, admission: bool, bronze_ceiling: float | None = None,
+                        target_waiting: float = 4) -> Path:
+    """The scenario's cluster config; `bronze_ceiling` replaces bronze's default 0.3."""
+    engine = {
+        "kind": "engine", "max_num_seqs": MAX_NUM_SEQS, "num_gpu_blocks": 8192, "block_size": 16,
+        "prefill_base": "5ms", "prefill_per_token": "0.02ms", "itl_base": "10ms",
+        "itl_per_running_seq": "0.02ms", "output_len_mean": PROBE_TOKENS, "output_len_max": PROBE_TOKENS,
+    }
+    limits = {
+        "max_pinned_sessions": 10_000, "max_global_in_flight_request_slots": 10_000,
+        "global_in_flight_request_slots_reserved_for_pinned_sessions": 100,
+        "max_per_session_in_flight_request_slots": 1_000,
+    }
+    admin = free_port_block(ADMIN_PORTS)
+    taken = set(range(admin, admin + ADMIN_PORTS))
+
+    def port() -> int:
+        while (chosen := free_port()) in taken:
+            pass
+        taken.add(chosen)
+        return chosen
+
+    data: dict[str, Any] = {
+        "listen": f"127.0.0.1:{port()}",
+        "admin_listen": f"127.0.0.1:{admin}",
+        "nats": {"url": "embedded", "embedded_port": 0},
+        "router": {"scrape_interval": "100ms", "scrape_timeout": "500ms", "stale_after": "2s"},
+        "scoring": {"target_waiting": target_waiting},
+        "admission": {"enabled": admission, "interval": "5ms", "queue_ttl": "120s"},
+        "pinning": {"lease_timeout": "30s"},
+        "timeouts": {"first_token": "120s", "idle": "30s", "total": "300s"},
+        "models": [{"name": "sim-model"}],
+        # Only our own engines: nothing can overflow, so bronze has to be held back or hurt.
+        "providers": [{"id": "iris", "kind": "managed",
+                       "models": [{"name": "sim-model", "limits": limits}]}],
+        "endpoints": [
+            {"id": f"engine-{i}", "url": f"http://127.0.0.1:{port()}", "provider": "iris",
+             "models": ["sim-model"], "pool": "sim", "simulate": {**engine, "seed": i}}
+            for i in (1, 2)
+        ],
+    }
+    if bronze_ceiling is not None:
+        data["admission"]["bands"] = [
+            {"name": "platinum", "priority": 400, "saturation_ceiling": 1.0, "overflow": True},
+            {"name": "gold", "priority": 300, "saturation_ceiling": 0.85, "overflow": True},
+            {"name": "silver", "priority": 200, "saturation_ceiling": 0.6},
+            {"name": "bronze", "priority": 100, "saturation_ceiling": bronze_ceiling},
+        ]
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def body(user: str, tokens: int) -> dict[str, Any]:
+    return {"model": "sim-model", "max_tokens": tokens, "user": user,
+            "messages": [{"role": "user", "content": f"hello from {user}"}]}
+
+
+async def one(session: aiohttp.ClientSession, api: str, band: str, user: str,
+              tenant: str | None = None, tokens: int = PROBE_TOKENS) -> float:
+    """One request's latency; `user` makes its session, `tenant` (an API key) its tenant."""
+    started = time.perf_counter()
+    headers = {"x-llmgw-band": band}
+    if tenant is not None:
+        headers["authorization"] = f"Bearer {tenant}"
+    async with session.post(f"{api}/chat/completions", json=body(user, tokens),
+                            headers=headers) as response:
+        await response.read()
+        if response.status != 200:
+            raise RuntimeError(f"{band} request failed: {response.status} {await response.text()}")
+    return time.perf_counter() - started
+
+
+async def probes(session: aiohttp.ClientSession, api: str, count: int) -> list[float]:
+    """Platinum probes at a fixed rate (open loop), each its own session."""
+    tasks = []
+    for n in range(count):
+        tasks.append(asyncio.create_task(one(session, api, "platinum", f"probe-{n}")))
+        await asyncio.sleep(PROBE_EVERY)
+    return list(await asyncio.gather(*tasks))
+
+
+def p99(values: list[float]) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[98]
+
+
+async def bronze_queue_depth(session: aiohttp.ClientSession, admission_admin: str) -> float:
+    """llmgw_admission_queue_depth{band="bronze"} from admission's admin port (0 if absent)."""
+    async with session.get(f"{admission_admin}/metrics") as response:
+        text = await response.text()
+    for line in text.splitlines():
+        if line.startswith('llmgw_admission_queue_depth{band="bronze"}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+async def engines_waiting(session: aiohttp.ClientSession, engines: list[str]) -> int:
+    total = 0
+    for url in engines:
+        async with session.get(f"{url}/sim/state") as response:
+            total += (await response.json())["waiting"]
+    return total
+
+
+async def until_flooded(session: aiohttp.ClientSession, engines: list[str], admission_admin: str,
+                        timeout: float = 20) -> None:
+    """Until most of the flood waits in admission's or the engines' queues (at most `timeout`).
+
+    The rest is in flight through the gateway. Measuring starts after `timeout` regardless: the
+    assertions on the probes judge whether the load was real.
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        waiting = (await bronze_queue_depth(session, admission_admin)
+                   + await engines_waiting(session, engines))
+        if waiting >= 0.6 * BRONZE_CONCURRENCY:
+            return
+        await asyncio.sleep(0.1)
+
+
+async def measure(api: str, admission_admin: str, engines: list[str]) -> dict[str, Any]:
+    """Idle probes, then probes under a continuous bronze flood; bronze completions counted."""
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=300)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        await one(session, api, "platinum", "warm-up")
+        idle = await probes(session, api, IDLE_PROBES)
+        stop = asyncio.Event()
+        done = itertools.count()
+        failed = itertools.count()
+
+        async def bronze_worker(worker: int) -> None:
+            # A session per worker (its own pin), 20 tenants (API keys) among the workers.
+            lengths = random.Random(worker)
+            while not stop.is_set():
+                try:
+                    await one(session, api, "bronze", f"bronze-{worker}", f"tenant-{worker % 20}",
+                              lengths.randint(*BRONZE_TOKENS))
+                except (RuntimeError, aiohttp.ClientError):
+                    next(failed)
+                else:
+                    next(done)
+
+        workers = [asyncio.create_task(bronze_worker(w)) for w in range(BRONZE_CONCURRENCY)]
+        await until_flooded(session, engines, admission_admin)
+        loaded = await probes(session, api, LOADED_PROBES)
+        queued = await bronze_queue_depth(session, admission_admin)
+        stop.set()
+        bronze_done = next(done)
+        for worker in workers:
+            worker.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
+    return {"idle": idle, "loaded": loaded, "bronze_done": bronze_done, "bronze_queued": queued,
+            "bronze_failed": next(failed)}
+
+
+
+
+def cluster_endpoints(config: Path) -> tuple[str, list[str]]:
+    """Admission's admin URL (the edge's admin port + 1) and the engines' URLs."""
+    data = yaml.safe_load(config.read_text())
+    host, port = data["admin_listen"].rsplit(":", 1)
+    return f"http://{host}:{int(port) + 1}", [e["url"] for e in data["endpoints"]]
+
+
+def summary(result: dict[str, Any]) -> str:
+    idle, loaded = result["idle"], result["loaded"]
+    return (f"idle p50 {statistics.median(idle) * 1000:.0f} ms p99 {p99(idle) * 1000:.0f} ms; "
+            f"loaded p50 {statistics.median(loaded) * 1000:.0f} ms p99 {p99(loaded) * 1000:.0f} ms "
+            f"({p99(loaded) / p99(idle):.2f}x); bronze completed {result['bronze_done']}, "
+            f"failed {result['bronze_failed']}, queued in admission {result['bronze_queued']:.0f}")
+
+
+
+class UpCluster:
+    """`llmgw up` as a child process, until `stop`."""
+
+    def __init__(self, config: Path) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.upper().startswith("LLMGW_")}
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "llmgw", "up", "--config", str(config)],
+            env={**env, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        )
+        self.lines: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def api(self, timeout: float = 90) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                if match := re.match(READY, line):
+                    return match.group(1)
+            if self.process.poll() is not None:
+                break
+            time.sleep(0.1)
+        raise RuntimeError("llmgw up did not become ready:\n" + "\n".join(self.lines[-30:]))
+
+    def stop(self) -> None:
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+
+
+def run_once(workdir: Path, *, admission: bool, bronze_ceiling: float | None = None,
+             target_waiting: float = 4) -> dict[str, Any]:
+    config = interference_config(workdir / f"admission-{admission}.yaml", admission=admission,
+                                 bronze_ceiling=bronze_ceiling, target_waiting=target_waiting)
+    cluster = UpCluster(config)
+    try:
+        api = cluster.api()
+        return asyncio.run(measure(api, *cluster_endpoints(config)))
+    finally:
+        cluster.stop()
+
+
+def fmt(values: list[float]) -> str:
+    return f"{statistics.median(values):.0f} [{min(values):.0f}..{max(values):.0f}]"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=3, help="pairs of runs (on, off)")
+    parser.add_argument("--bronze-ceiling", type=float, default=None,
+                        help="bronze's saturation ceiling (default: the config default, 0.3)")
+    parser.add_argument("--target-waiting", type=float, default=4,
+                        help="scoring.target_waiting (default 4, the config default)")
+    parser.add_argument("--on-only", action="store_true", help="skip the admission-off runs")
+    args = parser.parse_args()
+    rows: dict[str, dict[str, list[float]]] = {}
+    with tempfile.TemporaryDirectory(prefix="llmgw-interference-") as tmp:
+        for run in range(args.runs):
+            for admission in (True,) if args.on_only else (True, False):
+                result = run_once(Path(tmp), admission=admission, bronze_ceiling=args.bronze_ceiling,
+                                  target_waiting=args.target_waiting)
+                print(f"run {run + 1} admission {'on' if admission else 'off'}: {summary(result)}",
+                      file=sys.stderr)
+                for phase in ("idle", "loaded"):
+                    row = rows.setdefault(f"{phase}, admission {'on' if admission else 'off'}", {})
+                    values = [v * 1000 for v in result[phase]]
+                    row.setdefault("p50", []).append(statistics.median(values))
+                    row.setdefault("p99", []).append(p99(values))
+                ratio = rows.setdefault(f"ratio, admission {'on' if admission else 'off'}", {})
+                ratio.setdefault("p99", []).append(p99(result["loaded"]) / p99(result["idle"]))
+                ratio.setdefault("bronze", []).append(result["bronze_done"])
+    print(f"\n{args.runs} runs each; platinum latency in ms, median [min..max] over runs\n")
+    print("| phase | p50 | p99 |")
+    print("|---|---|---|")
+    for name, row in rows.items():
+        if name.startswith("ratio"):
+            continue
+        print(f"| {name} | {fmt(row['p50'])} | {fmt(row['p99'])} |")
+    for admission in ("on", "off"):
+        if f"ratio, admission {admission}" not in rows:
+            continue
+        ratio = rows[f"ratio, admission {admission}"]
+        print(f"\nloaded p99 / idle p99, admission {admission}: "
+              + ", ".join(f"{r:.2f}x" for r in ratio["p99"])
+              + "; bronze completed while probing: " + ", ".join(f"{b:.0f}" for b in ratio["bronze"]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
