@@ -118,6 +118,8 @@ class FlowControl:
         self._tick_task: asyncio.Task[None] | None = None
         self._publishing: set[asyncio.Future[None]] = set()
         self.ticks = 0  # dispatch rounds run so far
+        for band in self.bands:  # every band's series exists from the start, at 0
+            metrics.queue_depth.labels(band.name).set(0)
 
     # ---- the request path -------------------------------------------------------------------
 
