@@ -30,6 +30,8 @@ ADMISSION_FLOW_SUBJECT = "llmgw.v1.admission.flow"
 ADMISSION_GRANTS_SUBJECT = "llmgw.v1.admission.grants"
 # Edge -> every admission instance: a request admission counted on an endpoint has ended.
 ADMISSION_DONE_SUBJECT = "llmgw.v1.admission.done"
+# Edge -> anyone (admission's rate balancers): one finished upstream request's stats.
+REQUEST_STATS_SUBJECT = "llmgw.v1.stats.request"
 
 
 class _Message(BaseModel):
@@ -231,3 +233,21 @@ class RequestDone(_Message):
     endpoint: str
     granted_at: float
     ended_at: float  # unix seconds, the edge's clock
+
+
+class RequestStats(_Message):
+    """Edge -> REQUEST_STATS_SUBJECT: one upstream request, as a rate balancer sample.
+
+    ``latency`` is seconds from sending the request upstream to its end; the tokens come from
+    the response's usage (zero for a failed request, ``ok`` False). Every admission instance
+    learns deployment rates from every edge's traffic this way (llmgw.core.balancer).
+    """
+
+    v: Literal[1] = 1
+    endpoint: str
+    provider: str
+    ended_at: float  # unix seconds, the edge's clock
+    latency: float
+    ok: bool
+    input_tokens: int = 0
+    output_tokens: int = 0

@@ -14,7 +14,6 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -29,6 +28,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from llmgw.core.outcomes import Outcome
 from llmgw.core.requests import Feature, InvalidRequest, ParsedRequest, parse_request
 from llmgw.core.sessions import session_id, tenant_id
+from llmgw.core.usage import StreamUsage, Usage, usage_in
 from llmgw.services.edge.errors import error_body, error_response
 from llmgw.services.edge.leases import LeaseHolder
 from llmgw.services.edge.metrics import EdgeMetrics
@@ -47,11 +47,13 @@ from llmgw.wire import (
     ADMISSION_CANCEL_SUBJECT,
     ADMISSION_DONE_SUBJECT,
     ADMISSION_REQUEST_SUBJECT,
+    REQUEST_STATS_SUBJECT,
     AdmitCancel,
     AdmitReply,
     AdmitRequest,
     RejectReason,
     RequestDone,
+    RequestStats,
     Target,
 )
 
@@ -112,6 +114,7 @@ class Edge:
         self.bands = frozenset(b.name for b in config.admission.bands)
         self.session_header = config.router.session_header
         self.renew_every = config.pinning.lease_timeout / 3
+        self.inject_usage = config.router.inject_usage
         # Lease releases run here, outside the requests that end them.
         self.background: set[asyncio.Task[None]] = set()
         # name or alias -> canonical name, as a plain dict for the hot path
@@ -225,8 +228,8 @@ class Edge:
                 await self.deps.routing.release_request_lease(
                     reply.lease.to_core(), refresh_pin=False
                 )
-            if (counted := self._counted_request_end(reply)) is not None:
-                counted()
+            if reply.target is not None:
+                _RequestEnd(self, reply.target, reply.granted_at, report_stats=False).end(ok=False)
             return Response(status_code=499), Outcome.CLIENT_DISCONNECTED
 
         if not reply.admitted or reply.target is None:
@@ -251,39 +254,31 @@ class Edge:
                 background=self.background,
                 pin=reply.pin.to_core() if reply.pin is not None else None,
             )
-        counted = self._counted_request_end(reply)
+        ending = self._request_end(reply)
         try:
             response, outcome = await self._relay(
-                feature, parsed, raw, reply.target, ids, holder, started, counted
+                feature, parsed, raw, reply.target, ids, holder, started, ending
             )
         except BaseException:
             if holder is not None:
                 holder.finish(success=False)
-            if counted is not None:
-                counted()
+            ending.end(ok=False)
             raise
-        if outcome is not None:  # a stream ends itself (lease, count) when it ends
+        if outcome is not None:  # a stream ends itself (lease, count, stats) when it ends
             if holder is not None:
                 holder.finish(success=outcome is Outcome.SUCCESS)
-            if counted is not None:
-                counted()
+            ending.end(ok=outcome is Outcome.SUCCESS)
         return response, outcome
 
-    def _counted_request_end(self, reply: AdmitReply) -> Callable[[], None] | None:
-        """What tells admission that a request it counted on an endpoint has ended (or None)."""
-        if reply.granted_at is None or reply.target is None:
-            return None
-        endpoint, granted_at = reply.target.endpoint, reply.granted_at
+    def _request_end(self, reply: AdmitReply) -> _RequestEnd:
+        assert reply.target is not None
+        return _RequestEnd(self, reply.target, reply.granted_at)
 
-        def announce() -> None:
-            payload = RequestDone(
-                endpoint=endpoint, granted_at=granted_at, ended_at=time.time()
-            ).model_dump_json().encode()
-            task = asyncio.ensure_future(self._publish_quietly(ADMISSION_DONE_SUBJECT, payload))
-            self.background.add(task)
-            task.add_done_callback(self.background.discard)
-
-        return announce
+    def publish_later(self, subject: str, payload: bytes) -> None:
+        """Publish without waiting (best effort), tracked so shutdown can wait for it."""
+        task = asyncio.ensure_future(self._publish_quietly(subject, payload))
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
 
     async def _publish_quietly(self, subject: str, payload: bytes) -> None:
         try:
@@ -329,19 +324,25 @@ class Edge:
         ids: dict[str, str],
         holder: LeaseHolder | None,
         started: float,
-        counted: Callable[[], None] | None = None,
+        ending: _RequestEnd,
     ) -> tuple[Response, Outcome | None]:
         """Send the request upstream and answer the client; outcome None: a stream that runs on.
 
-        A stream calls `counted` (and finishes its lease) when it ends; otherwise the caller does.
+        A stream ends `ending` (and finishes its lease) when it ends; otherwise the caller does.
         """
+        inject_usage = self.inject_usage and parsed.stream and not parsed.include_usage
+        if inject_usage:  # ask for usage anyway; the usage event is removed on the way back
+            options = parsed.body.get("stream_options") or {}
+            parsed.body["stream_options"] = {**options, "include_usage": True}
         if parsed.model != target.upstream_model:
             parsed.body["model"] = target.upstream_model
+        if inject_usage or parsed.model != target.upstream_model:
             raw = json.dumps(parsed.body).encode()
         ids["x-llmgw-provider"] = target.provider
         ids["x-llmgw-endpoint"] = target.endpoint
         url = target.url.rstrip("/") + _PATHS[feature]
         deadline = loop_deadline(self.timeouts.total)
+        ending.upstream_started = time.perf_counter()
         try:
             upstream = await open_upstream(
                 self.deps.session, url, raw, self._auth[target.provider], self.timeouts
@@ -375,9 +376,12 @@ class Edge:
                 body = await read_body(upstream, deadline)
             except UpstreamFailure as failure:
                 return self._failure(failure, holder, ids)
+            ending.usage = usage_in(body)
             return Response(body, status_code=200, headers=headers), Outcome.SUCCESS
 
-        relay = StreamRelay(upstream, self.timeouts, deadline, lease_lost=lambda: holder is not None and holder.lost)
+        usage = StreamUsage(remove=inject_usage)
+        relay = StreamRelay(upstream, self.timeouts, deadline,
+                            lease_lost=lambda: holder is not None and holder.lost, usage=usage)
         metrics = self.deps.metrics
         ended = False
 
@@ -389,8 +393,8 @@ class Edge:
             ended = True
             if holder is not None:
                 holder.finish(success=relay.outcome is Outcome.SUCCESS)
-            if counted is not None:
-                counted()
+            ending.usage = usage.usage
+            ending.end(ok=relay.outcome is Outcome.SUCCESS)
             metrics.observe(feature, relay.outcome, time.perf_counter() - started)
 
         async def body_then_finish():
@@ -454,6 +458,60 @@ class _EndingStream(StreamingResponse):
         finally:
             self._on_end()
             self._upstream.close()
+
+
+class _RequestEnd:
+    """What happens once when a routed request ends, however it ends.
+
+    - a request admission counted on an endpoint (``granted_at``): tell every admission
+      instance (RequestDone), so the count ends now rather than at the next scrape;
+    - every request that was sent upstream: publish its stats (latency from sending it, tokens
+      from its usage; a failure has zero tokens) for the rate balancers, and count its tokens.
+    """
+
+    __slots__ = (
+        "_edge",
+        "_ended",
+        "_granted_at",
+        "_report_stats",
+        "_target",
+        "upstream_started",
+        "usage",
+    )
+
+    def __init__(self, edge: Edge, target: Target, granted_at: float | None, *,
+                 report_stats: bool = True) -> None:
+        self._edge = edge
+        self._target = target
+        self._granted_at = granted_at
+        self._report_stats = report_stats
+        self._ended = False
+        self.upstream_started: float | None = None
+        self.usage: Usage | None = None
+
+    def end(self, *, ok: bool) -> None:
+        if self._ended:
+            return
+        self._ended = True
+        now = time.time()
+        edge, target = self._edge, self._target
+        if self._granted_at is not None:
+            edge.publish_later(ADMISSION_DONE_SUBJECT, RequestDone(
+                endpoint=target.endpoint, granted_at=self._granted_at, ended_at=now,
+            ).model_dump_json().encode())
+        if not self._report_stats or self.upstream_started is None:
+            return
+        usage = self.usage if ok else None
+        stats = RequestStats(
+            endpoint=target.endpoint, provider=target.provider, ended_at=now,
+            latency=time.perf_counter() - self.upstream_started, ok=ok,
+            input_tokens=usage.input_tokens if usage else 0,
+            output_tokens=usage.output_tokens if usage else 0,
+        )
+        edge.publish_later(REQUEST_STATS_SUBJECT, stats.model_dump_json().encode())
+        if usage is not None:
+            edge.deps.metrics.tokens.labels("input").inc(usage.input_tokens)
+            edge.deps.metrics.tokens.labels("output").inc(usage.output_tokens)
 
 
 class HotPathApp:

@@ -32,6 +32,14 @@ class EdgeMetrics:
             buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
             registry=self.registry,
         )
+        self.tokens = Counter(
+            "llmgw_edge_tokens",
+            "Tokens of successful upstream requests, from their usage (direction: input, output).",
+            ["direction"],
+            registry=self.registry,
+        )
+        for direction in ("input", "output"):
+            self.tokens.labels(direction)
         # Pre-create every label pair so dashboards see zeros, and the hot
         # path does a dict lookup instead of labels() parsing.
         self._requests = {

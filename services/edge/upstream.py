@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from llmgw.core.outcomes import Outcome
+from llmgw.core.usage import StreamUsage
 from llmgw.services.edge.errors import sse_error_event
 
 _DONE_MARKER = b"data: [DONE]"
@@ -128,8 +129,10 @@ class StreamRelay:
         timeouts: Timeouts,
         deadline: float,
         lease_lost: Callable[[], bool] = lambda: False,
+        usage: StreamUsage | None = None,
     ) -> None:
         self._response = response
+        self._usage = usage
         self._lease_lost = lease_lost
         self._timeouts = timeouts
         self._deadline = deadline
@@ -168,7 +171,13 @@ class StreamRelay:
                     self.first_chunk_at = time.perf_counter()
                     wait = self._timeouts.idle
                 tail = (tail + chunk)[-32:]
+                if self._usage is not None:
+                    chunk = self._usage.feed(chunk)
+                    if not chunk:
+                        continue
                 yield chunk
+            if self._usage is not None and (rest := self._usage.finish()):
+                yield rest
             if self._lease_lost():
                 self.outcome = Outcome.LEASE_LOST
                 yield sse_error_event(LEASE_LOST_MESSAGE, "lease_lost")

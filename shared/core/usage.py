@@ -1,0 +1,99 @@
+"""Token usage read from upstream responses as they pass through, without parsing whole bodies.
+
+Pure. Two readers:
+
+- `usage_in(body)`: a whole (non-streamed) response; only the ``usage`` object is decoded;
+- `StreamUsage`: a Server-Sent-Events stream fed chunk by chunk (chunks may split events
+  anywhere). It finds the usage chunk (``"choices": []`` with ``usage``, sent before
+  ``data: [DONE]`` when ``stream_options.include_usage`` is set) and, for a client that did not
+  ask for it (the edge asked on its behalf: ``router.inject_usage``), removes that event from the
+  bytes it forwards. Everything else passes unchanged and in order.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+__all__ = ["StreamUsage", "Usage", "usage_in"]
+
+_USAGE_KEY = b'"usage"'
+_EVENT_END = b"\n\n"
+_TAIL = 4096  # bytes kept to find the usage chunk when it is forwarded, not removed
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    input_tokens: int
+    output_tokens: int
+
+
+def _decode_usage(raw: bytes) -> Usage | None:
+    """The ``usage`` object after the last ``"usage"`` key in ``raw``, if it decodes."""
+    at = raw.rfind(_USAGE_KEY)
+    if at < 0:
+        return None
+    start = raw.find(b"{", at + len(_USAGE_KEY))
+    if start < 0:
+        return None
+    try:
+        value, _ = json.JSONDecoder().raw_decode(raw[start:].decode("utf-8", "replace"))
+    except ValueError:
+        return None
+    if not isinstance(value, dict):
+        return None
+    prompt, completion = value.get("prompt_tokens"), value.get("completion_tokens", 0)
+    if not isinstance(prompt, int) or not isinstance(completion, int):
+        return None
+    return Usage(prompt, completion)
+
+
+def usage_in(body: bytes) -> Usage | None:
+    """The usage of a complete JSON response, or None when it has none."""
+    return _decode_usage(body)
+
+
+def _is_usage_event(event: bytes) -> bool:
+    if not event.startswith(b"data: {") or _USAGE_KEY not in event:
+        return False
+    compact = event.replace(b" ", b"")
+    return b'"choices":[]' in compact
+
+
+class StreamUsage:
+    """Follows an SSE stream for its usage; removes the usage event when ``remove`` is set."""
+
+    def __init__(self, *, remove: bool) -> None:
+        self.remove = remove
+        self.usage: Usage | None = None
+        self._buffer = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        """The bytes to forward now for ``chunk`` (possibly fewer, held until an event ends)."""
+        if not self.remove:
+            self._buffer = (self._buffer + chunk)[-_TAIL:]
+            return chunk
+        self._buffer += chunk
+        end = self._buffer.rfind(_EVENT_END)
+        if end < 0:
+            return b""
+        complete, self._buffer = self._buffer[: end + 2], self._buffer[end + 2 :]
+        if _USAGE_KEY not in complete:
+            return complete
+        kept = []
+        for event in complete.split(_EVENT_END)[:-1]:
+            if _is_usage_event(event):
+                self.usage = _decode_usage(event) or self.usage
+            else:
+                kept.append(event + _EVENT_END)
+        return b"".join(kept)
+
+    def finish(self) -> bytes:
+        """At the end of the stream: what is still held (forwarded), and the usage if seen."""
+        rest, self._buffer = self._buffer, b""
+        if not self.remove:
+            for event in rest.split(_EVENT_END):
+                if _is_usage_event(event.strip(b"\n")):
+                    self.usage = _decode_usage(event) or self.usage
+            return b""
+        return rest

@@ -1,0 +1,128 @@
+"""The rate balancer of seed 001, and where it goes beyond the seed."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llmgw.core.balancer import (
+    EPSILON_RATE,
+    BalancerSettings,
+    RateSample,
+    RateWindows,
+    choose,
+    effective_rate,
+    weights,
+)
+
+SETTINGS = BalancerSettings(window=60, input_to_output_token_ratio=250, greediness=0.5)
+
+
+def test_effective_rate_weighs_input_tokens_by_the_ratio():
+    sample = RateSample(at=0, latency=2.0, output_tokens=100, input_tokens=5000)
+    assert effective_rate(sample, 250) == pytest.approx((100 + 20) / 2.0)
+    assert effective_rate(RateSample(at=0, latency=1.0), 250) == EPSILON_RATE  # a failure
+
+
+def test_the_window_forgets_old_samples():
+    windows = RateWindows(SETTINGS)
+    windows.add("a", RateSample(at=0, latency=1, output_tokens=10))
+    windows.add("a", RateSample(at=30, latency=1, output_tokens=20))
+    assert windows.rates("a", 59) == pytest.approx([10, 20], rel=1e-6)
+    assert windows.rates("a", 61) == pytest.approx([20], rel=1e-6)
+    assert windows.rates("a", 100) == []
+
+
+def test_the_faster_deployment_gets_most_of_the_weight():
+    rates = {"fast": [90, 100, 110, 95], "slow": [30, 35, 28, 33], "mid": [55, 60, 65, 50]}
+    w = weights(rates, SETTINGS)
+    assert w["fast"] > w["mid"] > w["slow"]
+    assert w["slow"] < 0.01
+    picks = Counter(choose(w, random.Random(1)) for _ in range(2000))
+    assert picks["fast"] > 1000 and picks["slow"] < 40
+
+
+@pytest.mark.parametrize("config", [BalancerSettings(window=0), BalancerSettings(greediness=0)])
+def test_window_zero_or_greediness_zero_is_round_robin(config):
+    rates = {"fast": [100.0], "slow": [1.0]}
+    assert weights(rates, config) == {"fast": 1.0, "slow": 1.0}
+
+
+def test_a_deployment_without_samples_is_explored_while_the_others_keep_their_weights():
+    """The seed would give every deployment equal weight here; that forgets what it learned."""
+    w = weights({"fast": [100, 110, 90], "slow": [10, 12, 11], "quiet": []}, SETTINGS)
+    assert w["quiet"] == w["fast"] == max(w.values())
+    assert w["slow"] < 0.01
+
+
+def test_no_samples_anywhere_gives_equal_weights():
+    assert weights({"a": [], "b": []}, SETTINGS) == {"a": 1.0, "b": 1.0}
+
+
+def test_zero_variance_windows_give_finite_weights():
+    w = weights({"a": [50.0, 50.0], "b": [20.0, 20.0], "c": [35.0]}, SETTINGS)
+    assert all(math.isfinite(v) for v in w.values())
+    assert w == {"a": 1.0, "b": 0.0, "c": 0.0}  # c is the median: exactly at the SLA, not above
+    assert weights({"a": [7.0], "b": [7.0]}, SETTINGS) == {"a": 1.0, "b": 1.0}  # all equal
+
+
+def test_failures_count_as_zero_rate_samples():
+    w = weights({"failing": [EPSILON_RATE] * 3, "ok": [40.0, 50.0, 45.0, 42.0]}, SETTINGS)
+    assert w["failing"] < 1e-6 < w["ok"]
+
+
+def test_a_degraded_deployment_is_dropped_and_found_again_after_it_recovers():
+    """a slows from 100 to 10 tokens/s for 10 s; once ignored, it is explored again."""
+    rng = random.Random(3)
+    windows = RateWindows(BalancerSettings(window=10))
+    speed = {"a": 100.0, "b": 50.0}
+    chosen_a = []
+    for step in range(400):
+        now = step * 0.1
+        speed["a"] = 10.0 if 5 <= now < 15 else 100.0
+        rates = windows.snapshot(speed, now)
+        pick = choose(weights(rates, windows.settings), rng)
+        tokens = rng.randint(20, 80)
+        windows.add(pick, RateSample(at=now, latency=tokens / speed[pick], output_tokens=tokens))
+        chosen_a.append((now, pick == "a"))
+    def share(start: float, end: float) -> float:
+        picks = [a for now, a in chosen_a if start <= now < end]
+        return sum(picks) / len(picks)
+
+    print({span: round(share(*span), 2) for span in ((0, 5), (5, 10), (10, 15), (15, 25), (30, 40))})
+    assert share(0, 5) > 0.6  # the faster one, while healthy
+    # Dropped once its slow samples outweigh the fast ones still in the window (the seed's
+    # median SLA adapts within about half a window).
+    assert share(10, 15) < 0.5
+    assert share(30, 40) > 0.6  # back as the favourite once healthy again
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.dictionaries(
+        st.sampled_from(["a", "b", "c", "d"]),
+        st.lists(st.floats(min_value=0, max_value=1e6, allow_nan=False), max_size=8),
+        min_size=1,
+    ),
+    st.floats(min_value=0, max_value=1),
+)
+def test_weights_are_finite_non_negative_and_never_all_zero(rates, greediness):
+    w = weights(rates, BalancerSettings(window=60, greediness=greediness))
+    assert set(w) == set(rates)
+    assert all(math.isfinite(v) and v >= 0 for v in w.values())
+    assert any(v > 0 for v in w.values())
+    choose(w, random.Random(0))  # always possible
+
+
+def test_settings_are_validated():
+    with pytest.raises(ValueError, match="greediness"):
+        BalancerSettings(greediness=1.5)
+    with pytest.raises(ValueError, match="window"):
+        BalancerSettings(window=-1)
+    with pytest.raises(ValueError, match="ratio"):
+        BalancerSettings(input_to_output_token_ratio=0)

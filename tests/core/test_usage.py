@@ -1,0 +1,63 @@
+"""Usage read from responses in passing; the injected usage event removed for clients who did not ask."""
+
+from __future__ import annotations
+
+import json
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llmgw.core.usage import StreamUsage, Usage, usage_in
+
+USAGE = {"prompt_tokens": 12, "completion_tokens": 3, "total_tokens": 15,
+         "prompt_tokens_details": {"cached_tokens": 0}}
+CHUNKS = [
+    {"id": "c", "choices": [{"index": 0, "delta": {"role": "assistant"}}]},
+    {"id": "c", "choices": [{"index": 0, "delta": {"content": "usage is a word"}}]},
+    {"id": "c", "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]},
+]
+USAGE_EVENT = b"data: " + json.dumps({"id": "c", "choices": [], "usage": USAGE}).encode() + b"\n\n"
+BODY = b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in CHUNKS)
+STREAM = BODY + USAGE_EVENT + b"data: [DONE]\n\n"
+
+
+def test_usage_of_a_whole_response():
+    body = json.dumps({"id": "x", "choices": [{"message": {"content": '"usage" {'}}],
+                       "usage": USAGE}).encode()
+    assert usage_in(body) == Usage(12, 3)
+    assert usage_in(b'{"id": "x"}') is None
+    assert usage_in(b'{"usage": {"prompt_tokens": "many"}}') is None
+
+
+def split(data: bytes, cuts: list[int]) -> list[bytes]:
+    points = sorted({c % (len(data) + 1) for c in cuts})
+    pieces, last = [], 0
+    for point in [*points, len(data)]:
+        pieces.append(data[last:point])
+        last = point
+    return pieces
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(min_value=0, max_value=10_000), max_size=12))
+def test_the_injected_usage_event_is_removed_wherever_the_chunks_split(cuts):
+    reader = StreamUsage(remove=True)
+    out = b"".join(reader.feed(piece) for piece in split(STREAM, cuts)) + reader.finish()
+    assert out == BODY + b"data: [DONE]\n\n"
+    assert reader.usage == Usage(12, 3)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(min_value=0, max_value=10_000), max_size=12))
+def test_a_client_that_asked_gets_every_byte_and_the_usage_is_still_read(cuts):
+    reader = StreamUsage(remove=False)
+    out = b"".join(reader.feed(piece) for piece in split(STREAM, cuts)) + reader.finish()
+    assert out == STREAM
+    assert reader.usage == Usage(12, 3)
+
+
+def test_a_stream_without_usage_passes_unchanged():
+    reader = StreamUsage(remove=True)
+    data = BODY + b"data: [DONE]\n\n"
+    assert reader.feed(data) + reader.finish() == data
+    assert reader.usage is None
