@@ -20,6 +20,7 @@ from llmgw.services.admission.health import HealthBoard
 
 if TYPE_CHECKING:
     from llmgw.config.schema import Config
+    from llmgw.services.admission.balancing import RateBoard
     from llmgw.services.admission.loadboard import LoadBoard
 
 
@@ -52,10 +53,13 @@ def build_snapshot(config: Config, health: HealthBoard) -> RoutingSnapshot:
 class ProviderCatalog:
     """The pinning algorithm's view of providers (llmgw.core.pinning.ProviderCatalog)."""
 
-    def __init__(self, config: Config, health: HealthBoard, load: LoadBoard | None = None) -> None:
+    def __init__(self, config: Config, health: HealthBoard, load: LoadBoard | None = None,
+                 rates: RateBoard | None = None) -> None:
         self._config = config
         self._health = health
         self._load = load
+        self._rates = rates
+        self._strategy = {p.id: p.endpoint_strategy for p in config.providers}
         self.forced_degraded: set[tuple[str, str]] = set()  # (provider, model) marked by hand
         self._rebuild()
         health.on_change(self._rebuild)
@@ -91,14 +95,20 @@ class ProviderCatalog:
     ) -> EndpointView | None:
         """A healthy endpoint of the provider for `model`, or None.
 
-        Managed providers with a load board: `prefer` if it is a candidate (the endpoint flow
-        control reserved), else the least saturated candidate (ties: highest priority first).
-        Otherwise the highest-priority candidate.
+        Strategy "rate" (unlimited providers by default) with a rate board: drawn by seed 001's
+        balancer. Strategy "score" with a load board: `prefer` if it is a candidate (the endpoint
+        flow control reserved), else the least saturated candidate (ties: highest priority
+        first). Otherwise the highest-priority candidate.
         """
         view = self._views.get(provider)
         candidates = view.healthy_endpoints(model, exclude) if view is not None else []
         if not candidates:
             return None
+        if self._strategy.get(provider) == "rate" and self._rates is not None:
+            if len(candidates) == 1:
+                return candidates[0]
+            chosen_id = self._rates.pick([e.id for e in candidates])
+            return next(e for e in candidates if e.id == chosen_id)
         if self._load is None or view is None or view.kind is ProviderKind.UNLIMITED:
             return candidates[0]
         by_id = {e.id: e for e in candidates}

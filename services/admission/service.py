@@ -33,6 +33,7 @@ from llmgw.core.flow import GateDecision
 from llmgw.core.pinning import PinningRouter, Placement, Rejection, Route
 from llmgw.core.requests import Feature
 from llmgw.core.routing import EndpointView
+from llmgw.services.admission.balancing import RateBoard
 from llmgw.services.admission.catalog import ProviderCatalog
 from llmgw.services.admission.flow import Admission, FlowControl
 from llmgw.services.admission.health import HealthBoard
@@ -101,6 +102,7 @@ class AdmissionService:
         health: HealthBoard | None = None,
         *,
         load: LoadBoard | None = None,
+        rates: RateBoard | None = None,
         metrics: AdmissionMetrics | None = None,
         events: EventPublisher | None = None,
         rng: random.Random | None = None,
@@ -117,7 +119,8 @@ class AdmissionService:
         self.instance = instance or f"admission-{uuid.uuid4().hex[:8]}"
         self._rng = rng or random.Random()
         self._clock = clock
-        self.catalog = ProviderCatalog(config, self.health, self.load)
+        self.rates = rates or RateBoard(config, rng=self._rng, clock=clock)
+        self.catalog = ProviderCatalog(config, self.health, self.load, self.rates)
         self.router = PinningRouter(
             routing, self.catalog, config.pinning.max_routing_attempts, pause=self._pause
         )
@@ -317,6 +320,7 @@ class AdmissionService:
         )
         self._subs.append(await self._nc.subscribe(ADMISSION_HEALTH_SUBJECT, cb=self._on_health))
         self._subs.append(await self._nc.subscribe(ADMISSION_DONE_SUBJECT, cb=self._on_done))
+        await self.rates.start(self._nc)
         if self.flow is not None:
             await self.flow.start()
         await self._nc.flush()
@@ -326,6 +330,7 @@ class AdmissionService:
         for sub in self._subs:
             await sub.unsubscribe()
         self._subs.clear()
+        await self.rates.stop()
         if self.flow is not None:
             await self.flow.stop()
         if self._in_flight:

@@ -54,7 +54,17 @@ class ProviderConfig(StrictModel):
     kind: Literal["managed", "unlimited"]
     priority: int = 100
     api_key_env: str | None = None
+    # How an endpoint of this provider is picked: "score" (least saturated, from scraped engine
+    # load) or "rate" (seed 001's rate balancer, learned from every edge's request stats).
+    # Default: "score" for managed providers, "rate" for unlimited ones (which expose no load).
+    strategy: Literal["score", "rate"] | None = None
     models: list[ProviderModel] = Field(min_length=1)
+
+    @property
+    def endpoint_strategy(self) -> str:
+        if self.strategy is not None:
+            return self.strategy
+        return "score" if self.kind == "managed" else "rate"
 
     @model_validator(mode="after")
     def _unique_models(self) -> ProviderConfig:

@@ -1,7 +1,7 @@
 """The probabilistic rate balancer of seed 001: pick the deployment most likely to deliver a good
 token rate.
 
-Pure: samples, ``now`` and a `random.Random` come from the caller.
+Pure: samples, ``now`` and the randomness (a `random.Random`) come from the caller.
 
 Per deployment, a sliding window (``window`` seconds) of per-request samples. A sample's
 *effective rate* is (output tokens + input tokens / input_to_output_token_ratio) / latency; a
@@ -30,10 +30,10 @@ Where the seed stops, and what this does instead (docs/architecture.md, "Rate ba
 from __future__ import annotations
 
 import math
-import random
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from scipy.stats import norm
 
@@ -161,7 +161,13 @@ def weights(rates: Mapping[str, Sequence[float]], settings: BalancerSettings) ->
     return result
 
 
-def choose(weighted: Mapping[str, float], rng: random.Random) -> str:
+class WeightedChoice(Protocol):
+    """What `choose` needs of its randomness (`random.Random` has it)."""
+
+    def choices(self, population: Sequence[str], weights: Sequence[float]) -> list[str]: ...
+
+
+def choose(weighted: Mapping[str, float], rng: WeightedChoice) -> str:
     """A deployment drawn with probability proportional to its weight."""
     if not weighted:
         raise ValueError("no deployment to choose from")

@@ -1,0 +1,80 @@
+"""Seed 001's rate balancer inside admission: deployment rates learned from every edge's traffic.
+
+`RateBoard` keeps one `RateWindows` (llmgw.core.balancer) over all endpoints, fed by the
+per-request stats every edge publishes on REQUEST_STATS_SUBJECT, so each admission instance
+learns from all of the gateway's traffic, not only from the requests it placed itself. Placing
+a request on a provider whose strategy is "rate" draws its endpoint with the balancer's weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from pydantic import ValidationError
+
+from llmgw.core.balancer import BalancerSettings, RateSample, RateWindows, choose, weights
+from llmgw.wire import REQUEST_STATS_SUBJECT, RequestStats
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client as NATS
+    from nats.aio.msg import Msg
+    from nats.aio.subscription import Subscription
+
+    from llmgw.config.schema import Config
+
+log = logging.getLogger("llmgw.admission.balancing")
+
+
+def balancer_settings(config: Config) -> BalancerSettings:
+    section = config.balancer
+    return BalancerSettings(window=section.window,
+                            input_to_output_token_ratio=section.input_to_output_token_ratio,
+                            greediness=section.greediness)
+
+
+class RateBoard:
+    """Rates per endpoint in the sliding window; `pick` draws one of the given endpoints."""
+
+    def __init__(self, config: Config, *, rng: random.Random | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.windows = RateWindows(balancer_settings(config))
+        self._known = {e.id for e in config.endpoints}
+        self._rng = rng or random.Random()
+        self._clock = clock
+        self._sub: Subscription | None = None
+        self.samples = 0
+
+    def add(self, stats: RequestStats) -> None:
+        if stats.endpoint not in self._known:
+            return  # another gateway's endpoint, or a config this instance does not have
+        self.samples += 1
+        self.windows.add(stats.endpoint, RateSample(
+            at=stats.ended_at, latency=stats.latency,
+            output_tokens=stats.output_tokens if stats.ok else 0,
+            input_tokens=stats.input_tokens if stats.ok else 0,
+        ))
+
+    def weights(self, endpoint_ids: Sequence[str]) -> dict[str, float]:
+        rates = self.windows.snapshot(endpoint_ids, self._clock())
+        return weights(rates, self.windows.settings)
+
+    def pick(self, endpoint_ids: Sequence[str]) -> str:
+        return choose(self.weights(endpoint_ids), self._rng)
+
+    async def _on_stats(self, msg: Msg) -> None:
+        try:
+            self.add(RequestStats.model_validate_json(msg.data))
+        except ValidationError as exc:
+            log.debug("ignoring request stats that do not parse: %s", exc.errors()[:1])
+
+    async def start(self, nc: NATS) -> None:
+        self._sub = await nc.subscribe(REQUEST_STATS_SUBJECT, cb=self._on_stats)
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            await self._sub.unsubscribe()
+            self._sub = None
