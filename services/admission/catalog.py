@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import TYPE_CHECKING
 
+from llmgw.core.affinity import HashRing, bounded_load_choice
 from llmgw.core.requests import Feature
 from llmgw.core.routing import EndpointView, ProviderKind, ProviderView, RoutingSnapshot
 from llmgw.services.admission.health import HealthBoard
@@ -60,6 +61,13 @@ class ProviderCatalog:
         self._load = load
         self._rates = rates
         self._strategy = {p.id: p.endpoint_strategy for p in config.providers}
+        self._load_factor = config.scoring.session_load_factor
+        self._rings = {
+            provider.id: HashRing({e.id: float(e.weight or 1) for e in config.endpoints
+                                   if e.provider == provider.id})
+            for provider in config.providers
+            if any(e.provider == provider.id for e in config.endpoints)
+        }
         self.forced_degraded: set[tuple[str, str]] = set()  # (provider, model) marked by hand
         self._rebuild()
         health.on_change(self._rebuild)
@@ -68,6 +76,26 @@ class ProviderCatalog:
         self._snapshot = build_snapshot(self._config, self._health)
         self._views = {view.id: view for view in self._snapshot.providers}
         self._order = [view.id for view in self._snapshot.providers]
+
+    def _affinity(self, provider: str, session: str, candidates: list[EndpointView],
+                  now: float) -> str | None:
+        """The session's replica in the highest priority tier that has an unsaturated candidate
+        (all saturated or unknown: the highest tier)."""
+        assert self._load is not None
+        pool = self._load.view([e.id for e in candidates], now)
+        if pool is None:
+            return None
+        tiers = sorted({e.priority for e in candidates}, reverse=True)
+        tier: list[str] = []
+        for priority in tiers:
+            tier = [e.id for e in candidates
+                    if e.priority == priority and pool.endpoint_saturation(e.id) < 1.0]
+            if tier:
+                break
+        if not tier:
+            tier = [e.id for e in candidates if e.priority == tiers[0]]
+        loads = {e: self._load.inflight(e, now) for e in tier}
+        return bounded_load_choice(self._rings[provider], session, loads, self._load_factor, tier)
 
     def in_priority_order(self) -> list[str]:
         return self._order
@@ -91,14 +119,17 @@ class ProviderCatalog:
 
     def endpoint(
         self, provider: str, model: str, exclude: Collection[str] = (), *, now: float = 0.0,
-        prefer: str | None = None,
+        prefer: str | None = None, session: str | None = None,
     ) -> EndpointView | None:
         """A healthy endpoint of the provider for `model`, or None.
 
         Strategy "rate" (unlimited providers by default) with a rate board: drawn by seed 001's
-        balancer. Strategy "score" with a load board: `prefer` if it is a candidate (the endpoint
-        flow control reserved), else the least saturated candidate (ties: highest priority
-        first). Otherwise the highest-priority candidate.
+        balancer. Strategy "score" with a load board: a request of a session goes to its replica
+        by consistent hashing with bounded loads (llmgw.core.affinity; the load is each
+        endpoint's inflight, the cap ``scoring.session_load_factor`` x the average) among the
+        highest-priority candidates that are not saturated; other requests take `prefer` if it
+        is a candidate (the endpoint flow control reserved), else the least saturated candidate
+        (ties: highest priority first). Otherwise the highest-priority candidate.
         """
         view = self._views.get(provider)
         candidates = view.healthy_endpoints(model, exclude) if view is not None else []
@@ -112,6 +143,10 @@ class ProviderCatalog:
         if self._load is None or view is None or view.kind is ProviderKind.UNLIMITED:
             return candidates[0]
         by_id = {e.id: e for e in candidates}
+        if session is not None and provider in self._rings:
+            chosen = self._affinity(provider, session, candidates, now)
+            if chosen is not None:
+                return by_id[chosen]
         if prefer in by_id:
             return by_id[prefer]
         pool = self._load.view(by_id, now)

@@ -203,6 +203,7 @@ class AdmissionService:
         endpoint = self.catalog.endpoint(
             placed.provider, model, request.exclude_endpoints, now=now,
             prefer=admission.endpoint if admission is not None else None,
+            session=request.session_id,
         )
         granted_at = self._settle_reservation(admission, endpoint, now)
         if endpoint is None:

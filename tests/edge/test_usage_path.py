@@ -26,9 +26,10 @@ async def collect_stats(nats_url: str) -> tuple[object, list[RequestStats]]:
 
 
 async def until(condition, timeout: float = 5.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not condition():
-            await asyncio.sleep(0.01)
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.01)
 
 
 def events(body: str) -> list[str]:
