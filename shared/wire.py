@@ -251,3 +251,8 @@ class RequestStats(_Message):
     ok: bool
     input_tokens: int = 0
     output_tokens: int = 0
+    # How the request ended (llmgw.core.outcomes.Outcome); the upstream's status and Retry-After
+    # (seconds) when it answered with an error. Breakers count upstream_* outcomes as failures.
+    outcome: str = "success"
+    status: int | None = None
+    retry_after_s: float | None = None

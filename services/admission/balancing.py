@@ -1,32 +1,28 @@
 """Seed 001's rate balancer inside admission: deployment rates learned from every edge's traffic.
 
-`RateBoard` keeps one `RateWindows` (llmgw.core.balancer) over all endpoints, fed by the
-per-request stats every edge publishes on REQUEST_STATS_SUBJECT, so each admission instance
+`RateBoard` keeps one `RateWindows` (llmgw.core.balancer) over all endpoints, fed (by the
+service) with the per-request stats every edge publishes on llmgw.v1.stats.request, so each
+admission instance
 learns from all of the gateway's traffic, not only from the requests it placed itself. Placing
 a request on a provider whose strategy is "rate" draws its endpoint with the balancer's weights.
 """
 
 from __future__ import annotations
 
-import logging
 import random
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from pydantic import ValidationError
-
 from llmgw.core.balancer import BalancerSettings, RateSample, RateWindows, choose, weights
-from llmgw.wire import REQUEST_STATS_SUBJECT, RequestStats
+from llmgw.wire import RequestStats
+
+# Outcomes that are the endpoint's failure (llmgw.core.outcomes.Outcome values).
+UPSTREAM_FAILURES = frozenset({"upstream_unreachable", "upstream_timeout", "upstream_error",
+                               "upstream_broken_stream"})
 
 if TYPE_CHECKING:
-    from nats.aio.client import Client as NATS
-    from nats.aio.msg import Msg
-    from nats.aio.subscription import Subscription
-
     from llmgw.config.schema import Config
-
-log = logging.getLogger("llmgw.admission.balancing")
 
 
 def balancer_settings(config: Config) -> BalancerSettings:
@@ -45,12 +41,15 @@ class RateBoard:
         self._known = {e.id for e in config.endpoints}
         self._rng = rng or random.Random()
         self._clock = clock
-        self._sub: Subscription | None = None
         self.samples = 0
 
     def add(self, stats: RequestStats) -> None:
+        """A sample: a success with its tokens, or an upstream failure with none. Anything else
+        (the client left, the engine refused the request itself) says nothing about the rate."""
         if stats.endpoint not in self._known:
             return  # another gateway's endpoint, or a config this instance does not have
+        if not (stats.ok or stats.outcome in UPSTREAM_FAILURES):
+            return
         self.samples += 1
         self.windows.add(stats.endpoint, RateSample(
             at=stats.ended_at, latency=stats.latency,
@@ -64,17 +63,3 @@ class RateBoard:
 
     def pick(self, endpoint_ids: Sequence[str]) -> str:
         return choose(self.weights(endpoint_ids), self._rng)
-
-    async def _on_stats(self, msg: Msg) -> None:
-        try:
-            self.add(RequestStats.model_validate_json(msg.data))
-        except ValidationError as exc:
-            log.debug("ignoring request stats that do not parse: %s", exc.errors()[:1])
-
-    async def start(self, nc: NATS) -> None:
-        self._sub = await nc.subscribe(REQUEST_STATS_SUBJECT, cb=self._on_stats)
-
-    async def stop(self) -> None:
-        if self._sub is not None:
-            await self._sub.unsubscribe()
-            self._sub = None

@@ -11,7 +11,8 @@ operator or test marked it so by hand. Unlimited providers are never degraded
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import time
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING
 
 from llmgw.core.affinity import HashRing, bounded_load_choice
@@ -21,6 +22,7 @@ from llmgw.services.admission.health import HealthBoard
 
 if TYPE_CHECKING:
     from llmgw.config.schema import Config
+    from llmgw.core.breaker import BreakerBoard
     from llmgw.services.admission.balancing import RateBoard
     from llmgw.services.admission.loadboard import LoadBoard
 
@@ -55,8 +57,11 @@ class ProviderCatalog:
     """The pinning algorithm's view of providers (llmgw.core.pinning.ProviderCatalog)."""
 
     def __init__(self, config: Config, health: HealthBoard, load: LoadBoard | None = None,
-                 rates: RateBoard | None = None) -> None:
+                 rates: RateBoard | None = None, breakers: BreakerBoard | None = None, *,
+                 clock: Callable[[], float] = time.time) -> None:
         self._config = config
+        self._breakers = breakers
+        self._clock = clock
         self._health = health
         self._load = load
         self._rates = rates
@@ -115,7 +120,14 @@ class ProviderCatalog:
         view = self._views.get(provider)
         if view is None or view.kind is ProviderKind.UNLIMITED:
             return False
-        return (provider, model) in self.forced_degraded or view.degraded(model)
+        if (provider, model) in self.forced_degraded or view.degraded(model):
+            return True
+        if self._breakers is None:
+            return False
+        # Every endpoint serving the model has its breaker open: as good as unhealthy.
+        now = self._clock()
+        return not any(self._breakers.available(e.id, now)
+                       for e in view.healthy_endpoints(model, ()))
 
     def endpoint(
         self, provider: str, model: str, exclude: Collection[str] = (), *, now: float = 0.0,
@@ -131,8 +143,17 @@ class ProviderCatalog:
         is a candidate (the endpoint flow control reserved), else the least saturated candidate
         (ties: highest priority first). Otherwise the highest-priority candidate.
         """
+        chosen = self._choose(provider, model, exclude, now, prefer, session)
+        if chosen is not None and self._breakers is not None:
+            self._breakers.take(chosen.id, now)  # half open: this request is the probe
+        return chosen
+
+    def _choose(self, provider: str, model: str, exclude: Collection[str], now: float,
+                prefer: str | None, session: str | None) -> EndpointView | None:
         view = self._views.get(provider)
         candidates = view.healthy_endpoints(model, exclude) if view is not None else []
+        if self._breakers is not None:
+            candidates = [e for e in candidates if self._breakers.available(e.id, now)]
         if not candidates:
             return None
         if self._strategy.get(provider) == "rate" and self._rates is not None:

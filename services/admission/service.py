@@ -29,11 +29,12 @@ from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
+from llmgw.core.breaker import BreakerBoard, BreakerSettings
 from llmgw.core.flow import GateDecision
 from llmgw.core.pinning import PinningRouter, Placement, Rejection, Route
 from llmgw.core.requests import Feature
 from llmgw.core.routing import EndpointView
-from llmgw.services.admission.balancing import RateBoard
+from llmgw.services.admission.balancing import UPSTREAM_FAILURES, RateBoard
 from llmgw.services.admission.catalog import ProviderCatalog
 from llmgw.services.admission.flow import Admission, FlowControl
 from llmgw.services.admission.health import HealthBoard
@@ -44,6 +45,7 @@ from llmgw.wire import (
     ADMISSION_HEALTH_SUBJECT,
     ADMISSION_QUEUE_GROUP,
     ADMISSION_REQUEST_SUBJECT,
+    REQUEST_STATS_SUBJECT,
     AdmitReply,
     AdmitRequest,
     HealthReply,
@@ -51,6 +53,7 @@ from llmgw.wire import (
     PinRef,
     RejectReason,
     RequestDone,
+    RequestStats,
     Target,
 )
 
@@ -120,7 +123,13 @@ class AdmissionService:
         self._rng = rng or random.Random()
         self._clock = clock
         self.rates = rates or RateBoard(config, rng=self._rng, clock=clock)
-        self.catalog = ProviderCatalog(config, self.health, self.load, self.rates)
+        self.breakers = BreakerBoard(
+            BreakerSettings(failure_threshold=config.router.failure_threshold,
+                            cooldown=config.router.cooldown),
+            self._rng.random,
+        )
+        self.catalog = ProviderCatalog(config, self.health, self.load, self.rates, self.breakers,
+                                       clock=clock)
         self.router = PinningRouter(
             routing, self.catalog, config.pinning.max_routing_attempts, pause=self._pause
         )
@@ -259,6 +268,17 @@ class AdmissionService:
             self.load.record_grant(chosen, now)
         return now
 
+    async def _on_stats(self, msg: Msg) -> None:
+        """Every edge's request outcomes: rate samples, and the breakers' evidence."""
+        try:
+            stats = RequestStats.model_validate_json(msg.data)
+        except ValidationError:
+            return
+        self.rates.add(stats)
+        if stats.ok or stats.outcome in UPSTREAM_FAILURES:
+            self.breakers.record(stats.endpoint, stats.ok, self._clock(),
+                                 retry_after=stats.retry_after_s if not stats.ok else None)
+
     async def _on_done(self, msg: Msg) -> None:
         try:
             done = RequestDone.model_validate_json(msg.data)
@@ -321,7 +341,7 @@ class AdmissionService:
         )
         self._subs.append(await self._nc.subscribe(ADMISSION_HEALTH_SUBJECT, cb=self._on_health))
         self._subs.append(await self._nc.subscribe(ADMISSION_DONE_SUBJECT, cb=self._on_done))
-        await self.rates.start(self._nc)
+        self._subs.append(await self._nc.subscribe(REQUEST_STATS_SUBJECT, cb=self._on_stats))
         if self.flow is not None:
             await self.flow.start()
         await self._nc.flush()
@@ -331,7 +351,6 @@ class AdmissionService:
         for sub in self._subs:
             await sub.unsubscribe()
         self._subs.clear()
-        await self.rates.stop()
         if self.flow is not None:
             await self.flow.stop()
         if self._in_flight:

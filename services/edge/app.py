@@ -115,6 +115,11 @@ class Edge:
         self.session_header = config.router.session_header
         self.renew_every = config.pinning.lease_timeout / 3
         self.inject_usage = config.router.inject_usage
+        # Per canonical model, from its routing profile: retries after an endpoint failure and
+        # the phase timeouts.
+        profiles = {m.name: config.profile_for_model(m.name) for m in config.models}
+        self._retries = {name: p.retries for name, p in profiles.items()}
+        self._timeouts = {name: Timeouts.from_section(p.timeouts) for name, p in profiles.items()}
         # Lease releases run here, outside the requests that end them.
         self.background: set[asyncio.Task[None]] = set()
         # name or alias -> canonical name, as a plain dict for the hot path
@@ -191,18 +196,44 @@ class Edge:
                 param=self.band_header,
                 headers=ids,
             ), Outcome.BAD_REQUEST
-        admit = AdmitRequest(
-            request_id=request_id,
-            edge_id=self.edge_id,
-            model=model,
-            feature=feature.value,
-            stream=parsed.stream,
-            session_id=session_id(
-                feature, model, parsed.body, header_key=request.headers.get(self.session_header)
-            ),
-            band=band,
-            tenant=tenant_id(request.headers.get("authorization"), parsed.user),
+        session = session_id(
+            feature, model, parsed.body, header_key=request.headers.get(self.session_header)
         )
+        tenant = tenant_id(request.headers.get("authorization"), parsed.user)
+        retries = self._retries.get(model, 0)
+        excluded: list[str] = []
+        failed: tuple[Response, Outcome] | None = None
+        for attempt in range(retries + 1):
+            admit = AdmitRequest(
+                request_id=request_id if attempt == 0 else f"{request_id}-{attempt}",
+                edge_id=self.edge_id,
+                model=model,
+                feature=feature.value,
+                stream=parsed.stream,
+                session_id=session,
+                band=band,
+                tenant=tenant,
+                exclude_endpoints=tuple(excluded),
+            )
+            answer = await self._attempt(request, feature, parsed, raw, admit, ids, started)
+            if not isinstance(answer, _Failed):
+                if failed is not None and answer[1] in _ADMISSION_OUTCOMES:
+                    return failed  # nowhere else to go: the client gets the upstream's failure
+                return answer
+            failed = answer.response, answer.outcome
+            excluded.append(answer.endpoint)
+            self.deps.metrics.retries.labels(answer.outcome.value).inc()
+        assert failed is not None
+        return failed
+
+    async def _attempt(
+        self, request: Request, feature: Feature, parsed: ParsedRequest, raw: bytes,
+        admit: AdmitRequest, ids: dict[str, str], started: float,
+    ) -> tuple[Response, Outcome | None] | _Failed:
+        """One admission and relay; `_Failed` when it failed before anything reached the client
+        in a way another endpoint may not (the caller retries elsewhere if it has retries left).
+        """
+        request_id = admit.request_id
         admitted = time.perf_counter()
         client_left = False
         try:
@@ -229,7 +260,8 @@ class Edge:
                     reply.lease.to_core(), refresh_pin=False
                 )
             if reply.target is not None:
-                _RequestEnd(self, reply.target, reply.granted_at, report_stats=False).end(ok=False)
+                _RequestEnd(self, reply.target, reply.granted_at, report_stats=False).end(
+                    Outcome.CLIENT_DISCONNECTED)
             return Response(status_code=499), Outcome.CLIENT_DISCONNECTED
 
         if not reply.admitted or reply.target is None:
@@ -262,12 +294,15 @@ class Edge:
         except BaseException:
             if holder is not None:
                 holder.finish(success=False)
-            ending.end(ok=False)
+            ending.end(Outcome.CLIENT_DISCONNECTED)
             raise
         if outcome is not None:  # a stream ends itself (lease, count, stats) when it ends
             if holder is not None:
                 holder.finish(success=outcome is Outcome.SUCCESS)
-            ending.end(ok=outcome is Outcome.SUCCESS)
+            ending.end(outcome)
+            if outcome in _RETRYABLE and (outcome is not Outcome.UPSTREAM_ERROR
+                                          or ending.upstream_status in _RETRYABLE_STATUSES):
+                return _Failed(response, outcome, reply.target.endpoint)
         return response, outcome
 
     def _request_end(self, reply: AdmitReply) -> _RequestEnd:
@@ -341,11 +376,12 @@ class Edge:
         ids["x-llmgw-provider"] = target.provider
         ids["x-llmgw-endpoint"] = target.endpoint
         url = target.url.rstrip("/") + _PATHS[feature]
-        deadline = loop_deadline(self.timeouts.total)
+        timeouts = self._timeouts.get(self._canonical.get(parsed.model) or "", self.timeouts)
+        deadline = loop_deadline(timeouts.total)
         ending.upstream_started = time.perf_counter()
         try:
             upstream = await open_upstream(
-                self.deps.session, url, raw, self._auth[target.provider], self.timeouts
+                self.deps.session, url, raw, self._auth[target.provider], timeouts
             )
         except UpstreamFailure as failure:
             return error_response(failure.outcome, failure.message, headers=ids), failure.outcome
@@ -354,6 +390,8 @@ class Edge:
 
         headers = {**passthrough_headers(upstream), **ids}
         if upstream.status != 200:
+            ending.upstream_status = upstream.status
+            ending.retry_after = _retry_after(upstream.headers.get("retry-after"))
             try:
                 body = await read_body(upstream, deadline)
             except UpstreamFailure as failure:
@@ -380,7 +418,7 @@ class Edge:
             return Response(body, status_code=200, headers=headers), Outcome.SUCCESS
 
         usage = StreamUsage(remove=inject_usage)
-        relay = StreamRelay(upstream, self.timeouts, deadline,
+        relay = StreamRelay(upstream, timeouts, deadline,
                             lease_lost=lambda: holder is not None and holder.lost, usage=usage)
         metrics = self.deps.metrics
         ended = False
@@ -394,7 +432,7 @@ class Edge:
             if holder is not None:
                 holder.finish(success=relay.outcome is Outcome.SUCCESS)
             ending.usage = usage.usage
-            ending.end(ok=relay.outcome is Outcome.SUCCESS)
+            ending.end(relay.outcome)
             metrics.observe(feature, relay.outcome, time.perf_counter() - started)
 
         async def body_then_finish():
@@ -460,6 +498,24 @@ class _EndingStream(StreamingResponse):
             self._upstream.close()
 
 
+@dataclass(frozen=True, slots=True)
+class _Failed:
+    """An attempt that failed before anything reached the client (another endpoint may do)."""
+
+    response: Response
+    outcome: Outcome
+    endpoint: str
+
+
+# Failures of the endpoint, not of the request: worth another endpoint while nothing was sent.
+_RETRYABLE = frozenset({Outcome.UPSTREAM_UNREACHABLE, Outcome.UPSTREAM_TIMEOUT,
+                        Outcome.UPSTREAM_ERROR, Outcome.UPSTREAM_BROKEN_STREAM})
+_RETRYABLE_STATUSES = frozenset({429, 500, 502, 503, 504})
+# Outcomes of an attempt that never reached an upstream (a retry found nowhere else to go).
+_ADMISSION_OUTCOMES = frozenset({Outcome.NO_CAPACITY, Outcome.ADMISSION_UNAVAILABLE,
+                                 Outcome.QUEUE_FULL, Outcome.QUEUE_TIMEOUT})
+
+
 class _RequestEnd:
     """What happens once when a routed request ends, however it ends.
 
@@ -475,7 +531,9 @@ class _RequestEnd:
         "_granted_at",
         "_report_stats",
         "_target",
+        "retry_after",
         "upstream_started",
+        "upstream_status",
         "usage",
     )
 
@@ -487,9 +545,11 @@ class _RequestEnd:
         self._report_stats = report_stats
         self._ended = False
         self.upstream_started: float | None = None
+        self.upstream_status: int | None = None
+        self.retry_after: float | None = None
         self.usage: Usage | None = None
 
-    def end(self, *, ok: bool) -> None:
+    def end(self, outcome: Outcome) -> None:
         if self._ended:
             return
         self._ended = True
@@ -501,17 +561,28 @@ class _RequestEnd:
             ).model_dump_json().encode())
         if not self._report_stats or self.upstream_started is None:
             return
+        ok = outcome is Outcome.SUCCESS
         usage = self.usage if ok else None
         stats = RequestStats(
             endpoint=target.endpoint, provider=target.provider, ended_at=now,
             latency=time.perf_counter() - self.upstream_started, ok=ok,
             input_tokens=usage.input_tokens if usage else 0,
             output_tokens=usage.output_tokens if usage else 0,
+            outcome=outcome.value, status=self.upstream_status, retry_after_s=self.retry_after,
         )
         edge.publish_later(REQUEST_STATS_SUBJECT, stats.model_dump_json().encode())
         if usage is not None:
             edge.deps.metrics.tokens.labels("input").inc(usage.input_tokens)
             edge.deps.metrics.tokens.labels("output").inc(usage.output_tokens)
+
+
+def _retry_after(value: str | None) -> float | None:
+    """Retry-After in seconds (the delta-seconds form; an HTTP date is ignored)."""
+    try:
+        seconds = float(value) if value is not None else None
+    except ValueError:
+        return None
+    return seconds if seconds is not None and 0 <= seconds <= 3600 else None
 
 
 class HotPathApp:

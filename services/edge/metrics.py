@@ -40,6 +40,12 @@ class EdgeMetrics:
         )
         for direction in ("input", "output"):
             self.tokens.labels(direction)
+        self.retries = Counter(
+            "llmgw_edge_retries",
+            "Requests retried on another endpoint, by the outcome of the failed attempt.",
+            ["outcome"],
+            registry=self.registry,
+        )
         # Pre-create every label pair so dashboards see zeros, and the hot
         # path does a dict lookup instead of labels() parsing.
         self._requests = {

@@ -51,9 +51,15 @@ async def test_stream_chunks_reach_the_client_as_the_engine_produces_them(gatewa
     assert last - first >= 0.25, arrivals
 
 
-async def test_engine_unreachable_is_502(gateway):
+async def test_an_unreachable_engine_is_retried_elsewhere_then_502_when_none_is_left(gateway):
     await gateway.engines["engine-1"].stop()
     async with httpx.AsyncClient() as http:
+        retried = await http.post(gateway.url + CHAT_PATH, json=chat(stream=False))
+        assert retried.status_code == 200  # nothing had reached the client: another endpoint
+        assert retried.headers["x-llmgw-endpoint"] == "engine-2"
+        retries = gateway.deps.metrics.retries.labels("upstream_unreachable")._value.get()
+        assert retries == 1
+        await gateway.engines["engine-2"].stop()
         response = await http.post(gateway.url + CHAT_PATH, json=chat(stream=False))
     assert response.status_code == 502
     assert response.json()["error"]["code"] == "upstream_unreachable"
@@ -80,8 +86,16 @@ async def test_engine_stalling_after_headers_hits_the_first_token_timeout(gatewa
     assert elapsed < limits.first_token + limits.idle + 2
 
 
-async def test_engine_429_passes_through_with_retry_after(gateway):
+async def test_a_429_is_retried_on_another_engine(gateway):
     await set_faults(gateway.engines["engine-1"].url, rate_limit_rate=1.0, retry_after=7)
+    async with httpx.AsyncClient() as http:
+        response = await http.post(gateway.url + CHAT_PATH, json=chat(stream=False))
+    assert response.status_code == 200 and response.headers["x-llmgw-endpoint"] == "engine-2"
+
+
+async def test_engine_429_passes_through_with_retry_after_when_every_engine_refuses(gateway):
+    for engine in ("engine-1", "engine-2", "tensorx-1"):
+        await set_faults(gateway.engines[engine].url, rate_limit_rate=1.0, retry_after=7)
     async with httpx.AsyncClient() as http:
         response = await http.post(gateway.url + CHAT_PATH, json=chat(stream=False))
     assert response.status_code == 429
@@ -90,7 +104,8 @@ async def test_engine_429_passes_through_with_retry_after(gateway):
 
 
 async def test_engine_500_becomes_502_with_the_engine_message(gateway):
-    await set_faults(gateway.engines["engine-1"].url, error_rate=1.0)
+    for engine in ("engine-1", "engine-2", "tensorx-1"):
+        await set_faults(gateway.engines[engine].url, error_rate=1.0)
     async with httpx.AsyncClient() as http:
         response = await http.post(gateway.url + CHAT_PATH, json=chat(stream=False))
     assert response.status_code == 502

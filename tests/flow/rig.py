@@ -33,6 +33,14 @@ from llmgw.wire import (
 
 MODEL = "m1"
 ENDPOINTS = ("engine-1", "engine-2")
+# The `stack` fixture's (tests/flow/conftest.py) lease limits and a minimal chat request.
+EDGE_LIMITS = {
+    "max_pinned_sessions": 100,
+    "max_global_in_flight_request_slots": 100,
+    "global_in_flight_request_slots_reserved_for_pinned_sessions": 10,
+    "max_per_session_in_flight_request_slots": 10,
+}
+BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 
 def rig_config(nats_url: str, unique_id: str, *, urls: dict[str, str] | None = None,

@@ -6,54 +6,9 @@ import asyncio
 import time
 
 import httpx
-import nats
 import pytest
-from rig import open_rig, until
+from rig import BODY, until
 from test_flow_control import open_headroom, saturate
-
-from llmgw.services.edge.app import EdgeDeps, create_app
-from llmgw.services.edge.metrics import EdgeMetrics
-from llmgw.services.edge.upstream import Timeouts, new_session
-from llmgw.services.sim.apps import create_engine_app
-from llmgw.services.sim.params import EngineParams
-from llmgw.serving import start_server
-from llmgw.state.setup import open_routing_state
-
-LIMITS = {
-    "max_pinned_sessions": 100,
-    "max_global_in_flight_request_slots": 100,
-    "global_in_flight_request_slots_reserved_for_pinned_sessions": 10,
-    "max_per_session_in_flight_request_slots": 10,
-}
-BODY = {"model": "m1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-
-
-@pytest.fixture
-async def stack(nats_url, unique_id, request):
-    """Engines, admission (flow control on, per-test settings) and an edge in front."""
-    admission = getattr(request, "param", {})
-    engines = {name: await start_server(create_engine_app(EngineParams.zero_delay(), ["m1"]))
-               for name in ("engine-1", "engine-2", "tensorx-1")}
-    rig = await open_rig(nats_url, unique_id, urls={k: v.url for k, v in engines.items()},
-                         limits=LIMITS, **admission)
-    edge_nc = await nats.connect(nats_url)
-    session = new_session(Timeouts.from_section(rig.config.timeouts))
-    routing = await open_routing_state(edge_nc, rig.config, instance_id="edge", follow_slots=False)
-    app = create_app(rig.config, EdgeDeps(edge_nc, session, EdgeMetrics(), routing))
-    edge = await start_server(app)
-    rig.edge_url = edge.url
-    rig.routing = routing
-    try:
-        yield rig
-    finally:
-        await edge.stop()
-        await app.edge.drain()
-        await session.close()
-        await routing.close()
-        await edge_nc.close()
-        await rig.close()
-        for server in engines.values():
-            await server.stop()
 
 
 async def post(rig, band: str, timeout: float = 10) -> httpx.Response:
