@@ -163,6 +163,9 @@ class AdmitReply(_Message):
     pin: PinRef | None = None
     # How the request relates to its session's pin (llmgw.core.pinning.Route).
     route: str | None = None
+    # The model that serves it: the one asked for, or one of its fallbacks (models[].fallbacks)
+    # when every provider of the asked model was degraded or full.
+    served_model: str | None = None
     # Release the lease with refresh_pin=True if the request succeeds.
     refresh_pin_on_success: bool = False
     reject_reason: RejectReason | None = None

@@ -56,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
             config, nc, routing, board.health, load=board, metrics=metrics,
             events=EventPublisher(nc, instance), instance=instance,
         )
+        metrics.watch_breakers(service.breakers, [e.id for e in config.endpoints])
         await service.start()
         admin_server = None
         if admin is not None:

@@ -16,6 +16,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
+    from llmgw.core.breaker import BreakerBoard
     from llmgw.services.admission.loadboard import LoadBoard
 
 _WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -44,6 +45,10 @@ class AdmissionMetrics:
         self.placements = Counter(
             "llmgw_admission_placements", "Admitted requests by provider and route.",
             ["provider", "route"], registry=r)
+        self.fallbacks = Counter(
+            "llmgw_admission_fallbacks",
+            "Requests served by a fallback model because every provider of theirs was degraded "
+            "or full.", ["model", "fallback"], registry=r)
         self.decision_duration = Histogram(
             "llmgw_admission_decision_seconds",
             "Time from an admission request's arrival to its answer (queueing included).",
@@ -59,6 +64,33 @@ class AdmissionMetrics:
                    clock: Callable[[], float] = time.time) -> None:
         """Export pool saturation per model and scrape age per endpoint from `board`."""
         self.registry.register(_LoadCollector(board, list(models), clock))
+
+    def watch_breakers(self, breakers: BreakerBoard, endpoints: Iterable[str],
+                       clock: Callable[[], float] = time.time) -> None:
+        """Export each endpoint's breaker state (1 for its current state, 0 for the others)."""
+        self.registry.register(_BreakerCollector(breakers, list(endpoints), clock))
+
+
+class _BreakerCollector(Collector):
+    def __init__(self, breakers: BreakerBoard, endpoints: list[str],
+                 clock: Callable[[], float]) -> None:
+        self._breakers = breakers
+        self._endpoints = endpoints
+        self._clock = clock
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        from llmgw.core.breaker import BreakerState
+
+        now = self._clock()
+        family = GaugeMetricFamily(
+            "llmgw_admission_endpoint_breaker",
+            "Circuit breaker of each endpoint as this instance sees it (1 = its current state).",
+            labels=["endpoint", "state"])
+        for endpoint in self._endpoints:
+            current = self._breakers.state(endpoint, now)
+            for state in BreakerState:
+                family.add_metric([endpoint, state.value], 1.0 if state is current else 0.0)
+        yield family
 
 
 class _LoadCollector(Collector):

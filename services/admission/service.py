@@ -133,6 +133,7 @@ class AdmissionService:
         self.router = PinningRouter(
             routing, self.catalog, config.pinning.max_routing_attempts, pause=self._pause
         )
+        self._fallbacks = {m.name: tuple(m.fallbacks) for m in config.models}
         self.flow = (
             FlowControl(config, self.load, nc, self.instance, self.metrics, clock=clock)
             if config.admission.enabled
@@ -194,6 +195,17 @@ class AdmissionService:
             placed = await self.router.place(
                 model, feature, request.session_id, edge_id=request.edge_id
             )
+        served = model
+        if placed is Rejection.UNAVAILABLE:
+            # Every provider of the model is degraded or full: its fallbacks, in order.
+            for fallback in self._fallbacks.get(model, ()):
+                attempt = await self.router.place(
+                    fallback, feature, request.session_id, edge_id=request.edge_id
+                )
+                if isinstance(attempt, Placement):
+                    placed, served = attempt, fallback
+                    self.metrics.fallbacks.labels(model, fallback).inc()
+                    break
         if not isinstance(placed, Placement):
             self._drop_reservation(admission)
             if placed is Rejection.UNSUPPORTED:
@@ -210,7 +222,7 @@ class AdmissionService:
         await self._announce(placed)
         now = self._clock()
         endpoint = self.catalog.endpoint(
-            placed.provider, model, request.exclude_endpoints, now=now,
+            placed.provider, served, request.exclude_endpoints, now=now,
             prefer=admission.endpoint if admission is not None else None,
             session=request.session_id,
         )
@@ -221,7 +233,7 @@ class AdmissionService:
             return self._reject(
                 request,
                 RejectReason.NO_CAPACITY,
-                f"No healthy endpoint of '{placed.provider}' can take '{model}' right now.",
+                f"No healthy endpoint of '{placed.provider}' can take '{served}' right now.",
             )
         self.metrics.placements.labels(placed.provider, placed.route.value).inc()
         return AdmitReply(
@@ -232,8 +244,9 @@ class AdmissionService:
                 provider_kind=self.catalog.kind(placed.provider).value,
                 endpoint=endpoint.id,
                 url=endpoint.url,
-                upstream_model=endpoint.upstream_model(model),
+                upstream_model=endpoint.upstream_model(served),
             ),
+            served_model=served,
             lease=None if placed.lease is None else Lease.from_core(placed.lease),
             pin=PinRef.from_core(placed.pin) if placed.pin is not None and placed.lease else None,
             route=placed.route.value,

@@ -276,6 +276,8 @@ class Edge:
 
         if reply.route is not None:
             ids["x-llmgw-route"] = reply.route
+        if reply.served_model is not None and reply.served_model != admit.model:
+            ids["x-llmgw-fallback-from"] = admit.model
         holder = None
         if reply.lease is not None:
             holder = LeaseHolder(
