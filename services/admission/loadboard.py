@@ -71,6 +71,13 @@ class LoadBoard:
                 for model in endpoint.models:
                     self._serving.setdefault(model, []).append(endpoint.id)
         self._loads: dict[str, EndpointLoad] = {e: EndpointLoad() for e in self._endpoints}
+        # Requests an endpoint takes before counting as full: scoring.target_inflight, scaled by
+        # its weight relative to the heaviest endpoint (weights are relative capacities).
+        top_weight = max((e.weight for e in config.endpoints if e.provider in managed), default=1)
+        self._inflight_capacity = {
+            e.id: config.scoring.target_inflight * e.weight / top_weight
+            for e in config.endpoints if e.provider in managed
+        }
         self._health_at: dict[str, float] = {}
         self._pending: dict[str, list[float]] = {e: [] for e in self._endpoints}
         self._ended_since_sample: dict[str, int] = {e: 0 for e in self._endpoints}
@@ -167,6 +174,7 @@ class LoadBoard:
             {e: self.inflight(e, now) for e in ids},
             now,
             self.settings,
+            {e: self._inflight_capacity[e] for e in ids},
         )
 
     def pool(self, model: str, now: float) -> PoolView | None:

@@ -81,9 +81,14 @@ class PoolView:
 
     ``inflight[e]`` is what endpoint e holds or is about to: engine running + waiting from its
     last sample plus grants made since that sample. `assume_grant` adds one request to the least
-    saturated endpoint (where the scheduler would send it) and returns its id. Saturation is the
+    loaded endpoint (where the scheduler would send it) and returns its id. Saturation is the
     mean endpoint saturation (llmgw.core.saturation.pool_saturation). Invariant: saturation never
     decreases as grants are assumed.
+
+    Choosing an endpoint ranks by its *score*, lowest first: its saturation, or, when
+    ``inflight_capacity`` gives the endpoint one (scoring.target_inflight scaled by the
+    endpoint's weight), the larger of that and inflight / inflight_capacity. So between
+    endpoints that queue nothing, the one with more free room per unit of capacity wins.
     """
 
     def __init__(
@@ -92,10 +97,12 @@ class PoolView:
         inflight: Mapping[str, int],
         now: float,
         settings: SaturationSettings,
+        inflight_capacity: Mapping[str, float] | None = None,
     ) -> None:
         if not loads:
             raise ValueError("a pool view needs at least one endpoint")
         self._loads = dict(loads)
+        self._capacity = dict(inflight_capacity or {})
         self._inflight = {e: inflight.get(e, 0) for e in self._loads}
         self._now = now
         self._settings = settings
@@ -112,12 +119,19 @@ class PoolView:
     def endpoint_saturation(self, endpoint_id: str) -> float:
         return self._saturation[endpoint_id]
 
+    def score(self, endpoint_id: str) -> float:
+        saturation = self._saturation[endpoint_id]
+        capacity = self._capacity.get(endpoint_id)
+        if not capacity:
+            return saturation
+        return max(saturation, self._inflight[endpoint_id] / capacity)
+
     def least_saturated(self, among: Iterable[str] | None = None) -> str | None:
-        """The least saturated endpoint (ties: first in the order given or loaded)."""
+        """The endpoint with the lowest score (ties: first in the order given or loaded)."""
         candidates = [e for e in (among if among is not None else self._loads) if e in self._loads]
         if not candidates:
             return None
-        return min(candidates, key=lambda e: self._saturation[e])
+        return min(candidates, key=self.score)
 
     def assume_grant(self) -> str:
         endpoint_id = self.least_saturated()

@@ -222,3 +222,16 @@ def test_a_single_instance_dispatches_exactly_the_headroom():
 def test_queues_reject_nonsense_capacity(bad):
     with pytest.raises(ValueError, match="capacity"):
         FlowQueues(BANDS, bad, 30)
+
+
+def test_endpoint_choice_weighs_inflight_by_each_endpoints_capacity():
+    """Nothing queues anywhere; the big endpoint (capacity 8) with 4 in flight beats the small
+    one (capacity 2) with 2: half full against full."""
+    loads = {e: EndpointLoad(16, EngineSample(EngineDialect.VLLM, 0, 0, 0.0), NOW - 1)
+             for e in ("small", "big")}
+    view = PoolView(loads, {"big": 4, "small": 2}, NOW, SETTINGS, {"big": 8.0, "small": 2.0})
+    assert view.saturation() == 0
+    assert view.score("small") == 1.0 and view.score("big") == 0.5
+    assert view.least_saturated() == "big"
+    plain = PoolView(loads, {"big": 4, "small": 2}, NOW, SETTINGS)
+    assert plain.least_saturated() == "small"  # without capacities: a tie, the first listed
