@@ -25,24 +25,14 @@ from typing import Any
 
 import aiohttp
 import yaml
-from interference import ADMIN_PORTS, UpCluster
-
-from llmgw.serving import free_port, free_port_block
+from interference import UpCluster, cluster_ports
 
 FAIL_AT, HEAL_AT, END_AT = 6.0, 16.0, 26.0
 WORKERS = 8
 
 
 def failover_config(path: Path, *, retries: int) -> Path:
-    admin = free_port_block(ADMIN_PORTS)
-    taken = set(range(admin, admin + ADMIN_PORTS))
-
-    def port() -> int:
-        while (chosen := free_port()) in taken:
-            pass
-        taken.add(chosen)
-        return chosen
-
+    admin, port = cluster_ports()
     engine = {"kind": "engine", "max_num_seqs": 16, "prefill_base": "2ms", "itl_base": "5ms",
               "itl_per_running_seq": "0.1ms"}
     data: dict[str, Any] = {

@@ -33,6 +33,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,21 @@ LOADED_PROBES = 50
 PROBE_EVERY = 0.1
 
 
+def cluster_ports() -> tuple[int, Callable[[], int]]:
+    """For a `llmgw up` config on free ports: the edge's admin port (its next three free too,
+    for admission, reaper and scraper) and a function giving other free ports, all distinct."""
+    admin = free_port_block(ADMIN_PORTS)
+    taken = set(range(admin, admin + ADMIN_PORTS))
+
+    def port() -> int:
+        while (chosen := free_port()) in taken:
+            pass
+        taken.add(chosen)
+        return chosen
+
+    return admin, port
+
+
 def interference_config(path: Path, *, admission: bool, bronze_ceiling: float | None = None,
                         target_waiting: float = 4) -> Path:
     """The scenario's cluster config; `bronze_ceiling` replaces bronze's default 0.3."""
@@ -69,15 +85,7 @@ def interference_config(path: Path, *, admission: bool, bronze_ceiling: float | 
         "global_in_flight_request_slots_reserved_for_pinned_sessions": 100,
         "max_per_session_in_flight_request_slots": 1_000,
     }
-    admin = free_port_block(ADMIN_PORTS)
-    taken = set(range(admin, admin + ADMIN_PORTS))
-
-    def port() -> int:
-        while (chosen := free_port()) in taken:
-            pass
-        taken.add(chosen)
-        return chosen
-
+    admin, port = cluster_ports()
     data: dict[str, Any] = {
         "listen": f"127.0.0.1:{port()}",
         "admin_listen": f"127.0.0.1:{admin}",
