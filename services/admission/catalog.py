@@ -99,7 +99,7 @@ class ProviderCatalog:
                 break
         if not tier:
             tier = [e.id for e in candidates if e.priority == tiers[0]]
-        loads = {e: self._load.inflight(e, now) for e in tier}
+        loads = {e: pool.inflight(e) for e in tier}
         return bounded_load_choice(self._rings[provider], session, loads, self._load_factor, tier)
 
     def in_priority_order(self) -> list[str]:

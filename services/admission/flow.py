@@ -249,18 +249,10 @@ class FlowControl:
         return answered
 
     def _overflow(self, model: str, band: str, now: float) -> int:
-        kept = []
-        answered = 0
-        while (waiter := self.queues.take(model, band)) is not None:
-            if waiter.token.can_overflow:
-                self._resolve(waiter, Admission(GateDecision.OVERFLOW), now)
-                answered += 1
-            else:
-                kept.append(waiter)
-        for waiter in kept:  # back in the queue, in their order (their deadlines are unchanged)
-            waiter.done = False
-            self.queues.offer(waiter)
-        return answered
+        leaving = self.queues.take_matching(model, band, lambda w: w.token.can_overflow)
+        for waiter in leaving:
+            self._resolve(waiter, Admission(GateDecision.OVERFLOW), now)
+        return len(leaving)
 
     async def _run(self) -> None:
         while True:

@@ -28,6 +28,7 @@ from pydantic import ValidationError
 
 from llmgw.core.flow import PoolView
 from llmgw.core.saturation import EndpointLoad, SaturationSettings
+from llmgw.core.saturation import update as update_load
 from llmgw.load import REPORT_KEY_PREFIX, EndpointReport
 from llmgw.services.admission.health import HealthBoard
 
@@ -96,16 +97,13 @@ class LoadBoard:
         if report.scraped_at >= self._health_at.get(endpoint_id, float("-inf")):
             self._health_at[endpoint_id] = report.scraped_at
             self.health.set_healthy(endpoint_id, report.healthy)
-        capacity = max(load.capacity, report.capacity)
-        if report.sample is None:
-            self._loads[endpoint_id] = EndpointLoad(capacity, load.sample, load.sampled_at)
-            return
-        sample = report.sample.to_core()
-        capacity = max(capacity, sample.running)
-        if load.sampled_at is not None and report.scraped_at < load.sampled_at:
-            self._loads[endpoint_id] = EndpointLoad(capacity, load.sample, load.sampled_at)
-            return
-        self._loads[endpoint_id] = EndpointLoad(capacity, sample, report.scraped_at)
+        # The scraper's learned capacity is a floor (another scraper may have seen more).
+        load = EndpointLoad(max(load.capacity, report.capacity), load.sample, load.sampled_at)
+        if report.sample is not None:
+            load = update_load(load, report.sample.to_core(), report.scraped_at)
+        self._loads[endpoint_id] = load
+        if load.sampled_at != report.scraped_at:
+            return  # no sample, or older than the one held: it taught capacity only
         self._ended_since_sample[endpoint_id] = 0
         pending = self._pending[endpoint_id]
         del pending[: bisect.bisect_right(pending, report.scraped_at - self.visibility_margin)]

@@ -311,17 +311,19 @@ class Edge:
         assert reply.target is not None
         return _RequestEnd(self, reply.target, reply.granted_at)
 
-    def publish_later(self, subject: str, payload: bytes) -> None:
-        """Publish without waiting (best effort), tracked so shutdown can wait for it."""
-        task = asyncio.ensure_future(self._publish_quietly(subject, payload))
+    def publish_later(self, *messages: tuple[str, bytes]) -> None:
+        """Publish (subject, payload) pairs without waiting (best effort), in one background
+        task tracked so shutdown can wait for it."""
+        task = asyncio.ensure_future(self._publish_quietly(messages))
         self.background.add(task)
         task.add_done_callback(self.background.discard)
 
-    async def _publish_quietly(self, subject: str, payload: bytes) -> None:
-        try:
-            await self.deps.nc.publish(subject, payload)
-        except Exception as exc:  # best effort: admission catches up at the next scrape
-            log.debug("not published on %s: %s", subject, exc)
+    async def _publish_quietly(self, messages: tuple[tuple[str, bytes], ...]) -> None:
+        for subject, payload in messages:
+            try:
+                await self.deps.nc.publish(subject, payload)
+            except Exception as exc:  # best effort: admission catches up at the next scrape
+                log.debug("not published on %s: %s", subject, exc)
 
     async def _ask_admission(
         self, request: Request, payload: bytes, request_id: str
@@ -557,11 +559,14 @@ class _RequestEnd:
         self._ended = True
         now = time.time()
         edge, target = self._edge, self._target
+        messages = []
         if self._granted_at is not None:
-            edge.publish_later(ADMISSION_DONE_SUBJECT, RequestDone(
+            messages.append((ADMISSION_DONE_SUBJECT, RequestDone(
                 endpoint=target.endpoint, granted_at=self._granted_at, ended_at=now,
-            ).model_dump_json().encode())
+            ).model_dump_json().encode()))
         if not self._report_stats or self.upstream_started is None:
+            if messages:
+                edge.publish_later(*messages)
             return
         ok = outcome is Outcome.SUCCESS
         usage = self.usage if ok else None
@@ -572,7 +577,8 @@ class _RequestEnd:
             output_tokens=usage.output_tokens if usage else 0,
             outcome=outcome.value, status=self.upstream_status, retry_after_s=self.retry_after,
         )
-        edge.publish_later(REQUEST_STATS_SUBJECT, stats.model_dump_json().encode())
+        messages.append((REQUEST_STATS_SUBJECT, stats.model_dump_json().encode()))
+        edge.publish_later(*messages)
         if usage is not None:
             edge.deps.metrics.tokens.labels("input").inc(usage.input_tokens)
             edge.deps.metrics.tokens.labels("output").inc(usage.output_tokens)

@@ -27,7 +27,7 @@ import enum
 import heapq
 import math
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -118,6 +118,9 @@ class PoolView:
 
     def endpoint_saturation(self, endpoint_id: str) -> float:
         return self._saturation[endpoint_id]
+
+    def inflight(self, endpoint_id: str) -> int:
+        return self._inflight[endpoint_id]
 
     def score(self, endpoint_id: str) -> float:
         saturation = self._saturation[endpoint_id]
@@ -291,6 +294,17 @@ class FlowQueues:
         if tenants is not None:
             del self._rotation[key]
         return None
+
+    def take_matching(self, model: str, band: str, wanted: Callable[[Waiter], bool]) -> list[Waiter]:
+        """Remove and return every live waiter of (model, band) that `wanted` accepts, in
+        rotation order; the others keep their places."""
+        taken = []
+        for queue in self._rotation.get((model, band), {}).values():
+            for waiter in queue:
+                if not waiter.done and wanted(waiter):
+                    self._leave(waiter)
+                    taken.append(waiter)
+        return taken
 
     def cancel(self, request_id: str) -> Waiter | None:
         """Remove a queued waiter (its client left); None if it is not queued here."""

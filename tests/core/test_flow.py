@@ -235,3 +235,14 @@ def test_endpoint_choice_weighs_inflight_by_each_endpoints_capacity():
     assert view.least_saturated() == "big"
     plain = PoolView(loads, {"big": 4, "small": 2}, NOW, SETTINGS)
     assert plain.least_saturated() == "small"  # without capacities: a tie, the first listed
+
+
+def test_take_matching_removes_only_what_it_wants_and_leaves_the_rest_in_place():
+    queues = FlowQueues(BANDS, 100, 30)
+    for i in range(6):
+        queues.offer(waiter(i, f"t{i % 2}"))
+    taken = queues.take_matching("m", "bronze", lambda w: int(w.request_id[1:]) % 3 == 0)
+    assert sorted(w.request_id for w in taken) == ["r0", "r3"] and all(w.done for w in taken)
+    assert len(queues) == 4 and queues.depth("bronze") == 4
+    rest = [queues.take("m", "bronze").request_id for _ in range(4)]
+    assert rest == ["r2", "r1", "r4", "r5"]  # t0 first, then turns; each tenant in order
