@@ -88,14 +88,15 @@ def bench_config(nats_url: str, engine_url: str, bucket: str) -> dict:
         # The prober checks the engine at start, then every 30 s: it must find it healthy.
         "router": {"scrape_interval": "30s"},
         "models": [{"name": MODEL}],
-        "providers": [{"id": "local", "kind": "managed",
-                       "models": [{"name": MODEL, "limits": LIMITS}]}],
-        "endpoints": [{"id": "engine-1", "url": engine_url, "provider": "local",
-                       "models": [MODEL]}],
+        "providers": [
+            {"id": "local", "kind": "managed", "models": [{"name": MODEL, "limits": LIMITS}]}
+        ],
+        "endpoints": [
+            {"id": "engine-1", "url": engine_url, "provider": "local", "models": [MODEL]}
+        ],
         "pinning": {"bucket": bucket, "history": 64},
         "admission": {"enabled": False},  # pinning and leases alone; flow control is measured apart
     }
-
 
 
 def spread(values: list[float], scale: float = 1.0, digits: int = 2) -> str:
@@ -122,11 +123,18 @@ def _recorder_main(nats_url: str, config_path: str, conn: Any) -> None:
         await recorder.stop()
         await nc.close()
         started = time.perf_counter()
-        violations = check_history(entries, limits_from_config(config),
-                                   config.pinning.lease_timeout)
-        conn.send({"entries": len(entries), "gaps": gaps, "violations": len(violations),
-                   "examples": [str(v) for v in violations[:5]],
-                   "check_seconds": time.perf_counter() - started})
+        violations = check_history(
+            entries, limits_from_config(config), config.pinning.lease_timeout
+        )
+        conn.send(
+            {
+                "entries": len(entries),
+                "gaps": gaps,
+                "violations": len(violations),
+                "examples": [str(v) for v in violations[:5]],
+                "check_seconds": time.perf_counter() - started,
+            }
+        )
 
     uvloop.run(main())
 
@@ -200,19 +208,27 @@ class LoadGenerator:
             await asyncio.sleep(hold)
         assert reply.lease is not None
         result = await self._routing.release_request_lease(
-            reply.lease.to_core(), refresh_pin=reply.refresh_pin_on_success)
+            reply.lease.to_core(), refresh_pin=reply.refresh_pin_on_success
+        )
         self.release_results[result.value] += 1
 
     async def admit(self, session: str, result: PhaseResult, *, release_now: bool) -> None:
         """One admission; its lease is released `hold` later in the background, or right away
         (awaited, after the measurement) if `release_now`."""
         self._counter += 1
-        request = AdmitRequest(request_id=f"r{self._counter}", edge_id=EDGE_ID, model=MODEL,
-                               feature="chat", session_id=session)
+        request = AdmitRequest(
+            request_id=f"r{self._counter}",
+            edge_id=EDGE_ID,
+            model=MODEL,
+            feature="chat",
+            session_id=session,
+        )
         started = time.perf_counter()
-        msg = await self._nc.request(ADMISSION_REQUEST_SUBJECT,
-                                     request.model_dump_json(exclude_defaults=True).encode(),
-                                     timeout=5)
+        msg = await self._nc.request(
+            ADMISSION_REQUEST_SUBJECT,
+            request.model_dump_json(exclude_defaults=True).encode(),
+            timeout=5,
+        )
         reply = AdmitReply.model_validate_json(msg.data)
         result.latencies.append(time.perf_counter() - started)
         if reply.admitted:
@@ -226,8 +242,9 @@ class LoadGenerator:
         else:
             result.outcomes[f"rejected:{reply.reject_reason}"] += 1
 
-    async def phase(self, concurrency: int, total: int, sessions: list[str] | None = None
-                    ) -> PhaseResult:
+    async def phase(
+        self, concurrency: int, total: int, sessions: list[str] | None = None
+    ) -> PhaseResult:
         """`total` admissions with `concurrency` in flight (or each of `sessions` once).
 
         At concurrency 1 each lease is released before the next admission starts, so every
@@ -267,8 +284,9 @@ class RunResult:
 
 
 class Bench:
-    def __init__(self, args: argparse.Namespace, nats_server: EmbeddedNats, engine_url: str,
-                 tmp: Path) -> None:
+    def __init__(
+        self, args: argparse.Namespace, nats_server: EmbeddedNats, engine_url: str, tmp: Path
+    ) -> None:
         self.args = args
         self.nats = nats_server
         self.engine_url = engine_url
@@ -285,8 +303,12 @@ class Bench:
     def start_workers(self, n: int, config_path: Path) -> list[Proc]:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         cli = [sys.executable, "-m", "llmgw", "admission", "--config", str(config_path)]
-        procs = [start_process(f"{config_path.stem}-admission-{i}", cli, self.service_cpus, self.tmp,
-                        env) for i in range(n)]
+        procs = [
+            start_process(
+                f"{config_path.stem}-admission-{i}", cli, self.service_cpus, self.tmp, env
+            )
+            for i in range(n)
+        ]
         for proc in procs:
             wait_ready(proc, "llmgw admission ready")
         return procs
@@ -301,27 +323,38 @@ class Bench:
             except subprocess.TimeoutExpired:
                 proc.popen.kill()
 
-    async def run(self, nc: Any, workers: int, *, requests: int,
-                  on_sustained_start: Any = None) -> RunResult:
+    async def run(
+        self, nc: Any, workers: int, *, requests: int, on_sustained_start: Any = None
+    ) -> RunResult:
         config_path, config = self.write_config(f"w{workers}")
         routing = await open_routing_state(nc, config, instance_id=EDGE_ID, follow_slots=False)
         recorder = None if self.args.no_check else Recorder(self.nats.url, config_path)
         try:
             if recorder is not None:
                 await recorder.start()
-            return await self._measure(nc, workers, requests, config_path, config, routing,
-                                       recorder, on_sustained_start)
+            return await self._measure(
+                nc, workers, requests, config_path, config, routing, recorder, on_sustained_start
+            )
         except BaseException:
             if recorder is not None:
                 recorder.kill()
             raise
 
-    async def _measure(self, nc: Any, workers: int, requests: int, config_path: Path,
-                       config: Config, routing: RoutingState, recorder: Recorder | None,
-                       on_sustained_start: Any) -> RunResult:
+    async def _measure(
+        self,
+        nc: Any,
+        workers: int,
+        requests: int,
+        config_path: Path,
+        config: Config,
+        routing: RoutingState,
+        recorder: Recorder | None,
+        on_sustained_start: Any,
+    ) -> RunResult:
         procs = self.start_workers(workers, config_path)
-        pool = SessionPool(self.args.sessions, self.args.new_share,
-                           random.Random(self.rng.random()))
+        pool = SessionPool(
+            self.args.sessions, self.args.new_share, random.Random(self.rng.random())
+        )
         load = LoadGenerator(nc, routing, pool, self.args.hold_ms / 1000)
         try:
             await load.phase(self.args.concurrency, 0, sessions=list(pool.sessions))  # warm-up
@@ -345,8 +378,17 @@ class Bench:
             self.stop_workers(procs)
         check = _UNCHECKED if recorder is None else await recorder.finish()
         await nc.jetstream().delete_key_value(config.pinning.bucket)
-        return RunResult(workers, uncontended, sustained, service_cpu, nats_cpu, loadgen_cpu,
-                         machine, check, load.release_results)
+        return RunResult(
+            workers,
+            uncontended,
+            sustained,
+            service_cpu,
+            nats_cpu,
+            loadgen_cpu,
+            machine,
+            check,
+            load.release_results,
+        )
 
 
 _UNCHECKED = {"entries": 0, "gaps": [], "violations": 0, "examples": [], "check_seconds": 0.0}
@@ -373,7 +415,8 @@ def cpu_busy() -> dict[int, float]:
 
 
 _calls: contextvars.ContextVar[list[tuple[str, float]] | None] = contextvars.ContextVar(
-    "kv_calls", default=None)
+    "kv_calls", default=None
+)
 
 
 class TimedKV:
@@ -429,9 +472,14 @@ async def breakdown(bench: Bench, nc: Any, decisions: int) -> dict[str, Breakdow
     """Per admission type (route) and for the release: KV calls and where the time goes."""
     _, config = bench.write_config("breakdown")
     kv = await open_routing_bucket(nc.jetstream(), config.pinning.bucket, history=64)
-    routing = RoutingState(TimedKV(kv), limits_from_config(config), clock=time.time,
-                           rng=random.Random(), lease_timeout=config.pinning.lease_timeout,
-                           instance_id="breakdown")
+    routing = RoutingState(
+        TimedKV(kv),
+        limits_from_config(config),
+        clock=time.time,
+        rng=random.Random(),
+        lease_timeout=config.pinning.lease_timeout,
+        instance_id="breakdown",
+    )
     await routing.start()
     service = AdmissionService(config, nc, routing, HealthBoard())
     pool = SessionPool(200, 0.1, random.Random(7))
@@ -458,12 +506,17 @@ async def breakdown(bench: Bench, nc: Any, decisions: int) -> dict[str, Breakdow
     try:
         for n in range(len(pool.sessions) + decisions):
             session = pool.sessions[n] if n < len(pool.sessions) else pool.pick()
-            request = AdmitRequest(request_id=f"b{n}", edge_id=EDGE_ID, model=MODEL,
-                                   feature="chat", session_id=session)
+            request = AdmitRequest(
+                request_id=f"b{n}", edge_id=EDGE_ID, model=MODEL, feature="chat", session_id=session
+            )
             reply = await measured(lambda r: f"admit: {r.route}", service.decide(request))
             if reply.lease is not None:
-                await measured("release", routing.release_request_lease(
-                    reply.lease.to_core(), refresh_pin=reply.refresh_pin_on_success))
+                await measured(
+                    "release",
+                    routing.release_request_lease(
+                        reply.lease.to_core(), refresh_pin=reply.refresh_pin_on_success
+                    ),
+                )
             if n == len(pool.sessions) - 1:
                 kinds.clear()  # the warm-up pinned every pool session; measure from here
     finally:
@@ -475,8 +528,10 @@ async def breakdown(bench: Bench, nc: Any, decisions: int) -> dict[str, Breakdow
 # ---- profile: py-spy on one worker during a sustained run ----------------------------------
 
 _AREAS = (
-    ("llmgw routing state (state/, core/)", ("shared/state/", "shared/core/", "llmgw/state/",
-                                             "llmgw/core/")),
+    (
+        "llmgw routing state (state/, core/)",
+        ("shared/state/", "shared/core/", "llmgw/state/", "llmgw/core/"),
+    ),
     ("llmgw admission service", ("services/admission/",)),
     ("nats-py (protocol, JetStream publish/get, consumers)", ("nats/",)),
     ("pydantic (wire messages)", ("pydantic/", "pydantic_core/")),
@@ -491,12 +546,16 @@ def report(args: argparse.Namespace, results: list[RunResult]) -> None:
     by_workers: dict[int, list[RunResult]] = defaultdict(list)
     for result in results:
         by_workers[result.workers].append(result)
-    print(f"\n{args.rounds} rounds; per run: {args.latency_requests} admissions at concurrency 1, "
-          f"then {args.requests} with {args.concurrency} in flight; layout {args.layout}; "
-          "values are median [min..max] over rounds\n")
-    print("| workers | admissions/s (c=32) | p50 c=1 ms | p99 c=1 ms | p50 c=32 ms | "
-          "p99 c=32 ms | service CPU ms / admission: workers + nats | service cores busy "
-          "| load gen + recorder cores busy | CPU 0 / CPU 1 busy, all processes |")
+    print(
+        f"\n{args.rounds} rounds; per run: {args.latency_requests} admissions at concurrency 1, "
+        f"then {args.requests} with {args.concurrency} in flight; layout {args.layout}; "
+        "values are median [min..max] over rounds\n"
+    )
+    print(
+        "| workers | admissions/s (c=32) | p50 c=1 ms | p99 c=1 ms | p50 c=32 ms | "
+        "p99 c=32 ms | service CPU ms / admission: workers + nats | service cores busy "
+        "| load gen + recorder cores busy | CPU 0 / CPU 1 busy, all processes |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for workers, runs in sorted(by_workers.items()):
         rates = [r.sustained.rate for r in runs]
@@ -508,19 +567,23 @@ def report(args: argparse.Namespace, results: list[RunResult]) -> None:
         loadgen = [r.loadgen_cpu / r.sustained.seconds for r in runs]
         all1 = [r.machine_cpu.get(1, 0.0) / r.sustained.seconds for r in runs]
         all0 = [r.machine_cpu.get(0, 0.0) / r.sustained.seconds for r in runs]
-        print(f"| {workers} | {spread(rates, digits=0)} "
-              f"| {spread([pct(r.uncontended.latencies, 0.5) for r in runs], 1e3)} "
-              f"| {spread([pct(r.uncontended.latencies, 0.99) for r in runs], 1e3)} "
-              f"| {spread([pct(r.sustained.latencies, 0.5) for r in runs], 1e3)} "
-              f"| {spread([pct(r.sustained.latencies, 0.99) for r in runs], 1e3)} "
-              f"| {statistics.median(cpu_per) * 1e3:.2f} [{min(cpu_per) * 1e3:.2f}.."
-              f"{max(cpu_per) * 1e3:.2f}]: {statistics.median(worker_per) * 1e3:.2f} + "
-              f"{statistics.median(nats_per) * 1e3:.2f} "
-              f"| {statistics.median(service):.2f} | {statistics.median(loadgen):.2f} "
-              f"| {statistics.median(all0) * 100:.0f}% / {statistics.median(all1) * 100:.0f}% |")
-    print("\n| workers | admissions measured (c=1 + sustained) | outcomes (summed over rounds) "
-          "| releases | "
-          "history entries checked | gaps | violations |")
+        print(
+            f"| {workers} | {spread(rates, digits=0)} "
+            f"| {spread([pct(r.uncontended.latencies, 0.5) for r in runs], 1e3)} "
+            f"| {spread([pct(r.uncontended.latencies, 0.99) for r in runs], 1e3)} "
+            f"| {spread([pct(r.sustained.latencies, 0.5) for r in runs], 1e3)} "
+            f"| {spread([pct(r.sustained.latencies, 0.99) for r in runs], 1e3)} "
+            f"| {statistics.median(cpu_per) * 1e3:.2f} [{min(cpu_per) * 1e3:.2f}.."
+            f"{max(cpu_per) * 1e3:.2f}]: {statistics.median(worker_per) * 1e3:.2f} + "
+            f"{statistics.median(nats_per) * 1e3:.2f} "
+            f"| {statistics.median(service):.2f} | {statistics.median(loadgen):.2f} "
+            f"| {statistics.median(all0) * 100:.0f}% / {statistics.median(all1) * 100:.0f}% |"
+        )
+    print(
+        "\n| workers | admissions measured (c=1 + sustained) | outcomes (summed over rounds) "
+        "| releases | "
+        "history entries checked | gaps | violations |"
+    )
     print("|---|---|---|---|---|---|---|")
     for workers, runs in sorted(by_workers.items()):
         outcomes: Counter = Counter()
@@ -530,42 +593,53 @@ def report(args: argparse.Namespace, results: list[RunResult]) -> None:
             outcomes.update(r.sustained.outcomes)
             releases.update(r.releases)
         shown = ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items()))
-        print(f"| {workers} | {sum(outcomes.values())} | {shown} "
-              f"| {', '.join(f'{k} {v}' for k, v in sorted(releases.items()))} "
-              f"| {sum(r.check['entries'] for r in runs)} "
-              f"| {sum(len(r.check['gaps']) for r in runs)} "
-              f"| **{sum(r.check['violations'] for r in runs)}** |")
+        print(
+            f"| {workers} | {sum(outcomes.values())} | {shown} "
+            f"| {', '.join(f'{k} {v}' for k, v in sorted(releases.items()))} "
+            f"| {sum(r.check['entries'] for r in runs)} "
+            f"| {sum(len(r.check['gaps']) for r in runs)} "
+            f"| **{sum(r.check['violations'] for r in runs)}** |"
+        )
         for r in runs:
             for example in r.check["examples"]:
                 print(f"    violation: {example}")
 
 
 def report_breakdown(kinds: dict[str, Breakdown]) -> None:
-    print("\nWhere an admission's time goes (decision code in-process at concurrency 1, "
-          "KV calls counted and timed; ms are medians):\n")
-    print("| operation | n | KV calls per operation | KV time ms | total ms | "
-          "non-KV Python ms |")
+    print(
+        "\nWhere an admission's time goes (decision code in-process at concurrency 1, "
+        "KV calls counted and timed; ms are medians):\n"
+    )
+    print("| operation | n | KV calls per operation | KV time ms | total ms | non-KV Python ms |")
     print("|---|---|---|---|---|---|")
     for kind in sorted(kinds, key=lambda k: (k == "release", k)):
         entry = kinds[kind]
-        per_op = ", ".join(f"{label} {count / entry.decisions:.2f}"
-                           for label, count in sorted(entry.ops.items()))
+        per_op = ", ".join(
+            f"{label} {count / entry.decisions:.2f}" for label, count in sorted(entry.ops.items())
+        )
         calls = sum(entry.ops.values()) / entry.decisions
         rest = [t - k for t, k in zip(entry.total, entry.kv, strict=True)]
-        print(f"| {kind} | {entry.decisions} | {calls:.2f} ({per_op}) "
-              f"| {statistics.median(entry.kv) * 1e3:.2f} "
-              f"| {statistics.median(entry.total) * 1e3:.2f} "
-              f"| {statistics.median(rest) * 1e3:.2f} |")
+        print(
+            f"| {kind} | {entry.decisions} | {calls:.2f} ({per_op}) "
+            f"| {statistics.median(entry.kv) * 1e3:.2f} "
+            f"| {statistics.median(entry.total) * 1e3:.2f} "
+            f"| {statistics.median(rest) * 1e3:.2f} |"
+        )
 
 
-def report_profile(profile: tuple[list[tuple[str, float]], list[tuple[str, float]]],
-                   workers: int) -> None:
-    print_profile(profile, f"Where one admission worker's CPU goes (py-spy, {workers} worker(s), "
-                           "sustained phase, innermost library frame):")
+def report_profile(
+    profile: tuple[list[tuple[str, float]], list[tuple[str, float]]], workers: int
+) -> None:
+    print_profile(
+        profile,
+        f"Where one admission worker's CPU goes (py-spy, {workers} worker(s), "
+        "sustained phase, innermost library frame):",
+    )
 
 
-async def amain(args: argparse.Namespace, nats_server: EmbeddedNats, engine_url: str,
-                tmp: Path) -> None:
+async def amain(
+    args: argparse.Namespace, nats_server: EmbeddedNats, engine_url: str, tmp: Path
+) -> None:
     bench = Bench(args, nats_server, engine_url, tmp)
     nc = await nats.connect(nats_server.url)
     counts = [int(w) for w in args.workers.split(",")]
@@ -576,9 +650,11 @@ async def amain(args: argparse.Namespace, nats_server: EmbeddedNats, engine_url:
             for workers in counts[shift:] + counts[:shift]:
                 result = await bench.run(nc, workers, requests=args.requests)
                 results.append(result)
-                print(f"round {round_no + 1}/{args.rounds}, {workers} worker(s): "
-                      f"{result.sustained.rate:.0f}/s, violations {result.check['violations']}",
-                      file=sys.stderr)
+                print(
+                    f"round {round_no + 1}/{args.rounds}, {workers} worker(s): "
+                    f"{result.sustained.rate:.0f}/s, violations {result.check['violations']}",
+                    file=sys.stderr,
+                )
         kinds = await breakdown(bench, nc, args.breakdown) if args.breakdown else None
         profile = None
         if args.profile:
@@ -586,14 +662,32 @@ async def amain(args: argparse.Namespace, nats_server: EmbeddedNats, engine_url:
             spies: list[subprocess.Popen] = []
 
             def spy(procs: list[Proc]) -> None:
-                spies.append(subprocess.Popen(
-                    [py_spy(), "record", "--pid", str(procs[0].pid), "--duration", "6",
-                     "--rate", "500", "--format", "raw", "--output", str(out), "--nonblocking"],
-                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                spies.append(
+                    subprocess.Popen(
+                        [
+                            py_spy(),
+                            "record",
+                            "--pid",
+                            str(procs[0].pid),
+                            "--duration",
+                            "6",
+                            "--rate",
+                            "500",
+                            "--format",
+                            "raw",
+                            "--output",
+                            str(out),
+                            "--nonblocking",
+                        ],
+                        stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL,
+                    )
+                )
                 time.sleep(0.5)
 
-            await bench.run(nc, args.profile_workers, requests=args.requests * 2,
-                            on_sustained_start=spy)
+            await bench.run(
+                nc, args.profile_workers, requests=args.requests * 2, on_sustained_start=spy
+            )
             for process in spies:
                 process.wait(30)
             profile = summarize_profile(out, _AREAS) if out.exists() else None
@@ -607,25 +701,39 @@ async def amain(args: argparse.Namespace, nats_server: EmbeddedNats, engine_url:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--workers", default="1,2,4", help="admission worker counts")
     parser.add_argument("--requests", type=int, default=8000, help="sustained-phase admissions")
-    parser.add_argument("--latency-requests", type=int, default=500,
-                        help="admissions at concurrency 1")
+    parser.add_argument(
+        "--latency-requests", type=int, default=500, help="admissions at concurrency 1"
+    )
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--sessions", type=int, default=2000)
-    parser.add_argument("--new-share", type=float, default=0.1,
-                        help="share of requests that start a new conversation")
+    parser.add_argument(
+        "--new-share",
+        type=float,
+        default=0.1,
+        help="share of requests that start a new conversation",
+    )
     parser.add_argument("--hold-ms", type=float, default=2.0, help="lease hold before release")
     parser.add_argument("--layout", choices=("split", "shared"), default="split")
-    parser.add_argument("--breakdown", type=int, default=0, metavar="N",
-                        help="also time N in-process decisions call by call")
+    parser.add_argument(
+        "--breakdown",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also time N in-process decisions call by call",
+    )
     parser.add_argument("--profile", action="store_true", help="py-spy one worker")
     parser.add_argument("--profile-workers", type=int, default=1)
-    parser.add_argument("--no-check", action="store_true",
-                        help="no recorder and no checker (to measure what recording costs)")
+    parser.add_argument(
+        "--no-check",
+        action="store_true",
+        help="no recorder and no checker (to measure what recording costs)",
+    )
     parser.add_argument("--seed", type=int, default=20261130)
     args = parser.parse_args()
     if args.layout == "split":
@@ -636,11 +744,24 @@ def main() -> int:
         try:
             pin_process(nats_server.pid, SERVICE_CPUS if args.layout == "split" else {0, 1})
             port = free_port()
-            engine = start_process("engine", [sys.executable, "-m", "llmgw", "sim", "engine", "--port",
-                                       str(port), "--model", MODEL,
-                                       *(f"--set={s}" for s in ZERO_DELAY)],
-                            LOADGEN_CPUS if args.layout == "split" else {0, 1}, Path(tmp),
-                            {**os.environ, "PYTHONUNBUFFERED": "1"})
+            engine = start_process(
+                "engine",
+                [
+                    sys.executable,
+                    "-m",
+                    "llmgw",
+                    "sim",
+                    "engine",
+                    "--port",
+                    str(port),
+                    "--model",
+                    MODEL,
+                    *(f"--set={s}" for s in ZERO_DELAY),
+                ],
+                LOADGEN_CPUS if args.layout == "split" else {0, 1},
+                Path(tmp),
+                {**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
             wait_ready(engine, "ready")
             uvloop.run(amain(args, nats_server, f"http://127.0.0.1:{port}", Path(tmp)))
         finally:

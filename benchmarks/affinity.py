@@ -64,8 +64,14 @@ class Conversation:
 
 def engine_params(seed: int, blocks: int) -> EngineParams:
     return EngineParams(
-        max_num_seqs=8, num_gpu_blocks=blocks, block_size=BLOCK, max_model_len=16384,
-        prefill_base=0.002, prefill_per_token=0.0003, itl_base=0.008, itl_per_running_seq=0.0002,
+        max_num_seqs=8,
+        num_gpu_blocks=blocks,
+        block_size=BLOCK,
+        max_model_len=16384,
+        prefill_base=0.002,
+        prefill_per_token=0.0003,
+        itl_base=0.008,
+        itl_per_running_seq=0.0002,
         seed=seed,
     )
 
@@ -74,22 +80,30 @@ def words(rng: random.Random, count: int) -> str:
     return " ".join(f"w{rng.randrange(5000)}" for _ in range(count))
 
 
-def chooser(strategy: str, inflight: Counter[str], rng: random.Random,
-            load_factor: float = 1.25) -> Callable[[str], str]:
+def chooser(
+    strategy: str, inflight: Counter[str], rng: random.Random, load_factor: float = 1.25
+) -> Callable[[str], str]:
     ring = HashRing(REPLICAS)
     if strategy == "affinity":
-        return lambda session: (bounded_load_choice(ring, session, inflight, load_factor)
-                                or REPLICAS[0])
+        return lambda session: (
+            bounded_load_choice(ring, session, inflight, load_factor) or REPLICAS[0]
+        )
     if strategy == "random":
         return lambda session: rng.choice(REPLICAS)
     return lambda session: min(REPLICAS, key=lambda r: (inflight[r], rng.random()))
 
 
-async def stream_one(session: aiohttp.ClientSession, url: str, messages: list[dict],
-                     max_tokens: int) -> tuple[float, dict, str]:
+async def stream_one(
+    session: aiohttp.ClientSession, url: str, messages: list[dict], max_tokens: int
+) -> tuple[float, dict, str]:
     """TTFT, usage and the answer's text of one streamed chat completion."""
-    body = {"model": "sim", "messages": messages, "max_tokens": max_tokens, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": "sim",
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     started = time.perf_counter()
     ttft = None
     usage: dict = {}
@@ -111,8 +125,16 @@ async def stream_one(session: aiohttp.ClientSession, url: str, messages: list[di
     return ttft or (time.perf_counter() - started), usage, "".join(text)
 
 
-async def run_strategy(strategy: str, *, sessions: int, turns: int, workers: int,
-                       blocks: int, seed: int = 11, load_factor: float = 1.25) -> list[Turn]:
+async def run_strategy(
+    strategy: str,
+    *,
+    sessions: int,
+    turns: int,
+    workers: int,
+    blocks: int,
+    seed: int = 11,
+    load_factor: float = 1.25,
+) -> list[Turn]:
     servers: dict[str, RunningServer] = {}
     for n, name in enumerate(REPLICAS):
         servers[name] = await start_server(create_engine_app(engine_params(n, blocks), ["sim"]))
@@ -139,14 +161,18 @@ async def run_strategy(strategy: str, *, sessions: int, turns: int, workers: int
             async def worker() -> None:
                 nonlocal remaining
                 while (conversation := await ready.get()) is not None:
-                    conversation.messages.append({"role": "user",
-                                                  "content": words(conversation.rng, 100)})
+                    conversation.messages.append(
+                        {"role": "user", "content": words(conversation.rng, 100)}
+                    )
                     replica = pick(f"session-{conversation.number}")
                     inflight[replica] += 1
                     try:
                         ttft, usage, answer = await stream_one(
-                            http, servers[replica].url, conversation.messages,
-                            conversation.rng.randint(16, 48))
+                            http,
+                            servers[replica].url,
+                            conversation.messages,
+                            conversation.rng.randint(16, 48),
+                        )
                     finally:
                         inflight[replica] -= 1
                     prompt = usage.get("prompt_tokens", 0)
@@ -185,36 +211,53 @@ def summarize(turns: list[Turn]) -> dict[str, float]:
     }
 
 
-async def compare(sessions: int, turns: int, workers: int, blocks: int,
-                  load_factor: float = 1.25) -> dict[str, dict[str, float]]:
+async def compare(
+    sessions: int, turns: int, workers: int, blocks: int, load_factor: float = 1.25
+) -> dict[str, dict[str, float]]:
     results = {}
     for strategy in ("affinity", "random", "least_loaded"):
-        turns_done = await run_strategy(strategy, sessions=sessions, turns=turns, workers=workers,
-                                        blocks=blocks, load_factor=load_factor)
+        turns_done = await run_strategy(
+            strategy,
+            sessions=sessions,
+            turns=turns,
+            workers=workers,
+            blocks=blocks,
+            load_factor=load_factor,
+        )
         results[strategy] = summarize(turns_done)
         print(f"{strategy}: {results[strategy]}", file=sys.stderr)
     return results
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--sessions", type=int, default=48)
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--workers", type=int, default=12)
     parser.add_argument("--blocks", type=int, default=3072, help="KV blocks per engine")
-    parser.add_argument("--load-factor", type=float, default=1.25,
-                        help="affinity's bound: scoring.session_load_factor")
+    parser.add_argument(
+        "--load-factor",
+        type=float,
+        default=1.25,
+        help="affinity's bound: scoring.session_load_factor",
+    )
     args = parser.parse_args()
-    results = asyncio.run(compare(args.sessions, args.turns, args.workers, args.blocks,
-                                  args.load_factor))
-    print(f"\n{args.sessions} sessions x {args.turns} turns, {args.workers} at a time, "
-          f"3 engines x {args.blocks} blocks of {BLOCK} tokens, load factor {args.load_factor}\n")
+    results = asyncio.run(
+        compare(args.sessions, args.turns, args.workers, args.blocks, args.load_factor)
+    )
+    print(
+        f"\n{args.sessions} sessions x {args.turns} turns, {args.workers} at a time, "
+        f"3 engines x {args.blocks} blocks of {BLOCK} tokens, load factor {args.load_factor}\n"
+    )
     print("| strategy | prefix-cache hit rate | % of ideal | TTFT p50 (ms) | TTFT p90 (ms) |")
     print("|---|---|---|---|---|")
     for name, r in results.items():
-        print(f"| {name} | {r['hit_rate']:.1%} | {r['hit_rate'] / r['ideal_hit_rate']:.0%} | "
-              f"{r['ttft_p50'] * 1000:.0f} | {r['ttft_p90'] * 1000:.0f} |")
+        print(
+            f"| {name} | {r['hit_rate']:.1%} | {r['hit_rate'] / r['ideal_hit_rate']:.0%} | "
+            f"{r['ttft_p50'] * 1000:.0f} | {r['ttft_p90'] * 1000:.0f} |"
+        )
     print(f"\nideal hit rate of the workload: {results['affinity']['ideal_hit_rate']:.1%}")
     return 0
 

@@ -67,15 +67,19 @@ async def start_deployments(change_at: float) -> dict[str, RunningServer]:
     servers = {}
     for seed, d in enumerate(DEPLOYMENTS):
         params = ProviderParams(
-            tokens_per_second=d.before, input_tokens_per_second=20_000, base_latency=0.05,
-            drift=[{"at": change_at, "tokens_per_second": d.after}], seed=seed,
+            tokens_per_second=d.before,
+            input_tokens_per_second=20_000,
+            base_latency=0.05,
+            drift=[{"at": change_at, "tokens_per_second": d.after}],
+            seed=seed,
         )
         servers[d.name] = await start_server(create_provider_app(params, ["sim"]))
     return servers
 
 
-def pick_function(strategy: str, windows: RateWindows, change_at: float,
-                  rng: random.Random) -> Callable[[float], str]:
+def pick_function(
+    strategy: str, windows: RateWindows, change_at: float, rng: random.Random
+) -> Callable[[float], str]:
     names = [d.name for d in DEPLOYMENTS]
     turn = itertools.cycle(names)
     if strategy == "round_robin":
@@ -91,11 +95,13 @@ def pick_function(strategy: str, windows: RateWindows, change_at: float,
     return balanced
 
 
-async def run_strategy(strategy: str, *, duration: float, window: float, greediness: float,
-                       workers: int, seed: int = 7) -> list[Done]:
+async def run_strategy(
+    strategy: str, *, duration: float, window: float, greediness: float, workers: int, seed: int = 7
+) -> list[Done]:
     change_at = duration / 2
-    windows = RateWindows(BalancerSettings(window=window, input_to_output_token_ratio=RATIO,
-                                           greediness=greediness))
+    windows = RateWindows(
+        BalancerSettings(window=window, input_to_output_token_ratio=RATIO, greediness=greediness)
+    )
     rng = random.Random(seed)
     servers = await start_deployments(change_at)
     started = time.perf_counter()
@@ -109,18 +115,24 @@ async def run_strategy(strategy: str, *, duration: float, window: float, greedin
                 lengths = random.Random(seed * 1000 + number)
                 while (elapsed := time.perf_counter() - started) < duration:
                     name = pick(elapsed)
-                    body = {"model": "sim", "max_tokens": lengths.randint(20, 60),
-                            "messages": [{"role": "user", "content": PROMPT}]}
+                    body = {
+                        "model": "sim",
+                        "max_tokens": lengths.randint(20, 60),
+                        "messages": [{"role": "user", "content": PROMPT}],
+                    }
                     sent = time.perf_counter()
-                    async with session.post(servers[name].url + "/v1/chat/completions",
-                                            json=body) as response:
+                    async with session.post(
+                        servers[name].url + "/v1/chat/completions", json=body
+                    ) as response:
                         payload = await response.json()
                     latency = time.perf_counter() - sent
                     usage = payload.get("usage") or {}
-                    sample = RateSample(at=wall_start + (time.perf_counter() - started),
-                                        latency=latency,
-                                        output_tokens=usage.get("completion_tokens", 0),
-                                        input_tokens=usage.get("prompt_tokens", 0))
+                    sample = RateSample(
+                        at=wall_start + (time.perf_counter() - started),
+                        latency=latency,
+                        output_tokens=usage.get("completion_tokens", 0),
+                        input_tokens=usage.get("prompt_tokens", 0),
+                    )
                     windows.add(name, sample)
                     rate = (sample.output_tokens + sample.input_tokens / RATIO) / latency
                     done.append(Done(elapsed, name, latency, rate))
@@ -132,8 +144,9 @@ async def run_strategy(strategy: str, *, duration: float, window: float, greedin
     return done
 
 
-def time_to_adapt(done: list[Done], change_at: float, best: str, span: float = 2.0,
-                  share: float = 0.6) -> float:
+def time_to_adapt(
+    done: list[Done], change_at: float, best: str, span: float = 2.0, share: float = 0.6
+) -> float:
     """Seconds after the change until, for the first time, `share` of the picks made in the
     next `span` seconds go to `best` (inf if never: round robin gives it a third)."""
     after = sorted((d for d in done if d.started >= change_at), key=lambda d: d.started)
@@ -157,12 +170,14 @@ def summarize(done: list[Done], duration: float) -> dict[str, float]:
     }
 
 
-async def compare(duration: float, window: float, greediness: float,
-                  workers: int) -> dict[str, dict[str, float]]:
+async def compare(
+    duration: float, window: float, greediness: float, workers: int
+) -> dict[str, dict[str, float]]:
     results = {}
     for strategy in ("oracle", "balancer", "round_robin"):
-        done = await run_strategy(strategy, duration=duration, window=window,
-                                  greediness=greediness, workers=workers)
+        done = await run_strategy(
+            strategy, duration=duration, window=window, greediness=greediness, workers=workers
+        )
         results[strategy] = summarize(done, duration)
         print(f"{strategy}: {results[strategy]}", file=sys.stderr)
     return results
@@ -188,8 +203,9 @@ def plot_sweep(points: list[tuple[float, dict[str, float]]], oracle: float, out:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--duration", type=float, default=40.0, help="seconds per strategy")
     parser.add_argument("--window", type=float, default=8.0, help="balancer window, seconds")
     parser.add_argument("--greediness", type=float, default=0.5)
@@ -198,26 +214,41 @@ def main() -> int:
     args = parser.parse_args()
     results = asyncio.run(compare(args.duration, args.window, args.greediness, args.workers))
     oracle = results["oracle"]["mean_rate"]
-    print(f"\n{args.duration:g} s per strategy, change at {args.duration / 2:g} s, window "
-          f"{args.window:g} s, greediness {args.greediness}, {args.workers} workers\n")
-    print("| strategy | requests | mean effective rate (tokens/s) | % of oracle | p90 latency (s) "
-          "| time to adapt (s) |")
+    print(
+        f"\n{args.duration:g} s per strategy, change at {args.duration / 2:g} s, window "
+        f"{args.window:g} s, greediness {args.greediness}, {args.workers} workers\n"
+    )
+    print(
+        "| strategy | requests | mean effective rate (tokens/s) | % of oracle | p90 latency (s) "
+        "| time to adapt (s) |"
+    )
     print("|---|---|---|---|---|---|")
     for name, r in results.items():
-        print(f"| {name} | {r['requests']:.0f} | {r['mean_rate']:.1f} | "
-              f"{r['mean_rate'] / oracle * 100:.0f}% | {r['p90_latency']:.2f} | {r['adapt']:.1f} |")
+        print(
+            f"| {name} | {r['requests']:.0f} | {r['mean_rate']:.1f} | "
+            f"{r['mean_rate'] / oracle * 100:.0f}% | {r['p90_latency']:.2f} | {r['adapt']:.1f} |"
+        )
     if args.sweep:
         points = []
         for greediness in (0.1, 0.3, 0.5, 0.7, 0.9, 0.97):
-            done = asyncio.run(run_strategy("balancer", duration=args.duration, window=args.window,
-                                            greediness=greediness, workers=args.workers))
+            done = asyncio.run(
+                run_strategy(
+                    "balancer",
+                    duration=args.duration,
+                    window=args.window,
+                    greediness=greediness,
+                    workers=args.workers,
+                )
+            )
             points.append((greediness, summarize(done, args.duration)))
             print(f"greediness {greediness}: {points[-1][1]}", file=sys.stderr)
         print("\n| greediness | mean effective rate | % of oracle | time to adapt (s) |")
         print("|---|---|---|---|")
         for greediness, r in points:
-            print(f"| {greediness} | {r['mean_rate']:.1f} | {r['mean_rate'] / oracle * 100:.0f}% "
-                  f"| {r['adapt']:.1f} |")
+            print(
+                f"| {greediness} | {r['mean_rate']:.1f} | {r['mean_rate'] / oracle * 100:.0f}% "
+                f"| {r['adapt']:.1f} |"
+            )
         out = Path(__file__).resolve().parents[1] / "docs" / "balancer-greediness.png"
         plot_sweep(points, oracle, out)
         print(f"\nplot: {out.relative_to(out.parents[1])}")

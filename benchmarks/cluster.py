@@ -72,8 +72,11 @@ def _config(nats_url: str, engine_url: str, edge_port: int, admin_port: int, flo
         # ceiling is far above any load here: every request passes through the whole machinery
         # (gate, reservation, gossip, end notice) and none waits. A zero-delay engine never
         # shows anything running, so with real ceilings c=32 would count as saturated.
-        "admission": {"enabled": flow, "default_band": "bench",
-                      "bands": [{"name": "bench", "priority": 1, "saturation_ceiling": 1000}]},
+        "admission": {
+            "enabled": flow,
+            "default_band": "bench",
+            "bands": [{"name": "bench", "priority": 1, "saturation_ceiling": 1000}],
+        },
         "models": [{"name": "bench-model"}],
         "providers": [
             {
@@ -139,26 +142,48 @@ def running_cluster(gateway_cpus: set[int], engine_cpus: set[int], *, flow: bool
         engine_port, edge_port, admin_port = free_port(), free_port(), free_port()
         engine_url = f"http://127.0.0.1:{engine_port}"
         config_path = logdir / "bench.yaml"
-        config_path.write_text(yaml.safe_dump(_config(nats.url, engine_url, edge_port, admin_port, flow)))
+        config_path.write_text(
+            yaml.safe_dump(_config(nats.url, engine_url, edge_port, admin_port, flow))
+        )
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         cli = [sys.executable, "-m", "llmgw"]
-        cluster = Cluster(edge_url=f"http://127.0.0.1:{edge_port}", engine_url=engine_url, nats=nats)
+        cluster = Cluster(
+            edge_url=f"http://127.0.0.1:{edge_port}", engine_url=engine_url, nats=nats
+        )
         try:
             sim_args = [f"--set={s}" for s in ZERO_DELAY]
             cluster.procs["engine"] = start_process(
                 "engine",
-                [*cli, "sim", "engine", "--port", str(engine_port), "--model", "bench-model", *sim_args],
-                engine_cpus, logdir, env,
+                [
+                    *cli,
+                    "sim",
+                    "engine",
+                    "--port",
+                    str(engine_port),
+                    "--model",
+                    "bench-model",
+                    *sim_args,
+                ],
+                engine_cpus,
+                logdir,
+                env,
             )
             wait_ready(cluster.procs["engine"], "ready")
             if flow:
                 cluster.procs["scraper"] = start_process(
-                    "scraper", [*cli, "scraper", "--config", str(config_path)], gateway_cpus, logdir,
+                    "scraper",
+                    [*cli, "scraper", "--config", str(config_path)],
+                    gateway_cpus,
+                    logdir,
                     env,
                 )
                 wait_ready(cluster.procs["scraper"], "ready")
             cluster.procs["admission"] = start_process(
-                "admission", [*cli, "admission", "--config", str(config_path)], gateway_cpus, logdir, env
+                "admission",
+                [*cli, "admission", "--config", str(config_path)],
+                gateway_cpus,
+                logdir,
+                env,
             )
             wait_ready(cluster.procs["admission"], "ready")
             cluster.procs["edge"] = start_process(

@@ -33,20 +33,34 @@ WORKERS = 8
 
 def failover_config(path: Path, *, retries: int) -> Path:
     admin, port = cluster_ports()
-    engine = {"kind": "engine", "max_num_seqs": 16, "prefill_base": "2ms", "itl_base": "5ms",
-              "itl_per_running_seq": "0.1ms"}
+    engine = {
+        "kind": "engine",
+        "max_num_seqs": 16,
+        "prefill_base": "2ms",
+        "itl_base": "5ms",
+        "itl_per_running_seq": "0.1ms",
+    }
     data: dict[str, Any] = {
         "listen": f"127.0.0.1:{port()}",
         "admin_listen": f"127.0.0.1:{admin}",
         "nats": {"url": "embedded", "embedded_port": 0},
-        "router": {"scrape_interval": "200ms", "retries": retries, "cooldown": "2s",
-                   "failure_threshold": 3},
+        "router": {
+            "scrape_interval": "200ms",
+            "retries": retries,
+            "cooldown": "2s",
+            "failure_threshold": 3,
+        },
         "admission": {"default_band": "platinum"},
         "models": [{"name": "sim-model"}],
         "providers": [{"id": "iris", "kind": "managed", "models": [{"name": "sim-model"}]}],
         "endpoints": [
-            {"id": f"engine-{i}", "url": f"http://127.0.0.1:{port()}", "provider": "iris",
-             "models": ["sim-model"], "simulate": {**engine, "seed": i}}
+            {
+                "id": f"engine-{i}",
+                "url": f"http://127.0.0.1:{port()}",
+                "provider": "iris",
+                "models": ["sim-model"],
+                "simulate": {**engine, "seed": i},
+            }
             for i in (1, 2, 3)
         ],
     }
@@ -69,15 +83,21 @@ async def drive(api: str, engine_1: str) -> list[tuple[float, int, str]]:
             n = 0
             while (elapsed := time.perf_counter() - started) < END_AT:
                 n += 1
-                body = {"model": "sim-model", "max_tokens": 8, "user": f"c{number}-{n}",
-                        "messages": [{"role": "user", "content": "hello"}]}
+                body = {
+                    "model": "sim-model",
+                    "max_tokens": 8,
+                    "user": f"c{number}-{n}",
+                    "messages": [{"role": "user", "content": "hello"}],
+                }
                 async with http.post(f"{api}/chat/completions", json=body) as response:
                     await response.read()
-                    log.append((elapsed, response.status,
-                                response.headers.get("x-llmgw-endpoint", "-")))
+                    log.append(
+                        (elapsed, response.status, response.headers.get("x-llmgw-endpoint", "-"))
+                    )
 
-        await asyncio.gather(fault(FAIL_AT, 1.0), fault(HEAL_AT, 0.0),
-                             *(client(n) for n in range(WORKERS)))
+        await asyncio.gather(
+            fault(FAIL_AT, 1.0), fault(HEAL_AT, 0.0), *(client(n) for n in range(WORKERS))
+        )
     return log
 
 
@@ -95,8 +115,13 @@ def analyse(log: list[tuple[float, int, str]]) -> dict[str, float]:
         if window and Counter(window)["engine-1"] >= 0.2 * len(window):
             back = start - HEAL_AT
             break
-    return {"requests": len(log), "errors": errors, "during_fault": len(failing),
-            "engine_1_answers_after_fault_s": avoided_from, "back_after_heal_s": back}
+    return {
+        "requests": len(log),
+        "errors": errors,
+        "during_fault": len(failing),
+        "engine_1_answers_after_fault_s": avoided_from,
+        "back_after_heal_s": back,
+    }
 
 
 def run(retries: int, workdir: Path) -> tuple[dict[str, float], list[tuple[float, int, str]]]:
@@ -118,14 +143,20 @@ def main() -> int:
             summary, _ = run(retries, Path(tmp))
             rows[retries] = summary
             print(f"retries {retries}: {summary}", file=sys.stderr)
-    print(f"\nengine-1 fails at {FAIL_AT:g} s and heals at {HEAL_AT:g} s; {WORKERS} clients; "
-          "cooldown 2 s, failure threshold 3\n")
-    print("| retries | requests | client-visible errors | requests during the fault | "
-          "engine-1 back after healing (s) |")
+    print(
+        f"\nengine-1 fails at {FAIL_AT:g} s and heals at {HEAL_AT:g} s; {WORKERS} clients; "
+        "cooldown 2 s, failure threshold 3\n"
+    )
+    print(
+        "| retries | requests | client-visible errors | requests during the fault | "
+        "engine-1 back after healing (s) |"
+    )
     print("|---|---|---|---|---|")
     for retries, r in rows.items():
-        print(f"| {retries} | {r['requests']:.0f} | {r['errors']:.0f} | {r['during_fault']:.0f} | "
-              f"{r['back_after_heal_s']:.1f} |")
+        print(
+            f"| {retries} | {r['requests']:.0f} | {r['errors']:.0f} | {r['during_fault']:.0f} | "
+            f"{r['back_after_heal_s']:.1f} |"
+        )
     return 0
 
 

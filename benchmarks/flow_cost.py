@@ -23,8 +23,9 @@ from overhead import GATEWAY_CPUS, LOADGEN_CPUS, fmt_ms, run_load
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--requests", type=int, default=400, help="requests per run")
     args = parser.parse_args()
@@ -56,14 +57,20 @@ def main() -> int:
                 added[c].append(medians[True] - medians[False])
             print(f"round {round_no + 1}/{args.rounds} done", file=sys.stderr)
 
-    print(f"\n{args.rounds} interleaved rounds x {args.requests} requests per run, non-streamed; "
-          "values are median [min..max] over rounds, milliseconds\n")
-    print("| concurrency | flow control | p50 | p99 | gateway CPU / request | added p50 (on - off) |")
+    print(
+        f"\n{args.rounds} interleaved rounds x {args.requests} requests per run, non-streamed; "
+        "values are median [min..max] over rounds, milliseconds\n"
+    )
+    print(
+        "| concurrency | flow control | p50 | p99 | gateway CPU / request | added p50 (on - off) |"
+    )
     print("|---|---|---|---|---|---|")
     for c, flow in keys:
         extra = fmt_ms(added[c]) if flow else ""
-        print(f"| {c} | {'on' if flow else 'off'} | {fmt_ms(p50[(c, flow)])} | "
-              f"{fmt_ms(p99[(c, flow)])} | {fmt_ms(cpu[(c, flow)])} | {extra} |")
+        print(
+            f"| {c} | {'on' if flow else 'off'} | {fmt_ms(p50[(c, flow)])} | "
+            f"{fmt_ms(p99[(c, flow)])} | {fmt_ms(cpu[(c, flow)])} | {extra} |"
+        )
     return 0
 
 

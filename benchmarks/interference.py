@@ -72,16 +72,25 @@ def cluster_ports() -> tuple[int, Callable[[], int]]:
     return admin, port
 
 
-def interference_config(path: Path, *, admission: bool, bronze_ceiling: float | None = None,
-                        target_waiting: float = 4) -> Path:
+def interference_config(
+    path: Path, *, admission: bool, bronze_ceiling: float | None = None, target_waiting: float = 4
+) -> Path:
     """The scenario's cluster config; `bronze_ceiling` replaces bronze's default 0.3."""
     engine = {
-        "kind": "engine", "max_num_seqs": MAX_NUM_SEQS, "num_gpu_blocks": 8192, "block_size": 16,
-        "prefill_base": "5ms", "prefill_per_token": "0.02ms", "itl_base": "10ms",
-        "itl_per_running_seq": "0.02ms", "output_len_mean": PROBE_TOKENS, "output_len_max": PROBE_TOKENS,
+        "kind": "engine",
+        "max_num_seqs": MAX_NUM_SEQS,
+        "num_gpu_blocks": 8192,
+        "block_size": 16,
+        "prefill_base": "5ms",
+        "prefill_per_token": "0.02ms",
+        "itl_base": "10ms",
+        "itl_per_running_seq": "0.02ms",
+        "output_len_mean": PROBE_TOKENS,
+        "output_len_max": PROBE_TOKENS,
     }
     limits = {
-        "max_pinned_sessions": 10_000, "max_global_in_flight_request_slots": 10_000,
+        "max_pinned_sessions": 10_000,
+        "max_global_in_flight_request_slots": 10_000,
         "global_in_flight_request_slots_reserved_for_pinned_sessions": 100,
         "max_per_session_in_flight_request_slots": 1_000,
     }
@@ -97,11 +106,18 @@ def interference_config(path: Path, *, admission: bool, bronze_ceiling: float | 
         "timeouts": {"first_token": "120s", "idle": "30s", "total": "300s"},
         "models": [{"name": "sim-model"}],
         # Only our own engines: nothing can overflow, so bronze has to be held back or hurt.
-        "providers": [{"id": "iris", "kind": "managed",
-                       "models": [{"name": "sim-model", "limits": limits}]}],
+        "providers": [
+            {"id": "iris", "kind": "managed", "models": [{"name": "sim-model", "limits": limits}]}
+        ],
         "endpoints": [
-            {"id": f"engine-{i}", "url": f"http://127.0.0.1:{port()}", "provider": "iris",
-             "models": ["sim-model"], "pool": "sim", "simulate": {**engine, "seed": i}}
+            {
+                "id": f"engine-{i}",
+                "url": f"http://127.0.0.1:{port()}",
+                "provider": "iris",
+                "models": ["sim-model"],
+                "pool": "sim",
+                "simulate": {**engine, "seed": i},
+            }
             for i in (1, 2)
         ],
     }
@@ -117,19 +133,30 @@ def interference_config(path: Path, *, admission: bool, bronze_ceiling: float | 
 
 
 def body(user: str, tokens: int) -> dict[str, Any]:
-    return {"model": "sim-model", "max_tokens": tokens, "user": user,
-            "messages": [{"role": "user", "content": f"hello from {user}"}]}
+    return {
+        "model": "sim-model",
+        "max_tokens": tokens,
+        "user": user,
+        "messages": [{"role": "user", "content": f"hello from {user}"}],
+    }
 
 
-async def one(session: aiohttp.ClientSession, api: str, band: str, user: str,
-              tenant: str | None = None, tokens: int = PROBE_TOKENS) -> float:
+async def one(
+    session: aiohttp.ClientSession,
+    api: str,
+    band: str,
+    user: str,
+    tenant: str | None = None,
+    tokens: int = PROBE_TOKENS,
+) -> float:
     """One request's latency; `user` makes its session, `tenant` (an API key) its tenant."""
     started = time.perf_counter()
     headers = {"x-llmgw-band": band}
     if tenant is not None:
         headers["authorization"] = f"Bearer {tenant}"
-    async with session.post(f"{api}/chat/completions", json=body(user, tokens),
-                            headers=headers) as response:
+    async with session.post(
+        f"{api}/chat/completions", json=body(user, tokens), headers=headers
+    ) as response:
         await response.read()
         if response.status != 200:
             raise RuntimeError(f"{band} request failed: {response.status} {await response.text()}")
@@ -167,8 +194,9 @@ async def engines_waiting(session: aiohttp.ClientSession, engines: list[str]) ->
     return total
 
 
-async def until_flooded(session: aiohttp.ClientSession, engines: list[str], admission_admin: str,
-                        timeout: float = 20) -> None:
+async def until_flooded(
+    session: aiohttp.ClientSession, engines: list[str], admission_admin: str, timeout: float = 20
+) -> None:
     """Until most of the flood waits in admission's or the engines' queues (at most `timeout`).
 
     The rest is in flight through the gateway. Measuring starts after `timeout` regardless: the
@@ -176,8 +204,9 @@ async def until_flooded(session: aiohttp.ClientSession, engines: list[str], admi
     """
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        waiting = (await bronze_queue_depth(session, admission_admin)
-                   + await engines_waiting(session, engines))
+        waiting = await bronze_queue_depth(session, admission_admin) + await engines_waiting(
+            session, engines
+        )
         if waiting >= 0.6 * BRONZE_CONCURRENCY:
             return
         await asyncio.sleep(0.1)
@@ -199,8 +228,14 @@ async def measure(api: str, admission_admin: str, engines: list[str]) -> dict[st
             lengths = random.Random(worker)
             while not stop.is_set():
                 try:
-                    await one(session, api, "bronze", f"bronze-{worker}", f"tenant-{worker % 20}",
-                              lengths.randint(*BRONZE_TOKENS))
+                    await one(
+                        session,
+                        api,
+                        "bronze",
+                        f"bronze-{worker}",
+                        f"tenant-{worker % 20}",
+                        lengths.randint(*BRONZE_TOKENS),
+                    )
                 except (RuntimeError, aiohttp.ClientError):
                     next(failed)
                 else:
@@ -215,10 +250,13 @@ async def measure(api: str, admission_admin: str, engines: list[str]) -> dict[st
         for worker in workers:
             worker.cancel()
         await asyncio.gather(*workers, return_exceptions=True)
-    return {"idle": idle, "loaded": loaded, "bronze_done": bronze_done, "bronze_queued": queued,
-            "bronze_failed": next(failed)}
-
-
+    return {
+        "idle": idle,
+        "loaded": loaded,
+        "bronze_done": bronze_done,
+        "bronze_queued": queued,
+        "bronze_failed": next(failed),
+    }
 
 
 def cluster_endpoints(config: Path) -> tuple[str, list[str]]:
@@ -230,11 +268,12 @@ def cluster_endpoints(config: Path) -> tuple[str, list[str]]:
 
 def summary(result: dict[str, Any]) -> str:
     idle, loaded = result["idle"], result["loaded"]
-    return (f"idle p50 {statistics.median(idle) * 1000:.0f} ms p99 {p99(idle) * 1000:.0f} ms; "
-            f"loaded p50 {statistics.median(loaded) * 1000:.0f} ms p99 {p99(loaded) * 1000:.0f} ms "
-            f"({p99(loaded) / p99(idle):.2f}x); bronze completed {result['bronze_done']}, "
-            f"failed {result['bronze_failed']}, queued in admission {result['bronze_queued']:.0f}")
-
+    return (
+        f"idle p50 {statistics.median(idle) * 1000:.0f} ms p99 {p99(idle) * 1000:.0f} ms; "
+        f"loaded p50 {statistics.median(loaded) * 1000:.0f} ms p99 {p99(loaded) * 1000:.0f} ms "
+        f"({p99(loaded) / p99(idle):.2f}x); bronze completed {result['bronze_done']}, "
+        f"failed {result['bronze_failed']}, queued in admission {result['bronze_queued']:.0f}"
+    )
 
 
 class UpCluster:
@@ -244,8 +283,11 @@ class UpCluster:
         env = {k: v for k, v in os.environ.items() if not k.upper().startswith("LLMGW_")}
         self.process = subprocess.Popen(
             [sys.executable, "-m", "llmgw", "up", "--config", str(config)],
-            env={**env, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+            env={**env, "PYTHONUNBUFFERED": "1"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
         )
         self.lines: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
@@ -274,10 +316,19 @@ class UpCluster:
             os.killpg(self.process.pid, signal.SIGKILL)
 
 
-def run_once(workdir: Path, *, admission: bool, bronze_ceiling: float | None = None,
-             target_waiting: float = 4) -> dict[str, Any]:
-    config = interference_config(workdir / f"admission-{admission}.yaml", admission=admission,
-                                 bronze_ceiling=bronze_ceiling, target_waiting=target_waiting)
+def run_once(
+    workdir: Path,
+    *,
+    admission: bool,
+    bronze_ceiling: float | None = None,
+    target_waiting: float = 4,
+) -> dict[str, Any]:
+    config = interference_config(
+        workdir / f"admission-{admission}.yaml",
+        admission=admission,
+        bronze_ceiling=bronze_ceiling,
+        target_waiting=target_waiting,
+    )
     cluster = UpCluster(config)
     try:
         api = cluster.api()
@@ -291,23 +342,38 @@ def fmt(values: list[float]) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--runs", type=int, default=3, help="pairs of runs (on, off)")
-    parser.add_argument("--bronze-ceiling", type=float, default=None,
-                        help="bronze's saturation ceiling (default: the config default, 0.3)")
-    parser.add_argument("--target-waiting", type=float, default=4,
-                        help="scoring.target_waiting (default 4, the config default)")
+    parser.add_argument(
+        "--bronze-ceiling",
+        type=float,
+        default=None,
+        help="bronze's saturation ceiling (default: the config default, 0.3)",
+    )
+    parser.add_argument(
+        "--target-waiting",
+        type=float,
+        default=4,
+        help="scoring.target_waiting (default 4, the config default)",
+    )
     parser.add_argument("--on-only", action="store_true", help="skip the admission-off runs")
     args = parser.parse_args()
     rows: dict[str, dict[str, list[float]]] = {}
     with tempfile.TemporaryDirectory(prefix="llmgw-interference-") as tmp:
         for run in range(args.runs):
             for admission in (True,) if args.on_only else (True, False):
-                result = run_once(Path(tmp), admission=admission, bronze_ceiling=args.bronze_ceiling,
-                                  target_waiting=args.target_waiting)
-                print(f"run {run + 1} admission {'on' if admission else 'off'}: {summary(result)}",
-                      file=sys.stderr)
+                result = run_once(
+                    Path(tmp),
+                    admission=admission,
+                    bronze_ceiling=args.bronze_ceiling,
+                    target_waiting=args.target_waiting,
+                )
+                print(
+                    f"run {run + 1} admission {'on' if admission else 'off'}: {summary(result)}",
+                    file=sys.stderr,
+                )
                 for phase in ("idle", "loaded"):
                     row = rows.setdefault(f"{phase}, admission {'on' if admission else 'off'}", {})
                     values = [v * 1000 for v in result[phase]]
@@ -327,9 +393,12 @@ def main() -> int:
         if f"ratio, admission {admission}" not in rows:
             continue
         ratio = rows[f"ratio, admission {admission}"]
-        print(f"\nloaded p99 / idle p99, admission {admission}: "
-              + ", ".join(f"{r:.2f}x" for r in ratio["p99"])
-              + "; bronze completed while probing: " + ", ".join(f"{b:.0f}" for b in ratio["bronze"]))
+        print(
+            f"\nloaded p99 / idle p99, admission {admission}: "
+            + ", ".join(f"{r:.2f}x" for r in ratio["p99"])
+            + "; bronze completed while probing: "
+            + ", ".join(f"{b:.0f}" for b in ratio["bronze"])
+        )
     return 0
 
 

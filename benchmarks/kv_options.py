@@ -80,8 +80,9 @@ class Contended:
         return self.conflicts / max(1, self.successes)
 
 
-async def run_tasks(seconds: float, body: Callable[[Contended, float], Awaitable[None]]
-                    ) -> Contended:
+async def run_tasks(
+    seconds: float, body: Callable[[Contended, float], Awaitable[None]]
+) -> Contended:
     """TASKS copies of `body(result, deadline)`, sharing one result."""
     result = Contended()
     started = time.perf_counter()
@@ -91,8 +92,9 @@ async def run_tasks(seconds: float, body: Callable[[Contended, float], Awaitable
     return result
 
 
-async def latency(call: Callable[[], Awaitable[Any]], samples: int = LATENCY_SAMPLES
-                  ) -> list[float]:
+async def latency(
+    call: Callable[[], Awaitable[Any]], samples: int = LATENCY_SAMPLES
+) -> list[float]:
     for _ in range(20):
         await call()
     out = []
@@ -105,8 +107,7 @@ async def latency(call: Callable[[], Awaitable[Any]], samples: int = LATENCY_SAM
 
 async def new_bucket(js: Any, storage: StorageType = StorageType.FILE) -> tuple[str, NatsKV]:
     name = f"kvopt_{uuid.uuid4().hex[:10]}"
-    await js.create_key_value(KeyValueConfig(bucket=name, history=1, storage=storage,
-                                             direct=True))
+    await js.create_key_value(KeyValueConfig(bucket=name, history=1, storage=storage, direct=True))
     return name, NatsKV(js, name)
 
 
@@ -199,13 +200,27 @@ async def commit_batch(nc: Any, bucket: str, writes: list[tuple[str, bytes, int]
     batch_id = uuid.uuid4().hex
     *first, last = writes
     for number, (key, value, expected) in enumerate(first, start=1):
-        await nc.publish(f"$KV.{bucket}.{key}", value, headers={
-            "Nats-Batch-Id": batch_id, "Nats-Batch-Sequence": str(number),
-            EXPECTED_SEQ: str(expected)})
+        await nc.publish(
+            f"$KV.{bucket}.{key}",
+            value,
+            headers={
+                "Nats-Batch-Id": batch_id,
+                "Nats-Batch-Sequence": str(number),
+                EXPECTED_SEQ: str(expected),
+            },
+        )
     key, value, expected = last
-    reply = await nc.request(f"$KV.{bucket}.{key}", value, timeout=5, headers={
-        "Nats-Batch-Id": batch_id, "Nats-Batch-Sequence": str(len(writes)),
-        "Nats-Batch-Commit": "1", EXPECTED_SEQ: str(expected)})
+    reply = await nc.request(
+        f"$KV.{bucket}.{key}",
+        value,
+        timeout=5,
+        headers={
+            "Nats-Batch-Id": batch_id,
+            "Nats-Batch-Sequence": str(len(writes)),
+            "Nats-Batch-Commit": "1",
+            EXPECTED_SEQ: str(expected),
+        },
+    )
     ack = json.loads(reply.data)
     if "error" in ack:
         raise BatchRejected(ack["error"].get("description", ""))
@@ -244,8 +259,9 @@ async def batches(nc: Any, js: Any, seconds: float, storage: StorageType) -> Bat
         revisions["b"] = await kv.update("b", b"1", revisions["b"])
 
     async def commit() -> None:
-        seq = await commit_batch(nc, name, [("a", b"1", revisions["a"]),
-                                            ("b", b"1", revisions["b"])])
+        seq = await commit_batch(
+            nc, name, [("a", b"1", revisions["a"]), ("b", b"1", revisions["b"])]
+        )
         revisions["a"], revisions["b"] = seq - 1, seq  # a batch's messages are consecutive
 
     out.single_cas = await latency(one_cas)
@@ -261,8 +277,7 @@ async def batches(nc: Any, js: Any, seconds: float, storage: StorageType) -> Bat
             value = str(int(a.value) + 1).encode()
             result.calls += 3
             try:
-                await commit_batch(nc, name, [("a", value, a.revision),
-                                              ("b", value, b.revision)])
+                await commit_batch(nc, name, [("a", value, a.revision), ("b", value, b.revision)])
             except BatchRejected:
                 result.conflicts += 1
                 continue
@@ -272,8 +287,9 @@ async def batches(nc: Any, js: Any, seconds: float, storage: StorageType) -> Bat
     out.contended = await run_tasks(seconds, task)
     a, b = await kv.get("a"), await kv.get("b")
     if a.value != b.value or int(a.value) != counter["a"]:
-        raise AssertionError(f"batch invariant broken: a={a.value!r} b={b.value!r} "
-                             f"commits={counter['a']}")
+        raise AssertionError(
+            f"batch invariant broken: a={a.value!r} b={b.value!r} commits={counter['a']}"
+        )
     await js.delete_key_value(name)
     return out
 
@@ -306,8 +322,9 @@ async def ttl(js: Any) -> TtlResults:
         revision["u"] = await kv.update("u", b"y", last=revision["u"])
 
     async def renew() -> None:
-        ack = await js.publish(f"$KV.{name}.r", b"y", msg_ttl=30,
-                               headers={EXPECTED_SEQ: str(revision["r"])})
+        ack = await js.publish(
+            f"$KV.{name}.r", b"y", msg_ttl=30, headers={EXPECTED_SEQ: str(revision["r"])}
+        )
         revision["r"] = ack.seq
 
     out.update = await latency(update)
@@ -342,41 +359,54 @@ def spread(values: list[float], scale: float = 1.0, digits: int = 2) -> str:
 
 
 def report(args: argparse.Namespace, rounds: list[dict[str, Any]]) -> None:
-    print(f"\n{args.rounds} rounds, {args.seconds:g} s per contended run, {TASKS} tasks; "
-          "median [min..max] over rounds\n")
+    print(
+        f"\n{args.rounds} rounds, {args.seconds:g} s per contended run, {TASKS} tasks; "
+        "median [min..max] over rounds\n"
+    )
     print("Contended capacity bookkeeping (NatsKV, file storage):\n")
     print("| layout | successes/s | conflicts per success | KV calls per success |")
     print("|---|---|---|---|")
     layouts = [("ledger", "(a) one ledger key, read-modify-CAS")] + [
-        (f"slots{g}", f"(b) one key per slot, G={g} (take + free)") for g in SLOT_COUNTS]
+        (f"slots{g}", f"(b) one key per slot, G={g} (take + free)") for g in SLOT_COUNTS
+    ]
     for key, label in layouts:
         runs: list[Contended] = [r[key] for r in rounds]
-        print(f"| {label} | {spread([c.rate for c in runs], digits=0)} "
-              f"| {spread([c.conflicts_per_success for c in runs])} "
-              f"| {spread([c.calls / max(1, c.successes) for c in runs])} |")
+        print(
+            f"| {label} | {spread([c.rate for c in runs], digits=0)} "
+            f"| {spread([c.conflicts_per_success for c in runs])} "
+            f"| {spread([c.calls / max(1, c.successes) for c in runs])} |"
+        )
     print("\nADR-50 atomic batch (2 keys per batch) vs plain CAS:\n")
-    print("| storage | 1 CAS p50 ms | 2 sequential CAS p50 ms | 2-key batch commit p50 ms "
-          "| commit p99 ms | 8-way contended commits/s | rejected per commit |")
+    print(
+        "| storage | 1 CAS p50 ms | 2 sequential CAS p50 ms | 2-key batch commit p50 ms "
+        "| commit p99 ms | 8-way contended commits/s | rejected per commit |"
+    )
     print("|---|---|---|---|---|---|---|")
     for storage in ("file", "memory"):
         runs_b: list[BatchResults] = [r[f"batch_{storage}"] for r in rounds]
         contended = [b.contended for b in runs_b if b.contended is not None]
-        print(f"| {storage} | {spread([pct(b.single_cas, 0.5) for b in runs_b], 1e3)} "
-              f"| {spread([pct(b.two_cas, 0.5) for b in runs_b], 1e3)} "
-              f"| {spread([pct(b.commit, 0.5) for b in runs_b], 1e3)} "
-              f"| {spread([pct(b.commit, 0.99) for b in runs_b], 1e3)} "
-              f"| {spread([c.rate for c in contended], digits=0)} "
-              f"| {spread([c.conflicts_per_success for c in contended])} |")
+        print(
+            f"| {storage} | {spread([pct(b.single_cas, 0.5) for b in runs_b], 1e3)} "
+            f"| {spread([pct(b.two_cas, 0.5) for b in runs_b], 1e3)} "
+            f"| {spread([pct(b.commit, 0.5) for b in runs_b], 1e3)} "
+            f"| {spread([pct(b.commit, 0.99) for b in runs_b], 1e3)} "
+            f"| {spread([c.rate for c in contended], digits=0)} "
+            f"| {spread([c.conflicts_per_success for c in contended])} |"
+        )
     print("\nPer-message TTL (file storage, p50 ms):\n")
-    print("| create | create with msg_ttl | CAS update | renew: raw publish with expected "
-          "sequence + TTL | renewed key expired on time |")
+    print(
+        "| create | create with msg_ttl | CAS update | renew: raw publish with expected "
+        "sequence + TTL | renewed key expired on time |"
+    )
     print("|---|---|---|---|---|")
     runs_t: list[TtlResults] = [r["ttl"] for r in rounds]
-    print(f"| {spread([pct(t.create, 0.5) for t in runs_t], 1e3)} "
-          f"| {spread([pct(t.create_ttl, 0.5) for t in runs_t], 1e3)} "
-          f"| {spread([pct(t.update, 0.5) for t in runs_t], 1e3)} "
-          f"| {spread([pct(t.renew_raw, 0.5) for t in runs_t], 1e3)} "
-          f"| {sum(t.expired_on_time for t in runs_t)}/{len(runs_t)} rounds |")
+    print(
+        f"| {spread([pct(t.create, 0.5) for t in runs_t], 1e3)} "
+        f"| {spread([pct(t.create_ttl, 0.5) for t in runs_t], 1e3)} "
+        f"| {spread([pct(t.update, 0.5) for t in runs_t], 1e3)} "
+        f"| {spread([pct(t.renew_raw, 0.5) for t in runs_t], 1e3)} "
+        f"| {sum(t.expired_on_time for t in runs_t)}/{len(runs_t)} rounds |"
+    )
 
 
 async def amain(args: argparse.Namespace, url: str) -> None:
@@ -404,16 +434,20 @@ async def amain(args: argparse.Namespace, url: str) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=3.0, help="per contended run")
     args = parser.parse_args()
     os.sched_setaffinity(0, CLIENT_CPUS)
     with EmbeddedNats() as server:
         pin_all_threads(server.pid, SERVER_CPUS)
-        print(f"nats-server {'.'.join(map(str, server.version or ()))}, nats-py "
-              f"{importlib.metadata.version('nats-py')}", file=sys.stderr)
+        print(
+            f"nats-server {'.'.join(map(str, server.version or ()))}, nats-py "
+            f"{importlib.metadata.version('nats-py')}",
+            file=sys.stderr,
+        )
         uvloop.run(amain(args, server.url))
     return 0
 

@@ -59,7 +59,9 @@ def summarize_profile(
     )
 
 
-def print_profile(profile: tuple[list[tuple[str, float]], list[tuple[str, float]]], heading: str) -> None:
+def print_profile(
+    profile: tuple[list[tuple[str, float]], list[tuple[str, float]]], heading: str
+) -> None:
     """Markdown tables of a summarize_profile result: by area, then top functions."""
     by_area, by_function = profile
     print(f"\n{heading}\n")

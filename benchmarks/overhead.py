@@ -74,16 +74,31 @@ async def run_load(base_url: str, concurrency: int, total: int, stream: bool) ->
     return latencies
 
 
-
 def fmt_ms(values: list[float]) -> str:
-    return f"{statistics.median(values) * 1e3:.2f} [{min(values) * 1e3:.2f}..{max(values) * 1e3:.2f}]"
+    return (
+        f"{statistics.median(values) * 1e3:.2f} [{min(values) * 1e3:.2f}..{max(values) * 1e3:.2f}]"
+    )
 
 
 def profile_edge(pid: int, seconds: int, out: Path) -> subprocess.Popen:
     return subprocess.Popen(
-        [py_spy(), "record", "--pid", str(pid), "--duration", str(seconds), "--rate", "500",
-         "--format", "raw", "--output", str(out), "--nonblocking"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            py_spy(),
+            "record",
+            "--pid",
+            str(pid),
+            "--duration",
+            str(seconds),
+            "--rate",
+            "500",
+            "--format",
+            "raw",
+            "--output",
+            str(out),
+            "--nonblocking",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
 
 
@@ -98,15 +113,21 @@ _AREAS = (
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--requests", type=int, default=300, help="requests per run")
-    parser.add_argument("--profile", action="store_true", help="py-spy the edge during an extra c=32 run")
+    parser.add_argument(
+        "--profile", action="store_true", help="py-spy the edge during an extra c=32 run"
+    )
     args = parser.parse_args()
     os.sched_setaffinity(0, LOADGEN_CPUS)
     scenarios = [(1, False), (1, True), (32, False), (32, True)]
     diffs: dict[tuple, dict[str, list[float]]] = {s: {"p50": [], "p99": []} for s in scenarios}
-    absolute: dict[tuple, dict[str, list[float]]] = {s: {"direct": [], "gateway": []} for s in scenarios}
+    absolute: dict[tuple, dict[str, list[float]]] = {
+        s: {"direct": [], "gateway": []} for s in scenarios
+    }
     cpu_per_request: dict[tuple, list[float]] = {s: [] for s in scenarios}
     with running_cluster(GATEWAY_CPUS, LOADGEN_CPUS) as cluster:
         for round_no in range(args.rounds):
@@ -122,7 +143,9 @@ def main() -> int:
                         used = cpu_seconds(cluster.gateway_pids()) - before
                         cpu_per_request[scenario].append(used / (args.requests + 20))
                 for q, key in ((0.5, "p50"), (0.99, "p99")):
-                    diffs[scenario][key].append(pct(results["gateway"], q) - pct(results["direct"], q))
+                    diffs[scenario][key].append(
+                        pct(results["gateway"], q) - pct(results["direct"], q)
+                    )
                 for target in ("direct", "gateway"):
                     absolute[scenario][target].append(pct(results[target], 0.5))
             print(f"round {round_no + 1}/{args.rounds} done", file=sys.stderr)
@@ -136,9 +159,13 @@ def main() -> int:
             if out.exists():
                 profile = summarize_profile(out, _AREAS)
 
-    print(f"\n{args.rounds} interleaved rounds x {args.requests} requests per run; "
-          "values are median [min..max] over rounds, milliseconds\n")
-    print("| concurrency | streamed | direct p50 | gateway p50 | added p50 | added p99 | gateway CPU / request |")
+    print(
+        f"\n{args.rounds} interleaved rounds x {args.requests} requests per run; "
+        "values are median [min..max] over rounds, milliseconds\n"
+    )
+    print(
+        "| concurrency | streamed | direct p50 | gateway p50 | added p50 | added p99 | gateway CPU / request |"
+    )
     print("|---|---|---|---|---|---|---|")
     for scenario in scenarios:
         c, s = scenario
@@ -148,8 +175,10 @@ def main() -> int:
             f"{fmt_ms(diffs[scenario]['p99'])} | {fmt_ms(cpu_per_request[scenario])} |"
         )
     if profile:
-        print_profile(profile, "Where the edge's CPU goes (py-spy samples, c=32 non-streamed, "
-                               "innermost library):")
+        print_profile(
+            profile,
+            "Where the edge's CPU goes (py-spy samples, c=32 non-streamed, innermost library):",
+        )
     return 0
 
 

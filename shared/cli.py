@@ -25,11 +25,19 @@ def _config_arg(parser: argparse.ArgumentParser, *, required: bool = False) -> N
 
 
 def _sim_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", "-c", default=None, help="take the endpoint's `simulate` block from this config")
+    parser.add_argument(
+        "--config", "-c", default=None, help="take the endpoint's `simulate` block from this config"
+    )
     parser.add_argument("--endpoint", default=None, help="endpoint id in --config to simulate")
-    parser.add_argument("--host", default=None, help="listen host (default 127.0.0.1 or the endpoint's url)")
-    parser.add_argument("--port", type=int, default=None, help="listen port (default 8000 or the endpoint's url)")
-    parser.add_argument("--model", action="append", default=None, help="served model name (repeatable)")
+    parser.add_argument(
+        "--host", default=None, help="listen host (default 127.0.0.1 or the endpoint's url)"
+    )
+    parser.add_argument(
+        "--port", type=int, default=None, help="listen port (default 8000 or the endpoint's url)"
+    )
+    parser.add_argument(
+        "--model", action="append", default=None, help="served model name (repeatable)"
+    )
     parser.add_argument("--seed", type=int, default=None, help="seed of the simulator's randomness")
     parser.add_argument(
         "--set",
@@ -46,12 +54,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="run a local cluster: embedded NATS, services and simulators")
     _config_arg(up)
-    up.add_argument("--dry-run", action="store_true", help="print the processes it would start and exit")
     up.add_argument(
-        "--ready-timeout", type=float, default=60.0, help="seconds each service may take to get ready"
+        "--dry-run", action="store_true", help="print the processes it would start and exit"
     )
     up.add_argument(
-        "--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL when stopping"
+        "--ready-timeout",
+        type=float,
+        default=60.0,
+        help="seconds each service may take to get ready",
+    )
+    up.add_argument(
+        "--grace",
+        type=float,
+        default=10.0,
+        help="seconds between SIGTERM and SIGKILL when stopping",
     )
     up.set_defaults(target="llmgw.services.up.main:run")
 
@@ -63,17 +79,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     admission = sub.add_parser("admission", help="the admission service (NATS queue group)")
     _config_arg(admission)
-    admission.add_argument("--admin-listen", default=None, help="serve /metrics and /health on host:port")
+    admission.add_argument(
+        "--admin-listen", default=None, help="serve /metrics and /health on host:port"
+    )
     admission.set_defaults(target="llmgw.services.admission.main:run")
 
-    reaper = sub.add_parser("reaper", help="expires leases and idle pins, repairs interrupted transitions")
+    reaper = sub.add_parser(
+        "reaper", help="expires leases and idle pins, repairs interrupted transitions"
+    )
     _config_arg(reaper)
-    reaper.add_argument("--admin-listen", default=None, help="serve /metrics and /health on host:port")
+    reaper.add_argument(
+        "--admin-listen", default=None, help="serve /metrics and /health on host:port"
+    )
     reaper.set_defaults(target="llmgw.services.reaper.main:run")
 
     scraper = sub.add_parser("scraper", help="scrapes managed endpoints, publishes their load")
     _config_arg(scraper)
-    scraper.add_argument("--admin-listen", default=None, help="serve /metrics and /health on host:port")
+    scraper.add_argument(
+        "--admin-listen", default=None, help="serve /metrics and /health on host:port"
+    )
     scraper.set_defaults(target="llmgw.services.scraper.main:run")
 
     state = sub.add_parser("state", help="pins, leases and capacity use, read from the live bucket")
@@ -84,7 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     config = sub.add_parser("config", help="configuration tools")
     config_sub = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
-    check = config_sub.add_parser("check", help="validate a config file and print the effective config")
+    check = config_sub.add_parser(
+        "check", help="validate a config file and print the effective config"
+    )
     check.add_argument("file", help="path to the YAML config")
     check.set_defaults(target="llmgw.config.check:run")
 
@@ -93,7 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     engine = sim_sub.add_parser("engine", help="a vLLM-like engine (batching, KV and prefix cache)")
     _sim_args(engine)
     engine.set_defaults(target="llmgw.services.sim.main:run_engine")
-    provider = sim_sub.add_parser("provider", help="a third-party-API-like server (drifting rate, 429s)")
+    provider = sim_sub.add_parser(
+        "provider", help="a third-party-API-like server (drifting rate, 429s)"
+    )
     _sim_args(provider)
     provider.set_defaults(target="llmgw.services.sim.main:run_provider")
 

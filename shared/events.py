@@ -172,8 +172,7 @@ class PinAbandoned(RoutingEvent):
 
 
 Event = Annotated[
-    PinCreated | PinMoved | PinExpired | LeaseExpired | LeaseUnlisted | PinSlotFreed
-    | PinAbandoned,
+    PinCreated | PinMoved | PinExpired | LeaseExpired | LeaseUnlisted | PinSlotFreed | PinAbandoned,
     Field(discriminator="event"),
 ]
 
@@ -192,38 +191,65 @@ def parse_event(raw: bytes | str) -> Event:
 # Building events (pure: the caller supplies id, time and instance)
 
 
-def pin_created_event(pin: Pin, *, lease: Lease | None, event_id: str, at: float,
-                      instance: str) -> PinCreated:
+def pin_created_event(
+    pin: Pin, *, lease: Lease | None, event_id: str, at: float, instance: str
+) -> PinCreated:
     """The event of `pin` (as returned by an ADMITTED new-pin admission) having been written."""
     return PinCreated(
-        id=event_id, at=at, instance=instance, provider=pin.provider, model=pin.model,
-        session=pin.session, pin_id=pin.id, pin_slot=pin.pin_slot,
-        lease_id=None if lease is None else lease.lease_id, key=pin.key, revision=pin.revision,
+        id=event_id,
+        at=at,
+        instance=instance,
+        provider=pin.provider,
+        model=pin.model,
+        session=pin.session,
+        pin_id=pin.id,
+        pin_slot=pin.pin_slot,
+        lease_id=None if lease is None else lease.lease_id,
+        key=pin.key,
+        revision=pin.revision,
     )
 
 
-def pin_moved_event(from_pin: Pin, pin: Pin, *, lease: Lease | None, event_id: str, at: float,
-                    instance: str) -> PinMoved:
+def pin_moved_event(
+    from_pin: Pin, pin: Pin, *, lease: Lease | None, event_id: str, at: float, instance: str
+) -> PinMoved:
     """The event of `from_pin` having been replaced by `pin` (a successful repin)."""
     return PinMoved(
-        id=event_id, at=at, instance=instance, provider=pin.provider, model=pin.model,
-        session=pin.session, pin_id=pin.id, pin_slot=pin.pin_slot,
-        lease_id=None if lease is None else lease.lease_id, key=pin.key, revision=pin.revision,
-        from_provider=from_pin.provider, from_pin_id=from_pin.id,
+        id=event_id,
+        at=at,
+        instance=instance,
+        provider=pin.provider,
+        model=pin.model,
+        session=pin.session,
+        pin_id=pin.id,
+        pin_slot=pin.pin_slot,
+        lease_id=None if lease is None else lease.lease_id,
+        key=pin.key,
+        revision=pin.revision,
+        from_provider=from_pin.provider,
+        from_pin_id=from_pin.id,
     )
 
 
-def reaper_action_event(action: ReaperAction, *, cause: ReaperCause, event_id: str, at: float,
-                        instance: str) -> RoutingEvent:
+def reaper_action_event(
+    action: ReaperAction, *, cause: ReaperCause, event_id: str, at: float, instance: str
+) -> RoutingEvent:
     """The event announcing one change a reaper primitive made.
 
     `cause` says which primitive returned it (expiry or repair); an orphan pin slot and an
     abandoned pin are always repairs. ValueError for an action kind this vocabulary does not know.
     """
     common = {
-        "id": event_id, "at": at, "instance": instance, "provider": action.provider,
-        "model": action.model, "session": action.session, "pin_id": action.pin_id,
-        "lease_id": action.lease_id, "key": action.key, "revision": action.revision,
+        "id": event_id,
+        "at": at,
+        "instance": instance,
+        "provider": action.provider,
+        "model": action.model,
+        "session": action.session,
+        "pin_id": action.pin_id,
+        "lease_id": action.lease_id,
+        "key": action.key,
+        "revision": action.revision,
     }
     kind = action.kind
     if kind == ReaperActionKind.LEASE_EXPIRED:
@@ -259,9 +285,14 @@ class EventPublisher:
     Counters: `published`, `failures` (events built or sent unsuccessfully: logged, dropped).
     """
 
-    def __init__(self, nc: EventTransport, instance: str, *,
-                 clock: Callable[[], float] = time.time,
-                 rng: RandomSource | None = None) -> None:
+    def __init__(
+        self,
+        nc: EventTransport,
+        instance: str,
+        *,
+        clock: Callable[[], float] = time.time,
+        rng: RandomSource | None = None,
+    ) -> None:
         self._nc = nc
         self.instance = instance
         self._clock = clock
@@ -285,30 +316,50 @@ class EventPublisher:
         return True
 
     async def publish_pin_created(self, pin: Pin, lease: Lease | None = None) -> bool:
-        return await self.publish(pin_created_event(
-            pin, lease=lease, event_id=new_token(self._rng), at=self._clock(),
-            instance=self.instance))
+        return await self.publish(
+            pin_created_event(
+                pin,
+                lease=lease,
+                event_id=new_token(self._rng),
+                at=self._clock(),
+                instance=self.instance,
+            )
+        )
 
-    async def publish_pin_moved(self, from_pin: Pin, pin: Pin,
-                                lease: Lease | None = None) -> bool:
-        return await self.publish(pin_moved_event(
-            from_pin, pin, lease=lease, event_id=new_token(self._rng), at=self._clock(),
-            instance=self.instance))
+    async def publish_pin_moved(self, from_pin: Pin, pin: Pin, lease: Lease | None = None) -> bool:
+        return await self.publish(
+            pin_moved_event(
+                from_pin,
+                pin,
+                lease=lease,
+                event_id=new_token(self._rng),
+                at=self._clock(),
+                instance=self.instance,
+            )
+        )
 
-    async def publish_reaper_actions(self, actions: Iterable[ReaperAction],
-                                     cause: ReaperCause) -> int:
+    async def publish_reaper_actions(
+        self, actions: Iterable[ReaperAction], cause: ReaperCause
+    ) -> int:
         """Publish one event per action, in order; the number sent."""
         sent = 0
         for action in actions:
             try:
-                event = reaper_action_event(action, cause=cause, event_id=new_token(self._rng),
-                                            at=self._clock(), instance=self.instance)
+                event = reaper_action_event(
+                    action,
+                    cause=cause,
+                    event_id=new_token(self._rng),
+                    at=self._clock(),
+                    instance=self.instance,
+                )
             except ValueError:
                 self.failures += 1
                 if action.kind not in self._unknown_kinds:
                     self._unknown_kinds.add(action.kind)
-                    _log.error("reaper action kind %r has no event; such changes go unannounced",
-                               action.kind)
+                    _log.error(
+                        "reaper action kind %r has no event; such changes go unannounced",
+                        action.kind,
+                    )
                 continue
             sent += await self.publish(event)
         return sent
@@ -317,5 +368,4 @@ class EventPublisher:
         self.failures += 1
         if not self._failing:
             self._failing = True
-            _log.warning("%s: %s (further failures are only counted until one succeeds)",
-                         what, exc)
+            _log.warning("%s: %s (further failures are only counted until one succeeds)", what, exc)

@@ -86,8 +86,12 @@ class LoadSample(BaseModel):
 
     @classmethod
     def from_core(cls, sample: EngineSample) -> LoadSample:
-        return cls(dialect=sample.dialect, running=sample.running, waiting=sample.waiting,
-                   kv_usage=sample.kv_usage)
+        return cls(
+            dialect=sample.dialect,
+            running=sample.running,
+            waiting=sample.waiting,
+            kv_usage=sample.kv_usage,
+        )
 
     def to_core(self) -> EngineSample:
         return EngineSample(self.dialect, self.running, self.waiting, self.kv_usage)

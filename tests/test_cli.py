@@ -14,7 +14,10 @@ def test_services_explain_that_an_embedded_nats_needs_llmgw_up(service):
     env = {"PATH": "/usr/bin:/bin"}
     result = subprocess.run(
         [sys.executable, "-m", "llmgw", service, "--config", str(ROOT / "config" / "local.yaml")],
-        capture_output=True, text=True, timeout=60, env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
     )
     assert result.returncode == 2
     assert "LLMGW_NATS__URL" in result.stderr
@@ -25,7 +28,9 @@ def test_config_check_reports_errors_with_exit_code_2(tmp_path):
     bad.write_text("router:\n  retires: 3\n")
     result = subprocess.run(
         [sys.executable, "-m", "llmgw", "config", "check", str(bad)],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 2
     assert "router.retires" in result.stderr

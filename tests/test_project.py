@@ -25,7 +25,8 @@ def test_ci_runs_exactly_the_readme_test_command():
     ci_commands = [
         line.strip()
         for line in (ROOT / ".ci" / "run").read_text().splitlines()
-        if line.strip() and not line.lstrip().startswith("#")
+        if line.strip()
+        and not line.lstrip().startswith("#")
         and not line.startswith(("set ", "cd "))
     ]
     assert ci_commands == [readme_setup_commands()[1]]

@@ -37,7 +37,9 @@ def create_admin_app(service: AdmissionService, nc_connected: object) -> Starlet
             status_code=200 if connected else 503,
         )
 
-    return Starlette(routes=[
-        Route("/metrics", metrics_endpoint, methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
-    ])
+    return Starlette(
+        routes=[
+            Route("/metrics", metrics_endpoint, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+        ]
+    )

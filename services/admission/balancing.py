@@ -18,8 +18,9 @@ from llmgw.core.balancer import BalancerSettings, RateSample, RateWindows, choos
 from llmgw.wire import RequestStats
 
 # Outcomes that are the endpoint's failure (llmgw.core.outcomes.Outcome values).
-UPSTREAM_FAILURES = frozenset({"upstream_unreachable", "upstream_timeout", "upstream_error",
-                               "upstream_broken_stream"})
+UPSTREAM_FAILURES = frozenset(
+    {"upstream_unreachable", "upstream_timeout", "upstream_error", "upstream_broken_stream"}
+)
 
 if TYPE_CHECKING:
     from llmgw.config.schema import Config
@@ -27,16 +28,23 @@ if TYPE_CHECKING:
 
 def balancer_settings(config: Config) -> BalancerSettings:
     section = config.balancer
-    return BalancerSettings(window=section.window,
-                            input_to_output_token_ratio=section.input_to_output_token_ratio,
-                            greediness=section.greediness)
+    return BalancerSettings(
+        window=section.window,
+        input_to_output_token_ratio=section.input_to_output_token_ratio,
+        greediness=section.greediness,
+    )
 
 
 class RateBoard:
     """Rates per endpoint in the sliding window; `pick` draws one of the given endpoints."""
 
-    def __init__(self, config: Config, *, rng: random.Random | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        config: Config,
+        *,
+        rng: random.Random | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.windows = RateWindows(balancer_settings(config))
         self._known = {e.id for e in config.endpoints}
         self._rng = rng or random.Random()
@@ -51,11 +59,15 @@ class RateBoard:
         if not (stats.ok or stats.outcome in UPSTREAM_FAILURES):
             return
         self.samples += 1
-        self.windows.add(stats.endpoint, RateSample(
-            at=stats.ended_at, latency=stats.latency,
-            output_tokens=stats.output_tokens if stats.ok else 0,
-            input_tokens=stats.input_tokens if stats.ok else 0,
-        ))
+        self.windows.add(
+            stats.endpoint,
+            RateSample(
+                at=stats.ended_at,
+                latency=stats.latency,
+                output_tokens=stats.output_tokens if stats.ok else 0,
+                input_tokens=stats.input_tokens if stats.ok else 0,
+            ),
+        )
 
     def weights(self, endpoint_ids: Sequence[str]) -> dict[str, float]:
         rates = self.windows.snapshot(endpoint_ids, self._clock())

@@ -56,9 +56,16 @@ def build_snapshot(config: Config, health: HealthBoard) -> RoutingSnapshot:
 class ProviderCatalog:
     """The pinning algorithm's view of providers (llmgw.core.pinning.ProviderCatalog)."""
 
-    def __init__(self, config: Config, health: HealthBoard, load: LoadBoard | None = None,
-                 rates: RateBoard | None = None, breakers: BreakerBoard | None = None, *,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        config: Config,
+        health: HealthBoard,
+        load: LoadBoard | None = None,
+        rates: RateBoard | None = None,
+        breakers: BreakerBoard | None = None,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self._config = config
         self._breakers = breakers
         self._clock = clock
@@ -68,8 +75,9 @@ class ProviderCatalog:
         self._strategy = {p.id: p.endpoint_strategy for p in config.providers}
         self._load_factor = config.scoring.session_load_factor
         self._rings = {
-            provider.id: HashRing({e.id: float(e.weight or 1) for e in config.endpoints
-                                   if e.provider == provider.id})
+            provider.id: HashRing(
+                {e.id: float(e.weight or 1) for e in config.endpoints if e.provider == provider.id}
+            )
             for provider in config.providers
             if any(e.provider == provider.id for e in config.endpoints)
         }
@@ -82,8 +90,9 @@ class ProviderCatalog:
         self._views = {view.id: view for view in self._snapshot.providers}
         self._order = [view.id for view in self._snapshot.providers]
 
-    def _affinity(self, provider: str, session: str, candidates: list[EndpointView],
-                  now: float) -> str | None:
+    def _affinity(
+        self, provider: str, session: str, candidates: list[EndpointView], now: float
+    ) -> str | None:
         """The session's replica in the highest priority tier that has an unsaturated candidate
         (all saturated or unknown: the highest tier)."""
         assert self._load is not None
@@ -93,8 +102,11 @@ class ProviderCatalog:
         tiers = sorted({e.priority for e in candidates}, reverse=True)
         tier: list[str] = []
         for priority in tiers:
-            tier = [e.id for e in candidates
-                    if e.priority == priority and pool.endpoint_saturation(e.id) < 1.0]
+            tier = [
+                e.id
+                for e in candidates
+                if e.priority == priority and pool.endpoint_saturation(e.id) < 1.0
+            ]
             if tier:
                 break
         if not tier:
@@ -126,12 +138,19 @@ class ProviderCatalog:
             return False
         # Every endpoint serving the model has its breaker open: as good as unhealthy.
         now = self._clock()
-        return not any(self._breakers.available(e.id, now)
-                       for e in view.healthy_endpoints(model, ()))
+        return not any(
+            self._breakers.available(e.id, now) for e in view.healthy_endpoints(model, ())
+        )
 
     def endpoint(
-        self, provider: str, model: str, exclude: Collection[str] = (), *, now: float = 0.0,
-        prefer: str | None = None, session: str | None = None,
+        self,
+        provider: str,
+        model: str,
+        exclude: Collection[str] = (),
+        *,
+        now: float = 0.0,
+        prefer: str | None = None,
+        session: str | None = None,
     ) -> EndpointView | None:
         """A healthy endpoint of the provider for `model`, or None.
 
@@ -148,8 +167,15 @@ class ProviderCatalog:
             self._breakers.take(chosen.id, now)  # half open: this request is the probe
         return chosen
 
-    def _choose(self, provider: str, model: str, exclude: Collection[str], now: float,
-                prefer: str | None, session: str | None) -> EndpointView | None:
+    def _choose(
+        self,
+        provider: str,
+        model: str,
+        exclude: Collection[str],
+        now: float,
+        prefer: str | None,
+        session: str | None,
+    ) -> EndpointView | None:
         view = self._views.get(provider)
         candidates = view.healthy_endpoints(model, exclude) if view is not None else []
         if self._breakers is not None:

@@ -77,7 +77,8 @@ class LoadBoard:
         top_weight = max((e.weight for e in config.endpoints if e.provider in managed), default=1)
         self._inflight_capacity = {
             e.id: config.scoring.target_inflight * e.weight / top_weight
-            for e in config.endpoints if e.provider in managed
+            for e in config.endpoints
+            if e.provider in managed
         }
         self._health_at: dict[str, float] = {}
         self._pending: dict[str, list[float]] = {e: [] for e in self._endpoints}
@@ -183,8 +184,12 @@ class LoadBoard:
 class LoadFollower:
     """Keeps a `LoadBoard` current from the load bucket (read at start, then a KV watch)."""
 
-    def __init__(self, board: LoadBoard, kv: KVStore,
-                 on_report: Callable[[EndpointReport], None] | None = None) -> None:
+    def __init__(
+        self,
+        board: LoadBoard,
+        kv: KVStore,
+        on_report: Callable[[EndpointReport], None] | None = None,
+    ) -> None:
         self._board = board
         self._kv = kv
         self._on_report = on_report

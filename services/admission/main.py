@@ -53,8 +53,14 @@ def run(args: argparse.Namespace) -> int:
         metrics.watch_load(board, [m.name for m in config.models])
         routing = await open_routing_state(nc, config, instance_id=instance)
         service = AdmissionService(
-            config, nc, routing, board.health, load=board, metrics=metrics,
-            events=EventPublisher(nc, instance), instance=instance,
+            config,
+            nc,
+            routing,
+            board.health,
+            load=board,
+            metrics=metrics,
+            events=EventPublisher(nc, instance),
+            instance=instance,
         )
         metrics.watch_breakers(service.breakers, [e.id for e in config.endpoints])
         await service.start()

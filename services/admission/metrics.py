@@ -29,51 +29,82 @@ class AdmissionMetrics:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.queue_depth = Gauge(
-            "llmgw_admission_queue_depth", "Requests waiting in this instance's queue, by band.",
-            ["band"], registry=r)
+            "llmgw_admission_queue_depth",
+            "Requests waiting in this instance's queue, by band.",
+            ["band"],
+            registry=r,
+        )
         self.queue_wait = Histogram(
             "llmgw_admission_queue_wait_seconds",
             "Time queued requests waited, by band and how the wait ended.",
-            ["band", "decision"], buckets=_WAIT_BUCKETS, registry=r)
+            ["band", "decision"],
+            buckets=_WAIT_BUCKETS,
+            registry=r,
+        )
         self.flow_decisions = Counter(
             "llmgw_admission_flow_decisions",
             "Flow-control outcomes by band: granted (dispatched), overflow, queue_full, expired, "
-            "cancelled.", ["band", "decision"], registry=r)
+            "cancelled.",
+            ["band", "decision"],
+            registry=r,
+        )
         self.rejections = Counter(
-            "llmgw_admission_rejections", "Admission requests answered with a rejection, by reason.",
-            ["reason"], registry=r)
+            "llmgw_admission_rejections",
+            "Admission requests answered with a rejection, by reason.",
+            ["reason"],
+            registry=r,
+        )
         self.placements = Counter(
-            "llmgw_admission_placements", "Admitted requests by provider and route.",
-            ["provider", "route"], registry=r)
+            "llmgw_admission_placements",
+            "Admitted requests by provider and route.",
+            ["provider", "route"],
+            registry=r,
+        )
         self.fallbacks = Counter(
             "llmgw_admission_fallbacks",
             "Requests served by a fallback model because every provider of theirs was degraded "
-            "or full.", ["model", "fallback"], registry=r)
+            "or full.",
+            ["model", "fallback"],
+            registry=r,
+        )
         self.decision_duration = Histogram(
             "llmgw_admission_decision_seconds",
             "Time from an admission request's arrival to its answer (queueing included).",
-            buckets=_DECISION_BUCKETS, registry=r)
+            buckets=_DECISION_BUCKETS,
+            registry=r,
+        )
         self.tick_duration = Histogram(
-            "llmgw_admission_tick_seconds", "Duration of one flow-control dispatch tick.",
-            buckets=_TICK_BUCKETS, registry=r)
+            "llmgw_admission_tick_seconds",
+            "Duration of one flow-control dispatch tick.",
+            buckets=_TICK_BUCKETS,
+            registry=r,
+        )
         self.cancellations = Counter(
             "llmgw_admission_cancellations",
-            "Queued requests dropped because their client went away.", registry=r)
+            "Queued requests dropped because their client went away.",
+            registry=r,
+        )
 
-    def watch_load(self, board: LoadBoard, models: Iterable[str],
-                   clock: Callable[[], float] = time.time) -> None:
+    def watch_load(
+        self, board: LoadBoard, models: Iterable[str], clock: Callable[[], float] = time.time
+    ) -> None:
         """Export pool saturation per model and scrape age per endpoint from `board`."""
         self.registry.register(_LoadCollector(board, list(models), clock))
 
-    def watch_breakers(self, breakers: BreakerBoard, endpoints: Iterable[str],
-                       clock: Callable[[], float] = time.time) -> None:
+    def watch_breakers(
+        self,
+        breakers: BreakerBoard,
+        endpoints: Iterable[str],
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         """Export each endpoint's breaker state (1 for its current state, 0 for the others)."""
         self.registry.register(_BreakerCollector(breakers, list(endpoints), clock))
 
 
 class _BreakerCollector(Collector):
-    def __init__(self, breakers: BreakerBoard, endpoints: list[str],
-                 clock: Callable[[], float]) -> None:
+    def __init__(
+        self, breakers: BreakerBoard, endpoints: list[str], clock: Callable[[], float]
+    ) -> None:
         self._breakers = breakers
         self._endpoints = endpoints
         self._clock = clock
@@ -85,7 +116,8 @@ class _BreakerCollector(Collector):
         family = GaugeMetricFamily(
             "llmgw_admission_endpoint_breaker",
             "Circuit breaker of each endpoint as this instance sees it (1 = its current state).",
-            labels=["endpoint", "state"])
+            labels=["endpoint", "state"],
+        )
         for endpoint in self._endpoints:
             current = self._breakers.state(endpoint, now)
             for state in BreakerState:
@@ -105,7 +137,8 @@ class _LoadCollector(Collector):
             "llmgw_admission_pool_saturation",
             "Saturation of each model's healthy managed endpoints as flow control sees it "
             "(grants not yet visible in engine metrics included); 1 = the healthy limit.",
-            labels=["model"])
+            labels=["model"],
+        )
         for model in self._models:
             pool = self._board.pool(model, now)
             if pool is not None:
@@ -114,7 +147,8 @@ class _LoadCollector(Collector):
         age = GaugeMetricFamily(
             "llmgw_admission_scrape_age_seconds",
             "Age of the newest engine sample per managed endpoint (absent: never scraped).",
-            labels=["endpoint"])
+            labels=["endpoint"],
+        )
         for endpoint in self._board.endpoints():
             value = self._board.scrape_age(endpoint, now)
             if value is not None:
@@ -122,7 +156,9 @@ class _LoadCollector(Collector):
         yield age
         pending = GaugeMetricFamily(
             "llmgw_admission_pending_grants",
-            "Grants counted against an endpoint until a scrape shows them.", labels=["endpoint"])
+            "Grants counted against an endpoint until a scrape shows them.",
+            labels=["endpoint"],
+        )
         for endpoint in self._board.endpoints():
             pending.add_metric([endpoint], self._board.pending(endpoint, now))
         yield pending

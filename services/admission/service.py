@@ -124,12 +124,14 @@ class AdmissionService:
         self._clock = clock
         self.rates = rates or RateBoard(config, rng=self._rng, clock=clock)
         self.breakers = BreakerBoard(
-            BreakerSettings(failure_threshold=config.router.failure_threshold,
-                            cooldown=config.router.cooldown),
+            BreakerSettings(
+                failure_threshold=config.router.failure_threshold, cooldown=config.router.cooldown
+            ),
             self._rng.random,
         )
-        self.catalog = ProviderCatalog(config, self.health, self.load, self.rates, self.breakers,
-                                       clock=clock)
+        self.catalog = ProviderCatalog(
+            config, self.health, self.load, self.rates, self.breakers, clock=clock
+        )
         self.router = PinningRouter(
             routing, self.catalog, config.pinning.max_routing_attempts, pause=self._pause
         )
@@ -161,11 +163,15 @@ class AdmissionService:
         assert self.flow is not None
         band = self.flow.band(request.band)
         if band is None:
-            return self._reject(request, RejectReason.UNKNOWN_BAND,
-                                f"Unknown priority band '{request.band}'.")
+            return self._reject(
+                request, RejectReason.UNKNOWN_BAND, f"Unknown priority band '{request.band}'."
+            )
         can_overflow = band.overflow and self.router.can_overflow(request.model, feature)
         admission = await self.flow.admit(
-            request.request_id, request.model, band, request.tenant or ANONYMOUS_TENANT,
+            request.request_id,
+            request.model,
+            band,
+            request.tenant or ANONYMOUS_TENANT,
             can_overflow=can_overflow,
         )
         self.metrics.flow_decisions.labels(band.name, admission.decision.value).inc()
@@ -222,7 +228,10 @@ class AdmissionService:
         await self._announce(placed)
         now = self._clock()
         endpoint = self.catalog.endpoint(
-            placed.provider, served, request.exclude_endpoints, now=now,
+            placed.provider,
+            served,
+            request.exclude_endpoints,
+            now=now,
             prefer=admission.endpoint if admission is not None else None,
             session=request.session_id,
         )
@@ -289,8 +298,12 @@ class AdmissionService:
             return
         self.rates.add(stats)
         if stats.ok or stats.outcome in UPSTREAM_FAILURES:
-            self.breakers.record(stats.endpoint, stats.ok, self._clock(),
-                                 retry_after=stats.retry_after_s if not stats.ok else None)
+            self.breakers.record(
+                stats.endpoint,
+                stats.ok,
+                self._clock(),
+                retry_after=stats.retry_after_s if not stats.ok else None,
+            )
 
     async def _on_done(self, msg: Msg) -> None:
         try:

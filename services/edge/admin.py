@@ -20,7 +20,10 @@ def create_admin_app(deps: EdgeDeps) -> FastAPI:
         """Alive and connected to NATS (without NATS no request can be admitted)."""
         connected = deps.nc.is_connected
         return JSONResponse(
-            {"status": "ok" if connected else "degraded", "nats": "connected" if connected else "disconnected"},
+            {
+                "status": "ok" if connected else "degraded",
+                "nats": "connected" if connected else "disconnected",
+            },
             status_code=200 if connected else 503,
         )
 

@@ -227,8 +227,14 @@ class Edge:
         return failed
 
     async def _attempt(
-        self, request: Request, feature: Feature, parsed: ParsedRequest, raw: bytes,
-        admit: AdmitRequest, ids: dict[str, str], started: float,
+        self,
+        request: Request,
+        feature: Feature,
+        parsed: ParsedRequest,
+        raw: bytes,
+        admit: AdmitRequest,
+        ids: dict[str, str],
+        started: float,
     ) -> tuple[Response, Outcome | None] | _Failed:
         """One admission and relay; `_Failed` when it failed before anything reached the client
         in a way another endpoint may not (the caller retries elsewhere if it has retries left).
@@ -242,8 +248,10 @@ class Edge:
             )
             reply = AdmitReply.model_validate_json(msg.data)
         except (NoRespondersError, NatsTimeoutError, ConnectionClosedError, TimeoutError) as exc:
-            kind = "no admission service is running" if isinstance(exc, NoRespondersError) else (
-                "the admission service did not answer in time"
+            kind = (
+                "no admission service is running"
+                if isinstance(exc, NoRespondersError)
+                else ("the admission service did not answer in time")
             )
             return error_response(
                 Outcome.ADMISSION_UNAVAILABLE,
@@ -261,7 +269,8 @@ class Edge:
                 )
             if reply.target is not None:
                 _RequestEnd(self, reply.target, reply.granted_at, report_stats=False).end(
-                    Outcome.CLIENT_DISCONNECTED)
+                    Outcome.CLIENT_DISCONNECTED
+                )
             return Response(status_code=499), Outcome.CLIENT_DISCONNECTED
 
         if not reply.admitted or reply.target is None:
@@ -302,8 +311,10 @@ class Edge:
             if holder is not None:
                 holder.finish(success=outcome is Outcome.SUCCESS)
             ending.end(outcome)
-            if outcome in _RETRYABLE and (outcome is not Outcome.UPSTREAM_ERROR
-                                          or ending.upstream_status in _RETRYABLE_STATUSES):
+            if outcome in _RETRYABLE and (
+                outcome is not Outcome.UPSTREAM_ERROR
+                or ending.upstream_status in _RETRYABLE_STATUSES
+            ):
                 return _Failed(response, outcome, reply.target.endpoint)
         return response, outcome
 
@@ -336,7 +347,9 @@ class Edge:
         answer is still awaited: CANCELLED, or a grant that raced with the cancel (whose lease
         the caller releases at once).
         """
-        asking = self.deps.nc.request(ADMISSION_REQUEST_SUBJECT, payload, timeout=self.admission_timeout)
+        asking = self.deps.nc.request(
+            ADMISSION_REQUEST_SUBJECT, payload, timeout=self.admission_timeout
+        )
         if not self.flow_control:
             return await asking, False
         answer = asyncio.ensure_future(asking)
@@ -403,10 +416,14 @@ class Edge:
             if upstream.status < 500 and upstream.status != 429:
                 # The engine judged the request itself (e.g. prompt too long):
                 # its answer is the client's answer.
-                return Response(body, status_code=upstream.status, headers=headers), Outcome.BAD_REQUEST
+                return Response(
+                    body, status_code=upstream.status, headers=headers
+                ), Outcome.BAD_REQUEST
             return Response(
                 error_body(
-                    error_message_from_upstream(body, upstream.status), "upstream_error", "upstream_error"
+                    error_message_from_upstream(body, upstream.status),
+                    "upstream_error",
+                    "upstream_error",
                 ),
                 status_code=upstream.status if upstream.status in (429, 503) else 502,
                 headers=headers,
@@ -422,8 +439,13 @@ class Edge:
             return Response(body, status_code=200, headers=headers), Outcome.SUCCESS
 
         usage = StreamUsage(remove=inject_usage)
-        relay = StreamRelay(upstream, timeouts, deadline,
-                            lease_lost=lambda: holder is not None and holder.lost, usage=usage)
+        relay = StreamRelay(
+            upstream,
+            timeouts,
+            deadline,
+            lease_lost=lambda: holder is not None and holder.lost,
+            usage=usage,
+        )
         metrics = self.deps.metrics
         ended = False
 
@@ -455,7 +477,9 @@ class Edge:
         failure: UpstreamFailure, holder: LeaseHolder | None, ids: dict[str, str]
     ) -> tuple[Response, Outcome]:
         if holder is not None and holder.lost:
-            return error_response(Outcome.LEASE_LOST, LEASE_LOST_MESSAGE, headers=ids), Outcome.LEASE_LOST
+            return error_response(
+                Outcome.LEASE_LOST, LEASE_LOST_MESSAGE, headers=ids
+            ), Outcome.LEASE_LOST
         return error_response(failure.outcome, failure.message, headers=ids), failure.outcome
 
     async def drain(self, timeout: float = 5.0) -> None:
@@ -512,12 +536,19 @@ class _Failed:
 
 
 # Failures of the endpoint, not of the request: worth another endpoint while nothing was sent.
-_RETRYABLE = frozenset({Outcome.UPSTREAM_UNREACHABLE, Outcome.UPSTREAM_TIMEOUT,
-                        Outcome.UPSTREAM_ERROR, Outcome.UPSTREAM_BROKEN_STREAM})
+_RETRYABLE = frozenset(
+    {
+        Outcome.UPSTREAM_UNREACHABLE,
+        Outcome.UPSTREAM_TIMEOUT,
+        Outcome.UPSTREAM_ERROR,
+        Outcome.UPSTREAM_BROKEN_STREAM,
+    }
+)
 _RETRYABLE_STATUSES = frozenset({429, 500, 502, 503, 504})
 # Outcomes of an attempt that never reached an upstream (a retry found nowhere else to go).
-_ADMISSION_OUTCOMES = frozenset({Outcome.NO_CAPACITY, Outcome.ADMISSION_UNAVAILABLE,
-                                 Outcome.QUEUE_FULL, Outcome.QUEUE_TIMEOUT})
+_ADMISSION_OUTCOMES = frozenset(
+    {Outcome.NO_CAPACITY, Outcome.ADMISSION_UNAVAILABLE, Outcome.QUEUE_FULL, Outcome.QUEUE_TIMEOUT}
+)
 
 
 class _RequestEnd:
@@ -541,8 +572,9 @@ class _RequestEnd:
         "usage",
     )
 
-    def __init__(self, edge: Edge, target: Target, granted_at: float | None, *,
-                 report_stats: bool = True) -> None:
+    def __init__(
+        self, edge: Edge, target: Target, granted_at: float | None, *, report_stats: bool = True
+    ) -> None:
         self._edge = edge
         self._target = target
         self._granted_at = granted_at
@@ -561,9 +593,18 @@ class _RequestEnd:
         edge, target = self._edge, self._target
         messages = []
         if self._granted_at is not None:
-            messages.append((ADMISSION_DONE_SUBJECT, RequestDone(
-                endpoint=target.endpoint, granted_at=self._granted_at, ended_at=now,
-            ).model_dump_json().encode()))
+            messages.append(
+                (
+                    ADMISSION_DONE_SUBJECT,
+                    RequestDone(
+                        endpoint=target.endpoint,
+                        granted_at=self._granted_at,
+                        ended_at=now,
+                    )
+                    .model_dump_json()
+                    .encode(),
+                )
+            )
         if not self._report_stats or self.upstream_started is None:
             if messages:
                 edge.publish_later(*messages)
@@ -571,11 +612,16 @@ class _RequestEnd:
         ok = outcome is Outcome.SUCCESS
         usage = self.usage if ok else None
         stats = RequestStats(
-            endpoint=target.endpoint, provider=target.provider, ended_at=now,
-            latency=time.perf_counter() - self.upstream_started, ok=ok,
+            endpoint=target.endpoint,
+            provider=target.provider,
+            ended_at=now,
+            latency=time.perf_counter() - self.upstream_started,
+            ok=ok,
             input_tokens=usage.input_tokens if usage else 0,
             output_tokens=usage.output_tokens if usage else 0,
-            outcome=outcome.value, status=self.upstream_status, retry_after_s=self.retry_after,
+            outcome=outcome.value,
+            status=self.upstream_status,
+            retry_after_s=self.retry_after,
         )
         messages.append((REQUEST_STATS_SUBJECT, stats.model_dump_json().encode()))
         edge.publish_later(*messages)
@@ -652,7 +698,9 @@ def create_app(config: Config, deps: EdgeDeps) -> HotPathApp:
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         return Response(
-            error_body(f"{request.method} {request.url.path}: {exc.detail}", "invalid_request_error", code),
+            error_body(
+                f"{request.method} {request.url.path}: {exc.detail}", "invalid_request_error", code
+            ),
             status_code=exc.status_code,
             media_type="application/json",
         )

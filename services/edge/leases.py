@@ -68,7 +68,9 @@ class LeaseHolder:
             except Exception:
                 # NATS unreachable: try again next interval; the lease stays valid until
                 # lease_timeout.
-                log.warning("lease %s: renewal failed; will retry", self.lease.lease_id, exc_info=True)
+                log.warning(
+                    "lease %s: renewal failed; will retry", self.lease.lease_id, exc_info=True
+                )
             else:
                 if renewed is None:
                     self.lost = True

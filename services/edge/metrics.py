@@ -7,7 +7,24 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from llmgw.core.outcomes import Outcome
 from llmgw.core.requests import Feature
 
-_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+    60,
+    120,
+)
 
 
 class EdgeMetrics:

@@ -42,7 +42,12 @@ class Timeouts:
     @classmethod
     def from_section(cls, section: object) -> Timeouts:
         """From the config's `timeouts` section (or anything with those attributes)."""
-        return cls(*(float(getattr(section, f)) for f in ("dial", "response_header", "first_token", "idle", "total")))
+        return cls(
+            *(
+                float(getattr(section, f))
+                for f in ("dial", "response_header", "first_token", "idle", "total")
+            )
+        )
 
 
 class UpstreamFailure(Exception):
@@ -87,7 +92,9 @@ async def open_upstream(
             Outcome.UPSTREAM_UNREACHABLE, f"The upstream endpoint is unreachable: {exc}"
         ) from None
     except aiohttp.ClientError as exc:
-        raise UpstreamFailure(Outcome.UPSTREAM_ERROR, f"The upstream request failed: {exc}") from None
+        raise UpstreamFailure(
+            Outcome.UPSTREAM_ERROR, f"The upstream request failed: {exc}"
+        ) from None
 
 
 def passthrough_headers(response: aiohttp.ClientResponse) -> dict[str, str]:
@@ -163,7 +170,9 @@ class StreamRelay:
                         yield sse_error_event(LEASE_LOST_MESSAGE, "lease_lost")
                     else:
                         self.outcome = Outcome.UPSTREAM_BROKEN_STREAM
-                        yield sse_error_event(f"The upstream stream broke: {exc}", "upstream_broken_stream")
+                        yield sse_error_event(
+                            f"The upstream stream broke: {exc}", "upstream_broken_stream"
+                        )
                     return
                 if not chunk:
                     break
@@ -186,7 +195,8 @@ class StreamRelay:
             else:
                 self.outcome = Outcome.UPSTREAM_BROKEN_STREAM
                 yield sse_error_event(
-                    "The upstream ended the stream before it was complete.", "upstream_broken_stream"
+                    "The upstream ended the stream before it was complete.",
+                    "upstream_broken_stream",
                 )
         finally:
             if self.outcome is Outcome.SUCCESS:

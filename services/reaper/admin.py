@@ -26,12 +26,16 @@ def create_admin_app(metrics: ReaperMetrics, nc: _Connection) -> Starlette:
         """Alive and connected to NATS (without it nothing can be reaped)."""
         connected = nc.is_connected
         return JSONResponse(
-            {"status": "ok" if connected else "degraded",
-             "nats": "connected" if connected else "disconnected"},
+            {
+                "status": "ok" if connected else "degraded",
+                "nats": "connected" if connected else "disconnected",
+            },
             status_code=200 if connected else 503,
         )
 
-    return Starlette(routes=[
-        Route("/metrics", metrics_endpoint, methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
-    ])
+    return Starlette(
+        routes=[
+            Route("/metrics", metrics_endpoint, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+        ]
+    )

@@ -73,8 +73,13 @@ async def open_reaper(
     return reaper, routing
 
 
-async def serve(config: Config, *, admin: tuple[str, int] | None = None,
-                stop: asyncio.Event | None = None, ready: asyncio.Event | None = None) -> None:
+async def serve(
+    config: Config,
+    *,
+    admin: tuple[str, int] | None = None,
+    stop: asyncio.Event | None = None,
+    ready: asyncio.Event | None = None,
+) -> None:
     """Run one reaper until `stop` is set (default: until SIGTERM or SIGINT).
 
     `ready` is set once it runs (and its admin port, if any, accepts connections).
@@ -98,8 +103,11 @@ async def serve(config: Config, *, admin: tuple[str, int] | None = None,
 
             admin_server = await start_server(create_admin_app(reaper.metrics, nc), *admin)
             where = f", admin {admin_server.url}"
-        print(f"llmgw reaper ready ({instance}, bucket {config.pinning.bucket}, "
-              f"every {reaper.interval:g}s{where})", flush=True)
+        print(
+            f"llmgw reaper ready ({instance}, bucket {config.pinning.bucket}, "
+            f"every {reaper.interval:g}s{where})",
+            flush=True,
+        )
         if ready is not None:
             ready.set()
         await reaper.run(stop)

@@ -75,8 +75,9 @@ class ReaperPrimitives(Protocol):
 class ReaperEvents(Protocol):
     """Where changes are announced (`llmgw.events.EventPublisher` satisfies it)."""
 
-    async def publish_reaper_actions(self, actions: Iterable[ReaperAction],
-                                     cause: ReaperCause) -> int: ...
+    async def publish_reaper_actions(
+        self, actions: Iterable[ReaperAction], cause: ReaperCause
+    ) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,8 +120,9 @@ class Reaper:
         self.passes = 0  # passes completed
         self._pass_done = asyncio.Condition()
 
-    def _steps(self) -> list[tuple[str, ReaperCause,
-                                   Callable[[float], Awaitable[list[ReaperAction]]]]]:
+    def _steps(
+        self,
+    ) -> list[tuple[str, ReaperCause, Callable[[float], Awaitable[list[ReaperAction]]]]]:
         state = self._state
         return [
             ("expire_leases", ReaperCause.EXPIRY, state.expire_leases),

@@ -45,7 +45,9 @@ def create_admin_app(metrics: ScraperMetrics, nc: _Connection, loop: _Loop) -> S
             body["reason"] = "; ".join(problems)
         return JSONResponse(body, status_code=503 if problems else 200)
 
-    return Starlette(routes=[
-        Route("/metrics", metrics_endpoint, methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
-    ])
+    return Starlette(
+        routes=[
+            Route("/metrics", metrics_endpoint, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+        ]
+    )

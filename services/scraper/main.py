@@ -76,9 +76,12 @@ async def serve(
     client = new_http_client(router.scrape_timeout, len(targets))
     admin_server = None
     try:
-        bucket = await open_routing_bucket(nc.jetstream(), router.load_bucket,
-                                           storage=LOAD_BUCKET_STORAGE,
-                                           history=LOAD_BUCKET_HISTORY)
+        bucket = await open_routing_bucket(
+            nc.jetstream(),
+            router.load_bucket,
+            storage=LOAD_BUCKET_STORAGE,
+            history=LOAD_BUCKET_HISTORY,
+        )
         scraper = Scraper(
             targets,
             client=client,
@@ -98,10 +101,14 @@ async def serve(
             from llmgw.serving import start_server
 
             admin_server = await start_server(
-                create_admin_app(scraper.metrics, nc, scraper), *admin)
+                create_admin_app(scraper.metrics, nc, scraper), *admin
+            )
             where = f", admin {admin_server.url}"
-        print(f"llmgw scraper ready ({instance}, bucket {router.load_bucket}, "
-              f"{len(targets)} endpoints every {router.scrape_interval:g}s{where})", flush=True)
+        print(
+            f"llmgw scraper ready ({instance}, bucket {router.load_bucket}, "
+            f"{len(targets)} endpoints every {router.scrape_interval:g}s{where})",
+            flush=True,
+        )
         if ready is not None:
             ready.set()
         await scraper.run(stop)

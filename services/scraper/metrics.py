@@ -30,48 +30,78 @@ class ScraperMetrics:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.scrapes = Counter(
-            "llmgw_scraper_scrapes", "Scrapes of an endpoint, by result.",
-            ["endpoint", "result"], registry=r)
+            "llmgw_scraper_scrapes",
+            "Scrapes of an endpoint, by result.",
+            ["endpoint", "result"],
+            registry=r,
+        )
         self.scrape_duration = Histogram(
             "llmgw_scraper_scrape_duration_seconds",
             "Duration of one endpoint's scrape (/health and /metrics, concurrently).",
-            ["endpoint"], buckets=_DURATION_BUCKETS, registry=r)
+            ["endpoint"],
+            buckets=_DURATION_BUCKETS,
+            registry=r,
+        )
         self.round_duration = Histogram(
             "llmgw_scraper_round_duration_seconds",
             "Duration of one round over every endpoint, publishing included.",
-            buckets=_DURATION_BUCKETS, registry=r)
+            buckets=_DURATION_BUCKETS,
+            registry=r,
+        )
         self.rounds = Counter("llmgw_scraper_rounds", "Scrape rounds completed.", registry=r)
         self.last_round = Gauge(
             "llmgw_scraper_last_round_timestamp_seconds",
-            "Unix time at which the last round ended.", registry=r)
+            "Unix time at which the last round ended.",
+            registry=r,
+        )
         self.healthy = Gauge(
             "llmgw_scraper_endpoint_healthy",
             "1 when the endpoint's last /health probe answered 200, else 0.",
-            ["endpoint"], registry=r)
+            ["endpoint"],
+            registry=r,
+        )
         self.saturation = Gauge(
             "llmgw_scraper_endpoint_saturation",
             "max(queue/target_waiting, kv/kv_ceiling); at least 1 when the metrics are stale.",
-            ["endpoint"], registry=r)
+            ["endpoint"],
+            registry=r,
+        )
         self.capacity = Gauge(
             "llmgw_scraper_endpoint_capacity",
             "Learned batch capacity: the most requests the endpoint was seen running.",
-            ["endpoint"], registry=r)
+            ["endpoint"],
+            registry=r,
+        )
         self.running = Gauge(
-            "llmgw_scraper_engine_running", "Requests running, by the engine's last metrics read.",
-            ["endpoint"], registry=r)
+            "llmgw_scraper_engine_running",
+            "Requests running, by the engine's last metrics read.",
+            ["endpoint"],
+            registry=r,
+        )
         self.waiting = Gauge(
-            "llmgw_scraper_engine_waiting", "Requests waiting, by the engine's last metrics read.",
-            ["endpoint"], registry=r)
+            "llmgw_scraper_engine_waiting",
+            "Requests waiting, by the engine's last metrics read.",
+            ["endpoint"],
+            registry=r,
+        )
         self.kv_usage = Gauge(
             "llmgw_scraper_engine_kv_usage",
-            "KV cache usage (0..1), by the engine's last metrics read.", ["endpoint"], registry=r)
+            "KV cache usage (0..1), by the engine's last metrics read.",
+            ["endpoint"],
+            registry=r,
+        )
         self.pool_saturation = Gauge(
             "llmgw_scraper_pool_saturation",
-            "Mean endpoint saturation of a provider's pool.", ["provider", "pool"], registry=r)
+            "Mean endpoint saturation of a provider's pool.",
+            ["provider", "pool"],
+            registry=r,
+        )
         self.publish_failures = Counter(
             "llmgw_scraper_publish_failures",
             "Reports that could not be written to the load bucket (kv) or published (event).",
-            ["kind"], registry=r)
+            ["kind"],
+            registry=r,
+        )
         for kind in PUBLISH_KINDS:
             self.publish_failures.labels(kind)
         self._ages = _AgeCollector()
@@ -87,8 +117,9 @@ class ScraperMetrics:
             for outcome in ScrapeOutcome:
                 self.scrapes.labels(endpoint, outcome.value)
 
-    def observe_scrape(self, report: EndpointReport, outcome: ScrapeOutcome,
-                       duration: float) -> None:
+    def observe_scrape(
+        self, report: EndpointReport, outcome: ScrapeOutcome, duration: float
+    ) -> None:
         endpoint = report.endpoint
         self.scrapes.labels(endpoint, outcome.value).inc()
         self.scrape_duration.labels(endpoint).observe(duration)
@@ -127,4 +158,5 @@ class _AgeCollector:
         return GaugeMetricFamily(
             "llmgw_scraper_scrape_age_seconds",
             "Seconds since the endpoint's metrics were last read successfully (+Inf: never).",
-            labels=["endpoint"])
+            labels=["endpoint"],
+        )

@@ -134,8 +134,9 @@ def read_sample(metrics: Fetched) -> tuple[EngineSample | None, str | None]:
         return None, _short(str(exc))
 
 
-def classify(health: Fetched, metrics: Fetched, *, healthy: bool,
-             sample: EngineSample | None) -> ScrapeOutcome:
+def classify(
+    health: Fetched, metrics: Fetched, *, healthy: bool, sample: EngineSample | None
+) -> ScrapeOutcome:
     """The scrape's outcome (see `ScrapeOutcome` for the precedence)."""
     if not health.answered and not metrics.answered:
         if health.timed_out or metrics.timed_out:
@@ -194,7 +195,7 @@ def build_report(
 
 
 def health_event_verb(previous: bool | None, healthy: bool) -> str | None:
-    """"healthy"/"unhealthy" when the verdict changed, or is this scraper's first for the
+    """ "healthy"/"unhealthy" when the verdict changed, or is this scraper's first for the
     endpoint (``previous`` None: subscribers learn the initial state); None otherwise."""
     if previous is not None and previous == healthy:
         return None
@@ -222,16 +223,18 @@ def pool_reports(
     for (provider, pool), members in pools.items():
         member_loads = {e: loads.get(e, EndpointLoad()) for e in members}
         inflight = {e: engine_inflight(load) for e, load in member_loads.items()}
-        reports.append(PoolReport(
-            provider=provider,
-            pool=pool,
-            endpoints=tuple(members),
-            healthy=tuple(e for e in members if healthy.get(e, False)),
-            stale=tuple(e for e in members if is_stale(member_loads[e], now, settings)),
-            saturation=pool_saturation(member_loads, now, settings, inflight),
-            measured_at=now,
-            scraper=scraper,
-        ))
+        reports.append(
+            PoolReport(
+                provider=provider,
+                pool=pool,
+                endpoints=tuple(members),
+                healthy=tuple(e for e in members if healthy.get(e, False)),
+                stale=tuple(e for e in members if is_stale(member_loads[e], now, settings)),
+                saturation=pool_saturation(member_loads, now, settings, inflight),
+                measured_at=now,
+                scraper=scraper,
+            )
+        )
     return reports
 
 

@@ -170,6 +170,7 @@ class Scraper:
         scraper starts from what is already known rather than from 0. Best effort: an
         unreadable bucket or report leaves the capacity to be learned.
         """
+
         async def adopt(target: ScrapeTarget) -> None:
             try:
                 async with asyncio.timeout(self.publish_timeout):
@@ -183,7 +184,8 @@ class Scraper:
             load = self.load(target.endpoint)
             if report.capacity > load.capacity:
                 self._loads[target.endpoint] = EndpointLoad(
-                    report.capacity, load.sample, load.sampled_at)
+                    report.capacity, load.sample, load.sampled_at
+                )
 
         await asyncio.gather(*(adopt(t) for t in self.targets))
 
@@ -209,8 +211,9 @@ class Scraper:
     async def run_round(self) -> list[EndpointReport]:
         """Scrape and publish every endpoint, then the pools; the endpoint reports, in order."""
         started = self._timer()
-        results = await asyncio.gather(*(self._scrape(t) for t in self.targets),
-                                       return_exceptions=True)
+        results = await asyncio.gather(
+            *(self._scrape(t) for t in self.targets), return_exceptions=True
+        )
         reports = []
         for target, result in zip(self.targets, results, strict=True):
             if isinstance(result, BaseException):
@@ -219,11 +222,21 @@ class Scraper:
                 _log.error("scraping %s failed", target.endpoint, exc_info=result)
             else:
                 reports.append(result)
-        for pool in pool_reports(self.targets, self._loads, self._healthy, now=self._clock(),
-                                 settings=self.settings, scraper=self.instance):
+        for pool in pool_reports(
+            self.targets,
+            self._loads,
+            self._healthy,
+            now=self._clock(),
+            settings=self.settings,
+            scraper=self.instance,
+        ):
             self.metrics.observe_pool(pool)
-            await self._send("event", lambda p=pool: self._publisher.publish(
-                pool_event_subject("measured", p.provider), p.to_bytes()))
+            await self._send(
+                "event",
+                lambda p=pool: self._publisher.publish(
+                    pool_event_subject("measured", p.provider), p.to_bytes()
+                ),
+            )
         self.metrics.round_duration.observe(self._timer() - started)
         self.last_round_at = self._clock()
         self.metrics.last_round.set(self.last_round_at)
@@ -244,11 +257,19 @@ class Scraper:
         scraped_at = self._clock()
         started = self._timer()
         health, metrics = await asyncio.gather(
-            self._get(target.url + "/health"), self._get(target.url + "/metrics"))
+            self._get(target.url + "/health"), self._get(target.url + "/metrics")
+        )
         duration = self._timer() - started
         report, load, outcome = build_report(
-            target, health, metrics, self.load(target.endpoint), scraped_at=scraped_at,
-            now=self._clock(), settings=self.settings, scraper=self.instance)
+            target,
+            health,
+            metrics,
+            self.load(target.endpoint),
+            scraped_at=scraped_at,
+            now=self._clock(),
+            settings=self.settings,
+            scraper=self.instance,
+        )
         self._loads[target.endpoint] = load
         previous = self._healthy.get(target.endpoint)
         self._healthy[target.endpoint] = report.healthy
@@ -278,17 +299,29 @@ class Scraper:
         if outcome is ScrapeOutcome.OK:
             _log.info("endpoint %s: scraped fine again", report.endpoint)
         else:
-            _log.warning("endpoint %s: %s (%s)", report.endpoint, outcome.value,
-                         report.health_error or report.metrics_error)
+            _log.warning(
+                "endpoint %s: %s (%s)",
+                report.endpoint,
+                outcome.value,
+                report.health_error or report.metrics_error,
+            )
 
     async def _publish(self, report: EndpointReport, transition: str | None) -> None:
         payload = report.to_bytes()
         await self._send("kv", lambda: self._bucket.put(report_key(report.endpoint), payload))
-        await self._send("event", lambda: self._publisher.publish(
-            endpoint_event_subject("scraped", report.provider), payload))
+        await self._send(
+            "event",
+            lambda: self._publisher.publish(
+                endpoint_event_subject("scraped", report.provider), payload
+            ),
+        )
         if transition is not None:
-            await self._send("event", lambda: self._publisher.publish(
-                endpoint_event_subject(transition, report.provider), payload))
+            await self._send(
+                "event",
+                lambda: self._publisher.publish(
+                    endpoint_event_subject(transition, report.provider), payload
+                ),
+            )
 
     async def _send(self, kind: str, send: Callable[[], Awaitable[object]]) -> bool:
         """Run one write or publish, bounded; never raises (but cancellation)."""
@@ -299,8 +332,12 @@ class Scraper:
             self.metrics.publish_failures.labels(kind).inc()
             if kind not in self._failing:
                 self._failing.add(kind)
-                _log.warning("cannot publish to %s: %r (further failures are only counted until "
-                             "one succeeds)", kind, exc)
+                _log.warning(
+                    "cannot publish to %s: %r (further failures are only counted until "
+                    "one succeeds)",
+                    kind,
+                    exc,
+                )
             return False
         if kind in self._failing:
             self._failing.discard(kind)

@@ -113,7 +113,9 @@ class EngineBackend:
                 self.clock(), prompt, max_tokens, generation._on_progress
             )
         except PromptTooLong as exc:
-            raise SimError(400, str(exc), code="context_length_exceeded", param="messages") from None
+            raise SimError(
+                400, str(exc), code="context_length_exceeded", param="messages"
+            ) from None
         if not generation.seq.done:
             self._rearm()
         return generation
@@ -184,5 +186,3 @@ class EngineBackend:
         self._timer = None
         self.model.advance(self.clock())
         self._rearm()
-
-

@@ -137,8 +137,10 @@ async def _serve(settings: SimSettings, kind: str) -> int:
     try:
         sock = bind_socket(settings.host, settings.port)
     except OSError as exc:
-        print(f"llmgw sim {kind}: cannot listen on {settings.host}:{settings.port}: {exc}",
-              file=sys.stderr)
+        print(
+            f"llmgw sim {kind}: cannot listen on {settings.host}:{settings.port}: {exc}",
+            file=sys.stderr,
+        )
         return 1
     # Without TCP_NODELAY the body write after the header write waits for the client's delayed
     # ACK (~40 ms per response on Linux); accepted sockets inherit the option.
@@ -160,8 +162,10 @@ async def _serve(settings: SimSettings, kind: str) -> int:
         await asyncio.sleep(0.01)
     if server.started:
         host = f"[{settings.host}]" if ":" in settings.host else settings.host
-        print(f"llmgw sim {kind} ready on http://{host}:{port} "
-              f"(models: {', '.join(app.models)})", flush=True)
+        print(
+            f"llmgw sim {kind} ready on http://{host}:{port} (models: {', '.join(app.models)})",
+            flush=True,
+        )
     await task
     return 0 if server.started else 1
 

@@ -24,12 +24,51 @@ __all__ = ["EngineMetrics"]
 
 # vLLM's buckets for time to first token and end-to-end latency.
 _TTFT_BUCKETS = (
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
-    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
 )
 _E2E_BUCKETS = (
-    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
 )
 
 
@@ -99,33 +138,55 @@ class _StateCollector:
             family.add_metric(name, value)
             return family
 
-        yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
-                    len(model.running))
-        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
-                    len(model.waiting))
+        yield gauge(
+            "vllm:num_requests_running",
+            "Number of requests in model execution batches.",
+            len(model.running),
+        )
+        yield gauge(
+            "vllm:num_requests_waiting",
+            "Number of requests waiting to be processed.",
+            len(model.waiting),
+        )
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage)
-        yield gauge("vllm:gpu_cache_usage_perc",
-                    "GPU KV-cache usage. 1 means 100 percent usage (older name).", usage)
+        yield gauge(
+            "vllm:gpu_cache_usage_perc",
+            "GPU KV-cache usage. 1 means 100 percent usage (older name).",
+            usage,
+        )
         info = GaugeMetricFamily(
             "vllm:cache_config_info",
             "Information of the LLMEngine CacheConfig",
-            labels=["block_size", "cache_dtype", "enable_prefix_caching", "num_gpu_blocks",
-                    "model_name"],
+            labels=[
+                "block_size",
+                "cache_dtype",
+                "enable_prefix_caching",
+                "num_gpu_blocks",
+                "model_name",
+            ],
         )
         info.add_metric(
             [str(params.block_size), "auto", "True", str(params.num_gpu_blocks), name[0]], 1.0
         )
         yield info
-        yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.",
-                      stats.prompt_tokens)
-        yield counter("vllm:generation_tokens", "Number of generation tokens processed.",
-                      stats.generation_tokens)
-        yield counter("vllm:prefix_cache_queries",
-                      "Prefix cache queries, in terms of number of queried tokens.",
-                      stats.prefix_cache_queries)
-        yield counter("vllm:prefix_cache_hits",
-                      "Prefix cache hits, in terms of number of cached tokens.",
-                      stats.prefix_cache_hits)
+        yield counter(
+            "vllm:prompt_tokens", "Number of prefill tokens processed.", stats.prompt_tokens
+        )
+        yield counter(
+            "vllm:generation_tokens",
+            "Number of generation tokens processed.",
+            stats.generation_tokens,
+        )
+        yield counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            stats.prefix_cache_queries,
+        )
+        yield counter(
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            stats.prefix_cache_hits,
+        )
         success = CounterMetricFamily(
             "vllm:request_success",
             "Count of successfully processed requests.",

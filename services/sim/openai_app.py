@@ -82,8 +82,13 @@ class SimApp:
             {
                 "object": "list",
                 "data": [
-                    {"id": name, "object": "model", "created": created,
-                     "owned_by": f"llmgw-sim-{kind}", "max_model_len": max_model_len}
+                    {
+                        "id": name,
+                        "object": "model",
+                        "created": created,
+                        "owned_by": f"llmgw-sim-{kind}",
+                        "max_model_len": max_model_len,
+                    }
                     for name in models
                 ],
             }
@@ -108,7 +113,9 @@ class SimApp:
             if handler is not None:
                 await handler(scope, receive, send)
             elif scope["path"] in self._paths:
-                await _send_error(send, SimError(405, "method not allowed", code="method_not_allowed"))
+                await _send_error(
+                    send, SimError(405, "method not allowed", code="method_not_allowed")
+                )
             else:
                 await _send_error(
                     send, SimError(404, f"no route {scope['path']}", code="not_found")
@@ -194,12 +201,16 @@ class SimApp:
         rng = self.fault_rng
         if _hit(knobs.error_rate, rng):
             raise SimError(
-                500, "The server had an error while processing your request (simulated).",
-                type="server_error", code="internal_error",
+                500,
+                "The server had an error while processing your request (simulated).",
+                type="server_error",
+                code="internal_error",
             )
         if _hit(knobs.rate_limit_rate, rng):
             raise SimError(
-                429, "Rate limit reached (simulated).", type="requests",
+                429,
+                "Rate limit reached (simulated).",
+                type="requests",
                 code="rate_limit_exceeded",
                 headers=[(b"retry-after", str(knobs.retry_after).encode())],
             )
@@ -226,8 +237,9 @@ class SimApp:
                 raise SimError(400, str(exc), param="input") from None
             encoding = body.get("encoding_format") or "float"
             if encoding not in ("float", "base64"):
-                raise SimError(400, "encoding_format must be 'float' or 'base64'",
-                               param="encoding_format")
+                raise SimError(
+                    400, "encoding_format must be 'float' or 'base64'", param="encoding_format"
+                )
             dim = body.get("dimensions") or self.embedding_dim
             if not isinstance(dim, int) or isinstance(dim, bool) or not 1 <= dim <= 65536:
                 raise SimError(400, "dimensions must be an integer in 1..65536", param="dimensions")
@@ -242,12 +254,16 @@ class SimApp:
         if delay > 0:
             await asyncio.sleep(delay)
         data = [embedding_item(index, ids, dim, encoding) for index, ids in enumerate(inputs)]
-        await send_json(send, 200, {
-            "object": "list",
-            "data": data,
-            "model": model,
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-        })
+        await send_json(
+            send,
+            200,
+            {
+                "object": "list",
+                "data": data,
+                "model": model,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+            },
+        )
 
     # -- misc routes -----------------------------------------------------------------------
     async def _list_models(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -262,8 +278,9 @@ class SimApp:
     async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
         exposition = self.backend.metrics()
         if exposition is None:
-            await _send_error(send, SimError(404, "this simulator exposes no metrics",
-                                             code="not_found"))
+            await _send_error(
+                send, SimError(404, "this simulator exposes no metrics", code="not_found")
+            )
             return
         body, content_type = exposition
         await send_bytes(send, 200, body, content_type.encode())
@@ -319,7 +336,6 @@ async def _json_object(receive: Receive) -> dict[str, Any]:
 
 
 async def _send_error(send: Send, exc: SimError) -> None:
-    await send_json(send, exc.status, error_body(exc.message, exc.type, exc.code, exc.param),
-                    exc.headers)
-
-
+    await send_json(
+        send, exc.status, error_body(exc.message, exc.type, exc.code, exc.param), exc.headers
+    )

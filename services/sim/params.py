@@ -105,7 +105,12 @@ class EngineParams(_GenerationParams):
     @classmethod
     def zero_delay(cls, **overrides: Any) -> EngineParams:
         """A preset with every timing 0: requests are answered as fast as the HTTP layer allows."""
-        timings = {"prefill_base": 0, "prefill_per_token": 0, "itl_base": 0, "itl_per_running_seq": 0}
+        timings = {
+            "prefill_base": 0,
+            "prefill_per_token": 0,
+            "itl_base": 0,
+            "itl_per_running_seq": 0,
+        }
         return cls.model_validate({**timings, **overrides})
 
 

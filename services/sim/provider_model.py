@@ -53,9 +53,7 @@ class RateSchedule:
         return r0 + (r1 - r0) * (elapsed - t0) / (t1 - t0) if t1 > t0 else r1
 
 
-def token_times(
-    schedule: RateSchedule, origin: float, first_at: float, count: int
-) -> list[float]:
+def token_times(schedule: RateSchedule, origin: float, first_at: float, count: int) -> list[float]:
     """Absolute due times of `count` tokens; the first at `first_at`, then paced by the schedule."""
     times = [first_at] * count
     at = first_at

@@ -158,8 +158,9 @@ class ProviderBackend:
         if self.bucket is not None:
             wait = self.bucket.try_take(self.clock())
             if wait > 0:
-                self._reject(f"Rate limit reached: {self.params.requests_per_second} requests/s",
-                             wait)
+                self._reject(
+                    f"Rate limit reached: {self.params.requests_per_second} requests/s", wait
+                )
         delay = self.params.base_latency
         if self.params.input_tokens_per_second > 0:
             delay += prompt_tokens / self.params.input_tokens_per_second

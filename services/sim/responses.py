@@ -45,8 +45,13 @@ class FaultPlan:
 
 
 async def whole_response(
-    receive: Receive, send: Send, request: GenerationRequest, request_id: str,
-    generation: Generation, faults: FaultPlan, chat: bool,
+    receive: Receive,
+    send: Send,
+    request: GenerationRequest,
+    request_id: str,
+    generation: Generation,
+    faults: FaultPlan,
+    chat: bool,
 ) -> None:
     """A non-streamed response once the generation is done (or a simulated stall/crash)."""
     watch: DisconnectWatch | None = None
@@ -54,8 +59,13 @@ async def whole_response(
     try:
         if faults.stall > 0:
             watch = DisconnectWatch(receive, generation.close)
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"content-type", b"application/json")]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [(b"content-type", b"application/json")],
+                }
+            )
             headers_sent = True
             await watch.sleep(faults.stall)
         die_at = faults.die_at if faults.die_at is not None else generation.output_len
@@ -69,11 +79,17 @@ async def whole_response(
             return
         if die_at < generation.output_len:
             if not headers_sent:
-                await send({"type": "http.response.start", "status": 200,
-                            "headers": [(b"content-type", b"application/json")]})
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": 200,
+                        "headers": [(b"content-type", b"application/json")],
+                    }
+                )
             raise SimulatedCrash
-        body = json.dumps(_full_response(request, request_id, generation, chat),
-                          separators=(",", ":")).encode()
+        body = json.dumps(
+            _full_response(request, request_id, generation, chat), separators=(",", ":")
+        ).encode()
         if headers_sent:
             await send({"type": "http.response.body", "body": body})
         else:
@@ -81,6 +97,7 @@ async def whole_response(
     finally:
         if watch is not None:
             watch.stop()
+
 
 def _full_response(
     request: GenerationRequest, request_id: str, generation: Generation, chat: bool
@@ -103,9 +120,15 @@ def _full_response(
         "usage": _usage(generation, count),
     }
 
+
 async def stream_response(
-    receive: Receive, send: Send, request: GenerationRequest, request_id: str,
-    generation: Generation, faults: FaultPlan, chat: bool,
+    receive: Receive,
+    send: Send,
+    request: GenerationRequest,
+    request_id: str,
+    generation: Generation,
+    faults: FaultPlan,
+    chat: bool,
 ) -> None:
     """SSE chunks as tokens are generated; one body write when everything is ready at once."""
     obj = "chat.completion.chunk" if chat else "text_completion"
@@ -128,8 +151,10 @@ async def stream_response(
     seed = generation.text_seed
     parts: list[str] = []
     if chat:
-        parts.append(envelope + '[{"index":0,"delta":{"role":"assistant","content":""},'
-                     '"logprobs":null,"finish_reason":null}]}\n\n')
+        parts.append(
+            envelope + '[{"index":0,"delta":{"role":"assistant","content":""},'
+            '"logprobs":null,"finish_reason":null}]}\n\n'
+        )
     await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
     watch: DisconnectWatch | None = None
     try:
@@ -182,5 +207,3 @@ async def _flush(send: Send, parts: list[str]) -> None:
         body = "".join(parts).encode()
         parts.clear()
         await send({"type": "http.response.body", "body": body, "more_body": True})
-
-

@@ -32,13 +32,71 @@ _PIECE = re.compile(r"\w{1,4}|[^\w\s]")
 
 # Filler words for generated text; each word (with its leading space) counts as one token.
 _FILLER_WORDS = (
-    " the", " model", " token", " cache", " batch", " prefix", " engine", " queue", " route",
-    " stream", " block", " latency", " request", " server", " vector", " signal", " data",
-    " of", " and", " to", " in", " is", " for", " with", " as", " on", " by", " at", " from",
-    " fast", " slow", " warm", " cold", " long", " short", " new", " old", " next", " first",
-    " system", " answer", " prompt", " context", " window", " gateway", " mesh", " node",
-    " simple", " clear", " quiet", " steady", " bright", " small", " large", " early", " late",
-    " river", " stone", " light", " field", " paper", " music", " garden", " city", ".",
+    " the",
+    " model",
+    " token",
+    " cache",
+    " batch",
+    " prefix",
+    " engine",
+    " queue",
+    " route",
+    " stream",
+    " block",
+    " latency",
+    " request",
+    " server",
+    " vector",
+    " signal",
+    " data",
+    " of",
+    " and",
+    " to",
+    " in",
+    " is",
+    " for",
+    " with",
+    " as",
+    " on",
+    " by",
+    " at",
+    " from",
+    " fast",
+    " slow",
+    " warm",
+    " cold",
+    " long",
+    " short",
+    " new",
+    " old",
+    " next",
+    " first",
+    " system",
+    " answer",
+    " prompt",
+    " context",
+    " window",
+    " gateway",
+    " mesh",
+    " node",
+    " simple",
+    " clear",
+    " quiet",
+    " steady",
+    " bright",
+    " small",
+    " large",
+    " early",
+    " late",
+    " river",
+    " stone",
+    " light",
+    " field",
+    " paper",
+    " music",
+    " garden",
+    " city",
+    ".",
 )
 
 
@@ -94,7 +152,9 @@ def tokenize_prompt(prompt: Any) -> list[int]:
             return list(prompt)
         if len(prompt) == 1:
             return tokenize_prompt(prompt[0])
-        raise TokenizeError("prompt: batched prompts are not supported; send one prompt per request")
+        raise TokenizeError(
+            "prompt: batched prompts are not supported; send one prompt per request"
+        )
     raise TokenizeError("prompt: must be a string or a list of token ids")
 
 
@@ -142,5 +202,3 @@ def hash_token_blocks(tokens: Sequence[int], block_size: int) -> list[int]:
         parent = hash((parent, *tokens[start : start + block_size]))
         hashes.append(parent)
     return hashes
-
-

@@ -52,8 +52,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"llmgw state: {exc}", file=sys.stderr)
         return 1
     except (OSError, TimeoutError, nats.errors.Error) as exc:
-        print(f"llmgw state: cannot read from NATS at {config.nats.url}: "
-              f"{exc or type(exc).__name__}", file=sys.stderr)
+        print(
+            f"llmgw state: cannot read from NATS at {config.nats.url}: {exc or type(exc).__name__}",
+            file=sys.stderr,
+        )
         return 1
     with_pins = bool(getattr(args, "pins", False))
     if getattr(args, "json", False):
@@ -88,7 +90,8 @@ async def read_report(nc: NATS, config: Config, *, now: float | None = None) -> 
     except NotFoundError:
         raise BucketMissing(
             f"no routing bucket {pinning.bucket!r} on {config.nats.url} (is the gateway running "
-            "with this config? admission creates the bucket when it starts)") from None
+            "with this config? admission creates the bucket when it starts)"
+        ) from None
     kv = NatsKV(js, pinning.bucket, direct=bool(info.config.allow_direct))
     # Pins first: operations take a slot before writing the pin that names it, so every pin
     # read here has its slot taken when the slots are read next (unless it expired meanwhile);

@@ -143,7 +143,8 @@ def build_report(
         if not isinstance(parsed, PinKey):
             continue
         counts.setdefault((pin.provider, pin.model), Counter())[
-            "pending" if pin.pending else "pins"] += 1
+            "pending" if pin.pending else "pins"
+        ] += 1
         busy = bool(pin.leases)
         if pin.pending:
             expires_in: float | None = max(0.0, pin.refreshed_at + lease_timeout - now)
@@ -153,12 +154,19 @@ def build_report(
             expires_in = 0.0
         else:
             expires_in = pin.refreshed_at + pin_inactivity_timeout - now
-        pin_reports.append(PinReport(
-            session=pin.session, model=pin.model, provider=pin.provider, pin_id=pin.pin_id,
-            leases=len(pin.leases), refreshed_at=pin.refreshed_at,
-            idle_for=None if busy or pin.pending else max(0.0, now - pin.refreshed_at),
-            expires_in=expires_in, pending=pin.pending,
-        ))
+        pin_reports.append(
+            PinReport(
+                session=pin.session,
+                model=pin.model,
+                provider=pin.provider,
+                pin_id=pin.pin_id,
+                leases=len(pin.leases),
+                refreshed_at=pin.refreshed_at,
+                idle_for=None if busy or pin.pending else max(0.0, now - pin.refreshed_at),
+                expires_in=expires_in,
+                pending=pin.pending,
+            )
+        )
     for parsed, slot in decoded_slots:
         if isinstance(parsed, PinSlotKey) and slot.is_taken:
             pm = (parsed.provider, models.get(parsed.mk, parsed.mk))
@@ -181,24 +189,41 @@ def build_report(
     for (provider, model), c in sorted(counts.items()):
         pair_limits = limits.get((provider, model))
         top_users = sorted(sessions[(provider, model)].items(), key=lambda kv: (-kv[1], kv[0]))
-        pairs.append(PairReport(
-            provider=provider, model=model, pins=c["pins"],
-            max_pins=None if pair_limits is None else pair_limits.max_pinned_sessions,
-            pending_pins=c["pending"],
-            pin_slots_taken=c["pin_slots"], leases=c["leases"],
-            live_leases=c["leases"] - c["expired"], expired_leases=c["expired"],
-            max_leases=(None if pair_limits is None
-                        else pair_limits.max_global_in_flight_request_slots),
-            reserved_slots=None if pair_limits is None else _reserved(pair_limits),
-            reserved_taken=c["reserved"],
-            max_per_session=(None if pair_limits is None
-                             else pair_limits.max_per_session_in_flight_request_slots),
-            leases_by_kind={k.value: c[f"kind:{k}"] for k in LeaseKind},
-            top_sessions=tuple(SessionUse(s, n) for s, n in top_users[:top]),
-        ))
+        pairs.append(
+            PairReport(
+                provider=provider,
+                model=model,
+                pins=c["pins"],
+                max_pins=None if pair_limits is None else pair_limits.max_pinned_sessions,
+                pending_pins=c["pending"],
+                pin_slots_taken=c["pin_slots"],
+                leases=c["leases"],
+                live_leases=c["leases"] - c["expired"],
+                expired_leases=c["expired"],
+                max_leases=(
+                    None if pair_limits is None else pair_limits.max_global_in_flight_request_slots
+                ),
+                reserved_slots=None if pair_limits is None else _reserved(pair_limits),
+                reserved_taken=c["reserved"],
+                max_per_session=(
+                    None
+                    if pair_limits is None
+                    else pair_limits.max_per_session_in_flight_request_slots
+                ),
+                leases_by_kind={k.value: c[f"kind:{k}"] for k in LeaseKind},
+                top_sessions=tuple(SessionUse(s, n) for s, n in top_users[:top]),
+            )
+        )
     pin_reports.sort(key=lambda p: (p.model, p.provider, p.session))
-    return StateReport(bucket, now, lease_timeout, pin_inactivity_timeout, tuple(pairs),
-                       tuple(pin_reports), bad_pins + bad_slots + bad_leases)
+    return StateReport(
+        bucket,
+        now,
+        lease_timeout,
+        pin_inactivity_timeout,
+        tuple(pairs),
+        tuple(pin_reports),
+        bad_pins + bad_slots + bad_leases,
+    )
 
 
 def report_json(report: StateReport, *, with_pins: bool) -> dict[str, Any]:
@@ -224,8 +249,10 @@ def _ago(seconds: float | None) -> str:
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
-            for row in [header, *rows]]
+    return [
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in [header, *rows]
+    ]
 
 
 def format_report(report: StateReport, *, with_pins: bool) -> str:
@@ -237,37 +264,59 @@ def format_report(report: StateReport, *, with_pins: bool) -> str:
         f"read at {at}",
         "",
     ]
-    rows = [[
-        p.provider, p.model,
-        _of(p.pins, p.max_pins) + (f"+{p.pending_pins}" if p.pending_pins else ""),
-        _of(p.live_leases, p.max_leases),
-        "-" if p.reserved_slots is None else f"{p.reserved_taken}/{p.reserved_slots}",
-        str(p.expired_leases),
-        " ".join(f"{k}={n}" for k, n in p.leases_by_kind.items() if n) or "-",
-    ] for p in report.pairs]
-    lines += _table(["PROVIDER", "MODEL", "PINS", "LEASES", "RESERVED", "EXPIRED", "BY KIND"],
-                    rows)
-    lines.append("(PINS used/max[+pending]; LEASES live/max; RESERVED slots for pinned requests "
-                 "taken/total; EXPIRED not renewed in time, not yet reaped; BY KIND every taken "
-                 "lease)")
+    rows = [
+        [
+            p.provider,
+            p.model,
+            _of(p.pins, p.max_pins) + (f"+{p.pending_pins}" if p.pending_pins else ""),
+            _of(p.live_leases, p.max_leases),
+            "-" if p.reserved_slots is None else f"{p.reserved_taken}/{p.reserved_slots}",
+            str(p.expired_leases),
+            " ".join(f"{k}={n}" for k, n in p.leases_by_kind.items() if n) or "-",
+        ]
+        for p in report.pairs
+    ]
+    lines += _table(["PROVIDER", "MODEL", "PINS", "LEASES", "RESERVED", "EXPIRED", "BY KIND"], rows)
+    lines.append(
+        "(PINS used/max[+pending]; LEASES live/max; RESERVED slots for pinned requests "
+        "taken/total; EXPIRED not renewed in time, not yet reaped; BY KIND every taken "
+        "lease)"
+    )
     mismatched = [p for p in report.pairs if p.max_pins is not None and p.pin_slots_taken != p.pins]
     for p in mismatched:
-        lines.append(f"note: {p.provider}/{p.model} has {p.pin_slots_taken} pin slots taken for "
-                     f"{p.pins} pins (an operation in flight, or one the reaper will repair)")
+        lines.append(
+            f"note: {p.provider}/{p.model} has {p.pin_slots_taken} pin slots taken for "
+            f"{p.pins} pins (an operation in flight, or one the reaper will repair)"
+        )
     busy = [p for p in report.pairs if p.top_sessions]
     if busy:
         lines += ["", "sessions holding the most leases:"]
         for p in busy:
-            users = ", ".join(f"{u.session} {_of(u.leases, p.max_per_session)}"
-                              for u in p.top_sessions)
+            users = ", ".join(
+                f"{u.session} {_of(u.leases, p.max_per_session)}" for u in p.top_sessions
+            )
             lines.append(f"  {p.provider}/{p.model}: {users}")
     if report.unreadable:
         lines += ["", f"{report.unreadable} entries do not follow the routing-state layout"]
     if with_pins:
         lines += ["", f"pins ({len(report.pins)}):"]
         if report.pins:
-            lines += ["  " + line for line in _table(
-                ["SESSION", "MODEL", "PROVIDER", "STATE", "LEASES", "IDLE FOR", "EXPIRES IN"],
-                [[p.session, p.model, p.provider, "pending" if p.pending else "active",
-                  str(p.leases), _ago(p.idle_for), _ago(p.expires_in)] for p in report.pins])]
+            lines += [
+                "  " + line
+                for line in _table(
+                    ["SESSION", "MODEL", "PROVIDER", "STATE", "LEASES", "IDLE FOR", "EXPIRES IN"],
+                    [
+                        [
+                            p.session,
+                            p.model,
+                            p.provider,
+                            "pending" if p.pending else "active",
+                            str(p.leases),
+                            _ago(p.idle_for),
+                            _ago(p.expires_in),
+                        ]
+                        for p in report.pins
+                    ],
+                )
+            ]
     return "\n".join(lines)

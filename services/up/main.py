@@ -64,7 +64,9 @@ def run(args: argparse.Namespace) -> int:
             return 1
         env["LLMGW_NATS__URL"] = nats.url
         version = ".".join(map(str, nats.version or ()))
-        print(f"[nats] nats-server {version} ready on {nats.url} (pid {nats.pid}, store {nats.store_dir})")
+        print(
+            f"[nats] nats-server {version} ready on {nats.url} (pid {nats.pid}, store {nats.store_dir})"
+        )
         sys.stdout.flush()
     try:
         return asyncio.run(_supervise(specs, env, config, args, nats))

@@ -37,7 +37,12 @@ READY_PATTERNS: dict[str, re.Pattern[str]] = {
 }
 _URL_IN_LINE = re.compile(r"\bhttps?://\S+")
 TIER_OF_KIND: dict[str, int] = {
-    "sim-engine": 0, "sim-provider": 0, "admission": 1, "reaper": 1, "scraper": 1, "edge": 2,
+    "sim-engine": 0,
+    "sim-provider": 0,
+    "admission": 1,
+    "reaper": 1,
+    "scraper": 1,
+    "edge": 2,
 }
 
 
@@ -144,5 +149,7 @@ def format_plan(specs: Iterable[ServiceSpec], nats_line: str) -> str:
     lines = [nats_line]
     for spec in specs:
         where = ", ".join(f"{a} ({a.purpose})" for a in spec.listens)
-        lines.append(f"{spec.name:<16} llmgw {' '.join(spec.argv)}" + (f"   # {where}" if where else ""))
+        lines.append(
+            f"{spec.name:<16} llmgw {' '.join(spec.argv)}" + (f"   # {where}" if where else "")
+        )
     return "\n".join(lines)

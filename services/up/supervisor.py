@@ -177,7 +177,9 @@ class ClusterSupervisor:
             )
         except OSError as exc:
             raise StartupError(f"[{child.name}] cannot start {argv[0]}: {exc}") from exc
-        self.say(f"[{child.name}] started pid {child.process.pid}: llmgw {' '.join(child.spec.argv)}")
+        self.say(
+            f"[{child.name}] started pid {child.process.pid}: llmgw {' '.join(child.spec.argv)}"
+        )
         child.pump = asyncio.create_task(self._pump_output(child, child.process))
 
     async def _wait_ready(self, child: _Child) -> str | None:

@@ -18,6 +18,7 @@ from llmgw.config.common import Feature, Name, Slug, StrictModel, fail
 
 # --- models, providers, endpoints -----------------------------------------------------------------
 
+
 class ModelConfig(StrictModel):
     name: Name
     aliases: list[Name] = Field(default_factory=list)
@@ -37,9 +38,15 @@ class Limits(StrictModel):
     def _reserved_within_global(self) -> Limits:
         reserved = self.global_in_flight_request_slots_reserved_for_pinned_sessions
         if reserved > self.max_global_in_flight_request_slots:
-            fail([(("global_in_flight_request_slots_reserved_for_pinned_sessions",),
-                   f"{reserved} reserved slots exceed max_global_in_flight_request_slots "
-                   f"({self.max_global_in_flight_request_slots})")])
+            fail(
+                [
+                    (
+                        ("global_in_flight_request_slots_reserved_for_pinned_sessions",),
+                        f"{reserved} reserved slots exceed max_global_in_flight_request_slots "
+                        f"({self.max_global_in_flight_request_slots})",
+                    )
+                ]
+            )
         return self
 
 
@@ -72,8 +79,12 @@ class ProviderConfig(StrictModel):
         problems: list[tuple[tuple[str | int, ...], str]] = []
         for index, model in enumerate(self.models):
             if model.name in seen:
-                problems.append((("models", index, "name"),
-                                 f"model {model.name!r} listed twice (also models[{seen[model.name]}])"))
+                problems.append(
+                    (
+                        ("models", index, "name"),
+                        f"model {model.name!r} listed twice (also models[{seen[model.name]}])",
+                    )
+                )
             seen.setdefault(model.name, index)
         fail(problems)
         return self
@@ -113,17 +124,21 @@ def _validate_simulate(value: Any) -> Any:
                 loc = loc[1:]
             message = error["msg"]
             if message.startswith("Value error, "):
-                message = message[len("Value error, "):]
+                message = message[len("Value error, ") :]
             if error["type"] == "extra_forbidden":
                 message = "unknown simulator parameter"
             elif error["type"] in ("union_tag_not_found", "union_tag_invalid"):
-                message = 'needs `kind: engine` or `kind: provider`'
+                message = "needs `kind: engine` or `kind: provider`"
                 loc = ("kind",)
             elif error["type"] != "missing" and isinstance(error.get("input"), str | int | float):
                 message += f" (got {error['input']!r})"
-            details.append(InitErrorDetails(
-                type=PydanticCustomError("config", "{message}", {"message": message}),
-                loc=loc, input=None))
+            details.append(
+                InitErrorDetails(
+                    type=PydanticCustomError("config", "{message}", {"message": message}),
+                    loc=loc,
+                    input=None,
+                )
+            )
         raise ValidationError.from_exception_data("simulate", details) from None
 
 
@@ -155,10 +170,16 @@ class EndpointConfig(StrictModel):
         problems: list[tuple[tuple[str | int, ...], str]] = []
         for name in self.upstream_model:
             if name not in self.models:
-                problems.append((("upstream_model", name),
-                                 f"renames {name!r}, which this endpoint does not list in models"))
+                problems.append(
+                    (
+                        ("upstream_model", name),
+                        f"renames {name!r}, which this endpoint does not list in models",
+                    )
+                )
         if self.simulate is not None and parse_http_url(self.url)[2] is None:
-            problems.append((("url",), "an endpoint with `simulate` needs an explicit port in its url"))
+            problems.append(
+                (("url",), "an endpoint with `simulate` needs an explicit port in its url")
+            )
         fail(problems)
         return self
 

@@ -48,7 +48,9 @@ def check_file(
         if issubclass(warning.category, ConfigWarning):
             print(f"{path}: warning: {warning.message}", file=err)
         else:
-            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+            warnings.warn_explicit(
+                warning.message, warning.category, warning.filename, warning.lineno
+            )
     out.write(f"# effective configuration of {path}\n")
     out.write(effective_config_yaml(config))
     return EXIT_OK

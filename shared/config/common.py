@@ -40,4 +40,3 @@ def fail(problems: list[tuple[Location, str]]) -> None:
 
 class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
-

@@ -18,7 +18,14 @@ from typing import Annotated
 from pydantic import BeforeValidator, Field, PlainSerializer
 
 # (multiplier, divisor): dividing for sub-second units keeps "150ms" exactly 0.15.
-_UNIT_SCALE = {"h": (3600, 1), "m": (60, 1), "s": (1, 1), "ms": (1, 1000), "us": (1, 1e6), "µs": (1, 1e6)}
+_UNIT_SCALE = {
+    "h": (3600, 1),
+    "m": (60, 1),
+    "s": (1, 1),
+    "ms": (1, 1000),
+    "us": (1, 1e6),
+    "µs": (1, 1e6),
+}
 _PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ms|us|µs|h|m|s)")
 _NUMBER = re.compile(r"[+]?(\d+(?:\.\d*)?|\.\d+)")
 
@@ -68,7 +75,11 @@ def format_duration(seconds: float) -> str:
         whole = micros // 1_000_000
         hours, rest = divmod(whole, 3600)
         minutes, secs = divmod(rest, 60)
-        parts = [f"{hours}h" if hours else "", f"{minutes}m" if minutes else "", f"{secs}s" if secs else ""]
+        parts = [
+            f"{hours}h" if hours else "",
+            f"{minutes}m" if minutes else "",
+            f"{secs}s" if secs else "",
+        ]
         return "".join(parts)
     if micros < 1_000_000:
         if micros % 1000 == 0:

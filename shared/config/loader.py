@@ -91,7 +91,9 @@ def config_from_dict(
         environ_override.reset(token)
 
 
-def format_validation_error(error: ValidationError, env_values: Mapping[str, Any] | None = None) -> list[str]:
+def format_validation_error(
+    error: ValidationError, env_values: Mapping[str, Any] | None = None
+) -> list[str]:
     """One "field.path: message" string per pydantic error."""
     problems = []
     for item in error.errors():
@@ -115,13 +117,17 @@ def _message(item: Mapping[str, Any], loc: tuple[str | int, ...]) -> str:
     message = str(item["msg"])
     for prefix in ("Value error, ", "Assertion failed, "):
         if message.startswith(prefix):
-            message = message[len(prefix):]
+            message = message[len(prefix) :]
     if kind == "extra_forbidden":
         return _unknown_field_message(loc)
     if kind == "missing":
         return "required field is missing"
     value = item.get("input")
-    if kind != "config" and isinstance(value, str | int | float | bool) and repr(value) not in message:
+    if (
+        kind != "config"
+        and isinstance(value, str | int | float | bool)
+        and repr(value) not in message
+    ):
         message += f" (got {value!r})"
     return message
 
@@ -147,7 +153,11 @@ def _model_at(loc: Sequence[str | int]) -> type[BaseModel] | None:
             current = typing.get_args(current)[0]
         elif origin is dict:
             current = typing.get_args(current)[1]
-        elif isinstance(current, type) and issubclass(current, BaseModel) and part in current.model_fields:
+        elif (
+            isinstance(current, type)
+            and issubclass(current, BaseModel)
+            and part in current.model_fields
+        ):
             current = current.model_fields[str(part)].annotation
         else:
             return None
@@ -177,7 +187,7 @@ def _env_values(environ: Mapping[str, str]) -> Mapping[str, Any]:
 
 
 def _env_origin(loc: tuple[str | int, ...], env_values: Mapping[str, Any]) -> str:
-    """" (from LLMGW_X__Y)" when the value at `loc` came from the environment, else ""."""
+    """ " (from LLMGW_X__Y)" when the value at `loc` came from the environment, else ""."""
     current: Any = env_values
     for depth, part in enumerate(loc):
         if isinstance(current, Mapping) and isinstance(part, str) and part in current:
@@ -209,5 +219,6 @@ def _yaml_problem(exc: yaml.MarkedYAMLError) -> str:
 
 
 def _kind(value: Any) -> str:
-    return {list: "a list", str: "a string", int: "a number", float: "a number"}.get(type(value),
-                                                                                   type(value).__name__)
+    return {list: "a list", str: "a string", int: "a number", float: "a number"}.get(
+        type(value), type(value).__name__
+    )

@@ -29,8 +29,12 @@ def _model_problems(config: Config) -> list[Problem]:
     names: dict[str, int] = {}
     for index, model in enumerate(config.models):
         if model.name in names:
-            problems.append((("models", index, "name"),
-                             f"duplicate model name {model.name!r} (also models[{names[model.name]}])"))
+            problems.append(
+                (
+                    ("models", index, "name"),
+                    f"duplicate model name {model.name!r} (also models[{names[model.name]}])",
+                )
+            )
         names.setdefault(model.name, index)
     owners: dict[str, int] = {}
     for index, model in enumerate(config.models):
@@ -39,7 +43,9 @@ def _model_problems(config: Config) -> list[Problem]:
             if alias in names:
                 problems.append((where, f"alias {alias!r} is already a model name"))
             elif alias in owners:
-                problems.append((where, f"alias {alias!r} is already used by models[{owners[alias]}]"))
+                problems.append(
+                    (where, f"alias {alias!r} is already used by models[{owners[alias]}]")
+                )
             owners.setdefault(alias, index)
     known = set(names) | set(owners)
     for index, model in enumerate(config.models):
@@ -56,12 +62,20 @@ def _profile_problems(config: Config) -> list[Problem]:
     problems: list[Problem] = []
     known = ", ".join(config.profiles)
     if config.router.default_profile not in config.profiles:
-        problems.append((("router", "default_profile"),
-                         f"unknown profile {config.router.default_profile!r}; known profiles: {known}"))
+        problems.append(
+            (
+                ("router", "default_profile"),
+                f"unknown profile {config.router.default_profile!r}; known profiles: {known}",
+            )
+        )
     for index, model in enumerate(config.models):
         if model.routing_profile is not None and model.routing_profile not in config.profiles:
-            problems.append((("models", index, "routing_profile"),
-                             f"unknown profile {model.routing_profile!r}; known profiles: {known}"))
+            problems.append(
+                (
+                    ("models", index, "routing_profile"),
+                    f"unknown profile {model.routing_profile!r}; known profiles: {known}",
+                )
+            )
     return problems
 
 
@@ -72,23 +86,40 @@ def _provider_problems(config: Config) -> list[Problem]:
     ids: dict[str, int] = {}
     for index, provider in enumerate(config.providers):
         if provider.id in ids:
-            problems.append((("providers", index, "id"),
-                             f"duplicate provider id {provider.id!r} (also providers[{ids[provider.id]}])"))
+            problems.append(
+                (
+                    ("providers", index, "id"),
+                    f"duplicate provider id {provider.id!r} (also providers[{ids[provider.id]}])",
+                )
+            )
         ids.setdefault(provider.id, index)
         for model_index, model in enumerate(provider.models):
             where = ("providers", index, "models", model_index, "name")
             if model.name in aliases:
-                problems.append((where, f"{model.name!r} is an alias; use the model name "
-                                        f"{aliases[model.name]!r}"))
+                problems.append(
+                    (
+                        where,
+                        f"{model.name!r} is an alias; use the model name {aliases[model.name]!r}",
+                    )
+                )
             elif model.name not in model_names:
-                problems.append((where, f"unknown model {model.name!r}; configured models: "
-                                        f"{', '.join(sorted(model_names))}"))
+                problems.append(
+                    (
+                        where,
+                        f"unknown model {model.name!r}; configured models: "
+                        f"{', '.join(sorted(model_names))}",
+                    )
+                )
     served = {(e.provider, name) for e in config.endpoints for name in e.models}
     for index, provider in enumerate(config.providers):
         for model_index, model in enumerate(provider.models):
             if model.name in model_names and (provider.id, model.name) not in served:
-                problems.append((("providers", index, "models", model_index, "name"),
-                                 f"no endpoint of provider {provider.id!r} serves model {model.name!r}"))
+                problems.append(
+                    (
+                        ("providers", index, "models", model_index, "name"),
+                        f"no endpoint of provider {provider.id!r} serves model {model.name!r}",
+                    )
+                )
     return problems
 
 
@@ -100,18 +131,28 @@ def _endpoint_problems(config: Config) -> list[Problem]:
     ids: dict[str, int] = {}
     for index, endpoint in enumerate(config.endpoints):
         if endpoint.id in ids:
-            problems.append((("endpoints", index, "id"),
-                             f"duplicate endpoint id {endpoint.id!r} (also endpoints[{ids[endpoint.id]}])"))
+            problems.append(
+                (
+                    ("endpoints", index, "id"),
+                    f"duplicate endpoint id {endpoint.id!r} (also endpoints[{ids[endpoint.id]}])",
+                )
+            )
         ids.setdefault(endpoint.id, index)
         provider = providers.get(endpoint.provider)
         if provider is None:
-            problems.append((("endpoints", index, "provider"),
-                             f"unknown provider {endpoint.provider!r}; known providers: "
-                             f"{', '.join(providers)}"))
+            problems.append(
+                (
+                    ("endpoints", index, "provider"),
+                    f"unknown provider {endpoint.provider!r}; known providers: "
+                    f"{', '.join(providers)}",
+                )
+            )
         for model_index, name in enumerate(endpoint.models):
             where = ("endpoints", index, "models", model_index)
             if name in aliases:
-                problems.append((where, f"{name!r} is an alias; use the model name {aliases[name]!r}"))
+                problems.append(
+                    (where, f"{name!r} is an alias; use the model name {aliases[name]!r}")
+                )
             elif name not in model_names:
                 problems.append((where, f"unknown model {name!r}"))
             elif provider is not None and provider.model(name) is None:

@@ -80,7 +80,9 @@ ENV_NESTED_DELIMITER = "__"
 
 # The environment the settings sources read; `None` means os.environ. Set only by the loader, for the
 # duration of one construction, so tests can pass an explicit mapping without touching os.environ.
-environ_override: ContextVar[Mapping[str, str] | None] = ContextVar("llmgw_config_environ", default=None)
+environ_override: ContextVar[Mapping[str, str] | None] = ContextVar(
+    "llmgw_config_environ", default=None
+)
 
 
 class MappingEnvSource(EnvSettingsSource):
@@ -216,7 +218,9 @@ class Config(BaseSettings):
     def endpoints_for(self, provider_id: str, model: str) -> list[EndpointConfig]:
         """Endpoints of a provider serving a model (name or alias), highest priority first."""
         canonical = self.resolve_model(model) or model
-        matching = [e for e in self.endpoints if e.provider == provider_id and canonical in e.models]
+        matching = [
+            e for e in self.endpoints if e.provider == provider_id and canonical in e.models
+        ]
         return sorted(matching, key=lambda e: -e.priority)
 
     def endpoint(self, endpoint_id: str) -> EndpointConfig:

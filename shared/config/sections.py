@@ -21,6 +21,7 @@ from llmgw.config.durations import Duration, PositiveDuration
 
 # --- NATS -----------------------------------------------------------------------------------------
 
+
 class NatsTls(StrictModel):
     ca_file: str | None = None
     cert_file: str | None = None
@@ -73,6 +74,7 @@ class NatsConfig(StrictModel):
 
 
 # --- router, timeouts, profiles -------------------------------------------------------------------
+
 
 class RouterConfig(StrictModel):
     scrape_interval: PositiveDuration = 2.0
@@ -139,6 +141,7 @@ def default_profiles() -> dict[str, dict[str, Any]]:
 
 # --- admission, scoring, pinning, balancer --------------------------------------------------------
 
+
 class Band(StrictModel):
     """A priority band. `overflow`: when the managed pool is above this band's ceiling, run the
     request on an unlimited (third-party) provider at once instead of waiting in the queue."""
@@ -174,16 +177,29 @@ class AdmissionConfig(StrictModel):
         priorities: dict[int, int] = {}
         for index, band in enumerate(self.bands):
             if band.name in names:
-                problems.append((("bands", index, "name"), f"duplicate band name {band.name!r} "
-                                 f"(also bands[{names[band.name]}])"))
+                problems.append(
+                    (
+                        ("bands", index, "name"),
+                        f"duplicate band name {band.name!r} (also bands[{names[band.name]}])",
+                    )
+                )
             names.setdefault(band.name, index)
             if band.priority in priorities:
-                problems.append((("bands", index, "priority"), f"duplicate band priority {band.priority} "
-                                 f"(also bands[{priorities[band.priority]}])"))
+                problems.append(
+                    (
+                        ("bands", index, "priority"),
+                        f"duplicate band priority {band.priority} "
+                        f"(also bands[{priorities[band.priority]}])",
+                    )
+                )
             priorities.setdefault(band.priority, index)
         if self.default_band not in names:
-            problems.append((("default_band",), f"unknown band {self.default_band!r}; "
-                             f"known bands: {', '.join(names)}"))
+            problems.append(
+                (
+                    ("default_band",),
+                    f"unknown band {self.default_band!r}; known bands: {', '.join(names)}",
+                )
+            )
         fail(problems)
         return self
 
@@ -223,9 +239,17 @@ class BalancerConfig(StrictModel):
     @classmethod
     def _warn_extreme_greediness(cls, value: float) -> float:
         if value < 0.2:
-            warnings.warn(f"balancer.greediness {value} is below 0.2: the balancer behaves as unordered "
-                          "round-robin", ConfigWarning, stacklevel=2)
+            warnings.warn(
+                f"balancer.greediness {value} is below 0.2: the balancer behaves as unordered "
+                "round-robin",
+                ConfigWarning,
+                stacklevel=2,
+            )
         elif value > 0.95:
-            warnings.warn(f"balancer.greediness {value} is above 0.95: the balancer may stick to a local "
-                          "maximum", ConfigWarning, stacklevel=2)
+            warnings.warn(
+                f"balancer.greediness {value} is above 0.95: the balancer may stick to a local "
+                "maximum",
+                ConfigWarning,
+                stacklevel=2,
+            )
         return value

@@ -35,8 +35,12 @@ def _point(text: str) -> int:
 class HashRing:
     """Points of the replicas on a 64-bit ring; replicas keep their points whatever else changes."""
 
-    def __init__(self, replicas: Mapping[str, float] | Sequence[str], *,
-                 virtual_nodes: int = DEFAULT_VIRTUAL_NODES) -> None:
+    def __init__(
+        self,
+        replicas: Mapping[str, float] | Sequence[str],
+        *,
+        virtual_nodes: int = DEFAULT_VIRTUAL_NODES,
+    ) -> None:
         weights = dict(replicas) if isinstance(replicas, Mapping) else dict.fromkeys(replicas, 1.0)
         if not weights:
             raise ValueError("a ring needs at least one replica")
@@ -63,8 +67,13 @@ class HashRing:
         return list(seen)
 
 
-def bounded_load_choice(ring: HashRing, key: str, loads: Mapping[str, int], load_factor: float,
-                        candidates: Sequence[str] | None = None) -> str | None:
+def bounded_load_choice(
+    ring: HashRing,
+    key: str,
+    loads: Mapping[str, int],
+    load_factor: float,
+    candidates: Sequence[str] | None = None,
+) -> str | None:
     """The replica for ``key``: first on its walk with room under the bound; None if no candidate.
 
     ``loads``: requests each replica holds now (absent: 0). ``candidates``: the replicas that

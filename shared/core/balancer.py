@@ -65,10 +65,12 @@ class BalancerSettings:
     def __post_init__(self) -> None:
         if not (math.isfinite(self.window) and self.window >= 0):
             raise ValueError(f"window must be a finite number >= 0, got {self.window}")
-        if not (math.isfinite(self.input_to_output_token_ratio)
-                and self.input_to_output_token_ratio > 0):
-            raise ValueError("input_to_output_token_ratio must be > 0, "
-                             f"got {self.input_to_output_token_ratio}")
+        if not (
+            math.isfinite(self.input_to_output_token_ratio) and self.input_to_output_token_ratio > 0
+        ):
+            raise ValueError(
+                f"input_to_output_token_ratio must be > 0, got {self.input_to_output_token_ratio}"
+            )
         if not 0 <= self.greediness <= 1:
             raise ValueError(f"greediness must be between 0 and 1, got {self.greediness}")
 

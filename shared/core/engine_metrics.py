@@ -232,22 +232,22 @@ def _parse_labels(line: str, position: int) -> tuple[dict[str, str], int]:
     labels: dict[str, str] = {}
     while True:
         position = _skip_blanks(line, position)
-        if line[position:position + 1] == "}":
+        if line[position : position + 1] == "}":
             return labels, position + 1
         match = _LABEL_NAME.match(line, position)
         if match is None:
             raise MetricsFormatError("expected a label name")
         position = _skip_blanks(line, match.end())
-        if line[position:position + 1] != "=":
-            raise MetricsFormatError(f"expected =\"...\" after label {match.group()}")
+        if line[position : position + 1] != "=":
+            raise MetricsFormatError(f'expected ="..." after label {match.group()}')
         position = _skip_blanks(line, position + 1)
-        if line[position:position + 1] != '"':
-            raise MetricsFormatError(f"expected =\"...\" after label {match.group()}")
+        if line[position : position + 1] != '"':
+            raise MetricsFormatError(f'expected ="..." after label {match.group()}')
         labels[match.group()], position = _parse_label_value(line, position + 1)
         position = _skip_blanks(line, position)
-        if line[position:position + 1] == ",":
+        if line[position : position + 1] == ",":
             position += 1
-        elif line[position:position + 1] != "}":
+        elif line[position : position + 1] != "}":
             raise MetricsFormatError("expected , or } after a label")
 
 
@@ -265,7 +265,7 @@ def _parse_label_value(line: str, position: int) -> tuple[str, int]:
         if char == '"':
             return "".join(chars), position + 1
         if char == "\\":
-            escaped = line[position + 1:position + 2]
+            escaped = line[position + 1 : position + 2]
             if escaped not in _ESCAPES:
                 raise MetricsFormatError(f"invalid escape \\{escaped} in a label value")
             chars.append(_ESCAPES[escaped])

@@ -295,7 +295,9 @@ class FlowQueues:
             del self._rotation[key]
         return None
 
-    def take_matching(self, model: str, band: str, wanted: Callable[[Waiter], bool]) -> list[Waiter]:
+    def take_matching(
+        self, model: str, band: str, wanted: Callable[[Waiter], bool]
+    ) -> list[Waiter]:
         """Remove and return every live waiter of (model, band) that `wanted` accepts, in
         rotation order; the others keep their places."""
         taken = []

@@ -262,8 +262,9 @@ def _decode(what: str, raw: bytes) -> dict[str, Any]:
     return obj
 
 
-def _field(what: str, obj: Mapping[str, Any], name: str, types: tuple[type, ...],
-           *, nullable: bool = False) -> Any:
+def _field(
+    what: str, obj: Mapping[str, Any], name: str, types: tuple[type, ...], *, nullable: bool = False
+) -> Any:
     if name not in obj:
         raise ValueFormatError(f"{what}: field {name!r} is missing")
     value = obj[name]
@@ -285,7 +286,9 @@ def _state(what: str, obj: Mapping[str, Any]) -> SlotState:
     try:
         return SlotState(raw)
     except ValueError:
-        raise ValueFormatError(f"{what}: field 'state': expected 'free' or 'taken', got {raw!r}") from None
+        raise ValueFormatError(
+            f"{what}: field 'state': expected 'free' or 'taken', got {raw!r}"
+        ) from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -332,18 +335,20 @@ class PinValue:
         return replace(self, refreshed_at=max(self.refreshed_at, now))
 
     def to_json(self) -> bytes:
-        return _encode({
-            "v": VALUE_VERSION,
-            "pin_id": self.pin_id,
-            "provider": self.provider,
-            "model": self.model,
-            "session": self.session,
-            "pin_slot": self.pin_slot,
-            "leases": dict(self.leases),
-            "refreshed_at": self.refreshed_at,
-            **({"pending": True} if self.pending else {}),
-            **({"replaces": self.replaces} if self.replaces else {}),
-        })
+        return _encode(
+            {
+                "v": VALUE_VERSION,
+                "pin_id": self.pin_id,
+                "provider": self.provider,
+                "model": self.model,
+                "session": self.session,
+                "pin_slot": self.pin_slot,
+                "leases": dict(self.leases),
+                "refreshed_at": self.refreshed_at,
+                **({"pending": True} if self.pending else {}),
+                **({"replaces": self.replaces} if self.replaces else {}),
+            }
+        )
 
     @classmethod
     def from_json(cls, raw: bytes) -> PinValue:
@@ -351,7 +356,9 @@ class PinValue:
         obj = _decode(what, raw)
         leases = _field(what, obj, "leases", (dict,))
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in leases.items()):
-            raise ValueFormatError(f"{what}: field 'leases': expected an object of string -> string")
+            raise ValueFormatError(
+                f"{what}: field 'leases': expected an object of string -> string"
+            )
         pin_slot = _field(what, obj, "pin_slot", (int,), nullable=True)
         pending = obj.get("pending", False)
         if not isinstance(pending, bool):
@@ -396,10 +403,15 @@ class PinSlotValue:
     def to_json(self) -> bytes:
         if not self.is_taken:
             return _encode({"v": VALUE_VERSION, "state": SlotState.FREE.value})
-        return _encode({
-            "v": VALUE_VERSION, "state": SlotState.TAKEN.value,
-            "session": self.session, "pin_id": self.pin_id, "at": self.at,
-        })
+        return _encode(
+            {
+                "v": VALUE_VERSION,
+                "state": SlotState.TAKEN.value,
+                "session": self.session,
+                "pin_id": self.pin_id,
+                "at": self.at,
+            }
+        )
 
     @classmethod
     def from_json(cls, raw: bytes) -> PinSlotValue:
@@ -435,10 +447,26 @@ class LeaseSlotValue:
         return cls(SlotState.FREE)
 
     @classmethod
-    def taken(cls, lease_id: str, kind: LeaseKind, *, session: str | None, pin_id: str | None,
-              edge_id: str, granted_at: float) -> LeaseSlotValue:
-        return cls(SlotState.TAKEN, lease_id=lease_id, kind=LeaseKind(kind), session=session,
-                   pin_id=pin_id, edge_id=edge_id, granted_at=granted_at, renewed_at=granted_at)
+    def taken(
+        cls,
+        lease_id: str,
+        kind: LeaseKind,
+        *,
+        session: str | None,
+        pin_id: str | None,
+        edge_id: str,
+        granted_at: float,
+    ) -> LeaseSlotValue:
+        return cls(
+            SlotState.TAKEN,
+            lease_id=lease_id,
+            kind=LeaseKind(kind),
+            session=session,
+            pin_id=pin_id,
+            edge_id=edge_id,
+            granted_at=granted_at,
+            renewed_at=granted_at,
+        )
 
     @property
     def is_taken(self) -> bool:
@@ -447,8 +475,16 @@ class LeaseSlotValue:
     def renewed(self, now: float) -> LeaseSlotValue:
         if not self.is_taken:
             raise ValueError("a free slot cannot be renewed")
-        return LeaseSlotValue(SlotState.TAKEN, self.lease_id, self.kind, self.session,
-                              self.pin_id, self.edge_id, self.granted_at, now)
+        return LeaseSlotValue(
+            SlotState.TAKEN,
+            self.lease_id,
+            self.kind,
+            self.session,
+            self.pin_id,
+            self.edge_id,
+            self.granted_at,
+            now,
+        )
 
     def expires_at(self, lease_timeout: float) -> float:
         """The instant the lease stops being live; -inf for a free slot."""
@@ -462,13 +498,19 @@ class LeaseSlotValue:
     def to_json(self) -> bytes:
         if not self.is_taken:
             return _encode({"v": VALUE_VERSION, "state": SlotState.FREE.value})
-        return _encode({
-            "v": VALUE_VERSION, "state": SlotState.TAKEN.value,
-            "lease_id": self.lease_id,
-            "kind": None if self.kind is None else str(self.kind),
-            "session": self.session, "pin_id": self.pin_id, "edge_id": self.edge_id,
-            "granted_at": self.granted_at, "renewed_at": self.renewed_at,
-        })
+        return _encode(
+            {
+                "v": VALUE_VERSION,
+                "state": SlotState.TAKEN.value,
+                "lease_id": self.lease_id,
+                "kind": None if self.kind is None else str(self.kind),
+                "session": self.session,
+                "pin_id": self.pin_id,
+                "edge_id": self.edge_id,
+                "granted_at": self.granted_at,
+                "renewed_at": self.renewed_at,
+            }
+        )
 
     @classmethod
     def from_json(cls, raw: bytes) -> LeaseSlotValue:
@@ -481,8 +523,9 @@ class LeaseSlotValue:
             kind = LeaseKind(kind_raw)
         except ValueError:
             allowed = ", ".join(repr(k.value) for k in LeaseKind)
-            raise ValueFormatError(f"{what}: field 'kind': expected one of {allowed}, "
-                                   f"got {kind_raw!r}") from None
+            raise ValueFormatError(
+                f"{what}: field 'kind': expected one of {allowed}, got {kind_raw!r}"
+            ) from None
         return cls(
             SlotState.TAKEN,
             lease_id=_field(what, obj, "lease_id", (str,)),

@@ -157,8 +157,16 @@ class Lease:
 
     def slot_value(self) -> LeaseSlotValue:
         """The value stored under `key` while this lease holds it."""
-        return LeaseSlotValue(SlotState.TAKEN, self.lease_id, self.kind, self.session,
-                              self.pin_id, self.edge_id, self.granted_at, self.renewed_at)
+        return LeaseSlotValue(
+            SlotState.TAKEN,
+            self.lease_id,
+            self.kind,
+            self.session,
+            self.pin_id,
+            self.edge_id,
+            self.granted_at,
+            self.renewed_at,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,8 +257,9 @@ def lease_slot_ranges(limits: PairLimits, kind: LeaseKind) -> tuple[range, ...]:
 _PROBES = 8  # random probes before scanning: cheap while many slots are free
 
 
-def choose_slot(taken: AbstractSet[int], slots: range, tried: AbstractSet[int],
-                rng: RandomSource) -> int | None:
+def choose_slot(
+    taken: AbstractSet[int], slots: range, tried: AbstractSet[int], rng: RandomSource
+) -> int | None:
     """A uniformly random index of `slots` that is neither taken nor tried; None if none is.
 
     Random choice spreads concurrent instances over different keys, so their CAS writes rarely

@@ -61,5 +61,7 @@ ERROR_SHAPES: dict[Outcome, ErrorShape] = {
     # client should slow down for (429, what OpenAI clients retry with backoff); a request that
     # waited queue_ttl found the service overloaded (503). Both carry Retry-After.
     Outcome.QUEUE_FULL: ErrorShape(429, "rate_limit_error", "queue_full", retry_after=True),
-    Outcome.QUEUE_TIMEOUT: ErrorShape(503, "service_unavailable", "queue_timeout", retry_after=True),
+    Outcome.QUEUE_TIMEOUT: ErrorShape(
+        503, "service_unavailable", "queue_timeout", retry_after=True
+    ),
 }

@@ -48,7 +48,13 @@ class RoutingStatePort(Protocol):
     ) -> Admission: ...
 
     async def try_compare_and_swap_pin_and_admit_request(
-        self, expected_pin: Pin, model: str, session: str, provider: str, *, edge_id: str | None = None
+        self,
+        expected_pin: Pin,
+        model: str,
+        session: str,
+        provider: str,
+        *,
+        edge_id: str | None = None,
     ) -> RepinResult: ...
 
     async def try_admit_request_without_pin(
@@ -99,7 +105,9 @@ class Placement:
 
 class Rejection(enum.StrEnum):
     UNSUPPORTED = "unsupported"  # no provider serves (model, feature)
-    UNAVAILABLE = "unavailable"  # every suitable provider is degraded or full, or routing kept racing
+    UNAVAILABLE = (
+        "unavailable"  # every suitable provider is degraded or full, or routing kept racing
+    )
 
 
 class _Retry:
@@ -133,7 +141,9 @@ class PinningRouter:
     async def place(
         self, model: str, feature: Feature, session: str | None, *, edge_id: str | None = None
     ) -> Outcome:
-        if not any(self.catalog.supports(p, model, feature) for p in self.catalog.in_priority_order()):
+        if not any(
+            self.catalog.supports(p, model, feature) for p in self.catalog.in_priority_order()
+        ):
             return Rejection.UNSUPPORTED
         if session is None:
             return await self._temporary_fallback(model, feature, None, edge_id, Route.UNPINNED)
@@ -213,7 +223,9 @@ class PinningRouter:
             AdmissionResult.GLOBAL_IN_FLIGHT_REQUEST_LIMIT_REACHED,
         ):
             # A capacity spike must not destroy the pin: run elsewhere this once.
-            return await self._temporary_fallback(model, feature, pin.provider, edge_id, Route.TEMPORARY)
+            return await self._temporary_fallback(
+                model, feature, pin.provider, edge_id, Route.TEMPORARY
+            )
         if admission.result is AdmissionResult.ADMITTED:
             return Placement(pin.provider, Route.PINNED, admission.lease, True, admission.pin)
         return Rejection.UNAVAILABLE
@@ -232,7 +244,12 @@ class PinningRouter:
             admission = result.admission
             if admission.result is AdmissionResult.ADMITTED:
                 return Placement(
-                    provider, Route.REPINNED, admission.lease, True, admission.pin, moved_from=current
+                    provider,
+                    Route.REPINNED,
+                    admission.lease,
+                    True,
+                    admission.pin,
+                    moved_from=current,
                 )
             if admission.result is AdmissionResult.ALREADY_PINNED:
                 return RETRY

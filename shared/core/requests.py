@@ -73,7 +73,9 @@ _COMMON: dict[str, _Check] = {
     "seed": (_is_int, "an integer"),
     "user": (lambda v: isinstance(v, str), "a string"),
     "stop": (
-        lambda v: isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v)),
+        lambda v: (
+            isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v))
+        ),
         "a string or a list of strings",
     ),
     "logprobs": (lambda v: isinstance(v, bool | int), "a boolean"),
@@ -109,7 +111,9 @@ def decode_json_object(raw: bytes) -> dict[str, Any]:
     except UnicodeDecodeError:
         raise InvalidRequest("The request body is not valid UTF-8 JSON.") from None
     except json.JSONDecodeError as exc:
-        raise InvalidRequest(f"The request body is not valid JSON: {exc.msg} at position {exc.pos}.") from None
+        raise InvalidRequest(
+            f"The request body is not valid JSON: {exc.msg} at position {exc.pos}."
+        ) from None
     except RecursionError:
         raise InvalidRequest("The request body is nested too deeply.") from None
     if not isinstance(body, dict):
@@ -131,7 +135,8 @@ def _check_messages(messages: object) -> None:
         content = message.get("content")
         if content is not None and not isinstance(content, str | list):
             raise InvalidRequest(
-                f"'{param}.content' must be a string or a list of content parts.", f"{param}.content"
+                f"'{param}.content' must be a string or a list of content parts.",
+                f"{param}.content",
             )
 
 

@@ -68,8 +68,9 @@ class SaturationSettings:
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{field_name} must be a finite number > 0, got {value}")
         if self.kv_ceiling > 1:
-            raise ValueError(f"kv_ceiling must be <= 1 (a fraction of the cache), "
-                             f"got {self.kv_ceiling}")
+            raise ValueError(
+                f"kv_ceiling must be <= 1 (a fraction of the cache), got {self.kv_ceiling}"
+            )
 
 
 @dataclass(frozen=True, slots=True)

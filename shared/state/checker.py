@@ -80,8 +80,9 @@ class Violation:
 
 
 class _Replay:
-    def __init__(self, limits_by_pm: Mapping[tuple[str, str], PairLimits | None],
-                 lease_timeout: float) -> None:
+    def __init__(
+        self, limits_by_pm: Mapping[tuple[str, str], PairLimits | None], lease_timeout: float
+    ) -> None:
         self.limits: dict[tuple[str, str], PairLimits | None] = {}
         self.model_names: dict[str, str] = {}
         for (provider, model), limits in limits_by_pm.items():
@@ -104,7 +105,8 @@ class _Replay:
     def report(self, invariant: str, message: str, key: str | None = None) -> None:
         assert self.entry is not None
         self.violations.append(
-            Violation(invariant, key or self.entry.key, self.entry.revision, message))
+            Violation(invariant, key or self.entry.key, self.entry.revision, message)
+        )
 
     def pair(self, provider: str, mk: str) -> str:
         return f"{provider}/{self.model_names.get(mk, mk)}"
@@ -130,8 +132,11 @@ class _Replay:
     def apply(self, entry: KVEntry) -> None:
         self.entry = entry
         if entry.revision <= self.last_revision:
-            self.report("order", f"revision {entry.revision} does not follow "
-                                 f"{self.last_revision}: not one bucket's history in order")
+            self.report(
+                "order",
+                f"revision {entry.revision} does not follow "
+                f"{self.last_revision}: not one bucket's history in order",
+            )
         self.last_revision = max(self.last_revision, entry.revision)
         if entry.key.split(".", 1)[0] not in _ROUTING_NAMESPACES:
             return
@@ -177,10 +182,16 @@ class _Replay:
         key = self.entry.key if self.entry else ""
         if isinstance(parsed, PinKey):
             if isinstance(previous, PinValue) and previous.leases:
-                live = [lease_id for lease_id, lease_key in sorted(previous.leases.items())
-                        if self.lease_is_live(lease_key, lease_id)]
-                self.report("I-expiry", f"pin {previous.pin_id} deleted while listing leases "
-                            f"{sorted(previous.leases)}; live among them: {live or 'none'}")
+                live = [
+                    lease_id
+                    for lease_id, lease_key in sorted(previous.leases.items())
+                    if self.lease_is_live(lease_key, lease_id)
+                ]
+                self.report(
+                    "I-expiry",
+                    f"pin {previous.pin_id} deleted while listing leases "
+                    f"{sorted(previous.leases)}; live among them: {live or 'none'}",
+                )
         elif isinstance(parsed, PinSlotKey | LeaseSlotKey):
             self.report("layout", "slot key deleted: slots are freed (state free), never deleted")
             if isinstance(parsed, PinSlotKey) and isinstance(previous, PinSlotValue):
@@ -196,8 +207,10 @@ class _Replay:
     def on_pin(self, parsed: PinKey, pin: PinValue) -> None:
         key = parsed.key
         if pin.session != parsed.session or pin.mk != parsed.mk:
-            self.report("layout", f"pin value names session {pin.session!r} / model "
-                                  f"{pin.model!r}, not the key's")
+            self.report(
+                "layout",
+                f"pin value names session {pin.session!r} / model {pin.model!r}, not the key's",
+            )
         pm = (pin.provider, parsed.mk)
         self.pin_keys_by_id[pin.pin_id] = key
         if pin.pending:
@@ -215,33 +228,48 @@ class _Replay:
             return
         max_per_session = limits.max_per_session_in_flight_request_slots
         if len(pin.leases) > max_per_session:
-            self.report("I2c", f"pin {pin.pin_id} lists {len(pin.leases)} leases > "
-                               f"max_per_session_in_flight_request_slots {max_per_session} "
-                               f"of {self.pair(*pm)}")
+            self.report(
+                "I2c",
+                f"pin {pin.pin_id} lists {len(pin.leases)} leases > "
+                f"max_per_session_in_flight_request_slots {max_per_session} "
+                f"of {self.pair(*pm)}",
+            )
         max_pins = limits.max_pinned_sessions
         if len(self.live_pins[pm]) > max_pins:
-            self.report("I2d", f"{len(self.live_pins[pm])} live pins on {self.pair(*pm)} > "
-                               f"max_pinned_sessions {max_pins}")
+            self.report(
+                "I2d",
+                f"{len(self.live_pins[pm])} live pins on {self.pair(*pm)} > "
+                f"max_pinned_sessions {max_pins}",
+            )
         if pin.pin_slot is None:
-            self.report("I2d", f"pin {pin.pin_id} of {self.pair(*pm)} (a pair with limits) "
-                               "holds no pin slot")
+            self.report(
+                "I2d",
+                f"pin {pin.pin_id} of {self.pair(*pm)} (a pair with limits) holds no pin slot",
+            )
             return
         slot_key = pin_slot_key(pin.provider, parsed.mk, pin.pin_slot)
         held = self.state.get(slot_key)
         slot = held[1] if held else None
         if not (isinstance(slot, PinSlotValue) and slot.is_taken and slot.pin_id == pin.pin_id):
-            owner = "free or missing" if not (isinstance(slot, PinSlotValue) and slot.is_taken) \
+            owner = (
+                "free or missing"
+                if not (isinstance(slot, PinSlotValue) and slot.is_taken)
                 else f"taken by pin {slot.pin_id}"
+            )
             self.report("I2d", f"pin {pin.pin_id} claims pin slot {slot_key}, which is {owner}")
 
-    def on_pin_slot(self, parsed: PinSlotKey, slot: PinSlotValue,
-                    previous: RoutingValue | None) -> None:
+    def on_pin_slot(
+        self, parsed: PinSlotKey, slot: PinSlotValue, previous: RoutingValue | None
+    ) -> None:
         key = parsed.key
         pm = (parsed.provider, parsed.mk)
         if isinstance(previous, PinSlotValue) and previous.is_taken:
             if slot.is_taken and slot.pin_id != previous.pin_id:
-                self.report("double-grant", f"pin slot taken by pin {previous.pin_id} "
-                                            f"overwritten by pin {slot.pin_id} without being freed")
+                self.report(
+                    "double-grant",
+                    f"pin slot taken by pin {previous.pin_id} "
+                    f"overwritten by pin {slot.pin_id} without being freed",
+                )
             if not slot.is_taken or slot.pin_id != previous.pin_id:
                 self.check_pin_slot_released(key, previous)
         if not slot.is_taken:
@@ -255,11 +283,17 @@ class _Replay:
             return
         max_pins = limits.max_pinned_sessions
         if parsed.index >= max_pins:
-            self.report("I2d", f"pin slot index {parsed.index} >= max_pinned_sessions "
-                               f"{max_pins} of {self.pair(*pm)}")
+            self.report(
+                "I2d",
+                f"pin slot index {parsed.index} >= max_pinned_sessions "
+                f"{max_pins} of {self.pair(*pm)}",
+            )
         if len(self.taken_pslots[pm]) > max_pins:
-            self.report("I2d", f"{len(self.taken_pslots[pm])} taken pin slots on "
-                               f"{self.pair(*pm)} > max_pinned_sessions {max_pins}")
+            self.report(
+                "I2d",
+                f"{len(self.taken_pslots[pm])} taken pin slots on "
+                f"{self.pair(*pm)} > max_pinned_sessions {max_pins}",
+            )
 
     def check_pin_slot_released(self, key: str, previous: PinSlotValue) -> None:
         """A pin slot stopped naming a pin: that pin must not be live and claiming it."""
@@ -268,24 +302,45 @@ class _Replay:
         if held is None:
             return
         parsed, value = held
-        if (isinstance(value, PinValue) and value.pin_id == previous.pin_id
-                and value.pin_slot is not None
-                and pin_slot_key(value.provider, parsed.mk, value.pin_slot) == key):
-            self.report("I2d", f"pin slot of pin {previous.pin_id} released while that pin "
-                               f"({pin_key_}) is live and claims it")
+        if (
+            isinstance(value, PinValue)
+            and value.pin_id == previous.pin_id
+            and value.pin_slot is not None
+            and pin_slot_key(value.provider, parsed.mk, value.pin_slot) == key
+        ):
+            self.report(
+                "I2d",
+                f"pin slot of pin {previous.pin_id} released while that pin "
+                f"({pin_key_}) is live and claims it",
+            )
 
-    def on_lease(self, parsed: LeaseSlotKey | UnlimitedLeaseKey, lease: LeaseSlotValue,
-                 previous: RoutingValue | None) -> None:
+    def on_lease(
+        self,
+        parsed: LeaseSlotKey | UnlimitedLeaseKey,
+        lease: LeaseSlotValue,
+        previous: RoutingValue | None,
+    ) -> None:
         key = parsed.key
         pm = (parsed.provider, parsed.mk)
         if isinstance(parsed, UnlimitedLeaseKey) and (
-                not lease.is_taken or lease.lease_id != parsed.lease_id):
-            self.report("layout", f"lease record must be taken by lease {parsed.lease_id}, "
-                                  f"found state {lease.state} lease {lease.lease_id}")
-        if isinstance(previous, LeaseSlotValue) and previous.is_taken and lease.is_taken \
-                and lease.lease_id != previous.lease_id:
-            self.report("double-grant", f"slot held by lease {previous.lease_id} overwritten "
-                                        f"by lease {lease.lease_id} without being freed")
+            not lease.is_taken or lease.lease_id != parsed.lease_id
+        ):
+            self.report(
+                "layout",
+                f"lease record must be taken by lease {parsed.lease_id}, "
+                f"found state {lease.state} lease {lease.lease_id}",
+            )
+        if (
+            isinstance(previous, LeaseSlotValue)
+            and previous.is_taken
+            and lease.is_taken
+            and lease.lease_id != previous.lease_id
+        ):
+            self.report(
+                "double-grant",
+                f"slot held by lease {previous.lease_id} overwritten "
+                f"by lease {lease.lease_id} without being freed",
+            )
         if not lease.is_taken:
             return
         self.taken_leases[pm].add(key)
@@ -294,26 +349,38 @@ class _Replay:
         limits = self.limits_of(*pm)
         if limits is None:
             if isinstance(parsed, LeaseSlotKey):
-                self.report("layout", f"indexed lease slot on {self.pair(*pm)}, "
-                                      "a pair without limits")
+                self.report(
+                    "layout", f"indexed lease slot on {self.pair(*pm)}, a pair without limits"
+                )
             return
         if isinstance(parsed, UnlimitedLeaseKey):
-            self.report("layout", f"per-lease record on {self.pair(*pm)}, a pair with limits "
-                                  "(bypasses its slots)")
+            self.report(
+                "layout",
+                f"per-lease record on {self.pair(*pm)}, a pair with limits (bypasses its slots)",
+            )
         max_slots = limits.max_global_in_flight_request_slots
         reserved = limits.global_in_flight_request_slots_reserved_for_pinned_sessions
         if isinstance(parsed, LeaseSlotKey):
             if parsed.index >= max_slots:
-                self.report("I2a", f"lease slot index {parsed.index} >= "
-                                   f"max_global_in_flight_request_slots {max_slots} "
-                                   f"of {self.pair(*pm)}")
+                self.report(
+                    "I2a",
+                    f"lease slot index {parsed.index} >= "
+                    f"max_global_in_flight_request_slots {max_slots} "
+                    f"of {self.pair(*pm)}",
+                )
             if parsed.index < reserved and lease.kind != LeaseKind.PINNED:
-                self.report("I2b", f"reserved slot {parsed.index} (< {reserved}) taken by "
-                                   f"lease {lease.lease_id} of kind {lease.kind}, not pinned")
+                self.report(
+                    "I2b",
+                    f"reserved slot {parsed.index} (< {reserved}) taken by "
+                    f"lease {lease.lease_id} of kind {lease.kind}, not pinned",
+                )
         if len(self.taken_leases[pm]) > max_slots:
-            self.report("I2a", f"{len(self.taken_leases[pm])} taken lease slots on "
-                               f"{self.pair(*pm)} > max_global_in_flight_request_slots "
-                               f"{max_slots}")
+            self.report(
+                "I2a",
+                f"{len(self.taken_leases[pm])} taken lease slots on "
+                f"{self.pair(*pm)} > max_global_in_flight_request_slots "
+                f"{max_slots}",
+            )
 
 
 def check_history(

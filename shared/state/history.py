@@ -128,14 +128,16 @@ class HistoryRecorder:
         if revision > self._last_revision + 1:
             self.gaps.append((self._last_revision + 1, revision - 1))
         headers = msg.headers or {}
-        deleted = (headers.get(_KV_OPERATION) in ("DEL", "PURGE") or _MARKER_REASON in headers)
-        self._entries.append(KVEntry(
-            key=msg.subject[len(self._pre):],
-            value=b"" if deleted else msg.data,
-            revision=revision,
-            deleted=deleted,
-            timestamp=meta.timestamp.timestamp(),
-        ))
+        deleted = headers.get(_KV_OPERATION) in ("DEL", "PURGE") or _MARKER_REASON in headers
+        self._entries.append(
+            KVEntry(
+                key=msg.subject[len(self._pre) :],
+                value=b"" if deleted else msg.data,
+                revision=revision,
+                deleted=deleted,
+                timestamp=meta.timestamp.timestamp(),
+            )
+        )
         self._last_revision = revision
         async with self._progress:
             self._progress.notify_all()

@@ -106,7 +106,11 @@ def validate_key(key: str) -> str:
 
 def validate_prefix(prefix: str) -> str:
     """`prefix` itself if keys can start with it (no wildcards, no empty token); else ValueError."""
-    if (not isinstance(prefix, str) or _PREFIX.fullmatch(prefix) is None
-            or prefix.startswith(".") or ".." in prefix):
+    if (
+        not isinstance(prefix, str)
+        or _PREFIX.fullmatch(prefix) is None
+        or prefix.startswith(".")
+        or ".." in prefix
+    ):
         raise ValueError(f"invalid key prefix {prefix!r}: expected the start of a dotted key")
     return prefix

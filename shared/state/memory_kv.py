@@ -54,8 +54,9 @@ class MemoryKV:
 
     def _apply(self, key: str, value: bytes, *, deleted: bool = False) -> int:
         self._revision += 1
-        entry = KVEntry(key, b"" if deleted else bytes(value), self._revision, deleted,
-                        float(self._clock()))
+        entry = KVEntry(
+            key, b"" if deleted else bytes(value), self._revision, deleted, float(self._clock())
+        )
         self._last[key] = entry
         self.history.append(entry)
         for prefix, queue in self._watchers:
@@ -65,13 +66,17 @@ class MemoryKV:
 
     def _check_revision(self, key: str, revision: int) -> None:
         if isinstance(revision, bool) or not isinstance(revision, int) or revision < 1:
-            raise ValueError(f"revision must be a positive int, got {revision!r} "
-                             "(use create for a missing key)")
+            raise ValueError(
+                f"revision must be a positive int, got {revision!r} (use create for a missing key)"
+            )
         # Like a stream's last-subject-sequence check: a tombstone is a revision too.
         last = self._last.get(key)
         if last is None or last.revision != revision:
-            actual = "missing" if last is None else (
-                f"deleted at {last.revision}" if last.deleted else f"at {last.revision}")
+            actual = (
+                "missing"
+                if last is None
+                else (f"deleted at {last.revision}" if last.deleted else f"at {last.revision}")
+            )
             raise CasConflict(key, revision, f"key is {actual}")
 
     async def get(self, key: str) -> KVEntry | None:

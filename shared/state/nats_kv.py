@@ -102,8 +102,9 @@ class NatsKV:
 
     # ---- writes --------------------------------------------------------------------------
 
-    async def _publish(self, key: str, value: bytes, expected: int | None,
-                       headers: dict[str, str] | None = None) -> int:
+    async def _publish(
+        self, key: str, value: bytes, expected: int | None, headers: dict[str, str] | None = None
+    ) -> int:
         all_headers = dict(headers or {})
         if expected is not None:
             all_headers[_EXPECTED_LAST_SUBJECT_SEQ] = str(expected)
@@ -118,8 +119,9 @@ class NatsKV:
     @staticmethod
     def _positive(revision: int) -> int:
         if isinstance(revision, bool) or not isinstance(revision, int) or revision < 1:
-            raise ValueError(f"revision must be a positive int, got {revision!r} "
-                             "(use create for a missing key)")
+            raise ValueError(
+                f"revision must be a positive int, got {revision!r} (use create for a missing key)"
+            )
         return revision
 
     async def create(self, key: str, value: bytes) -> int:
@@ -169,8 +171,9 @@ class NatsKV:
     async def list(self, prefix: str) -> list[KVEntry]:
         validate_prefix(prefix)
         latest: dict[str, KVEntry] = {}
-        async with _PrefixConsumer(self._js, self.stream, self._pre, prefix,
-                                   _LIST_INACTIVE_THRESHOLD) as consumer:
+        async with _PrefixConsumer(
+            self._js, self.stream, self._pre, prefix, _LIST_INACTIVE_THRESHOLD
+        ) as consumer:
             while not consumer.caught_up:
                 entry = await consumer.next()
                 if entry is not None:
@@ -195,8 +198,9 @@ class NatsKV:
     async def watch(self, prefix: str) -> AsyncIterator[KVEntry]:
         validate_prefix(prefix)
         shown: set[str] = set()  # keys shown during the initial replay
-        async with _PrefixConsumer(self._js, self.stream, self._pre, prefix,
-                                   _WATCH_INACTIVE_THRESHOLD) as consumer:
+        async with _PrefixConsumer(
+            self._js, self.stream, self._pre, prefix, _WATCH_INACTIVE_THRESHOLD
+        ) as consumer:
             while True:
                 live = consumer.caught_up  # decided before this message: it may end the replay
                 entry = await consumer.next()
@@ -215,8 +219,9 @@ class _PrefixConsumer:
     deliver when created, or a delivered message reported no pending messages behind it.
     """
 
-    def __init__(self, js: JetStreamContext, stream: str, pre: str, prefix: str,
-                 inactive_threshold: float) -> None:
+    def __init__(
+        self, js: JetStreamContext, stream: str, pre: str, prefix: str, inactive_threshold: float
+    ) -> None:
         self._js = js
         self._inactive_threshold = inactive_threshold
         self._stream = stream
@@ -249,7 +254,8 @@ class _PrefixConsumer:
         info = await self._js.add_consumer(self._stream, config=config)
         self.caught_up = info.num_pending == 0
         self._sub = await self._js.subscribe_bind(
-            self._stream, config, info.name, cb=self._queue.put, ordered_consumer=True)
+            self._stream, config, info.name, cb=self._queue.put, ordered_consumer=True
+        )
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -279,12 +285,17 @@ class _PrefixConsumer:
         self.last_sequence = max(self.last_sequence, meta.sequence.stream)
         if meta.num_pending == 0:
             self.caught_up = True
-        key = msg.subject[len(self._pre):]
+        key = msg.subject[len(self._pre) :]
         if self._needs_filter and not key.startswith(self._prefix):
             return None
         deleted = _is_tombstone(msg.headers)
-        return KVEntry(key, b"" if deleted else msg.data, meta.sequence.stream, deleted,
-                       meta.timestamp.timestamp())
+        return KVEntry(
+            key,
+            b"" if deleted else msg.data,
+            meta.sequence.stream,
+            deleted,
+            meta.timestamp.timestamp(),
+        )
 
 
 async def open_routing_bucket(
@@ -306,8 +317,9 @@ async def open_routing_bucket(
     try:
         info = await js.stream_info(stream)
     except NotFoundError:
-        config = KeyValueConfig(bucket=name, history=history, storage=storage_type,
-                                replicas=replicas, direct=True)
+        config = KeyValueConfig(
+            bucket=name, history=history, storage=storage_type, replicas=replicas, direct=True
+        )
         try:
             await js.create_key_value(config)
         except APIError as exc:
@@ -319,8 +331,9 @@ async def open_routing_bucket(
     return NatsKV(js, name, direct=bool(info.config.allow_direct))
 
 
-def _check_bucket(name: str, info: StreamInfo, *, storage: StorageType, replicas: int,
-                  history: int) -> None:
+def _check_bucket(
+    name: str, info: StreamInfo, *, storage: StorageType, replicas: int, history: int
+) -> None:
     config = info.config
     actual = {
         "storage": StorageType(config.storage) if config.storage else StorageType.FILE,
@@ -328,8 +341,12 @@ def _check_bucket(name: str, info: StreamInfo, *, storage: StorageType, replicas
         "history": config.max_msgs_per_subject,
     }
     wanted = {"storage": storage, "replicas": replicas, "history": history}
-    wrong = [f"{field}: bucket has {actual[field]!r}, asked for {wanted[field]!r}"
-             for field in wanted if actual[field] != wanted[field]]
+    wrong = [
+        f"{field}: bucket has {actual[field]!r}, asked for {wanted[field]!r}"
+        for field in wanted
+        if actual[field] != wanted[field]
+    ]
     if wrong:
-        raise BucketConfigMismatch(f"KV bucket {name!r} exists with another configuration: "
-                                   + "; ".join(wrong))
+        raise BucketConfigMismatch(
+            f"KV bucket {name!r} exists with another configuration: " + "; ".join(wrong)
+        )

@@ -176,7 +176,9 @@ class RoutingState:
             lease = await self._grant(pair, LeaseKind.NEW_PIN, session, pin_id, edge_id, now)
             if lease is None:  # pragma: no cover - a pair without limits always grants
                 return Admission(AdmissionResult.UNRESERVED_IN_FLIGHT_REQUEST_LIMIT_REACHED)
-            value = PinValue(pin_id, provider, model, session, None, {lease.lease_id: lease.key}, now)
+            value = PinValue(
+                pin_id, provider, model, session, None, {lease.lease_id: lease.key}, now
+            )
             try:
                 revision = await self._kv.create(key, value.to_json())
             except CasConflict:
@@ -207,13 +209,19 @@ class RoutingState:
         pin_slot = await self._take_pin_slot(pair.pin_slots, pending.session, pending.pin_id, now)
         if pin_slot is None:
             return AdmissionResult.PIN_LIMIT_REACHED, None, None
-        lease = await self._grant(pair, LeaseKind.NEW_PIN, pending.session, pending.pin_id,
-                                  edge_id, now)
+        lease = await self._grant(
+            pair, LeaseKind.NEW_PIN, pending.session, pending.pin_id, edge_id, now
+        )
         if lease is None:
             await self._give_back_pin_slot(pair, pin_slot)
             return AdmissionResult.UNRESERVED_IN_FLIGHT_REQUEST_LIMIT_REACHED, None, None
-        active = replace(pending, pin_slot=pin_slot[0], leases={lease.lease_id: lease.key},
-                         pending=False, replaces=None)
+        active = replace(
+            pending,
+            pin_slot=pin_slot[0],
+            leases={lease.lease_id: lease.key},
+            pending=False,
+            replaces=None,
+        )
         try:
             activated = await self._kv.update(pending.key, active.to_json(), revision)
         except CasConflict:
@@ -240,8 +248,9 @@ class RoutingState:
         if pin.pending:
             return Admission(AdmissionResult.ALREADY_PINNED, pin)  # not usable yet: route again
         pair = self._pair(pin.provider, model)
-        per_session = (None if pair.limits is None
-                       else pair.limits.max_per_session_in_flight_request_slots)
+        per_session = (
+            None if pair.limits is None else pair.limits.max_per_session_in_flight_request_slots
+        )
         if per_session is not None and len(pin.leases) >= per_session:
             return Admission(AdmissionResult.PER_SESSION_IN_FLIGHT_REQUEST_LIMIT_REACHED, pin)
         lease = await self._grant(pair, LeaseKind.PINNED, session, pin.id, edge_id, self._clock())
@@ -267,7 +276,12 @@ class RoutingState:
         return Admission(AdmissionResult.PER_SESSION_IN_FLIGHT_REQUEST_LIMIT_REACHED, pin)
 
     async def try_compare_and_swap_pin_and_admit_request(
-        self, expected_pin: Pin, model: str, session: str, provider: str, *,
+        self,
+        expected_pin: Pin,
+        model: str,
+        session: str,
+        provider: str,
+        *,
         edge_id: str | None = None,
     ) -> RepinResult:
         """Move the session's pin to `provider` if it is still `expected_pin` (its revision).
@@ -289,10 +303,15 @@ class RoutingState:
         if pair.pin_slots is None:
             lease = await self._grant(pair, LeaseKind.NEW_PIN, session, pin_id, edge_id, now)
             if lease is None:  # pragma: no cover - a pair without limits always grants
-                return RepinResult(PinMatch.MATCHED, Admission(
-                    AdmissionResult.UNRESERVED_IN_FLIGHT_REQUEST_LIMIT_REACHED, expected_pin))
-            value = PinValue(pin_id, provider, model, session, None, {lease.lease_id: lease.key},
-                             now)
+                return RepinResult(
+                    PinMatch.MATCHED,
+                    Admission(
+                        AdmissionResult.UNRESERVED_IN_FLIGHT_REQUEST_LIMIT_REACHED, expected_pin
+                    ),
+                )
+            value = PinValue(
+                pin_id, provider, model, session, None, {lease.lease_id: lease.key}, now
+            )
             try:
                 revision = await self._kv.update(key, value.to_json(), expected_pin.revision)
             except CasConflict:
@@ -300,31 +319,45 @@ class RoutingState:
                 return RepinResult(PinMatch.NOT_MATCHED, None)
             moved = Pin(key, revision, value)
         else:
-            pending = PinValue(pin_id, provider, model, session, None, {}, now, pending=True,
-                               replaces=expected_pin.id)
+            pending = PinValue(
+                pin_id,
+                provider,
+                model,
+                session,
+                None,
+                {},
+                now,
+                pending=True,
+                replaces=expected_pin.id,
+            )
             try:
-                pending_revision = await self._kv.update(key, pending.to_json(),
-                                                         expected_pin.revision)
+                pending_revision = await self._kv.update(
+                    key, pending.to_json(), expected_pin.revision
+                )
             except CasConflict:
                 return RepinResult(PinMatch.NOT_MATCHED, None)
-            result, pin, lease = await self._fill_pending(pair, pending, pending_revision,
-                                                          edge_id, now)
+            result, pin, lease = await self._fill_pending(
+                pair, pending, pending_revision, edge_id, now
+            )
             if result is AdmissionResult.ALREADY_PINNED:
                 return RepinResult(PinMatch.NOT_MATCHED, None)
             if result is not AdmissionResult.ADMITTED:
                 try:
-                    restored = await self._kv.update(key, expected_pin.value.to_json(),
-                                                     pending_revision)
+                    restored = await self._kv.update(
+                        key, expected_pin.value.to_json(), pending_revision
+                    )
                 except CasConflict:
                     return RepinResult(PinMatch.NOT_MATCHED, None)
-                return RepinResult(PinMatch.MATCHED, Admission(
-                    result, Pin(key, restored, expected_pin.value)))
+                return RepinResult(
+                    PinMatch.MATCHED, Admission(result, Pin(key, restored, expected_pin.value))
+                )
             assert pin is not None
             moved = pin
         if expected_pin.pin_slot is not None and not expected_pin.pending:
             old_mk = model_key(expected_pin.model)
-            await self._free_pin_slot(expected_pin.provider, old_mk, expected_pin.pin_slot,
-                                      expected_pin.id)
+            await self._free_pin_slot(
+                expected_pin.provider, old_mk, expected_pin.pin_slot, expected_pin.id
+            )
         return RepinResult(PinMatch.MATCHED, Admission(AdmissionResult.ADMITTED, moved, lease))
 
     async def try_admit_request_without_pin(
@@ -347,8 +380,9 @@ class RoutingState:
         now = self._clock()
         renewed = replace(lease, renewed_at=now)
         try:
-            revision = await self._kv.update(lease.key, renewed.slot_value().to_json(),
-                                             lease.revision)
+            revision = await self._kv.update(
+                lease.key, renewed.slot_value().to_json(), lease.revision
+            )
         except CasConflict:
             return None
         if lease.slot is not None:
@@ -357,8 +391,9 @@ class RoutingState:
                 self.mirror.note(family, lease.slot, revision, lease.lease_id, taken=True)
         return replace(renewed, revision=revision)
 
-    async def release_request_lease(self, lease: Lease, refresh_pin: bool, *,
-                                    pin: Pin | None = None) -> ReleaseResult:
+    async def release_request_lease(
+        self, lease: Lease, refresh_pin: bool, *, pin: Pin | None = None
+    ) -> ReleaseResult:
         """Free the lease's slot, then take it off its pin (refreshing the pin if asked).
 
         `pin`: the pin as the admission left it (a hint): while nobody has written it since,
@@ -369,8 +404,13 @@ class RoutingState:
             return ReleaseResult.LOST
         if lease.pin_id is not None and lease.session is not None:
             key = pin_key(model_key(lease.model), lease.session)
-            await self._unlist(key, lease.pin_id, (lease.lease_id,),
-                               refresh_at=self._clock() if refresh_pin else None, hint=pin)
+            await self._unlist(
+                key,
+                lease.pin_id,
+                (lease.lease_id,),
+                refresh_at=self._clock() if refresh_pin else None,
+                hint=pin,
+            )
         return ReleaseResult.RELEASED
 
     # ---- reaper primitives -----------------------------------------------------------------
@@ -391,16 +431,34 @@ class RoutingState:
             if revision is None:
                 continue  # renewed, released or reclaimed meanwhile
             model = self._model_name(parsed.mk)
-            actions.append(ReaperAction(ReaperActionKind.LEASE_EXPIRED, entry.key, revision,
-                                        parsed.provider, model, value.session, value.pin_id,
-                                        value.lease_id))
+            actions.append(
+                ReaperAction(
+                    ReaperActionKind.LEASE_EXPIRED,
+                    entry.key,
+                    revision,
+                    parsed.provider,
+                    model,
+                    value.session,
+                    value.pin_id,
+                    value.lease_id,
+                )
+            )
             if value.pin_id is not None and value.session is not None and value.lease_id:
                 key = pin_key(parsed.mk, value.session)
                 unlisted = await self._unlist(key, value.pin_id, (value.lease_id,))
                 if unlisted is not None:
-                    actions.append(ReaperAction(ReaperActionKind.LEASE_UNLISTED, key, unlisted,
-                                                parsed.provider, model, value.session,
-                                                value.pin_id, value.lease_id))
+                    actions.append(
+                        ReaperAction(
+                            ReaperActionKind.LEASE_UNLISTED,
+                            key,
+                            unlisted,
+                            parsed.provider,
+                            model,
+                            value.session,
+                            value.pin_id,
+                            value.lease_id,
+                        )
+                    )
         return actions
 
     async def expire_pins(self, now: float) -> list[ReaperAction]:
@@ -414,16 +472,31 @@ class RoutingState:
             revision = await self._delete(entry.key, entry.revision)
             if revision is None:
                 continue  # a request took a lease on it (or refreshed it) meanwhile
-            actions.append(ReaperAction(ReaperActionKind.PIN_EXPIRED, entry.key, revision,
-                                        pin.provider, pin.model, pin.session, pin.pin_id))
+            actions.append(
+                ReaperAction(
+                    ReaperActionKind.PIN_EXPIRED,
+                    entry.key,
+                    revision,
+                    pin.provider,
+                    pin.model,
+                    pin.session,
+                    pin.pin_id,
+                )
+            )
             if pin.pin_slot is not None:
-                freed = await self._free_pin_slot(pin.provider, parsed.mk, pin.pin_slot,
-                                                  pin.pin_id)
+                freed = await self._free_pin_slot(pin.provider, parsed.mk, pin.pin_slot, pin.pin_id)
                 if freed is not None:
-                    actions.append(ReaperAction(
-                        ReaperActionKind.PIN_SLOT_FREED,
-                        pin_slot_key(pin.provider, parsed.mk, pin.pin_slot), freed,
-                        pin.provider, pin.model, pin.session, pin.pin_id))
+                    actions.append(
+                        ReaperAction(
+                            ReaperActionKind.PIN_SLOT_FREED,
+                            pin_slot_key(pin.provider, parsed.mk, pin.pin_slot),
+                            freed,
+                            pin.provider,
+                            pin.model,
+                            pin.session,
+                            pin.pin_id,
+                        )
+                    )
         return actions
 
     async def repair(self, now: float, grace: float) -> list[ReaperAction]:
@@ -447,9 +520,17 @@ class RoutingState:
             if pin.pending and now >= pin.refreshed_at + self.lease_timeout:
                 revision = await self._delete(entry.key, entry.revision)
                 if revision is not None:
-                    actions.append(ReaperAction(
-                        ReaperActionKind.ABANDONED_PIN_DELETED, entry.key, revision, pin.provider,
-                        pin.model, pin.session, pin.pin_id))
+                    actions.append(
+                        ReaperAction(
+                            ReaperActionKind.ABANDONED_PIN_DELETED,
+                            entry.key,
+                            revision,
+                            pin.provider,
+                            pin.model,
+                            pin.session,
+                            pin.pin_id,
+                        )
+                    )
         pin_slots = _decoded(await self._kv.list(PIN_SLOT_PREFIX), PinSlotValue)
         pins = _decoded(await self._kv.list(PIN_PREFIX), PinValue)
         leases = _decoded(await self._kv.list(LEASE_PREFIX), LeaseSlotValue)
@@ -467,20 +548,41 @@ class RoutingState:
             family = self.mirror.family(pin_slot_prefix(parsed.provider, parsed.mk))
             revision = await self._free_slot(family, entry.key, parsed.index, entry.revision)
             if revision is not None:
-                actions.append(ReaperAction(
-                    ReaperActionKind.ORPHAN_PIN_SLOT_FREED, entry.key, revision, parsed.provider,
-                    self._model_name(parsed.mk), slot.session, slot.pin_id))
+                actions.append(
+                    ReaperAction(
+                        ReaperActionKind.ORPHAN_PIN_SLOT_FREED,
+                        entry.key,
+                        revision,
+                        parsed.provider,
+                        self._model_name(parsed.mk),
+                        slot.session,
+                        slot.pin_id,
+                    )
+                )
         holders = {entry.key: value.lease_id for entry, _, value in leases if value.is_taken}
         for entry, _, pin in pins:
-            ended = [lease_id for lease_id, lease_key in pin.leases.items()
-                     if holders.get(lease_key) != lease_id]
+            ended = [
+                lease_id
+                for lease_id, lease_key in pin.leases.items()
+                if holders.get(lease_key) != lease_id
+            ]
             if not ended:
                 continue
             revision = await self._unlist(entry.key, pin.pin_id, ended)
             if revision is not None:
-                actions.extend(ReaperAction(ReaperActionKind.LEASE_UNLISTED, entry.key, revision,
-                                            pin.provider, pin.model, pin.session, pin.pin_id,
-                                            lease_id) for lease_id in ended)
+                actions.extend(
+                    ReaperAction(
+                        ReaperActionKind.LEASE_UNLISTED,
+                        entry.key,
+                        revision,
+                        pin.provider,
+                        pin.model,
+                        pin.session,
+                        pin.pin_id,
+                        lease_id,
+                    )
+                    for lease_id in ended
+                )
         return actions
 
     async def usage(self, now: float | None = None) -> Usage:
@@ -498,16 +600,23 @@ class RoutingState:
                 counts.setdefault(pm, Counter())["pin_slots"] += 1
         for _, parsed, lease in leases:
             if isinstance(parsed, LeaseSlotKey | UnlimitedLeaseKey) and lease.is_taken:
-                counter = counts.setdefault((parsed.provider, self._model_name(parsed.mk)),
-                                            Counter())
+                counter = counts.setdefault(
+                    (parsed.provider, self._model_name(parsed.mk)), Counter()
+                )
                 counter["leases"] += 1
                 counter[f"kind:{lease.kind}"] += 1
                 counter["expired"] += lease_is_expired(lease, at, self.lease_timeout)
         pairs = [
-            PairUsage(provider, model, self.limits.get((provider, model)),
-                      pins=c["pins"], pin_slots_taken=c["pin_slots"], leases=c["leases"],
-                      leases_by_kind={k.value: c[f"kind:{k}"] for k in LeaseKind},
-                      expired_leases=c["expired"])
+            PairUsage(
+                provider,
+                model,
+                self.limits.get((provider, model)),
+                pins=c["pins"],
+                pin_slots_taken=c["pin_slots"],
+                leases=c["leases"],
+                leases_by_kind={k.value: c[f"kind:{k}"] for k in LeaseKind},
+                expired_leases=c["expired"],
+            )
             for (provider, model), c in sorted(counts.items())
         ]
         return Usage(at, pairs)
@@ -523,11 +632,12 @@ class RoutingState:
         limits = self.limits.get((provider, model))
         pin_slots = lease_slots = None
         if limits is not None:
-            pin_slots = self.mirror.add_family(pin_slot_prefix(provider, mk),
-                                               limits.max_pinned_sessions, "pin_id")
-            lease_slots = self.mirror.add_family(lease_prefix(provider, mk),
-                                                 limits.max_global_in_flight_request_slots,
-                                                 "lease_id")
+            pin_slots = self.mirror.add_family(
+                pin_slot_prefix(provider, mk), limits.max_pinned_sessions, "pin_id"
+            )
+            lease_slots = self.mirror.add_family(
+                lease_prefix(provider, mk), limits.max_global_in_flight_request_slots, "lease_id"
+            )
         pair = _Pair(provider, model, mk, limits, pin_slots, lease_slots)
         self._pairs[(provider, model)] = pair
         return pair
@@ -535,8 +645,9 @@ class RoutingState:
     def _model_name(self, mk: str) -> str:
         return self._models_by_mk.get(mk, mk)
 
-    async def _take_slot(self, family: SlotFamily, ranges: Sequence[range], value: bytes,
-                         owner: str) -> tuple[int, int] | None:
+    async def _take_slot(
+        self, family: SlotFamily, ranges: Sequence[range], value: bytes, owner: str
+    ) -> tuple[int, int] | None:
         """(index, revision) of a slot taken with `value`, or None if none looks free.
 
         Picks a random slot the mirror believes free and CASes from the mirror's revision; on a
@@ -570,8 +681,9 @@ class RoutingState:
                 return index, revision
         return None
 
-    async def _take_pin_slot(self, family: SlotFamily, session: str, pin_id: str,
-                             now: float) -> tuple[int, int] | None:
+    async def _take_pin_slot(
+        self, family: SlotFamily, session: str, pin_id: str, now: float
+    ) -> tuple[int, int] | None:
         value = PinSlotValue.taken(session, pin_id, now).to_json()
         return await self._take_slot(family, (range(family.size),), value, pin_id)
 
@@ -580,26 +692,57 @@ class RoutingState:
             index, revision = taken
             await self._free_slot(pair.pin_slots, pair.pin_slots.key(index), index, revision)
 
-    async def _grant(self, pair: _Pair, kind: LeaseKind, session: str | None,
-                     pin_id: str | None, edge_id: str | None, now: float) -> Lease | None:
+    async def _grant(
+        self,
+        pair: _Pair,
+        kind: LeaseKind,
+        session: str | None,
+        pin_id: str | None,
+        edge_id: str | None,
+        now: float,
+    ) -> Lease | None:
         """A new lease of `kind` on the pair, or None if no allowed slot is free."""
         lease_id = new_token(self._rng)
         edge = self.instance_id if edge_id is None else edge_id
-        value = LeaseSlotValue.taken(lease_id, kind, session=session, pin_id=pin_id,
-                                     edge_id=edge, granted_at=now).to_json()
+        value = LeaseSlotValue.taken(
+            lease_id, kind, session=session, pin_id=pin_id, edge_id=edge, granted_at=now
+        ).to_json()
         if pair.lease_slots is None or pair.limits is None:
             key = unlimited_lease_key(pair.provider, pair.mk, lease_id)
             revision = await self._kv.create(key, value)
-            return Lease(key, revision, lease_id, kind, pair.provider, pair.model, session,
-                         pin_id, edge, now, now, None)
+            return Lease(
+                key,
+                revision,
+                lease_id,
+                kind,
+                pair.provider,
+                pair.model,
+                session,
+                pin_id,
+                edge,
+                now,
+                now,
+                None,
+            )
         family = pair.lease_slots
-        taken = await self._take_slot(family, lease_slot_ranges(pair.limits, kind), value,
-                                      lease_id)
+        taken = await self._take_slot(family, lease_slot_ranges(pair.limits, kind), value, lease_id)
         if taken is None:
             return None
         index, revision = taken
-        return Lease(family.key(index), revision, lease_id, kind, pair.provider, pair.model,
-                     session, pin_id, edge, now, now, index)
+        return Lease(
+            family.key(index),
+            revision,
+            lease_id,
+            kind,
+            pair.provider,
+            pair.model,
+            session,
+            pin_id,
+            edge,
+            now,
+            now,
+            index,
+        )
 
     async def _end(self, lease: Lease) -> bool:
         """Free the lease's slot (delete its record) at the lease's revision; False if lost."""
@@ -608,8 +751,9 @@ class RoutingState:
         family = self._pair(lease.provider, lease.model).lease_slots
         return await self._free_slot(family, lease.key, lease.slot, lease.revision) is not None
 
-    async def _free_slot(self, family: SlotFamily | None, key: str, index: int,
-                         revision: int) -> int | None:
+    async def _free_slot(
+        self, family: SlotFamily | None, key: str, index: int, revision: int
+    ) -> int | None:
         try:
             freed = await self._kv.update(key, _FREE, revision)
         except CasConflict:
@@ -624,8 +768,7 @@ class RoutingState:
         except CasConflict:
             return None
 
-    async def _free_pin_slot(self, provider: str, mk: str, index: int,
-                             pin_id: str) -> int | None:
+    async def _free_pin_slot(self, provider: str, mk: str, index: int, pin_id: str) -> int | None:
         """Free pin slot `index` only while it still names `pin_id`; the revision, or None."""
         key = pin_slot_key(provider, mk, index)
         family = self.mirror.family(pin_slot_prefix(provider, mk))
@@ -651,8 +794,15 @@ class RoutingState:
                 return freed
         return None
 
-    async def _unlist(self, key: str, pin_id: str, lease_ids: Collection[str], *,
-                      refresh_at: float | None = None, hint: Pin | None = None) -> int | None:
+    async def _unlist(
+        self,
+        key: str,
+        pin_id: str,
+        lease_ids: Collection[str],
+        *,
+        refresh_at: float | None = None,
+        hint: Pin | None = None,
+    ) -> int | None:
         """Remove `lease_ids` from pin `pin_id` at `key` (and refresh it if asked).
 
         Retries on conflict while the key still holds that pin. Returns the revision written,
@@ -668,8 +818,9 @@ class RoutingState:
                 return None
             value = current.value
             if any(lease_id in value.leases for lease_id in lease_ids):
-                value = replace(value, leases={k: v for k, v in value.leases.items()
-                                               if k not in lease_ids})
+                value = replace(
+                    value, leases={k: v for k, v in value.leases.items() if k not in lease_ids}
+                )
             if refresh_at is not None:
                 value = value.refreshed(refresh_at)
             if value == current.value:
@@ -691,8 +842,7 @@ class _Codec(Protocol[_V]):
     def from_json(self, raw: bytes) -> _V: ...
 
 
-def _decoded(entries: Sequence[KVEntry],
-             codec: _Codec[_V]) -> list[tuple[KVEntry, ParsedKey, _V]]:
+def _decoded(entries: Sequence[KVEntry], codec: _Codec[_V]) -> list[tuple[KVEntry, ParsedKey, _V]]:
     """(entry, parsed key, value) of each entry that decodes; others are skipped (the history
     checker reports layout breaches; the reaper must not stop on one)."""
     decoded: list[tuple[KVEntry, ParsedKey, _V]] = []

@@ -32,7 +32,9 @@ async def open_routing_state(
     """
     pinning = config.pinning
     kv = await open_routing_bucket(
-        nc.jetstream(), pinning.bucket, storage=pinning.storage,
+        nc.jetstream(),
+        pinning.bucket,
+        storage=pinning.storage,
         replicas=pinning.replicas,
         history=pinning.history,
     )

@@ -121,8 +121,9 @@ class SlotMirror:
     def families(self) -> Iterable[SlotFamily]:
         return self._families.values()
 
-    def note(self, family: SlotFamily, index: int, revision: int, owner: str | None, *,
-             taken: bool) -> None:
+    def note(
+        self, family: SlotFamily, index: int, revision: int, owner: str | None, *, taken: bool
+    ) -> None:
         """Record a write this instance made itself (it need not wait for the watch)."""
         family.note(index, revision, owner, taken=taken)
         if self._revision_waiters:
@@ -144,8 +145,11 @@ class SlotMirror:
             for entry in await self._kv.list(family.prefix):
                 self.observe(entry)
         for family in self._families.values():
-            self._tasks.append(asyncio.create_task(self._follow(family.prefix),
-                                                   name=f"slot-mirror {family.prefix}"))
+            self._tasks.append(
+                asyncio.create_task(
+                    self._follow(family.prefix), name=f"slot-mirror {family.prefix}"
+                )
+            )
 
     async def close(self) -> None:
         """Stop following. Cancels until each watch task is done: a cancellation that lands

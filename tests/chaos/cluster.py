@@ -18,7 +18,9 @@ from llmgw.serving import free_port
 MODEL = "chat-model"
 
 
-def write_config(path: Path, nats_url: str, engine_url: str, bucket: str, limits: dict, **pinning) -> Path:
+def write_config(
+    path: Path, nats_url: str, engine_url: str, bucket: str, limits: dict, **pinning
+) -> Path:
     data = {
         "listen": f"127.0.0.1:{free_port()}",
         "admin_listen": f"127.0.0.1:{free_port()}",

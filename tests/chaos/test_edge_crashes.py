@@ -31,7 +31,9 @@ REAPER_INTERVAL = 0.2
 
 @pytest.fixture
 async def engine():
-    server = await start_server(create_engine_app(EngineParams.zero_delay(itl_base="50ms"), [MODEL]))
+    server = await start_server(
+        create_engine_app(EngineParams.zero_delay(itl_base="50ms"), [MODEL])
+    )
     yield server
     await server.stop()
 
@@ -46,8 +48,13 @@ async def world(tmp_path, nats_url, nats_client, unique_id, engine, request):
     }
     bucket = f"chaos_{unique_id}"
     config = write_config(
-        tmp_path / "config.yaml", nats_url, engine.url, bucket, limits,
-        lease_timeout=f"{LEASE_TIMEOUT}s", reaper_interval=f"{REAPER_INTERVAL}s",
+        tmp_path / "config.yaml",
+        nats_url,
+        engine.url,
+        bucket,
+        limits,
+        lease_timeout=f"{LEASE_TIMEOUT}s",
+        reaper_interval=f"{REAPER_INTERVAL}s",
     )
     kv = await open_routing_bucket(nats_client.jetstream(), bucket, history=64)
     recorder = await HistoryRecorder(nats_client.jetstream(), bucket).start()
@@ -139,9 +146,14 @@ async def test_a_paused_edge_never_frees_a_slot_granted_to_someone_else(world, t
     services["edge"].signal(signal.SIGSTOP)
     await eventually(lambda: _none_taken(kv), timeout=LEASE_TIMEOUT + 5)
     # The only slot goes to another request, through a second edge.
-    second = Service("edge", write_config(
-        tmp_path / "second.yaml", *_same_world(config), lease_timeout=f"{LEASE_TIMEOUT}s",
-    ))
+    second = Service(
+        "edge",
+        write_config(
+            tmp_path / "second.yaml",
+            *_same_world(config),
+            lease_timeout=f"{LEASE_TIMEOUT}s",
+        ),
+    )
     await asyncio.to_thread(second.wait_ready)
     try:
         other_client, _ = await open_streams(edge_url(tmp_path / "second.yaml"), ["other"])

@@ -35,8 +35,24 @@ def test_parses_units_and_plain_seconds(text, seconds):
 
 @pytest.mark.parametrize(
     "bad",
-    ["-1s", "-5", -0.5, "", "s", "1x", "1s2", "1 s", "ten seconds", "1.2.3s", True, None, [1],
-     float("nan"), float("inf"), "inf"],
+    [
+        "-1s",
+        "-5",
+        -0.5,
+        "",
+        "s",
+        "1x",
+        "1s2",
+        "1 s",
+        "ten seconds",
+        "1.2.3s",
+        True,
+        None,
+        [1],
+        float("nan"),
+        float("inf"),
+        "inf",
+    ],
     ids=repr,
 )
 def test_rejects_negative_and_garbage_with_a_message(bad):
@@ -46,8 +62,19 @@ def test_rejects_negative_and_garbage_with_a_message(bad):
 
 @pytest.mark.parametrize(
     ("seconds", "text"),
-    [(2.0, "2s"), (0.15, "150ms"), (1800.0, "30m"), (5400.0, "1h30m"), (1.5, "1.5s"), (0.0, "0s"),
-     (60.0, "1m"), (7200.0, "2h"), (3601.0, "1h1s"), (0.0001, "100us"), (0.0015, "1.5ms")],
+    [
+        (2.0, "2s"),
+        (0.15, "150ms"),
+        (1800.0, "30m"),
+        (5400.0, "1h30m"),
+        (1.5, "1.5s"),
+        (0.0, "0s"),
+        (60.0, "1m"),
+        (7200.0, "2h"),
+        (3601.0, "1h1s"),
+        (0.0001, "100us"),
+        (0.0015, "1.5ms"),
+    ],
 )
 def test_formats_compactly(seconds, text):
     assert format_duration(seconds) == text
@@ -55,7 +82,9 @@ def test_formats_compactly(seconds, text):
 
 @given(st.integers(min_value=0, max_value=10**12).map(lambda micros: micros / 1_000_000))
 def test_format_then_parse_round_trips_to_the_microsecond(seconds):
-    assert math.isclose(parse_duration(format_duration(seconds)), seconds, abs_tol=1e-9, rel_tol=1e-12)
+    assert math.isclose(
+        parse_duration(format_duration(seconds)), seconds, abs_tol=1e-9, rel_tol=1e-12
+    )
 
 
 @pytest.mark.parametrize(
@@ -71,7 +100,9 @@ def test_parses_host_port(address, expected):
     assert parse_hostport(address) == expected
 
 
-@pytest.mark.parametrize("bad", ["8080", "host:", "host:http", ":65536", "::1:80", "[::1:80", "a b:1"])
+@pytest.mark.parametrize(
+    "bad", ["8080", "host:", "host:http", ":65536", "::1:80", "[::1:80", "a b:1"]
+)
 def test_rejects_malformed_addresses(bad):
     with pytest.raises(ValueError):
         parse_hostport(bad)

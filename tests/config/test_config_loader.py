@@ -49,7 +49,9 @@ def test_loads_a_minimal_file(tmp_path):
 
 
 def test_environment_overrides_win_over_the_file_case_insensitively(tmp_path):
-    path = write(tmp_path, MINIMAL + "router:\n  retries: 1\n  cooldown: 5s\nadmission:\n  enabled: true\n")
+    path = write(
+        tmp_path, MINIMAL + "router:\n  retries: 1\n  cooldown: 5s\nadmission:\n  enabled: true\n"
+    )
     env = {
         "LLMGW_ROUTER__RETRIES": "3",
         "llmgw_nats__url": "nats://10.0.0.1:4222,nats://10.0.0.2:4222",
@@ -77,8 +79,11 @@ def test_errors_are_file_prefixed_lines_that_name_the_field_and_the_env_var(tmp_
     path = write(tmp_path, MINIMAL + "router:\n  retries: -1\n")
     lines = error_lines(path, env={"LLMGW_SCORING__KV_CEILING": "2"})
     assert f"{path}: router.retries: Input should be greater than or equal to 0 (got -1)" in lines
-    assert any(line.startswith(f"{path}: scoring.kv_ceiling: ") and "(from LLMGW_SCORING__KV_CEILING)"
-               in line for line in lines), lines
+    assert any(
+        line.startswith(f"{path}: scoring.kv_ceiling: ")
+        and "(from LLMGW_SCORING__KV_CEILING)" in line
+        for line in lines
+    ), lines
 
 
 @pytest.mark.parametrize(
@@ -125,7 +130,8 @@ def test_check_prints_effective_config_with_strings_and_masked_secrets(tmp_path)
     dumped["balancer"]["greediness"] = 0.5
     secrets = {"nats": {"password", "token"}}
     assert llmgw.config.config_from_dict(dumped, env={}).model_dump(exclude=secrets) == load_config(
-        path, env={}).model_dump(exclude=secrets)
+        path, env={}
+    ).model_dump(exclude=secrets)
 
 
 def test_check_reports_errors_on_stderr_with_exit_code_2(tmp_path):
@@ -133,18 +139,33 @@ def test_check_reports_errors_on_stderr_with_exit_code_2(tmp_path):
     out, err = io.StringIO(), io.StringIO()
     assert check_file(str(path), env={}, stdout=out, stderr=err) == 2
     assert out.getvalue() == ""
-    assert f"{path}: endpoints[0].provider: unknown provider 'q'; known providers: p\n" in err.getvalue()
-    assert f"{path}: providers[0].models[0].name: no endpoint of provider 'p' serves model 'm1'\n" in (
-        err.getvalue())
+    assert (
+        f"{path}: endpoints[0].provider: unknown provider 'q'; known providers: p\n"
+        in err.getvalue()
+    )
+    assert (
+        f"{path}: providers[0].models[0].name: no endpoint of provider 'p' serves model 'm1'\n"
+        in (err.getvalue())
+    )
 
 
 def test_check_command_line(tmp_path):
-    good = subprocess.run([sys.executable, "-m", "llmgw", "config", "check", str(write(tmp_path, MINIMAL))],
-                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    good = subprocess.run(
+        [sys.executable, "-m", "llmgw", "config", "check", str(write(tmp_path, MINIMAL))],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
     assert good.returncode == 0, good.stderr
     assert yaml.safe_load(good.stdout)["endpoints"][0]["id"] == "e"
-    bad = subprocess.run([sys.executable, "-m", "llmgw", "config", "check", str(tmp_path / "none.yaml")],
-                         capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    bad = subprocess.run(
+        [sys.executable, "-m", "llmgw", "config", "check", str(tmp_path / "none.yaml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
     assert bad.returncode == 2 and bad.stderr.strip().endswith("none.yaml: no such file")
 
 
@@ -158,11 +179,27 @@ def test_run_takes_the_parsed_namespace(tmp_path, capsys):
 
 def test_public_api_is_exactly_all():
     exported = {name for name in dir(llmgw.config) if not name.startswith("_")}
-    submodules = {"addresses", "catalog", "check", "common", "durations", "loader", "references",
-                  "schema", "sections"}
+    submodules = {
+        "addresses",
+        "catalog",
+        "check",
+        "common",
+        "durations",
+        "loader",
+        "references",
+        "schema",
+        "sections",
+    }
     assert exported - submodules == set(llmgw.config.__all__)
-    for name in ("load_config", "config_from_dict", "Config", "ConfigError", "parse_duration",
-                 "format_duration", "parse_hostport"):
+    for name in (
+        "load_config",
+        "config_from_dict",
+        "Config",
+        "ConfigError",
+        "parse_duration",
+        "format_duration",
+        "parse_hostport",
+    ):
         assert name in llmgw.config.__all__
 
 
@@ -178,9 +215,15 @@ def test_local_yaml_is_the_documented_local_cluster():
     assert all("embeddings" in m.features and m.limits is not None for m in iris.models)
     by_id = {e.id: e for e in config.endpoints}
     assert {i: (e.port, e.provider, e.simulate.kind) for i, e in by_id.items()} == {
-        "engine-1": (8101, "iris", "engine"), "engine-2": (8102, "iris", "engine"),
-        "tensorx-east": (8201, "tensorx", "provider"), "tensorx-west": (8202, "tensorx", "provider")}
-    assert by_id["tensorx-east"].simulate.tokens_per_second != by_id["tensorx-west"].simulate.tokens_per_second
+        "engine-1": (8101, "iris", "engine"),
+        "engine-2": (8102, "iris", "engine"),
+        "tensorx-east": (8201, "tensorx", "provider"),
+        "tensorx-west": (8202, "tensorx", "provider"),
+    }
+    assert (
+        by_id["tensorx-east"].simulate.tokens_per_second
+        != by_id["tensorx-west"].simulate.tokens_per_second
+    )
 
 
 def test_example_yaml_validates_and_sets_every_top_level_section():
@@ -195,4 +238,5 @@ def test_a_whole_section_from_the_environment_must_be_json(tmp_path):
     path = write(tmp_path, MINIMAL)
     assert load_config(path, env={"LLMGW_ROUTER": '{"retries": 5}'}).router.retries == 5
     assert error_lines(path, env={"LLMGW_NATS": "nats://h:4222"}) == [
-        f"{path}: nats: LLMGW_NATS is not valid JSON (a section or list needs JSON)"]
+        f"{path}: nats: LLMGW_NATS is not valid JSON (a section or list needs JSON)"
+    ]

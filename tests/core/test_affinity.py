@@ -41,15 +41,20 @@ def test_an_overloaded_replica_spills_to_the_next_on_the_ring():
 def test_removing_a_replica_moves_only_its_sessions():
     sessions = [f"s{i}" for i in range(2000)]
     before = {s: bounded_load_choice(HashRing(REPLICAS), s, {}, 10) for s in sessions}
-    after = {s: bounded_load_choice(HashRing(REPLICAS), s, {}, 10, candidates=REPLICAS[:2])
-             for s in sessions}
+    after = {
+        s: bounded_load_choice(HashRing(REPLICAS), s, {}, 10, candidates=REPLICAS[:2])
+        for s in sessions
+    }
     moved = [s for s in sessions if before[s] != after[s]]
     assert all(before[s] == "engine-3" for s in moved)
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.integers(0, 500), min_size=1, max_size=400),
-       st.floats(min_value=1.0, max_value=3.0), st.integers(1, 5))
+@given(
+    st.lists(st.integers(0, 500), min_size=1, max_size=400),
+    st.floats(min_value=1.0, max_value=3.0),
+    st.integers(1, 5),
+)
 def test_no_replica_ever_exceeds_the_bound(keys, factor, replicas):
     names = [f"r{i}" for i in range(replicas)]
     ring = HashRing(names)

@@ -90,11 +90,14 @@ def test_a_degraded_deployment_is_dropped_and_found_again_after_it_recovers():
         tokens = rng.randint(20, 80)
         windows.add(pick, RateSample(at=now, latency=tokens / speed[pick], output_tokens=tokens))
         chosen_a.append((now, pick == "a"))
+
     def share(start: float, end: float) -> float:
         picks = [a for now, a in chosen_a if start <= now < end]
         return sum(picks) / len(picks)
 
-    print({span: round(share(*span), 2) for span in ((0, 5), (5, 10), (10, 15), (15, 25), (30, 40))})
+    print(
+        {span: round(share(*span), 2) for span in ((0, 5), (5, 10), (10, 15), (15, 25), (30, 40))}
+    )
     assert share(0, 5) > 0.6  # the faster one, while healthy
     # Dropped once its slow samples outweigh the fast ones still in the window (the seed's
     # median SLA adapts within about half a window).

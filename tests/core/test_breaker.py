@@ -74,8 +74,9 @@ def test_jitter_spreads_the_recovery_of_breakers_opened_together():
     for endpoint in range(50):
         for t in range(3):
             b.record(f"e{endpoint}", False, t)
-    reopen = sorted(next(t / 10 for t in range(100, 200) if b.available(f"e{n}", t / 10))
-                    for n in range(50))
+    reopen = sorted(
+        next(t / 10 for t in range(100, 200) if b.available(f"e{n}", t / 10)) for n in range(50)
+    )
     assert reopen[0] >= 12 and reopen[-1] <= 14.1
     assert reopen[-1] - reopen[0] > 1.0  # not all at once
 

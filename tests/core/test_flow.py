@@ -31,23 +31,32 @@ BANDS = [
 ]
 
 
-def pool(capacities: list[int], running: list[int], waiting: list[int] | None = None,
-         pending: list[int] | None = None) -> PoolView:
+def pool(
+    capacities: list[int],
+    running: list[int],
+    waiting: list[int] | None = None,
+    pending: list[int] | None = None,
+) -> PoolView:
     waiting = waiting or [0] * len(capacities)
     pending = pending or [0] * len(capacities)
     loads, inflight = {}, {}
-    for i, (cap, run, wait, extra) in enumerate(zip(capacities, running, waiting, pending, strict=True)):
+    for i, (cap, run, wait, extra) in enumerate(
+        zip(capacities, running, waiting, pending, strict=True)
+    ):
         sample = EngineSample(EngineDialect.VLLM, run, wait, 0.1)
         loads[f"e{i}"] = EndpointLoad(max(cap, run), sample, NOW - 1)
         inflight[f"e{i}"] = run + wait + extra
     return PoolView(loads, inflight, NOW, SETTINGS)
 
 
-def waiter(i: int, tenant: str = "t", band: str = "bronze", model: str = "m", at: float = NOW) -> Waiter:
+def waiter(
+    i: int, tenant: str = "t", band: str = "bronze", model: str = "m", at: float = NOW
+) -> Waiter:
     return Waiter(f"r{i}", model, band, tenant, at)
 
 
 # ---- queues -----------------------------------------------------------------------------------
+
 
 def test_a_noisy_tenant_takes_one_place_in_the_rotation():
     queues = FlowQueues(BANDS, 10_000, 30)
@@ -86,9 +95,16 @@ def test_rotation_serves_tenants_in_turn_and_each_tenant_in_order(arrivals):
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["offer", "take", "cancel", "expire"]),
-                          st.integers(0, 30), st.sampled_from(["bronze", "gold"])),
-                max_size=150))
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["offer", "take", "cancel", "expire"]),
+            st.integers(0, 30),
+            st.sampled_from(["bronze", "gold"]),
+        ),
+        max_size=150,
+    )
+)
 def test_every_waiter_leaves_exactly_once_and_depth_stays_bounded(ops):
     capacity, ttl = 5, 3.0
     queues = FlowQueues(BANDS, capacity, ttl)
@@ -126,6 +142,7 @@ def test_every_waiter_leaves_exactly_once_and_depth_stays_bounded(ops):
 
 # ---- the arrival gate ---------------------------------------------------------------------------
 
+
 def test_an_unsaturated_pool_never_makes_anyone_wait():
     idle = pool([8, 8], [2, 3])
     for band in BANDS:
@@ -142,8 +159,12 @@ def test_saturated_pool_overflows_interactive_bands_and_queues_batch_bands():
 
 
 def test_stale_endpoints_count_as_saturated_never_as_idle():
-    stale = PoolView({"e0": EndpointLoad(8, EngineSample(EngineDialect.VLLM, 0, 0, 0.0), NOW - 60)},
-                     {"e0": 0}, NOW, SETTINGS)
+    stale = PoolView(
+        {"e0": EndpointLoad(8, EngineSample(EngineDialect.VLLM, 0, 0, 0.0), NOW - 60)},
+        {"e0": 0},
+        NOW,
+        SETTINGS,
+    )
     assert stale.saturation() == 1.0
     assert gate(BANDS[3], stale, 0) is GateDecision.QUEUED
     assert gate(BANDS[0], stale, 0) is GateDecision.GRANTED  # "up to the healthy limit"
@@ -165,8 +186,9 @@ band_counts = st.fixed_dictionaries({b.name: st.integers(0, 6) for b in BANDS})
 
 @settings(max_examples=300, deadline=None)
 @given(
-    st.lists(st.tuples(st.integers(0, 10), st.integers(0, 10), st.integers(0, 6)),
-             min_size=1, max_size=3),
+    st.lists(
+        st.tuples(st.integers(0, 10), st.integers(0, 10), st.integers(0, 6)), min_size=1, max_size=3
+    ),
     st.lists(band_counts, min_size=1, max_size=4),
 )
 def test_plan_respects_priority_ceilings_and_bounds_the_overshoot_of_several_instances(
@@ -206,7 +228,10 @@ def test_plan_respects_priority_ceilings_and_bounds_the_overshoot_of_several_ins
 
 
 def test_without_a_managed_pool_everything_is_dispatched():
-    assert plan_dispatch(BANDS, None, {"bronze": 3, "gold": 1}, {"bronze": 5}) == {"gold": 1, "bronze": 3}
+    assert plan_dispatch(BANDS, None, {"bronze": 3, "gold": 1}, {"bronze": 5}) == {
+        "gold": 1,
+        "bronze": 3,
+    }
 
 
 def test_a_single_instance_dispatches_exactly_the_headroom():
@@ -227,8 +252,10 @@ def test_queues_reject_nonsense_capacity(bad):
 def test_endpoint_choice_weighs_inflight_by_each_endpoints_capacity():
     """Nothing queues anywhere; the big endpoint (capacity 8) with 4 in flight beats the small
     one (capacity 2) with 2: half full against full."""
-    loads = {e: EndpointLoad(16, EngineSample(EngineDialect.VLLM, 0, 0, 0.0), NOW - 1)
-             for e in ("small", "big")}
+    loads = {
+        e: EndpointLoad(16, EngineSample(EngineDialect.VLLM, 0, 0, 0.0), NOW - 1)
+        for e in ("small", "big")
+    }
     view = PoolView(loads, {"big": 4, "small": 2}, NOW, SETTINGS, {"big": 8.0, "small": 2.0})
     assert view.saturation() == 0
     assert view.score("small") == 1.0 and view.score("big") == 0.5

@@ -83,7 +83,11 @@ async def test_unsupported_everywhere_is_rejected_without_touching_state(world):
 async def test_requests_without_session_take_a_temporary_lease_on_the_first_provider(world):
     _, _, _, router = world
     placed = await router.place(MODEL, Feature.CHAT, None)
-    assert (placed.provider, placed.route, placed.refresh_pin_on_success) == ("a", Route.UNPINNED, False)
+    assert (placed.provider, placed.route, placed.refresh_pin_on_success) == (
+        "a",
+        Route.UNPINNED,
+        False,
+    )
     assert placed.lease is not None and placed.lease.session is None
 
 
@@ -109,7 +113,11 @@ async def test_per_session_limit_falls_back_temporarily_and_keeps_the_pin(world)
     _, state, _, router = world
     first = await router.place(MODEL, Feature.CHAT, "s1")
     extra = await router.place(MODEL, Feature.CHAT, "s1")  # a allows 1 per session
-    assert (extra.provider, extra.route, extra.refresh_pin_on_success) == ("b", Route.TEMPORARY, False)
+    assert (extra.provider, extra.route, extra.refresh_pin_on_success) == (
+        "b",
+        Route.TEMPORARY,
+        False,
+    )
     pin = await state.get_pin(MODEL, "s1")
     assert pin.id == first.pin.id and pin.provider == "a"
 
@@ -166,7 +174,11 @@ async def test_overflow_runs_on_an_unlimited_provider_and_leaves_the_pin_alone(w
     assert router.can_overflow(MODEL, Feature.CHAT)
     placed = await router.place_overflow(MODEL, Feature.CHAT)
     assert (placed.provider, placed.route, placed.lease, placed.refresh_pin_on_success) == (
-        "c", Route.OVERFLOW, None, False)
+        "c",
+        Route.OVERFLOW,
+        None,
+        False,
+    )
     assert len(kv.history) == writes  # no pin, no lease: nothing written
     assert (await state.get_pin(MODEL, "s1")).provider == "a"
     catalog.unsupported = {("c", Feature.CHAT)}

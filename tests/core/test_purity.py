@@ -5,7 +5,19 @@ from pathlib import Path
 
 import llmgw.core
 
-FORBIDDEN = {"nats", "fastapi", "starlette", "httpx", "aiohttp", "uvicorn", "prometheus_client", "asyncio", "time", "random", "socket"}
+FORBIDDEN = {
+    "nats",
+    "fastapi",
+    "starlette",
+    "httpx",
+    "aiohttp",
+    "uvicorn",
+    "prometheus_client",
+    "asyncio",
+    "time",
+    "random",
+    "socket",
+}
 
 
 def test_core_modules_import_no_io_library():

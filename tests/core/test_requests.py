@@ -16,8 +16,15 @@ def body(**fields):
 
 
 def test_valid_chat_request_is_parsed():
-    parsed = parse_request(Feature.CHAT, body(stream=True, stream_options={"include_usage": True}, user="u1"))
-    assert (parsed.model, parsed.stream, parsed.include_usage, parsed.user) == ("m", True, True, "u1")
+    parsed = parse_request(
+        Feature.CHAT, body(stream=True, stream_options={"include_usage": True}, user="u1")
+    )
+    assert (parsed.model, parsed.stream, parsed.include_usage, parsed.user) == (
+        "m",
+        True,
+        True,
+        "u1",
+    )
 
 
 @pytest.mark.parametrize(
@@ -81,7 +88,12 @@ def test_embeddings_never_stream():
     assert parsed.stream is False
 
 
-@given(st.recursive(st.none() | st.booleans() | st.integers() | st.text(), lambda c: st.lists(c) | st.dictionaries(st.text(), c)))
+@given(
+    st.recursive(
+        st.none() | st.booleans() | st.integers() | st.text(),
+        lambda c: st.lists(c) | st.dictionaries(st.text(), c),
+    )
+)
 def test_any_json_document_either_parses_or_raises_invalid_request(document):
     raw = json.dumps(document).encode()
     for feature in Feature:

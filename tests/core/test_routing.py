@@ -13,7 +13,9 @@ def ep(eid, healthy=True, models=("m",)):
 
 
 def test_healthy_endpoints_keep_their_order_and_skip_unhealthy_excluded_and_other_models():
-    view = provider(ProviderKind.MANAGED, [ep("e1", False), ep("e2"), ep("e3"), ep("e4", models=("x",))])
+    view = provider(
+        ProviderKind.MANAGED, [ep("e1", False), ep("e2"), ep("e3"), ep("e4", models=("x",))]
+    )
     assert [e.id for e in view.healthy_endpoints("m")] == ["e2", "e3"]
     assert [e.id for e in view.healthy_endpoints("m", exclude={"e2"})] == ["e3"]
 
@@ -29,4 +31,9 @@ def test_supports_means_the_model_with_that_feature():
     assert view.supports("m", Feature.CHAT)
     assert not view.supports("m", Feature.EMBEDDINGS)
     assert not view.supports("other", Feature.CHAT)
-    assert EndpointView("e", "u", "p", frozenset({"m"}), upstream_models={"m": "m-v2"}).upstream_model("m") == "m-v2"
+    assert (
+        EndpointView("e", "u", "p", frozenset({"m"}), upstream_models={"m": "m-v2"}).upstream_model(
+            "m"
+        )
+        == "m-v2"
+    )

@@ -37,37 +37,56 @@ def sample(running: int = 0, waiting: int = 0, kv_usage: float = 0.0) -> EngineS
     return EngineSample(EngineDialect.VLLM, running, waiting, kv_usage)
 
 
-def fresh(running: int = 0, waiting: int = 0, kv_usage: float = 0.0,
-          capacity: int = 0) -> EndpointLoad:
+def fresh(
+    running: int = 0, waiting: int = 0, kv_usage: float = 0.0, capacity: int = 0
+) -> EndpointLoad:
     """An endpoint sampled at t=0 whose learned capacity is at least ``capacity``."""
     return update(EndpointLoad(capacity=capacity), sample(running, waiting, kv_usage), 0.0)
 
 
-@pytest.mark.parametrize(("load", "inflight", "expected"), [
-    (fresh(), 0, 0.0),
-    (fresh(running=8, waiting=2), 8, 0.5),  # waiting 2 / target 4
-    (fresh(running=8, kv_usage=0.4), 8, 0.5),  # kv 0.4 / ceiling 0.8
-    (fresh(running=8, waiting=2, kv_usage=0.72), 8, 0.9),  # the worse of the two
-    # router inflight counts running requests too: only what exceeds capacity is queued
-    (fresh(running=8), 10, 0.5),
-    (fresh(running=8), 16, 2.0),  # burst of grants the engine has not seen yet
-    (fresh(running=8, waiting=3), 9, 0.75),  # engine waiting exceeds inflight excess
-    (fresh(running=2, capacity=8), 8, 0.0),  # capacity is the high-water mark, not last running
-    (fresh(), 4, 1.0),  # cold start: nothing learned, all inflight counts as queued
-], ids=["idle", "waiting", "kv", "worse-of-both", "inflight-excess", "grant-burst",
-        "engine-waiting-wins", "learned-capacity", "cold-start"])
+@pytest.mark.parametrize(
+    ("load", "inflight", "expected"),
+    [
+        (fresh(), 0, 0.0),
+        (fresh(running=8, waiting=2), 8, 0.5),  # waiting 2 / target 4
+        (fresh(running=8, kv_usage=0.4), 8, 0.5),  # kv 0.4 / ceiling 0.8
+        (fresh(running=8, waiting=2, kv_usage=0.72), 8, 0.9),  # the worse of the two
+        # router inflight counts running requests too: only what exceeds capacity is queued
+        (fresh(running=8), 10, 0.5),
+        (fresh(running=8), 16, 2.0),  # burst of grants the engine has not seen yet
+        (fresh(running=8, waiting=3), 9, 0.75),  # engine waiting exceeds inflight excess
+        (fresh(running=2, capacity=8), 8, 0.0),  # capacity is the high-water mark, not last running
+        (fresh(), 4, 1.0),  # cold start: nothing learned, all inflight counts as queued
+    ],
+    ids=[
+        "idle",
+        "waiting",
+        "kv",
+        "worse-of-both",
+        "inflight-excess",
+        "grant-burst",
+        "engine-waiting-wins",
+        "learned-capacity",
+        "cold-start",
+    ],
+)
 def test_endpoint_saturation(load: EndpointLoad, inflight: int, expected: float) -> None:
     assert endpoint_saturation(load, 1.0, SETTINGS, inflight) == pytest.approx(expected)
 
 
-@pytest.mark.parametrize(("load", "now", "expected"), [
-    (EndpointLoad(), 0.0, STALE_SATURATION),  # never sampled
-    (fresh(), 10.0, 0.0),  # exactly stale_after old is still fresh
-    (fresh(), 10.5, STALE_SATURATION),
-    (fresh(waiting=12), 11.0, 3.0),  # stale never reads better than the last sample
-], ids=["never-sampled", "boundary", "stale", "stale-but-worse"])
-def test_stale_endpoint_counts_as_saturated(load: EndpointLoad, now: float,
-                                            expected: float) -> None:
+@pytest.mark.parametrize(
+    ("load", "now", "expected"),
+    [
+        (EndpointLoad(), 0.0, STALE_SATURATION),  # never sampled
+        (fresh(), 10.0, 0.0),  # exactly stale_after old is still fresh
+        (fresh(), 10.5, STALE_SATURATION),
+        (fresh(waiting=12), 11.0, 3.0),  # stale never reads better than the last sample
+    ],
+    ids=["never-sampled", "boundary", "stale", "stale-but-worse"],
+)
+def test_stale_endpoint_counts_as_saturated(
+    load: EndpointLoad, now: float, expected: float
+) -> None:
     assert endpoint_saturation(load, now, SETTINGS) == expected
 
 
@@ -102,49 +121,109 @@ def test_settings_reject_kv_ceiling_above_the_whole_cache() -> None:
 
 
 @given(settings=settings_strategy, target=st.floats(-1e6, 0) | st.just(math.nan))
-def test_settings_reject_any_non_positive_target_waiting(settings: SaturationSettings,
-                                                         target: float) -> None:
+def test_settings_reject_any_non_positive_target_waiting(
+    settings: SaturationSettings, target: float
+) -> None:
     with pytest.raises(ValueError, match="target_waiting"):
         SaturationSettings(target, settings.kv_ceiling, settings.stale_after)
 
 
-@given(settings=settings_strategy, running=counts, capacity=counts, inflight=counts,
-       kv=fractions, waiting=counts, more=counts, now=times)
-def test_monotonic_in_waiting(settings: SaturationSettings, running: int, capacity: int,
-                              inflight: int, kv: float, waiting: int, more: int,
-                              now: float) -> None:
+@given(
+    settings=settings_strategy,
+    running=counts,
+    capacity=counts,
+    inflight=counts,
+    kv=fractions,
+    waiting=counts,
+    more=counts,
+    now=times,
+)
+def test_monotonic_in_waiting(
+    settings: SaturationSettings,
+    running: int,
+    capacity: int,
+    inflight: int,
+    kv: float,
+    waiting: int,
+    more: int,
+    now: float,
+) -> None:
     base = EndpointLoad(capacity=capacity)
     low = update(base, sample(running, waiting, kv), 0.0)
     high = update(base, sample(running, waiting + more, kv), 0.0)
-    assert (endpoint_saturation(low, now, settings, inflight)
-            <= endpoint_saturation(high, now, settings, inflight))
+    assert endpoint_saturation(low, now, settings, inflight) <= endpoint_saturation(
+        high, now, settings, inflight
+    )
 
 
-@given(settings=settings_strategy, running=counts, waiting=counts, inflight=counts,
-       kv=fractions, kv2=fractions, now=times)
-def test_monotonic_in_kv_usage(settings: SaturationSettings, running: int, waiting: int,
-                               inflight: int, kv: float, kv2: float, now: float) -> None:
+@given(
+    settings=settings_strategy,
+    running=counts,
+    waiting=counts,
+    inflight=counts,
+    kv=fractions,
+    kv2=fractions,
+    now=times,
+)
+def test_monotonic_in_kv_usage(
+    settings: SaturationSettings,
+    running: int,
+    waiting: int,
+    inflight: int,
+    kv: float,
+    kv2: float,
+    now: float,
+) -> None:
     low_kv, high_kv = sorted((kv, kv2))
     low = fresh(running, waiting, low_kv)
     high = fresh(running, waiting, high_kv)
-    assert (endpoint_saturation(low, now, settings, inflight)
-            <= endpoint_saturation(high, now, settings, inflight))
+    assert endpoint_saturation(low, now, settings, inflight) <= endpoint_saturation(
+        high, now, settings, inflight
+    )
 
 
-@given(settings=settings_strategy, running=counts, waiting=counts, kv=fractions,
-       inflight=counts, more=counts, now=times)
-def test_monotonic_in_inflight(settings: SaturationSettings, running: int, waiting: int,
-                               kv: float, inflight: int, more: int, now: float) -> None:
+@given(
+    settings=settings_strategy,
+    running=counts,
+    waiting=counts,
+    kv=fractions,
+    inflight=counts,
+    more=counts,
+    now=times,
+)
+def test_monotonic_in_inflight(
+    settings: SaturationSettings,
+    running: int,
+    waiting: int,
+    kv: float,
+    inflight: int,
+    more: int,
+    now: float,
+) -> None:
     load = fresh(running, waiting, kv)
-    assert (endpoint_saturation(load, now, settings, inflight)
-            <= endpoint_saturation(load, now, settings, inflight + more))
+    assert endpoint_saturation(load, now, settings, inflight) <= endpoint_saturation(
+        load, now, settings, inflight + more
+    )
 
 
-@given(settings=settings_strategy, running=counts, waiting=counts, kv=fractions,
-       inflight=counts, sampled_at=times, age=st.floats(0, 1e6))
-def test_stale_endpoint_is_at_least_saturated(settings: SaturationSettings, running: int,
-                                              waiting: int, kv: float, inflight: int,
-                                              sampled_at: float, age: float) -> None:
+@given(
+    settings=settings_strategy,
+    running=counts,
+    waiting=counts,
+    kv=fractions,
+    inflight=counts,
+    sampled_at=times,
+    age=st.floats(0, 1e6),
+)
+def test_stale_endpoint_is_at_least_saturated(
+    settings: SaturationSettings,
+    running: int,
+    waiting: int,
+    kv: float,
+    inflight: int,
+    sampled_at: float,
+    age: float,
+) -> None:
     load = update(EndpointLoad(), sample(running, waiting, kv), sampled_at)
     now = sampled_at + settings.stale_after + age
     assume(now - sampled_at > settings.stale_after)  # float rounding at the boundary
@@ -154,8 +233,10 @@ def test_stale_endpoint_is_at_least_saturated(settings: SaturationSettings, runn
     assert stale >= endpoint_saturation(load, sampled_at, settings, inflight)
 
 
-@given(settings=settings_strategy,
-       steps=st.lists(st.tuples(counts, counts, fractions, times), max_size=20))
+@given(
+    settings=settings_strategy,
+    steps=st.lists(st.tuples(counts, counts, fractions, times), max_size=20),
+)
 def test_capacity_only_grows_and_is_the_most_ever_running(
     settings: SaturationSettings, steps: list[tuple[int, int, float, float]]
 ) -> None:
@@ -180,18 +261,24 @@ def test_an_older_sample_teaches_capacity_but_does_not_replace_a_newer_one(
     assert load.capacity == running
 
 
-@given(settings=settings_strategy, now=times,
-       endpoints=st.lists(st.tuples(counts, counts, fractions, counts, st.booleans()),
-                          min_size=1, max_size=8))
+@given(
+    settings=settings_strategy,
+    now=times,
+    endpoints=st.lists(
+        st.tuples(counts, counts, fractions, counts, st.booleans()), min_size=1, max_size=8
+    ),
+)
 def test_pool_saturation_lies_between_its_endpoints(
-    settings: SaturationSettings, now: float,
+    settings: SaturationSettings,
+    now: float,
     endpoints: list[tuple[int, int, float, int, bool]],
 ) -> None:
     loads = {}
     inflight = {}
     for index, (running, waiting, kv, outstanding, sampled) in enumerate(endpoints):
-        loads[f"e{index}"] = (update(EndpointLoad(), sample(running, waiting, kv), now)
-                              if sampled else EndpointLoad())
+        loads[f"e{index}"] = (
+            update(EndpointLoad(), sample(running, waiting, kv), now) if sampled else EndpointLoad()
+        )
         inflight[f"e{index}"] = outstanding
     each = [endpoint_saturation(loads[key], now, settings, inflight[key]) for key in loads]
     pool = pool_saturation(loads, now, settings, inflight)

@@ -41,7 +41,9 @@ def test_different_openings_models_or_features_are_different_sessions():
 def test_completions_share_a_session_while_the_prompt_grows():
     first = {"prompt": "Transcript:\nUser: hi\n" + "x" * 600}
     later = {"prompt": first["prompt"] + "\nAssistant: hello\nUser: more"}
-    assert session_id(Feature.COMPLETIONS, "m", first) == session_id(Feature.COMPLETIONS, "m", later)
+    assert session_id(Feature.COMPLETIONS, "m", first) == session_id(
+        Feature.COMPLETIONS, "m", later
+    )
 
 
 def test_explicit_header_then_user_field_override_the_prefix():

@@ -9,8 +9,12 @@ from hypothesis import strategies as st
 
 from llmgw.core.usage import StreamUsage, Usage, usage_in
 
-USAGE = {"prompt_tokens": 12, "completion_tokens": 3, "total_tokens": 15,
-         "prompt_tokens_details": {"cached_tokens": 0}}
+USAGE = {
+    "prompt_tokens": 12,
+    "completion_tokens": 3,
+    "total_tokens": 15,
+    "prompt_tokens_details": {"cached_tokens": 0},
+}
 CHUNKS = [
     {"id": "c", "choices": [{"index": 0, "delta": {"role": "assistant"}}]},
     {"id": "c", "choices": [{"index": 0, "delta": {"content": "usage is a word"}}]},
@@ -22,8 +26,9 @@ STREAM = BODY + USAGE_EVENT + b"data: [DONE]\n\n"
 
 
 def test_usage_of_a_whole_response():
-    body = json.dumps({"id": "x", "choices": [{"message": {"content": '"usage" {'}}],
-                       "usage": USAGE}).encode()
+    body = json.dumps(
+        {"id": "x", "choices": [{"message": {"content": '"usage" {'}}], "usage": USAGE}
+    ).encode()
     assert usage_in(body) == Usage(12, 3)
     assert usage_in(b'{"id": "x"}') is None
     assert usage_in(b'{"usage": {"prompt_tokens": "many"}}') is None

@@ -48,7 +48,13 @@ def gateway_config(
         "pinning": {"bucket": bucket, "lease_timeout": "3s"},
         # No scraper runs here: flow control is off unless a test turns it on (tests/flow).
         "admission": {"enabled": False},
-        "timeouts": {"dial": "1s", "response_header": "2s", "first_token": "2s", "idle": "1s", "total": "10s"},
+        "timeouts": {
+            "dial": "1s",
+            "response_header": "2s",
+            "first_token": "2s",
+            "idle": "1s",
+            "total": "10s",
+        },
         "models": [
             {"name": "m1", "aliases": ["small"]},
             {"name": "m2"},
@@ -74,9 +80,25 @@ def gateway_config(
             {"id": "tensorx", "kind": "unlimited", "priority": 10, "models": [{"name": "m1"}]},
         ],
         "endpoints": [
-            {"id": "engine-1", "url": engine_urls["engine-1"], "provider": "iris", "models": ["m1", "m2"], "priority": 200},
-            {"id": "engine-2", "url": engine_urls["engine-2"], "provider": "iris", "models": ["m1", "m2"]},
-            {"id": "tensorx-1", "url": engine_urls["tensorx-1"], "provider": "tensorx", "models": ["m1"]},
+            {
+                "id": "engine-1",
+                "url": engine_urls["engine-1"],
+                "provider": "iris",
+                "models": ["m1", "m2"],
+                "priority": 200,
+            },
+            {
+                "id": "engine-2",
+                "url": engine_urls["engine-2"],
+                "provider": "iris",
+                "models": ["m1", "m2"],
+            },
+            {
+                "id": "tensorx-1",
+                "url": engine_urls["tensorx-1"],
+                "provider": "tensorx",
+                "models": ["m1"],
+            },
         ],
     }
     for key, value in overrides.items():
@@ -99,7 +121,9 @@ async def gateway(
     for seed, name in enumerate(("engine-1", "engine-2", "tensorx-1")):
         params = engine_params.model_copy(update={"seed": seed})
         engines[name] = await start_server(create_engine_app(params, ["m1", "m2"]))
-    config = gateway_config(nats_url, {k: v.url for k, v in engines.items()}, f"routing_{unique_id}")
+    config = gateway_config(
+        nats_url, {k: v.url for k, v in engines.items()}, f"routing_{unique_id}"
+    )
     admission_nc = await nats.connect(nats_url)
     routing = await open_routing_state(admission_nc, config, instance_id="admission")
     admission = AdmissionService(

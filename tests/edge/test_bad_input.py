@@ -44,13 +44,29 @@ async def admission_spy(nats_client):
         (b"\xff", None),
         (b"[]", None),
         (b"[" * 2000 + b"]" * 2000, None),
-        (b'{"model": "m1", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}', "stream"),
-        (b'{"model": "m1", "messages": [{"role": "user", "content": "x"}], "max_tokens": -1}', "max_tokens"),
+        (
+            b'{"model": "m1", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}',
+            "stream",
+        ),
+        (
+            b'{"model": "m1", "messages": [{"role": "user", "content": "x"}], "max_tokens": -1}',
+            "max_tokens",
+        ),
         (b'{"messages": [{"role": "user", "content": "x"}]}', "model"),
     ],
-    ids=["malformed", "bad-utf8", "array", "deep-nesting", "stream-type", "negative-max-tokens", "no-model"],
+    ids=[
+        "malformed",
+        "bad-utf8",
+        "array",
+        "deep-nesting",
+        "stream-type",
+        "negative-max-tokens",
+        "no-model",
+    ],
 )
-async def test_invalid_bodies_get_400_and_take_no_admission(gateway, admission_spy, nats_client, body, param):
+async def test_invalid_bodies_get_400_and_take_no_admission(
+    gateway, admission_spy, nats_client, body, param
+):
     async with httpx.AsyncClient() as http:
         response = await http.post(gateway.url + CHAT_PATH, content=body)
     assert_openai_error(response, 400, param=param)
@@ -60,13 +76,17 @@ async def test_invalid_bodies_get_400_and_take_no_admission(gateway, admission_s
 
 async def test_unknown_model_is_404_without_admission(gateway, admission_spy, nats_client):
     async with httpx.AsyncClient() as http:
-        response = await http.post(gateway.url + CHAT_PATH, content=OK_BODY.replace(b"m1", b"gpt-9"))
+        response = await http.post(
+            gateway.url + CHAT_PATH, content=OK_BODY.replace(b"m1", b"gpt-9")
+        )
     assert_openai_error(response, 404, code="model_not_found", param="model")
     await nats_client.flush()
     assert admission_spy == []
 
 
-async def test_oversized_bodies_get_413_honest_chunked_or_lying(gateway, admission_spy, nats_client):
+async def test_oversized_bodies_get_413_honest_chunked_or_lying(
+    gateway, admission_spy, nats_client
+):
     big = b'{"model": "m1", "messages": [{"role": "user", "content": "' + b"x" * 10_000 + b'"}]}'
 
     async def chunked():
@@ -83,7 +103,9 @@ async def test_oversized_bodies_get_413_honest_chunked_or_lying(gateway, admissi
     # for (or reading) a body that never comes.
     reader, writer = await asyncio.open_connection(gateway.edge.host, gateway.edge.port)
     writer.write(
-        b"POST " + CHAT_PATH.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST "
+        + CHAT_PATH.encode()
+        + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         b"Content-Length: 50000000\r\n\r\n{"
     )
     await writer.drain()
@@ -122,7 +144,9 @@ async def test_silent_admission_service_gets_503_within_the_request_timeout(gate
     await sub.unsubscribe()
     assert_openai_error(response, 503, code="admission_unavailable")
     assert swallowed, "the request did reach the (silent) admission subscriber"
-    assert gateway.config.nats.request_timeout <= elapsed < gateway.config.nats.request_timeout + 1.5
+    assert (
+        gateway.config.nats.request_timeout <= elapsed < gateway.config.nats.request_timeout + 1.5
+    )
 
 
 async def test_unknown_routes_and_methods_are_openai_shaped(gateway):

@@ -46,7 +46,11 @@ async def test_alias_is_resolved_and_served_by_the_first_managed_endpoint(gatewa
     async with httpx.AsyncClient() as http:
         response = await http.post(
             gateway.url + "/v1/chat/completions",
-            json={"model": "small", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2},
+            json={
+                "model": "small",
+                "messages": [{"role": "user", "content": "x"}],
+                "max_tokens": 2,
+            },
         )
     assert response.status_code == 200
     assert response.headers["x-llmgw-provider"] == "iris"
@@ -54,7 +58,9 @@ async def test_alias_is_resolved_and_served_by_the_first_managed_endpoint(gatewa
     assert response.json()["model"] == "m1"
 
 
-async def test_unhealthy_endpoints_are_skipped_then_overflow_goes_to_the_unlimited_provider(gateway):
+async def test_unhealthy_endpoints_are_skipped_then_overflow_goes_to_the_unlimited_provider(
+    gateway,
+):
     board = gateway.admission.health
     body = {"model": "m1", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
     async with httpx.AsyncClient() as http:

@@ -50,8 +50,10 @@ async def test_every_turn_of_a_chat_reaches_the_pinned_provider(gateway):
             r = await http.post(gateway.url + CHAT_PATH, json=turn(*history))
             assert r.status_code == 200
             providers.append(r.headers["x-llmgw-provider"])
-            history += [{"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]},
-                        {"role": "user", "content": f"and day {i}?"}]
+            history += [
+                {"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]},
+                {"role": "user", "content": f"and day {i}?"},
+            ]
     assert providers == ["iris"] * 4
     await eventually(lambda: _no_leases(gateway))
 
@@ -121,7 +123,9 @@ async def test_per_session_limit_sends_extra_requests_to_a_temporary_fallback(ga
 
 async def test_client_disconnect_mid_stream_releases_the_lease(gateway):
     async with httpx.AsyncClient() as http:
-        async with http.stream("POST", gateway.url + CHAT_PATH, json=turn(max_tokens=200, stream=True)) as r:
+        async with http.stream(
+            "POST", gateway.url + CHAT_PATH, json=turn(max_tokens=200, stream=True)
+        ) as r:
             lines = r.aiter_lines()
             assert (await anext(lines)).startswith("data: ")  # streaming, lease held
             assert len(await taken_leases(gateway)) == 1
@@ -141,7 +145,9 @@ async def test_a_lost_lease_ends_the_stream_with_an_error_event(gateway):
             # Someone else now owns the slot: free it and take it again.
             kv = gateway.routing._kv
             freed = await kv.update(entry.key, LeaseSlotValue.free().to_json(), entry.revision)
-            await kv.update(entry.key, entry.value.replace(b'"lease_id":"', b'"lease_id":"x'), freed)
+            await kv.update(
+                entry.key, entry.value.replace(b'"lease_id":"', b'"lease_id":"x'), freed
+            )
             rest = [line async for line in lines]
     events = [line[6:] for line in rest if line.startswith("data: ")]
     assert json.loads(events[-1])["error"]["code"] == "lease_lost"
@@ -149,4 +155,3 @@ async def test_a_lost_lease_ends_the_stream_with_an_error_event(gateway):
     # The edge did not free the slot it no longer holds.
     [(entry_after, value)] = await taken_leases(gateway)
     assert entry_after.key == entry.key and value.lease_id.startswith("x")
-

@@ -37,7 +37,9 @@ async def test_stream_chunks_reach_the_client_as_the_engine_produces_them(gatewa
     arrivals = []
     async with httpx.AsyncClient() as http:
         started = time.perf_counter()
-        async with http.stream("POST", gateway.url + CHAT_PATH, json=chat(max_tokens=10)) as response:
+        async with http.stream(
+            "POST", gateway.url + CHAT_PATH, json=chat(max_tokens=10)
+        ) as response:
             assert response.status_code == 200
             assert response.headers["content-type"].startswith("text/event-stream")
             assert len(response.headers.get_list("content-type")) == 1

@@ -33,15 +33,18 @@ async def until(condition, timeout: float = 5.0) -> None:
 
 
 def events(body: str) -> list[str]:
-    return [line[len("data: "):] for line in body.split("\n") if line.startswith("data: ")]
+    return [line[len("data: ") :] for line in body.split("\n") if line.startswith("data: ")]
 
 
-async def test_a_stream_without_include_usage_gets_no_usage_chunk_but_is_measured(gateway, nats_url):
+async def test_a_stream_without_include_usage_gets_no_usage_chunk_but_is_measured(
+    gateway, nats_url
+):
     nc, seen = await collect_stats(nats_url)
     try:
         async with httpx.AsyncClient() as client:
-            response = await client.post(gateway.url + "/v1/chat/completions",
-                                         json={**CHAT, "stream": True}, timeout=10)
+            response = await client.post(
+                gateway.url + "/v1/chat/completions", json={**CHAT, "stream": True}, timeout=10
+            )
         assert response.status_code == 200
         payloads = events(response.text)
         assert payloads[-1] == "[DONE]"
@@ -60,8 +63,10 @@ async def test_a_stream_that_asked_for_usage_still_gets_it(gateway, nats_url):
     try:
         async with httpx.AsyncClient() as client:
             response = await client.post(
-                gateway.url + "/v1/chat/completions", timeout=10,
-                json={**CHAT, "stream": True, "stream_options": {"include_usage": True}})
+                gateway.url + "/v1/chat/completions",
+                timeout=10,
+                json={**CHAT, "stream": True, "stream_options": {"include_usage": True}},
+            )
         chunks = [json.loads(p) for p in events(response.text)[:-1]]
         assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
         await until(lambda: len(seen) == 1)

@@ -23,10 +23,18 @@ async def stack(nats_url, unique_id, request):
     """Engines, admission (flow control on, per-test settings) and an edge in front."""
     admission = dict(getattr(request, "param", {}))
     router = admission.pop("router", None)
-    engines = {name: await start_server(create_engine_app(EngineParams.zero_delay(), ["m1"]))
-               for name in ("engine-1", "engine-2", "tensorx-1")}
-    rig = await open_rig(nats_url, unique_id, urls={k: v.url for k, v in engines.items()},
-                         limits=EDGE_LIMITS, router=router, **admission)
+    engines = {
+        name: await start_server(create_engine_app(EngineParams.zero_delay(), ["m1"]))
+        for name in ("engine-1", "engine-2", "tensorx-1")
+    }
+    rig = await open_rig(
+        nats_url,
+        unique_id,
+        urls={k: v.url for k, v in engines.items()},
+        limits=EDGE_LIMITS,
+        router=router,
+        **admission,
+    )
     rig.engines = engines
     edge_nc = await nats.connect(nats_url)
     session = new_session(Timeouts.from_section(rig.config.timeouts))
@@ -47,5 +55,3 @@ async def stack(nats_url, unique_id, request):
         await rig.close()
         for server in engines.values():
             await server.stop()
-
-

@@ -43,9 +43,15 @@ EDGE_LIMITS = {
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 
-def rig_config(nats_url: str, unique_id: str, *, urls: dict[str, str] | None = None,
-               limits: dict[str, int] | None = None, router: dict[str, Any] | None = None,
-               **admission: Any) -> Config:
+def rig_config(
+    nats_url: str,
+    unique_id: str,
+    *,
+    urls: dict[str, str] | None = None,
+    limits: dict[str, int] | None = None,
+    router: dict[str, Any] | None = None,
+    **admission: Any,
+) -> Config:
     """Managed `iris` (two engines; lease limits only if given) and unlimited `tensorx`, for m1.
 
     ``urls`` maps endpoint ids (engine-1, engine-2, tensorx-1) to real servers where requests
@@ -68,11 +74,22 @@ def rig_config(nats_url: str, unique_id: str, *, urls: dict[str, str] | None = N
                 {"id": "tensorx", "kind": "unlimited", "models": [{"name": MODEL}]},
             ],
             "endpoints": [
-                {"id": e, "url": urls.get(e, f"http://127.0.0.1:1/{e}"), "provider": "iris",
-                 "models": [MODEL]}
+                {
+                    "id": e,
+                    "url": urls.get(e, f"http://127.0.0.1:1/{e}"),
+                    "provider": "iris",
+                    "models": [MODEL],
+                }
                 for e in ENDPOINTS
-            ] + [{"id": "tensorx-1", "url": urls.get("tensorx-1", "http://127.0.0.1:1/t"),
-                  "provider": "tensorx", "models": [MODEL]}],
+            ]
+            + [
+                {
+                    "id": "tensorx-1",
+                    "url": urls.get("tensorx-1", "http://127.0.0.1:1/t"),
+                    "provider": "tensorx",
+                    "models": [MODEL],
+                }
+            ],
         },
         source="<flow rig>",
         env={},
@@ -109,35 +126,64 @@ class Rig:
         self._closers.append(close)
         return service
 
-    async def report(self, endpoint: str, *, running: int, waiting: int = 0, capacity: int = 8,
-                     healthy: bool = True, at: float | None = None, kv_usage: float = 0.1) -> None:
+    async def report(
+        self,
+        endpoint: str,
+        *,
+        running: int,
+        waiting: int = 0,
+        capacity: int = 8,
+        healthy: bool = True,
+        at: float | None = None,
+        kv_usage: float = 0.1,
+    ) -> None:
         """Write a scraper report and wait until every admission instance has applied it."""
         before = [a.load.reports for a in self.admissions]
         report = EndpointReport(
-            endpoint=endpoint, provider="iris", pool="p", models=(MODEL,), healthy=healthy,
+            endpoint=endpoint,
+            provider="iris",
+            pool="p",
+            models=(MODEL,),
+            healthy=healthy,
             sample=LoadSample(dialect="vllm", running=running, waiting=waiting, kv_usage=kv_usage),
-            capacity=capacity, scraped_at=time.time() if at is None else at, scraper="test",
+            capacity=capacity,
+            scraped_at=time.time() if at is None else at,
+            scraper="test",
         )
         await self.load_kv.put(report_key(endpoint), report.to_bytes())
-        await until(lambda: all(a.load.reports > b for a, b in zip(self.admissions, before, strict=True)))
+        await until(
+            lambda: all(a.load.reports > b for a, b in zip(self.admissions, before, strict=True))
+        )
 
     async def report_all(self, **kwargs: Any) -> None:
         for endpoint in ENDPOINTS:
             await self.report(endpoint, **kwargs)
 
-    async def ask(self, *, band: str | None = None, tenant: str | None = None,
-                  request_id: str | None = None, timeout: float = 10) -> AdmitReply:
+    async def ask(
+        self,
+        *,
+        band: str | None = None,
+        tenant: str | None = None,
+        request_id: str | None = None,
+        timeout: float = 10,
+    ) -> AdmitReply:
         request = AdmitRequest(
-            request_id=request_id or uuid.uuid4().hex, edge_id="edge-test", model=MODEL,
-            feature="chat", band=band, tenant=tenant,
+            request_id=request_id or uuid.uuid4().hex,
+            edge_id="edge-test",
+            model=MODEL,
+            feature="chat",
+            band=band,
+            tenant=tenant,
         )
-        msg = await self.nc.request(ADMISSION_REQUEST_SUBJECT, request.model_dump_json().encode(),
-                                    timeout=timeout)
+        msg = await self.nc.request(
+            ADMISSION_REQUEST_SUBJECT, request.model_dump_json().encode(), timeout=timeout
+        )
         return AdmitReply.model_validate_json(msg.data)
 
     async def cancel(self, request_id: str) -> None:
-        await self.nc.publish(ADMISSION_CANCEL_SUBJECT,
-                              AdmitCancel(request_id=request_id).model_dump_json().encode())
+        await self.nc.publish(
+            ADMISSION_CANCEL_SUBJECT, AdmitCancel(request_id=request_id).model_dump_json().encode()
+        )
 
     def queued(self) -> int:
         return sum(len(a.flow.queues) for a in self.admissions if a.flow is not None)
@@ -154,20 +200,30 @@ class Rig:
         await self.nc.close()
 
 
-async def open_rig(nats_url: str, unique_id: str, instances: int = 1, *,
-                   urls: dict[str, str] | None = None, limits: dict[str, int] | None = None,
-                   router: dict[str, Any] | None = None, **admission: Any) -> Rig:
+async def open_rig(
+    nats_url: str,
+    unique_id: str,
+    instances: int = 1,
+    *,
+    urls: dict[str, str] | None = None,
+    limits: dict[str, int] | None = None,
+    router: dict[str, Any] | None = None,
+    **admission: Any,
+) -> Rig:
     config = rig_config(nats_url, unique_id, urls=urls, limits=limits, router=router, **admission)
     nc = await nats.connect(nats_url)
-    load_kv = await open_routing_bucket(nc.jetstream(), config.router.load_bucket,
-                                        storage="memory", history=1)
+    load_kv = await open_routing_bucket(
+        nc.jetstream(), config.router.load_bucket, storage="memory", history=1
+    )
     rig = Rig(config, nc, load_kv)
     for _ in range(instances):
         await rig.add_admission()
     return rig
 
 
-async def until(condition: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
+async def until(
+    condition: Callable[[], bool], timeout: float = 5.0, what: str = "condition"
+) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:

@@ -13,8 +13,9 @@ from test_flow_control import open_headroom, saturate
 
 async def post(rig, band: str, timeout: float = 10) -> httpx.Response:
     async with httpx.AsyncClient(timeout=timeout) as client:
-        return await client.post(rig.edge_url + "/v1/chat/completions", json=BODY,
-                                 headers={"x-llmgw-band": band})
+        return await client.post(
+            rig.edge_url + "/v1/chat/completions", json=BODY, headers={"x-llmgw-band": band}
+        )
 
 
 async def leases(rig) -> int:
@@ -104,8 +105,10 @@ async def test_a_finished_request_stops_counting_against_its_engine_before_the_n
         response = await post(stack, "bronze")
         assert response.status_code == 200
         endpoint = response.headers["x-llmgw-endpoint"]
-        await until(lambda e=endpoint: board.pending(e, time.time()) == 0,
-                    what="the edge's end-of-request notice to reach admission")
+        await until(
+            lambda e=endpoint: board.pending(e, time.time()) == 0,
+            what="the edge's end-of-request notice to reach admission",
+        )
     # 30 short requests one after another all go through at once: none waits on stale counts.
     for _ in range(30):
         assert (await post(stack, "bronze")).status_code == 200

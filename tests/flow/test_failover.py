@@ -22,16 +22,21 @@ async def run(stack, n: int) -> tuple[Counter[str], Counter[int]]:
     async with httpx.AsyncClient(timeout=10) as client:
         for i in range(n):
             body = {**BODY, "user": f"user-{time.monotonic_ns()}-{i}"}
-            response = await client.post(stack.edge_url + "/v1/chat/completions", json=body,
-                                         headers={"x-llmgw-band": "platinum"})
+            response = await client.post(
+                stack.edge_url + "/v1/chat/completions",
+                json=body,
+                headers={"x-llmgw-band": "platinum"},
+            )
             statuses[response.status_code] += 1
             endpoints[response.headers.get("x-llmgw-endpoint", "-")] += 1
     return endpoints, statuses
 
 
-@pytest.mark.parametrize("stack", [{"enabled": False,
-                                    "router": {"cooldown": "1s", "failure_threshold": 3}}],
-                         indirect=True)
+@pytest.mark.parametrize(
+    "stack",
+    [{"enabled": False, "router": {"cooldown": "1s", "failure_threshold": 3}}],
+    indirect=True,
+)
 async def test_a_failing_engine_is_hidden_from_clients_then_avoided_then_readmitted(stack):
     await stack.report_all(running=0, capacity=8)
     service = stack.admissions[0]
@@ -46,8 +51,11 @@ async def test_a_failing_engine_is_hidden_from_clients_then_avoided_then_readmit
     assert service.breakers.state("engine-1", time.time()).value in ("open", "half_open")
 
     await set_faults(stack.engines["engine-1"].url, error_rate=0.0)  # it heals
-    await until(lambda: service.breakers.available("engine-1", time.time()), timeout=3,
-                what="the cooldown to end")
+    await until(
+        lambda: service.breakers.available("engine-1", time.time()),
+        timeout=3,
+        what="the cooldown to end",
+    )
     endpoints, statuses = await run(stack, 40)
     assert statuses == Counter({200: 40})
     assert endpoints["engine-1"] >= 5  # back in rotation after one successful probe

@@ -15,20 +15,37 @@ from llmgw.wire import AdmitRequest, RejectReason
 
 @pytest.fixture
 async def service(nats_url, unique_id):
-    config = config_from_dict({
-        "nats": {"url": nats_url},
-        "pinning": {"bucket": f"routing_{unique_id}"},
-        "admission": {"enabled": False},
-        "models": [{"name": "big", "aliases": ["b"], "fallbacks": ["small"]}, {"name": "small"}],
-        "providers": [{"id": "iris", "kind": "managed",
-                       "models": [{"name": "big"}, {"name": "small"}]}],
-        "endpoints": [
-            {"id": "gpu-big", "url": "http://127.0.0.1:1/big", "provider": "iris",
-             "models": ["big"], "upstream_model": {"big": "big-fp8"}},
-            {"id": "gpu-small", "url": "http://127.0.0.1:1/small", "provider": "iris",
-             "models": ["small"]},
-        ],
-    }, source="<test>", env={})
+    config = config_from_dict(
+        {
+            "nats": {"url": nats_url},
+            "pinning": {"bucket": f"routing_{unique_id}"},
+            "admission": {"enabled": False},
+            "models": [
+                {"name": "big", "aliases": ["b"], "fallbacks": ["small"]},
+                {"name": "small"},
+            ],
+            "providers": [
+                {"id": "iris", "kind": "managed", "models": [{"name": "big"}, {"name": "small"}]}
+            ],
+            "endpoints": [
+                {
+                    "id": "gpu-big",
+                    "url": "http://127.0.0.1:1/big",
+                    "provider": "iris",
+                    "models": ["big"],
+                    "upstream_model": {"big": "big-fp8"},
+                },
+                {
+                    "id": "gpu-small",
+                    "url": "http://127.0.0.1:1/small",
+                    "provider": "iris",
+                    "models": ["small"],
+                },
+            ],
+        },
+        source="<test>",
+        env={},
+    )
     nc = await nats.connect(nats_url)
     routing = await open_routing_state(nc, config, instance_id="admission")
     service = AdmissionService(config, nc, routing)
@@ -39,14 +56,22 @@ async def service(nats_url, unique_id):
 
 
 def ask(model: str) -> AdmitRequest:
-    return AdmitRequest(request_id=uuid.uuid4().hex, edge_id="e", model=model, feature="chat",
-                        session_id=uuid.uuid4().hex)
+    return AdmitRequest(
+        request_id=uuid.uuid4().hex,
+        edge_id="e",
+        model=model,
+        feature="chat",
+        session_id=uuid.uuid4().hex,
+    )
 
 
 async def test_a_degraded_model_is_served_by_its_fallback(service):
     first = await service.decide(ask("big"))
     assert (first.target.endpoint, first.served_model, first.target.upstream_model) == (
-        "gpu-big", "big", "big-fp8")
+        "gpu-big",
+        "big",
+        "big-fp8",
+    )
     service.health.set_healthy("gpu-big", False)
     fallback = await service.decide(ask("big"))
     assert fallback.admitted

@@ -27,16 +27,22 @@ DEPLOYMENTS = ("east", "west", "north")
 
 @pytest.fixture
 async def admission(nats_url, unique_id):
-    config = config_from_dict({
-        "nats": {"url": nats_url},
-        "pinning": {"bucket": f"routing_{unique_id}"},
-        "admission": {"enabled": False},
-        "balancer": {"window": "60s", "greediness": 0.5},
-        "models": [{"name": "m1"}],
-        "providers": [{"id": "tensorx", "kind": "unlimited", "models": [{"name": "m1"}]}],
-        "endpoints": [{"id": d, "url": f"http://127.0.0.1:1/{d}", "provider": "tensorx",
-                       "models": ["m1"]} for d in DEPLOYMENTS],
-    }, source="<test>", env={})
+    config = config_from_dict(
+        {
+            "nats": {"url": nats_url},
+            "pinning": {"bucket": f"routing_{unique_id}"},
+            "admission": {"enabled": False},
+            "balancer": {"window": "60s", "greediness": 0.5},
+            "models": [{"name": "m1"}],
+            "providers": [{"id": "tensorx", "kind": "unlimited", "models": [{"name": "m1"}]}],
+            "endpoints": [
+                {"id": d, "url": f"http://127.0.0.1:1/{d}", "provider": "tensorx", "models": ["m1"]}
+                for d in DEPLOYMENTS
+            ],
+        },
+        source="<test>",
+        env={},
+    )
     nc = await nats.connect(nats_url)
     routing = await open_routing_state(nc, config, instance_id="admission")
     service = AdmissionService(config, nc, routing)
@@ -51,7 +57,9 @@ async def admission(nats_url, unique_id):
 async def picks(nc, n: int) -> Counter[str]:
     async def one() -> str:
         request = AdmitRequest(request_id=uuid.uuid4().hex, edge_id="e", model="m1", feature="chat")
-        msg = await nc.request(ADMISSION_REQUEST_SUBJECT, request.model_dump_json().encode(), timeout=5)
+        msg = await nc.request(
+            ADMISSION_REQUEST_SUBJECT, request.model_dump_json().encode(), timeout=5
+        )
         return AdmitReply.model_validate_json(msg.data).target.endpoint
 
     return Counter(await asyncio.gather(*(one() for _ in range(n))))
@@ -63,12 +71,21 @@ async def test_deployments_are_chosen_by_their_learned_rates(admission):
     assert set(before) == set(DEPLOYMENTS)  # nothing learned yet: everyone is tried
     now = time.time()
     for i in range(20):  # as edges would publish: east 3x faster than west, north failing
-        for endpoint, latency, tokens, ok in (("east", 1.0, 90, True), ("west", 3.0, 90, True),
-                                              ("north", 0.5, 0, False)):
-            stats = RequestStats(endpoint=endpoint, provider="tensorx", ended_at=now - i * 0.1,
-                                 latency=latency * (1 + (i % 3) / 10), ok=ok,
-                                 output_tokens=tokens, input_tokens=500 if ok else 0,
-                                 outcome="success" if ok else "upstream_error")
+        for endpoint, latency, tokens, ok in (
+            ("east", 1.0, 90, True),
+            ("west", 3.0, 90, True),
+            ("north", 0.5, 0, False),
+        ):
+            stats = RequestStats(
+                endpoint=endpoint,
+                provider="tensorx",
+                ended_at=now - i * 0.1,
+                latency=latency * (1 + (i % 3) / 10),
+                ok=ok,
+                output_tokens=tokens,
+                input_tokens=500 if ok else 0,
+                outcome="success" if ok else "upstream_error",
+            )
             await nc.publish(REQUEST_STATS_SUBJECT, stats.model_dump_json().encode())
     await until(lambda: service.rates.samples == 60, what="stats to reach admission")
     after = await picks(nc, 300)

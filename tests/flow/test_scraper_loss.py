@@ -17,12 +17,19 @@ STALE_AFTER = 0.6
 
 
 async def test_admission_stays_safe_when_the_scraper_dies(nats_url, unique_id):
-    engines = {name: await start_server(create_engine_app(EngineParams.zero_delay(), ["m1"]))
-               for name in (*ENDPOINTS, "tensorx-1")}
+    engines = {
+        name: await start_server(create_engine_app(EngineParams.zero_delay(), ["m1"]))
+        for name in (*ENDPOINTS, "tensorx-1")
+    }
     rig = await open_rig(
-        nats_url, unique_id, urls={k: v.url for k, v in engines.items()},
-        router={"scrape_interval": "100ms", "scrape_timeout": "500ms",
-                "stale_after": f"{STALE_AFTER}s"},
+        nats_url,
+        unique_id,
+        urls={k: v.url for k, v in engines.items()},
+        router={
+            "scrape_interval": "100ms",
+            "scrape_timeout": "500ms",
+            "stale_after": f"{STALE_AFTER}s",
+        },
     )
     board = rig.admissions[0].load
 
@@ -34,8 +41,10 @@ async def test_admission_stays_safe_when_the_scraper_dies(nats_url, unique_id):
 
     scraper = start_scraper()
     try:
-        await until(lambda: all(a is not None and a < STALE_AFTER for a in scrape_ages()),
-                    what="fresh reports from the scraper")
+        await until(
+            lambda: all(a is not None and a < STALE_AFTER for a in scrape_ages()),
+            what="fresh reports from the scraper",
+        )
         fresh = await rig.ask(band="bronze")
         assert fresh.admitted and fresh.target.provider == "iris"
 

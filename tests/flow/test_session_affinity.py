@@ -21,8 +21,13 @@ async def rig(nats_url, unique_id):
 
 async def place(rig, session: str | None, *, end: bool = True) -> str:
     """Admit one request of `session`; with `end`, it also ends (as the edge would announce)."""
-    request = AdmitRequest(request_id=uuid.uuid4().hex, edge_id="edge-test", model=MODEL,
-                           feature="chat", session_id=session)
+    request = AdmitRequest(
+        request_id=uuid.uuid4().hex,
+        edge_id="edge-test",
+        model=MODEL,
+        feature="chat",
+        session_id=session,
+    )
     reply: AdmitReply = await rig.admissions[0].decide(request)
     assert reply.admitted and reply.target.provider == "iris"
     if end:

@@ -26,20 +26,25 @@ async def rig3(nats_url, unique_id):
 
 
 def request(band: str) -> AdmitRequest:
-    return AdmitRequest(request_id=uuid.uuid4().hex, edge_id="edge-test", model=MODEL,
-                        feature="chat", band=band)
+    return AdmitRequest(
+        request_id=uuid.uuid4().hex, edge_id="edge-test", model=MODEL, feature="chat", band=band
+    )
 
 
 async def all_ticked(rig, n: int = 5) -> None:
     starts = [a.flow.ticks for a in rig.admissions]
-    await until(lambda: all(a.flow.ticks >= s + n for a, s in zip(rig.admissions, starts, strict=True)))
+    await until(
+        lambda: all(a.flow.ticks >= s + n for a, s in zip(rig.admissions, starts, strict=True))
+    )
 
 
 async def test_instances_share_one_headroom_instead_of_multiplying_it(rig3):
     rig = rig3
     await saturate(rig)
     # 10 bronze waiters in each instance (decided directly, as each would from its queue group).
-    tasks = [asyncio.create_task(a.decide(request("bronze"))) for a in rig.admissions for _ in range(10)]
+    tasks = [
+        asyncio.create_task(a.decide(request("bronze"))) for a in rig.admissions for _ in range(10)
+    ]
     await until(lambda: [len(a.flow.queues) for a in rig.admissions] == [10, 10, 10])
     await all_ticked(rig)  # gossip of the queue depths has gone round
     headroom = 3  # what one instance alone would grant for bronze (see test_flow_control)

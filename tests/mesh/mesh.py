@@ -42,16 +42,30 @@ def mesh_config(
     return config_from_dict(
         {
             "nats": {"url": nats_url, "request_timeout": "2s"},
-            "timeouts": {"dial": "1s", "response_header": "5s", "first_token": "5s", "idle": "2s", "total": "30s"},
+            "timeouts": {
+                "dial": "1s",
+                "response_header": "5s",
+                "first_token": "5s",
+                "idle": "2s",
+                "total": "30s",
+            },
             "pinning": {"bucket": bucket, "history": 64, "lease_timeout": "5s", **pinning},
             # Pins and leases under concurrency, with no scraper: flow control stays off.
             "admission": {"enabled": False},
             "models": [{"name": MODEL}],
             "providers": [
-                {"id": "a", "kind": "managed", "priority": 200,
-                 "models": [{"name": MODEL, "limits": limits}]},
-                {"id": "b", "kind": "managed", "priority": 100,
-                 "models": [{"name": MODEL, "limits": limits}]},
+                {
+                    "id": "a",
+                    "kind": "managed",
+                    "priority": 200,
+                    "models": [{"name": MODEL, "limits": limits}],
+                },
+                {
+                    "id": "b",
+                    "kind": "managed",
+                    "priority": 100,
+                    "models": [{"name": MODEL, "limits": limits}],
+                },
                 {"id": "c", "kind": "unlimited", "models": [{"name": MODEL}]},
             ],
             "endpoints": [
@@ -119,7 +133,9 @@ async def start_mesh(
         engines[name] = await start_server(
             create_engine_app(params.model_copy(update={"seed": seed}), [MODEL])
         )
-    config = mesh_config(nats_url, bucket, {k: v.url for k, v in engines.items()}, limits, **pinning)
+    config = mesh_config(
+        nats_url, bucket, {k: v.url for k, v in engines.items()}, limits, **pinning
+    )
     mesh = Mesh(config, engines)
     for i in range(admissions):
         nc = await nats.connect(nats_url, name=f"admission-{i}")
@@ -137,7 +153,9 @@ async def start_mesh(
         routing = await open_routing_state(nc, config, instance_id=f"edge-{i}", follow_slots=False)
         session = new_session(Timeouts.from_section(config.timeouts))
         mesh._closers.append(session.close)
-        app = create_app(config, EdgeDeps(nc=nc, session=session, metrics=EdgeMetrics(), routing=routing))
+        app = create_app(
+            config, EdgeDeps(nc=nc, session=session, metrics=EdgeMetrics(), routing=routing)
+        )
         mesh.edge_apps.append(app)
         mesh.edges.append(await start_server(app))
     return mesh

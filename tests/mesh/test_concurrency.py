@@ -31,7 +31,9 @@ SOAK_SECONDS = 20
 ALLOWED_STATUSES = {200, 502, 503}
 
 
-async def _client(mesh: Mesh, session: int, deadline: float, rng: random.Random, outcomes: Counter) -> None:
+async def _client(
+    mesh: Mesh, session: int, deadline: float, rng: random.Random, outcomes: Counter
+) -> None:
     headers = {"x-session-id": f"conversation-{session}"}
     async with httpx.AsyncClient(timeout=15, limits=httpx.Limits(max_connections=2)) as http:
         while time.monotonic() < deadline:
@@ -45,14 +47,18 @@ async def _client(mesh: Mesh, session: int, deadline: float, rng: random.Random,
             cancel = body["stream"] and rng.random() < 0.2
             try:
                 if body["stream"]:
-                    async with http.stream("POST", edge.url + "/v1/chat/completions", json=body, headers=headers) as r:
+                    async with http.stream(
+                        "POST", edge.url + "/v1/chat/completions", json=body, headers=headers
+                    ) as r:
                         outcomes[r.status_code] += 1
                         async for _ in r.aiter_lines():
                             if cancel:
                                 outcomes["cancelled"] += 1
                                 break
                 else:
-                    r = await http.post(edge.url + "/v1/chat/completions", json=body, headers=headers)
+                    r = await http.post(
+                        edge.url + "/v1/chat/completions", json=body, headers=headers
+                    )
                     outcomes[r.status_code] += 1
             except httpx.TimeoutException:
                 outcomes["client_timeout"] += 1
@@ -110,12 +116,18 @@ async def _run(nats_client, nats_url, unique_id, seconds, **mesh_kwargs):
     return violations, outcomes, leftover, entries, chaos_log
 
 
-async def test_limits_pins_and_leases_hold_under_concurrency_and_chaos(nats_client, nats_url, unique_id):
-    violations, outcomes, leftover, entries, chaos_log = await _run(nats_client, nats_url, unique_id, SOAK_SECONDS)
+async def test_limits_pins_and_leases_hold_under_concurrency_and_chaos(
+    nats_client, nats_url, unique_id
+):
+    violations, outcomes, leftover, entries, chaos_log = await _run(
+        nats_client, nats_url, unique_id, SOAK_SECONDS
+    )
     assert violations == [], "\n".join(str(v) for v in violations[:20])
     # It was a real load: thousands of transitions, every kind of ending.
     assert len(entries) > 5_000, len(entries)
-    assert outcomes[200] > 1_000 and outcomes["cancelled"] > 50 and outcomes[503] + outcomes[502] > 0, outcomes
+    assert (
+        outcomes[200] > 1_000 and outcomes["cancelled"] > 50 and outcomes[503] + outcomes[502] > 0
+    ), outcomes
     assert len(chaos_log) >= 8
     # I4: every request ended with a status from the table; none hung.
     assert set(outcomes) - {"cancelled"} <= ALLOWED_STATUSES, outcomes

@@ -17,12 +17,18 @@ from llmgw.state.history import HistoryRecorder
 pytestmark = pytest.mark.e2e
 
 
-async def test_two_hundred_concurrent_first_requests_make_exactly_one_pin(nats_client, nats_url, unique_id):
+async def test_two_hundred_concurrent_first_requests_make_exactly_one_pin(
+    nats_client, nats_url, unique_id
+):
     bucket = f"first_{unique_id}"
     limits = small_limits(pinned=5, slots=8, reserved=2, per_session=2)
     mesh = await start_mesh(nats_url, bucket, limits=limits)
     recorder = await HistoryRecorder(nats_client.jetstream(), bucket).start()
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "the same opening"}], "max_tokens": 2}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "the same opening"}],
+        "max_tokens": 2,
+    }
     try:
         async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=400)) as http:
             responses = await asyncio.gather(
@@ -45,7 +51,9 @@ async def test_two_hundred_concurrent_first_requests_make_exactly_one_pin(nats_c
     # provider while the session had slots there (2), else as a temporary
     # fallback elsewhere that left the pin as it was.
     assert routes["new_pin"] == 1, routes
-    assert routes["pinned"] >= 1 and routes["new_pin"] + routes["pinned"] + routes["temporary"] == 200
+    assert (
+        routes["pinned"] >= 1 and routes["new_pin"] + routes["pinned"] + routes["temporary"] == 200
+    )
     by_route = {(r.headers["x-llmgw-route"], r.headers["x-llmgw-provider"]) for r in responses}
     assert {p for route, p in by_route if route in ("new_pin", "pinned")} == {"a"}
     assert "a" not in {p for route, p in by_route if route == "temporary"}

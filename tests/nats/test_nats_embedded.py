@@ -37,7 +37,9 @@ def test_finds_the_wheel_binary_and_it_is_recent_enough() -> None:
     assert nats_server_version(binary) >= MIN_NATS_VERSION
 
 
-async def test_session_server_answers_request_reply(nats_client: NatsClient, unique_id: str) -> None:
+async def test_session_server_answers_request_reply(
+    nats_client: NatsClient, unique_id: str
+) -> None:
     subject = f"test.{unique_id}.echo"
 
     async def echo(msg: nats.aio.msg.Msg) -> None:

@@ -34,8 +34,13 @@ def config_data(nats_url: str, bucket: str, **pinning: Any) -> dict[str, Any]:
     a reaper pass every 100ms (overridable)."""
     data = yaml.safe_load(LOCAL_CONFIG.read_text())
     data["nats"] = {"url": nats_url}
-    data["pinning"] = {"bucket": bucket, "lease_timeout": "1s", "pin_inactivity_timeout": "2s",
-                       "reaper_interval": "100ms", **pinning}
+    data["pinning"] = {
+        "bucket": bucket,
+        "lease_timeout": "1s",
+        "pin_inactivity_timeout": "2s",
+        "reaper_interval": "100ms",
+        **pinning,
+    }
     return data
 
 
@@ -70,8 +75,9 @@ class EventLog:
     def named(self, name: EventName) -> list[Event]:
         return [e for e in self.events if e.event == name]
 
-    async def wait_until(self, predicate: Callable[[EventLog], bool],
-                         timeout: float = WAIT) -> None:
+    async def wait_until(
+        self, predicate: Callable[[EventLog], bool], timeout: float = WAIT
+    ) -> None:
         async with asyncio.timeout(timeout), self._changed:
             await self._changed.wait_for(lambda: predicate(self))
 

@@ -38,8 +38,15 @@ def _action(kind: ReaperActionKind, lease_id: str | None = "00000000000000aa") -
 
 
 def _pin(provider: str, pin_id: str, revision: int) -> Pin:
-    value = PinValue(pin_id, provider, MODEL, SESSION, 3 if provider == IRIS else None,
-                     {"00000000000000cc": "lease.x.y.1"}, 5.0)
+    value = PinValue(
+        pin_id,
+        provider,
+        MODEL,
+        SESSION,
+        3 if provider == IRIS else None,
+        {"00000000000000cc": "lease.x.y.1"},
+        5.0,
+    )
     return Pin(PIN_KEY, revision, value)
 
 
@@ -60,8 +67,9 @@ def _pin(provider: str, pin_id: str, revision: int) -> Pin:
 def test_each_reaper_action_becomes_one_event_that_round_trips(
     kind: ReaperActionKind, cause: ReaperCause, expected_type: type, expected_cause: object
 ) -> None:
-    event = reaper_action_event(_action(kind), cause=cause, event_id="e1", at=9.5,
-                                instance="reaper-1")
+    event = reaper_action_event(
+        _action(kind), cause=cause, event_id="e1", at=9.5, instance="reaper-1"
+    )
     assert type(event) is expected_type
     assert getattr(event, "cause", None) == expected_cause
     assert (event.key, event.revision, event.provider, event.model) == (PIN_KEY, 17, IRIS, MODEL)
@@ -71,8 +79,9 @@ def test_each_reaper_action_becomes_one_event_that_round_trips(
 
 def test_every_reaper_action_kind_has_an_event() -> None:
     for kind in ReaperActionKind:
-        reaper_action_event(_action(kind), cause=ReaperCause.REPAIR, event_id="e", at=0.0,
-                            instance="r")
+        reaper_action_event(
+            _action(kind), cause=ReaperCause.REPAIR, event_id="e", at=0.0, instance="r"
+        )
 
 
 def test_subjects_put_the_provider_last_for_filtering() -> None:
@@ -96,15 +105,17 @@ def test_parse_rejects_unknown_versions_events_and_garbage(payload: bytes) -> No
 
 
 def test_receivers_ignore_fields_added_later() -> None:
-    event = reaper_action_event(_action(K.LEASE_EXPIRED), cause=ReaperCause.EXPIRY,
-                                event_id="e1", at=1.0, instance="r")
+    event = reaper_action_event(
+        _action(K.LEASE_EXPIRED), cause=ReaperCause.EXPIRY, event_id="e1", at=1.0, instance="r"
+    )
     data = json.loads(event.to_bytes())
     data["added_in_a_later_release"] = True
     assert parse_event(json.dumps(data)) == event
 
 
-async def test_pin_created_and_moved_reach_subscribers(connect: Connect,
-                                                       event_log: EventLog) -> None:
+async def test_pin_created_and_moved_reach_subscribers(
+    connect: Connect, event_log: EventLog
+) -> None:
     nc = await connect()
     publisher = EventPublisher(nc, "admission-1")
     old, new = _pin(IRIS, "000000000000000a", 11), _pin("tensorx", "000000000000000b", 12)
@@ -114,9 +125,17 @@ async def test_pin_created_and_moved_reach_subscribers(connect: Connect,
 
     assert isinstance(created, PinCreated) and isinstance(moved, PinMoved)
     assert (created.session, created.pin_id, created.pin_slot, created.revision) == (
-        SESSION, "000000000000000a", 3, 11)
+        SESSION,
+        "000000000000000a",
+        3,
+        11,
+    )
     assert (moved.provider, moved.from_provider, moved.from_pin_id, moved.pin_id) == (
-        "tensorx", IRIS, "000000000000000a", "000000000000000b")
+        "tensorx",
+        IRIS,
+        "000000000000000a",
+        "000000000000000b",
+    )
     assert created.id != moved.id and created.instance == moved.instance == "admission-1"
     assert publisher.published == 2 and publisher.failures == 0
 
@@ -126,6 +145,7 @@ async def test_publishing_on_a_closed_connection_is_counted_not_raised(connect: 
     await nc.close()
     publisher = EventPublisher(nc, "reaper-1")
     sent = await publisher.publish_reaper_actions(
-        [_action(K.LEASE_EXPIRED), _action(K.PIN_EXPIRED)], ReaperCause.EXPIRY)
+        [_action(K.LEASE_EXPIRED), _action(K.PIN_EXPIRED)], ReaperCause.EXPIRY
+    )
     assert sent == 0
     assert (publisher.published, publisher.failures) == (0, 2)

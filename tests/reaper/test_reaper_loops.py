@@ -43,8 +43,9 @@ async def test_two_reapers_reclaim_each_abandoned_lease_and_idle_pin_exactly_onc
     config: Config, connect: Connect, event_log: EventLog
 ) -> None:
     # The only instance taking slots, on a new bucket: no slot mirror needed (see test_reaper_pass).
-    admission = await open_routing_state(await connect(), config, instance_id="edge-test",
-                                         follow_slots=False)
+    admission = await open_routing_state(
+        await connect(), config, instance_id="edge-test", follow_slots=False
+    )
     kept_session = session_id(100)
     kept = await _new_pin(admission, IRIS, kept_session)  # first: the oldest pin of all
     renewals = [kept]
@@ -52,8 +53,9 @@ async def test_two_reapers_reclaim_each_abandoned_lease_and_idle_pin_exactly_onc
     renewer = asyncio.create_task(_keep_renewed(admission, renewals, request_done))
 
     # An edge dies holding these: nobody renews or releases them.
-    abandoned_pins = {session_id(i): await _new_pin(admission, IRIS, session_id(i))
-                      for i in range(3)}
+    abandoned_pins = {
+        session_id(i): await _new_pin(admission, IRIS, session_id(i)) for i in range(3)
+    }
     abandoned_pins[session_id(9)] = await _new_pin(admission, TENSORX, session_id(9))
     temporaries = []
     for _ in range(2):
@@ -70,8 +72,9 @@ async def test_two_reapers_reclaim_each_abandoned_lease_and_idle_pin_exactly_onc
     stop = asyncio.Event()
     loops = [asyncio.create_task(reaper.run(stop)) for reaper, _ in reapers]
     try:
-        await event_log.wait_until(lambda log: {e.session for e in log.named(
-            EventName.PIN_EXPIRED)} >= set(abandoned_pins))
+        await event_log.wait_until(
+            lambda log: {e.session for e in log.named(EventName.PIN_EXPIRED)} >= set(abandoned_pins)
+        )
         # The idle pins expired, so now >= their refreshed_at + 2s >= the kept pin's. Two
         # more passes of each reaper: at least one whole pass ran after that moment.
         for reaper, _ in reapers:
@@ -93,18 +96,24 @@ async def test_two_reapers_reclaim_each_abandoned_lease_and_idle_pin_exactly_onc
     assert pins_expired == Counter(dict.fromkeys(abandoned_pins, 1))
     unlisted = [e for e in events if isinstance(e, LeaseUnlisted)]
     assert sorted(e.lease_id for e in unlisted) == sorted(
-        lease.lease_id for lease in abandoned_pins.values())
+        lease.lease_id for lease in abandoned_pins.values()
+    )
     assert {e.cause for e in unlisted} == {ReaperCause.EXPIRY}
     freed = [e for e in events if isinstance(e, PinSlotFreed)]
     assert sorted(e.session for e in freed) == sorted(
-        s for s, lease in abandoned_pins.items() if lease.provider == IRIS)
+        s for s, lease in abandoned_pins.items() if lease.provider == IRIS
+    )
     assert {e.instance for e in events} <= {"reaper-0", "reaper-1"}
     assert kept_session not in {e.session for e in events}
 
     # Each change was counted by exactly one of the two reapers.
-    counted = sum(reaper.metrics.registry.get_sample_value(
-        "llmgw_reaper_actions_total", {"kind": ReaperActionKind.LEASE_EXPIRED.value}) or 0
-        for reaper, _ in reapers)
+    counted = sum(
+        reaper.metrics.registry.get_sample_value(
+            "llmgw_reaper_actions_total", {"kind": ReaperActionKind.LEASE_EXPIRED.value}
+        )
+        or 0
+        for reaper, _ in reapers
+    )
     assert counted == len(abandoned)
 
     # The bucket agrees: slots free, unlimited lease records gone, the kept pin intact.

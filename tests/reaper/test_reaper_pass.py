@@ -70,10 +70,15 @@ async def world(config: Config, connect: Connect) -> AsyncIterator[World]:
     kv = await open_routing_bucket(nc.jetstream(), config.pinning.bucket)
     # The only instance taking slots, on a new bucket: its slot mirror (a hint fed by a watch)
     # would know nothing its own writes do not tell it, so it is not started.
-    admission = RoutingState(kv, limits_from_config(config), clock=clock, rng=random.Random(7),
-                             lease_timeout=config.pinning.lease_timeout,
-                             pin_inactivity_timeout=config.pinning.pin_inactivity_timeout,
-                             instance_id="edge-test")
+    admission = RoutingState(
+        kv,
+        limits_from_config(config),
+        clock=clock,
+        rng=random.Random(7),
+        lease_timeout=config.pinning.lease_timeout,
+        pin_inactivity_timeout=config.pinning.pin_inactivity_timeout,
+        instance_id="edge-test",
+    )
     world = World(config, connect, kv, admission, clock)
     yield world
     for state in world.states:
@@ -115,7 +120,9 @@ async def test_a_lease_is_reclaimed_only_once_its_timeout_has_passed(world: Worl
     world.clock.advance(0.001)
     actions = list((await reaper.run_pass()).actions)
     assert [(a.kind, a.lease_id) for a in actions[:2]] == [
-        (K.LEASE_EXPIRED, lease.lease_id), (K.LEASE_UNLISTED, lease.lease_id)]
+        (K.LEASE_EXPIRED, lease.lease_id),
+        (K.LEASE_UNLISTED, lease.lease_id),
+    ]
 
 
 async def test_idle_pin_expires_at_its_inactivity_timeout_and_a_renewed_one_never(
@@ -151,7 +158,9 @@ async def test_idle_pin_expires_at_its_inactivity_timeout_and_a_renewed_one_neve
 
     events = await event_log.sync(*world.publishers)
     assert [(e.event, e.session) for e in events] == [
-        (EventName.PIN_EXPIRED, idle_session), (EventName.PIN_SLOT_FREED, idle_session)]
+        (EventName.PIN_EXPIRED, idle_session),
+        (EventName.PIN_SLOT_FREED, idle_session),
+    ]
     freed = events[1]
     assert isinstance(freed, PinSlotFreed) and freed.cause == ReaperCause.EXPIRY
 
@@ -177,8 +186,7 @@ async def test_repair_frees_an_orphan_pin_slot_only_after_the_grace_period(
     assert len(events) == 1
     event = events[0]
     assert isinstance(event, PinSlotFreed)
-    assert (event.cause, event.key, event.pin_id) == (
-        ReaperCause.REPAIR, key, "deadbeefdeadbeef")
+    assert (event.cause, event.key, event.pin_id) == (ReaperCause.REPAIR, key, "deadbeefdeadbeef")
     assert event.revision == result.actions[0].revision
     entry = await world.kv.get(key)
     assert entry is not None and not PinSlotValue.from_json(entry.value).is_taken
@@ -204,12 +212,26 @@ class _BrokenSteps:
 async def test_a_failing_or_stalled_step_does_not_stop_the_pass(
     connect: Connect, event_log: EventLog
 ) -> None:
-    action = ReaperAction(K.PIN_EXPIRED, f"pin.{model_key(MODEL)}.{session_id(3)}", 42, IRIS,
-                          MODEL, session_id(3), "0123456789abcdef")
+    action = ReaperAction(
+        K.PIN_EXPIRED,
+        f"pin.{model_key(MODEL)}.{session_id(3)}",
+        42,
+        IRIS,
+        MODEL,
+        session_id(3),
+        "0123456789abcdef",
+    )
     nc = await connect()
     metrics = ReaperMetrics()
-    reaper = Reaper(_BrokenSteps(action), EventPublisher(nc, "reaper-x"), metrics,
-                    clock=SteppedClock(), interval=0.1, grace=60.0, step_timeout=0.05)
+    reaper = Reaper(
+        _BrokenSteps(action),
+        EventPublisher(nc, "reaper-x"),
+        metrics,
+        clock=SteppedClock(),
+        interval=0.1,
+        grace=60.0,
+        step_timeout=0.05,
+    )
 
     result = await reaper.run_pass()
 
@@ -222,7 +244,8 @@ async def test_a_failing_or_stalled_step_does_not_stop_the_pass(
     assert sample("llmgw_reaper_last_pass_timestamp_seconds") == 1_000.0
     events = await event_log.sync(nc)
     assert [(e.event, e.revision, e.instance) for e in events] == [
-        (EventName.PIN_EXPIRED, 42, "reaper-x")]
+        (EventName.PIN_EXPIRED, 42, "reaper-x")
+    ]
 
 
 async def test_repair_leaves_alone_pins_and_leases_rewritten_while_it_lists(world: World) -> None:

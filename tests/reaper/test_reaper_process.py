@@ -34,15 +34,24 @@ async def _abandoned_temporary_lease(config: Config, connect: Connect) -> str:
     long_ago = 1_000.0
     # Not started: the bucket is new, so every slot is free and the slot mirror (a hint for
     # choosing a free slot) has nothing to tell.
-    state = RoutingState(kv, limits_from_config(config), clock=lambda: long_ago,
-                         rng=random.Random(3), lease_timeout=config.pinning.lease_timeout)
+    state = RoutingState(
+        kv,
+        limits_from_config(config),
+        clock=lambda: long_ago,
+        rng=random.Random(3),
+        lease_timeout=config.pinning.lease_timeout,
+    )
     admitted = await state.try_admit_request_without_pin(IRIS, MODEL)
     assert admitted.lease is not None
     return admitted.lease.lease_id
 
 
 async def test_reaper_process_prints_ready_reaps_and_exits_0_on_sigterm(
-    tmp_path: Path, nats_url: str, bucket: str, config: Config, connect: Connect,
+    tmp_path: Path,
+    nats_url: str,
+    bucket: str,
+    config: Config,
+    connect: Connect,
     event_log: EventLog,
 ) -> None:
     lease_id = await _abandoned_temporary_lease(config, connect)
@@ -50,8 +59,16 @@ async def test_reaper_process_prints_ready_reaps_and_exits_0_on_sigterm(
     config_file.write_text(yaml.safe_dump(config_data(nats_url, bucket)))
     env = {k: v for k, v in os.environ.items() if not k.upper().startswith("LLMGW_")}
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "llmgw", "reaper", "--config", str(config_file),
-        cwd=REPO, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        sys.executable,
+        "-m",
+        "llmgw",
+        "reaper",
+        "--config",
+        str(config_file),
+        cwd=REPO,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
     )
     output: list[str] = []
     try:
@@ -61,8 +78,9 @@ async def test_reaper_process_prints_ready_reaps_and_exits_0_on_sigterm(
                 line = await process.stdout.readline()
                 assert line, "the reaper exited before it was ready:\n" + "".join(output)
                 output.append(line.decode())
-        await event_log.wait_until(lambda log: any(
-            e.lease_id == lease_id for e in log.named(EventName.LEASE_EXPIRED)))
+        await event_log.wait_until(
+            lambda log: any(e.lease_id == lease_id for e in log.named(EventName.LEASE_EXPIRED))
+        )
         (event,) = event_log.named(EventName.LEASE_EXPIRED)
         assert event.instance.startswith("reaper-") and event.instance in output[-1]
 
@@ -97,7 +115,8 @@ async def test_admin_port_serves_metrics_and_health(config: Config) -> None:
 
 
 def test_an_embedded_nats_config_exits_2_explaining_what_to_set(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.delenv("LLMGW_NATS__URL", raising=False)
     code = run(argparse.Namespace(config=str(LOCAL_CONFIG)))

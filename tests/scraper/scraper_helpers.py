@@ -27,25 +27,43 @@ Connect = Callable[[], Awaitable[NatsClient]]
 StartEngine = Callable[..., Awaitable[RunningServer]]
 
 
-def config_data(nats_url: str, bucket: str, provider: str, endpoints: dict[str, str],
-                **router: Any) -> dict[str, Any]:
+def config_data(
+    nats_url: str, bucket: str, provider: str, endpoints: dict[str, str], **router: Any
+) -> dict[str, Any]:
     """A config scraping `endpoints` (id -> url) of the managed `provider`, all in pool
     "gpu/a", every 100 ms; plus one endpoint of an unlimited provider that must never be
     scraped (its URL answers nothing)."""
     return {
         "nats": {"url": nats_url},
-        "router": {"scrape_interval": "100ms", "scrape_timeout": "500ms", "stale_after": "1s",
-                   "load_bucket": bucket, **router},
+        "router": {
+            "scrape_interval": "100ms",
+            "scrape_timeout": "500ms",
+            "stale_after": "1s",
+            "load_bucket": bucket,
+            **router,
+        },
         "models": [{"name": MODEL}],
         "providers": [
             {"id": provider, "kind": "managed", "models": [{"name": MODEL}]},
             {"id": f"{provider}-third", "kind": "unlimited", "models": [{"name": MODEL}]},
         ],
         "endpoints": [
-            *({"id": endpoint, "url": url, "provider": provider, "models": [MODEL],
-               "pool": "gpu/a"} for endpoint, url in endpoints.items()),
-            {"id": "third-party", "url": "http://127.0.0.1:9", "provider": f"{provider}-third",
-             "models": [MODEL]},
+            *(
+                {
+                    "id": endpoint,
+                    "url": url,
+                    "provider": provider,
+                    "models": [MODEL],
+                    "pool": "gpu/a",
+                }
+                for endpoint, url in endpoints.items()
+            ),
+            {
+                "id": "third-party",
+                "url": "http://127.0.0.1:9",
+                "provider": f"{provider}-third",
+                "models": [MODEL],
+            },
         ],
     }
 
@@ -86,26 +104,36 @@ class EventLog:
             self._changed.notify_all()
 
     def reports(self, endpoint: str, verb: str = "scraped") -> list[EndpointReport]:
-        return [r.report for r in self.received
-                if r.verb == verb and r.subject.split(".")[3] == "endpoint"
-                and r.report.endpoint == endpoint]
+        return [
+            r.report
+            for r in self.received
+            if r.verb == verb
+            and r.subject.split(".")[3] == "endpoint"
+            and r.report.endpoint == endpoint
+        ]
 
     def transitions(self, endpoint: str) -> list[str]:
         """Health event verbs for `endpoint`, in arrival order."""
-        return [r.verb for r in self.received
-                if r.verb in ("healthy", "unhealthy") and r.report.endpoint == endpoint]
+        return [
+            r.verb
+            for r in self.received
+            if r.verb in ("healthy", "unhealthy") and r.report.endpoint == endpoint
+        ]
 
     def pools(self) -> list[PoolReport]:
         return [r.pool for r in self.received if r.verb == "measured"]
 
-    async def wait_until(self, predicate: Callable[[EventLog], bool],
-                         timeout: float = WAIT) -> None:
+    async def wait_until(
+        self, predicate: Callable[[EventLog], bool], timeout: float = WAIT
+    ) -> None:
         async with asyncio.timeout(timeout), self._changed:
             await self._changed.wait_for(lambda: predicate(self))
 
-    async def wait_for_report(self, endpoint: str, predicate: Callable[[EndpointReport], bool],
-                              timeout: float = WAIT) -> EndpointReport:
+    async def wait_for_report(
+        self, endpoint: str, predicate: Callable[[EndpointReport], bool], timeout: float = WAIT
+    ) -> EndpointReport:
         """The first scraped report of `endpoint` satisfying `predicate` (waits for it)."""
+
         def found(log: EventLog) -> bool:
             return any(predicate(r) for r in log.reports(endpoint))
 
@@ -125,10 +153,15 @@ class LoadGenerator:
             self._tasks.append(asyncio.create_task(self._hold(url)))
 
     async def _hold(self, url: str) -> None:
-        body = {"model": MODEL, "stream": True, "max_tokens": 500,
-                "messages": [{"role": "user", "content": "keep going"}]}
-        async with self._client.stream("POST", f"{url}/v1/chat/completions",
-                                       content=json.dumps(body)) as response:
+        body = {
+            "model": MODEL,
+            "stream": True,
+            "max_tokens": 500,
+            "messages": [{"role": "user", "content": "keep going"}],
+        }
+        async with self._client.stream(
+            "POST", f"{url}/v1/chat/completions", content=json.dumps(body)
+        ) as response:
             async for _ in response.aiter_bytes():
                 pass
 
@@ -147,12 +180,14 @@ class LoadGenerator:
 
 
 @contextlib.asynccontextmanager
-async def running_scraper(config: Config, *, instance: str,
-                          metrics: ScraperMetrics | None = None) -> AsyncIterator[None]:
+async def running_scraper(
+    config: Config, *, instance: str, metrics: ScraperMetrics | None = None
+) -> AsyncIterator[None]:
     """`serve(config)` in a task, ready when entered; stopped (and awaited) on exit."""
     stop, ready = asyncio.Event(), asyncio.Event()
-    task = asyncio.create_task(serve(config, stop=stop, ready=ready, instance=instance,
-                                     metrics=metrics))
+    task = asyncio.create_task(
+        serve(config, stop=stop, ready=ready, instance=instance, metrics=metrics)
+    )
     ready_wait = asyncio.create_task(ready.wait())
     try:
         async with asyncio.timeout(WAIT):

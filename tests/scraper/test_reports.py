@@ -37,27 +37,47 @@ OK_HEALTH = Fetched(status=200, body="ok")
 
 
 def vllm_metrics(running: int, waiting: int, kv: float) -> Fetched:
-    return Fetched(status=200, body=(
-        "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
-        "# TYPE vllm:num_requests_running gauge\n"
-        f'vllm:num_requests_running{{model_name="m1"}} {running}.0\n'
-        f'vllm:num_requests_waiting{{model_name="m1"}} {waiting}.0\n'
-        f'vllm:kv_cache_usage_perc{{model_name="m1"}} {kv}\n'
-    ))
+    return Fetched(
+        status=200,
+        body=(
+            "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
+            "# TYPE vllm:num_requests_running gauge\n"
+            f'vllm:num_requests_running{{model_name="m1"}} {running}.0\n'
+            f'vllm:num_requests_waiting{{model_name="m1"}} {waiting}.0\n'
+            f'vllm:kv_cache_usage_perc{{model_name="m1"}} {kv}\n'
+        ),
+    )
 
 
-def report_at(load: EndpointLoad, metrics: Fetched, at: float, health: Fetched = OK_HEALTH,
-              now: float | None = None) -> tuple[EndpointReport, EndpointLoad, ScrapeOutcome]:
-    return build_report(TARGET, health, metrics, load, scraped_at=at,
-                        now=at if now is None else now, settings=SETTINGS, scraper="s1")
+def report_at(
+    load: EndpointLoad,
+    metrics: Fetched,
+    at: float,
+    health: Fetched = OK_HEALTH,
+    now: float | None = None,
+) -> tuple[EndpointReport, EndpointLoad, ScrapeOutcome]:
+    return build_report(
+        TARGET,
+        health,
+        metrics,
+        load,
+        scraped_at=at,
+        now=at if now is None else now,
+        settings=SETTINGS,
+        scraper="s1",
+    )
 
 
-@pytest.mark.parametrize(("health", "verdict"), [
-    (Fetched(status=200), (True, None)),
-    (Fetched(status=503, body="unhealthy"), (False, "HTTP 503")),
-    (Fetched(error="ConnectError: refused"), (False, "ConnectError: refused")),
-    (Fetched(), (False, "no answer")),
-], ids=["200", "503", "refused", "no-error-text"])
+@pytest.mark.parametrize(
+    ("health", "verdict"),
+    [
+        (Fetched(status=200), (True, None)),
+        (Fetched(status=503, body="unhealthy"), (False, "HTTP 503")),
+        (Fetched(error="ConnectError: refused"), (False, "ConnectError: refused")),
+        (Fetched(), (False, "no answer")),
+    ],
+    ids=["200", "503", "refused", "no-error-text"],
+)
 def test_healthy_means_health_answered_200(health: Fetched, verdict: tuple) -> None:
     assert health_verdict(health) == verdict
 
@@ -68,12 +88,16 @@ def test_a_vllm_exposition_gives_the_engines_load() -> None:
     assert sample == EngineSample(EngineDialect.VLLM, running=3, waiting=2, kv_usage=0.25)
 
 
-@pytest.mark.parametrize(("metrics", "error_part"), [
-    (Fetched(status=404, body="not found"), "HTTP 404"),
-    (Fetched(status=200, body='vllm:num_requests_running{model_name="m1 3\n'), "line 1"),
-    (Fetched(status=200, body="up 1\n"), "no engine load metrics found"),
-    (Fetched(error="no answer within 1s", timed_out=True), "no answer within 1s"),
-], ids=["http-error", "malformed", "not-an-engine", "timeout"])
+@pytest.mark.parametrize(
+    ("metrics", "error_part"),
+    [
+        (Fetched(status=404, body="not found"), "HTTP 404"),
+        (Fetched(status=200, body='vllm:num_requests_running{model_name="m1 3\n'), "line 1"),
+        (Fetched(status=200, body="up 1\n"), "no engine load metrics found"),
+        (Fetched(error="no answer within 1s", timed_out=True), "no answer within 1s"),
+    ],
+    ids=["http-error", "malformed", "not-an-engine", "timeout"],
+)
 def test_unreadable_metrics_give_no_sample_and_say_why(metrics: Fetched, error_part: str) -> None:
     sample, error = read_sample(metrics)
     assert sample is None
@@ -87,14 +111,22 @@ def test_error_texts_are_bounded() -> None:
     assert health_verdict(Fetched(error=huge)) == (False, error)
 
 
-@pytest.mark.parametrize(("health", "metrics", "outcome"), [
-    (OK_HEALTH, vllm_metrics(1, 0, 0.1), ScrapeOutcome.OK),
-    (OK_HEALTH, Fetched(status=500), ScrapeOutcome.METRICS_ERROR),
-    (Fetched(status=503), vllm_metrics(1, 0, 0.1), ScrapeOutcome.UNHEALTHY),
-    (Fetched(error="timeout", timed_out=True), vllm_metrics(1, 0, 0.1), ScrapeOutcome.UNHEALTHY),
-    (Fetched(error="refused"), Fetched(error="refused"), ScrapeOutcome.UNREACHABLE),
-    (Fetched(error="refused"), Fetched(error="slow", timed_out=True), ScrapeOutcome.TIMEOUT),
-], ids=["ok", "metrics-error", "unhealthy", "health-timeout", "unreachable", "timeout"])
+@pytest.mark.parametrize(
+    ("health", "metrics", "outcome"),
+    [
+        (OK_HEALTH, vllm_metrics(1, 0, 0.1), ScrapeOutcome.OK),
+        (OK_HEALTH, Fetched(status=500), ScrapeOutcome.METRICS_ERROR),
+        (Fetched(status=503), vllm_metrics(1, 0, 0.1), ScrapeOutcome.UNHEALTHY),
+        (
+            Fetched(error="timeout", timed_out=True),
+            vllm_metrics(1, 0, 0.1),
+            ScrapeOutcome.UNHEALTHY,
+        ),
+        (Fetched(error="refused"), Fetched(error="refused"), ScrapeOutcome.UNREACHABLE),
+        (Fetched(error="refused"), Fetched(error="slow", timed_out=True), ScrapeOutcome.TIMEOUT),
+    ],
+    ids=["ok", "metrics-error", "unhealthy", "health-timeout", "unreachable", "timeout"],
+)
 def test_outcome_precedence(health: Fetched, metrics: Fetched, outcome: ScrapeOutcome) -> None:
     healthy, _ = health_verdict(health)
     sample, _ = read_sample(metrics)
@@ -146,15 +178,25 @@ def test_wire_payload_round_trips() -> None:
     assert EndpointReport.model_validate_json(report.to_bytes()) == report
 
 
-@pytest.mark.parametrize(("previous", "healthy", "verb"), [
-    (None, True, "healthy"),
-    (None, False, "unhealthy"),
-    (True, True, None),
-    (False, False, None),
-    (True, False, "unhealthy"),
-    (False, True, "healthy"),
-], ids=["first-healthy", "first-unhealthy", "still-healthy", "still-unhealthy", "fell",
-        "recovered"])
+@pytest.mark.parametrize(
+    ("previous", "healthy", "verb"),
+    [
+        (None, True, "healthy"),
+        (None, False, "unhealthy"),
+        (True, True, None),
+        (False, False, None),
+        (True, False, "unhealthy"),
+        (False, True, "healthy"),
+    ],
+    ids=[
+        "first-healthy",
+        "first-unhealthy",
+        "still-healthy",
+        "still-unhealthy",
+        "fell",
+        "recovered",
+    ],
+)
 def test_health_events_on_transitions_and_on_the_first_verdict(
     previous: bool | None, healthy: bool, verb: str | None
 ) -> None:
@@ -193,8 +235,13 @@ def test_only_endpoints_of_managed_providers_are_scraped() -> None:
     config = load_config(REPO / "config" / "local.yaml", env={})
     targets = scrape_targets(config)
     assert [t.endpoint for t in targets] == ["engine-1", "engine-2"]
-    assert targets[0] == ScrapeTarget("engine-1", "iris", "local/sim-gpu",
-                                      ("llama-3.3-70b", "qwen2.5-32b"), "http://127.0.0.1:8101")
+    assert targets[0] == ScrapeTarget(
+        "engine-1",
+        "iris",
+        "local/sim-gpu",
+        ("llama-3.3-70b", "qwen2.5-32b"),
+        "http://127.0.0.1:8101",
+    )
 
 
 def test_subjects() -> None:

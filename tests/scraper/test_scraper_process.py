@@ -24,20 +24,36 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 async def test_scraper_process_prints_ready_serves_admin_and_exits_0_on_sigterm(
-    tmp_path: Path, nats_url: str, load_bucket: str, unique_id: str,
-    start_engine: StartEngine, events: EventLog,
+    tmp_path: Path,
+    nats_url: str,
+    load_bucket: str,
+    unique_id: str,
+    start_engine: StartEngine,
+    events: EventLog,
 ) -> None:
     engine = await start_engine()
     dead = f"http://127.0.0.1:{free_port()}"
     config_file = tmp_path / "scraper.yaml"
-    config_file.write_text(yaml.safe_dump(
-        config_data(nats_url, load_bucket, unique_id, {"live": engine.url, "dead": dead})))
+    config_file.write_text(
+        yaml.safe_dump(
+            config_data(nats_url, load_bucket, unique_id, {"live": engine.url, "dead": dead})
+        )
+    )
     admin_port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.upper().startswith("LLMGW_")}
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "llmgw", "scraper", "--config", str(config_file),
-        "--admin-listen", f"127.0.0.1:{admin_port}",
-        cwd=REPO, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        sys.executable,
+        "-m",
+        "llmgw",
+        "scraper",
+        "--config",
+        str(config_file),
+        "--admin-listen",
+        f"127.0.0.1:{admin_port}",
+        cwd=REPO,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
     )
     output: list[str] = []
     try:
@@ -68,8 +84,11 @@ async def test_scraper_process_prints_ready_serves_admin_and_exits_0_on_sigterm(
             'llmgw_scraper_publish_failures_total{kind="kv"} 0.0',
         ):
             assert line in metrics, line
-        age = next(line for line in metrics.splitlines()
-                   if line.startswith('llmgw_scraper_scrape_age_seconds{endpoint="live"}'))
+        age = next(
+            line
+            for line in metrics.splitlines()
+            if line.startswith('llmgw_scraper_scrape_age_seconds{endpoint="live"}')
+        )
         assert 0 <= float(age.split()[-1]) < 5
 
         process.send_signal(signal.SIGTERM)
@@ -116,8 +135,14 @@ async def test_admin_health_is_503_when_the_loop_stalls_or_nats_is_lost() -> Non
     async with httpx.AsyncClient() as unused_client:
         scraper = Scraper(
             [ScrapeTarget("e1", "p", "gpu", ("m1",), "http://127.0.0.1:9")],
-            client=unused_client, bucket=_NoBucket(), publisher=_NoPublisher(),
-            metrics=ScraperMetrics(), instance="s", interval=2.0, timeout=1.0, clock=clock,
+            client=unused_client,
+            bucket=_NoBucket(),
+            publisher=_NoPublisher(),
+            metrics=ScraperMetrics(),
+            instance="s",
+            interval=2.0,
+            timeout=1.0,
+            clock=clock,
             settings=SaturationSettings(target_waiting=4, kv_ceiling=0.9, stale_after=10),
         )
     assert health_window(2.0, 1.0) == 4.0
@@ -126,8 +151,9 @@ async def test_admin_health_is_503_when_the_loop_stalls_or_nats_is_lost() -> Non
 
     async def health(connection: _Connection) -> httpx.Response:
         app = create_admin_app(scraper.metrics, connection, scraper)
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                     base_url="http://admin") as client:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://admin"
+        ) as client:
             return await client.get("/health")
 
     not_started = await health(connected)
@@ -145,5 +171,8 @@ async def test_admin_health_is_503_when_the_loop_stalls_or_nats_is_lost() -> Non
     scraper.last_round_at = clock.now
     disconnected = await health(lost)
     assert disconnected.status_code == 503
-    assert disconnected.json() == {"status": "degraded", "nats": "disconnected",
-                                   "reason": "not connected to NATS"}
+    assert disconnected.json() == {
+        "status": "degraded",
+        "nats": "disconnected",
+        "reason": "not connected to NATS",
+    }

@@ -40,8 +40,9 @@ def make_config(nats_url: str, bucket: str, provider: str, endpoints: dict[str, 
 
 
 async def open_load_bucket(nc: NatsClient, name: str) -> NatsKV:
-    return await open_routing_bucket(nc.jetstream(), name, storage=LOAD_BUCKET_STORAGE,
-                                     history=LOAD_BUCKET_HISTORY)
+    return await open_routing_bucket(
+        nc.jetstream(), name, storage=LOAD_BUCKET_STORAGE, history=LOAD_BUCKET_HISTORY
+    )
 
 
 async def stored_report(kv: NatsKV, endpoint: str) -> EndpointReport:
@@ -73,8 +74,13 @@ async def start_static() -> AsyncIterator[StartStatic]:
 
 
 async def test_reports_land_in_the_bucket_with_the_capacity_learned_under_load(
-    nats_url: str, load_bucket: str, unique_id: str, nats_client: NatsClient,
-    start_engine: StartEngine, events: EventLog, load: LoadGenerator,
+    nats_url: str,
+    load_bucket: str,
+    unique_id: str,
+    nats_client: NatsClient,
+    start_engine: StartEngine,
+    events: EventLog,
+    load: LoadGenerator,
 ) -> None:
     engine = await start_engine(max_num_seqs=2, itl_base=0.5)
     config = make_config(nats_url, load_bucket, unique_id, {"busy": engine.url})
@@ -84,8 +90,10 @@ async def test_reports_land_in_the_bucket_with_the_capacity_learned_under_load(
         assert idle.sample.running == 0
 
         load.start(engine.url, 3)  # two run (max_num_seqs), one waits
-        busy = await events.wait_for_report("busy", lambda r: r.sample is not None and (
-            r.sample.running, r.sample.waiting) == (2, 1))
+        busy = await events.wait_for_report(
+            "busy",
+            lambda r: r.sample is not None and (r.sample.running, r.sample.waiting) == (2, 1),
+        )
         assert busy.capacity == 2
         assert busy.saturation == pytest.approx(1 / 4)  # 1 waiting / scoring.target_waiting
 
@@ -98,8 +106,12 @@ async def test_reports_land_in_the_bucket_with_the_capacity_learned_under_load(
 
 
 async def test_an_engine_turning_unhealthy_is_reported_and_announced(
-    nats_url: str, load_bucket: str, unique_id: str, nats_client: NatsClient,
-    start_engine: StartEngine, events: EventLog,
+    nats_url: str,
+    load_bucket: str,
+    unique_id: str,
+    nats_client: NatsClient,
+    start_engine: StartEngine,
+    events: EventLog,
 ) -> None:
     engine = await start_engine()
     config = make_config(nats_url, load_bucket, unique_id, {"flaky": engine.url})
@@ -117,7 +129,8 @@ async def test_an_engine_turning_unhealthy_is_reported_and_announced(
 
         (await http.post(f"{engine.url}/sim/faults", json={"reset": True})).raise_for_status()
         await events.wait_until(
-            lambda log: log.transitions("flaky") == ["healthy", "unhealthy", "healthy"])
+            lambda log: log.transitions("flaky") == ["healthy", "unhealthy", "healthy"]
+        )
     # One health event per change of verdict (plus the first), not one per round: each
     # follows the "scraped" publish of the same report on one connection, so all are here.
     verdicts = [r.healthy for r in events.reports("flaky")]
@@ -129,15 +142,22 @@ async def test_an_engine_turning_unhealthy_is_reported_and_announced(
 
 
 async def test_an_unreachable_endpoint_is_reported_every_round_and_never_dropped(
-    nats_url: str, load_bucket: str, unique_id: str, nats_client: NatsClient,
-    start_engine: StartEngine, events: EventLog,
+    nats_url: str,
+    load_bucket: str,
+    unique_id: str,
+    nats_client: NatsClient,
+    start_engine: StartEngine,
+    events: EventLog,
 ) -> None:
     engine = await start_engine()
     dead = f"http://127.0.0.1:{free_port()}"
     config = make_config(nats_url, load_bucket, unique_id, {"live": engine.url, "dead": dead})
     async with running_scraper(config, instance="scraper-one"):
-        await events.wait_until(lambda log: len(log.reports("dead")) >= 3
-                                and any(p.healthy == ("live",) for p in log.pools()))
+        await events.wait_until(
+            lambda log: (
+                len(log.reports("dead")) >= 3 and any(p.healthy == ("live",) for p in log.pools())
+            )
+        )
         stored = await stored_report(await open_load_bucket(nats_client, load_bucket), "dead")
     for report in [*events.reports("dead"), stored]:
         assert not report.healthy and report.health_error
@@ -151,16 +171,23 @@ async def test_an_unreachable_endpoint_is_reported_every_round_and_never_dropped
 
 
 GARBLED = '# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{model_name="m1" 3\n'
-SGLANG = ('sglang:num_running_reqs{model_name="m1"} 5\nsglang:num_queue_reqs{model_name="m1"} 2\n'
-          'sglang:token_usage{model_name="m1"} 0.45\n')
+SGLANG = (
+    'sglang:num_running_reqs{model_name="m1"} 5\nsglang:num_queue_reqs{model_name="m1"} 2\n'
+    'sglang:token_usage{model_name="m1"} 0.45\n'
+)
 
 
 async def test_malformed_metrics_are_a_metrics_error_and_sglang_metrics_are_read(
-    nats_url: str, load_bucket: str, unique_id: str, start_static: StartStatic, events: EventLog,
+    nats_url: str,
+    load_bucket: str,
+    unique_id: str,
+    start_static: StartStatic,
+    events: EventLog,
 ) -> None:
     garbled, sglang = await start_static(GARBLED), await start_static(SGLANG)
-    config = make_config(nats_url, load_bucket, unique_id,
-                         {"garbled": garbled.url, "sglang": sglang.url})
+    config = make_config(
+        nats_url, load_bucket, unique_id, {"garbled": garbled.url, "sglang": sglang.url}
+    )
     metrics = ScraperMetrics()
     async with running_scraper(config, instance="scraper-one", metrics=metrics):
         bad = await events.wait_for_report("garbled", lambda r: True)
@@ -173,15 +200,21 @@ async def test_malformed_metrics_are_a_metrics_error_and_sglang_metrics_are_read
 
     def scrapes(endpoint: str, result: str) -> float | None:
         return metrics.registry.get_sample_value(
-            "llmgw_scraper_scrapes_total", {"endpoint": endpoint, "result": result})
+            "llmgw_scraper_scrapes_total", {"endpoint": endpoint, "result": result}
+        )
 
     assert scrapes("garbled", "metrics_error") >= 1 and scrapes("garbled", "ok") == 0
     assert scrapes("sglang", "ok") >= 1 and scrapes("sglang", "metrics_error") == 0
 
 
 async def test_two_scrapers_leave_consistent_reports_and_a_new_one_adopts_known_capacity(
-    nats_url: str, load_bucket: str, unique_id: str, nats_client: NatsClient,
-    start_engine: StartEngine, events: EventLog, load: LoadGenerator,
+    nats_url: str,
+    load_bucket: str,
+    unique_id: str,
+    nats_client: NatsClient,
+    start_engine: StartEngine,
+    events: EventLog,
+    load: LoadGenerator,
 ) -> None:
     engine = await start_engine(max_num_seqs=2, itl_base=0.5)
     config = make_config(nats_url, load_bucket, unique_id, {"busy": engine.url})
@@ -190,18 +223,23 @@ async def test_two_scrapers_leave_consistent_reports_and_a_new_one_adopts_known_
         await events.wait_for_report("busy", lambda r: r.capacity == 2)
         await load.stop()
         idle = await events.wait_for_report(
-            "busy", lambda r: r.sample is not None and r.sample.running == 0 and r.capacity == 2)
+            "busy", lambda r: r.sample is not None and r.sample.running == 0 and r.capacity == 2
+        )
         async with running_scraper(config, instance="scraper-b"):
-            await events.wait_until(lambda log: sum(
-                r.scraper == "scraper-b" for r in log.reports("busy")) >= 3)
+            await events.wait_until(
+                lambda log: sum(r.scraper == "scraper-b" for r in log.reports("busy")) >= 3
+            )
         stored = await stored_report(await open_load_bucket(nats_client, load_bucket), "busy")
 
     b_reports = [r for r in events.reports("busy") if r.scraper == "scraper-b"]
     # scraper-b never saw the engine running 2, yet knows its capacity from the bucket.
     assert all(r.sample is not None and r.sample.running == 0 for r in b_reports)
     assert all(r.capacity == 2 for r in b_reports)
-    a_during_b = [r for r in events.reports("busy") if r.scraper == "scraper-a"
-                  and r.scraped_at > b_reports[0].scraped_at]
+    a_during_b = [
+        r
+        for r in events.reports("busy")
+        if r.scraper == "scraper-a" and r.scraped_at > b_reports[0].scraped_at
+    ]
     assert a_during_b  # both scraped at once, and agree
     assert all(r.capacity == 2 and r.healthy for r in a_during_b)
     assert stored.capacity == 2 and stored.scraped_at >= idle.scraped_at
@@ -209,7 +247,10 @@ async def test_two_scrapers_leave_consistent_reports_and_a_new_one_adopts_known_
 
 
 async def test_failed_publishing_is_counted_and_never_stops_the_loop(
-    load_bucket: str, connect: Connect, start_engine: StartEngine, nats_url: str,
+    load_bucket: str,
+    connect: Connect,
+    start_engine: StartEngine,
+    nats_url: str,
     unique_id: str,
 ) -> None:
     engine = await start_engine()
@@ -219,13 +260,22 @@ async def test_failed_publishing_is_counted_and_never_stops_the_loop(
     metrics = ScraperMetrics()
     target = ScrapeTarget("e1", unique_id, "gpu/a", (MODEL,), engine.url)
     async with new_http_client(0.5, 1) as client:
-        scraper = Scraper([target], client=client, bucket=kv, publisher=nc, metrics=metrics,
-                          settings=saturation_settings(config), instance="scraper-one",
-                          interval=0.5, timeout=0.5)
+        scraper = Scraper(
+            [target],
+            client=client,
+            bucket=kv,
+            publisher=nc,
+            metrics=metrics,
+            settings=saturation_settings(config),
+            instance="scraper-one",
+            interval=0.5,
+            timeout=0.5,
+        )
 
         def failures(kind: str) -> float | None:
             return metrics.registry.get_sample_value(
-                "llmgw_scraper_publish_failures_total", {"kind": kind})
+                "llmgw_scraper_publish_failures_total", {"kind": kind}
+            )
 
         (first,) = await scraper.run_round()
         assert first.healthy and failures("kv") == 0 and failures("event") == 0

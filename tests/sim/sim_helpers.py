@@ -21,7 +21,7 @@ async def read_sse(response: httpx.Response) -> tuple[list[dict[str, Any]], bool
     async for line in response.aiter_lines():
         if not line.startswith("data: "):
             continue
-        data = line[len("data: "):]
+        data = line[len("data: ") :]
         if data == "[DONE]":
             done = True
             continue

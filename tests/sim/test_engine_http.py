@@ -40,10 +40,13 @@ async def test_non_streamed_chat_has_text_and_usage(serve: Serve) -> None:
     assert usage["total_tokens"] == usage["prompt_tokens"] + 7
 
 
-async def test_streamed_chat_with_include_usage_ends_with_usage_chunk_then_done(serve: Serve) -> None:
+async def test_streamed_chat_with_include_usage_ends_with_usage_chunk_then_done(
+    serve: Serve,
+) -> None:
     client = await serve(create_engine_app(EngineParams(itl_base=0.001), [MODEL]))
-    request = chat("stream please", max_tokens=5, stream=True,
-                   stream_options={"include_usage": True})
+    request = chat(
+        "stream please", max_tokens=5, stream=True, stream_options={"include_usage": True}
+    )
     async with client.stream("POST", "/v1/chat/completions", json=request) as response:
         assert response.headers["content-type"].startswith("text/event-stream")
         chunks, done, _ = await read_sse(response)
@@ -82,7 +85,10 @@ async def test_official_openai_client_streams_and_embeds(serve: Serve) -> None:
     sdk = openai.AsyncOpenAI(base_url=f"{client.base_url}/v1", api_key="unused")
     try:
         stream = await sdk.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3, stream=True,
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=3,
+            stream=True,
             stream_options={"include_usage": True},
         )
         chunks = [chunk async for chunk in stream]
@@ -107,7 +113,9 @@ async def test_embeddings_are_deterministic_unit_vectors(serve: Serve) -> None:
     assert vectors[0] != vectors[1]
     assert all(math.isclose(math.fsum(x * x for x in v), 1.0) for v in vectors)
     assert first["usage"]["prompt_tokens"] > 3
-    b64 = (await client.post("/v1/embeddings", json={**request, "encoding_format": "base64"})).json()
+    b64 = (
+        await client.post("/v1/embeddings", json={**request, "encoding_format": "base64"})
+    ).json()
     decoded = struct.unpack("<32f", base64.b64decode(b64["data"][0]["embedding"]))
     assert decoded == pytest.approx(vectors[0], abs=1e-6)
 
@@ -122,8 +130,14 @@ async def test_embeddings_are_deterministic_unit_vectors(serve: Serve) -> None:
         ("/v1/embeddings", {"model": MODEL, "input": {}}, 400, "input"),
         ("/v1/chat/completions", chat("word " * 300, max_tokens=1), 400, "messages"),
     ],
-    ids=["unknown-model", "bad-messages", "zero-max-tokens", "bad-prompt", "bad-input",
-         "prompt-too-long"],
+    ids=[
+        "unknown-model",
+        "bad-messages",
+        "zero-max-tokens",
+        "bad-prompt",
+        "bad-input",
+        "prompt-too-long",
+    ],
 )
 async def test_bad_requests_get_openai_shaped_errors(
     serve: Serve, path: str, body: dict, status: int, param: str
@@ -156,15 +170,25 @@ async def _ttft(client: httpx.AsyncClient, request: dict) -> float:
 
 
 async def test_prefix_cache_hit_cuts_ttft_and_raises_the_hit_counter(serve: Serve) -> None:
-    params = EngineParams(prefill_base=0.0, prefill_per_token=0.0005, itl_base=0.001,
-                          itl_per_running_seq=0.0)
+    params = EngineParams(
+        prefill_base=0.0, prefill_per_token=0.0005, itl_base=0.001, itl_per_running_seq=0.0
+    )
     client = await serve(create_engine_app(params, [MODEL]))
     system = {"role": "system", "content": "You are a careful assistant. " * 80}
-    turn_one = {"model": MODEL, "max_tokens": 2, "stream": True,
-                "messages": [system, {"role": "user", "content": "first question"}]}
-    turn_two = {**turn_one, "messages": [*turn_one["messages"],
-                {"role": "assistant", "content": "an answer"},
-                {"role": "user", "content": "second question"}]}
+    turn_one = {
+        "model": MODEL,
+        "max_tokens": 2,
+        "stream": True,
+        "messages": [system, {"role": "user", "content": "first question"}],
+    }
+    turn_two = {
+        **turn_one,
+        "messages": [
+            *turn_one["messages"],
+            {"role": "assistant", "content": "an answer"},
+            {"role": "user", "content": "second question"},
+        ],
+    }
     cold = await _ttft(client, turn_one)
     hits_before = metric((await client.get("/metrics")).text, "vllm:prefix_cache_hits_total")
     warm = await _ttft(client, turn_two)
@@ -174,8 +198,13 @@ async def test_prefix_cache_hit_cuts_ttft_and_raises_the_hit_counter(serve: Serv
 
 
 async def test_queueing_beyond_max_num_seqs_shows_in_metrics_and_ttft(serve: Serve) -> None:
-    params = EngineParams(max_num_seqs=1, prefill_base=0.0, prefill_per_token=0.0,
-                          itl_base=0.02, itl_per_running_seq=0.0)
+    params = EngineParams(
+        max_num_seqs=1,
+        prefill_base=0.0,
+        prefill_per_token=0.0,
+        itl_base=0.02,
+        itl_per_running_seq=0.0,
+    )
     client = await serve(create_engine_app(params, [MODEL]))
     first = asyncio.create_task(_ttft(client, chat("one", max_tokens=15, stream=True)))
 
@@ -209,8 +238,9 @@ async def test_queueing_beyond_max_num_seqs_shows_in_metrics_and_ttft(serve: Ser
 
 async def test_client_disconnect_mid_stream_aborts_the_sequence(serve: Serve) -> None:
     client = await serve(create_engine_app(EngineParams(itl_base=0.05), [MODEL]))
-    async with client.stream("POST", "/v1/chat/completions",
-                             json=chat("long", max_tokens=500, stream=True)) as response:
+    async with client.stream(
+        "POST", "/v1/chat/completions", json=chat("long", max_tokens=500, stream=True)
+    ) as response:
         async for line in response.aiter_lines():
             if '"content":"' in line and '"content":""' not in line:
                 break
@@ -252,11 +282,17 @@ async def test_fault_knobs_rate_limit_and_errors_can_be_flipped_at_runtime(serve
 
 async def test_error_rate_is_a_seeded_fraction(serve: Serve) -> None:
     async def statuses(seed: int) -> list[int]:
-        client = await serve(create_engine_app(EngineParams.zero_delay(error_rate=0.5, seed=seed),
-                                               [MODEL]))
-        return [(await client.post("/v1/completions",
-                                   json={"model": MODEL, "prompt": "x", "max_tokens": 1}))
-                .status_code for _ in range(40)]
+        client = await serve(
+            create_engine_app(EngineParams.zero_delay(error_rate=0.5, seed=seed), [MODEL])
+        )
+        return [
+            (
+                await client.post(
+                    "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1}
+                )
+            ).status_code
+            for _ in range(40)
+        ]
 
     first, again = await statuses(5), await statuses(5)
     assert first == again
@@ -268,8 +304,9 @@ async def test_die_at_token_cuts_the_stream_without_done(serve: Serve) -> None:
     client = await serve(create_engine_app(EngineParams(itl_base=0.001, die_at_token=3), [MODEL]))
     chunks = []
     with pytest.raises(httpx.RemoteProtocolError):
-        async with client.stream("POST", "/v1/chat/completions",
-                                 json=chat("x", max_tokens=10, stream=True)) as response:
+        async with client.stream(
+            "POST", "/v1/chat/completions", json=chat("x", max_tokens=10, stream=True)
+        ) as response:
             async for line in response.aiter_lines():
                 chunks.append(line)
     contents = [line for line in chunks if '"content":"' in line and '"content":""' not in line]
@@ -291,8 +328,9 @@ async def test_stall_after_headers_is_caught_by_a_read_timeout(serve: Serve, str
     client = await serve(create_engine_app(EngineParams.zero_delay(stall_after_headers=5), [MODEL]))
     timeout = httpx.Timeout(5.0, read=0.3)
     started = time.monotonic()
-    async with client.stream("POST", "/v1/chat/completions", timeout=timeout,
-                             json=chat("x", max_tokens=3, stream=stream)) as response:
+    async with client.stream(
+        "POST", "/v1/chat/completions", timeout=timeout, json=chat("x", max_tokens=3, stream=stream)
+    ) as response:
         assert response.status_code == 200  # headers arrived
         with pytest.raises(httpx.ReadTimeout):
             async for _ in response.aiter_lines():

@@ -196,7 +196,9 @@ def test_abort_frees_blocks_and_admits_the_next_request() -> None:
 def test_listener_sees_every_token_and_the_end() -> None:
     model = make_model()
     seen: list[tuple[int, bool]] = []
-    seq = model.submit(0.0, prompt(8), max_tokens=4, listener=lambda s: seen.append((s.emitted, s.done)))
+    seq = model.submit(
+        0.0, prompt(8), max_tokens=4, listener=lambda s: seen.append((s.emitted, s.done))
+    )
     run_until_idle(model)
     assert seen == [(1, False), (2, False), (3, False), (4, True)]
     assert seq.done

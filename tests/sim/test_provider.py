@@ -25,12 +25,33 @@ def schedule(**params: object) -> RateSchedule:
         ({"tokens_per_second": 10}, 99.0, 10.0),
         ({"tokens_per_second": 10, "drift": [{"at": 5, "tokens_per_second": 40}]}, 4.9, 10.0),
         ({"tokens_per_second": 10, "drift": [{"at": 5, "tokens_per_second": 40}]}, 5.0, 40.0),
-        ({"drift": [{"at": 0, "tokens_per_second": 20}, {"at": 10, "tokens_per_second": 40}],
-          "drift_mode": "linear"}, 5.0, 30.0),
-        ({"drift": [{"at": 0, "tokens_per_second": 20}, {"at": 10, "tokens_per_second": 40}],
-          "drift_mode": "linear"}, 50.0, 40.0),
-        ({"drift": [{"at": 0, "tokens_per_second": 20}, {"at": "10s", "tokens_per_second": 40}],
-          "drift_period": "20s"}, 25.0, 20.0),
+        (
+            {
+                "drift": [{"at": 0, "tokens_per_second": 20}, {"at": 10, "tokens_per_second": 40}],
+                "drift_mode": "linear",
+            },
+            5.0,
+            30.0,
+        ),
+        (
+            {
+                "drift": [{"at": 0, "tokens_per_second": 20}, {"at": 10, "tokens_per_second": 40}],
+                "drift_mode": "linear",
+            },
+            50.0,
+            40.0,
+        ),
+        (
+            {
+                "drift": [
+                    {"at": 0, "tokens_per_second": 20},
+                    {"at": "10s", "tokens_per_second": 40},
+                ],
+                "drift_period": "20s",
+            },
+            25.0,
+            20.0,
+        ),
     ],
     ids=["constant", "before-step", "at-step", "linear-midpoint", "linear-holds-last", "periodic"],
 )
@@ -56,8 +77,12 @@ def test_token_bucket_refills_at_its_rate() -> None:
 
 
 async def _stream_rate(client, max_tokens: int) -> float:
-    request = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-               "max_tokens": max_tokens, "stream": True}
+    request = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": max_tokens,
+        "stream": True,
+    }
     async with client.stream("POST", "/v1/chat/completions", json=request) as response:
         chunks, done, arrivals = await read_sse(response)
     assert done
@@ -72,8 +97,12 @@ async def test_drift_changes_the_observed_token_rate(serve: Serve) -> None:
     def clock() -> float:
         return time.monotonic() + offset[0]
 
-    params = ProviderParams(tokens_per_second=400, base_latency=0, input_tokens_per_second=0,
-                            drift=[{"at": 100, "tokens_per_second": 50}])
+    params = ProviderParams(
+        tokens_per_second=400,
+        base_latency=0,
+        input_tokens_per_second=0,
+        drift=[{"at": 100, "tokens_per_second": 50}],
+    )
     client = await serve(create_provider_app(params, [MODEL], clock=clock))
     fast = await _stream_rate(client, 21)
     offset[0] = 100.0  # jump past the drift point instead of waiting for it
@@ -117,8 +146,10 @@ async def test_provider_paces_ttft_and_reports_usage(serve: Serve) -> None:
     params = ProviderParams(base_latency="150ms", input_tokens_per_second=0, tokens_per_second=0)
     client = await serve(create_provider_app(params, [MODEL]))
     started = time.monotonic()
-    response = await client.post("/v1/chat/completions", json={
-        "model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4})
+    response = await client.post(
+        "/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4},
+    )
     assert time.monotonic() - started >= 0.15
     body = response.json()
     assert body["usage"]["completion_tokens"] == 4

@@ -34,13 +34,18 @@ def test_defaults_and_command_line_overrides() -> None:
     assert isinstance(settings.params, EngineParams)
     assert (settings.host, settings.port, settings.models) == ("127.0.0.1", 9001, ["m1", "m2"])
     assert (settings.params.max_num_seqs, settings.params.itl_base, settings.params.seed) == (
-        2, pytest.approx(0.001), 4)
+        2,
+        pytest.approx(0.001),
+        4,
+    )
 
 
 @pytest.mark.skipif(not LOCAL_CONFIG.exists(), reason="no config/local.yaml")
 def test_endpoint_from_config_gives_params_address_and_models() -> None:
     config = load_config(LOCAL_CONFIG)
-    engine = next(e for e in config.endpoints if e.simulate is not None and e.simulate.kind == "engine")
+    engine = next(
+        e for e in config.endpoints if e.simulate is not None and e.simulate.kind == "engine"
+    )
     settings = resolve_settings(
         sim_args(config=str(LOCAL_CONFIG), endpoint=engine.id, set=["max_num_seqs=3"]), "engine"
     )
@@ -62,16 +67,33 @@ def test_bad_override_is_a_usage_error_naming_the_key() -> None:
 
 @pytest.mark.parametrize("kind", ["engine", "provider"])
 def test_command_serves_until_sigterm_and_exits_cleanly(kind: str) -> None:
-    command = [sys.executable, "-m", "llmgw", "sim", kind, "--port", "0", "--model", "m",
-               "--set", "seed=3"]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    command = [
+        sys.executable,
+        "-m",
+        "llmgw",
+        "sim",
+        kind,
+        "--port",
+        "0",
+        "--model",
+        "m",
+        "--set",
+        "seed=3",
+    ]
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     try:
         line = process.stdout.readline()
         assert line.startswith(f"llmgw sim {kind} ready on http://127.0.0.1:"), line
         url = line.split()[5]
         request = urllib.request.Request(
-            f"{url}/v1/completions", method="POST",
+            f"{url}/v1/completions",
+            method="POST",
             data=json.dumps({"model": "m", "prompt": "x", "max_tokens": 2}).encode(),
             headers={"content-type": "application/json"},
         )

@@ -25,8 +25,12 @@ def test_engine_params_accept_duration_strings_and_forbid_unknown_fields() -> No
 
 def test_zero_delay_presets_zero_every_timing() -> None:
     engine = EngineParams.zero_delay(max_num_seqs=3)
-    assert (engine.prefill_base, engine.prefill_per_token, engine.itl_base,
-            engine.itl_per_running_seq) == (0, 0, 0, 0)
+    assert (
+        engine.prefill_base,
+        engine.prefill_per_token,
+        engine.itl_base,
+        engine.itl_per_running_seq,
+    ) == (0, 0, 0, 0)
     assert engine.max_num_seqs == 3
     provider = ProviderParams.zero_delay()
     assert (provider.base_latency, provider.tokens_per_second) == (0, 0)
@@ -34,17 +38,23 @@ def test_zero_delay_presets_zero_every_timing() -> None:
 
 def test_provider_drift_must_be_sorted() -> None:
     with pytest.raises(ValidationError, match="sorted"):
-        ProviderParams(drift=[{"at": "2s", "tokens_per_second": 1},
-                              {"at": "1s", "tokens_per_second": 2}])
+        ProviderParams(
+            drift=[{"at": "2s", "tokens_per_second": 1}, {"at": "1s", "tokens_per_second": 2}]
+        )
 
 
 def test_apply_overrides_parses_values_and_names_bad_keys() -> None:
     params = apply_overrides(
-        EngineParams(), ["max_num_seqs=8", "itl_base=2ms", "served_models=[\"a\", \"b\"]",
-                         "die_at_token=null"], {"seed": 9}
+        EngineParams(),
+        ["max_num_seqs=8", "itl_base=2ms", 'served_models=["a", "b"]', "die_at_token=null"],
+        {"seed": 9},
     )
     assert (params.max_num_seqs, params.itl_base, params.served_models, params.seed) == (
-        8, pytest.approx(0.002), ["a", "b"], 9)
+        8,
+        pytest.approx(0.002),
+        ["a", "b"],
+        9,
+    )
     with pytest.raises(ValueError, match="max_num_sqs"):
         apply_overrides(EngineParams(), ["max_num_sqs=8"])
     with pytest.raises(ValueError, match="max_num_seqs"):

@@ -18,8 +18,13 @@ from llmgw.services.sim.tokenizer import (
 def test_token_ids_are_stable_across_processes() -> None:
     code = "from llmgw.services.sim.tokenizer import token_ids; print(token_ids('Hello, world!'))"
     # A fresh interpreter has a different str-hash seed; ids must not depend on it.
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, env={"PYTHONHASHSEED": "123"})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PYTHONHASHSEED": "123"},
+    )
     assert json.loads(out.stdout) == token_ids("Hello, world!")
 
 
@@ -30,8 +35,11 @@ def test_pieces_are_short_and_punctuation_is_a_token() -> None:
 
 def test_multi_turn_chat_prompts_share_a_growing_token_prefix() -> None:
     turn_one = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
-    turn_two = [*turn_one, {"role": "assistant", "content": "Hello!"},
-                {"role": "user", "content": "More"}]
+    turn_two = [
+        *turn_one,
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "More"},
+    ]
     first, second = token_ids(render_chat(turn_one)), token_ids(render_chat(turn_two))
     shared = len(token_ids("<|system|>\nBe brief.\n<|user|>\nHi\n"))
     assert second[:shared] == first[:shared]

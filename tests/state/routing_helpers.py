@@ -76,8 +76,9 @@ class SteppedKV:
     inner: KVStore
     hooks: list[_Hook] = field(default_factory=list)
 
-    def on(self, op: str, key_prefix: str, action: Callable[[], Awaitable[None]], *,
-           times: int = 1) -> None:
+    def on(
+        self, op: str, key_prefix: str, action: Callable[[], Awaitable[None]], *, times: int = 1
+    ) -> None:
         self.hooks.append(_Hook(op, key_prefix, action, times))
 
     async def _before(self, op: str, key: str) -> None:

@@ -20,9 +20,12 @@ MODEL = "llama-3.1-8b"
 MK = model_key(MODEL)
 LEASE_TIMEOUT = 30.0
 # iris and zeus: P=2 pins, G=4 slots of which R=1 reserved, S=2 leases per session.
-LIMITS = Limits(max_pinned_sessions=2, max_global_in_flight_request_slots=4,
-                global_in_flight_request_slots_reserved_for_pinned_sessions=1,
-                max_per_session_in_flight_request_slots=2)
+LIMITS = Limits(
+    max_pinned_sessions=2,
+    max_global_in_flight_request_slots=4,
+    global_in_flight_request_slots_reserved_for_pinned_sessions=1,
+    max_per_session_in_flight_request_slots=2,
+)
 LIMITS_BY_PM = {("iris", MODEL): LIMITS, ("zeus", MODEL): LIMITS, ("ext", MODEL): None}
 
 
@@ -46,21 +49,39 @@ class History:
         return check_history(self.entries, LIMITS_BY_PM, LEASE_TIMEOUT)
 
 
-def lease(lease_id: str, kind: LeaseKind, *, pin_id: str | None, at: float,
-          session: str | None = None) -> LeaseSlotValue:
-    return LeaseSlotValue.taken(lease_id, kind, session=session, pin_id=pin_id, edge_id="edge-1",
-                                granted_at=at)
+def lease(
+    lease_id: str, kind: LeaseKind, *, pin_id: str | None, at: float, session: str | None = None
+) -> LeaseSlotValue:
+    return LeaseSlotValue.taken(
+        lease_id, kind, session=session, pin_id=pin_id, edge_id="edge-1", granted_at=at
+    )
 
 
-def pin(pin_id: str, provider: str, session: str, slot: int | None, leases: dict[str, str],
-        at: float) -> PinValue:
-    return PinValue(pin_id=pin_id, provider=provider, model=MODEL, session=session,
-                    pin_slot=slot, leases=leases, refreshed_at=at)
+def pin(
+    pin_id: str, provider: str, session: str, slot: int | None, leases: dict[str, str], at: float
+) -> PinValue:
+    return PinValue(
+        pin_id=pin_id,
+        provider=provider,
+        model=MODEL,
+        session=session,
+        pin_slot=slot,
+        leases=leases,
+        refreshed_at=at,
+    )
 
 
-def admit_new_pin(h: History, *, provider: str = "iris", session: str = "s1",
-                  pin_id: str = "pinA", pslot: int = 0, slot: int = 1,
-                  lease_id: str = "L1", at: float = 10.0) -> PinValue:
+def admit_new_pin(
+    h: History,
+    *,
+    provider: str = "iris",
+    session: str = "s1",
+    pin_id: str = "pinA",
+    pslot: int = 0,
+    slot: int = 1,
+    lease_id: str = "L1",
+    at: float = 10.0,
+) -> PinValue:
     """Operation 1 on a pair with limits: pin slot, unreserved lease slot, then the pin."""
     h.write(pin_slot_key(provider, MK, pslot), PinSlotValue.taken(session, pin_id, at))
     key = lease_slot_key(provider, MK, slot)
@@ -78,21 +99,27 @@ def test_a_valid_history_of_every_operation_passes() -> None:
     h = History()
     pin_a = admit_new_pin(h)  # op 1 on iris
     # op 2: a pinned request may use the reserved slot 0
-    h.write(lease_slot_key("iris", MK, 0),
-            lease("L2", LeaseKind.PINNED, pin_id="pinA", session="s1", at=11.0))
+    h.write(
+        lease_slot_key("iris", MK, 0),
+        lease("L2", LeaseKind.PINNED, pin_id="pinA", session="s1", at=11.0),
+    )
     pin_a = pin_a.with_lease("L2", lease_slot_key("iris", MK, 0))
     h.write(pin_key(MK, "s1"), pin_a)
     # op 6 then op 5: renew L2, release L1 and L2 (slot freed first, then the pin updated)
-    h.write(lease_slot_key("iris", MK, 0),
-            lease("L2", LeaseKind.PINNED, pin_id="pinA", session="s1", at=11.0).renewed(20.0))
+    h.write(
+        lease_slot_key("iris", MK, 0),
+        lease("L2", LeaseKind.PINNED, pin_id="pinA", session="s1", at=11.0).renewed(20.0),
+    )
     for lease_id, slot in (("L1", 1), ("L2", 0)):
         h.write(lease_slot_key("iris", MK, slot), LeaseSlotValue.free())
         pin_a = pin_a.without_lease(lease_id).refreshed(21.0)
         h.write(pin_key(MK, "s1"), pin_a)
     # op 4: a temporary lease in an unreserved slot, re-granted after being freed
     for lease_id in ("T1", "T2"):
-        h.write(lease_slot_key("iris", MK, 2), lease(lease_id, LeaseKind.TEMPORARY, pin_id=None,
-                                                     at=22.0))
+        h.write(
+            lease_slot_key("iris", MK, 2),
+            lease(lease_id, LeaseKind.TEMPORARY, pin_id=None, at=22.0),
+        )
         h.write(lease_slot_key("iris", MK, 2), LeaseSlotValue.free())
     # a pin on the unlimited provider: a per-lease record, deleted on release
     u_key = unlimited_lease_key("ext", MK, "U1")
@@ -122,8 +149,9 @@ def test_a_valid_history_of_every_operation_passes() -> None:
 
 def test_a_lease_slot_beyond_the_global_slots_is_reported() -> None:
     h = History()
-    revision = h.write(lease_slot_key("iris", MK, 4),
-                       lease("T1", LeaseKind.TEMPORARY, pin_id=None, at=1.0))
+    revision = h.write(
+        lease_slot_key("iris", MK, 4), lease("T1", LeaseKind.TEMPORARY, pin_id=None, at=1.0)
+    )
     (violation,) = h.check()
     assert (violation.invariant, violation.revision) == ("I2a", revision)
     assert violation.key == lease_slot_key("iris", MK, 4)
@@ -134,19 +162,23 @@ def test_a_lease_slot_beyond_the_global_slots_is_reported() -> None:
 def test_more_taken_leases_than_global_slots_is_reported() -> None:
     h = History()
     for slot in range(4):
-        h.write(lease_slot_key("iris", MK, slot),
-                lease(f"L{slot}", LeaseKind.PINNED, pin_id="p", at=1.0))
+        h.write(
+            lease_slot_key("iris", MK, slot),
+            lease(f"L{slot}", LeaseKind.PINNED, pin_id="p", at=1.0),
+        )
     # a per-lease record on a pair with limits bypasses the slots: the fifth lease
-    revision = h.write(unlimited_lease_key("iris", MK, "L9"),
-                       lease("L9", LeaseKind.PINNED, pin_id="p", at=1.0))
+    revision = h.write(
+        unlimited_lease_key("iris", MK, "L9"), lease("L9", LeaseKind.PINNED, pin_id="p", at=1.0)
+    )
     found = {(v.invariant, v.revision) for v in h.check()}
     assert found == {("layout", revision), ("I2a", revision)}
 
 
 def test_a_non_pinned_lease_in_a_reserved_slot_is_reported() -> None:
     h = History()
-    revision = h.write(lease_slot_key("iris", MK, 0),
-                       lease("T1", LeaseKind.NEW_PIN, pin_id="p", at=1.0))
+    revision = h.write(
+        lease_slot_key("iris", MK, 0), lease("T1", LeaseKind.NEW_PIN, pin_id="p", at=1.0)
+    )
     (violation,) = h.check()
     assert (violation.invariant, violation.revision) == ("I2b", revision)
     assert "reserved slot 0" in violation.message and "new_pin" in violation.message
@@ -192,8 +224,11 @@ def test_a_taken_lease_slot_overwritten_by_another_lease_is_a_double_grant() -> 
     h.write(key, lease("L1", LeaseKind.TEMPORARY, pin_id=None, at=1.0).renewed(5.0))  # fine
     revision = h.write(key, lease("L2", LeaseKind.TEMPORARY, pin_id=None, at=40.0))
     (violation,) = h.check()
-    assert (violation.invariant, violation.key, violation.revision) == ("double-grant", key,
-                                                                         revision)
+    assert (violation.invariant, violation.key, violation.revision) == (
+        "double-grant",
+        key,
+        revision,
+    )
     assert "lease L1 overwritten by lease L2" in violation.message
 
 
@@ -212,9 +247,13 @@ def test_a_pin_deleted_while_listing_a_live_lease_is_reported() -> None:
     revision = h.delete(pin_key(MK, "s1"))
     (violation,) = h.check()
     assert (violation.invariant, violation.key, violation.revision) == (
-        "I-expiry", pin_key(MK, "s1"), revision)
-    assert "pin pinA deleted while listing leases ['L1']; live among them: ['L1']" \
-        == violation.message
+        "I-expiry",
+        pin_key(MK, "s1"),
+        revision,
+    )
+    assert (
+        "pin pinA deleted while listing leases ['L1']; live among them: ['L1']" == violation.message
+    )
 
 
 def test_messages_name_the_invariant_revision_and_key() -> None:

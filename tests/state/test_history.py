@@ -39,7 +39,8 @@ def _shape(entries: list[KVEntry]) -> list[tuple[str, bytes, bool]]:
 
 
 async def test_recorder_and_memory_history_agree_on_the_same_script(
-        nats_client: NatsClient, routing_bucket: NatsKV) -> None:
+    nats_client: NatsClient, routing_bucket: NatsKV
+) -> None:
     async with HistoryRecorder(nats_client.jetstream(), routing_bucket.bucket) as recorder:
         await _script(routing_bucket)
         recorded = await recorder.sync()
@@ -47,18 +48,26 @@ async def test_recorder_and_memory_history_agree_on_the_same_script(
     await _script(memory)
     expected = await MemoryHistory(memory).sync()
 
-    assert _shape(recorded) == _shape(expected) == [
-        ("pin.m.s", b"p1", False), ("lease.p.m.0", b"free", False),
-        ("lease.p.m.0", b"taken", False), ("lease.p.m.0", b"free", False),
-        ("pin.m.s", b"", True), ("pin.m.s", b"p2", False),
-    ]
+    assert (
+        _shape(recorded)
+        == _shape(expected)
+        == [
+            ("pin.m.s", b"p1", False),
+            ("lease.p.m.0", b"free", False),
+            ("lease.p.m.0", b"taken", False),
+            ("lease.p.m.0", b"free", False),
+            ("pin.m.s", b"", True),
+            ("pin.m.s", b"p2", False),
+        ]
+    )
     assert [e.revision for e in recorded] == list(range(1, 7))
     assert all(e.timestamp > 0 for e in recorded)
     assert recorder.gaps == []
 
 
 async def test_recorder_started_late_on_a_history_1_bucket_reports_what_it_missed(
-        nats_client: NatsClient, routing_bucket: NatsKV) -> None:
+    nats_client: NatsClient, routing_bucket: NatsKV
+) -> None:
     revision = await routing_bucket.create("lease.p.m.0", b"a")
     revision = await routing_bucket.update("lease.p.m.0", b"b", revision)  # supersedes rev 1
     await routing_bucket.create("pin.m.s", b"c")
@@ -71,7 +80,8 @@ async def test_recorder_started_late_on_a_history_1_bucket_reports_what_it_misse
 
 
 async def test_recorder_keeps_every_revision_of_a_deeper_bucket_even_when_started_late(
-        nats_client: NatsClient, unique_id: str) -> None:
+    nats_client: NatsClient, unique_id: str
+) -> None:
     js = nats_client.jetstream()
     name = f"routing_{unique_id}"
     store = await open_routing_bucket(js, name, history=8)

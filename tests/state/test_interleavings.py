@@ -38,18 +38,34 @@ LEASE_TIMEOUT = 30.0
 PIN_INACTIVITY_TIMEOUT = 300.0
 GRACE = 60.0
 LIMITS: dict[tuple[str, str], Limits | None] = {
-    ("iris", MODEL): Limits(max_pinned_sessions=2, max_global_in_flight_request_slots=3,
-                            global_in_flight_request_slots_reserved_for_pinned_sessions=1,
-                            max_per_session_in_flight_request_slots=2),
-    ("iris-b", MODEL): Limits(max_pinned_sessions=1, max_global_in_flight_request_slots=2,
-                              global_in_flight_request_slots_reserved_for_pinned_sessions=1,
-                              max_per_session_in_flight_request_slots=1),
+    ("iris", MODEL): Limits(
+        max_pinned_sessions=2,
+        max_global_in_flight_request_slots=3,
+        global_in_flight_request_slots_reserved_for_pinned_sessions=1,
+        max_per_session_in_flight_request_slots=2,
+    ),
+    ("iris-b", MODEL): Limits(
+        max_pinned_sessions=1,
+        max_global_in_flight_request_slots=2,
+        global_in_flight_request_slots_reserved_for_pinned_sessions=1,
+        max_per_session_in_flight_request_slots=1,
+    ),
     ("tensorx", MODEL): None,
 }
 PROVIDERS = ["iris", "iris-b", "tensorx"]
 SESSIONS = ["s1", "s2"]
-OPERATIONS = ["new", "pinned", "get_then_pinned", "temporary", "repin", "release", "renew", "expire_leases",
-              "expire_pins", "repair"]
+OPERATIONS = [
+    "new",
+    "pinned",
+    "get_then_pinned",
+    "temporary",
+    "repin",
+    "release",
+    "renew",
+    "expire_leases",
+    "expire_pins",
+    "repair",
+]
 # Weights by repetition; hypothesis shrinks towards the first entry (let an operation proceed).
 ACTIONS = ["step", "step", "step", "step", "start", "start", "start", "tick", "crash"]
 MAX_RUNNING = 4
@@ -110,10 +126,17 @@ class Scenario:
         self.scheduler = Scheduler()
         self.kv = MemoryKV(clock=self.clock, before_op=self.scheduler.before_op)
         self.states = [
-            RoutingState(self.kv, LIMITS, clock=self.clock, rng=random.Random(seed),
-                         lease_timeout=LEASE_TIMEOUT,
-                         pin_inactivity_timeout=PIN_INACTIVITY_TIMEOUT, instance_id=f"e{seed}")
-            for seed in (1, 2)]
+            RoutingState(
+                self.kv,
+                LIMITS,
+                clock=self.clock,
+                rng=random.Random(seed),
+                lease_timeout=LEASE_TIMEOUT,
+                pin_inactivity_timeout=PIN_INACTIVITY_TIMEOUT,
+                instance_id=f"e{seed}",
+            )
+            for seed in (1, 2)
+        ]
         self.held: dict[str, Lease] = {}  # leases clients hold (newest revision)
         self.busy: set[str] = set()  # held leases with a release/renew in flight
         self.current: dict[str, KVEntry] = {}  # the bucket now, replayed from its history
@@ -121,8 +144,9 @@ class Scenario:
         self.seq = itertools.count()
         # Swarm testing: each example enables a subset of the operations, so rare sequences
         # of a few kinds (expire, re-grant, stale release...) are not drowned by the others.
-        self.enabled = self.draw(st.lists(st.sampled_from(OPERATIONS), min_size=1, unique=True),
-                                 "enabled operations")
+        self.enabled = self.draw(
+            st.lists(st.sampled_from(OPERATIONS), min_size=1, unique=True), "enabled operations"
+        )
 
     def draw(self, strategy: st.SearchStrategy[Any], label: str) -> Any:
         return self.data.draw(strategy, label=label)
@@ -164,8 +188,10 @@ class Scenario:
             self.start(kind, state.expire_pins(now))
         elif kind == "repair":
             # The documented assumption: the grace exceeds any running operation's duration.
-            oldest = min((op.started_at for op in self.scheduler.ops.values()
-                          if not op.task.done()), default=now)
+            oldest = min(
+                (op.started_at for op in self.scheduler.ops.values() if not op.task.done()),
+                default=now,
+            )
             self.start(kind, state.repair(now, max(GRACE, now - oldest + 1)))
         else:
             lease_id = self.draw(st.sampled_from(free_leases), "lease")
@@ -209,7 +235,7 @@ class Scenario:
 
     def check_held_leases(self) -> None:
         """A live lease a client holds keeps its slot and its place in its (unchanged) pin."""
-        for entry in self.kv.history[self.replayed:]:
+        for entry in self.kv.history[self.replayed :]:
             self.current[entry.key] = entry
         self.replayed = len(self.kv.history)
         state = {key: entry for key, entry in self.current.items() if not entry.deleted}
@@ -220,7 +246,8 @@ class Scenario:
             assert entry is not None, f"live lease {lease.lease_id} lost its key {lease.key}"
             value = LeaseSlotValue.from_json(entry.value)
             assert value.is_taken and value.lease_id == lease.lease_id, (
-                f"live lease {lease.lease_id} lost its slot {lease.key} to {value}")
+                f"live lease {lease.lease_id} lost its slot {lease.key} to {value}"
+            )
             if lease.pin_id is None or lease.session is None:
                 continue
             pin_entry = state.get(pin_key(model_key(lease.model), lease.session))
@@ -229,7 +256,8 @@ class Scenario:
             pin = PinValue.from_json(pin_entry.value)
             if pin.pin_id == lease.pin_id:
                 assert lease.lease_id in pin.leases, (
-                    f"live lease {lease.lease_id} missing from its pin {pin}")
+                    f"live lease {lease.lease_id} missing from its pin {pin}"
+                )
 
     async def run(self) -> None:
         for state in self.states:
@@ -237,7 +265,8 @@ class Scenario:
         # Start from a pinned session with a request in flight on each limited provider.
         for session, provider in zip(SESSIONS, PROVIDERS, strict=False):
             admission = await self.states[0].try_admit_unpinned_session_request(
-                provider, MODEL, session)
+                provider, MODEL, session
+            )
             assert admission.lease is not None
             self.held[admission.lease.lease_id] = admission.lease
         try:
@@ -254,8 +283,11 @@ class Scenario:
         for _ in range(steps):
             waiting = self.scheduler.waiting()
             full = len(self.scheduler.ops) >= MAX_RUNNING
-            actions = [a for a in ACTIONS if (waiting or a not in ("step", "crash"))
-                       and not (full and a == "start")]
+            actions = [
+                a
+                for a in ACTIONS
+                if (waiting or a not in ("step", "crash")) and not (full and a == "start")
+            ]
             action = self.draw(st.sampled_from(actions), "action")
             if action == "step" or action == "crash":
                 op = self.draw(st.sampled_from(waiting), "which")
@@ -308,8 +340,11 @@ async def _get_and_repin(state: RoutingState, session: str, provider: str) -> Re
     return await state.try_compare_and_swap_pin_and_admit_request(pin, MODEL, session, provider)
 
 
-@settings(max_examples=500, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(
+    max_examples=500,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 @given(st.data())
 def test_random_interleavings_with_crashes_keep_every_invariant(data: st.DataObject) -> None:
     asyncio.run(Scenario(data).run())

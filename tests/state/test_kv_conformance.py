@@ -23,7 +23,11 @@ async def test_create_stores_a_value_readable_by_get(kv_store: KVStore) -> None:
     entry = await kv_store.get("pin.a.s1")
     assert entry is not None
     assert (entry.key, entry.value, entry.revision, entry.deleted) == (
-        "pin.a.s1", b"one", revision, False)
+        "pin.a.s1",
+        b"one",
+        revision,
+        False,
+    )
     assert revision > 0
 
 
@@ -55,8 +59,7 @@ async def test_update_at_the_current_revision_succeeds(kv_store: KVStore) -> Non
     assert entry is not None and (entry.value, entry.revision) == (b"free", third)
 
 
-async def test_update_at_a_stale_revision_conflicts_and_changes_nothing(
-        kv_store: KVStore) -> None:
+async def test_update_at_a_stale_revision_conflicts_and_changes_nothing(kv_store: KVStore) -> None:
     first = await kv_store.create("lease.p.m.0", b"free")
     second = await kv_store.update("lease.p.m.0", b"taken-by-a", first)
     with pytest.raises(CasConflict) as caught:
@@ -75,7 +78,8 @@ async def test_update_of_a_missing_key_conflicts(kv_store: KVStore) -> None:
 
 @pytest.mark.parametrize("revision", [0, -1])
 async def test_conditional_writes_reject_a_non_positive_revision(
-        kv_store: KVStore, revision: int) -> None:
+    kv_store: KVStore, revision: int
+) -> None:
     with pytest.raises(ValueError, match="revision"):
         await kv_store.update("lease.p.m.0", b"x", revision)
     with pytest.raises(ValueError, match="revision"):
@@ -89,8 +93,7 @@ async def test_delete_at_the_current_revision_hides_the_key(kv_store: KVStore) -
     assert await kv_store.get("pin.a.s1") is None
 
 
-async def test_delete_at_a_stale_revision_conflicts_and_keeps_the_key(
-        kv_store: KVStore) -> None:
+async def test_delete_at_a_stale_revision_conflicts_and_keeps_the_key(kv_store: KVStore) -> None:
     first = await kv_store.create("pin.a.s1", b"v1")
     second = await kv_store.update("pin.a.s1", b"v2", first)
     with pytest.raises(CasConflict):
@@ -100,7 +103,8 @@ async def test_delete_at_a_stale_revision_conflicts_and_keeps_the_key(
 
 
 async def test_delete_of_an_already_deleted_key_at_a_stale_revision_conflicts(
-        kv_store: KVStore) -> None:
+    kv_store: KVStore,
+) -> None:
     first = await kv_store.create("pin.a.s1", b"v1")
     await kv_store.delete("pin.a.s1", first)
     with pytest.raises(CasConflict):
@@ -128,7 +132,8 @@ async def test_invalid_keys_are_rejected_before_any_write(kv_store: KVStore, key
 
 
 async def test_list_returns_live_entries_under_a_prefix_in_revision_order(
-        kv_store: KVStore) -> None:
+    kv_store: KVStore,
+) -> None:
     await kv_store.create("lease.iris.m1.0", b"a")
     r1 = await kv_store.create("lease.iris.m1.1", b"b")
     await kv_store.create("lease.irisx.m1.0", b"c")
@@ -138,20 +143,28 @@ async def test_list_returns_live_entries_under_a_prefix_in_revision_order(
     r1b = await kv_store.update("lease.iris.m1.1", b"b2", r1)
 
     listed = await kv_store.list("lease.iris.")
-    assert [(e.key, e.value) for e in listed] == [("lease.iris.m1.0", b"a"),
-                                                   ("lease.iris.m1.1", b"b2")]
+    assert [(e.key, e.value) for e in listed] == [
+        ("lease.iris.m1.0", b"a"),
+        ("lease.iris.m1.1", b"b2"),
+    ]
     assert listed[1].revision == r1b
     assert [e.revision for e in listed] == sorted(e.revision for e in listed)
 
     assert [e.key for e in await kv_store.list("lease.iri")] == [
-        "lease.iris.m1.0", "lease.irisx.m1.0", "lease.iris.m1.1"]
+        "lease.iris.m1.0",
+        "lease.irisx.m1.0",
+        "lease.iris.m1.1",
+    ]
     assert {e.key for e in await kv_store.list("")} == {
-        "lease.iris.m1.0", "lease.iris.m1.1", "lease.irisx.m1.0", "pin.m1.s1"}
+        "lease.iris.m1.0",
+        "lease.iris.m1.1",
+        "lease.irisx.m1.0",
+        "pin.m1.s1",
+    }
     assert await kv_store.list("pslot.") == []
 
 
-async def test_watch_yields_current_values_then_live_changes_in_order(
-        kv_store: KVStore) -> None:
+async def test_watch_yields_current_values_then_live_changes_in_order(kv_store: KVStore) -> None:
     a = await kv_store.create("pin.m.a", b"a1")
     gone = await kv_store.create("pin.m.gone", b"x")
     await kv_store.delete("pin.m.gone", gone)
@@ -161,7 +174,9 @@ async def test_watch_yields_current_values_then_live_changes_in_order(
     async with contextlib.aclosing(kv_store.watch("pin.m.")) as watch:
         initial = [await _next(watch), await _next(watch)]
         assert [(e.key, e.value, e.revision, e.deleted) for e in initial] == [
-            ("pin.m.a", b"a1", a, False), ("pin.m.b", b"b1", b, False)]
+            ("pin.m.a", b"a1", a, False),
+            ("pin.m.b", b"b1", b, False),
+        ]
 
         a2 = await kv_store.update("pin.m.a", b"a2", a)
         await kv_store.put("pslot.p.m.0", b"still not under the prefix")
@@ -200,8 +215,9 @@ async def test_concurrent_cas_increments_lose_no_update(kv_store: KVStore) -> No
                 entry = await kv_store.get("lease.p.m.counter")
                 assert entry is not None
                 try:
-                    await kv_store.update("lease.p.m.counter",
-                                          str(int(entry.value) + 1).encode(), entry.revision)
+                    await kv_store.update(
+                        "lease.p.m.counter", str(int(entry.value) + 1).encode(), entry.revision
+                    )
                     break
                 except CasConflict:
                     conflicts += 1

@@ -23,8 +23,14 @@ async def test_before_op_sees_every_operation_with_its_key_before_it_runs() -> N
     await store.list("pin.")
     await store.put("lease.p.m.0", b"x")
     await store.delete("pin.m.s", revision + 1)
-    assert calls == [("create", "pin.m.s", 0), ("update", "pin.m.s", 1), ("get", "pin.m.s", 2),
-                     ("list", "pin.", 2), ("put", "lease.p.m.0", 2), ("delete", "pin.m.s", 3)]
+    assert calls == [
+        ("create", "pin.m.s", 0),
+        ("update", "pin.m.s", 1),
+        ("get", "pin.m.s", 2),
+        ("list", "pin.", 2),
+        ("put", "lease.p.m.0", 2),
+        ("delete", "pin.m.s", 3),
+    ]
 
 
 async def test_before_op_can_force_a_lost_cas_race_deterministically() -> None:

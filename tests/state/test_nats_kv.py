@@ -19,7 +19,8 @@ from llmgw.state import BucketConfigMismatch, CasConflict, NatsKV, open_routing_
 
 
 async def test_open_routing_bucket_creates_once_and_binds_from_racing_instances(
-        nats_client: NatsClient, unique_id: str) -> None:
+    nats_client: NatsClient, unique_id: str
+) -> None:
     js = nats_client.jetstream()
     name = f"routing_{unique_id}"
     try:
@@ -39,7 +40,8 @@ async def test_open_routing_bucket_creates_once_and_binds_from_racing_instances(
 
 
 async def test_open_routing_bucket_refuses_an_existing_bucket_of_another_shape(
-        nats_client: NatsClient, unique_id: str) -> None:
+    nats_client: NatsClient, unique_id: str
+) -> None:
     js = nats_client.jetstream()
     name = f"routing_{unique_id}"
     try:
@@ -66,8 +68,7 @@ async def test_reads_carry_the_server_time_of_the_write(routing_bucket: NatsKV) 
     assert watched.timestamp == pytest.approx(entry.timestamp)
 
 
-async def test_wraps_a_bucket_opened_with_nats_py_and_sees_its_writes(
-        kv_bucket: KeyValue) -> None:
+async def test_wraps_a_bucket_opened_with_nats_py_and_sees_its_writes(kv_bucket: KeyValue) -> None:
     store = NatsKV.from_key_value(kv_bucket)
     revision = await kv_bucket.put("pin.m.s", b"from nats-py")
     entry = await store.get("pin.m.s")
@@ -80,7 +81,8 @@ async def test_wraps_a_bucket_opened_with_nats_py_and_sees_its_writes(
 
 
 async def test_a_watch_ends_with_an_error_when_its_connection_is_closed(
-        nats_url: str, routing_bucket: NatsKV) -> None:
+    nats_url: str, routing_bucket: NatsKV
+) -> None:
     client = await nats.connect(nats_url, allow_reconnect=False)
     store = NatsKV(client.jetstream(), routing_bucket.bucket)
     await routing_bucket.create("pin.m.s", b"v")
@@ -100,8 +102,9 @@ async def test_a_watch_resumes_after_the_server_restarts(tmp_path: Path) -> None
     async def on_reconnect() -> None:
         reconnected.set()
 
-    client = await nats.connect(first.url, max_reconnect_attempts=-1, reconnect_time_wait=0.1,
-                                reconnected_cb=on_reconnect)
+    client = await nats.connect(
+        first.url, max_reconnect_attempts=-1, reconnect_time_wait=0.1, reconnected_cb=on_reconnect
+    )
     second: EmbeddedNats | None = None
     try:
         store = await open_routing_bucket(client.jetstream(), "restart")

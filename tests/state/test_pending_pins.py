@@ -13,7 +13,9 @@ from llmgw.state.routing_state import RoutingState
 
 
 def _state(kv, clock, seed):
-    return RoutingState(kv, LIMITS, clock=clock, rng=random.Random(seed), lease_timeout=LEASE_TIMEOUT)
+    return RoutingState(
+        kv, LIMITS, clock=clock, rng=random.Random(seed), lease_timeout=LEASE_TIMEOUT
+    )
 
 
 async def test_a_creator_paused_past_every_timeout_cannot_pin_without_a_slot():

@@ -23,8 +23,9 @@ class CountingKV(MemoryKV):
 
 async def _world():
     kv = CountingKV()
-    state = RoutingState(kv, LIMITS, clock=SteppedClock(), rng=random.Random(5),
-                         lease_timeout=LEASE_TIMEOUT)
+    state = RoutingState(
+        kv, LIMITS, clock=SteppedClock(), rng=random.Random(5), lease_timeout=LEASE_TIMEOUT
+    )
     await state.start()
     return kv, state
 

@@ -84,10 +84,15 @@ class World:
     states: list[RoutingState] = field(default_factory=list)
 
     async def state(self, seed: int = 1, kv: KVStore | None = None) -> RoutingState:
-        state = RoutingState(kv or self.kv, LIMITS, clock=self.clock, rng=random.Random(seed),
-                             lease_timeout=LEASE_TIMEOUT,
-                             pin_inactivity_timeout=PIN_INACTIVITY_TIMEOUT,
-                             instance_id=f"edge{seed}")
+        state = RoutingState(
+            kv or self.kv,
+            LIMITS,
+            clock=self.clock,
+            rng=random.Random(seed),
+            lease_timeout=LEASE_TIMEOUT,
+            pin_inactivity_timeout=PIN_INACTIVITY_TIMEOUT,
+            instance_id=f"edge{seed}",
+        )
         await state.start()
         self.states.append(state)
         return state
@@ -161,8 +166,7 @@ async def test_new_session_on_a_provider_without_limits_gets_a_lease_record(worl
     assert (usage.pins, usage.pin_slots_taken, usage.leases) == (1, 0, 1)
 
 
-async def test_second_new_pin_of_a_session_is_already_pinned_and_gives_capacity_back(
-        world: World):
+async def test_second_new_pin_of_a_session_is_already_pinned_and_gives_capacity_back(world: World):
     state = await world.state()
     first = await state.try_admit_unpinned_session_request(IRIS, MODEL, "s1")
     second = await state.try_admit_unpinned_session_request(IRIS, MODEL, "s1")
@@ -174,9 +178,12 @@ async def test_second_new_pin_of_a_session_is_already_pinned_and_gives_capacity_
 
 async def test_concurrent_new_pins_of_one_session_make_exactly_one_pin(world: World):
     states = [await world.state(seed) for seed in (1, 2, 3)]
-    results = await asyncio.gather(*(
-        s.try_admit_unpinned_session_request(provider, MODEL, "s1")
-        for s, provider in zip(states, (IRIS, IRIS_B, TENSORX), strict=True)))
+    results = await asyncio.gather(
+        *(
+            s.try_admit_unpinned_session_request(provider, MODEL, "s1")
+            for s, provider in zip(states, (IRIS, IRIS_B, TENSORX), strict=True)
+        )
+    )
     assert sorted(r.result for r in results).count(R.ADMITTED) == 1
     winner = next(r for r in results if r.result == R.ADMITTED)
     assert await states[0].get_pin(MODEL, "s1") == winner.pin
@@ -195,8 +202,7 @@ async def test_new_pin_beyond_max_pinned_sessions_is_refused(world: World):
     assert (usage.pins, usage.pin_slots_taken, usage.leases) == (2, 2, 2)
 
 
-async def test_new_pin_without_an_unreserved_slot_is_refused_and_frees_its_pin_slot(
-        world: World):
+async def test_new_pin_without_an_unreserved_slot_is_refused_and_frees_its_pin_slot(world: World):
     state = await world.state()
     for _ in range(3):  # slots 1..3: all the unreserved ones
         await admit_temporary(state)
@@ -239,7 +245,8 @@ async def test_pinned_request_on_a_provider_without_limits_gets_a_lease_record(w
 
 
 async def test_pinned_request_with_the_pin_in_hand_skips_the_read_and_tolerates_staleness(
-        world: World):
+    world: World,
+):
     state = await world.state()
     await admit_new(state, "s1")
     stale = await state.get_pin(MODEL, "s1")
@@ -250,8 +257,7 @@ async def test_pinned_request_with_the_pin_in_hand_skips_the_read_and_tolerates_
     refused = await state.try_admit_pinned_session_request(MODEL, "s1", pin=stale)
     assert refused.result == R.PER_SESSION_IN_FLIGHT_REQUEST_LIMIT_REACHED
     assert refused.pin == fresh.pin and (await usage_of(state, IRIS)).leases == 2
-    moved = await state.try_compare_and_swap_pin_and_admit_request(
-        fresh.pin, MODEL, "s1", TENSORX)
+    moved = await state.try_compare_and_swap_pin_and_admit_request(fresh.pin, MODEL, "s1", TENSORX)
     assert moved.admission is not None and moved.admission.result == R.ADMITTED
     followed = await state.try_admit_pinned_session_request(MODEL, "s1", pin=stale)
     assert followed.result == R.ALREADY_PINNED and followed.pin == moved.admission.pin
@@ -285,10 +291,12 @@ async def test_reserved_slots_serve_only_requests_of_existing_pins(world: World)
     await admit_new(state, "s1")
     await admit_temporary(state)
     await admit_temporary(state)  # unreserved slots 1..3 are now all taken
-    assert ((await state.try_admit_request_without_pin(IRIS, MODEL)).result
-            == R.UNRESERVED_IN_FLIGHT_REQUEST_LIMIT_REACHED)
-    assert ((await state.try_admit_unpinned_session_request(IRIS, MODEL, "s2")).result
-            == R.UNRESERVED_IN_FLIGHT_REQUEST_LIMIT_REACHED)
+    assert (
+        await state.try_admit_request_without_pin(IRIS, MODEL)
+    ).result == R.UNRESERVED_IN_FLIGHT_REQUEST_LIMIT_REACHED
+    assert (
+        await state.try_admit_unpinned_session_request(IRIS, MODEL, "s2")
+    ).result == R.UNRESERVED_IN_FLIGHT_REQUEST_LIMIT_REACHED
     pinned = await state.try_admit_pinned_session_request(MODEL, "s1")
     assert pinned.result == R.ADMITTED and pinned.lease is not None and pinned.lease.slot == 0
     usage = await usage_of(state, IRIS)
@@ -304,8 +312,7 @@ async def test_pinned_request_follows_a_pin_moved_concurrently(world: World):
     assert before is not None
 
     async def move_pin() -> None:
-        moved = await other.try_compare_and_swap_pin_and_admit_request(
-            before, MODEL, "s1", TENSORX)
+        moved = await other.try_compare_and_swap_pin_and_admit_request(before, MODEL, "s1", TENSORX)
         assert moved.pin_match == PinMatch.MATCHED
 
     stepped.on("update", "pin.", move_pin)
@@ -326,7 +333,9 @@ async def test_pinned_request_of_a_pin_expired_concurrently_is_not_pinned(world:
 
     async def expire() -> None:
         assert [a.kind for a in await reaper.expire_pins(world.clock.now)] == [
-            ReaperActionKind.PIN_EXPIRED, ReaperActionKind.PIN_SLOT_FREED]
+            ReaperActionKind.PIN_EXPIRED,
+            ReaperActionKind.PIN_SLOT_FREED,
+        ]
 
     stepped.on("update", "pin.", expire)
     admission = await state.try_admit_pinned_session_request(MODEL, "s1")
@@ -463,8 +472,7 @@ async def test_temporary_requests_use_unreserved_slots_until_they_run_out(world:
     assert sorted(lease.slot for lease in leases) == [1, 2, 3]  # type: ignore[type-var]
     assert all(lease.kind == LeaseKind.TEMPORARY and lease.pin_id is None for lease in leases)
     refused = await state.try_admit_request_without_pin(IRIS, MODEL)
-    assert (refused.result, refused.lease) == (
-        R.UNRESERVED_IN_FLIGHT_REQUEST_LIMIT_REACHED, None)
+    assert (refused.result, refused.lease) == (R.UNRESERVED_IN_FLIGHT_REQUEST_LIMIT_REACHED, None)
 
 
 async def test_temporary_request_to_a_provider_without_limits_needs_no_lease(world: World):
@@ -552,8 +560,7 @@ async def test_release_of_a_lost_pinned_lease_leaves_the_pin_alone(world: World)
 # ---- reaper primitives ------------------------------------------------------------------------
 
 
-async def test_expire_leases_reclaims_only_leases_past_their_timeout_and_unlists_them(
-        world: World):
+async def test_expire_leases_reclaims_only_leases_past_their_timeout_and_unlists_them(world: World):
     state = await world.state()
     stale = await admit_new(state, "s1")
     fresh = (await state.try_admit_pinned_session_request(MODEL, "s1")).lease
@@ -567,12 +574,14 @@ async def test_expire_leases_reclaims_only_leases_past_their_timeout_and_unlists
 
     actions = await state.expire_leases(world.clock.now)
 
-    assert sorted((a.kind, a.lease_id) for a in actions) == sorted([
-        (ReaperActionKind.LEASE_EXPIRED, stale.lease_id),
-        (ReaperActionKind.LEASE_UNLISTED, stale.lease_id),
-        (ReaperActionKind.LEASE_EXPIRED, record.lease_id),
-        (ReaperActionKind.LEASE_UNLISTED, record.lease_id),
-    ])
+    assert sorted((a.kind, a.lease_id) for a in actions) == sorted(
+        [
+            (ReaperActionKind.LEASE_EXPIRED, stale.lease_id),
+            (ReaperActionKind.LEASE_UNLISTED, stale.lease_id),
+            (ReaperActionKind.LEASE_EXPIRED, record.lease_id),
+            (ReaperActionKind.LEASE_UNLISTED, record.lease_id),
+        ]
+    )
     assert await world.kv.get(record.key) is None
     pin = await state.get_pin(MODEL, "s1")
     assert pin is not None and set(pin.leases) == {fresh.lease_id}
@@ -588,8 +597,7 @@ async def test_two_reapers_reclaim_each_expired_lease_once(world: World):
     assert expired == sorted(lease.lease_id for lease in leases)
 
 
-async def test_idle_pin_expires_only_once_it_holds_no_lease_and_frees_its_pin_slot(
-        world: World):
+async def test_idle_pin_expires_only_once_it_holds_no_lease_and_frees_its_pin_slot(world: World):
     state = await world.state()
     lease = await admit_new(state, "s1")
     world.clock.advance(PIN_INACTIVITY_TIMEOUT + LEASE_TIMEOUT)
@@ -600,7 +608,8 @@ async def test_idle_pin_expires_only_once_it_holds_no_lease_and_frees_its_pin_sl
 
     assert [(a.kind, a.pin_id) for a in actions] == [
         (ReaperActionKind.PIN_EXPIRED, lease.pin_id),
-        (ReaperActionKind.PIN_SLOT_FREED, lease.pin_id)]
+        (ReaperActionKind.PIN_SLOT_FREED, lease.pin_id),
+    ]
     assert await state.get_pin(MODEL, "s1") is None
     usage = await usage_of(state, IRIS)
     assert (usage.pins, usage.pin_slots_taken, usage.leases) == (0, 0, 0)
@@ -608,8 +617,7 @@ async def test_idle_pin_expires_only_once_it_holds_no_lease_and_frees_its_pin_sl
     await admit_new(state, "s3")  # both pin slots are usable again
 
 
-async def test_refreshed_pin_lives_for_the_inactivity_timeout_after_its_last_request(
-        world: World):
+async def test_refreshed_pin_lives_for_the_inactivity_timeout_after_its_last_request(world: World):
     state = await world.state()
     lease = await admit_new(state, "s1")
     world.clock.advance(100)
@@ -618,7 +626,9 @@ async def test_refreshed_pin_lives_for_the_inactivity_timeout_after_its_last_req
     assert await state.expire_pins(world.clock.now) == []
     world.clock.advance(1)
     assert [a.kind for a in await state.expire_pins(world.clock.now)] == [
-        ReaperActionKind.PIN_EXPIRED, ReaperActionKind.PIN_SLOT_FREED]
+        ReaperActionKind.PIN_EXPIRED,
+        ReaperActionKind.PIN_SLOT_FREED,
+    ]
 
 
 async def test_repair_deletes_a_pending_pin_whose_creator_died_and_frees_its_slot(world: World):
@@ -645,7 +655,8 @@ async def test_repair_deletes_a_pending_pin_whose_creator_died_and_frees_its_slo
 
 
 async def test_repair_frees_the_pin_slot_of_an_expiry_that_died_after_deleting_the_pin(
-        world: World):
+    world: World,
+):
     stepped = SteppedKV(world.kv)
     crashing_reaper = await world.state(seed=1, kv=stepped)
     state = await world.state(seed=2)
@@ -697,7 +708,8 @@ async def test_repin_leaves_its_old_pin_slot_alone_once_another_pin_holds_it(wor
         [repaired] = await other.repair(world.clock.now, GRACE)
         assert repaired.kind == ReaperActionKind.ORPHAN_PIN_SLOT_FREED
         assert (await other.try_admit_unpinned_session_request(IRIS, MODEL, "s2")).result == (
-            R.ADMITTED)
+            R.ADMITTED
+        )
 
     stepped.on("update", f"pslot.{IRIS}.", repair_then_pin_another_session)
     result = await state.try_compare_and_swap_pin_and_admit_request(pin, MODEL, "s1", IRIS_B)
@@ -776,7 +788,8 @@ async def test_pin_slot_value_names_the_pin_that_holds_it(world: World):
     lease = await admit_new(state, "s1")
     pin = await state.get_pin(MODEL, "s1")
     assert pin is not None and pin.pin_slot is not None
-    [entry] = [e for e in await world.kv.list(f"pslot.{IRIS}.") if e.key.endswith(
-        f".{pin.pin_slot}")]
+    [entry] = [
+        e for e in await world.kv.list(f"pslot.{IRIS}.") if e.key.endswith(f".{pin.pin_slot}")
+    ]
     slot = PinSlotValue.from_json(entry.value)
     assert (slot.is_taken, slot.pin_id, slot.session) == (True, lease.pin_id, "s1")

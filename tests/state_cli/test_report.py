@@ -44,9 +44,14 @@ async def _known_bucket(config: Config) -> tuple[MemoryKV, RoutingState, Stepped
     """iris/llama: pins A (1 lease), B (2 leases, one pinned), C (idle since T0+10); three
     temporary leases, one of them expired; tensorx/llama: pin D (1 lease, no limits)."""
     kv, clock = MemoryKV(), SteppedClock(T0)
-    state = RoutingState(kv, limits_from_config(config), clock=clock, rng=random.Random(5),
-                         lease_timeout=config.pinning.lease_timeout,
-                         pin_inactivity_timeout=config.pinning.pin_inactivity_timeout)
+    state = RoutingState(
+        kv,
+        limits_from_config(config),
+        clock=clock,
+        rng=random.Random(5),
+        lease_timeout=config.pinning.lease_timeout,
+        pin_inactivity_timeout=config.pinning.pin_inactivity_timeout,
+    )
     await state.start()
 
     async def admitted(coro: object) -> Lease:
@@ -70,10 +75,15 @@ async def _known_bucket(config: Config) -> tuple[MemoryKV, RoutingState, Stepped
 
 async def _report(kv: MemoryKV, config: Config, now: float) -> StateReport:
     return build_report(
-        bucket="llmgw_routing", pin_slots=await kv.list(PIN_SLOT_PREFIX),
-        leases=await kv.list(LEASE_PREFIX), pins=await kv.list(PIN_PREFIX),
-        limits=limits_from_config(config), now=now, lease_timeout=config.pinning.lease_timeout,
-        pin_inactivity_timeout=config.pinning.pin_inactivity_timeout)
+        bucket="llmgw_routing",
+        pin_slots=await kv.list(PIN_SLOT_PREFIX),
+        leases=await kv.list(LEASE_PREFIX),
+        pins=await kv.list(PIN_PREFIX),
+        limits=limits_from_config(config),
+        now=now,
+        lease_timeout=config.pinning.lease_timeout,
+        pin_inactivity_timeout=config.pinning.pin_inactivity_timeout,
+    )
 
 
 def _pair(report: StateReport, provider: str, model: str = MODEL) -> PairReport:
@@ -90,10 +100,17 @@ async def test_counts_pins_leases_reserve_and_expired_leases_per_pair(config: Co
     assert (iris.reserved_taken, iris.reserved_slots) == (1, 16)  # B's pinned lease
     assert iris.leases_by_kind == {"pinned": 1, "new_pin": 2, "temporary": 3}
     assert [(u.session, u.leases) for u in iris.top_sessions] == [
-        (session_id(0xB), 2), (session_id(0xA), 1)]
+        (session_id(0xB), 2),
+        (session_id(0xA), 1),
+    ]
 
     tensorx = _pair(report, TENSORX)
-    assert (tensorx.pins, tensorx.max_pins, tensorx.leases, tensorx.max_leases) == (1, None, 1, None)
+    assert (tensorx.pins, tensorx.max_pins, tensorx.leases, tensorx.max_leases) == (
+        1,
+        None,
+        1,
+        None,
+    )
     assert tensorx.reserved_slots is None
     # Pairs of the config without any use are listed too, at zero.
     assert _pair(report, IRIS, OTHER_MODEL).pins == 0
@@ -103,7 +120,11 @@ async def test_counts_pins_leases_reserve_and_expired_leases_per_pair(config: Co
     for pair in usage.pairs:
         mine = _pair(report, pair.provider, pair.model)
         assert (mine.pins, mine.pin_slots_taken, mine.leases, mine.expired_leases) == (
-            pair.pins, pair.pin_slots_taken, pair.leases, pair.expired_leases)
+            pair.pins,
+            pair.pin_slots_taken,
+            pair.leases,
+            pair.expired_leases,
+        )
     await state.close()
 
 
@@ -112,8 +133,11 @@ async def test_lists_pins_with_their_leases_and_idle_countdown(config: Config) -
     report = await _report(kv, config, clock.now)
     pins = {p.session: p for p in report.pins}
     assert {s: (p.provider, p.leases) for s, p in pins.items()} == {
-        session_id(0xA): (IRIS, 1), session_id(0xB): (IRIS, 2), session_id(0xC): (IRIS, 0),
-        session_id(0xD): (TENSORX, 1)}
+        session_id(0xA): (IRIS, 1),
+        session_id(0xB): (IRIS, 2),
+        session_id(0xC): (IRIS, 0),
+        session_id(0xD): (TENSORX, 1),
+    }
     idle = pins[session_id(0xC)]
     assert (idle.idle_for, idle.expires_in) == (25.0, 275.0)
     assert (pins[session_id(0xA)].idle_for, pins[session_id(0xA)].expires_in) == (None, None)
@@ -129,19 +153,30 @@ async def test_text_and_json_forms(config: Config) -> None:
 
     text = format_report(report, with_pins=True)
     rows = {tuple(line.split()[:2]): line.split()[2:] for line in text.splitlines() if line}
-    assert rows[(IRIS, MODEL)] == ["3/200", "5/64", "1/16", "1", "pinned=1", "new_pin=2",
-                                   "temporary=3"]
+    assert rows[(IRIS, MODEL)] == [
+        "3/200",
+        "5/64",
+        "1/16",
+        "1",
+        "pinned=1",
+        "new_pin=2",
+        "temporary=3",
+    ]
     assert rows[(TENSORX, MODEL)] == ["1", "1", "-", "0", "new_pin=1"]
     assert f"{IRIS}/{MODEL}: {session_id(0xB)} 2/4, {session_id(0xA)} 1/4" in text
-    assert any(line.split() == [session_id(0xC), MODEL, IRIS, "active", "0", "25s", "4m35s"]
-               for line in text.splitlines())
+    assert any(
+        line.split() == [session_id(0xC), MODEL, IRIS, "active", "0", "25s", "4m35s"]
+        for line in text.splitlines()
+    )
     assert "pins (" not in format_report(report, with_pins=False)
 
     data = json.loads(json.dumps(report_json(report, with_pins=True)))
     assert data["v"] == 1 and data["at"] == clock.now
     iris = next(p for p in data["pairs"] if p["provider"] == IRIS and p["model"] == MODEL)
     assert iris["live_leases"] == 5 and iris["top_sessions"][0] == {
-        "session": session_id(0xB), "leases": 2}
+        "session": session_id(0xB),
+        "leases": 2,
+    }
     assert len(data["pins"]) == 4
     assert "pins" not in report_json(report, with_pins=False)
     await state.close()
@@ -150,8 +185,9 @@ async def test_text_and_json_forms(config: Config) -> None:
 async def test_a_pending_pin_is_shown_apart_and_counts_against_nothing(config: Config) -> None:
     kv, state, clock = await _known_bucket(config)
     # An admission creating session E's pin wrote it pending 10s ago, then stalled.
-    pending = PinValue("00000000000000ee", IRIS, MODEL, session_id(0xE), None, {},
-                       clock.now - 10, pending=True)
+    pending = PinValue(
+        "00000000000000ee", IRIS, MODEL, session_id(0xE), None, {}, clock.now - 10, pending=True
+    )
     await kv.create(pending.key, pending.to_json())
     report = await _report(kv, config, clock.now)
 
@@ -161,8 +197,10 @@ async def test_a_pending_pin_is_shown_apart_and_counts_against_nothing(config: C
     assert (pin.pending, pin.idle_for, pin.expires_in) == (True, None, 20.0)  # lease timeout 30s
     text = format_report(report, with_pins=True)
     assert any(line.split()[:3] == [IRIS, MODEL, "3/200+1"] for line in text.splitlines())
-    assert any(line.split() == [session_id(0xE), MODEL, IRIS, "pending", "0", "-", "20s"]
-               for line in text.splitlines())
+    assert any(
+        line.split() == [session_id(0xE), MODEL, IRIS, "pending", "0", "-", "20s"]
+        for line in text.splitlines()
+    )
     await state.close()
 
 
@@ -173,5 +211,6 @@ async def test_entries_outside_the_layout_are_counted_not_fatal(config: Config) 
     report = await _report(kv, config, clock.now)
     assert report.unreadable == 2
     assert "2 entries do not follow the routing-state layout" in format_report(
-        report, with_pins=False)
+        report, with_pins=False
+    )
     await state.close()

@@ -37,14 +37,18 @@ async def _populate(nc: NatsClient, config_file: Path) -> None:
     now = RoutingState(kv, limits, clock=time.time, rng=random.Random(2))
     admissions = [await a_minute_ago.try_admit_request_without_pin(IRIS, MODEL)]
     for session, provider in ((1, IRIS), (2, IRIS), (3, TENSORX)):
-        admissions.append(await now.try_admit_unpinned_session_request(
-            provider, MODEL, session_id(session)))
+        admissions.append(
+            await now.try_admit_unpinned_session_request(provider, MODEL, session_id(session))
+        )
     admissions.append(await now.try_admit_pinned_session_request(MODEL, session_id(2)))
     assert {a.result for a in admissions} == {AdmissionResult.ADMITTED}
 
 
 async def test_json_output_counts_the_live_bucket(
-    tmp_path: Path, nats_url: str, bucket: str, nats_client: NatsClient,
+    tmp_path: Path,
+    nats_url: str,
+    bucket: str,
+    nats_client: NatsClient,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     config_file = write_config(tmp_path / "c.yaml", nats_url, bucket)
@@ -52,7 +56,8 @@ async def test_json_output_counts_the_live_bucket(
 
     # run() owns its event loop, as the console command does: give it a thread.
     code = await asyncio.to_thread(
-        run, argparse.Namespace(config=str(config_file), json=True, pins=True))
+        run, argparse.Namespace(config=str(config_file), json=True, pins=True)
+    )
     out = capsys.readouterr().out
     assert code == 0
     data = json.loads(out)
@@ -60,42 +65,63 @@ async def test_json_output_counts_the_live_bucket(
     pairs = {(p["provider"], p["model"]): p for p in data["pairs"]}
     iris = pairs[(IRIS, MODEL)]
     assert (iris["pins"], iris["leases"], iris["live_leases"], iris["expired_leases"]) == (
-        2, 4, 3, 1)
+        2,
+        4,
+        3,
+        1,
+    )
     assert iris["top_sessions"][0] == {"session": session_id(2), "leases": 2}
     assert (pairs[(TENSORX, MODEL)]["pins"], pairs[(TENSORX, MODEL)]["leases"]) == (1, 1)
     assert sorted(p["session"] for p in data["pins"]) == [session_id(n) for n in (1, 2, 3)]
 
 
 async def test_text_output_from_the_command_line(
-    tmp_path: Path, nats_url: str, bucket: str, nats_client: NatsClient,
+    tmp_path: Path,
+    nats_url: str,
+    bucket: str,
+    nats_client: NatsClient,
 ) -> None:
     """The real console entry (`python -m llmgw state --pins`) on an empty bucket."""
     config_file = write_config(tmp_path / "c.yaml", nats_url, bucket)
     await open_routing_bucket(nats_client.jetstream(), bucket)  # as the first service does
     env = {k: v for k, v in os.environ.items() if not k.upper().startswith("LLMGW_")}
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "llmgw", "state", "--config", str(config_file), "--pins",
-        cwd=REPO, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        sys.executable,
+        "-m",
+        "llmgw",
+        "state",
+        "--config",
+        str(config_file),
+        "--pins",
+        cwd=REPO,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     async with asyncio.timeout(30):
         out, err = await process.communicate()
     assert process.returncode == 0, err.decode()
     lines = out.decode().splitlines()
-    assert lines[0] == (f"routing bucket {bucket}: lease timeout 30s, "
-                        "pin inactivity timeout 5m")
+    assert lines[0] == (f"routing bucket {bucket}: lease timeout 30s, pin inactivity timeout 5m")
     assert lines[1].startswith("read at ") and lines[1].endswith(" UTC")
     assert [line.split() for line in lines if line.startswith(f"{IRIS} ")] == [
         [IRIS, MODEL, "0/200", "0/64", "0/16", "0", "-"],
-        [IRIS, "qwen2.5-32b", "0/200", "0/64", "0/16", "0", "-"]]
+        [IRIS, "qwen2.5-32b", "0/200", "0/64", "0/16", "0", "-"],
+    ]
     assert lines[-1] == "pins (0):"
 
 
 async def test_a_missing_bucket_exits_1_and_is_not_created(
-    tmp_path: Path, nats_url: str, bucket: str, nats_client: NatsClient,
+    tmp_path: Path,
+    nats_url: str,
+    bucket: str,
+    nats_client: NatsClient,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     config_file = write_config(tmp_path / "c.yaml", nats_url, bucket)
     code = await asyncio.to_thread(
-        run, argparse.Namespace(config=str(config_file), json=False, pins=False))
+        run, argparse.Namespace(config=str(config_file), json=False, pins=False)
+    )
     assert code == 1
     assert f"no routing bucket '{bucket}'" in capsys.readouterr().err
     with pytest.raises(NotFoundError):
@@ -103,7 +129,8 @@ async def test_a_missing_bucket_exits_1_and_is_not_created(
 
 
 def test_an_unreachable_server_exits_1_quickly(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     config_file = write_config(tmp_path / "c.yaml", f"nats://127.0.0.1:{free_port()}", "b")
     started = time.monotonic()

@@ -39,10 +39,12 @@ def main(argv: list[str]) -> int:
         print("cannot bind: address already in use", file=sys.stderr, flush=True)
         return 3
     if mode != "silent":
-        ready = {"sim": f"llmgw sim {argv[1] if len(argv) > 1 else 'engine'} ready on "
-                        "http://127.0.0.1:1",
-                 "admission": "llmgw admission ready",
-                 "edge": "llmgw edge ready on http://127.0.0.1:18080"}[argv[0]]
+        ready = {
+            "sim": f"llmgw sim {argv[1] if len(argv) > 1 else 'engine'} ready on "
+            "http://127.0.0.1:1",
+            "admission": "llmgw admission ready",
+            "edge": "llmgw edge ready on http://127.0.0.1:18080",
+        }[argv[0]]
         print(ready, flush=True)
     if mode == "crash-after-ready":
         return 3

@@ -17,21 +17,34 @@ pytestmark = pytest.mark.e2e
 
 READY = r"^llmgw is ready: OpenAI API at (http://\S+/v1) \(Ctrl-C to stop\)$"
 SERVICES = {
-    "nats", "engine-1", "engine-2", "tensorx-east", "tensorx-west", "admission", "reaper",
-    "scraper", "edge",
+    "nats",
+    "engine-1",
+    "engine-2",
+    "tensorx-east",
+    "tensorx-west",
+    "admission",
+    "reaper",
+    "scraper",
+    "edge",
 }
 
 
 def _chat(api: str) -> httpx.Response:
     return httpx.post(
         f"{api}/chat/completions",
-        json={"model": "llama", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8},
+        json={
+            "model": "llama",
+            "messages": [{"role": "user", "content": "hello"}],
+            "max_tokens": 8,
+        },
         timeout=30,
     )
 
 
 def _stop_order(up: UpProcess) -> list[str]:
-    return [line[1:].split("]")[0] for line in up.lines if line.endswith(")") and "] stopping" in line]
+    return [
+        line[1:].split("]")[0] for line in up.lines if line.endswith(")") and "] stopping" in line
+    ]
 
 
 def test_up_serves_a_chat_completion_and_stops_cleanly_on_sigterm(
@@ -142,7 +155,11 @@ def test_openai_client_gets_every_api_through_llmgw_up(
     assert bad.status_code == 400 and bad.json()["error"]["message"]
     wrong_type = httpx.post(
         f"{api}/chat/completions",
-        json={"model": "llama", "messages": [{"role": "user", "content": "x"}], "max_tokens": "many"},
+        json={
+            "model": "llama",
+            "messages": [{"role": "user", "content": "x"}],
+            "max_tokens": "many",
+        },
         timeout=10,
     )
     assert wrong_type.status_code == 400 and wrong_type.json()["error"]["param"] == "max_tokens"

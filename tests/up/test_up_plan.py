@@ -30,13 +30,24 @@ def test_plans_simulators_then_admission_then_edge_for_the_local_config() -> Non
     ]
     by_name = {s.name: s for s in plan}
     assert by_name["engine-1"].argv == (
-        "sim", "engine", "--config", "config/local.yaml", "--endpoint", "engine-1",
+        "sim",
+        "engine",
+        "--config",
+        "config/local.yaml",
+        "--endpoint",
+        "engine-1",
     )
     assert by_name["tensorx-west"].argv[:2] == ("sim", "provider")
     # Admin ports follow the edge's 9090: admission, reaper, scraper.
     for offset, name in enumerate(("admission", "reaper", "scraper"), start=1):
         address = f"127.0.0.1:{9090 + offset}"
-        assert by_name[name].argv == (name, "--config", "config/local.yaml", "--admin-listen", address)
+        assert by_name[name].argv == (
+            name,
+            "--config",
+            "config/local.yaml",
+            "--admin-listen",
+            address,
+        )
         assert [str(a) for a in by_name[name].listens] == [address]
     assert by_name["edge"].argv == ("edge", "--config", "config/local.yaml")
     assert [str(a) for a in by_name["edge"].listens] == ["127.0.0.1:8080", "127.0.0.1:9090"]
@@ -50,7 +61,12 @@ def test_endpoints_without_simulate_are_not_started() -> None:
             del endpoint["simulate"]
     plan = plan_cluster(config_from_dict(data, env={}), "c.yaml")
     assert [s.name for s in plan] == [
-        "engine-1", "engine-2", "admission", "reaper", "scraper", "edge",
+        "engine-1",
+        "engine-2",
+        "admission",
+        "reaper",
+        "scraper",
+        "edge",
     ]
 
 
@@ -62,8 +78,11 @@ def test_endpoints_without_simulate_are_not_started() -> None:
         ("llmgw admission ready (adm-1)", "admission", True),
         ("llmgw reaper ready (reaper-1, bucket llmgw_routing, every 1s)", "reaper", True),
         ("llmgw admission ready", "reaper", False),
-        ("llmgw scraper ready (scraper-h-1, bucket llmgw_load, 2 endpoints every 2s)", "scraper",
-         True),
+        (
+            "llmgw scraper ready (scraper-h-1, bucket llmgw_load, 2 endpoints every 2s)",
+            "scraper",
+            True,
+        ),
         ("llmgw reaper ready", "scraper", False),
         ("llmgw edge ready on http://127.0.0.1:8080 (admin http://127.0.0.1:9090)", "edge", True),
         ("INFO waiting until llmgw edge is ready", "edge", False),

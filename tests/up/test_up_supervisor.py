@@ -58,10 +58,16 @@ class LineRecorder:
 
 def _specs() -> list[ServiceSpec]:
     return [
-        ServiceSpec("engine-1", ("sim", "engine", "--config", "c.yaml", "--endpoint", "engine-1"),
-                    "sim-engine"),
-        ServiceSpec("remote-1", ("sim", "provider", "--config", "c.yaml", "--endpoint", "remote-1"),
-                    "sim-provider"),
+        ServiceSpec(
+            "engine-1",
+            ("sim", "engine", "--config", "c.yaml", "--endpoint", "engine-1"),
+            "sim-engine",
+        ),
+        ServiceSpec(
+            "remote-1",
+            ("sim", "provider", "--config", "c.yaml", "--endpoint", "remote-1"),
+            "sim-provider",
+        ),
         ServiceSpec("admission", ("admission", "--config", "c.yaml"), "admission"),
         ServiceSpec("edge", ("edge", "--config", "c.yaml"), "edge"),
     ]
@@ -111,8 +117,9 @@ async def _run_until_ready(supervisor: ClusterSupervisor) -> asyncio.Task[int]:
     ready = asyncio.Event()
     task = asyncio.create_task(supervisor.run(on_ready=ready.set))
     async with asyncio.timeout(20):
-        await asyncio.wait([task, asyncio.create_task(ready.wait())],
-                           return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(
+            [task, asyncio.create_task(ready.wait())], return_when=asyncio.FIRST_COMPLETED
+        )
     assert ready.is_set(), f"not ready: {task.result() if task.done() else 'still running'}"
     return task
 
@@ -159,7 +166,9 @@ async def test_a_crash_loop_stops_the_cluster_with_exit_code_1(tmp_path: Path) -
     os.kill(supervisor.pids()["admission"], signal.SIGKILL)
 
     assert await asyncio.wait_for(task, 20) == 1
-    assert re.search(r"\[admission\] exited with code -9; 3 exits within 60s, giving up", out.text())
+    assert re.search(
+        r"\[admission\] exited with code -9; 3 exits within 60s, giving up", out.text()
+    )
     assert not any(_alive(pid) for _, _, pid in _events(events))
 
 
@@ -201,12 +210,17 @@ async def test_a_child_ignoring_sigterm_is_killed_after_the_grace(tmp_path: Path
     ("exit_times", "expected"),
     [
         pytest.param([0], [(True, 0.5)], id="first-exit-restarts-after-base-delay"),
-        pytest.param([0, 1, 2, 3], [(True, 0.5), (True, 1.0), (True, 2.0), (True, 4.0)],
-                     id="backoff-doubles"),
-        pytest.param([0, 1, 2, 3, 4], [(True, 0.5), (True, 1.0), (True, 2.0), (True, 4.0),
-                                       (False, 0.0)], id="fifth-exit-within-window-gives-up"),
-        pytest.param([0, 100, 200, 300, 400, 500], [(True, 0.5)] * 6,
-                     id="exits-far-apart-always-restart"),
+        pytest.param(
+            [0, 1, 2, 3], [(True, 0.5), (True, 1.0), (True, 2.0), (True, 4.0)], id="backoff-doubles"
+        ),
+        pytest.param(
+            [0, 1, 2, 3, 4],
+            [(True, 0.5), (True, 1.0), (True, 2.0), (True, 4.0), (False, 0.0)],
+            id="fifth-exit-within-window-gives-up",
+        ),
+        pytest.param(
+            [0, 100, 200, 300, 400, 500], [(True, 0.5)] * 6, id="exits-far-apart-always-restart"
+        ),
     ],
 )
 def test_restart_policy(exit_times: list[float], expected: list[tuple[bool, float]]) -> None:

@@ -42,7 +42,9 @@ def write_cluster_config(path: Path, **overrides: Any) -> Path:
     """config/local.yaml with every port replaced by a free one (NATS: any free port)."""
     data = yaml.safe_load(LOCAL_CONFIG.read_text())
     admin = admin_port_block()
-    ports = iter(_distinct_free_ports(1 + len(data["endpoints"]), set(range(admin, admin + ADMIN_PORTS))))
+    ports = iter(
+        _distinct_free_ports(1 + len(data["endpoints"]), set(range(admin, admin + ADMIN_PORTS)))
+    )
     data["listen"] = f"127.0.0.1:{next(ports)}"
     data["admin_listen"] = f"127.0.0.1:{admin}"
     data["nats"] = {"url": "embedded", "embedded_port": 0}
@@ -99,7 +101,8 @@ class UpProcess:
                 left = deadline - time.monotonic()
                 if left <= 0 or (not self._reader.is_alive()):
                     raise AssertionError(
-                        f"no line matching {pattern!r} (x{count}); output:\n" + "\n".join(self.lines)
+                        f"no line matching {pattern!r} (x{count}); output:\n"
+                        + "\n".join(self.lines)
                     )
                 self._changed.wait(left)
 
