@@ -6,9 +6,17 @@ Pure: no asyncio, no wall clock, no global randomness. Callers pass the current 
 the times the caller happened to call `advance`, so results don't depend on event-loop lateness.
 
 Semantics (vLLM-like):
-- at most ``max_num_seqs`` sequences run; others wait in FIFO order. The head of the queue is
-  admitted only when the KV cache can hold its prompt (minus prefix hits) plus its output, so a
-  big request blocks those behind it (no overtaking) and nothing is ever preempted;
+- at most ``max_num_seqs`` sequences run; others wait in a queue ordered by the scheduling
+  policy (vLLM's ``--scheduling-policy``): ``fcfs`` in arrival order, ``priority`` by (priority,
+  arrival, submission order), lower priority values first. The head of the queue is admitted
+  only when the KV cache can hold its prompt (minus prefix hits) plus its output, so a big
+  request blocks those behind it (no overtaking) whatever the policy;
+- nothing is ever preempted: vLLM preempts a running request only when it cannot get a block for
+  its next token, and here every running sequence holds reservations for its whole output. So
+  under ``priority`` a waiting request never displaces a running one, as in vLLM;
+- under ``fcfs`` a non-zero priority is refused at submission (`PriorityNotEnabled`), as vLLM's
+  API documents and its V0 engine did ("Got priority N but Priority scheduling is not
+  enabled."); vLLM's V1 engine accepts it and ignores it (docs/simulator.md);
 - a request whose prompt + output can never fit the whole cache, or whose prompt reaches
   ``max_model_len``, is rejected at submission (`PromptTooLong`), so the queue never deadlocks;
 - TTFT = queue wait + prefill_base + prefill_per_token * uncached prompt tokens;
@@ -26,7 +34,7 @@ import heapq
 import math
 import random
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 from enum import Enum
@@ -36,11 +44,25 @@ from llmgw.services.sim.params import EngineParams
 from llmgw.services.sim.sampling import draw_output_len
 from llmgw.services.sim.tokenizer import hash_token_blocks
 
-__all__ = ["EngineModel", "EngineStats", "PromptTooLong", "SeqState", "Sequence"]
+__all__ = [
+    "EngineModel",
+    "EngineStats",
+    "FcfsQueue",
+    "PriorityNotEnabled",
+    "PriorityQueue",
+    "PromptTooLong",
+    "SeqState",
+    "Sequence",
+    "WaitingQueue",
+]
 
 
 class PromptTooLong(ValueError):
     """The request can never run on this engine (answered with 400)."""
+
+
+class PriorityNotEnabled(ValueError):
+    """A non-zero priority sent to an engine whose policy is ``fcfs`` (answered with 400)."""
 
 
 class SeqState(Enum):
@@ -61,6 +83,7 @@ class Sequence:
     finish_reason: str  # "length" when max_tokens bounded the output, else "stop"
     arrived_at: float
     text_seed: int
+    priority: int = 0  # lower is scheduled earlier under the ``priority`` policy
     listener: Callable[[Sequence], None] | None = None
     state: SeqState = SeqState.WAITING
     admitted_at: float | None = None
@@ -96,6 +119,69 @@ class EngineStats:
     rejected: int = 0
 
 
+class FcfsQueue:
+    """Waiting sequences in arrival order (vLLM's ``fcfs``): a deque, the head is the oldest."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self) -> None:
+        self._items: deque[Sequence] = deque()
+
+    def push(self, seq: Sequence) -> None:
+        self._items.append(seq)
+
+    def peek(self) -> Sequence:
+        return self._items[0]
+
+    def pop(self) -> Sequence:
+        return self._items.popleft()
+
+    def remove(self, seq: Sequence) -> None:
+        self._items.remove(seq)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self) -> Iterator[Sequence]:
+        return iter(self._items)
+
+
+class PriorityQueue:
+    """Waiting sequences by (priority, arrival time, seq_id), smallest first (vLLM's ``priority``).
+
+    A binary heap; `peek` / `pop` give the minimum, iteration yields the queue in pop order.
+    seq_id is unique and increases with submission, so equal priorities and arrival times keep
+    submission order and a `Sequence` itself is never compared.
+    """
+
+    __slots__ = ("_heap",)
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, float, int, Sequence]] = []
+
+    def push(self, seq: Sequence) -> None:
+        heapq.heappush(self._heap, (seq.priority, seq.arrived_at, seq.seq_id, seq))
+
+    def peek(self) -> Sequence:
+        return self._heap[0][3]
+
+    def pop(self) -> Sequence:
+        return heapq.heappop(self._heap)[3]
+
+    def remove(self, seq: Sequence) -> None:
+        self._heap.remove((seq.priority, seq.arrived_at, seq.seq_id, seq))
+        heapq.heapify(self._heap)
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self) -> Iterator[Sequence]:
+        return (entry[3] for entry in sorted(self._heap, key=lambda entry: entry[:3]))
+
+
+WaitingQueue = FcfsQueue | PriorityQueue
+
+
 class EngineModel:
     """Scheduler + KV cache of one simulated engine."""
 
@@ -110,7 +196,9 @@ class EngineModel:
         self.params = params
         self.rng = rng
         self.kv = KVCache(params.num_gpu_blocks, params.block_size)
-        self.waiting: deque[Sequence] = deque()
+        self.waiting: WaitingQueue = (
+            PriorityQueue() if params.scheduling_policy == "priority" else FcfsQueue()
+        )
         self.running: set[Sequence] = set()
         self.stats = EngineStats()
         self.now = -math.inf
@@ -126,13 +214,21 @@ class EngineModel:
         prompt: SequenceOf[int],
         max_tokens: int | None,
         listener: Callable[[Sequence], None] | None = None,
+        *,
+        priority: int = 0,
     ) -> Sequence:
         """Queue a request at `now` and run the engine up to `now` (zero timings finish it here).
 
-        Raises PromptTooLong when the request could never be scheduled.
+        Raises PriorityNotEnabled for a non-zero `priority` under ``fcfs`` (before anything else,
+        so a refused request leaves no trace) and PromptTooLong when the request could never be
+        scheduled.
         """
-        self.advance(now)
         params = self.params
+        if priority != 0 and params.scheduling_policy != "priority":
+            raise PriorityNotEnabled(
+                f"Got priority {priority} but Priority scheduling is not enabled."
+            )
+        self.advance(now)
         prompt_len = len(prompt)
         if prompt_len == 0:
             raise PromptTooLong("prompt is empty")
@@ -165,10 +261,11 @@ class EngineModel:
             finish_reason=finish_reason,
             arrived_at=self.now,
             text_seed=self.rng.getrandbits(32),
+            priority=priority,
             listener=listener,
         )
         self.stats.prompt_tokens += prompt_len
-        self.waiting.append(seq)
+        self.waiting.push(seq)
         self._admit(self.now)
         self.advance(self.now)
         return seq
@@ -215,7 +312,7 @@ class EngineModel:
         kv = self.kv
         block_size = params.block_size
         while self.waiting and len(self.running) < params.max_num_seqs:
-            seq = self.waiting[0]
+            seq = self.waiting.peek()
             hashes = seq.block_hashes
             hits = kv.longest_prefix(hashes)
             if hits * block_size >= seq.prompt_tokens:
@@ -224,8 +321,8 @@ class EngineModel:
             total_blocks = -(-(seq.prompt_tokens + seq.output_len) // block_size)
             hit_hashes = hashes[:hits]
             if not kv.can_admit(hit_hashes, total_blocks - hits):
-                break  # FIFO: the head waits for blocks, nobody overtakes it
-            self.waiting.popleft()
+                break  # the head waits for blocks, nobody overtakes it
+            self.waiting.pop()
             kv.admit(hit_hashes, prompt_blocks - hits, total_blocks - prompt_blocks)
             seq.held_hashes = list(hit_hashes)
             seq.hit_blocks = hits

@@ -13,7 +13,7 @@ import random
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from llmgw.services.sim.engine_model import EngineModel, PromptTooLong
+from llmgw.services.sim.engine_model import EngineModel, PriorityNotEnabled, PromptTooLong
 from llmgw.services.sim.engine_model import Sequence as Seq
 from llmgw.services.sim.generation import SimError
 from llmgw.services.sim.metrics import EngineMetrics
@@ -106,12 +106,16 @@ class EngineBackend:
         self._timer_due = 0.0
 
     # -- Backend ---------------------------------------------------------------------------
-    def start(self, prompt: Sequence[int], max_tokens: int | None) -> EngineGeneration:
+    def start(
+        self, prompt: Sequence[int], max_tokens: int | None, priority: int = 0
+    ) -> EngineGeneration:
         generation = EngineGeneration(self)
         try:
             generation.seq = self.model.submit(
-                self.clock(), prompt, max_tokens, generation._on_progress
+                self.clock(), prompt, max_tokens, generation._on_progress, priority=priority
             )
+        except PriorityNotEnabled as exc:
+            raise SimError(400, str(exc), param="priority") from None
         except PromptTooLong as exc:
             raise SimError(
                 400, str(exc), code="context_length_exceeded", param="messages"
@@ -132,6 +136,7 @@ class EngineBackend:
         stats = model.stats
         return {
             "kind": "engine",
+            "scheduling_policy": self.params.scheduling_policy,
             "running": len(model.running),
             "waiting": len(model.waiting),
             "kv_cache_usage": kv.usage,

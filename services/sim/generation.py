@@ -78,8 +78,12 @@ class Generation(Protocol):
 class Backend(Protocol):
     """What a simulated server does with requests; the HTTP layer does the rest."""
 
-    def start(self, prompt: Sequence[int], max_tokens: int | None) -> Generation:
-        """Begin generating; raises SimError (400 prompt too long, 429 rate limited...)."""
+    def start(self, prompt: Sequence[int], max_tokens: int | None, priority: int = 0) -> Generation:
+        """Begin generating; raises SimError (400 prompt too long, 429 rate limited...).
+
+        `priority` is the request's vLLM ``priority`` field (0 when absent); a backend that has
+        no scheduling policy ignores it.
+        """
         ...
 
     def embedding_delay(self, prompt_tokens: int) -> float:

@@ -187,6 +187,9 @@ class _StateCollector:
             "Prefix cache hits, in terms of number of cached tokens.",
             stats.prefix_cache_hits,
         )
+        # vLLM counts preemptions; this model never preempts (running sequences hold
+        # reservations for their whole output, see engine_model), so the counter stays 0.
+        yield counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", 0)
         success = CounterMetricFamily(
             "vllm:request_success",
             "Count of successfully processed requests.",

@@ -15,9 +15,9 @@ import os
 import random
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import ValidationError
+from pydantic import Field, TypeAdapter, ValidationError
 
 from llmgw.services.sim.asgi import (
     BodyTooLarge,
@@ -50,6 +50,10 @@ from llmgw.services.sim.tokenizer import (
 __all__ = ["SimApp"]
 
 Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+# vLLM's request models declare `priority: int` within a signed 64-bit range (pydantic, lax).
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_PRIORITY = TypeAdapter(Annotated[int, Field(ge=_INT64_MIN, le=_INT64_MAX)])
 
 
 class SimApp:
@@ -147,7 +151,7 @@ class SimApp:
             faults = self._draw_faults()
             if faults.slow_headers > 0:
                 await asyncio.sleep(faults.slow_headers)
-            generation = self.backend.start(request.prompt, request.max_tokens)
+            generation = self.backend.start(request.prompt, request.max_tokens, request.priority)
         except SimError as exc:
             await _send_error(send, exc)
             return
@@ -182,9 +186,14 @@ class SimApp:
         n = body.get("n")
         if n is not None and n != 1:
             raise SimError(400, "n: only n=1 is supported by the simulator", param="n")
+        priority = body.get("priority", 0)
+        if type(priority) is not int or not _INT64_MIN <= priority <= _INT64_MAX:
+            priority = _parse_priority(priority)
         options = body.get("stream_options")
         include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
-        return GenerationRequest(model, prompt, max_tokens, bool(body.get("stream")), include_usage)
+        return GenerationRequest(
+            model, prompt, max_tokens, bool(body.get("stream")), include_usage, priority
+        )
 
     def _check_model(self, body: dict[str, Any]) -> str:
         model = body.get("model")
@@ -312,6 +321,14 @@ class SimApp:
         except ClientGone:
             return
         await send_json(send, 200, self.faults.model_dump())
+
+
+def _parse_priority(value: object) -> int:
+    """Validate `priority` as vLLM's pydantic model does ("3" and 3.0 are 3; 1.5, null are not)."""
+    try:
+        return _PRIORITY.validate_python(value)
+    except ValidationError as exc:
+        raise SimError(400, f"priority: {exc.errors()[0]['msg']}", param="priority") from None
 
 
 def _hit(rate: float, rng: random.Random) -> bool:

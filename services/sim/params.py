@@ -94,6 +94,10 @@ class EngineParams(_GenerationParams):
     """
 
     kind: Literal["engine"] = "engine"
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    """vLLM's ``--scheduling-policy``: the order of the waiting queue. ``fcfs``: arrival order, and
+    a request with a non-zero ``priority`` is refused with 400; ``priority``: by the request's
+    ``priority`` (lower first, default 0), then arrival."""
     max_num_seqs: int = Field(default=64, ge=1)
     num_gpu_blocks: int = Field(default=4096, ge=1)
     block_size: int = Field(default=16, ge=1)

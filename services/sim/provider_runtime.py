@@ -111,7 +111,10 @@ class ProviderBackend:
         self.rate_limited = 0
         self.generated_tokens = 0
 
-    def start(self, prompt: Sequence[int], max_tokens: int | None) -> PacedGeneration:
+    def start(
+        self, prompt: Sequence[int], max_tokens: int | None, priority: int = 0
+    ) -> PacedGeneration:
+        """Pace one request; `priority` is ignored (each request has its own pace, no queue)."""
         params = self.params
         now = self.clock()
         prompt_len = len(prompt)

@@ -33,6 +33,7 @@ class GenerationRequest:
     max_tokens: int | None
     stream: bool
     include_usage: bool
+    priority: int = 0  # vLLM's request priority (lower first under the priority policy)
 
 
 @dataclass(slots=True)

@@ -60,6 +60,28 @@ def test_endpoint_from_config_gives_params_address_and_models() -> None:
         resolve_settings(sim_args(config=str(LOCAL_CONFIG), endpoint="nope"), "engine")
 
 
+@pytest.mark.skipif(not LOCAL_CONFIG.exists(), reason="no config/local.yaml")
+def test_scheduling_policy_comes_from_the_simulate_block_or_set(tmp_path: Path) -> None:
+    text = LOCAL_CONFIG.read_text(encoding="utf-8")
+    marker = "    simulate:\n      kind: engine\n"
+    assert marker in text
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        text.replace(marker, marker + "      scheduling_policy: priority\n", 1), encoding="utf-8"
+    )
+    engine = next(e for e in load_config(config).endpoints if e.simulate is not None)
+    assert engine.simulate.scheduling_policy == "priority"
+    settings = resolve_settings(sim_args(config=str(config), endpoint=engine.id), "engine")
+    assert settings.params.scheduling_policy == "priority"
+    settings = resolve_settings(
+        sim_args(config=str(config), endpoint=engine.id, set=["scheduling_policy=fcfs"]), "engine"
+    )
+    assert settings.params.scheduling_policy == "fcfs"
+    assert resolve_settings(sim_args(), "engine").params.scheduling_policy == "fcfs"
+    with pytest.raises(UsageError, match="scheduling_policy"):
+        resolve_settings(sim_args(set=["scheduling_policy=lifo"]), "engine")
+
+
 def test_bad_override_is_a_usage_error_naming_the_key() -> None:
     with pytest.raises(UsageError, match="tokens_per_second"):
         resolve_settings(sim_args(set=["tokens_per_second=-1"]), "provider")

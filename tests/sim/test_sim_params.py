@@ -67,3 +67,23 @@ def test_faults_copy_only_the_fault_knobs() -> None:
     faults = EngineParams(error_rate=0.25, max_num_seqs=2).faults()
     assert isinstance(faults, FaultKnobs) and faults.error_rate == 0.25
     assert "max_num_seqs" not in faults.model_dump()
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"), [({}, "fcfs"), ({"scheduling_policy": "priority"}, "priority")]
+)
+def test_scheduling_policy_defaults_to_fcfs_and_accepts_priority(given, expected) -> None:
+    assert EngineParams.model_validate(given).scheduling_policy == expected
+    assert apply_overrides(EngineParams(), [f"scheduling_policy={expected}"]).scheduling_policy == (
+        expected
+    )
+
+
+@pytest.mark.parametrize("value", ["lifo", "PRIORITY", "sjf", ""])
+def test_unknown_scheduling_policies_are_refused_naming_the_field(value: str) -> None:
+    with pytest.raises(ValidationError, match="scheduling_policy"):
+        EngineParams(scheduling_policy=value)
+    with pytest.raises(ValueError, match="scheduling_policy"):
+        apply_overrides(EngineParams(), [f"scheduling_policy={value}"])
+    with pytest.raises(ValidationError, match="scheduling_policy"):
+        ProviderParams.model_validate({"scheduling_policy": "priority"})  # engines only
