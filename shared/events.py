@@ -1,27 +1,26 @@
-"""Routing events: every change of a pin or a lease made by admission or the reaper, on NATS.
+"""Routing events: every change of a pin, a lease's expiry, and shard and member changes, on NATS.
 
 Subjects (one vocabulary with KV keys and metrics; docs/events.md is the reference):
 
-    llmgw.v1.events.<noun>.<verb>.<provider>
+    llmgw.v1.events.<noun>.<verb>.<token>
 
-    pin.created       admission wrote a new pin (with its first lease)
-    pin.moved         admission moved a pin to another provider (repin)
-    pin.expired       the reaper deleted a pin idle for pin_inactivity_timeout
-    lease.expired     the reaper freed the slot of a lease not renewed within lease_timeout
-    lease.unlisted    the reaper took an ended lease off its pin (after an expiry, or a repair)
-    pin_slot.freed    the reaper freed a pin slot (of an expired pin, or an orphan: repair)
-    pin.abandoned     the reaper deleted a pending pin its creator never activated (repair)
+    pin.created.<provider>      the shard owner created a session's pin
+    pin.moved.<provider>        ... moved it (its provider degraded or stopped serving the
+                                model: reason "degraded"/"unsupported"; or back to a higher-
+                                priority managed provider: "return_home"); <provider> is the new one
+    pin.evicted.<provider>      ... evicted an idle pin to make room for a new one (table full)
+    pin.expired.<provider>      ... removed a pin idle for pin_inactivity_timeout
+    lease.expired.<provider>    ... ended a lease its edge did not renew within lease_timeout
+    shard.claimed.<instance>    an admission instance took a shard whose owner was gone
+    shard.handed.<instance>     an admission instance handed a shard over to <instance>
+    member.joined.<instance>    an admission instance joined
+    member.left.<instance>      ... left gracefully
+    member.expired.<instance>   the reaper removed a member key that stopped being renewed
+    quota.reclaimed.<provider>  the reaper dropped what a long-dead instance still held of a pair
 
-The provider is the last token so that one provider's events can be followed alone
-(`llmgw.v1.events.*.*.iris`); providers are safe key tokens, so they are safe subject tokens.
-
-Guarantees: core NATS publish, at most once, no replay, no acknowledgement. An event is sent
-only by the instance whose compare-and-swap made the change (the routing-state primitives return
-only changes whose write succeeded), so a change is never announced twice, even with several
-reapers; it is lost if that instance dies or NATS drops it. `revision` is the KV revision of the
-write, which orders the events of one key (and, per bucket, of all keys).
-
-Publishing never raises on the hot path: failures are logged once per outage and counted.
+Guarantees: core NATS publish, at most once, no replay, no acknowledgement; an event is sent only
+by the instance whose decision or compare-and-swap made the change, so it is never announced
+twice. Publishing never raises on the hot path: failures are logged once per outage and counted.
 """
 
 from __future__ import annotations
@@ -31,12 +30,10 @@ import functools
 import logging
 import random
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Annotated, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
-
-from llmgw.core.leases import Lease, Pin, RandomSource, ReaperAction, ReaperActionKind, new_token
 
 __all__ = [
     "ALL_EVENTS_SUBJECT",
@@ -46,19 +43,14 @@ __all__ = [
     "EventPublisher",
     "EventTransport",
     "LeaseExpired",
-    "LeaseUnlisted",
-    "PinAbandoned",
-    "PinCreated",
-    "PinExpired",
+    "MemberEvent",
+    "PinEvent",
     "PinMoved",
-    "PinSlotFreed",
-    "ReaperCause",
+    "QuotaReclaimed",
     "RoutingEvent",
+    "ShardEvent",
     "event_subject",
     "parse_event",
-    "pin_created_event",
-    "pin_moved_event",
-    "reaper_action_event",
 ]
 
 _log = logging.getLogger(__name__)
@@ -72,107 +64,132 @@ class EventName(enum.StrEnum):
 
     PIN_CREATED = "pin.created"
     PIN_MOVED = "pin.moved"
+    PIN_EVICTED = "pin.evicted"
     PIN_EXPIRED = "pin.expired"
     LEASE_EXPIRED = "lease.expired"
-    LEASE_UNLISTED = "lease.unlisted"
-    PIN_SLOT_FREED = "pin_slot.freed"
-    PIN_ABANDONED = "pin.abandoned"
+    SHARD_CLAIMED = "shard.claimed"
+    SHARD_HANDED = "shard.handed"
+    MEMBER_JOINED = "member.joined"
+    MEMBER_LEFT = "member.left"
+    MEMBER_EXPIRED = "member.expired"
+    QUOTA_RECLAIMED = "quota.reclaimed"
 
 
-class ReaperCause(enum.StrEnum):
-    """Why the reaper made a change: ordinary expiry, or repair of an interrupted operation."""
-
-    EXPIRY = "expiry"
-    REPAIR = "repair"
-
-
-def event_subject(event: EventName | str, provider: str) -> str:
-    return f"{EVENTS_SUBJECT_PREFIX}.{event}.{provider}"
+def event_subject(event: EventName | str, token: str) -> str:
+    return f"{EVENTS_SUBJECT_PREFIX}.{event}.{token}"
 
 
 class RoutingEvent(BaseModel):
-    """Fields every event has. `key` and `revision` name the KV write that made the change.
-
-    Receivers ignore fields they do not know (new optional fields do not bump `v`) and must
-    reject a `v` they do not know.
-    """
+    """Fields every event has. Receivers ignore fields they do not know (new optional fields
+    do not bump `v`) and must reject a `v` they do not know."""
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 
-    v: Literal[1] = 1
+    v: Literal[2] = 2
     event: EventName
     id: str  # unique per event (16 hex digits)
     at: float  # unix seconds, by the publishing instance's clock
-    instance: str  # the instance whose write made the change
-    provider: str
-    model: str
-    session: str | None = None  # the session's hashed id, never client text
-    pin_id: str | None = None
-    lease_id: str | None = None
-    key: str
-    revision: int
+    instance: str  # the instance that made the change
+
+    @property
+    def subject_token(self) -> str:
+        raise NotImplementedError
 
     @property
     def subject(self) -> str:
-        return event_subject(self.event, self.provider)
+        return event_subject(self.event, self.subject_token)
 
     def to_bytes(self) -> bytes:
-        return self.model_dump_json(exclude_none=False).encode()
+        return self.model_dump_json().encode()
 
 
-class PinCreated(RoutingEvent):
-    event: Literal[EventName.PIN_CREATED] = EventName.PIN_CREATED
+class PinEvent(RoutingEvent):
+    """A pin was created, evicted or expired (`session` is its hashed id, never client text)."""
+
+    event: Literal[EventName.PIN_CREATED, EventName.PIN_EVICTED, EventName.PIN_EXPIRED]
+    provider: str
+    model: str
     session: str
     pin_id: str
-    pin_slot: int | None = None  # None for a provider without limits
-    # lease_id: the pin's first lease (None when the caller did not say)
+    shard: int
+
+    @property
+    def subject_token(self) -> str:
+        return self.provider
 
 
 class PinMoved(RoutingEvent):
     event: Literal[EventName.PIN_MOVED] = EventName.PIN_MOVED
+    provider: str  # where it is now
+    model: str
     session: str
-    pin_id: str  # the new pin's id (a moved pin gets a new id)
-    pin_slot: int | None = None
+    pin_id: str  # the moved pin's new id
+    shard: int
     from_provider: str
     from_pin_id: str
+    reason: str  # degraded | unsupported | return_home
 
-
-class PinExpired(RoutingEvent):
-    event: Literal[EventName.PIN_EXPIRED] = EventName.PIN_EXPIRED
-    session: str
-    pin_id: str
+    @property
+    def subject_token(self) -> str:
+        return self.provider
 
 
 class LeaseExpired(RoutingEvent):
-    # session/pin_id are None for temporary leases (requests not tied to a pin)
     event: Literal[EventName.LEASE_EXPIRED] = EventName.LEASE_EXPIRED
+    provider: str
+    model: str
     lease_id: str
+    edge: str
+    shard: int
+    session: str | None = None
+    pin_id: str | None = None
+
+    @property
+    def subject_token(self) -> str:
+        return self.provider
 
 
-class LeaseUnlisted(RoutingEvent):
-    event: Literal[EventName.LEASE_UNLISTED] = EventName.LEASE_UNLISTED
-    session: str
-    pin_id: str
-    lease_id: str
-    cause: ReaperCause
+class ShardEvent(RoutingEvent):
+    """`shard.claimed`: `owner` took `shards` from `previous` (gone); `shard.handed`: the
+    publisher handed them to `owner`."""
+
+    event: Literal[EventName.SHARD_CLAIMED, EventName.SHARD_HANDED]
+    owner: str
+    shards: tuple[int, ...]
+    previous: str | None = None
+    leases: int = 0  # leases that moved with them (adopted from edges, or handed over)
+    pins: int = 0
+
+    @property
+    def subject_token(self) -> str:
+        return self.owner
 
 
-class PinSlotFreed(RoutingEvent):
-    event: Literal[EventName.PIN_SLOT_FREED] = EventName.PIN_SLOT_FREED
-    cause: ReaperCause
+class MemberEvent(RoutingEvent):
+    event: Literal[EventName.MEMBER_JOINED, EventName.MEMBER_LEFT, EventName.MEMBER_EXPIRED]
+    member: str
+
+    @property
+    def subject_token(self) -> str:
+        return self.member
 
 
-class PinAbandoned(RoutingEvent):
-    """A pending pin (written first when a pin is created or moved) whose creator died or
-    stalled before activating it; the session has no pin until its next request pins it."""
+class QuotaReclaimed(RoutingEvent):
+    event: Literal[EventName.QUOTA_RECLAIMED] = EventName.QUOTA_RECLAIMED
+    provider: str
+    model: str
+    member: str  # the dead instance whose quota was dropped
+    leases: int
+    unreserved: int
+    pins: int
 
-    event: Literal[EventName.PIN_ABANDONED] = EventName.PIN_ABANDONED
-    session: str
-    pin_id: str
+    @property
+    def subject_token(self) -> str:
+        return self.provider
 
 
 Event = Annotated[
-    PinCreated | PinMoved | PinExpired | LeaseExpired | LeaseUnlisted | PinSlotFreed | PinAbandoned,
+    PinEvent | PinMoved | LeaseExpired | ShardEvent | MemberEvent | QuotaReclaimed,
     Field(discriminator="event"),
 ]
 
@@ -187,90 +204,6 @@ def parse_event(raw: bytes | str) -> Event:
     return _event_adapter().validate_json(raw)
 
 
-# ---------------------------------------------------------------------------------------------
-# Building events (pure: the caller supplies id, time and instance)
-
-
-def pin_created_event(
-    pin: Pin, *, lease: Lease | None, event_id: str, at: float, instance: str
-) -> PinCreated:
-    """The event of `pin` (as returned by an ADMITTED new-pin admission) having been written."""
-    return PinCreated(
-        id=event_id,
-        at=at,
-        instance=instance,
-        provider=pin.provider,
-        model=pin.model,
-        session=pin.session,
-        pin_id=pin.id,
-        pin_slot=pin.pin_slot,
-        lease_id=None if lease is None else lease.lease_id,
-        key=pin.key,
-        revision=pin.revision,
-    )
-
-
-def pin_moved_event(
-    from_pin: Pin, pin: Pin, *, lease: Lease | None, event_id: str, at: float, instance: str
-) -> PinMoved:
-    """The event of `from_pin` having been replaced by `pin` (a successful repin)."""
-    return PinMoved(
-        id=event_id,
-        at=at,
-        instance=instance,
-        provider=pin.provider,
-        model=pin.model,
-        session=pin.session,
-        pin_id=pin.id,
-        pin_slot=pin.pin_slot,
-        lease_id=None if lease is None else lease.lease_id,
-        key=pin.key,
-        revision=pin.revision,
-        from_provider=from_pin.provider,
-        from_pin_id=from_pin.id,
-    )
-
-
-def reaper_action_event(
-    action: ReaperAction, *, cause: ReaperCause, event_id: str, at: float, instance: str
-) -> RoutingEvent:
-    """The event announcing one change a reaper primitive made.
-
-    `cause` says which primitive returned it (expiry or repair); an orphan pin slot and an
-    abandoned pin are always repairs. ValueError for an action kind this vocabulary does not know.
-    """
-    common = {
-        "id": event_id,
-        "at": at,
-        "instance": instance,
-        "provider": action.provider,
-        "model": action.model,
-        "session": action.session,
-        "pin_id": action.pin_id,
-        "lease_id": action.lease_id,
-        "key": action.key,
-        "revision": action.revision,
-    }
-    kind = action.kind
-    if kind == ReaperActionKind.LEASE_EXPIRED:
-        return LeaseExpired(**common)
-    if kind == ReaperActionKind.LEASE_UNLISTED:
-        return LeaseUnlisted(**common, cause=cause)
-    if kind == ReaperActionKind.PIN_EXPIRED:
-        return PinExpired(**common)
-    if kind == ReaperActionKind.PIN_SLOT_FREED:
-        return PinSlotFreed(**common, cause=cause)
-    if kind == ReaperActionKind.ORPHAN_PIN_SLOT_FREED:
-        return PinSlotFreed(**common, cause=ReaperCause.REPAIR)
-    if kind == ReaperActionKind.ABANDONED_PIN_DELETED:
-        return PinAbandoned(**common)
-    raise ValueError(f"reaper action kind {kind!r} has no event")
-
-
-# ---------------------------------------------------------------------------------------------
-# Publishing
-
-
 class EventTransport(Protocol):
     """What the publisher needs from a NATS client (`nats.aio.client.Client` satisfies it)."""
 
@@ -280,9 +213,9 @@ class EventTransport(Protocol):
 class EventPublisher:
     """Sends routing events with core NATS publish: no ack awaited, never raises.
 
-    `instance` identifies the publishing process in every event it builds. `clock` stamps
-    `at`; `rng` makes event ids (seed it independently per instance, or leave the default).
-    Counters: `published`, `failures` (events built or sent unsuccessfully: logged, dropped).
+    `emit` builds an event of `kind` with the common fields (a fresh id, `clock()`, this
+    instance) and sends it in the background; `publish` sends a built one and awaits the hand-off.
+    Counters: `published`, `failures` (events not handed to the client: logged, dropped).
     """
 
     def __init__(
@@ -291,16 +224,37 @@ class EventPublisher:
         instance: str,
         *,
         clock: Callable[[], float] = time.time,
-        rng: RandomSource | None = None,
+        rng: random.Random | None = None,
     ) -> None:
         self._nc = nc
         self.instance = instance
         self._clock = clock
-        self._rng: RandomSource = rng if rng is not None else random.Random()
+        self._rng = rng if rng is not None else random.Random()
         self.published = 0
         self.failures = 0
         self._failing = False  # log one warning per outage, not one per event
-        self._unknown_kinds: set[str] = set()
+        self._pending: set[object] = set()
+
+    def build(self, kind: type[RoutingEvent], **fields: object) -> RoutingEvent:
+        return kind(
+            id=f"{self._rng.getrandbits(64):016x}",
+            at=self._clock(),
+            instance=self.instance,
+            **fields,  # type: ignore[arg-type]
+        )
+
+    def emit(self, kind: type[RoutingEvent], **fields: object) -> None:
+        """Build and send an event without waiting (the hot path)."""
+        import asyncio
+
+        try:
+            event = self.build(kind, **fields)
+        except Exception as exc:  # a bug in an announcement must not fail the change
+            self._failed(f"cannot build a {kind.__name__} event", exc)
+            return
+        task = asyncio.ensure_future(self.publish(event))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
 
     async def publish(self, event: RoutingEvent) -> bool:
         """Send `event`; True if handed to the client, False (logged, counted) if not."""
@@ -315,56 +269,7 @@ class EventPublisher:
             _log.info("publishing events again")
         return True
 
-    async def publish_pin_created(self, pin: Pin, lease: Lease | None = None) -> bool:
-        return await self.publish(
-            pin_created_event(
-                pin,
-                lease=lease,
-                event_id=new_token(self._rng),
-                at=self._clock(),
-                instance=self.instance,
-            )
-        )
-
-    async def publish_pin_moved(self, from_pin: Pin, pin: Pin, lease: Lease | None = None) -> bool:
-        return await self.publish(
-            pin_moved_event(
-                from_pin,
-                pin,
-                lease=lease,
-                event_id=new_token(self._rng),
-                at=self._clock(),
-                instance=self.instance,
-            )
-        )
-
-    async def publish_reaper_actions(
-        self, actions: Iterable[ReaperAction], cause: ReaperCause
-    ) -> int:
-        """Publish one event per action, in order; the number sent."""
-        sent = 0
-        for action in actions:
-            try:
-                event = reaper_action_event(
-                    action,
-                    cause=cause,
-                    event_id=new_token(self._rng),
-                    at=self._clock(),
-                    instance=self.instance,
-                )
-            except ValueError:
-                self.failures += 1
-                if action.kind not in self._unknown_kinds:
-                    self._unknown_kinds.add(action.kind)
-                    _log.error(
-                        "reaper action kind %r has no event; such changes go unannounced",
-                        action.kind,
-                    )
-                continue
-            sent += await self.publish(event)
-        return sent
-
-    def _failed(self, what: str, exc: Exception) -> None:
+    def _failed(self, what: str, exc: BaseException) -> None:
         self.failures += 1
         if not self._failing:
             self._failing = True

@@ -24,11 +24,15 @@ judge staleness, so hosts must keep their clocks in sync (NTP: a few ms matter l
 
 from __future__ import annotations
 
-from typing import Literal
+import math
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from llmgw.core.engine_metrics import EngineDialect, EngineSample
+
+if TYPE_CHECKING:
+    from llmgw.config.schema import Config
 
 __all__ = [
     "ENDPOINT_EVENT_VERBS",
@@ -39,6 +43,7 @@ __all__ = [
     "EndpointReport",
     "LoadSample",
     "PoolReport",
+    "capacity_floors",
     "endpoint_event_subject",
     "pool_event_subject",
     "report_key",
@@ -54,6 +59,27 @@ POOL_EVENT_VERBS = ("measured",)
 # interval, so surviving a server restart is worth nothing; history 1: only the latest counts.
 LOAD_BUCKET_STORAGE = "memory"
 LOAD_BUCKET_HISTORY = 1
+
+
+def capacity_floors(config: Config) -> dict[str, int]:
+    """Each managed endpoint's batch capacity before anything was observed: its ``capacity``,
+    else a simulated engine's ``max_num_seqs``, else ``scoring.target_inflight`` scaled by its
+    weight relative to the heaviest managed endpoint (at least 1). Never 0: a cold engine with
+    free slots must not look full."""
+    managed = {p.id for p in config.providers if p.kind == "managed"}
+    endpoints = [e for e in config.endpoints if e.provider in managed]
+    top = max((e.weight for e in endpoints), default=1)
+    floors = {}
+    for endpoint in endpoints:
+        simulated = getattr(endpoint.simulate, "max_num_seqs", None)
+        if endpoint.capacity is not None:
+            floors[endpoint.id] = endpoint.capacity
+        elif simulated is not None:
+            floors[endpoint.id] = int(simulated)
+        else:
+            scaled = config.scoring.target_inflight * endpoint.weight / top
+            floors[endpoint.id] = max(1, math.ceil(scaled))
+    return floors
 
 
 def report_key(endpoint_id: str) -> str:
@@ -75,14 +101,15 @@ def pool_event_subject(verb: str, provider: str) -> str:
 
 
 class LoadSample(BaseModel):
-    """The engine's own load gauges at scrape time (see llmgw.core.engine_metrics)."""
+    """The engine's own load gauges at scrape time (see llmgw.core.engine_metrics); a gauge the
+    engine does not expose is None."""
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 
     dialect: EngineDialect
-    running: int = Field(ge=0)
-    waiting: int = Field(ge=0)
-    kv_usage: float = Field(ge=0, le=1)
+    running: int | None = Field(None, ge=0)
+    waiting: int | None = Field(None, ge=0)
+    kv_usage: float | None = Field(None, ge=0, le=1)
 
     @classmethod
     def from_core(cls, sample: EngineSample) -> LoadSample:
@@ -100,8 +127,10 @@ class LoadSample(BaseModel):
 class EndpointReport(BaseModel):
     """One endpoint at one scrape.
 
-    Invariants: ``sample`` is None exactly when the metrics could not be read (``metrics_error``
-    says why); ``healthy`` is the /health probe's verdict (False also when unreachable);
+    Invariants: ``sample`` is None when the engine exposes no load gauges or they could not be
+    read (``metrics_error`` says why); ``metrics`` says which: "full" (running, waiting and KV
+    usage), "partial", "none" (no load gauges: the gateway's own accounting carries the load),
+    or "error" (unreadable); ``healthy`` is the /health probe's verdict (False also when unreachable);
     ``capacity`` is the batch capacity learned so far (the high-water mark of ``running``, never
     decreasing within one scraper's life); ``saturation`` is the scraper's own reading, for
     dashboards: admission recomputes it with its own grants counted.
@@ -117,6 +146,7 @@ class EndpointReport(BaseModel):
     healthy: bool
     health_error: str | None = None
     sample: LoadSample | None = None
+    metrics: Literal["full", "partial", "none", "error"] | None = None
     metrics_error: str | None = None
     capacity: int = Field(0, ge=0)
     saturation: float | None = None

@@ -1,9 +1,13 @@
 """Versioned wire messages and the NATS subjects they travel on.
 
-Every message carries `v` (the schema version). A receiver rejects a version
-it does not know instead of guessing. Request bodies never cross NATS: only
-the metadata admission needs (a few hundred bytes), so the 1 MB NATS payload
-limit never matters. docs/architecture.md lists the subjects.
+Every message carries `v` (the schema version, 2 since admission at memory speed). A receiver
+rejects a version it does not know instead of guessing, and ignores fields it does not know.
+Core values travel as themselves: a lease is `llmgw.core.ledger.LeaseRecord`, a shard's state
+`llmgw.core.ledger.ShardState`, a refusal `llmgw.core.outcomes.Refusal`; pydantic is the one
+codec (no mirror classes, no JSON inside JSON). Request bodies never cross NATS: only a few
+hundred bytes of metadata do. docs/architecture.md lists the subjects; the internal ones
+(admission requests, leases, gossip) are not a public interface, the events and request
+stats are.
 """
 
 from __future__ import annotations
@@ -11,177 +15,235 @@ from __future__ import annotations
 import enum
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
-from llmgw.core.leasekeys import LeaseKind, PinValue
-from llmgw.core.leases import Lease as CoreLease
-from llmgw.core.leases import Pin as CorePin
+from llmgw.core.ledger import LeaseRecord, ShardState
+from llmgw.core.outcomes import Refusal
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2
 
-# Subjects: one vocabulary, `llmgw.v1.<service>.<verb>`.
-ADMISSION_REQUEST_SUBJECT = "llmgw.v1.admission.request"
-ADMISSION_QUEUE_GROUP = "admission"
+# ---- subjects: one vocabulary, `llmgw.v1.<service>.<verb>[.<token>]` -------------------------
+
+# Edge -> the owner of a shard (request/reply): may this request run now, and where?
+ADMISSION_REQUEST_PREFIX = "llmgw.v1.admission.request."
+# Edge -> the owner of a shard (request/reply): the edge's complete list of its live leases there.
+ADMISSION_LEASES_PREFIX = "llmgw.v1.admission.leases."
+# Admission instance -> one instance (request/reply): a shard handed over with its state.
+ADMISSION_HANDOVER_PREFIX = "llmgw.v1.admission.handover."
+# A new shard owner -> every edge (request, many replies): which leases do you hold in these shards?
+ADMISSION_ROLLCALL_SUBJECT = "llmgw.v1.admission.rollcall"
+# Request/reply, every instance answers: liveness, and what it holds (`llmgw state`).
 ADMISSION_HEALTH_SUBJECT = "llmgw.v1.admission.health"
+ADMISSION_STATE_SUBJECT = "llmgw.v1.admission.state"
 # Edge -> every admission instance: the client of a queued request has gone.
 ADMISSION_CANCEL_SUBJECT = "llmgw.v1.admission.cancel"
-# Admission instance -> the others: its queue depths, and the grants it made (flow control).
+# Admission instance -> the others: its queue depths, and its inflight per endpoint.
 ADMISSION_FLOW_SUBJECT = "llmgw.v1.admission.flow"
-ADMISSION_GRANTS_SUBJECT = "llmgw.v1.admission.grants"
-# Edge -> every admission instance: a request admission counted on an endpoint has ended.
-ADMISSION_DONE_SUBJECT = "llmgw.v1.admission.done"
-# Edge -> anyone (admission's rate balancers): one finished upstream request's stats.
+ADMISSION_LOAD_SUBJECT = "llmgw.v1.admission.load"
+# Edge -> anyone: a request ended (its lease's release for the shard owner, the flow-control
+# count, and the rate balancers' and breakers' sample). Public: usage and cost reports read it.
 REQUEST_STATS_SUBJECT = "llmgw.v1.stats.request"
+
+
+def admission_subject(shard: int) -> str:
+    return f"{ADMISSION_REQUEST_PREFIX}{shard}"
+
+
+def leases_subject(shard: int) -> str:
+    return f"{ADMISSION_LEASES_PREFIX}{shard}"
+
+
+def handover_subject(instance: str) -> str:
+    return f"{ADMISSION_HANDOVER_PREFIX}{instance}"
 
 
 class _Message(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
 
-class AdmitRequest(_Message):
-    """Edge -> admission: may this request run now, and where?
+class FailedAttempt(_Message):
+    """The attempt a retry follows: its endpoint failed before anything reached the client."""
 
-    `session_id` is already a hash (never raw client text); `band` and
-    `tenant` feed flow control. Sent on ADMISSION_REQUEST_SUBJECT to the
-    ADMISSION_QUEUE_GROUP, so exactly one admission instance answers.
+    attempt: str  # the failed attempt's id (its RequestEnded carries the same `id`)
+    endpoint: str
+    outcome: str  # llmgw.core.outcomes.Outcome value
+    status: int | None = None
+    retry_after: float | None = None
+
+
+class AdmitRequest(_Message):
+    """Edge -> the owner of `shard` (`admission_subject(shard)`): may this run now, and where?
+
+    `session` is already a hash (never raw client text); `shard` is the session's shard, or
+    any shard for a request without a session. A retry names the lease of the attempt it
+    follows (`retry_of`, released first, atomically with the new decision) and how that attempt
+    failed (`failed`: the breakers learn it before the retry is placed); `exclude` lists every
+    endpoint this request already tried.
     """
 
-    v: Literal[1] = 1
-    request_id: str
-    edge_id: str
+    v: Literal[2] = 2
+    id: str
+    edge: str
     model: str
     feature: Literal["chat", "completions", "embeddings"]
+    shard: int = Field(ge=0)
     stream: bool = False
-    session_id: str | None = None
+    session: str | None = None
     band: str | None = None
     tenant: str | None = None
-    # Endpoints the edge already tried for this request (retries go elsewhere).
-    exclude_endpoints: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+    retry_of: str | None = None
+    failed: FailedAttempt | None = None
 
 
 class Target(_Message):
-    """Where an admitted request goes."""
+    """Where an admitted request goes. `priority`: the engine-side priority to send (only for
+    endpoints that opted in: `endpoints[].priority_scheduling`)."""
 
     provider: str
     provider_kind: Literal["managed", "unlimited"]
     endpoint: str
     url: str
     upstream_model: str
+    priority: int | None = None
 
 
-class Lease(_Message):
-    """A request lease; the edge owns it from the reply until it releases it.
-
-    `key` and `revision` identify the lease record in the routing-state
-    bucket so that renew and release are compare-and-swap operations; the
-    other fields are what the record holds (see llmgw.core.leases.Lease).
-    """
-
-    key: str
-    revision: int
-    lease_id: str
-    kind: Literal["pinned", "new_pin", "temporary"]
-    provider: str
-    model: str
-    session: str | None = None
-    pin_id: str | None = None
-    edge_id: str
-    granted_at: float
-    renewed_at: float
-    slot: int | None = None
-
-    @classmethod
-    def from_core(cls, lease: CoreLease) -> Lease:
-        return cls(
-            key=lease.key,
-            revision=lease.revision,
-            lease_id=lease.lease_id,
-            kind=lease.kind.value,
-            provider=lease.provider,
-            model=lease.model,
-            session=lease.session,
-            pin_id=lease.pin_id,
-            edge_id=lease.edge_id,
-            granted_at=lease.granted_at,
-            renewed_at=lease.renewed_at,
-            slot=lease.slot,
-        )
-
-    def to_core(self) -> CoreLease:
-        return CoreLease(
-            key=self.key,
-            revision=self.revision,
-            lease_id=self.lease_id,
-            kind=LeaseKind(self.kind),
-            provider=self.provider,
-            model=self.model,
-            session=self.session,
-            pin_id=self.pin_id,
-            edge_id=self.edge_id,
-            granted_at=self.granted_at,
-            renewed_at=self.renewed_at,
-            slot=self.slot,
-        )
-
-
-class PinRef(_Message):
-    """The session's pin as admission left it: a hint that saves the edge a read on release."""
-
-    key: str
-    revision: int
-    value: str  # the pin's JSON value (llmgw.core.leasekeys.PinValue)
-
-    @classmethod
-    def from_core(cls, pin: CorePin) -> PinRef:
-        return cls(key=pin.key, revision=pin.revision, value=pin.value.to_json().decode())
-
-    def to_core(self) -> CorePin:
-        return CorePin(self.key, self.revision, PinValue.from_json(self.value.encode()))
-
-
-class RejectReason(enum.StrEnum):
-    """Why admission said no; the edge maps each to one client-facing outcome."""
-
-    UNSUPPORTED = "unsupported"  # no provider serves this model with this feature
-    NO_CAPACITY = "no_capacity"  # every candidate is degraded, full or unhealthy
-    UNKNOWN_MODEL = "unknown_model"
-    UNKNOWN_BAND = "unknown_band"
-    MALFORMED = "malformed"  # the request did not parse (e.g. an edge of another version)
-    QUEUE_FULL = "queue_full"  # flow control: the band's queue is at capacity
-    QUEUE_TIMEOUT = "queue_timeout"  # flow control: waited admission.queue_ttl
-    CANCELLED = "cancelled"  # the edge said its client left while the request was queued
+class ReplyStatus(enum.StrEnum):
+    QUEUED = "queued"  # a progress reply: the request waits in flow control; the answer follows
+    ADMITTED = "admitted"
+    REFUSED = "refused"
 
 
 class AdmitReply(_Message):
-    """Admission -> edge: a target (and lease, once leases exist) or a rejection."""
+    """Owner -> edge. QUEUED first when the request waits (so the edge can tell a queue from an
+    admission service that does not answer), then ADMITTED (target, lease) or REFUSED."""
 
-    v: Literal[1] = 1
-    request_id: str
-    admitted: bool
+    v: Literal[2] = 2
+    id: str
+    status: ReplyStatus
     target: Target | None = None
-    lease: Lease | None = None
-    pin: PinRef | None = None
-    # How the request relates to its session's pin (llmgw.core.pinning.Route).
-    route: str | None = None
-    # The model that serves it: the one asked for, or one of its fallbacks (models[].fallbacks)
-    # when every provider of the asked model was degraded or full.
-    served_model: str | None = None
-    # Release the lease with refresh_pin=True if the request succeeds.
-    refresh_pin_on_success: bool = False
-    reject_reason: RejectReason | None = None
+    lease: LeaseRecord | None = None
+    route: str | None = None  # llmgw.core.placement.Route
+    served_model: str | None = None  # the model asked for, or the fallback that serves it
+    refresh: bool = False  # release with refresh on success (the pin's countdown restarts)
+    refusal: Refusal | None = None
     message: str | None = None
-    retry_after_s: float | None = None
-    # Set when admission counts the request against the target endpoint's load: the edge
-    # announces the request's end with it (RequestDone), so the count ends with the request.
-    granted_at: float | None = None
+    retry_after: float | None = None
+    owner: str | None = None  # the instance that decided (renewals go to the shard's owner)
+    edges: int | None = None  # edges the owner has heard from recently (local outage limits)
+
+
+class RequestEnded(_Message):
+    """Edge -> REQUEST_STATS_SUBJECT: one request ended (after each upstream attempt).
+
+    For the shard's owner: the lease to release (`lease`, `shard`), refreshing the pin if
+    `refresh`. For every admission instance: a rate-balancer sample (`latency` from sending it
+    upstream to its end, tokens from the response's usage, zero for a failure) and the breakers'
+    evidence (`outcome`, `status`, `retry_after`). For operators: usage per model, provider,
+    endpoint and tenant.
+    """
+
+    v: Literal[2] = 2
+    id: str
+    edge: str
+    lease: str | None = None
+    shard: int | None = None
+    refresh: bool = False
+    ok: bool
+    outcome: str
+    model: str
+    served_model: str | None = None
+    provider: str
+    endpoint: str
+    route: str | None = None
+    tenant: str | None = None
+    ended_at: float
+    latency: float = 0.0  # seconds from sending upstream to the end; 0 if never sent
+    sent: bool = True  # the request reached the upstream (stats are samples only then)
+    input_tokens: int = 0
+    output_tokens: int = 0
+    status: int | None = None
+    retry_after: float | None = None
+
+
+class LeaseRenewal(_Message):
+    """Edge -> the owner of `shard` (`leases_subject(shard)`): every lease it holds there.
+
+    Complete by definition: the owner renews these, reports those it does not hold (`lost`),
+    and ends the edge's other leases in the shard that are old enough to have been listed.
+    """
+
+    v: Literal[2] = 2
+    edge: str
+    shard: int
+    leases: tuple[str, ...]
+
+
+class LeaseRenewalReply(_Message):
+    v: Literal[2] = 2
+    lost: tuple[str, ...] = ()
+    owner: str | None = None
+    edges: int | None = None
+
+
+class RollCall(_Message):
+    """A new owner of `shards` -> every edge: answer with your leases in them."""
+
+    v: Literal[2] = 2
+    owner: str
+    shards: tuple[int, ...]
+
+
+class RollCallAnswer(_Message):
+    v: Literal[2] = 2
+    edge: str
+    leases: tuple[LeaseRecord, ...]
+
+
+class Handover(_Message):
+    """The old owner -> the new owner of a shard: its pins and leases, quota already moved."""
+
+    v: Literal[2] = 2
+    source: str
+    state: ShardState
+
+
+class HandoverReply(_Message):
+    v: Literal[2] = 2
+    accepted: bool
+    refused: tuple[str, ...] = ()  # lease ids the new owner could not cover
 
 
 class HealthReply(_Message):
     """Answer on ADMISSION_HEALTH_SUBJECT: who is alive (every instance answers)."""
 
-    v: Literal[1] = 1
+    v: Literal[2] = 2
     service: str
     instance: str
+    shards: int = 0  # shards it serves now
+    serving: bool = True
+
+
+class PairHolding(_Message):
+    provider: str
+    model: str
+    leases: int
+    unreserved: int
+    pins: int
+    g: int | None = None
+    u: int | None = None
+    p: int | None = None
+
+
+class StateReply(_Message):
+    """Answer on ADMISSION_STATE_SUBJECT (every instance): what it holds, for `llmgw state`."""
+
+    v: Literal[2] = 2
+    instance: str
+    shards: tuple[int, ...]
+    pairs: tuple[PairHolding, ...]
+    leases_by_kind: dict[str, int] = {}
+    edges: int = 0
 
 
 class AdmitCancel(_Message):
@@ -191,8 +253,8 @@ class AdmitCancel(_Message):
     granted is not affected: the edge releases the lease it receives.
     """
 
-    v: Literal[1] = 1
-    request_id: str
+    v: Literal[2] = 2
+    id: str
 
 
 class FlowState(_Message):
@@ -202,7 +264,7 @@ class FlowState(_Message):
     state not refreshed for a few seconds is forgotten (its instance is gone).
     """
 
-    v: Literal[1] = 1
+    v: Literal[2] = 2
     instance: str
     # The routing bucket the instance serves: gateways sharing one NATS server stay apart.
     scope: str
@@ -210,52 +272,15 @@ class FlowState(_Message):
     waiting: dict[str, dict[str, int]]
 
 
-class FlowGrants(_Message):
-    """Grants one admission instance made, as (endpoint, unix time) pairs (ADMISSION_GRANTS_SUBJECT).
+class FlowLoad(_Message):
+    """One admission instance's live leases per managed endpoint (ADMISSION_LOAD_SUBJECT).
 
-    Other instances count them against the endpoint's saturation until a scrape taken after
-    them shows the request in the engine's own numbers.
+    Sent on change (coalesced) and every second; every other instance counts them into the
+    endpoint's inflight, so all of them see the same load (forgotten after a few seconds).
     """
 
-    v: Literal[1] = 1
+    v: Literal[2] = 2
     instance: str
-    scope: str  # as in FlowState
-    grants: list[tuple[str, float]]
-
-
-class RequestDone(_Message):
-    """Edge -> all admission instances (ADMISSION_DONE_SUBJECT): a counted request has ended.
-
-    ``endpoint`` and ``granted_at`` are the target and `AdmitReply.granted_at` of the request.
-    Instances stop counting it against the endpoint at once instead of at the next scrape, so
-    short requests do not look like load for a whole scrape interval. Best effort: a lost one
-    only delays that to the next scrape.
-    """
-
-    v: Literal[1] = 1
-    endpoint: str
-    granted_at: float
-    ended_at: float  # unix seconds, the edge's clock
-
-
-class RequestStats(_Message):
-    """Edge -> REQUEST_STATS_SUBJECT: one upstream request, as a rate balancer sample.
-
-    ``latency`` is seconds from sending the request upstream to its end; the tokens come from
-    the response's usage (zero for a failed request, ``ok`` False). Every admission instance
-    learns deployment rates from every edge's traffic this way (llmgw.core.balancer).
-    """
-
-    v: Literal[1] = 1
-    endpoint: str
-    provider: str
-    ended_at: float  # unix seconds, the edge's clock
-    latency: float
-    ok: bool
-    input_tokens: int = 0
-    output_tokens: int = 0
-    # How the request ended (llmgw.core.outcomes.Outcome); the upstream's status and Retry-After
-    # (seconds) when it answered with an error. Breakers count upstream_* outcomes as failures.
-    outcome: str = "success"
-    status: int | None = None
-    retry_after_s: float | None = None
+    scope: str
+    at: float
+    inflight: dict[str, int]

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from llmgw.core.balancer import BalancerSettings, RateSample, RateWindows, choose, weights
-from llmgw.wire import RequestStats
+from llmgw.wire import RequestEnded
 
 # Outcomes that are the endpoint's failure (llmgw.core.outcomes.Outcome values).
 UPSTREAM_FAILURES = frozenset(
@@ -49,12 +49,14 @@ class RateBoard:
         self._known = {e.id for e in config.endpoints}
         self._rng = rng or random.Random()
         self._clock = clock
+        self.max_exploring = config.balancer.max_exploring
         self.samples = 0
 
-    def add(self, stats: RequestStats) -> None:
+    def add(self, stats: RequestEnded) -> None:
         """A sample: a success with its tokens, or an upstream failure with none. Anything else
-        (the client left, the engine refused the request itself) says nothing about the rate."""
-        if stats.endpoint not in self._known:
+        (the client left, the engine refused the request itself, it never reached the upstream)
+        says nothing about the rate."""
+        if stats.endpoint not in self._known or not stats.sent:
             return  # another gateway's endpoint, or a config this instance does not have
         if not (stats.ok or stats.outcome in UPSTREAM_FAILURES):
             return
@@ -69,9 +71,13 @@ class RateBoard:
             ),
         )
 
-    def weights(self, endpoint_ids: Sequence[str]) -> dict[str, float]:
+    def weights(
+        self, endpoint_ids: Sequence[str], exploring: Mapping[str, int] | None = None
+    ) -> dict[str, float]:
+        """The balancer's weights; ``exploring``: this instance's requests in flight per
+        endpoint (caps exploration of endpoints without samples: `balancer.max_exploring`)."""
         rates = self.windows.snapshot(endpoint_ids, self._clock())
-        return weights(rates, self.windows.settings)
+        return weights(rates, self.windows.settings, exploring, self.max_exploring)
 
     def pick(self, endpoint_ids: Sequence[str]) -> str:
         return choose(self.weights(endpoint_ids), self._rng)

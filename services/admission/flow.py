@@ -1,25 +1,27 @@
 """Flow control inside one admission instance: queues, the dispatch tick and gossip with peers.
 
-The decisions are `llmgw.core.flow`'s; this adapter owns the asyncio side:
+Flow control answers *when*; placement (`llmgw.core.placement`) answers *where*. The decisions
+are `llmgw.core.flow`'s; this adapter owns the asyncio side:
 
-- `admit` gates an arriving request. Granted at once when nobody of its pool waits ahead of it
-  and the pool is within its band's ceiling (work conservation: an unsaturated pool costs one
-  synchronous check, no tick, no wait); otherwise it waits in this instance's queue until the
-  tick grants it, overflows it, or it expires (queue_ttl) or is cancelled;
+- `check` gates an arriving request: GRANTED when nobody of its pool waits ahead of it and the
+  pool is within its band's ceiling (work conservation: an unsaturated pool costs one
+  synchronous check, no tick, no wait), OVERFLOW when the pool is above the ceiling of a band
+  that overflows, QUEUE_FULL, or a future that the tick resolves;
 - the tick runs every ``admission.interval``: expires, then dispatches each pool's queues by
-  `plan_dispatch`;
-- every grant reserves its endpoint on the `LoadBoard` at once (so the next check sees it) and
-  is announced to the other instances (ADMISSION_GRANTS_SUBJECT), batched per event-loop turn;
+  `plan_dispatch`. Each dispatched waiter is handed to ``dispatch`` *synchronously, inside the
+  tick*: the service places it and counts it on its endpoint before the next waiter is
+  considered, so the tick never grants on a load that does not include its own grants. The
+  waiter's future then carries whatever ``dispatch`` returned;
 - this instance's waiting counts go to the others on ADMISSION_FLOW_SUBJECT when they change
   (at most once per tick) and every second while non-empty; theirs feed `plan_dispatch`'s
   ``remote`` and the arrival check, so a band waiting in another instance is not overtaken.
 
 Semantics across instances (docs/architecture.md, "Flow control"): all instances work against
-one shared saturation (the same scraper reports, everybody's grants); together they grant at
-most a pool's headroom plus one request per other instance with waiters in the band per
-dispatch round; strict priority holds across instances as far as gossip has arrived (< 1 ms on
-one NATS server); an instance that dies takes its queue with it (its clients' NATS requests time
-out and the edge answers 503 admission_unavailable).
+one shared load (the same scraper reports, every instance's live leases by `FlowLoad` gossip);
+together they grant at most a pool's headroom plus one request per other instance with waiters
+in the band per dispatch round; strict priority holds across instances as far as gossip has
+arrived (< 1 ms on one NATS server); an instance that dies takes its queue with it (its clients
+get 503 admission_unavailable: nothing is leaked, a waiting request holds no lease).
 """
 
 from __future__ import annotations
@@ -35,14 +37,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from llmgw.core.flow import BandPolicy, FlowQueues, GateDecision, Waiter, gate, plan_dispatch
-from llmgw.wire import (
-    ADMISSION_CANCEL_SUBJECT,
-    ADMISSION_FLOW_SUBJECT,
-    ADMISSION_GRANTS_SUBJECT,
-    AdmitCancel,
-    FlowGrants,
-    FlowState,
-)
+from llmgw.wire import ADMISSION_CANCEL_SUBJECT, ADMISSION_FLOW_SUBJECT, AdmitCancel, FlowState
 
 if TYPE_CHECKING:
     from nats.aio.client import Client as NATS
@@ -59,6 +54,8 @@ STATE_HEARTBEAT = 1.0  # seconds between FlowState messages while anything waits
 STATE_FORGET_AFTER = 3.0  # a peer's state older than this is dropped (the peer is gone)
 CANCEL_MEMORY = 5.0  # seconds a cancel for a request not (yet) queued here is remembered
 
+Dispatch = Callable[[Waiter, GateDecision], Any]
+
 
 def band_policies(config: Config) -> list[BandPolicy]:
     bands = [
@@ -68,20 +65,13 @@ def band_policies(config: Config) -> list[BandPolicy]:
     return sorted(bands, key=lambda b: -b.priority)
 
 
-@dataclass(frozen=True, slots=True)
-class Admission:
-    """Flow control's answer: the decision and, for a grant, the endpoint reserved for it."""
-
-    decision: GateDecision
-    endpoint: str | None = None
-    reserved_at: float | None = None
-    waited: float = 0.0
-
-
 @dataclass(slots=True)
-class _Ticket:
-    future: asyncio.Future[Admission]
+class Ticket:
+    """A queued request's handle: the future its handler awaits, and the service's context."""
+
+    future: asyncio.Future[Any]
     can_overflow: bool
+    context: Any
 
 
 class FlowControl:
@@ -94,6 +84,7 @@ class FlowControl:
         nc: NATS,
         instance: str,
         metrics: AdmissionMetrics,
+        dispatch: Dispatch,
         *,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -108,10 +99,10 @@ class FlowControl:
         self._nc = nc
         self.instance = instance
         self._metrics = metrics
+        self._dispatch = dispatch
         self._clock = clock
         self._peers: dict[str, FlowState] = {}
         self._cancelled: dict[str, float] = {}
-        self._unsent_grants: list[tuple[str, float]] = []
         self._published: dict[str, dict[str, int]] = {}
         self._published_at = 0.0
         self._subs: list[Subscription] = []
@@ -144,70 +135,77 @@ class FlowControl:
             if b.priority >= band.priority
         )
 
-    def reserve(self, model: str, now: float) -> Admission:
-        """A grant: reserve the least saturated endpoint of the model's pool (if it has one)."""
-        pool = self._board.pool(model, now)
-        endpoint = pool.least_saturated() if pool is not None else None
-        if endpoint is None:
-            return Admission(GateDecision.GRANTED)
-        self.reserve_endpoint(endpoint, now)
-        return Admission(GateDecision.GRANTED, endpoint, now)
-
-    def reserve_endpoint(self, endpoint: str, now: float) -> None:
-        """Count a grant against `endpoint` here and, by gossip, in every other instance."""
-        self._board.record_grant(endpoint, now)
-        self._announce_grant(endpoint, now)
-
-    async def admit(
-        self, request_id: str, model: str, band: BandPolicy, tenant: str, *, can_overflow: bool
-    ) -> Admission:
+    def check(
+        self,
+        request_id: str,
+        model: str,
+        band: BandPolicy,
+        tenant: str,
+        *,
+        can_overflow: bool,
+        context: Any = None,
+    ) -> GateDecision | asyncio.Future[Any]:
+        """GRANTED / OVERFLOW (place it now), QUEUE_FULL or CANCELLED (refuse it), or the future
+        of its place in the queue (resolved by the tick with ``dispatch``'s result, or with
+        EXPIRED, CANCELLED or a `drop` reason)."""
         now = self._clock()
         if self._cancelled.pop(request_id, None) is not None:
-            return Admission(GateDecision.CANCELLED)
+            return GateDecision.CANCELLED
         pool = self._board.pool(model, now)
         decision = gate(band, pool, self._ahead(model, band, now))
         if decision is GateDecision.OVERFLOW and not can_overflow:
             decision = GateDecision.QUEUED
-        if decision is GateDecision.GRANTED:
-            return self.reserve(model, now)
-        if decision is GateDecision.OVERFLOW:
-            return Admission(GateDecision.OVERFLOW)
-        future: asyncio.Future[Admission] = asyncio.get_running_loop().create_future()
-        waiter = Waiter(request_id, model, band.name, tenant, now, _Ticket(future, can_overflow))
+        if decision is not GateDecision.QUEUED:
+            return decision
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        waiter = Waiter(
+            request_id, model, band.name, tenant, now, Ticket(future, can_overflow, context)
+        )
         if not self.queues.offer(waiter):
-            return Admission(GateDecision.QUEUE_FULL)
+            return GateDecision.QUEUE_FULL
         self._metrics.queue_depth.labels(band.name).inc()
-        try:
-            return await future
-        finally:
-            if not future.done():  # the NATS handler was cancelled (service stopping)
-                self._leave(waiter)
+        future.add_done_callback(lambda f, w=waiter: self._abandoned(f, w))
+        return future
+
+    def _abandoned(self, future: asyncio.Future[Any], waiter: Waiter) -> None:
+        """The handler awaiting this future was cancelled (the service is stopping)."""
+        if future.cancelled() and self.queues.cancel(waiter.request_id) is not None:
+            self._metrics.queue_depth.labels(waiter.band).dec()
 
     def cancel(self, request_id: str) -> bool:
-        """Drop a queued request; its `admit` returns CANCELLED. False if not queued here."""
+        """Drop a queued request; its future gets CANCELLED. False if not queued here."""
         waiter = self.queues.cancel(request_id)
         if waiter is None:
             self._cancelled[request_id] = self._clock()
             return False
-        self._resolve(waiter, Admission(GateDecision.CANCELLED), self._clock())
+        self._resolve(waiter, GateDecision.CANCELLED, self._clock())
         return True
 
-    def _leave(self, waiter: Waiter) -> None:
-        if self.queues.cancel(waiter.request_id) is not None:
-            self._metrics.queue_depth.labels(waiter.band).dec()
+    def drop(self, wanted: Callable[[Any], bool], result: Any) -> int:
+        """Answer every queued request whose context `wanted` accepts with `result` (their
+        shard moved away: they ask its new owner)."""
+        now = self._clock()
+        dropped = 0
+        for model in self.queues.models():
+            for band in self.bands:
+                for waiter in self.queues.take_matching(
+                    model, band.name, lambda w: wanted(w.token.context)
+                ):
+                    self._resolve(waiter, result, now, decision="dropped")
+                    dropped += 1
+        return dropped
 
-    def _resolve(self, waiter: Waiter, admission: Admission, now: float) -> None:
+    def _resolve(
+        self, waiter: Waiter, result: Any, now: float, decision: str | None = None
+    ) -> None:
         """Answer a waiter that has already left the queue."""
         self._metrics.queue_depth.labels(waiter.band).dec()
         waited = max(0.0, now - waiter.enqueued_at)
-        self._metrics.queue_wait.labels(waiter.band, admission.decision.value).observe(waited)
-        ticket: _Ticket = waiter.token
+        label = decision or (result.value if isinstance(result, GateDecision) else "granted")
+        self._metrics.queue_wait.labels(waiter.band, label).observe(waited)
+        ticket: Ticket = waiter.token
         if not ticket.future.done():
-            ticket.future.set_result(
-                Admission(admission.decision, admission.endpoint, admission.reserved_at, waited)
-            )
-        elif admission.endpoint is not None and admission.reserved_at is not None:
-            self._board.forget_grant(admission.endpoint, admission.reserved_at)
+            ticket.future.set_result(result)
 
     # ---- the dispatch tick ------------------------------------------------------------------
 
@@ -216,16 +214,24 @@ class FlowControl:
         now = self._clock()
         answered = 0
         for waiter in self.queues.expire(now):
-            self._resolve(waiter, Admission(GateDecision.EXPIRED), now)
+            self._resolve(waiter, GateDecision.EXPIRED, now)
             answered += 1
         for model in self.queues.models():
-            answered += self._dispatch(model, now)
+            answered += self._dispatch_pool(model, now)
         self._publish_state(now)
         if len(self._cancelled) > 1000 or (self._cancelled and answered == 0):
             self._cancelled = {r: t for r, t in self._cancelled.items() if now - t < CANCEL_MEMORY}
         return answered
 
-    def _dispatch(self, model: str, now: float) -> int:
+    def _run_dispatch(self, waiter: Waiter, decision: GateDecision, now: float) -> None:
+        try:
+            result = self._dispatch(waiter, decision)
+        except Exception:
+            log.exception("dispatching request %s failed", waiter.request_id)
+            result = GateDecision.EXPIRED
+        self._resolve(waiter, result, now, decision=decision.value)
+
+    def _dispatch_pool(self, model: str, now: float) -> int:
         local = self.queues.waiting(model)
         remote = self._remote_waiting(model, now) if self._peers else {}
         pool = self._board.pool(model, now)
@@ -236,7 +242,7 @@ class FlowControl:
                 waiter = self.queues.take(model, band_name)
                 if waiter is None:
                     break
-                self._resolve(waiter, self.reserve(model, now), now)
+                self._run_dispatch(waiter, GateDecision.GRANTED, now)
                 answered += 1
         # Overflow bands held back by saturation leave for an unlimited provider.
         pool = self._board.pool(model, now)
@@ -245,14 +251,13 @@ class FlowControl:
         saturation = pool.saturation()
         for band in self.bands:
             if band.overflow and saturation > band.ceiling and local.get(band.name):
-                answered += self._overflow(model, band.name, now)
+                leaving = self.queues.take_matching(
+                    model, band.name, lambda w: w.token.can_overflow
+                )
+                for waiter in leaving:
+                    self._run_dispatch(waiter, GateDecision.OVERFLOW, now)
+                answered += len(leaving)
         return answered
-
-    def _overflow(self, model: str, band: str, now: float) -> int:
-        leaving = self.queues.take_matching(model, band, lambda w: w.token.can_overflow)
-        for waiter in leaving:
-            self._resolve(waiter, Admission(GateDecision.OVERFLOW), now)
-        return len(leaving)
 
     async def _run(self) -> None:
         while True:
@@ -266,17 +271,6 @@ class FlowControl:
             await asyncio.sleep(self.interval)
 
     # ---- gossip -----------------------------------------------------------------------------
-
-    def _announce_grant(self, endpoint: str, at: float) -> None:
-        if not self._unsent_grants:
-            asyncio.get_running_loop().call_soon(self._flush_grants)
-        self._unsent_grants.append((endpoint, at))
-
-    def _flush_grants(self) -> None:
-        grants, self._unsent_grants = self._unsent_grants, []
-        if grants and self._nc.is_connected:
-            message = FlowGrants(instance=self.instance, scope=self.scope, grants=grants)
-            self._spawn(self._publish(ADMISSION_GRANTS_SUBJECT, message.model_dump_json()))
 
     def _publish_state(self, now: float) -> None:
         waiting = {model: self.queues.waiting(model) for model in self.queues.models()}
@@ -310,21 +304,12 @@ class FlowControl:
             else:
                 self._peers.pop(state.instance, None)
 
-    async def _on_grants(self, msg: Msg) -> None:
-        try:
-            grants = FlowGrants.model_validate_json(msg.data)
-        except ValidationError:
-            return
-        if grants.instance != self.instance and grants.scope == self.scope:
-            for endpoint, at in grants.grants:
-                self._board.record_grant(endpoint, at)
-
     async def _on_cancel(self, msg: Msg) -> None:
         try:
             cancel = AdmitCancel.model_validate_json(msg.data)
         except ValidationError:
             return
-        if self.cancel(cancel.request_id):
+        if self.cancel(cancel.id):
             self._metrics.cancellations.inc()
 
     # ---- lifetime ---------------------------------------------------------------------------
@@ -332,7 +317,6 @@ class FlowControl:
     async def start(self) -> None:
         for subject, handler in (
             (ADMISSION_FLOW_SUBJECT, self._on_flow),
-            (ADMISSION_GRANTS_SUBJECT, self._on_grants),
             (ADMISSION_CANCEL_SUBJECT, self._on_cancel),
         ):
             self._subs.append(await self._nc.subscribe(subject, cb=handler))
@@ -342,7 +326,7 @@ class FlowControl:
         """Stop dispatching; requests still queued are answered EXPIRED (the edge's 503)."""
         now = self._clock()
         for waiter in self.queues.expire(float("inf")):
-            self._resolve(waiter, Admission(GateDecision.EXPIRED), now)
+            self._resolve(waiter, GateDecision.EXPIRED, now)
         self._publish_state(now)  # an empty state: peers forget this instance at once
         if self._publishing:
             await asyncio.wait(list(self._publishing), timeout=1)

@@ -1,35 +1,39 @@
-"""Endpoint load as an admission instance sees it: scraper reports plus grants not yet visible.
+"""Endpoint load as an admission instance sees it: the gateway's own accounting plus engine reports.
 
-`LoadBoard` is in-memory and synchronous (the decision path reads it without I/O); `LoadFollower`
-keeps it current from the load bucket the scraper writes (llmgw.load): it reads every endpoint's
-latest report at start, so a new instance has current state at once, then follows a KV watch.
+Inflight of a managed endpoint = this instance's live leases on it (exact: its ledger) + every
+other admission instance's (their `FlowLoad` gossip, forgotten after `PEER_FORGET_AFTER`) + the
+engine's *foreign* load (requests its metrics show that the gateway did not send). So a request
+counts from the moment it is granted to the moment its end message arrives: no lag behind the
+scraper, and no request counted after it ended (the phantom load a scrape-based count has).
 
-A grant made at time t for endpoint e (by this instance or, via flow-control gossip, another)
-counts against e's saturation until the edge announces the request's end, or a report of e
-scraped at or after t + `visibility_margin` arrives (by then the engine's own running/waiting numbers include the request), or until it is
-``router.stale_after`` old. Without this, a burst granted between two scrapes would pass the
-saturation check en masse (seed 002).
+Foreign load is estimated at each report: what the engine reported running + waiting, minus the
+most the gateway had on it in the window around the scrape (so requests that ended just after
+the scrape are not mistaken for somebody else's), never below 0.
 
-Health: each report's ``healthy`` goes to the `HealthBoard`, which the provider catalog reads to
-mark a managed provider degraded for a model when none of its endpoints serving it is healthy.
-An endpoint no report has mentioned counts as healthy and stale (saturated, never dropped).
+Batch capacity starts from the configuration (``endpoints[].capacity``, else a simulated
+engine's ``max_num_seqs``, else ``scoring.target_inflight`` scaled by the endpoint's weight) and
+is raised by the high-water mark of running the scraper learned: never 0.
+
+Health: each report's ``healthy`` goes to the `HealthBoard`. An endpoint no report has mentioned
+counts as healthy and stale (saturated, never dropped). `LoadFollower` keeps the board current
+from the load bucket (read at start, then a KV watch).
 """
 
 from __future__ import annotations
 
 import asyncio
-import bisect
 import contextlib
 import logging
+from collections import deque
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
 from llmgw.core.flow import PoolView
-from llmgw.core.saturation import EndpointLoad, SaturationSettings
+from llmgw.core.saturation import EndpointLoad, SaturationSettings, endpoint_saturation
 from llmgw.core.saturation import update as update_load
-from llmgw.load import REPORT_KEY_PREFIX, EndpointReport
+from llmgw.load import REPORT_KEY_PREFIX, EndpointReport, capacity_floors
 from llmgw.services.admission.health import HealthBoard
 
 if TYPE_CHECKING:
@@ -38,15 +42,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("llmgw.admission.load")
 
-# Seconds between a grant and the first scrape that can be trusted to show its request: the
-# edge's lease handling and dispatch to the engine come first (a few ms; this allows for a busy
-# host). Capped at a quarter of the scrape interval: a longer margin counts each grant twice for
-# a whole scrape (in the engine's numbers and as pending), which leaves batch slots idle.
-MAX_VISIBILITY_MARGIN = 0.1
-
-
-def visibility_margin(config: Config) -> float:
-    return min(MAX_VISIBILITY_MARGIN, config.router.scrape_interval / 4)
+PEER_FORGET_AFTER = 3.0  # seconds: a peer's load not refreshed for this long is dropped
+_BUCKET = 0.05  # seconds per history bucket of the gateway's inflight
+_HISTORY = 4.0  # seconds of history kept (more than a scrape's round trip)
+_WINDOW = 0.25  # seconds before a scrape in which the gateway's inflight is looked up
 
 
 def saturation_settings(config: Config) -> SaturationSettings:
@@ -58,38 +57,63 @@ def saturation_settings(config: Config) -> SaturationSettings:
 
 
 class LoadBoard:
-    """Latest load per managed endpoint, with pending grants; reads never block or do I/O."""
+    """Latest load per managed endpoint; reads never block or do I/O."""
 
     def __init__(self, config: Config, health: HealthBoard) -> None:
         self.settings = saturation_settings(config)
-        self.visibility_margin = visibility_margin(config)
         self.health = health
-        managed = {p.id for p in config.providers if p.kind == "managed"}
-        self._endpoints = [e.id for e in config.endpoints if e.provider in managed]
+        self.floors = capacity_floors(config)
+        self._endpoints = list(self.floors)
         self._serving: dict[str, list[str]] = {}
+        managed = {p.id for p in config.providers if p.kind == "managed"}
         for endpoint in config.endpoints:
             if endpoint.provider in managed:
                 for model in endpoint.models:
                     self._serving.setdefault(model, []).append(endpoint.id)
-        self._loads: dict[str, EndpointLoad] = {e: EndpointLoad() for e in self._endpoints}
-        # Requests an endpoint takes before counting as full: scoring.target_inflight, scaled by
-        # its weight relative to the heaviest endpoint (weights are relative capacities).
-        top_weight = max((e.weight for e in config.endpoints if e.provider in managed), default=1)
-        self._inflight_capacity = {
-            e.id: config.scoring.target_inflight * e.weight / top_weight
-            for e in config.endpoints
-            if e.provider in managed
+        self._loads: dict[str, EndpointLoad] = {
+            e: EndpointLoad(self.floors[e]) for e in self.floors
         }
+        self._own: dict[str, int] = {}
+        self._peers: dict[str, tuple[float, dict[str, int]]] = {}
+        self._foreign: dict[str, int] = {}
+        self._history: dict[str, deque[tuple[int, int]]] = {e: deque() for e in self.floors}
         self._health_at: dict[str, float] = {}
-        self._pending: dict[str, list[float]] = {e: [] for e in self._endpoints}
-        self._ended_since_sample: dict[str, int] = {e: 0 for e in self._endpoints}
+        self._metrics_mode: dict[str, str] = {}
         self.reports = 0
 
     def knows(self, endpoint_id: str) -> bool:
         return endpoint_id in self._loads
 
+    def endpoints(self) -> list[str]:
+        return list(self._endpoints)
+
+    def serving(self, model: str) -> list[str]:
+        return list(self._serving.get(model, ()))
+
+    # ---- inputs -----------------------------------------------------------------------------
+
+    def set_own(self, endpoint_id: str, count: int, now: float) -> None:
+        """This instance's live leases on the endpoint (from its ledger)."""
+        if endpoint_id not in self._loads:
+            return
+        self._own[endpoint_id] = count
+        self._record(endpoint_id, now)
+
+    def peer_load(self, instance: str, at: float, inflight: dict[str, int], now: float) -> None:
+        """Another instance's live leases per endpoint (its gossip)."""
+        previous = self._peers.get(instance)
+        self._peers[instance] = (at, dict(inflight))
+        touched = set(inflight) | (set(previous[1]) if previous else set())
+        for endpoint in touched:
+            if endpoint in self._loads:
+                self._record(endpoint, now)
+
+    def forget_peer(self, instance: str) -> None:
+        self._peers.pop(instance, None)
+
     def apply(self, report: EndpointReport) -> None:
-        """Take a report in; older reports than the one held (another scraper's) teach capacity only."""
+        """Take a report in; older reports than the one held (another scraper's) teach capacity
+        only."""
         endpoint_id = report.endpoint
         load = self._loads.get(endpoint_id)
         if load is None:
@@ -98,73 +122,89 @@ class LoadBoard:
         if report.scraped_at >= self._health_at.get(endpoint_id, float("-inf")):
             self._health_at[endpoint_id] = report.scraped_at
             self.health.set_healthy(endpoint_id, report.healthy)
-        # The scraper's learned capacity is a floor (another scraper may have seen more).
-        load = EndpointLoad(max(load.capacity, report.capacity), load.sample, load.sampled_at)
-        if report.sample is not None:
-            load = update_load(load, report.sample.to_core(), report.scraped_at)
+        sample = report.sample.to_core() if report.sample is not None else None
+        # The scraper's learned capacity is a floor too (another scraper may have seen more).
+        load = EndpointLoad(
+            max(load.capacity, report.capacity), load.sample, load.sampled_at, load.reported_at
+        )
+        load = update_load(load, sample, report.scraped_at)
         self._loads[endpoint_id] = load
-        if load.sampled_at != report.scraped_at:
-            return  # no sample, or older than the one held: it taught capacity only
-        self._ended_since_sample[endpoint_id] = 0
-        pending = self._pending[endpoint_id]
-        del pending[: bisect.bisect_right(pending, report.scraped_at - self.visibility_margin)]
+        if sample is not None and load.sampled_at == report.scraped_at:
+            engine = (sample.running or 0) + (sample.waiting or 0)
+            ours = self._gateway_max_since(endpoint_id, report.scraped_at - _WINDOW)
+            self._foreign[endpoint_id] = max(0, engine - ours)
+        elif sample is None:
+            self._foreign[endpoint_id] = 0
+        self._metrics_mode[endpoint_id] = report.metrics or (
+            "full" if sample is not None and sample.complete else "partial" if sample else "none"
+        )
 
-    def record_grant(self, endpoint_id: str, at: float) -> None:
-        pending = self._pending.get(endpoint_id)
-        if pending is not None:
-            bisect.insort(pending, at)
+    # ---- the gateway's inflight history (for the foreign-load estimate) -----------------------
 
-    def forget_grant(self, endpoint_id: str, at: float) -> bool:
-        """Undo `record_grant` (the request went elsewhere, or ended); False if not pending."""
-        pending = self._pending.get(endpoint_id)
-        if pending:
-            index = bisect.bisect_left(pending, at)
-            if index < len(pending) and pending[index] == at:
-                del pending[index]
-                return True
-        return False
+    def _gateway(self, endpoint_id: str, now: float) -> int:
+        own = self._own.get(endpoint_id, 0)
+        peers = sum(
+            counts.get(endpoint_id, 0)
+            for at, counts in self._peers.values()
+            if now - at <= PEER_FORGET_AFTER
+        )
+        return own + peers
 
-    def request_ended(self, endpoint_id: str, granted_at: float, ended_at: float) -> None:
-        """A request counted on `endpoint_id` ended (the edge's RequestDone).
+    def _record(self, endpoint_id: str, now: float) -> None:
+        history = self._history[endpoint_id]
+        bucket = int(now / _BUCKET)
+        value = self._gateway(endpoint_id, now)
+        if history and history[-1][0] == bucket:
+            if value > history[-1][1]:
+                history[-1] = (bucket, value)
+        else:
+            history.append((bucket, value))
+            horizon = bucket - int(_HISTORY / _BUCKET)
+            while history and history[0][0] < horizon:
+                history.popleft()
 
-        Still pending: it stops counting. Otherwise, if the last sample showed it (granted early
-        enough to be visible, ended after the scrape), that sample now overstates the engine by
-        one until the next scrape: counted in ``_ended_since_sample``. Both keep inflight exact
-        between scrapes, so a finished request's slot is refilled at once rather than at the
-        next scrape (which would let batches fill in synchronized bursts).
-        """
-        if self.forget_grant(endpoint_id, granted_at):
-            return
-        load = self._loads.get(endpoint_id)
-        if load is None or load.sampled_at is None:
-            return
-        if granted_at + self.visibility_margin <= load.sampled_at < ended_at:
-            self._ended_since_sample[endpoint_id] += 1
+    def _gateway_max_since(self, endpoint_id: str, since: float) -> int:
+        first = int(since / _BUCKET)
+        history = self._history[endpoint_id]
+        # The value in force at `since` is the last bucket before it (or the current count).
+        before = [v for b, v in history if b < first]
+        during = [v for b, v in history if b >= first]
+        carried = before[-1] if before else 0
+        return max([carried, *during]) if during or before else 0
 
-    def pending(self, endpoint_id: str, now: float) -> int:
-        pending = self._pending[endpoint_id]
-        del pending[: bisect.bisect_left(pending, now - self.settings.stale_after)]
-        return len(pending)
+    # ---- reading ----------------------------------------------------------------------------
+
+    def own(self, endpoint_id: str) -> int:
+        return self._own.get(endpoint_id, 0)
+
+    def foreign(self, endpoint_id: str) -> int:
+        return self._foreign.get(endpoint_id, 0)
 
     def inflight(self, endpoint_id: str, now: float) -> int:
-        """Engine running + waiting at its last scrape, less what ended since, plus new grants."""
-        sample = self._loads[endpoint_id].sample
-        seen = sample.running + sample.waiting if sample is not None else 0
-        seen = max(0, seen - self._ended_since_sample[endpoint_id])
-        return seen + self.pending(endpoint_id, now)
+        """The gateway's live requests on the endpoint (every instance) plus foreign load."""
+        return self._gateway(endpoint_id, now) + self._foreign.get(endpoint_id, 0)
 
     def load(self, endpoint_id: str) -> EndpointLoad:
         return self._loads[endpoint_id]
 
-    def scrape_age(self, endpoint_id: str, now: float) -> float | None:
-        sampled_at = self._loads[endpoint_id].sampled_at
-        return None if sampled_at is None else max(0.0, now - sampled_at)
+    def capacity(self, endpoint_id: str) -> int:
+        return max(1, self._loads[endpoint_id].capacity)
 
-    def endpoints(self) -> list[str]:
-        return list(self._endpoints)
+    def metrics_mode(self, endpoint_id: str) -> str:
+        """ "full", "partial" or "none" (its own accounting only), by the latest report."""
+        return self._metrics_mode.get(endpoint_id, "unknown")
+
+    def saturation(self, endpoint_id: str, now: float) -> float:
+        return endpoint_saturation(
+            self._loads[endpoint_id], now, self.settings, self.inflight(endpoint_id, now)
+        )
+
+    def scrape_age(self, endpoint_id: str, now: float) -> float | None:
+        reported_at = self._loads[endpoint_id].reported_at
+        return None if reported_at is None else max(0.0, now - reported_at)
 
     def view(self, endpoint_ids: Iterable[str], now: float) -> PoolView | None:
-        """A pool view over the given managed endpoints that are healthy; None if there are none."""
+        """A pool view over the given managed endpoints that are healthy; None if none are."""
         ids = [e for e in endpoint_ids if e in self._loads and self.health.is_healthy(e)]
         if not ids:
             return None
@@ -173,7 +213,6 @@ class LoadBoard:
             {e: self.inflight(e, now) for e in ids},
             now,
             self.settings,
-            {e: self._inflight_capacity[e] for e in ids},
         )
 
     def pool(self, model: str, now: float) -> PoolView | None:

@@ -2,7 +2,8 @@
 
 Endpoint health and load come from the scraper through the load bucket (`LoadFollower`); with
 no scraper running, every managed endpoint counts as healthy but stale, i.e. saturated: only
-bands whose ceiling is at least 1 reach our engines, the others overflow or wait.
+bands whose ceiling is at least 1 reach our engines, the others overflow or wait. The instance
+prints its ready line once it serves: it has joined, holds its quotas and serves its shards.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import logging
 
 from llmgw import natsconn
 from llmgw.config import parse_hostport
-from llmgw.events import EventPublisher
+from llmgw.core.keys import safe_token
+from llmgw.events import EventPublisher, MemberEvent
 from llmgw.runtime import (
     load_or_exit,
     require_nats_server,
@@ -27,8 +29,7 @@ from llmgw.services.admission.loadboard import LoadBoard, LoadFollower
 from llmgw.services.admission.metrics import AdmissionMetrics
 from llmgw.services.admission.service import AdmissionService
 from llmgw.serving import start_server
-from llmgw.state.nats_kv import open_routing_bucket
-from llmgw.state.setup import open_routing_state
+from llmgw.state.setup import open_load_bucket, open_routing_store
 
 log = logging.getLogger("llmgw.admission")
 
@@ -42,41 +43,47 @@ def run(args: argparse.Namespace) -> int:
 
     async def main() -> None:
         nc = await natsconn.connect(config.nats, name="llmgw-admission")
-        instance = service_instance("admission")
+        instance = safe_token(service_instance("admission"))
         board = LoadBoard(config, HealthBoard())
-        load_kv = await open_routing_bucket(
-            nc.jetstream(), config.router.load_bucket, storage="memory", history=1
-        )
-        follower = LoadFollower(board, load_kv)
+        follower = LoadFollower(board, await open_load_bucket(nc, config))
         await follower.start()
         metrics = AdmissionMetrics()
         metrics.watch_load(board, [m.name for m in config.models])
-        routing = await open_routing_state(nc, config, instance_id=instance)
+        store = await open_routing_store(nc, config)
+        events = EventPublisher(nc, instance)
         service = AdmissionService(
             config,
             nc,
-            routing,
-            board.health,
+            store,
+            instance=instance,
+            health=board.health,
             load=board,
             metrics=metrics,
-            events=EventPublisher(nc, instance),
-            instance=instance,
+            events=events,
         )
         metrics.watch_breakers(service.breakers, [e.id for e in config.endpoints])
+        metrics.watch_ledger(service.ledger, lambda: len(service.shards.serving))
         await service.start()
+        events.emit(MemberEvent, event="member.joined", member=service.instance)
         admin_server = None
         if admin is not None:
             admin_server = await start_server(create_admin_app(service, nc), *admin)
         suffix = f", admin {admin_server.url}" if admin_server is not None else ""
-        print(f"llmgw admission ready ({service.instance}{suffix})", flush=True)
+        print(
+            f"llmgw admission ready ({service.instance}, {len(service.shards.serving)} shards"
+            f"{suffix})",
+            flush=True,
+        )
         try:
             await wait_for_stop_signal()
         finally:
             await service.stop()
+            await events.publish(
+                events.build(MemberEvent, event="member.left", member=service.instance)
+            )
             if admin_server is not None:
                 await admin_server.stop()
             await follower.stop()
-            await routing.close()
             await nc.drain()
 
     return run_service(main)

@@ -1,7 +1,8 @@
 """The admission service's Prometheus metrics, in a registry of its own (never the global one).
 
 Names start with ``llmgw_admission_``; labels use the closed vocabularies of the code (band
-names from the config, `GateDecision`, `RejectReason`, `Route`), so cardinality stays bounded.
+names from the config, `GateDecision`, `Refusal`, `Route`, `AffinityBreak`), so cardinality
+stays bounded.
 Pool saturation and scrape age are computed when scraped, from the live `LoadBoard`.
 """
 
@@ -17,6 +18,7 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from llmgw.core.breaker import BreakerBoard
+    from llmgw.core.ledger import Ledger
     from llmgw.services.admission.loadboard import LoadBoard
 
 _WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -84,12 +86,50 @@ class AdmissionMetrics:
             "Queued requests dropped because their client went away.",
             registry=r,
         )
+        self.affinity_breaks = Counter(
+            "llmgw_admission_affinity_breaks",
+            "Session requests placed off their home replica, by provider and why: home_unusable "
+            "(unhealthy, breaker open, failed for this request), home_over_bound (over the "
+            "bounded-load cap), home_busy (interactive: no free batch slot there, one elsewhere).",
+            ["provider", "reason"],
+            registry=r,
+        )
+        self.offloads = Counter(
+            "llmgw_admission_offloads",
+            "Requests sent to an unlimited (third-party) provider, by provider and why: "
+            "overflow (flow control: managed pool saturated), session_limit, global_limit, "
+            "endpoint_failed, degraded, unsupported.",
+            ["provider", "reason"],
+            registry=r,
+        )
+        self.returned_home = Counter(
+            "llmgw_admission_pins_returned_home",
+            "Pins moved back to a higher-priority managed provider, by where from and where to.",
+            ["from_provider", "provider"],
+            registry=r,
+        )
+        self.pins_evicted = Counter(
+            "llmgw_admission_pins_evicted",
+            "Idle pins evicted to make room for a new session's pin (the pin table was full).",
+            ["provider"],
+            registry=r,
+        )
+        self.leases_expired = Counter(
+            "llmgw_admission_leases_expired",
+            "Leases ended because their edge did not renew them within lease_timeout.",
+            ["provider"],
+            registry=r,
+        )
 
     def watch_load(
         self, board: LoadBoard, models: Iterable[str], clock: Callable[[], float] = time.time
     ) -> None:
         """Export pool saturation per model and scrape age per endpoint from `board`."""
         self.registry.register(_LoadCollector(board, list(models), clock))
+
+    def watch_ledger(self, ledger: Ledger, shards: Callable[[], int]) -> None:
+        """Export leases, pins and quotas per pair, and the shards served."""
+        self.registry.register(_LedgerCollector(ledger, shards))
 
     def watch_breakers(
         self,
@@ -136,7 +176,7 @@ class _LoadCollector(Collector):
         saturation = GaugeMetricFamily(
             "llmgw_admission_pool_saturation",
             "Saturation of each model's healthy managed endpoints as flow control sees it "
-            "(grants not yet visible in engine metrics included); 1 = the healthy limit.",
+            "(the gateway's own live requests counted); 1 = the healthy limit.",
             labels=["model"],
         )
         for model in self._models:
@@ -146,7 +186,7 @@ class _LoadCollector(Collector):
         yield saturation
         age = GaugeMetricFamily(
             "llmgw_admission_scrape_age_seconds",
-            "Age of the newest engine sample per managed endpoint (absent: never scraped).",
+            "Age of the newest scraper report per managed endpoint (absent: never reported).",
             labels=["endpoint"],
         )
         for endpoint in self._board.endpoints():
@@ -154,11 +194,55 @@ class _LoadCollector(Collector):
             if value is not None:
                 age.add_metric([endpoint], value)
         yield age
-        pending = GaugeMetricFamily(
-            "llmgw_admission_pending_grants",
-            "Grants counted against an endpoint until a scrape shows them.",
+        inflight = GaugeMetricFamily(
+            "llmgw_admission_endpoint_inflight",
+            "Requests on each managed endpoint by the gateway's own accounting (every admission "
+            "instance) plus the engine's foreign load.",
+            labels=["endpoint"],
+        )
+        capacity = GaugeMetricFamily(
+            "llmgw_admission_endpoint_capacity",
+            "Batch capacity of each managed endpoint: configured, raised by what was observed.",
             labels=["endpoint"],
         )
         for endpoint in self._board.endpoints():
-            pending.add_metric([endpoint], self._board.pending(endpoint, now))
-        yield pending
+            inflight.add_metric([endpoint], self._board.inflight(endpoint, now))
+            capacity.add_metric([endpoint], self._board.capacity(endpoint))
+        yield inflight
+        yield capacity
+
+
+class _LedgerCollector(Collector):
+    def __init__(self, ledger: Ledger, shards: Callable[[], int]) -> None:
+        self._ledger = ledger
+        self._shards = shards
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        leases = GaugeMetricFamily(
+            "llmgw_admission_leases",
+            "Live request leases this instance holds, by provider and model.",
+            labels=["provider", "model"],
+        )
+        pins = GaugeMetricFamily(
+            "llmgw_admission_pins",
+            "Session pins this instance holds (of the shards it owns), by provider and model.",
+            labels=["provider", "model"],
+        )
+        quota = GaugeMetricFamily(
+            "llmgw_admission_quota",
+            "This instance's quota of each pair with limits (kind: leases, unreserved, pins).",
+            labels=["provider", "model", "kind"],
+        )
+        for (provider, model), use in sorted(self._ledger.use.items()):
+            leases.add_metric([provider, model], use.leases)
+            pins.add_metric([provider, model], use.pins)
+        for (provider, model), q in sorted(self._ledger.quota.items()):
+            quota.add_metric([provider, model, "leases"], q.g)
+            quota.add_metric([provider, model, "unreserved"], q.u)
+            quota.add_metric([provider, model, "pins"], q.p)
+        yield leases
+        yield pins
+        yield quota
+        shards = GaugeMetricFamily("llmgw_admission_shards", "Session shards this instance serves.")
+        shards.add_metric([], self._shards())
+        yield shards

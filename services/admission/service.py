@@ -1,60 +1,74 @@
-"""The admission service: answers AdmitRequests from edges over NATS.
+"""The admission service: decides the requests of the shards it owns, in memory.
 
-Several instances share the ADMISSION_QUEUE_GROUP, so each request is
-decided by exactly one of them, and all of them share the routing state
-(pins and leases in JetStream KV), so limits hold across instances. Per
-request: flow control (`llmgw.services.admission.flow`) decides when it may
-run, the pinning algorithm (`llmgw.core.pinning`) picks the provider and takes
-the lease, and the least saturated healthy endpoint of that provider is the
-target.
+Per request (`on_request`, on ``llmgw.v1.admission.request.<shard>`` of every shard this instance
+serves): flow control (`FlowControl`) says whether it may run now, waits, or overflows to an
+unlimited provider; placement (`llmgw.core.placement`) picks provider, endpoint and what happens
+to the session's pin, over one snapshot; the ledger (`llmgw.core.ledger`) takes the lease and
+changes the pin. Decision and transition happen in one event-loop turn: atomic, with no I/O on
+the way. The common path costs no KV round trip at all: pins are written to the routing bucket
+in the background (`PinWriter`), and leases live only here and at the edge.
 
-A request waiting in flow control holds no lease: the lease is taken only
-after the grant, so a queue never holds capacity.
+Lease ownership: a lease granted here is run and renewed by the edge from the reply on; this
+instance accounts it until the edge's end message (`on_request_ended`, the broadcast
+``llmgw.v1.stats.request``), the edge's complete lease list leaving it out (`on_renewal`),
+``lease_timeout`` without a renewal (`expire`), or the shard moving away with it. A reply that
+never reaches the edge leaves a lease nobody renews: it expires after ``lease_timeout``.
 
-Lease ownership: a lease taken here belongs to the edge once the reply is
-sent. If no endpoint can take the request after all, the lease is released
-here before replying. A reply that never reaches the edge leaves a lease
-nobody renews: the reaper reclaims it after pinning.lease_timeout.
+Several instances: each owns some shards (`ShardKeeper`, by CAS on the shard keys) and a quota
+of each pair's limits (`QuotaKeeper`); they gossip their queues (FlowState) and their live
+leases per endpoint (FlowLoad), so every instance sees the same load.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
-import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
+from llmgw.config.schema import Band
 from llmgw.core.breaker import BreakerBoard, BreakerSettings
-from llmgw.core.flow import GateDecision
-from llmgw.core.pinning import PinningRouter, Placement, Rejection, Route
+from llmgw.core.flow import GateDecision, Waiter
+from llmgw.core.keys import pin_key
+from llmgw.core.ledger import LeaseKind, LeaseRecord, Ledger, LedgerObserver, PinRecord
+from llmgw.core.outcomes import Refusal
+from llmgw.core.placement import PinAction, Placement, PlacementRequest, Route, place
 from llmgw.core.requests import Feature
-from llmgw.core.routing import EndpointView
+from llmgw.events import EventPublisher, LeaseExpired, PinEvent, PinMoved
 from llmgw.services.admission.balancing import UPSTREAM_FAILURES, RateBoard
 from llmgw.services.admission.catalog import ProviderCatalog
-from llmgw.services.admission.flow import Admission, FlowControl
+from llmgw.services.admission.flow import FlowControl
 from llmgw.services.admission.health import HealthBoard
-from llmgw.services.admission.loadboard import LoadBoard
+from llmgw.services.admission.loadboard import PEER_FORGET_AFTER, LoadBoard
+from llmgw.services.admission.membership import Membership
 from llmgw.services.admission.metrics import AdmissionMetrics
+from llmgw.services.admission.pins import PinWriter
+from llmgw.services.admission.quotas import QuotaKeeper
+from llmgw.services.admission.shards import ShardKeeper
 from llmgw.wire import (
-    ADMISSION_DONE_SUBJECT,
     ADMISSION_HEALTH_SUBJECT,
-    ADMISSION_QUEUE_GROUP,
-    ADMISSION_REQUEST_SUBJECT,
+    ADMISSION_LOAD_SUBJECT,
+    ADMISSION_STATE_SUBJECT,
     REQUEST_STATS_SUBJECT,
     AdmitReply,
     AdmitRequest,
+    FailedAttempt,
+    FlowLoad,
     HealthReply,
-    Lease,
-    PinRef,
-    RejectReason,
-    RequestDone,
-    RequestStats,
+    LeaseRenewal,
+    LeaseRenewalReply,
+    PairHolding,
+    ReplyStatus,
+    RequestEnded,
+    StateReply,
     Target,
+    handover_subject,
 )
 
 if TYPE_CHECKING:
@@ -63,65 +77,87 @@ if TYPE_CHECKING:
     from nats.aio.subscription import Subscription
 
     from llmgw.config.schema import Config
-    from llmgw.events import EventPublisher
-    from llmgw.state.routing_state import RoutingState
+    from llmgw.state.store import RoutingStore
 
 log = logging.getLogger("llmgw.admission")
 
-# Seconds a client is told to wait (Retry-After) after each retryable rejection.
-RETRY_AFTER_S = {
-    RejectReason.NO_CAPACITY: 1.0,
-    RejectReason.QUEUE_FULL: 1.0,
-    RejectReason.QUEUE_TIMEOUT: 1.0,
-}
+RETRY_AFTER_S = 1.0  # seconds a client is told to wait (Retry-After) after a retryable refusal
 ANONYMOUS_TENANT = "anonymous"  # the tenant of requests that name none
-FLOW_REJECTIONS = {
-    GateDecision.QUEUE_FULL: (
-        RejectReason.QUEUE_FULL,
-        "Too many requests are waiting in the '{band}' band; retry later.",
+_MESSAGES = {
+    Refusal.QUEUE_FULL: "Too many requests are waiting in the '{band}' band; retry later.",
+    Refusal.QUEUE_TIMEOUT: (
+        "The request waited the longest allowed time in the '{band}' band without capacity."
     ),
-    GateDecision.EXPIRED: (
-        RejectReason.QUEUE_TIMEOUT,
-        "The request waited the longest allowed time in the '{band}' band without capacity.",
-    ),
-    GateDecision.CANCELLED: (RejectReason.CANCELLED, "The client went away while queued."),
+    Refusal.CANCELLED: "The client went away while queued.",
+    Refusal.NOT_OWNER: "This admission instance no longer decides this request's shard.",
+    Refusal.MALFORMED: "malformed admission request",
 }
+_RETRYABLE = frozenset(
+    {Refusal.NO_CAPACITY, Refusal.QUEUE_FULL, Refusal.QUEUE_TIMEOUT, Refusal.NOT_OWNER}
+)
+_LOAD_COALESCE = 0.005  # seconds: live-lease gossip goes out at most this often while busy
+_LOAD_HEARTBEAT = 1.0
+
+
+def limits_from_config(config: Config) -> dict[tuple[str, str], Any]:
+    """(provider, model) -> its limits, or None for a pair without configured limits."""
+    return {(p.id, m.name): m.limits for p in config.providers for m in p.models}
+
+
+def new_token(rng: random.Random) -> str:
+    """A fresh 64-bit id (pins, leases): 16 hex digits, a safe key token."""
+    return f"{rng.getrandbits(64):016x}"
+
+
+@dataclass(slots=True)
+class _Request:
+    """One admission request being decided."""
+
+    request: AdmitRequest
+    feature: Feature
+    band: Band
+    reply_to: str | None
+    started: float
 
 
 class AdmissionService:
-    """Decides AdmitRequests; owns its NATS subscriptions, not the connection or the state.
-
-    Per request: flow control (when admission.enabled) says whether it may run now, waits, or
-    overflows to an unlimited provider; then the pinning algorithm places it and takes its lease;
-    then an endpoint of the chosen provider is picked (the least saturated one of a managed
-    provider, preferring the one flow control reserved).
-    """
+    """Owns its subscriptions, ledger and background loops; not the connection or the store."""
 
     def __init__(
         self,
         config: Config,
         nc: NATS,
-        routing: RoutingState,
-        health: HealthBoard | None = None,
+        store: RoutingStore,
         *,
+        instance: str,
+        health: HealthBoard | None = None,
         load: LoadBoard | None = None,
         rates: RateBoard | None = None,
         metrics: AdmissionMetrics | None = None,
         events: EventPublisher | None = None,
+        observer: LedgerObserver | None = None,
         rng: random.Random | None = None,
-        instance: str | None = None,
         clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._config = config
-        self._nc = nc
-        self.routing = routing
-        self.events = events
+        self.config = config
+        self.nc = nc
+        self.store = store
+        self._clock = clock
+        self._rng = rng or random.Random()
         self.health = health or HealthBoard()
         self.load = load or LoadBoard(config, self.health)
         self.metrics = metrics or AdmissionMetrics()
-        self.instance = instance or f"admission-{uuid.uuid4().hex[:8]}"
-        self._rng = rng or random.Random()
-        self._clock = clock
+        self.events = events or EventPublisher(nc, instance, clock=clock)
+        pinning = config.pinning
+        self.limits = limits_from_config(config)
+        self.ledger = Ledger(
+            self.limits,
+            lease_timeout=pinning.lease_timeout,
+            pin_inactivity_timeout=pinning.pin_inactivity_timeout,
+            observer=observer,
+        )
+        self.ledger.on_endpoint_change = self._endpoint_changed
         self.rates = rates or RateBoard(config, rng=self._rng, clock=clock)
         self.breakers = BreakerBoard(
             BreakerSettings(
@@ -130,254 +166,523 @@ class AdmissionService:
             self._rng.random,
         )
         self.catalog = ProviderCatalog(
-            config, self.health, self.load, self.rates, self.breakers, clock=clock
+            config, self.health, self.load, self.rates, self.breakers, self.ledger, clock=clock
         )
-        self.router = PinningRouter(
-            routing, self.catalog, config.pinning.max_routing_attempts, pause=self._pause
+        admission = config.admission
+        self.membership = Membership(
+            store,
+            instance,
+            heartbeat=admission.heartbeat,
+            ttl=admission.member_ttl,
+            clock=clock,
+            monotonic=monotonic,
         )
-        self._fallbacks = {m.name: tuple(m.fallbacks) for m in config.models}
+        self.quotas = QuotaKeeper(
+            store,
+            self.ledger,
+            self.membership,
+            self.limits,
+            interval=admission.quota_interval,
+            clock=clock,
+        )
+        self.pins = PinWriter(store, self.ledger)
+        self.shards = ShardKeeper(self)
         self.flow = (
-            FlowControl(config, self.load, nc, self.instance, self.metrics, clock=clock)
-            if config.admission.enabled
+            FlowControl(
+                config, self.load, nc, instance, self.metrics, self._dispatch_waiter, clock=clock
+            )
+            if admission.enabled
             else None
         )
+        self._bands = {b.name: b for b in admission.bands}
+        ranked = sorted(admission.bands, key=lambda b: -b.priority)
+        self._engine_priority = {b.name: index for index, b in enumerate(ranked)}
+        self._fallbacks = {m.name: tuple(m.fallbacks) for m in config.models}
+        self._failures_seen: dict[str, float] = {}  # attempt ids the breakers already have
         self._subs: list[Subscription] = []
-        self._in_flight: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._loops: list[asyncio.Task[None]] = []
+        self._load_scheduled = False
+        self._load_sent_at = 0.0
+        self.settle = min(2.0, pinning.lease_timeout / 3)
 
-    async def _pause(self, attempt: int) -> None:
-        """Jittered backoff between routing attempts: a racing pin creation gets to finish."""
-        await asyncio.sleep(self._rng.uniform(0, 0.0005 * attempt))
+    @property
+    def instance(self) -> str:
+        return self.membership.instance
 
-    def _reject(self, request: AdmitRequest, reason: RejectReason, message: str) -> AdmitReply:
-        self.metrics.rejections.labels(reason.value).inc()
-        return AdmitReply(
-            request_id=request.request_id,
-            admitted=False,
-            reject_reason=reason,
-            message=message,
-            retry_after_s=RETRY_AFTER_S.get(reason),
-        )
+    # ---- the request path -------------------------------------------------------------------
 
-    async def _gate(self, request: AdmitRequest, feature: Feature) -> Admission | AdmitReply:
-        """Flow control's verdict, or the rejection to send."""
-        assert self.flow is not None
-        band = self.flow.band(request.band)
-        if band is None:
-            return self._reject(
-                request, RejectReason.UNKNOWN_BAND, f"Unknown priority band '{request.band}'."
-            )
-        can_overflow = band.overflow and self.router.can_overflow(request.model, feature)
-        admission = await self.flow.admit(
-            request.request_id,
-            request.model,
-            band,
-            request.tenant or ANONYMOUS_TENANT,
-            can_overflow=can_overflow,
-        )
-        self.metrics.flow_decisions.labels(band.name, admission.decision.value).inc()
-        rejection = FLOW_REJECTIONS.get(admission.decision)
-        if rejection is None:
-            return admission
-        reason, message = rejection
-        return self._reject(request, reason, message.format(band=band.name))
-
-    async def decide(self, request: AdmitRequest) -> AdmitReply:
-        """Gate, place (provider and lease), then pick the endpoint."""
-        model = request.model
-        if self._config.resolve_model(model) != model:
-            return self._reject(
-                request, RejectReason.UNKNOWN_MODEL, f"The model '{model}' does not exist."
-            )
-        feature = Feature(request.feature)
-        admission = None
-        if self.flow is not None:
-            gated = await self._gate(request, feature)
-            if isinstance(gated, AdmitReply):
-                return gated
-            admission = gated
-        if admission is not None and admission.decision is GateDecision.OVERFLOW:
-            placed = await self.router.place_overflow(model, feature, edge_id=request.edge_id)
-        else:
-            placed = await self.router.place(
-                model, feature, request.session_id, edge_id=request.edge_id
-            )
-        served = model
-        if placed is Rejection.UNAVAILABLE:
-            # Every provider of the model is degraded or full: its fallbacks, in order.
-            for fallback in self._fallbacks.get(model, ()):
-                attempt = await self.router.place(
-                    fallback, feature, request.session_id, edge_id=request.edge_id
-                )
-                if isinstance(attempt, Placement):
-                    placed, served = attempt, fallback
-                    self.metrics.fallbacks.labels(model, fallback).inc()
-                    break
-        if not isinstance(placed, Placement):
-            self._drop_reservation(admission)
-            if placed is Rejection.UNSUPPORTED:
-                return self._reject(
-                    request,
-                    RejectReason.UNSUPPORTED,
-                    f"No provider serves '{model}' for {request.feature} requests.",
-                )
-            return self._reject(
-                request,
-                RejectReason.NO_CAPACITY,
-                f"No provider can take a '{model}' request right now.",
-            )
-        await self._announce(placed)
-        now = self._clock()
-        endpoint = self.catalog.endpoint(
-            placed.provider,
-            served,
-            request.exclude_endpoints,
-            now=now,
-            prefer=admission.endpoint if admission is not None else None,
-            session=request.session_id,
-        )
-        granted_at = self._settle_reservation(admission, endpoint, now)
-        if endpoint is None:
-            if placed.lease is not None:
-                await self.routing.release_request_lease(placed.lease, refresh_pin=False)
-            return self._reject(
-                request,
-                RejectReason.NO_CAPACITY,
-                f"No healthy endpoint of '{placed.provider}' can take '{served}' right now.",
-            )
-        self.metrics.placements.labels(placed.provider, placed.route.value).inc()
-        return AdmitReply(
-            request_id=request.request_id,
-            admitted=True,
-            target=Target(
-                provider=placed.provider,
-                provider_kind=self.catalog.kind(placed.provider).value,
-                endpoint=endpoint.id,
-                url=endpoint.url,
-                upstream_model=endpoint.upstream_model(served),
-            ),
-            served_model=served,
-            lease=None if placed.lease is None else Lease.from_core(placed.lease),
-            pin=PinRef.from_core(placed.pin) if placed.pin is not None and placed.lease else None,
-            route=placed.route.value,
-            refresh_pin_on_success=placed.refresh_pin_on_success,
-            granted_at=granted_at,
-        )
-
-    def _drop_reservation(self, admission: Admission | None) -> None:
-        if admission is not None and admission.endpoint is not None:
-            assert admission.reserved_at is not None
-            self.load.forget_grant(admission.endpoint, admission.reserved_at)
-
-    def _settle_reservation(
-        self, admission: Admission | None, endpoint: EndpointView | None, now: float
-    ) -> float | None:
-        """Make the load board count the request on the endpoint it actually goes to.
-
-        Returns the time the count is filed under (the reply's ``granted_at``), or None when
-        the target is not a managed endpoint (nothing counted).
-        """
-        reserved = admission.endpoint if admission is not None else None
-        chosen = endpoint.id if endpoint is not None else None
-        if reserved == chosen and reserved is not None:
-            assert admission is not None
-            return admission.reserved_at
-        self._drop_reservation(admission)
-        if chosen is None or not self.load.knows(chosen):
-            return None
-        if self.flow is not None:
-            self.flow.reserve_endpoint(chosen, now)
-        else:
-            self.load.record_grant(chosen, now)
-        return now
-
-    async def _on_stats(self, msg: Msg) -> None:
-        """Every edge's request outcomes: rate samples, and the breakers' evidence."""
-        try:
-            stats = RequestStats.model_validate_json(msg.data)
-        except ValidationError:
-            return
-        self.rates.add(stats)
-        if stats.ok or stats.outcome in UPSTREAM_FAILURES:
-            self.breakers.record(
-                stats.endpoint,
-                stats.ok,
-                self._clock(),
-                retry_after=stats.retry_after_s if not stats.ok else None,
-            )
-
-    async def _on_done(self, msg: Msg) -> None:
-        try:
-            done = RequestDone.model_validate_json(msg.data)
-        except ValidationError:
-            return
-        self.load.request_ended(done.endpoint, done.granted_at, done.ended_at)
-
-    async def _announce(self, placed: Placement) -> None:
-        """Publish the pin change this placement made (core NATS: never waits, never raises)."""
-        if self.events is None or placed.pin is None:
-            return
-        if placed.route is Route.NEW_PIN:
-            await self.events.publish_pin_created(placed.pin, placed.lease)
-        elif placed.route is Route.REPINNED and placed.moved_from is not None:
-            await self.events.publish_pin_moved(placed.moved_from, placed.pin, placed.lease)
-
-    async def _answer(self, msg: Msg) -> None:
+    async def on_request(self, msg: Msg) -> None:
         try:
             request = AdmitRequest.model_validate_json(msg.data)
         except ValidationError as exc:
-            # An edge of another version gets a clear rejection instead of a timeout.
             log.warning("malformed admission request: %s", exc.errors()[:1])
-            reply = AdmitReply(
-                request_id="?",
-                admitted=False,
-                reject_reason=RejectReason.MALFORMED,
-                message="malformed admission request",
-            )
-        else:
-            started = time.perf_counter()
-            try:
-                reply = await self.decide(request)
-            except Exception:
-                log.exception("admission failed for request %s", request.request_id)
-                reply = self._reject(
-                    request, RejectReason.NO_CAPACITY, "The admission service failed to decide."
-                )
-            self.metrics.decision_duration.observe(time.perf_counter() - started)
-        if msg.reply:
-            await msg.respond(reply.model_dump_json(exclude_none=True).encode())
+            await self._respond(msg.reply, self._refusal("?", Refusal.MALFORMED))
+            return
+        if not self.shards.serves(request.shard) or not self.membership.can_serve():
+            await self._respond(msg.reply, self._refusal(request.id, Refusal.NOT_OWNER))
+            return
+        try:
+            reply = self.begin(request, msg.reply)
+        except Exception:
+            log.exception("admission failed for request %s", request.id)
+            reply = self._refusal(request.id, Refusal.NO_CAPACITY, "The admission service failed.")
+        if reply is not None:
+            await self._respond(msg.reply, reply)
 
-    async def _on_request(self, msg: Msg) -> None:
-        # nats-py runs a subscription's callbacks one after another; a decision
-        # waits on KV round trips, so each runs in its own task.
-        task = asyncio.create_task(self._answer(msg))
-        self._in_flight.add(task)
-        task.add_done_callback(self._in_flight.discard)
+    def begin(self, request: AdmitRequest, reply_to: str | None) -> AdmitReply | None:
+        """Decide now, or queue (then the answer is sent later and this returns None)."""
+        started = time.perf_counter()
+        now = self._clock()
+        model = request.model
+        if self.config.resolve_model(model) != model:
+            return self._refusal(
+                request.id, Refusal.UNKNOWN_MODEL, f"The model '{model}' does not exist."
+            )
+        if request.retry_of is not None:  # the failed attempt's lease goes first, atomically
+            self.ledger.release(request.retry_of, now, refresh=False)
+        if request.failed is not None:
+            self._record_failure(request.failed, now)
+        band = self._bands.get(request.band or self.config.admission.default_band)
+        if band is None:
+            return self._refusal(
+                request.id, Refusal.UNKNOWN_BAND, f"Unknown priority band '{request.band}'."
+            )
+        context = _Request(request, Feature(request.feature), band, reply_to, started)
+        if self.flow is None:
+            return self._finish(context, self.place(context, overflow=False))
+        policy = self.flow.band(band.name)
+        assert policy is not None
+        can_overflow = band.overflow and self.catalog.can_overflow(model, context.feature, now)
+        decision = self.flow.check(
+            request.id,
+            model,
+            policy,
+            request.tenant or ANONYMOUS_TENANT,
+            can_overflow=can_overflow,
+            context=context,
+        )
+        if isinstance(decision, asyncio.Future):
+            self._spawn(self._wait_in_queue(context, decision))
+            return None
+        self.metrics.flow_decisions.labels(band.name, decision.value).inc()
+        if decision is GateDecision.GRANTED:
+            return self._finish(context, self.place(context, overflow=False))
+        if decision is GateDecision.OVERFLOW:
+            return self._finish(context, self.place(context, overflow=True))
+        refusal = Refusal.CANCELLED if decision is GateDecision.CANCELLED else Refusal.QUEUE_FULL
+        return self._refusal(request.id, refusal, band=band.name)
+
+    async def _wait_in_queue(self, context: _Request, future: asyncio.Future[Any]) -> None:
+        request = context.request
+        await self._respond(context.reply_to, AdmitReply(id=request.id, status=ReplyStatus.QUEUED))
+        result = await future
+        if isinstance(result, AdmitReply):
+            reply = result
+        else:
+            refusal = {
+                GateDecision.EXPIRED: Refusal.QUEUE_TIMEOUT,
+                GateDecision.CANCELLED: Refusal.CANCELLED,
+            }.get(result, Refusal.NOT_OWNER)
+            self.metrics.flow_decisions.labels(context.band.name, str(refusal)).inc()
+            reply = self._refusal(request.id, refusal, band=context.band.name)
+        await self._respond(context.reply_to, reply)
+
+    def _dispatch_waiter(self, waiter: Waiter, decision: GateDecision) -> AdmitReply:
+        """The tick let a queued request go: place it now (synchronously, inside the tick)."""
+        context: _Request = waiter.token.context
+        self.metrics.flow_decisions.labels(context.band.name, decision.value).inc()
+        overflow = decision is GateDecision.OVERFLOW
+        return self._finish(context, self.place(context, overflow=overflow))
+
+    def _finish(self, context: _Request, reply: AdmitReply) -> AdmitReply:
+        self.metrics.decision_duration.observe(time.perf_counter() - context.started)
+        return reply
+
+    def place(self, context: _Request, *, overflow: bool) -> AdmitReply:
+        """Place the request, take its lease and change its pin: one synchronous step."""
+        request = context.request
+        now = self._clock()
+        outcome: Placement | Refusal = Refusal.NO_CAPACITY
+        served = request.model
+        pin: PinRecord | None = None
+        for candidate in (request.model, *self._fallbacks.get(request.model, ())):
+            snapshot, pin = self.catalog.snapshot(
+                candidate, context.feature, request.session, request.exclude, now
+            )
+            outcome = place(
+                snapshot,
+                PlacementRequest(
+                    request.session, context.band.interactive, overflow, self._rng.random()
+                ),
+            )
+            if isinstance(outcome, Placement):
+                served = candidate
+                break
+            if outcome is Refusal.UNSUPPORTED and candidate == request.model:
+                return self._refusal(
+                    request.id,
+                    Refusal.UNSUPPORTED,
+                    f"No provider serves '{request.model}' for {request.feature} requests.",
+                )
+        if not isinstance(outcome, Placement):
+            return self._refusal(
+                request.id,
+                Refusal.NO_CAPACITY,
+                f"No provider can take a '{request.model}' request right now.",
+            )
+        if served != request.model:
+            self.metrics.fallbacks.labels(request.model, served).inc()
+        lease = self._apply(request, outcome, served, pin, now)
+        endpoint = self.catalog.endpoint_config(outcome.endpoint)
+        self.breakers.take(endpoint.id, now)  # half open: this request is the probe
+        self.metrics.placements.labels(outcome.provider, outcome.route.value).inc()
+        if outcome.affinity_break is not None:
+            self.metrics.affinity_breaks.labels(outcome.provider, outcome.affinity_break).inc()
+        if self.catalog.is_unlimited(outcome.provider) and outcome.reason is not None:
+            self.metrics.offloads.labels(outcome.provider, outcome.reason).inc()
+        return AdmitReply(
+            id=request.id,
+            status=ReplyStatus.ADMITTED,
+            target=Target(
+                provider=outcome.provider,
+                provider_kind=self.catalog.kind(outcome.provider).value,
+                endpoint=endpoint.id,
+                url=endpoint.url,
+                upstream_model=endpoint.upstream_name(served),
+                priority=self._engine_priority[context.band.name]
+                if endpoint.priority_scheduling
+                else None,
+            ),
+            lease=lease,
+            route=outcome.route.value,
+            served_model=served,
+            refresh=outcome.refresh_pin_on_success,
+            owner=self.instance,
+        )
+
+    def _apply(
+        self,
+        request: AdmitRequest,
+        placement: Placement,
+        model: str,
+        pin: PinRecord | None,
+        now: float,
+    ) -> LeaseRecord:
+        """The ledger transitions of a placement (and the pin writes and events they cause)."""
+        provider = placement.provider
+        session = request.session
+        listed: PinRecord | None = None
+        if placement.evict:
+            self._evict(provider, model, now)
+        if placement.pin_action is PinAction.CREATE:
+            assert session is not None
+            key = pin_key(request.shard, model, session)
+            listed = self.ledger.create_pin(
+                key, new_token(self._rng), provider, model, session, request.shard, now
+            )
+            self.pins.put(listed)
+            self._pin_event(PinEvent, listed, "pin.created")
+        elif placement.pin_action is PinAction.MOVE:
+            assert pin is not None
+            listed = self.ledger.move_pin(pin, new_token(self._rng), provider, now)
+            self.pins.put(listed)
+            self.events.emit(
+                PinMoved,
+                provider=provider,
+                model=model,
+                session=listed.session,
+                pin_id=listed.pin_id,
+                shard=listed.shard,
+                from_provider=pin.provider,
+                from_pin_id=pin.pin_id,
+                reason=placement.reason or "moved",
+            )
+            if placement.route is Route.RETURNED_HOME:
+                self.metrics.returned_home.labels(pin.provider, provider).inc()
+        elif placement.route is Route.PINNED:
+            listed = pin
+        return self.ledger.grant(
+            new_token(self._rng),
+            provider,
+            model,
+            placement.lease_kind,
+            shard=request.shard,
+            edge=request.edge,
+            now=now,
+            session=session,
+            pin=listed,
+            endpoint=placement.endpoint,
+        )
+
+    def _evict(self, provider: str, model: str, now: float) -> None:
+        victim = self.ledger.evictable(provider, model, now, self.catalog.min_idle_before_evict)
+        if victim is None:  # placement saw one: nothing changed in between (same turn)
+            raise RuntimeError("no pin to evict")
+        self.ledger.remove_pin(victim, now, "evicted")
+        self.pins.delete(victim)
+        self.metrics.pins_evicted.labels(provider).inc()
+        self._pin_event(PinEvent, victim, "pin.evicted")
+
+    def _pin_event(self, kind: type[PinEvent], pin: PinRecord, event: str) -> None:
+        self.events.emit(
+            kind,
+            event=event,
+            provider=pin.provider,
+            model=pin.model,
+            session=pin.session,
+            pin_id=pin.pin_id,
+            shard=pin.shard,
+        )
+
+    def _refusal(
+        self, request_id: str, refusal: Refusal, message: str | None = None, *, band: str = ""
+    ) -> AdmitReply:
+        self.metrics.rejections.labels(refusal.value).inc()
+        return AdmitReply(
+            id=request_id,
+            status=ReplyStatus.REFUSED,
+            refusal=refusal,
+            message=message or _MESSAGES.get(refusal, "").format(band=band) or None,
+            retry_after=RETRY_AFTER_S if refusal in _RETRYABLE else None,
+        )
+
+    async def _respond(self, reply_to: str | None, reply: AdmitReply) -> None:
+        if reply_to:
+            with contextlib.suppress(Exception):
+                await self.nc.publish(reply_to, reply.model_dump_json(exclude_none=True).encode())
+
+    def _spawn(self, work: Any) -> None:
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ---- what edges tell us ---------------------------------------------------------------------
+
+    def _record_failure(self, failed: FailedAttempt, now: float) -> None:
+        """A retry's failed attempt: the breakers learn it before the retry is placed (its
+        RequestEnded may arrive later; `_failures_seen` keeps it from counting twice)."""
+        if failed.attempt in self._failures_seen:
+            return
+        self._failures_seen[failed.attempt] = now
+        if failed.outcome in UPSTREAM_FAILURES:
+            self.breakers.record(failed.endpoint, False, now, retry_after=failed.retry_after)
+
+    async def on_request_ended(self, msg: Msg) -> None:
+        try:
+            ended = RequestEnded.model_validate_json(msg.data)
+        except ValidationError:
+            return
+        now = self._clock()
+        if ended.lease is not None:
+            self.ledger.release(ended.lease, now, refresh=ended.refresh and ended.ok)
+        if not ended.sent:
+            return
+        self.rates.add(ended)
+        if ended.id in self._failures_seen:
+            return
+        if ended.ok or ended.outcome in UPSTREAM_FAILURES:
+            self.breakers.record(
+                ended.endpoint, ended.ok, now, retry_after=None if ended.ok else ended.retry_after
+            )
+
+    async def on_renewal(self, msg: Msg) -> None:
+        try:
+            renewal = LeaseRenewal.model_validate_json(msg.data)
+        except ValidationError:
+            return
+        if not self.shards.serves(renewal.shard) or not self.membership.can_serve():
+            return  # no answer: the edge tries again (the new owner answers)
+        lost = self.ledger.renew(
+            renewal.edge, renewal.shard, renewal.leases, self._clock(), settle=self.settle
+        )
+        if msg.reply:
+            reply = LeaseRenewalReply(
+                lost=tuple(lost), owner=self.instance, edges=len(self.ledger.edges())
+            )
+            with contextlib.suppress(Exception):
+                await self.nc.publish(msg.reply, reply.model_dump_json().encode())
+
+    # ---- load gossip --------------------------------------------------------------------------
+
+    def _endpoint_changed(self, endpoint: str, count: int) -> None:
+        self.load.set_own(endpoint, count, self._clock())
+        if not self._load_scheduled and len(self.membership.live()) > 1:
+            self._load_scheduled = True
+            asyncio.get_running_loop().call_later(_LOAD_COALESCE, self._send_load)
+
+    def _send_load(self) -> None:
+        self._load_scheduled = False
+        now = self._clock()
+        self._load_sent_at = now
+        message = FlowLoad(
+            instance=self.instance,
+            scope=self.config.pinning.bucket,
+            at=now,
+            inflight={e: self.ledger.endpoint_leases(e) for e in self.load.endpoints()},
+        )
+        if self.nc.is_connected:
+            self._spawn(self.nc.publish(ADMISSION_LOAD_SUBJECT, message.model_dump_json().encode()))
+
+    async def on_load(self, msg: Msg) -> None:
+        try:
+            load = FlowLoad.model_validate_json(msg.data)
+        except ValidationError:
+            return
+        if load.instance != self.instance and load.scope == self.config.pinning.bucket:
+            self.load.peer_load(load.instance, load.at, load.inflight, self._clock())
+
+    # ---- housekeeping -------------------------------------------------------------------------
+
+    def expire(self, now: float) -> None:
+        """One pass of expiry: leases not renewed, idle pins; lazy pin refreshes."""
+        for lease in self.ledger.expired_leases(now):
+            self.metrics.leases_expired.labels(lease.provider).inc()
+            self.events.emit(
+                LeaseExpired,
+                provider=lease.provider,
+                model=lease.model,
+                lease_id=lease.lease_id,
+                edge=lease.edge,
+                shard=lease.shard,
+                session=lease.session,
+                pin_id=lease.pin_id,
+            )
+        for pin in self.ledger.idle_pins(now):
+            self.ledger.remove_pin(pin, now, "expired")
+            self.pins.delete(pin)
+            self._pin_event(PinEvent, pin, "pin.expired")
+        refresh_every = self.config.pinning.pin_inactivity_timeout / 4
+        for pin in list(self.ledger.pins_to_refresh(refresh_every)):
+            self.pins.put(pin)
+        if self._failures_seen:
+            self._failures_seen = {k: t for k, t in self._failures_seen.items() if now - t < 60.0}
+        if (
+            now - self._load_sent_at >= _LOAD_HEARTBEAT
+            and len(self.membership.live()) > 1
+            and not self._load_scheduled
+        ):
+            self._send_load()
+
+    async def _housekeeping(self) -> None:
+        interval = self.config.pinning.reaper_interval
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                if self.membership.can_serve():
+                    self.expire(self._clock())
+                live = self.membership.live()
+                for peer in list(self.load._peers):
+                    if peer not in live:
+                        self.load.forget_peer(peer)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("housekeeping failed")
+
+    # ---- health and state ---------------------------------------------------------------------
 
     async def _on_health(self, msg: Msg) -> None:
         if msg.reply:
-            await msg.respond(
-                HealthReply(service="admission", instance=self.instance).model_dump_json().encode()
+            reply = HealthReply(
+                service="admission",
+                instance=self.instance,
+                shards=len(self.shards.serving),
+                serving=self.membership.can_serve(),
             )
+            await self.nc.publish(msg.reply, reply.model_dump_json().encode())
+
+    async def _on_state(self, msg: Msg) -> None:
+        if not msg.reply:
+            return
+        pairs = []
+        for pair, use in sorted(self.ledger.use.items()):
+            quota = self.ledger.pair_quota(pair)
+            pairs.append(
+                PairHolding(
+                    provider=pair[0],
+                    model=pair[1],
+                    leases=use.leases,
+                    unreserved=use.unreserved,
+                    pins=use.pins,
+                    g=quota.g if quota else None,
+                    u=quota.u if quota else None,
+                    p=quota.p if quota else None,
+                )
+            )
+        kinds: dict[str, int] = {}
+        for lease in self.ledger.leases.values():
+            kinds[lease.kind.value] = kinds.get(lease.kind.value, 0) + 1
+        reply = StateReply(
+            instance=self.instance,
+            shards=tuple(sorted(self.shards.serving)),
+            pairs=tuple(pairs),
+            leases_by_kind=kinds,
+            edges=len(self.ledger.edges()),
+        )
+        await self.nc.publish(msg.reply, reply.model_dump_json().encode())
+
+    # ---- lifetime -----------------------------------------------------------------------------
 
     async def start(self) -> None:
-        self._subs.append(
-            await self._nc.subscribe(
-                ADMISSION_REQUEST_SUBJECT, queue=ADMISSION_QUEUE_GROUP, cb=self._on_request
-            )
-        )
-        self._subs.append(await self._nc.subscribe(ADMISSION_HEALTH_SUBJECT, cb=self._on_health))
-        self._subs.append(await self._nc.subscribe(ADMISSION_DONE_SUBJECT, cb=self._on_done))
-        self._subs.append(await self._nc.subscribe(REQUEST_STATS_SUBJECT, cb=self._on_stats))
+        await self.store.ensure_layout(self.config.admission.shards)
+        self.membership.on_lost = self._lost
+        await self.membership.join()
+        for subject, handler in (
+            (ADMISSION_HEALTH_SUBJECT, self._on_health),
+            (ADMISSION_STATE_SUBJECT, self._on_state),
+            (REQUEST_STATS_SUBJECT, self.on_request_ended),
+            (ADMISSION_LOAD_SUBJECT, self.on_load),
+            (handover_subject(self.instance), self.shards.on_handover),
+        ):
+            self._subs.append(await self.nc.subscribe(subject, cb=handler))
+        await self.quotas.start()
         if self.flow is not None:
             await self.flow.start()
-        await self._nc.flush()
+        await self.shards.start()
+        self._loops.append(asyncio.create_task(self._housekeeping(), name="housekeeping"))
+        await self.nc.flush()
+
+    def _lost(self) -> None:
+        """The member key was taken away: drop everything and join again under a new id."""
+        self._spawn(self._rejoin())
+
+    async def _rejoin(self) -> None:
+        old = self.instance
+        await self.shards.drop_all()
+        for sub in list(self._subs):
+            if sub.subject == handover_subject(old):
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+                self._subs.remove(sub)
+        new = f"{old.rsplit('-r', 1)[0]}-r{new_token(self._rng)[:6]}"
+        await self.membership.rejoin(new)
+        self._subs.append(
+            await self.nc.subscribe(handover_subject(new), cb=self.shards.on_handover)
+        )
+        await self.quotas.adjust()
 
     async def stop(self) -> None:
-        """Stop taking requests; decisions already under way finish and are answered."""
-        for sub in self._subs:
-            await sub.unsubscribe()
-        self._subs.clear()
+        """Hand every shard over (or release it), give back unused quota, leave."""
+        for task in self._loops:
+            task.cancel()
+        await self.shards.stop()
         if self.flow is not None:
             await self.flow.stop()
-        if self._in_flight:
-            await asyncio.wait(list(self._in_flight), timeout=5)
+        await self.pins.drain()
+        await self.quotas.leave()
+        await self.quotas.stop()
+        for sub in self._subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        self._subs.clear()
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=5)
+        await self.membership.leave()
+
+    def live_peers(self) -> int:
+        now = self._clock()
+        return sum(1 for at, _ in self.load._peers.values() if now - at <= PEER_FORGET_AFTER)
+
+
+__all__ = ["AdmissionService", "LeaseKind", "limits_from_config"]

@@ -1,32 +1,51 @@
-"""The edge's admin port: metrics and health. Do not expose it publicly."""
+"""The edge's admin port: metrics, liveness and readiness. Do not expose it publicly.
+
+- ``/health`` (liveness): 200 while the process runs its event loop; it says whether NATS is
+  connected, but a dead NATS does not make the edge dead (restarting it would not help).
+- ``/ready`` (readiness): 200 only while it can serve: NATS connected and an admission
+  instance answered within the last few seconds; 503 otherwise (a load balancer should send
+  traffic elsewhere).
+"""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from llmgw.services.edge.app import EdgeDeps
+if TYPE_CHECKING:
+    from llmgw.services.edge.app import EdgeDeps
 
 
-def create_admin_app(deps: EdgeDeps) -> FastAPI:
+def create_admin_app(deps: EdgeDeps, nc: object) -> FastAPI:
     app = FastAPI(title="llmgw edge admin", docs_url=None, redoc_url=None, openapi_url=None)
 
     async def metrics(request: Request) -> Response:
         return Response(generate_latest(deps.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    def _status() -> dict[str, object]:
+        connected = bool(getattr(nc, "is_connected", False))
+        return {
+            "nats": "connected" if connected else "disconnected",
+            "admission": "answering" if deps.admission.ready() else "not answering",
+            "leases": len(deps.leases.held),
+            "edge": deps.edge_id,
+        }
+
     async def health(request: Request) -> Response:
-        """Alive and connected to NATS (without NATS no request can be admitted)."""
-        connected = deps.nc.is_connected
+        return JSONResponse({"status": "ok", **_status()})
+
+    async def ready(request: Request) -> Response:
+        ok = deps.admission.ready()
         return JSONResponse(
-            {
-                "status": "ok" if connected else "degraded",
-                "nats": "connected" if connected else "disconnected",
-            },
-            status_code=200 if connected else 503,
+            {"status": "ready" if ok else "not ready", **_status()},
+            status_code=200 if ok else 503,
         )
 
     app.add_route("/metrics", metrics, methods=["GET"])
     app.add_route("/health", health, methods=["GET"])
+    app.add_route("/ready", ready, methods=["GET"])
     return app

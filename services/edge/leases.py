@@ -1,16 +1,20 @@
-"""Holding a request lease in the edge: renew while the request runs, release once at the end.
+"""The edge's request leases: held while their requests run, renewed in batches per shard.
 
-Ownership: the edge owns a lease from the admission reply until `finish()`.
-While it runs, the lease is renewed every lease_timeout/3 by compare-and-
-swap. A renewal that finds the lease gone (it expired and the reaper
-reclaimed it, e.g. after this process was paused) marks it lost and calls
-`on_lost`, which cancels the upstream request; a lost lease is never
-released, so a slot since granted to another request is never freed.
+Ownership: the edge holds a lease from the admission reply until the request ends (`end`); the
+release itself travels in the request's `RequestEnded` message, which the shard's owner applies.
+While held, every ``lease_timeout / 3`` the edge sends each shard's owner *one* message listing
+all its live leases there (`LeaseRenewal`): the owner renews them, answers which it does not hold
+(lost), and ends the edge's unlisted ones (so a lost end message costs one interval, not a
+leak). A batch that gets no answer is tried again at the next interval.
 
-`finish()` runs the release in a background task that the request's own
-cancellation (client disconnect) cannot interrupt, and only after any
-renewal in flight has landed, so the release always names the lease's
-newest revision.
+A lease is **lost** when its owner says so, or when it was not renewed for ``lease_timeout``
+(this process was paused, or cut off from NATS, that long: the owner has expired it and may have
+granted its capacity again). Then `on_lost` ends its request at once (the upstream call is
+cancelled) and the request's outcome is `lease_lost`, whatever else happened: a lost lease never
+feeds a breaker, and is never released (its capacity is no longer this edge's).
+
+Roll call: when a shard changes owner without a handover (a crash), the new owner asks every
+edge for its leases there; `on_rollcall` answers with the full records.
 """
 
 from __future__ import annotations
@@ -18,95 +22,171 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from pydantic import ValidationError
+
+from llmgw.wire import (
+    ADMISSION_ROLLCALL_SUBJECT,
+    LeaseRenewal,
+    LeaseRenewalReply,
+    RollCall,
+    RollCallAnswer,
+    leases_subject,
+)
+
 if TYPE_CHECKING:
-    from llmgw.core.leases import Lease, Pin
-    from llmgw.state.routing_state import RoutingState
+    from nats.aio.client import Client as NATS
+    from nats.aio.msg import Msg
+    from nats.aio.subscription import Subscription
+
+    from llmgw.core.ledger import LeaseRecord
 
 log = logging.getLogger("llmgw.edge.leases")
 
 
-class LeaseHolder:
-    """One request's lease; `finish(success)` exactly once."""
+class HeldLease:
+    """One request's lease at the edge (`llmgw.contracts.LeaseHold`)."""
+
+    __slots__ = ("_lost", "confirmed_at", "ended", "on_lost", "record")
+
+    def __init__(self, record: LeaseRecord, now: float) -> None:
+        self.record = record
+        self.confirmed_at = now  # monotonic time of the grant or the last confirmed renewal
+        self.on_lost: Callable[[], None] | None = None
+        self._lost = False
+        self.ended = False
+
+    @property
+    def lost(self) -> bool:
+        return self._lost
+
+    def lose(self) -> None:
+        if self._lost or self.ended:
+            return
+        self._lost = True
+        if self.on_lost is not None:
+            self.on_lost()
+
+
+class EdgeLeases:
+    """`llmgw.contracts.LeaseStore` over NATS (see the module docstring)."""
 
     def __init__(
         self,
-        state: RoutingState,
-        lease: Lease,
+        nc: NATS,
+        edge_id: str,
         *,
-        renew_every: float,
-        refresh_pin_on_success: bool,
-        background: set[asyncio.Task[None]],
-        pin: Pin | None = None,
+        lease_timeout: float,
+        request_timeout: float,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.lease = lease
-        self._pin = pin  # as admission left it: a hint for the release
-        self.lost = False
-        self.on_lost: Callable[[], None] | None = None
-        self._state = state
-        self._renew_every = renew_every
-        self._refresh = refresh_pin_on_success
-        self._background = background
-        self._stop = asyncio.Event()
-        # Most requests end before their first renewal is due: the renewal task
-        # starts only then, so a short request costs a timer, not a task.
-        self._renewal: asyncio.Task[None] | None = None
-        self._first_renewal = asyncio.get_running_loop().call_later(
-            renew_every, self._start_renewing
-        )
+        self._nc = nc
+        self.edge_id = edge_id
+        self.lease_timeout = lease_timeout
+        self.renew_every = lease_timeout / 3
+        self.request_timeout = request_timeout
+        self._monotonic = monotonic
+        self.held: dict[str, HeldLease] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._sub: Subscription | None = None
+        self.renewals = 0
+        self.lost = 0
 
-    def _start_renewing(self) -> None:
-        if not self._stop.is_set():
-            self._renewal = asyncio.create_task(self._renew_until_stopped(), name="lease-renewal")
+    # ---- the request path ---------------------------------------------------------------------
 
-    async def _renew_until_stopped(self) -> None:
+    def hold(self, lease: LeaseRecord) -> HeldLease:
+        held = HeldLease(lease, self._monotonic())
+        self.held[lease.lease_id] = held
+        return held
+
+    def end(self, hold: HeldLease) -> None:
+        hold.ended = True
+        self.held.pop(hold.record.lease_id, None)
+
+    def expired(self, hold: HeldLease) -> bool:
+        """Not confirmed for lease_timeout: as good as lost (checked before any other outcome)."""
+        if hold.lost:
+            return True
+        if self._monotonic() - hold.confirmed_at >= self.lease_timeout:
+            self.lost += 1
+            hold.lose()
+            return True
+        return False
+
+    # ---- renewals -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._sub = await self._nc.subscribe(ADMISSION_ROLLCALL_SUBJECT, cb=self.on_rollcall)
+        self._task = asyncio.create_task(self._renewing(), name="lease-renewals")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+
+    async def _renewing(self) -> None:
         while True:
+            await asyncio.sleep(self.renew_every)
             try:
-                renewed = await self._state.renew_request_lease(self.lease)
+                await self.renew_all()
+            except asyncio.CancelledError:
+                raise
             except Exception:
-                # NATS unreachable: try again next interval; the lease stays valid until
-                # lease_timeout.
-                log.warning(
-                    "lease %s: renewal failed; will retry", self.lease.lease_id, exc_info=True
-                )
-            else:
-                if renewed is None:
-                    self.lost = True
-                    log.warning("lease %s was lost; ending its request", self.lease.lease_id)
-                    if self.on_lost is not None:
-                        self.on_lost()
-                    return
-                self.lease = renewed
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self._renew_every):
-                    await self._stop.wait()
-            if self._stop.is_set():
-                return
+                log.warning("lease renewal round failed", exc_info=True)
 
-    def finish(self, success: bool) -> None:
-        """Stop renewing and release (refreshing the pin only on success), off the request path.
+    async def renew_all(self) -> None:
+        """One renewal round: expire what was not confirmed in time, renew the rest by shard."""
+        for hold in list(self.held.values()):
+            self.expired(hold)  # a paused edge finds out here first
+        by_shard: dict[int, list[HeldLease]] = {}
+        for hold in self.held.values():
+            if not hold.lost:
+                by_shard.setdefault(hold.record.shard, []).append(hold)
+        if by_shard:
+            await asyncio.gather(*(self._renew(s, holds) for s, holds in by_shard.items()))
 
-        Only the first call counts: a stream's end and its response's close may both call it.
-        """
-        if self._stop.is_set():
-            return
-        self._stop.set()
-        self._first_renewal.cancel()
-        task = asyncio.create_task(self._release(success), name="lease-release")
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def _release(self, success: bool) -> None:
-        if self._renewal is not None:
-            await self._renewal  # a renewal in flight lands first: release names its revision
-        if self.lost:
-            return
+    async def _renew(self, shard: int, holds: list[HeldLease]) -> None:
+        sent = self._monotonic()
+        message = LeaseRenewal(
+            edge=self.edge_id, shard=shard, leases=tuple(h.record.lease_id for h in holds)
+        )
         try:
-            await self._state.release_request_lease(
-                self.lease, refresh_pin=success and self._refresh, pin=self._pin
+            msg = await self._nc.request(
+                leases_subject(shard),
+                message.model_dump_json().encode(),
+                timeout=self.request_timeout,
             )
-        except Exception:
-            # Left to the reaper, which reclaims it after lease_timeout.
-            log.warning("lease %s: release failed", self.lease.lease_id, exc_info=True)
+            reply = LeaseRenewalReply.model_validate_json(msg.data)
+        except (ValidationError, Exception) as exc:
+            log.debug("renewal of %d leases in shard %d got no answer: %s", len(holds), shard, exc)
+            return
+        self.renewals += 1
+        lost = set(reply.lost)
+        for hold in holds:
+            if hold.record.lease_id in lost:
+                self.lost += 1
+                log.warning("lease %s was lost; ending its request", hold.record.lease_id)
+                hold.lose()
+            else:
+                hold.confirmed_at = max(hold.confirmed_at, sent)
+
+    async def on_rollcall(self, msg: Msg) -> None:
+        try:
+            call = RollCall.model_validate_json(msg.data)
+        except ValidationError:
+            return
+        shards = set(call.shards)
+        leases = tuple(
+            h.record for h in self.held.values() if h.record.shard in shards and not h.lost
+        )
+        if leases and msg.reply:
+            answer = RollCallAnswer(edge=self.edge_id, leases=leases)
+            with contextlib.suppress(Exception):
+                await self._nc.publish(msg.reply, answer.model_dump_json().encode())

@@ -1,13 +1,20 @@
-"""`llmgw edge`: the composition root of the HTTP edge."""
+"""`llmgw edge`: the composition root of the HTTP edge.
+
+It prints its ready line once it serves: NATS connected, its inbox and roll-call subscriptions
+up, the HTTP listeners bound, and an admission instance answered (or, with none running yet,
+after a bounded wait: the edge then answers 503 until one does, and /ready says so).
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
+import uuid
 
 from llmgw import natsconn
 from llmgw.config import parse_hostport
+from llmgw.core.keys import safe_token
 from llmgw.runtime import (
     load_or_exit,
     require_nats_server,
@@ -17,13 +24,17 @@ from llmgw.runtime import (
     wait_for_stop_signal,
 )
 from llmgw.services.edge.admin import create_admin_app
+from llmgw.services.edge.admission_client import NatsAdmission
 from llmgw.services.edge.app import EdgeDeps, create_app
+from llmgw.services.edge.leases import EdgeLeases
 from llmgw.services.edge.metrics import EdgeMetrics
-from llmgw.services.edge.upstream import Timeouts, new_session
+from llmgw.services.edge.reporting import NatsReporter
+from llmgw.services.edge.upstream import new_session
 from llmgw.serving import start_server
-from llmgw.state.setup import open_routing_state
 
 log = logging.getLogger("llmgw.edge")
+
+_FIRST_ANSWER_WAIT = 10.0  # seconds the edge waits for an admission instance before it is ready
 
 
 def run(args: argparse.Namespace) -> int:
@@ -35,23 +46,65 @@ def run(args: argparse.Namespace) -> int:
 
     async def main() -> None:
         nc = await natsconn.connect(config.nats, name="llmgw-edge")
-        session = new_session(Timeouts.from_section(config.timeouts))
-        routing = await open_routing_state(
-            nc, config, instance_id=service_instance("edge"), follow_slots=False
-        )
-        deps = EdgeDeps(nc=nc, session=session, metrics=EdgeMetrics(), routing=routing)
+        edge_id = safe_token(f"{service_instance('edge')}-{uuid.uuid4().hex[:6]}")
+        deps = await open_edge_deps(nc, config, edge_id)
         app = create_app(config, deps)
         api = await start_server(app, host, port)
-        admin = await start_server(create_admin_app(deps), admin_host, admin_port)
+        admin = await start_server(create_admin_app(deps, nc), admin_host, admin_port)
+        await wait_for_admission(deps.admission)  # type: ignore[arg-type]
         print(f"llmgw edge ready on {api.url} (admin {admin.url})", flush=True)
         try:
             await wait_for_stop_signal()
         finally:
-            # Stop taking requests, let running ones finish (uvicorn's
-            # graceful shutdown), then close what they used.
+            # Stop taking requests, let running ones finish (uvicorn's graceful shutdown),
+            # then close what they used.
             await asyncio.gather(api.stop(timeout=10), admin.stop())
-            await app.edge.drain()  # lease releases still in flight
-            await session.close()
+            await close_edge_deps(deps)
             await nc.drain()
 
     return run_service(main)
+
+
+async def open_edge_deps(nc, config, edge_id: str) -> EdgeDeps:  # type: ignore[no-untyped-def]
+    """The edge's ports over one NATS connection, started."""
+    admission = NatsAdmission(
+        nc, request_timeout=config.nats.request_timeout, queue_ttl=config.admission.queue_ttl
+    )
+    await admission.start()
+    leases = EdgeLeases(
+        nc,
+        edge_id,
+        lease_timeout=config.pinning.lease_timeout,
+        request_timeout=config.nats.request_timeout,
+    )
+    await leases.start()
+    return EdgeDeps(
+        admission=admission,
+        leases=leases,
+        reporter=NatsReporter(nc),
+        session=new_session(config.timeouts),
+        metrics=EdgeMetrics(),
+        edge_id=edge_id,
+    )
+
+
+async def close_edge_deps(deps: EdgeDeps) -> None:
+    await deps.reporter.drain()  # type: ignore[attr-defined]
+    await deps.leases.stop()
+    await deps.admission.stop()  # type: ignore[attr-defined]
+    await deps.session.close()
+
+
+async def wait_for_admission(admission: NatsAdmission, timeout: float = _FIRST_ANSWER_WAIT) -> bool:
+    """Until an admission instance answers (True), or `timeout` (False: ready line anyway,
+    /ready stays false until one answers)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while loop.time() < deadline:
+        if await admission.probe():
+            return True
+        await asyncio.sleep(0.1)
+    log.warning(
+        "no admission instance answered within %.0fs; answering 503 until one does", timeout
+    )
+    return False

@@ -2,9 +2,12 @@
 
 One pooled aiohttp session per edge process (httpx's default transport
 collapses under concurrency; see docs/benchmarks.md). Timeouts are phases,
-not one number: dial, response headers, first streamed chunk, idle gap
-between chunks, and total. Each ends the request with a clear error; for a
-stream that already began, that error is an SSE event before the close.
+not one number (the config's `Timeouts`): dial, response headers, first
+streamed chunk, idle gap between chunks, and total. Each ends the request
+with a clear error. A stream's first chunk is read before anything is sent to
+the client (`first_chunk`), so a stream that fails before its first byte is
+retried like any other request; once the client has its 200, a failure is an
+SSE error event before the close.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import aiohttp
 
@@ -21,33 +24,15 @@ from llmgw.core.outcomes import Outcome
 from llmgw.core.usage import StreamUsage
 from llmgw.services.edge.errors import sse_error_event
 
+if TYPE_CHECKING:
+    from llmgw.config.schema import Timeouts
+
 _DONE_MARKER = b"data: [DONE]"
 LEASE_LOST_MESSAGE = (
     "The gateway lost this request's capacity lease (it could not be renewed in time); "
     "the request was ended. Retry it."
 )
 _HOP_HEADERS = {"content-type", "retry-after", "x-request-id"}
-
-
-@dataclass(frozen=True, slots=True)
-class Timeouts:
-    """Per-phase limits in seconds (the `timeouts` config section)."""
-
-    dial: float
-    response_header: float
-    first_token: float
-    idle: float
-    total: float
-
-    @classmethod
-    def from_section(cls, section: object) -> Timeouts:
-        """From the config's `timeouts` section (or anything with those attributes)."""
-        return cls(
-            *(
-                float(getattr(section, f))
-                for f in ("dial", "response_header", "first_token", "idle", "total")
-            )
-        )
 
 
 class UpstreamFailure(Exception):
@@ -122,23 +107,53 @@ def loop_deadline(seconds: float) -> float:
     return asyncio.get_running_loop().time() + seconds
 
 
+async def first_chunk(
+    response: aiohttp.ClientResponse, timeouts: Timeouts, deadline: float
+) -> bytes:
+    """The stream's first bytes, within ``first_token`` (and the total deadline); raises
+    UpstreamFailure when they do not come (nothing has reached the client yet: retryable)."""
+    budget = min(timeouts.first_token, deadline - asyncio.get_running_loop().time())
+    try:
+        async with asyncio.timeout(max(budget, 0)):
+            chunk = await response.content.readany()
+    except TimeoutError:
+        response.close()
+        raise UpstreamFailure(
+            Outcome.UPSTREAM_TIMEOUT, f"The upstream sent no first token within {budget:g}s."
+        ) from None
+    except aiohttp.ClientError as exc:
+        response.close()
+        raise UpstreamFailure(
+            Outcome.UPSTREAM_BROKEN_STREAM, f"The upstream stream broke before it began: {exc}"
+        ) from None
+    if not chunk:
+        response.close()
+        raise UpstreamFailure(
+            Outcome.UPSTREAM_BROKEN_STREAM, "The upstream ended the stream before it began."
+        )
+    return chunk
+
+
 class StreamRelay:
     """Relays an SSE body chunk by chunk, without buffering, and records how it ended.
 
-    `outcome` is SUCCESS only when the upstream's stream ended with
-    `data: [DONE]`. Any other ending (timeout, broken connection, a cut
-    without [DONE]) sends one SSE error event and records the failure.
+    Starts with `first` (already read by `first_chunk`). `outcome` is SUCCESS only when the
+    upstream's stream ended with `data: [DONE]`. Any other ending (timeout, broken connection,
+    a cut without [DONE], a lost lease) sends one SSE error event and records the failure; a
+    lost lease (`lease_lost()`, checked first) is reported as such, whatever else happened.
     """
 
     def __init__(
         self,
         response: aiohttp.ClientResponse,
+        first: bytes,
         timeouts: Timeouts,
         deadline: float,
         lease_lost: Callable[[], bool] = lambda: False,
         usage: StreamUsage | None = None,
     ) -> None:
         self._response = response
+        self._first = first
         self._usage = usage
         self._lease_lost = lease_lost
         self._timeouts = timeouts
@@ -146,50 +161,56 @@ class StreamRelay:
         self.outcome = Outcome.CLIENT_DISCONNECTED  # until the stream ends by itself
         self.first_chunk_at: float | None = None
 
+    def _lost(self) -> bytes:
+        self.outcome = Outcome.LEASE_LOST
+        return sse_error_event(LEASE_LOST_MESSAGE, "lease_lost")
+
     async def __aiter__(self) -> AsyncIterator[bytes]:
         content = self._response.content
         tail = b""
-        wait = self._timeouts.first_token
+        chunk: bytes | None = self._first
+        self.first_chunk_at = time.perf_counter()
         try:
             while True:
-                budget = min(wait, self._deadline - asyncio.get_running_loop().time())
-                try:
-                    async with asyncio.timeout(max(budget, 0)):
-                        chunk = await content.readany()
-                except TimeoutError:
-                    phase = "first token" if self.first_chunk_at is None else "next token"
-                    self.outcome = Outcome.UPSTREAM_TIMEOUT
-                    yield sse_error_event(
-                        f"The upstream sent no {phase} within {budget:g}s; the request was ended.",
-                        "upstream_timeout",
+                if chunk is None:
+                    budget = min(
+                        self._timeouts.idle, self._deadline - asyncio.get_running_loop().time()
                     )
-                    return
-                except aiohttp.ClientError as exc:
-                    if self._lease_lost():
-                        self.outcome = Outcome.LEASE_LOST
-                        yield sse_error_event(LEASE_LOST_MESSAGE, "lease_lost")
-                    else:
+                    try:
+                        async with asyncio.timeout(max(budget, 0)):
+                            chunk = await content.readany()
+                    except TimeoutError:
+                        if self._lease_lost():
+                            yield self._lost()
+                            return
+                        self.outcome = Outcome.UPSTREAM_TIMEOUT
+                        yield sse_error_event(
+                            f"The upstream sent no next token within {budget:g}s; "
+                            "the request was ended.",
+                            "upstream_timeout",
+                        )
+                        return
+                    except aiohttp.ClientError as exc:
+                        if self._lease_lost():
+                            yield self._lost()
+                            return
                         self.outcome = Outcome.UPSTREAM_BROKEN_STREAM
                         yield sse_error_event(
                             f"The upstream stream broke: {exc}", "upstream_broken_stream"
                         )
-                    return
-                if not chunk:
-                    break
-                if self.first_chunk_at is None:
-                    self.first_chunk_at = time.perf_counter()
-                    wait = self._timeouts.idle
+                        return
+                    if not chunk:
+                        break
                 tail = (tail + chunk)[-32:]
                 if self._usage is not None:
                     chunk = self._usage.feed(chunk)
-                    if not chunk:
-                        continue
-                yield chunk
+                if chunk:
+                    yield chunk
+                chunk = None
             if self._usage is not None and (rest := self._usage.finish()):
                 yield rest
             if self._lease_lost():
-                self.outcome = Outcome.LEASE_LOST
-                yield sse_error_event(LEASE_LOST_MESSAGE, "lease_lost")
+                yield self._lost()
             elif _DONE_MARKER in tail:
                 self.outcome = Outcome.SUCCESS
             else:

@@ -1,9 +1,9 @@
 """`llmgw reaper`: the composition root of the reaper service.
 
-Connects to NATS, opens the routing state (no slot mirror: the reaper takes no slots), and runs
-`Reaper` passes every `pinning.reaper_interval` until SIGTERM/SIGINT, which lets the current pass
-finish before exiting 0. Prints "llmgw reaper ready (...)" once running. Several reapers may run
-at once (each change is made, and announced, once).
+Connects to NATS, opens the routing bucket, and runs `Reaper` passes every
+`pinning.reaper_interval` until SIGTERM/SIGINT, which lets the current pass finish before exiting
+0. Prints "llmgw reaper ready (...)" once running. Several reapers may run at once (each change is
+made, and announced, once).
 """
 
 from __future__ import annotations
@@ -24,9 +24,8 @@ from llmgw.config import Config, parse_hostport
 from llmgw.events import EventPublisher
 from llmgw.runtime import load_or_exit, run_service, setup_logging
 from llmgw.services.reaper.metrics import ReaperMetrics
-from llmgw.services.reaper.service import Reaper, repair_grace, step_timeout
-from llmgw.state.routing_state import RoutingState
-from llmgw.state.setup import open_routing_state
+from llmgw.services.reaper.service import Reaper
+from llmgw.state.setup import open_routing_store
 
 __all__ = ["open_reaper", "run", "serve"]
 
@@ -50,6 +49,14 @@ def run(args: argparse.Namespace) -> int:
     return run_service(lambda: serve(config, admin=admin))
 
 
+def quota_grace(config: Config) -> float:
+    """How long a dead instance's quota entry stays before the reaper drops it: long enough for
+    the shards' new owners to have adopted what they could (member TTL, a rebalance, a roll
+    call), with a wide margin."""
+    admission = config.admission
+    return 3 * admission.member_ttl + 10 * admission.rollcall_window + 2 * admission.heartbeat
+
+
 async def open_reaper(
     nc: NATS,
     config: Config,
@@ -57,20 +64,18 @@ async def open_reaper(
     instance: str,
     clock: Callable[[], float] = time.time,
     metrics: ReaperMetrics | None = None,
-) -> tuple[Reaper, RoutingState]:
-    """A Reaper over the configured bucket, publishing on `nc`; close the state when done."""
-    pinning = config.pinning
-    routing = await open_routing_state(nc, config, instance_id=instance, follow_slots=False)
-    reaper = Reaper(
-        routing,
+) -> Reaper:
+    """A Reaper over the configured bucket, publishing on `nc`."""
+    store = await open_routing_store(nc, config)
+    return Reaper(
+        store,
         EventPublisher(nc, instance, clock=clock),
         metrics or ReaperMetrics(),
         clock=clock,
-        interval=pinning.reaper_interval,
-        grace=repair_grace(pinning.lease_timeout),
-        step_timeout=step_timeout(pinning.reaper_interval),
+        interval=config.pinning.reaper_interval,
+        member_ttl=config.admission.member_ttl,
+        quota_grace=quota_grace(config),
     )
-    return reaper, routing
 
 
 async def serve(
@@ -92,9 +97,8 @@ async def serve(
     instance = f"reaper-{uuid.uuid4().hex[:8]}"
     nc = await natsconn.connect(config.nats, name="llmgw-reaper")
     admin_server = None
-    routing: RoutingState | None = None
     try:
-        reaper, routing = await open_reaper(nc, config, instance=instance)
+        reaper = await open_reaper(nc, config, instance=instance)
         where = ""
         if admin is not None:
             # Imported only when asked for: the HTTP stack is not the reaper's default path.
@@ -115,6 +119,4 @@ async def serve(
     finally:
         if admin_server is not None:
             await admin_server.stop()
-        if routing is not None:
-            await routing.close()
         await nc.drain()

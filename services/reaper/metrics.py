@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from llmgw.core.leases import ReaperActionKind
-
 _PASS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
-STEPS = ("expire_leases", "expire_pins", "repair")
+STEPS = ("remove_dead_members", "reclaim_quota")
+ACTIONS = ("member_expired", "quota_reclaimed")
 
 
 class ReaperMetrics:
@@ -15,7 +14,8 @@ class ReaperMetrics:
         self.registry = registry or CollectorRegistry()
         self.actions = Counter(
             "llmgw_reaper_actions",
-            "Changes this reaper made to the routing state, by kind.",
+            "Changes this reaper made to the routing bucket, by kind (member_expired, "
+            "quota_reclaimed).",
             ["kind"],
             registry=self.registry,
         )
@@ -42,10 +42,10 @@ class ReaperMetrics:
             registry=self.registry,
         )
         # Pre-create every label so dashboards see zeros before the first action.
-        self._actions = {kind: self.actions.labels(kind.value) for kind in ReaperActionKind}
+        self._actions = {kind: self.actions.labels(kind) for kind in ACTIONS}
         for step in STEPS:
             self.step_failures.labels(step)
 
-    def count_action(self, kind: ReaperActionKind | str) -> None:
-        counter = self._actions.get(kind)  # type: ignore[call-overload]
-        (counter if counter is not None else self.actions.labels(str(kind))).inc()
+    def count_action(self, kind: str) -> None:
+        counter = self._actions.get(kind)
+        (counter if counter is not None else self.actions.labels(kind)).inc()

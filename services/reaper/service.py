@@ -1,17 +1,18 @@
-"""The reaper loop: every interval, run the routing state's reaper primitives and announce.
+"""The reaper: clears what admission instances that died left in the routing bucket.
 
-What to reclaim, and the compare-and-swap that makes each reclaim happen once, live in the
-primitives (`RoutingState.expire_leases / expire_pins / repair`); this loop only sequences them,
-publishes the changes they report and measures. Any number of reapers may run on one bucket:
-when two race for the same expired lease, one CAS wins and only the winner reports (and so
-announces) it; the loser sees a conflict and does nothing.
+Admission instances expire their own shards' leases and idle pins (in memory: they own them).
+What is left for a janitor is what a dead instance cannot clean up itself:
 
-A pass runs the three steps in order: expire leases (which also unlists them from their pins),
-expire idle pins (a pin emptied by the first step expires in the same pass if its inactivity
-countdown has run out), then repair. A step that raises or exceeds `step_timeout` is logged and
-counted and the pass goes on; the next pass retries. Events of a step are published right after
-it, so a later step's failure loses none. A change made by a step that was cut short is not
-reported (its event is lost; the state stays consistent and later passes finish the work).
+- **member keys** of instances that stopped renewing them more than ``3 x member_ttl`` ago
+  (their shards have been claimed by then; the key itself only costs a listing);
+- **quota** a dead instance still holds in a pair's book once ``quota_grace`` has passed since
+  its last write and it is not a live member: the instances that adopted its shards moved what
+  its leases and pins needed to themselves (`llmgw.core.quota.QuotaBook.transfer`); what is
+  left belonged to requests nobody announced, so it goes back to the free pool.
+
+Each change is one compare-and-swap from the revision read, so any number of reapers may run:
+one wins, only the winner announces it. Without a reaper nothing breaks: a dead instance's
+quota simply stays unavailable (under-admission, the safe direction).
 
 Stopping: `run(stop)` checks `stop` between passes only, so a pass in progress is finished.
 """
@@ -21,37 +22,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
-from llmgw.core.leases import ReaperAction
-from llmgw.events import ReaperCause
+from llmgw.core.quota import reclaimable
+from llmgw.core.shards import live_members
+from llmgw.events import EventPublisher, MemberEvent, QuotaReclaimed
 from llmgw.services.reaper.metrics import ReaperMetrics
+from llmgw.state.store import RoutingStore
 
-__all__ = [
-    "MIN_REPAIR_GRACE",
-    "PassResult",
-    "Reaper",
-    "ReaperEvents",
-    "ReaperPrimitives",
-    "repair_grace",
-    "step_timeout",
-]
+__all__ = ["PassResult", "Reaper"]
 
 _log = logging.getLogger("llmgw.reaper")
-
-# Repairs undo operations that died half-way; one still running must never be "repaired". An
-# admission is a handful of KV calls, each bounded by NATS timeouts of a few seconds, so half a
-# minute is an order of magnitude above any live operation even with a short lease timeout.
-MIN_REPAIR_GRACE = 30.0
 MIN_STEP_TIMEOUT = 30.0
-
-
-def repair_grace(lease_timeout: float) -> float:
-    """How old a half-finished transition must be before repair undoes it."""
-    return max(2 * lease_timeout, MIN_REPAIR_GRACE)
 
 
 def step_timeout(interval: float) -> float:
@@ -59,107 +42,115 @@ def step_timeout(interval: float) -> float:
     return max(10 * interval, MIN_STEP_TIMEOUT)
 
 
-class ReaperPrimitives(Protocol):
-    """The routing state's reaper operations (`RoutingState` satisfies it).
-
-    Each returns only the changes whose write succeeded (so each is reported once overall).
-    """
-
-    async def expire_leases(self, now: float) -> list[ReaperAction]: ...
-
-    async def expire_pins(self, now: float) -> list[ReaperAction]: ...
-
-    async def repair(self, now: float, grace: float) -> list[ReaperAction]: ...
-
-
-class ReaperEvents(Protocol):
-    """Where changes are announced (`llmgw.events.EventPublisher` satisfies it)."""
-
-    async def publish_reaper_actions(
-        self, actions: Iterable[ReaperAction], cause: ReaperCause
-    ) -> int: ...
-
-
 @dataclass(frozen=True, slots=True)
 class PassResult:
-    """What one pass did: the changes made (in step order) and the steps that failed."""
-
-    actions: Sequence[ReaperAction]
-    failed_steps: Sequence[str]
-    duration: float
+    members_removed: tuple[str, ...]
+    quota_reclaimed: tuple[tuple[str, str, str], ...]  # (provider, model, instance)
+    failed_steps: tuple[str, ...]
 
 
 class Reaper:
-    """Runs reaper passes over `state`, publishing every change through `events`.
-
-    `clock` gives the `now` the primitives compare lease and pin times with: it must be the
-    clock that stamps leases and pins (unix seconds in the product). `timer` measures
-    durations only.
-    """
-
     def __init__(
         self,
-        state: ReaperPrimitives,
-        events: ReaperEvents,
+        store: RoutingStore,
+        events: EventPublisher,
         metrics: ReaperMetrics,
         *,
         clock: Callable[[], float],
         interval: float,
-        grace: float,
-        step_timeout: float = MIN_STEP_TIMEOUT,
+        member_ttl: float,
+        quota_grace: float,
         timer: Callable[[], float] = time.perf_counter,
     ) -> None:
-        self._state = state
-        self._events = events
+        self.store = store
+        self.events = events
         self.metrics = metrics
         self._clock = clock
         self._timer = timer
         self.interval = interval
-        self.grace = grace
-        self.step_timeout = step_timeout
-        self.passes = 0  # passes completed
+        self.member_ttl = member_ttl
+        self.quota_grace = quota_grace
+        self.step_timeout = step_timeout(interval)
+        self.passes = 0
         self._pass_done = asyncio.Condition()
 
-    def _steps(
-        self,
-    ) -> list[tuple[str, ReaperCause, Callable[[float], Awaitable[list[ReaperAction]]]]]:
-        state = self._state
-        return [
-            ("expire_leases", ReaperCause.EXPIRY, state.expire_leases),
-            ("expire_pins", ReaperCause.EXPIRY, state.expire_pins),
-            ("repair", ReaperCause.REPAIR, lambda now: state.repair(now, self.grace)),
+    async def remove_dead_members(self, now: float) -> list[str]:
+        removed = []
+        for stored in await self.store.members():
+            member = stored.value
+            if now < member.renewed_at + 3 * self.member_ttl:
+                continue
+            if await self.store.remove_member(member.instance, stored.revision):
+                removed.append(member.instance)
+                self.metrics.count_action("member_expired")
+                await self.events.publish(
+                    self.events.build(MemberEvent, event="member.expired", member=member.instance)
+                )
+        return removed
+
+    async def reclaim_quota(self, now: float) -> list[tuple[str, str, str]]:
+        from llmgw.core.shards import Member
+
+        members = [
+            Member(s.value.instance, s.value.renewed_at, s.value.joined_at)
+            for s in await self.store.members()
         ]
+        live = live_members(members, now, self.member_ttl)
+        done = []
+        for stored in await self.store.quota_books():
+            book = stored.value
+            dead = reclaimable(book, live, now, self.quota_grace)
+            if not dead:
+                continue
+            reduced = book
+            for instance in dead:
+                reduced = reduced.drop(instance)
+            if await self.store.write_quota_book(reduced, stored.revision) is None:
+                continue  # changed meanwhile: the next pass looks again
+            for instance in dead:
+                held = book.quota(instance)
+                done.append((book.provider, book.model, instance))
+                self.metrics.count_action("quota_reclaimed")
+                await self.events.publish(
+                    self.events.build(
+                        QuotaReclaimed,
+                        provider=book.provider,
+                        model=book.model,
+                        member=instance,
+                        leases=held.g,
+                        unreserved=held.u,
+                        pins=held.p,
+                    )
+                )
+        return done
 
     async def run_pass(self) -> PassResult:
-        """One pass over every step (see the module docstring); never raises but cancellation."""
+        """One pass over every step; never raises but cancellation."""
         started = self._timer()
-        actions: list[ReaperAction] = []
+        removed: list[str] = []
+        reclaimed: list[tuple[str, str, str]] = []
         failed: list[str] = []
-        for name, cause, step in self._steps():
+        for name in ("remove_dead_members", "reclaim_quota"):
             try:
                 async with asyncio.timeout(self.step_timeout):
-                    done = await step(self._clock())
+                    result = await getattr(self, name)(self._clock())
             except Exception:  # TimeoutError included: the next pass retries
                 _log.warning("reaper step %s failed", name, exc_info=True)
                 self.metrics.step_failures.labels(name).inc()
                 failed.append(name)
                 continue
-            for action in done:
-                self.metrics.count_action(action.kind)
-            sent = await self._events.publish_reaper_actions(done, cause)
-            if sent < len(done):
-                self.metrics.unpublished_events.inc(len(done) - sent)
-            actions.extend(done)
-        duration = self._timer() - started
-        self.metrics.pass_duration.observe(duration)
+            if name == "remove_dead_members":
+                removed = result
+            else:
+                reclaimed = result
+        self.metrics.pass_duration.observe(self._timer() - started)
         self.metrics.last_pass.set(self._clock())
-        if actions:
-            counts = Counter(str(a.kind) for a in actions)
-            _log.info("reaped: %s", ", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
+        if removed or reclaimed:
+            _log.info("reaped: %d dead members, %d quota entries", len(removed), len(reclaimed))
         async with self._pass_done:
             self.passes += 1
             self._pass_done.notify_all()
-        return PassResult(tuple(actions), tuple(failed), duration)
+        return PassResult(tuple(removed), tuple(reclaimed), tuple(failed))
 
     async def run(self, stop: asyncio.Event) -> None:
         """Pass after pass, `interval` apart, until `stop` is set (the current pass finishes)."""

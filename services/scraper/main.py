@@ -16,7 +16,7 @@ import logging
 
 from llmgw import natsconn
 from llmgw.config import Config, parse_hostport
-from llmgw.load import LOAD_BUCKET_HISTORY, LOAD_BUCKET_STORAGE
+from llmgw.load import LOAD_BUCKET_HISTORY, LOAD_BUCKET_STORAGE, capacity_floors
 from llmgw.runtime import (
     load_or_exit,
     require_nats_server,
@@ -92,6 +92,7 @@ async def serve(
             instance=instance,
             interval=router.scrape_interval,
             timeout=router.scrape_timeout,
+            capacities=capacity_floors(config),
         )
         await scraper.adopt_known_capacity()
         where = ""

@@ -53,12 +53,15 @@ class ScrapeOutcome(enum.StrEnum):
 
     Precedence, first match wins: no HTTP answer at all (``timeout`` if a request timed out,
     else ``unreachable``), then ``unhealthy`` (``/health`` did not answer 200), then
-    ``metrics_error`` (``/metrics`` unreadable), else ``ok``.
+    ``metrics_error`` (``/metrics`` answered but unreadably), ``no_metrics`` (no ``/metrics``, or
+    one without load gauges: the gateway counts the endpoint's load itself), else ``ok`` (all
+    or some of the load gauges).
     """
 
     OK = "ok"
     UNHEALTHY = "unhealthy"
     METRICS_ERROR = "metrics_error"
+    NO_METRICS = "no_metrics"
     TIMEOUT = "timeout"
     UNREACHABLE = "unreachable"
 
@@ -122,21 +125,30 @@ def health_verdict(health: Fetched) -> tuple[bool, str | None]:
     return False, _short(health.error or "no answer")
 
 
-def read_sample(metrics: Fetched) -> tuple[EngineSample | None, str | None]:
-    """The engine's load from a ``/metrics`` answer, or None and why it could not be read."""
+def read_sample(metrics: Fetched) -> tuple[EngineSample | None, str, str | None]:
+    """The engine's load from a ``/metrics`` answer: (sample, mode, error).
+
+    mode "full" or "partial" (some gauges missing) with a sample; "none" without one (no
+    ``/metrics`` (404), or no load gauges in it: not an error, the gateway's own accounting
+    carries the endpoint); "error" when it could not be read (no answer, another status, a
+    malformed exposition).
+    """
     if metrics.status is None:
-        return None, _short(metrics.error or "no answer")
+        return None, "error", _short(metrics.error or "no answer")
+    if metrics.status == 404:
+        return None, "none", None
     if metrics.status != 200:
-        return None, f"HTTP {metrics.status}"
+        return None, "error", f"HTTP {metrics.status}"
     try:
-        return parse_engine_metrics(metrics.body), None
+        sample = parse_engine_metrics(metrics.body)
     except MetricsFormatError as exc:
-        return None, _short(str(exc))
+        return None, "error", _short(str(exc))
+    if sample is None:
+        return None, "none", None
+    return sample, "full" if sample.complete else "partial", None
 
 
-def classify(
-    health: Fetched, metrics: Fetched, *, healthy: bool, sample: EngineSample | None
-) -> ScrapeOutcome:
+def classify(health: Fetched, metrics: Fetched, *, healthy: bool, mode: str) -> ScrapeOutcome:
     """The scrape's outcome (see `ScrapeOutcome` for the precedence)."""
     if not health.answered and not metrics.answered:
         if health.timed_out or metrics.timed_out:
@@ -144,15 +156,19 @@ def classify(
         return ScrapeOutcome.UNREACHABLE
     if not healthy:
         return ScrapeOutcome.UNHEALTHY
-    if sample is None:
+    if mode == "error":
         return ScrapeOutcome.METRICS_ERROR
+    if mode == "none":
+        return ScrapeOutcome.NO_METRICS
     return ScrapeOutcome.OK
 
 
 def engine_inflight(load: EndpointLoad) -> int:
     """What the engine itself holds (running + waiting) by its latest sample; 0 if none."""
     sample = load.sample
-    return 0 if sample is None else sample.running + sample.waiting
+    if sample is None:
+        return 0
+    return (sample.running or 0) + (sample.waiting or 0)
 
 
 def build_report(
@@ -169,12 +185,14 @@ def build_report(
     """The report of one scrape sent at ``scraped_at``, the endpoint's load after it, the outcome.
 
     A failed metrics read keeps the previous sample in the load (so the capacity and the last
-    reading survive) but not in the report; once that sample is older than ``stale_after``
-    the saturation is at least 1.0 (`endpoint_saturation`): scored down, never dropped.
+    reading survive) but not in the report. An endpoint that answers is reported fresh whatever
+    its metrics (`update` marks it reported); only an endpoint nobody reports on for
+    ``stale_after`` is stale (saturation at least 1.0: scored down, never dropped).
     """
     healthy, health_error = health_verdict(health)
-    sample, metrics_error = read_sample(metrics)
-    if sample is not None:
+    sample, mode, metrics_error = read_sample(metrics)
+    answered = health.answered or metrics.answered
+    if answered:
         load = update(load, sample, scraped_at)
     saturation = endpoint_saturation(load, now, settings, inflight=engine_inflight(load))
     report = EndpointReport(
@@ -185,13 +203,14 @@ def build_report(
         healthy=healthy,
         health_error=health_error,
         sample=LoadSample.from_core(sample) if sample is not None else None,
+        metrics=mode,
         metrics_error=metrics_error,
         capacity=load.capacity,
         saturation=saturation,
         scraped_at=scraped_at,
         scraper=scraper,
     )
-    return report, load, classify(health, metrics, healthy=healthy, sample=sample)
+    return report, load, classify(health, metrics, healthy=healthy, mode=mode)
 
 
 def health_event_verb(previous: bool | None, healthy: bool) -> str | None:

@@ -113,8 +113,10 @@ class Scraper:
         timeout: float,
         clock: Callable[[], float] = time.time,
         timer: Callable[[], float] = time.perf_counter,
+        capacities: dict[str, int] | None = None,
     ) -> None:
         self.targets = tuple(targets)
+        self._floors = dict(capacities or {})
         self._client = client
         self._bucket = bucket
         self._publisher = publisher
@@ -141,7 +143,7 @@ class Scraper:
     # ---- state, read by metrics and the admin port ----------------------------------------
 
     def load(self, endpoint: str) -> EndpointLoad:
-        return self._loads.get(endpoint, EndpointLoad())
+        return self._loads.get(endpoint, EndpointLoad(self._floors.get(endpoint, 0)))
 
     def scrape_ages(self) -> Iterable[tuple[str, float | None]]:
         """Seconds since each endpoint's metrics were last read (None: never)."""
@@ -184,7 +186,7 @@ class Scraper:
             load = self.load(target.endpoint)
             if report.capacity > load.capacity:
                 self._loads[target.endpoint] = EndpointLoad(
-                    report.capacity, load.sample, load.sampled_at
+                    report.capacity, load.sample, load.sampled_at, load.reported_at
                 )
 
         await asyncio.gather(*(adopt(t) for t in self.targets))
@@ -224,7 +226,7 @@ class Scraper:
                 reports.append(result)
         for pool in pool_reports(
             self.targets,
-            self._loads,
+            {t.endpoint: self.load(t.endpoint) for t in self.targets},
             self._healthy,
             now=self._clock(),
             settings=self.settings,
@@ -295,9 +297,22 @@ class Scraper:
         previous = self._outcomes.get(report.endpoint)
         self._outcomes[report.endpoint] = outcome
         if previous == outcome or (previous is None and outcome is ScrapeOutcome.OK):
+            if outcome is ScrapeOutcome.OK and report.metrics == "partial" and previous is None:
+                _log.info(
+                    "endpoint %s reports only some engine load metrics (%s missing): the "
+                    "gateway's own accounting covers the rest",
+                    report.endpoint,
+                    ", ".join(report.sample.to_core().missing) if report.sample else "?",
+                )
             return
         if outcome is ScrapeOutcome.OK:
             _log.info("endpoint %s: scraped fine again", report.endpoint)
+        elif outcome is ScrapeOutcome.NO_METRICS:
+            _log.info(
+                "endpoint %s exposes no engine load metrics: the gateway counts its load itself "
+                "(its inflight against its batch capacity)",
+                report.endpoint,
+            )
         else:
             _log.warning(
                 "endpoint %s: %s (%s)",

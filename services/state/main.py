@@ -1,4 +1,5 @@
-"""`llmgw state`: pins, leases and capacity use, read from the live routing bucket.
+"""`llmgw state`: pins, leases and capacity use, from the live routing bucket and the admission
+instances (leases live in the instances that hold them; each answers a state request).
 
 Read-only: it binds the configured bucket (never creates it) and lists it. It needs a NATS URL:
 with the local config (`nats.url: embedded`) run it as `LLMGW_NATS__URL=<url> llmgw state`, with
@@ -22,11 +23,14 @@ from nats.js.errors import NotFoundError
 
 from llmgw import natsconn
 from llmgw.config import Config
-from llmgw.core.leasekeys import LEASE_PREFIX, PIN_PREFIX, PIN_SLOT_PREFIX
 from llmgw.runtime import load_or_exit
+from llmgw.services.admission.service import limits_from_config
 from llmgw.services.state.report import StateReport, build_report, format_report, report_json
 from llmgw.state.nats_kv import NatsKV
-from llmgw.state.setup import limits_from_config
+from llmgw.state.store import RoutingStore
+from llmgw.wire import ADMISSION_STATE_SUBJECT, StateReply
+
+ANSWER_WINDOW = 0.5  # seconds the admission instances have to answer the state request
 
 __all__ = ["BucketMissing", "read_report", "run"]
 
@@ -92,20 +96,41 @@ async def read_report(nc: NATS, config: Config, *, now: float | None = None) -> 
             f"no routing bucket {pinning.bucket!r} on {config.nats.url} (is the gateway running "
             "with this config? admission creates the bucket when it starts)"
         ) from None
-    kv = NatsKV(js, pinning.bucket, direct=bool(info.config.allow_direct))
-    # Pins first: operations take a slot before writing the pin that names it, so every pin
-    # read here has its slot taken when the slots are read next (unless it expired meanwhile);
-    # an admission in flight shows as an extra taken slot, never as a pin beyond the limit.
-    pins = await kv.list(PIN_PREFIX)
-    pin_slots = await kv.list(PIN_SLOT_PREFIX)
-    leases = await kv.list(LEASE_PREFIX)
+    store = RoutingStore(NatsKV(js, pinning.bucket, direct=bool(info.config.allow_direct)))
+    replies = await _ask_instances(nc)
+    pins = await store.all_pins()
+    books = await store.quota_books()
+    members = await store.members()
+    owners = await store.shard_owners()
     return build_report(
         bucket=pinning.bucket,
-        pin_slots=pin_slots,
-        leases=leases,
-        pins=pins,
-        limits=limits_from_config(config),
         now=time.time() if now is None else now,
+        limits=limits_from_config(config),
+        pins=[(key, stored.value) for key, stored in pins],
+        books=[b.value for b in books],
+        members=[m.value for m in members],
+        owners={k: v.value for k, v in owners.items()},
+        replies=replies,
+        shards=config.admission.shards,
+        member_ttl=config.admission.member_ttl,
         lease_timeout=pinning.lease_timeout,
         pin_inactivity_timeout=pinning.pin_inactivity_timeout,
     )
+
+
+async def _ask_instances(nc: NATS) -> list[StateReply]:
+    """Every admission instance's answer to a state request within the window."""
+    replies: list[StateReply] = []
+
+    async def collect(msg: Any) -> None:
+        try:
+            replies.append(StateReply.model_validate_json(msg.data))
+        except ValueError:
+            pass
+
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox, cb=collect)
+    await nc.publish(ADMISSION_STATE_SUBJECT, b"", reply=inbox)
+    await asyncio.sleep(ANSWER_WINDOW)  # a broadcast has no count of answers to wait for
+    await sub.unsubscribe()
+    return replies

@@ -150,6 +150,14 @@ class EndpointConfig(StrictModel):
     pool: Name = "default"
     weight: int = Field(100, gt=0)
     priority: int = 100
+    # Batch slots: how many requests the engine runs at once (vLLM's max_num_seqs). Admission
+    # counts requests beyond it as queued; the scraper's learned high-water mark only raises it.
+    # Unset: a simulated engine's max_num_seqs, else scoring.target_inflight scaled by weight.
+    capacity: int | None = Field(None, ge=1)
+    # The engine runs vLLM's priority scheduling (--scheduling-policy priority): send each
+    # request's band as the `priority` field (lower runs first). Off by default: other engines
+    # reject a non-zero priority.
+    priority_scheduling: bool = False
     upstream_model: dict[str, str] = Field(default_factory=dict)
     # EngineParams | ProviderParams, chosen by its `kind`; validated by `_validate_simulate`.
     simulate: Any = None

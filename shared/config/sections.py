@@ -144,18 +144,24 @@ def default_profiles() -> dict[str, dict[str, Any]]:
 
 class Band(StrictModel):
     """A priority band. `overflow`: when the managed pool is above this band's ceiling, run the
-    request on an unlimited (third-party) provider at once instead of waiting in the queue."""
+    request on an unlimited (third-party) provider at once instead of waiting in the queue.
+    `interactive`: a person waits for it, so it never queues at an engine without a free batch
+    slot while another endpoint of the provider has one (it may leave its session's replica for
+    that); batch bands keep their replica's prefix cache instead."""
 
     name: Name
     priority: int
     saturation_ceiling: float = Field(gt=0)
     overflow: bool = False
+    interactive: bool = False
 
 
 def default_bands() -> list[Band]:
     return [
-        Band(name="platinum", priority=400, saturation_ceiling=1.00, overflow=True),
-        Band(name="gold", priority=300, saturation_ceiling=0.85, overflow=True),
+        Band(
+            name="platinum", priority=400, saturation_ceiling=1.00, overflow=True, interactive=True
+        ),
+        Band(name="gold", priority=300, saturation_ceiling=0.85, overflow=True, interactive=True),
         Band(name="silver", priority=200, saturation_ceiling=0.60),
         Band(name="bronze", priority=100, saturation_ceiling=0.30),
     ]
@@ -169,6 +175,23 @@ class AdmissionConfig(StrictModel):
     queue_ttl: PositiveDuration = 30.0
     queue_capacity_per_band: int = Field(2000, ge=1)
     interval: PositiveDuration = 0.01
+    # Session shards: a session's requests are decided by the one instance that owns its shard
+    # (docs/adr/0002-admission-at-memory-speed.md). The same value in every service of a
+    # gateway; changing it needs a new routing bucket.
+    shards: int = Field(32, ge=1, le=4096)
+    # Admission instances renew their member key this often; one not renewed for member_ttl is
+    # dead (its shards and quota move to the others). It stops deciding after 60% of member_ttl
+    # without a renewal, so hosts' clocks must agree to well within the remaining 40%.
+    heartbeat: PositiveDuration = 1.0
+    member_ttl: PositiveDuration = 5.0
+    # A new owner of a shard asks the edges for their leases there and waits this long for
+    # answers (a crash takeover; a handover carries the leases itself).
+    rollcall_window: PositiveDuration = 0.3
+    # How often an instance re-checks its quotas against the fair split (and at once on change).
+    quota_interval: PositiveDuration = 0.25
+    # What an edge does while it cannot reach NATS: `reject` answers 503 with Retry-After at
+    # once; `local` serves with conservative local limits (docs/architecture.md, "NATS outage").
+    on_nats_outage: Literal["reject", "local"] = "reject"
 
     @model_validator(mode="after")
     def _check_bands(self) -> AdmissionConfig:
@@ -217,7 +240,6 @@ class ScoringConfig(StrictModel):
 class PinningConfig(StrictModel):
     pin_inactivity_timeout: PositiveDuration = 300.0
     lease_timeout: PositiveDuration = 30.0
-    max_routing_attempts: int = Field(10, ge=1)
     # The JetStream KV bucket that holds pins and leases (docs/adr/0001-routing-state.md).
     bucket: str = Field("llmgw_routing", pattern=r"^[A-Za-z0-9_-]+$")
     storage: Literal["file", "memory"] = "file"
@@ -226,6 +248,16 @@ class PinningConfig(StrictModel):
     history: int = Field(1, ge=1, le=64)
     # How often the reaper looks for expired leases and idle pins.
     reaper_interval: PositiveDuration = 1.0
+    # A full pin table evicts its least recently used pin that has no running request and has
+    # been idle at least this long (so one-shot conversations cannot lock our engines out).
+    min_idle_before_evict: Duration = 60.0
+    # A session pinned to a lower-priority provider (a third party, after an outage or a full
+    # pin table) moves back to a higher-priority managed provider that is healthy, has pin and
+    # request room and whose pool saturation is at most return_home_saturation, once the pin has
+    # stayed where it is for return_home_after.
+    return_home: bool = True
+    return_home_after: Duration = 30.0
+    return_home_saturation: float = Field(0.5, ge=0)
 
 
 class BalancerConfig(StrictModel):
@@ -234,6 +266,9 @@ class BalancerConfig(StrictModel):
     window: Duration = 120.0
     input_to_output_token_ratio: float = Field(250, gt=0)
     greediness: float = Field(0.5, ge=0, le=1)
+    # Requests at a time (per admission instance) that may explore a deployment without samples
+    # in the window, until its first sample returns.
+    max_exploring: int = Field(1, ge=1)
 
     @field_validator("greediness")
     @classmethod

@@ -18,8 +18,10 @@ Where the seed stops, and what this does instead (docs/architecture.md, "Rate ba
   any one lacks samples, and cannot avoid a deployment that went quiet (limitation 2). Here a
   deployment without samples in the window (new, or ignored for longer than the window because it
   was slow or failing) is explored: it gets the best learned weight, so it is tried again soon,
-  while the others keep their learned weights. A deployment that degraded stops being chosen
-  within a few samples; one that recovered is found again within one window;
+  while the others keep their learned weights, but only ``max_exploring`` requests at a time go
+  to it until its first sample returns (no herd onto an unknown, possibly slow deployment). A
+  deployment that degraded stops being chosen within a few samples; one that recovered is found
+  again within one window;
 - *no NaN*: a window whose rates are all equal has no spread (the seed's normal fit divides by
   zero); it is taken as a point mass: weight 1 if its rate is above the SLA, else 0. If every
   weight is 0, all deployments share equally;
@@ -144,8 +146,20 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
-def weights(rates: Mapping[str, Sequence[float]], settings: BalancerSettings) -> dict[str, float]:
-    """Each deployment's weight (>= 0, finite, at least one > 0), from its rates in the window."""
+def weights(
+    rates: Mapping[str, Sequence[float]],
+    settings: BalancerSettings,
+    exploring: Mapping[str, int] | None = None,
+    max_exploring: int = 1,
+) -> dict[str, float]:
+    """Each deployment's weight (>= 0, finite, at least one > 0), from its rates in the window.
+
+    A deployment without samples is explored with the best learned weight, but only while fewer
+    than `max_exploring` requests are already on their way to it (``exploring``: in-flight
+    requests per deployment): otherwise one unexplored deployment would take nearly every
+    concurrent pick until its first sample returns (a herd onto what may be the slowest one).
+    Beyond the cap it weighs 0 while any other deployment has weight.
+    """
     if not rates:
         return {}
     if settings.round_robin:
@@ -157,7 +171,11 @@ def weights(rates: Mapping[str, Sequence[float]], settings: BalancerSettings) ->
     sla = _percentile(everything, settings.greediness)
     learned = {d: _probability_above(r, sla) for d, r in known.items()}
     best = max(learned.values())
-    result = {d: learned.get(d, best) for d in rates}  # unseen deployments are explored
+    busy = exploring or {}
+    result = {
+        d: learned[d] if d in learned else (best if busy.get(d, 0) < max_exploring else 0.0)
+        for d in rates
+    }
     if not any(w > 0 for w in result.values()):
         return dict.fromkeys(rates, 1.0)
     return result

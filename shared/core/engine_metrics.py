@@ -10,7 +10,10 @@ Two dialects are understood, told apart by metric names:
   ``block_size`` and ``num_gpu_blocks`` labels describe the KV cache;
 - SGLang: ``sglang:num_running_reqs``, ``sglang:num_queue_reqs``, ``sglang:token_usage``.
 
-When an exposition has both complete sets, vLLM wins (it is the contract our simulator speaks).
+Engines expose all of these, some, or none: a gauge that is missing is None in the sample, and
+an exposition without any is no sample at all (the gateway then counts that engine's load
+itself). When both dialects are present, the one with more gauges wins, vLLM on a tie (it is the
+contract our simulator speaks).
 
 Aggregation over label sets (one engine may label series by model name, or by data-parallel rank):
 request counts are summed; KV usage, a fraction of one cache, takes the maximum, because summing
@@ -47,10 +50,11 @@ _ESCAPES = {"\\": "\\", '"': '"', "n": "\n"}
 
 
 class MetricsFormatError(ValueError):
-    """The exposition is malformed, or lacks the metrics a dialect needs to describe engine load.
+    """The exposition is malformed, or a load value is out of range.
 
-    Raised instead of guessing: an engine whose load cannot be read must count as unknown
-    (stale), not as idle.
+    Raised instead of guessing: a half-read scrape is worse than a clearly failed one. An
+    exposition that is well formed but has no load gauges is not an error (see
+    `parse_engine_metrics`).
     """
 
 
@@ -70,30 +74,45 @@ class Series:
 
 @dataclass(frozen=True, slots=True)
 class EngineSample:
-    """An engine's load at one scrape.
+    """An engine's load at one scrape; a field is None when the engine does not report it.
 
-    Invariants: ``running`` and ``waiting`` are >= 0; ``0 <= kv_usage <= 1``; ``block_size`` and
-    ``num_gpu_blocks`` are None (not reported) or >= 1.
+    Invariants: ``running`` and ``waiting`` are None or >= 0; ``kv_usage`` is None or within
+    0..1; ``block_size`` and ``num_gpu_blocks`` are None (not reported) or >= 1; at least one
+    of running, waiting and kv_usage is set (an exposition with none of them has no sample).
     """
 
     dialect: EngineDialect
-    running: int
-    waiting: int
-    kv_usage: float
+    running: int | None
+    waiting: int | None
+    kv_usage: float | None
     block_size: int | None = None
     num_gpu_blocks: int | None = None
 
     def __post_init__(self) -> None:
-        if self.running < 0:
+        if self.running is not None and self.running < 0:
             raise ValueError(f"running must be >= 0, got {self.running}")
-        if self.waiting < 0:
+        if self.waiting is not None and self.waiting < 0:
             raise ValueError(f"waiting must be >= 0, got {self.waiting}")
-        if not 0.0 <= self.kv_usage <= 1.0:  # also rejects NaN
+        if self.kv_usage is not None and not 0.0 <= self.kv_usage <= 1.0:  # also rejects NaN
             raise ValueError(f"kv_usage must be within 0..1, got {self.kv_usage}")
+        if self.running is None and self.waiting is None and self.kv_usage is None:
+            raise ValueError("a sample needs at least one of running, waiting, kv_usage")
         for field_name in ("block_size", "num_gpu_blocks"):
             value = getattr(self, field_name)
             if value is not None and value < 1:
                 raise ValueError(f"{field_name} must be >= 1 when present, got {value}")
+
+    @property
+    def complete(self) -> bool:
+        """All three load gauges are reported."""
+        return None not in (self.running, self.waiting, self.kv_usage)
+
+    @property
+    def missing(self) -> tuple[str, ...]:
+        """The gauges this engine does not report (running, waiting, kv_usage)."""
+        return tuple(
+            name for name in ("running", "waiting", "kv_usage") if getattr(self, name) is None
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,23 +142,29 @@ _DIALECTS = (
 )
 
 
-def parse_engine_metrics(text: str) -> EngineSample:
+def parse_engine_metrics(text: str) -> EngineSample | None:
     """Read running, waiting and KV usage of one engine from its ``/metrics`` text.
 
-    Raises `MetricsFormatError` when the text is malformed, when no dialect's metrics are all
-    present (the message lists what is missing), or when a value is out of range.
+    Engines expose all, some or none of these: the dialect with the most of them present wins
+    (vLLM on a tie), and what it lacks is None in the sample. None when the exposition has no
+    load gauge of either dialect (an OpenAI-compatible server without engine metrics): the
+    gateway then runs that endpoint on its own accounting. Raises `MetricsFormatError` when the
+    text is malformed or a value is out of range.
     """
     by_name: dict[str, list[Series]] = {}
     for series in parse_exposition(text):
         by_name.setdefault(series.name, []).append(series)
-
-    problems = []
+    best: tuple[int, _Dialect] | None = None
     for dialect in _DIALECTS:
-        missing = _missing(dialect, by_name)
-        if not missing:
-            return _sample(dialect, by_name)
-        problems.append(f"{dialect.dialect.value}: missing {', '.join(missing)}")
-    raise MetricsFormatError("no engine load metrics found (" + "; ".join(problems) + ")")
+        present = len(_DIALECT_FIELDS) - len(_missing(dialect, by_name))
+        if present and (best is None or present > best[0]):
+            best = (present, dialect)
+    if best is None:
+        return None
+    return _sample(best[1], by_name)
+
+
+_DIALECT_FIELDS = ("running", "waiting", "kv_usage")
 
 
 def parse_exposition(text: str) -> list[Series]:
@@ -165,12 +190,16 @@ def _missing(dialect: _Dialect, by_name: Mapping[str, list[Series]]) -> list[str
 
 
 def _sample(dialect: _Dialect, by_name: Mapping[str, list[Series]]) -> EngineSample:
-    usage_name = next(name for name in dialect.kv_usage if name in by_name)
-    readings = [series.value for series in by_name[usage_name]]
-    for value in readings:
-        if not 0.0 <= value <= 1.0 + _USAGE_TOLERANCE:  # also rejects NaN
-            raise MetricsFormatError(f"{usage_name} must be a fraction within 0..1, got {value}")
-    usage = max(readings)
+    usage: float | None = None
+    usage_name = next((name for name in dialect.kv_usage if name in by_name), None)
+    if usage_name is not None:
+        readings = [series.value for series in by_name[usage_name]]
+        for value in readings:
+            if not 0.0 <= value <= 1.0 + _USAGE_TOLERANCE:  # also rejects NaN
+                raise MetricsFormatError(
+                    f"{usage_name} must be a fraction within 0..1, got {value}"
+                )
+        usage = min(max(readings), 1.0)
     block_size = num_gpu_blocks = None
     if dialect.cache_info is not None and dialect.cache_info in by_name:
         infos = by_name[dialect.cache_info]
@@ -178,9 +207,9 @@ def _sample(dialect: _Dialect, by_name: Mapping[str, list[Series]]) -> EngineSam
         num_gpu_blocks = _agreed_int_label(infos, "num_gpu_blocks")
     return EngineSample(
         dialect=dialect.dialect,
-        running=_count(by_name, dialect.running),
-        waiting=_count(by_name, dialect.waiting),
-        kv_usage=min(usage, 1.0),
+        running=_count(by_name, dialect.running) if dialect.running in by_name else None,
+        waiting=_count(by_name, dialect.waiting) if dialect.waiting in by_name else None,
+        kv_usage=usage,
         block_size=block_size,
         num_gpu_blocks=num_gpu_blocks,
     )

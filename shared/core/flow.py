@@ -79,16 +79,15 @@ class Waiter:
 class PoolView:
     """The managed endpoints a model's requests would use, with their load, as of ``now``.
 
-    ``inflight[e]`` is what endpoint e holds or is about to: engine running + waiting from its
-    last sample plus grants made since that sample. `assume_grant` adds one request to the least
-    loaded endpoint (where the scheduler would send it) and returns its id. Saturation is the
-    mean endpoint saturation (llmgw.core.saturation.pool_saturation). Invariant: saturation never
-    decreases as grants are assumed.
+    ``inflight[e]`` is what endpoint e holds now: the gateway's live requests on it (every
+    admission instance's) plus the engine's foreign load. `assume_grant` adds one request to the
+    endpoint with the lowest score (an estimate of where placement would send it) and returns
+    its id. Saturation is the mean endpoint saturation (llmgw.core.saturation.pool_saturation).
+    Invariant: saturation never decreases as grants are assumed.
 
-    Choosing an endpoint ranks by its *score*, lowest first: its saturation, or, when
-    ``inflight_capacity`` gives the endpoint one (scoring.target_inflight scaled by the
-    endpoint's weight), the larger of that and inflight / inflight_capacity. So between
-    endpoints that queue nothing, the one with more free room per unit of capacity wins.
+    An endpoint's *score*, lowest first, is the larger of its saturation and inflight / its batch
+    capacity (``loads[e].capacity``): between endpoints that queue nothing, the one with more
+    free room per unit of capacity wins.
     """
 
     def __init__(
@@ -97,12 +96,10 @@ class PoolView:
         inflight: Mapping[str, int],
         now: float,
         settings: SaturationSettings,
-        inflight_capacity: Mapping[str, float] | None = None,
     ) -> None:
         if not loads:
             raise ValueError("a pool view needs at least one endpoint")
         self._loads = dict(loads)
-        self._capacity = dict(inflight_capacity or {})
         self._inflight = {e: inflight.get(e, 0) for e in self._loads}
         self._now = now
         self._settings = settings
@@ -122,12 +119,13 @@ class PoolView:
     def inflight(self, endpoint_id: str) -> int:
         return self._inflight[endpoint_id]
 
+    def capacity(self, endpoint_id: str) -> int:
+        return max(1, self._loads[endpoint_id].capacity)
+
     def score(self, endpoint_id: str) -> float:
-        saturation = self._saturation[endpoint_id]
-        capacity = self._capacity.get(endpoint_id)
-        if not capacity:
-            return saturation
-        return max(saturation, self._inflight[endpoint_id] / capacity)
+        return max(
+            self._saturation[endpoint_id], self._inflight[endpoint_id] / self.capacity(endpoint_id)
+        )
 
     def least_saturated(self, among: Iterable[str] | None = None) -> str | None:
         """The endpoint with the lowest score (ties: first in the order given or loaded)."""

@@ -30,6 +30,26 @@ class Outcome(enum.StrEnum):
     QUEUE_TIMEOUT = "queue_timeout"  # flow control: waited admission.queue_ttl without a grant
 
 
+class Refusal(enum.StrEnum):
+    """Why admission said no: one vocabulary from the decision core to the wire to the edge.
+
+    Placement refuses UNSUPPORTED or NO_CAPACITY, flow control QUEUE_FULL, QUEUE_TIMEOUT or
+    CANCELLED, the service UNKNOWN_MODEL, UNKNOWN_BAND or MALFORMED, and NOT_OWNER when a
+    request reaches an instance that no longer owns its shard (the edge asks again).
+    `REFUSAL_OUTCOMES` maps each, once, to the request's outcome.
+    """
+
+    UNSUPPORTED = "unsupported"  # no provider serves this model with this feature
+    NO_CAPACITY = "no_capacity"  # every provider that serves it is degraded or full
+    UNKNOWN_MODEL = "unknown_model"
+    UNKNOWN_BAND = "unknown_band"
+    MALFORMED = "malformed"  # the request did not parse (e.g. an edge of another version)
+    QUEUE_FULL = "queue_full"  # flow control: the band's queue is at capacity
+    QUEUE_TIMEOUT = "queue_timeout"  # flow control: waited admission.queue_ttl
+    CANCELLED = "cancelled"  # the edge said its client left while the request was queued
+    NOT_OWNER = "not_owner"  # the shard moved: ask its new owner
+
+
 @dataclass(frozen=True, slots=True)
 class ErrorShape:
     """Status and OpenAI error `type`/`code` of an outcome that is an error."""
@@ -64,4 +84,18 @@ ERROR_SHAPES: dict[Outcome, ErrorShape] = {
     Outcome.QUEUE_TIMEOUT: ErrorShape(
         503, "service_unavailable", "queue_timeout", retry_after=True
     ),
+}
+
+
+# Each refusal's outcome at the edge (NOT_OWNER never reaches a client: the edge asks again).
+REFUSAL_OUTCOMES: dict[Refusal, Outcome] = {
+    Refusal.UNSUPPORTED: Outcome.UNSUPPORTED,
+    Refusal.NO_CAPACITY: Outcome.NO_CAPACITY,
+    Refusal.UNKNOWN_MODEL: Outcome.MODEL_NOT_FOUND,
+    Refusal.UNKNOWN_BAND: Outcome.BAD_REQUEST,
+    Refusal.MALFORMED: Outcome.ADMISSION_UNAVAILABLE,
+    Refusal.QUEUE_FULL: Outcome.QUEUE_FULL,
+    Refusal.QUEUE_TIMEOUT: Outcome.QUEUE_TIMEOUT,
+    Refusal.CANCELLED: Outcome.CLIENT_DISCONNECTED,
+    Refusal.NOT_OWNER: Outcome.ADMISSION_UNAVAILABLE,
 }

@@ -6,26 +6,33 @@ each band's ceiling; 1.0 means "at the healthy limit".
 
 Per endpoint:
 
-- batch capacity is not in the engine metric contract, so it is *learned* as the high-water mark
-  of observed ``running``; it only grows;
-- queue = max(engine ``waiting``, inflight - capacity). Engine metrics lag a scrape interval while
-  router inflight does not, but inflight also counts running requests; only what exceeds the
-  batch capacity is queued. The caller's inflight must include its own outstanding grants that no
-  engine or router has seen yet, or a simultaneous burst passes the check en masse;
+- batch capacity (how many requests run at once) starts from what the operator configured
+  (``endpoints[].capacity``, a simulator's ``max_num_seqs``, else a default) and is raised by the
+  *learned* high-water mark of observed ``running``; it never starts at 0, so a cold engine with
+  free slots does not look full;
+- inflight is the caller's count of requests on the endpoint now: the gateway's own exact
+  accounting (grants not yet ended, by every admission instance) plus the engine's foreign load
+  (requests the engine reports that the gateway did not send). Only what exceeds the batch
+  capacity is queued: queue = max(engine ``waiting`` (never more than inflight: the reading lags
+  a scrape), inflight - capacity);
 - saturation = max(queue / target_waiting, kv_usage / kv_ceiling), since either alone misleads.
 
-Staleness: an endpoint never sampled, or sampled more than ``stale_after`` ago, is scored down,
-never dropped (if the whole pool went stale there would be nowhere left to send anything). It
-counts as saturated: max(`STALE_SATURATION`, what its last sample and current inflight give).
-With 1.0 the bands whose ceiling is below 1 wait, a band with a ceiling above 1 still flows, and
-staleness never makes an endpoint look better than its last reading.
+Engines that report only some of the gauges (no KV usage, no waiting count) or none (an
+OpenAI-compatible server without engine metrics) are scored on what there is: a missing gauge
+counts 0, and inflight against capacity carries the rest. Such an endpoint is never stale
+because of its metrics.
+
+Staleness: an endpoint with no report at all for ``stale_after`` (the scraper is not reaching it,
+or not running) is scored down, never dropped (if the whole pool went stale there would be
+nowhere left to send anything). It counts as saturated: max(`STALE_SATURATION`, what its last
+reading and current inflight give). With 1.0 the bands whose ceiling is below 1 wait, a band
+with a ceiling above 1 still flows, and staleness never makes an endpoint look better than its
+last reading. An endpoint that is reported on but whose metrics stopped being readable does not
+keep an old reading: a sample older than ``stale_after`` is then not used (its gauges count 0).
 
 Pool saturation is the mean over the pool's endpoints (as the Gateway API Inference Extension
 does): the scheduler routes around a single hot endpoint, so one busy endpoint should not hold
 back the whole pool, while a pool that is busy on average should.
-
-Cold start: until an endpoint has been seen running anything, its capacity is 0 and all of its
-inflight counts as queued. That is deliberately conservative and lasts one scrape interval.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ __all__ = [
     "EndpointLoad",
     "SaturationSettings",
     "endpoint_saturation",
+    "fresh_sample",
     "is_stale",
     "pool_saturation",
     "update",
@@ -75,49 +83,79 @@ class SaturationSettings:
 
 @dataclass(frozen=True, slots=True)
 class EndpointLoad:
-    """What is known about one endpoint's load. A fresh `EndpointLoad()` has never been sampled.
+    """What is known about one endpoint's load. A fresh `EndpointLoad(capacity)` has never been
+    reported.
 
     Invariants: ``capacity`` >= every ``running`` ever passed to `update` (and >= 0);
-    ``sample`` and ``sampled_at`` are both None or both set.
+    ``sample`` and ``sampled_at`` are both None or both set; ``reported_at`` >= ``sampled_at``.
     """
 
     capacity: int = 0
     sample: EngineSample | None = None
     sampled_at: float | None = None
+    reported_at: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.sampled_at is not None and (
+            self.reported_at is None or self.reported_at < self.sampled_at
+        ):
+            object.__setattr__(self, "reported_at", self.sampled_at)  # a sample is a report
 
 
-def update(load: EndpointLoad, sample: EngineSample, now: float) -> EndpointLoad:
-    """The load after a scrape taken at ``now``.
+def update(load: EndpointLoad, sample: EngineSample | None, now: float) -> EndpointLoad:
+    """The load after a report made at ``now`` (with the engine's sample, if it had one).
 
-    A sample older than the one held (a late scrape reply) still teaches capacity, since the
+    A report older than the one held (a late scrape reply) still teaches capacity, since the
     running count it saw was real, but does not replace the newer sample.
     """
-    capacity = max(load.capacity, sample.running)
-    if load.sampled_at is not None and now < load.sampled_at:
-        return EndpointLoad(capacity, load.sample, load.sampled_at)
-    return EndpointLoad(capacity, sample, now)
+    running = sample.running if sample is not None and sample.running is not None else 0
+    capacity = max(load.capacity, running)
+    reported_at = now if load.reported_at is None else max(load.reported_at, now)
+    if sample is None or (load.sampled_at is not None and now < load.sampled_at):
+        return EndpointLoad(capacity, load.sample, load.sampled_at, reported_at)
+    return EndpointLoad(capacity, sample, now, reported_at)
 
 
 def is_stale(load: EndpointLoad, now: float, settings: SaturationSettings) -> bool:
-    """Never sampled, or the last sample is more than ``stale_after`` old."""
-    return load.sampled_at is None or now - load.sampled_at > settings.stale_after
+    """Never reported, or the last report is more than ``stale_after`` old."""
+    return load.reported_at is None or now - load.reported_at > settings.stale_after
+
+
+def fresh_sample(
+    load: EndpointLoad, now: float, settings: SaturationSettings
+) -> EngineSample | None:
+    """The engine's last sample if it is at most ``stale_after`` old."""
+    if load.sample is None or load.sampled_at is None:
+        return None
+    return load.sample if now - load.sampled_at <= settings.stale_after else None
 
 
 def endpoint_saturation(
-    load: EndpointLoad, now: float, settings: SaturationSettings, inflight: int = 0
+    load: EndpointLoad, now: float, settings: SaturationSettings, inflight: int | None = None
 ) -> float:
     """max(queue / target_waiting, kv / kv_ceiling); at least `STALE_SATURATION` when stale.
 
-    ``inflight``: requests the router has dispatched to this endpoint and not seen finish, plus
-    grants admission has issued for it that are not dispatched yet.
+    ``inflight``: requests on this endpoint now (the gateway's own accounting, including grants
+    not dispatched yet, plus the engine's foreign load); the engine's ``waiting`` never counts
+    for more than that (the reading lags). None: the caller has no count of its own (the
+    scraper), so the engine's own running + waiting is the inflight.
     """
-    if inflight < 0:
+    if inflight is not None and inflight < 0:
         raise ValueError(f"inflight must be >= 0, got {inflight}")
-    waiting = load.sample.waiting if load.sample is not None else 0
-    kv_usage = load.sample.kv_usage if load.sample is not None else 0.0
+    stale = is_stale(load, now, settings)
+    # A stale endpoint keeps its last reading as a floor (never better than last seen); one
+    # that is reported on but whose metrics stopped ignores readings older than stale_after.
+    sample = load.sample if stale else fresh_sample(load, now, settings)
+    waiting = sample.waiting if sample is not None and sample.waiting is not None else 0
+    kv_usage = sample.kv_usage if sample is not None and sample.kv_usage is not None else 0.0
+    if inflight is None:
+        running = sample.running if sample is not None and sample.running is not None else 0
+        inflight = running + waiting
+    else:
+        waiting = min(waiting, inflight)
     queue = max(waiting, inflight - load.capacity)
     saturation = max(queue / settings.target_waiting, kv_usage / settings.kv_ceiling)
-    if is_stale(load, now, settings):
+    if stale:
         return max(STALE_SATURATION, saturation)
     return saturation
 
@@ -131,14 +169,14 @@ def pool_saturation(
     """Mean `endpoint_saturation` over the pool's endpoints, keyed by endpoint id.
 
     ``inflight`` maps endpoint id to its inflight count (see `endpoint_saturation`); an absent id
-    counts 0. Raises ValueError for an empty pool: it has no capacity at all, and what to do then
+    has none of the caller's (the engine's own numbers count). Raises ValueError for an empty pool: it has no capacity at all, and what to do then
     is the caller's decision, not a number.
     """
     if not loads:
         raise ValueError("pool has no endpoints")
     inflight = inflight or {}
     total = math.fsum(
-        endpoint_saturation(load, now, settings, inflight.get(endpoint_id, 0))
+        endpoint_saturation(load, now, settings, inflight.get(endpoint_id))
         for endpoint_id, load in loads.items()
     )
     return total / len(loads)

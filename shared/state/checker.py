@@ -1,399 +1,330 @@
-"""Replays a routing-state history and reports every invariant breach, with key and revision.
+"""Checks the routing invariants over what a run recorded, and reports every breach.
 
-Input: every write the bucket applied, in revision order (HistoryRecorder / MemoryKV.history),
-the limits of each provider/model pair, and the lease timeout. After each write the checker
-looks at the state it produced and reports:
+Two records, because state lives in two places (docs/adr/0002-admission-at-memory-speed.md):
 
-    order        revisions do not strictly increase (the history is not a replay of one bucket)
-    layout       a routing key or value that does not decode, a value that does not match its
-                 key, a slot key deleted (slots are freed, never deleted), a per-lease record
-                 on a pair with limits
-    I2a          taken lease slots of a pair > G, or a lease slot index >= G
-    I2b          a taken slot with index < R whose lease is not of kind "pinned"
-    I2c          a pin listing more than S leases
-    I2d          taken pin slots of a pair > P, a pin slot index >= P, live pins of a pair > P,
-                 or a live pin of a pair with limits whose pin slot is not taken in its name
-    double-grant a taken slot overwritten by another lease (or pin) without passing through free
-    pending      a pending pin (being created or moved) holds no slot and no lease, and is
-                 not counted as a pin; a layout breach otherwise
-    I-expiry     a pin deleted while its last value still lists leases (the pin would expire
-                 under a lease it holds); live ones are named, with now = the latest time
-                 written in any value so far (the injected clock's domain)
+**The bucket's history** (`check_history`: every write in revision order, from `HistoryRecorder`
+or `MemoryKV.history`), replayed write by write:
 
-I3 (one pin per model and session) is structural: one key per (model, session). Whether a write
-was a CAS cannot be seen in a history; what a blind overwrite breaks shows up above.
+    order     revisions do not strictly increase
+    layout    a key or value that does not decode (pin, quota, member, shard, meta keys)
+    quota     a pair's quota book with Σg > G, Σu > G - R or Σp > P, or a holder with u > g:
+              the shares the instances grant from must never add up to more than the limits
+    I3        one pin key per (model, session) is structural; a pin value naming another
+              session or model than its key is a layout breach
 
-Pairs absent from `limits_by_pm` are not limit-checked; a pair mapped to None has no limits.
-Keys outside the pin./pslot./lease. namespaces are ignored.
+**The audit trail** (`check_audit`: every grant, adoption and end of a lease and every pin
+added or removed, by every instance, with the instance's quota and use at each grant; recorded
+by `AuditLog`, a `LedgerObserver`), replayed in time order:
+
+    I2a       live leases of a pair > G (across all instances)
+    I2b       live unreserved leases of a pair > G - R
+    I2c       live leases listed in one pin > S
+    I2d       live pins of a pair > P
+    I3        two live pins (different ids) of one (model, session) at once
+    quota     an instance granting beyond its own quota (leases >= g, unreserved >= u)
+    double    a lease id granted while it is live
+
+A lease is live from its grant until its end; an adoption moves it to its adopter (same id,
+still live, never counted twice). An instance that *crashed* (`AuditLog.crash`) ends nothing:
+its leases stay live until adopted, or until ``lease_timeout`` after the crash (by then their
+edges have been told they are lost, or could not renew them, and ended their requests); its
+pins until the shard's next owner adds or drops them.
 """
 
 from __future__ import annotations
 
+import heapq
+import json
+import threading
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
 
-from llmgw.core.leasekeys import (
+from llmgw.core.keys import (
+    LAYOUT_KEY,
+    MEMBER_PREFIX,
+    PIN_PREFIX,
+    QUOTA_PREFIX,
+    SHARD_PREFIX,
     KeyFormatError,
-    LeaseKind,
-    LeaseSlotKey,
-    LeaseSlotValue,
-    ParsedKey,
-    PinKey,
-    PinSlotKey,
-    PinSlotValue,
+    LayoutValue,
+    MemberValue,
     PinValue,
-    RoutingValue,
-    UnlimitedLeaseKey,
+    ShardValue,
     ValueFormatError,
-    decode_value,
     model_key,
-    parse_key,
-    pin_slot_key,
+    parse_pin_key,
 )
+from llmgw.core.ledger import EndReason, LeaseRecord, LedgerObserver, PairUse, PinRecord
+from llmgw.core.quota import PairLimits, Quota, QuotaBook, QuotaError
 from llmgw.state.kv import KVEntry
 
-__all__ = ["PairLimits", "Violation", "check_history"]
-
-_ROUTING_NAMESPACES = ("pin", "pslot", "lease")
-
-
-class PairLimits(Protocol):
-    """The limits of one provider/model pair (the config's `Limits` satisfies it)."""
-
-    max_pinned_sessions: int
-    max_global_in_flight_request_slots: int
-    global_in_flight_request_slots_reserved_for_pinned_sessions: int
-    max_per_session_in_flight_request_slots: int
+__all__ = ["AuditEvent", "AuditLog", "Violation", "check_audit", "check_history"]
 
 
 @dataclass(frozen=True, slots=True)
 class Violation:
     invariant: str
     key: str
-    revision: int
+    revision: int  # the KV revision (history) or the audit event's index (audit)
     message: str
 
     def __str__(self) -> str:
-        return f"[{self.invariant}] revision {self.revision}, key {self.key}: {self.message}"
+        return f"[{self.invariant}] #{self.revision}, {self.key}: {self.message}"
 
 
-class _Replay:
-    def __init__(
-        self, limits_by_pm: Mapping[tuple[str, str], PairLimits | None], lease_timeout: float
-    ) -> None:
-        self.limits: dict[tuple[str, str], PairLimits | None] = {}
-        self.model_names: dict[str, str] = {}
-        for (provider, model), limits in limits_by_pm.items():
-            mk = model_key(model)
-            self.limits[(provider, mk)] = limits
-            self.model_names[mk] = model
-        self.lease_timeout = lease_timeout
-        self.state: dict[str, tuple[ParsedKey, RoutingValue]] = {}
-        self.taken_leases: dict[tuple[str, str], set[str]] = defaultdict(set)
-        self.taken_pslots: dict[tuple[str, str], set[str]] = defaultdict(set)
-        self.live_pins: dict[tuple[str, str], set[str]] = defaultdict(set)
-        self.pin_keys_by_id: dict[str, str] = {}
-        self.now = float("-inf")
-        self.last_revision = 0
-        self.violations: list[Violation] = []
-        self.entry: KVEntry | None = None
-
-    # ---- helpers ---------------------------------------------------------------------
-
-    def report(self, invariant: str, message: str, key: str | None = None) -> None:
-        assert self.entry is not None
-        self.violations.append(
-            Violation(invariant, key or self.entry.key, self.entry.revision, message)
-        )
-
-    def pair(self, provider: str, mk: str) -> str:
-        return f"{provider}/{self.model_names.get(mk, mk)}"
-
-    def known(self, provider: str, mk: str) -> bool:
-        return (provider, mk) in self.limits
-
-    def limits_of(self, provider: str, mk: str) -> PairLimits | None:
-        return self.limits.get((provider, mk))
-
-    def advance_clock(self, value: RoutingValue) -> None:
-        times: tuple[float | None, ...]
-        if isinstance(value, PinValue):
-            times = (value.refreshed_at,)
-        elif isinstance(value, PinSlotValue):
-            times = (value.at,)
-        else:
-            times = (value.granted_at, value.renewed_at)
-        self.now = max([self.now, *(t for t in times if t is not None)])
-
-    # ---- replay ----------------------------------------------------------------------
-
-    def apply(self, entry: KVEntry) -> None:
-        self.entry = entry
-        if entry.revision <= self.last_revision:
-            self.report(
-                "order",
-                f"revision {entry.revision} does not follow "
-                f"{self.last_revision}: not one bucket's history in order",
-            )
-        self.last_revision = max(self.last_revision, entry.revision)
-        if entry.key.split(".", 1)[0] not in _ROUTING_NAMESPACES:
-            return
-        try:
-            parsed = parse_key(entry.key)
-        except KeyFormatError as exc:
-            self.report("layout", str(exc))
-            return
-        previous = self.state.pop(entry.key, (None, None))[1]
-        self.forget(entry.key, parsed, previous)
-        if entry.deleted:
-            self.on_delete(parsed, previous)
-            return
-        try:
-            value = decode_value(parsed, entry.value)
-        except ValueFormatError as exc:
-            self.report("layout", f"{exc} (value treated as absent)")
-            return
-        self.advance_clock(value)
-        self.state[entry.key] = (parsed, value)
-        if isinstance(parsed, PinKey):
-            assert isinstance(value, PinValue)
-            self.on_pin(parsed, value)
-        elif isinstance(parsed, PinSlotKey):
-            assert isinstance(value, PinSlotValue)
-            self.on_pin_slot(parsed, value, previous)
-        else:
-            assert isinstance(value, LeaseSlotValue)
-            self.on_lease(parsed, value, previous)
-
-    def forget(self, key: str, parsed: ParsedKey, previous: RoutingValue | None) -> None:
-        """Remove the key's previous value from the per-pair indexes."""
-        if isinstance(parsed, PinKey) and isinstance(previous, PinValue):
-            self.live_pins[(previous.provider, parsed.mk)].discard(key)
-            if self.pin_keys_by_id.get(previous.pin_id) == key:
-                del self.pin_keys_by_id[previous.pin_id]
-        elif isinstance(parsed, PinSlotKey):
-            self.taken_pslots[(parsed.provider, parsed.mk)].discard(key)
-        elif isinstance(parsed, LeaseSlotKey | UnlimitedLeaseKey):
-            self.taken_leases[(parsed.provider, parsed.mk)].discard(key)
-
-    def on_delete(self, parsed: ParsedKey, previous: RoutingValue | None) -> None:
-        key = self.entry.key if self.entry else ""
-        if isinstance(parsed, PinKey):
-            if isinstance(previous, PinValue) and previous.leases:
-                live = [
-                    lease_id
-                    for lease_id, lease_key in sorted(previous.leases.items())
-                    if self.lease_is_live(lease_key, lease_id)
-                ]
-                self.report(
-                    "I-expiry",
-                    f"pin {previous.pin_id} deleted while listing leases "
-                    f"{sorted(previous.leases)}; live among them: {live or 'none'}",
-                )
-        elif isinstance(parsed, PinSlotKey | LeaseSlotKey):
-            self.report("layout", "slot key deleted: slots are freed (state free), never deleted")
-            if isinstance(parsed, PinSlotKey) and isinstance(previous, PinSlotValue):
-                self.check_pin_slot_released(key, previous)
-
-    def lease_is_live(self, lease_key: str, lease_id: str) -> bool:
-        held = self.state.get(lease_key)
-        if held is None or not isinstance(held[1], LeaseSlotValue):
-            return False
-        lease = held[1]
-        return lease.lease_id == lease_id and lease.is_live(self.now, self.lease_timeout)
-
-    def on_pin(self, parsed: PinKey, pin: PinValue) -> None:
-        key = parsed.key
-        if pin.session != parsed.session or pin.mk != parsed.mk:
-            self.report(
-                "layout",
-                f"pin value names session {pin.session!r} / model {pin.model!r}, not the key's",
-            )
-        pm = (pin.provider, parsed.mk)
-        self.pin_keys_by_id[pin.pin_id] = key
-        if pin.pending:
-            # Not a pin yet: it must hold nothing, and counts against no limit.
-            if pin.leases or pin.pin_slot is not None:
-                self.report("layout", f"pending pin {pin.pin_id} lists leases or a pin slot")
-            return
-        if pin.replaces is not None:
-            self.report("layout", f"active pin {pin.pin_id} still names the pin it replaced")
-        self.live_pins[pm].add(key)
-        if not self.known(*pm):
-            return
-        limits = self.limits_of(*pm)
-        if limits is None:
-            return
-        max_per_session = limits.max_per_session_in_flight_request_slots
-        if len(pin.leases) > max_per_session:
-            self.report(
-                "I2c",
-                f"pin {pin.pin_id} lists {len(pin.leases)} leases > "
-                f"max_per_session_in_flight_request_slots {max_per_session} "
-                f"of {self.pair(*pm)}",
-            )
-        max_pins = limits.max_pinned_sessions
-        if len(self.live_pins[pm]) > max_pins:
-            self.report(
-                "I2d",
-                f"{len(self.live_pins[pm])} live pins on {self.pair(*pm)} > "
-                f"max_pinned_sessions {max_pins}",
-            )
-        if pin.pin_slot is None:
-            self.report(
-                "I2d",
-                f"pin {pin.pin_id} of {self.pair(*pm)} (a pair with limits) holds no pin slot",
-            )
-            return
-        slot_key = pin_slot_key(pin.provider, parsed.mk, pin.pin_slot)
-        held = self.state.get(slot_key)
-        slot = held[1] if held else None
-        if not (isinstance(slot, PinSlotValue) and slot.is_taken and slot.pin_id == pin.pin_id):
-            owner = (
-                "free or missing"
-                if not (isinstance(slot, PinSlotValue) and slot.is_taken)
-                else f"taken by pin {slot.pin_id}"
-            )
-            self.report("I2d", f"pin {pin.pin_id} claims pin slot {slot_key}, which is {owner}")
-
-    def on_pin_slot(
-        self, parsed: PinSlotKey, slot: PinSlotValue, previous: RoutingValue | None
-    ) -> None:
-        key = parsed.key
-        pm = (parsed.provider, parsed.mk)
-        if isinstance(previous, PinSlotValue) and previous.is_taken:
-            if slot.is_taken and slot.pin_id != previous.pin_id:
-                self.report(
-                    "double-grant",
-                    f"pin slot taken by pin {previous.pin_id} "
-                    f"overwritten by pin {slot.pin_id} without being freed",
-                )
-            if not slot.is_taken or slot.pin_id != previous.pin_id:
-                self.check_pin_slot_released(key, previous)
-        if not slot.is_taken:
-            return
-        self.taken_pslots[pm].add(key)
-        if not self.known(*pm):
-            return
-        limits = self.limits_of(*pm)
-        if limits is None:
-            self.report("layout", f"pin slot taken on {self.pair(*pm)}, a pair without limits")
-            return
-        max_pins = limits.max_pinned_sessions
-        if parsed.index >= max_pins:
-            self.report(
-                "I2d",
-                f"pin slot index {parsed.index} >= max_pinned_sessions "
-                f"{max_pins} of {self.pair(*pm)}",
-            )
-        if len(self.taken_pslots[pm]) > max_pins:
-            self.report(
-                "I2d",
-                f"{len(self.taken_pslots[pm])} taken pin slots on "
-                f"{self.pair(*pm)} > max_pinned_sessions {max_pins}",
-            )
-
-    def check_pin_slot_released(self, key: str, previous: PinSlotValue) -> None:
-        """A pin slot stopped naming a pin: that pin must not be live and claiming it."""
-        pin_key_ = self.pin_keys_by_id.get(previous.pin_id or "")
-        held = self.state.get(pin_key_) if pin_key_ else None
-        if held is None:
-            return
-        parsed, value = held
-        if (
-            isinstance(value, PinValue)
-            and value.pin_id == previous.pin_id
-            and value.pin_slot is not None
-            and pin_slot_key(value.provider, parsed.mk, value.pin_slot) == key
-        ):
-            self.report(
-                "I2d",
-                f"pin slot of pin {previous.pin_id} released while that pin "
-                f"({pin_key_}) is live and claims it",
-            )
-
-    def on_lease(
-        self,
-        parsed: LeaseSlotKey | UnlimitedLeaseKey,
-        lease: LeaseSlotValue,
-        previous: RoutingValue | None,
-    ) -> None:
-        key = parsed.key
-        pm = (parsed.provider, parsed.mk)
-        if isinstance(parsed, UnlimitedLeaseKey) and (
-            not lease.is_taken or lease.lease_id != parsed.lease_id
-        ):
-            self.report(
-                "layout",
-                f"lease record must be taken by lease {parsed.lease_id}, "
-                f"found state {lease.state} lease {lease.lease_id}",
-            )
-        if (
-            isinstance(previous, LeaseSlotValue)
-            and previous.is_taken
-            and lease.is_taken
-            and lease.lease_id != previous.lease_id
-        ):
-            self.report(
-                "double-grant",
-                f"slot held by lease {previous.lease_id} overwritten "
-                f"by lease {lease.lease_id} without being freed",
-            )
-        if not lease.is_taken:
-            return
-        self.taken_leases[pm].add(key)
-        if not self.known(*pm):
-            return
-        limits = self.limits_of(*pm)
-        if limits is None:
-            if isinstance(parsed, LeaseSlotKey):
-                self.report(
-                    "layout", f"indexed lease slot on {self.pair(*pm)}, a pair without limits"
-                )
-            return
-        if isinstance(parsed, UnlimitedLeaseKey):
-            self.report(
-                "layout",
-                f"per-lease record on {self.pair(*pm)}, a pair with limits (bypasses its slots)",
-            )
-        max_slots = limits.max_global_in_flight_request_slots
-        reserved = limits.global_in_flight_request_slots_reserved_for_pinned_sessions
-        if isinstance(parsed, LeaseSlotKey):
-            if parsed.index >= max_slots:
-                self.report(
-                    "I2a",
-                    f"lease slot index {parsed.index} >= "
-                    f"max_global_in_flight_request_slots {max_slots} "
-                    f"of {self.pair(*pm)}",
-                )
-            if parsed.index < reserved and lease.kind != LeaseKind.PINNED:
-                self.report(
-                    "I2b",
-                    f"reserved slot {parsed.index} (< {reserved}) taken by "
-                    f"lease {lease.lease_id} of kind {lease.kind}, not pinned",
-                )
-        if len(self.taken_leases[pm]) > max_slots:
-            self.report(
-                "I2a",
-                f"{len(self.taken_leases[pm])} taken lease slots on "
-                f"{self.pair(*pm)} > max_global_in_flight_request_slots "
-                f"{max_slots}",
-            )
+# ---- the bucket's history -----------------------------------------------------------------------
 
 
 def check_history(
-    entries: Iterable[KVEntry],
-    limits_by_pm: Mapping[tuple[str, str], PairLimits | None],
+    entries: Iterable[KVEntry], limits: Mapping[tuple[str, str], PairLimits | None]
+) -> list[Violation]:
+    """Every breach in a bucket's history (see the module docstring)."""
+    by_mk = {(provider, model_key(model)): lim for (provider, model), lim in limits.items()}
+    violations: list[Violation] = []
+    last = 0
+    for entry in entries:
+        if entry.revision <= last:
+            violations.append(
+                Violation("order", entry.key, entry.revision, f"does not follow {last}")
+            )
+        last = max(last, entry.revision)
+        if entry.deleted:
+            continue
+        key = entry.key
+        try:
+            if key.startswith(QUOTA_PREFIX):
+                book = QuotaBook.from_json(entry.value)
+                _, provider, mk = key.split(".", 2)
+                lim = by_mk.get((provider, mk))
+                for instance, q in book.holders.items():
+                    if q.u > q.g:
+                        violations.append(Violation(
+                            "quota", key, entry.revision, f"{instance} holds u={q.u} > g={q.g}"
+                        ))
+                if lim is not None:
+                    try:
+                        book.check(lim)
+                    except QuotaError as exc:
+                        violations.append(Violation("quota", key, entry.revision, str(exc)))
+            elif key.startswith(PIN_PREFIX):
+                _, mk, session = parse_pin_key(key)
+                pin = PinValue.from_json(entry.value)
+                if pin.session != session or model_key(pin.model) != mk:
+                    violations.append(Violation(
+                        "layout", key, entry.revision, "pin value names another session or model"
+                    ))
+            elif key.startswith(MEMBER_PREFIX):
+                MemberValue.from_json(entry.value)
+            elif key.startswith(SHARD_PREFIX):
+                ShardValue.from_json(entry.value)
+            elif key == LAYOUT_KEY:
+                LayoutValue.from_json(entry.value)
+        except (KeyFormatError, ValueFormatError, QuotaError, ValueError) as exc:
+            violations.append(Violation("layout", key, entry.revision, str(exc)))
+    return violations
+
+
+# ---- the audit trail -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class AuditEvent:
+    """One thing an instance's ledger did. ``kind``: granted, adopted, ended, pin_added,
+    pin_removed, crashed."""
+
+    at: float
+    seq: int
+    instance: str
+    kind: str
+    lease: LeaseRecord | None = None
+    pin: tuple[str, str, str, str] | None = None  # (provider, model, session, pin_id)
+    quota: Quota | None = None
+    use: tuple[int, int, int] | None = None  # (leases, unreserved, pins) before the grant
+    reason: str | None = None
+
+
+class _InstanceObserver(LedgerObserver):
+    def __init__(self, log: AuditLog, instance: str) -> None:
+        self._log = log
+        self.instance = instance
+
+    def lease_granted(self, lease: LeaseRecord, quota: Quota | None, use: PairUse) -> None:
+        self._log.add(self.instance, "granted", lease.granted_at, lease=lease, quota=quota,
+                      use=(use.leases, use.unreserved, use.pins))
+
+    def lease_adopted(self, lease: LeaseRecord, quota: Quota | None, use: PairUse) -> None:
+        self._log.add(self.instance, "adopted", self._log.clock(), lease=lease, quota=quota,
+                      use=(use.leases, use.unreserved, use.pins))
+
+    def lease_ended(self, lease: LeaseRecord, reason: EndReason, at: float) -> None:
+        self._log.add(self.instance, "ended", at, lease=lease, reason=reason.value)
+
+    def pin_added(self, pin: PinRecord, at: float) -> None:
+        self._log.add(self.instance, "pin_added", at,
+                      pin=(pin.provider, pin.model, pin.session, pin.pin_id))
+
+    def pin_removed(self, pin: PinRecord, at: float, reason: str) -> None:
+        self._log.add(self.instance, "pin_removed", at,
+                      pin=(pin.provider, pin.model, pin.session, pin.pin_id), reason=reason)
+
+
+@dataclass
+class AuditLog:
+    """Collects the audit trail of every instance in one process (tests, benchmarks).
+
+    `observer(instance)` is the `LedgerObserver` to give that instance's ledger; `crash(instance)`
+    records that it died without ending anything (a SIGKILL). ``clock``: the clock every
+    instance stamps with (time.time in the product).
+    """
+
+    clock: object = None
+    events: list[AuditEvent] = field(default_factory=list)
+    _seq: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        if self.clock is None:
+            import time
+
+            self.clock = time.time
+
+    def observer(self, instance: str) -> LedgerObserver:
+        return _InstanceObserver(self, instance)
+
+    def add(self, instance: str, kind: str, at: float, **fields: object) -> None:
+        with self._lock:
+            self._seq += 1
+            self.events.append(AuditEvent(at, self._seq, instance, kind, **fields))  # type: ignore[arg-type]
+
+    def crash(self, instance: str) -> None:
+        self.add(instance, "crashed", self.clock())  # type: ignore[operator]
+
+    def to_json(self) -> str:
+        return json.dumps([
+            {"at": e.at, "instance": e.instance, "kind": e.kind,
+             "lease": e.lease.lease_id if e.lease else None, "pin": e.pin, "reason": e.reason}
+            for e in self.events
+        ])
+
+
+def check_audit(
+    events: Iterable[AuditEvent],
+    limits: Mapping[tuple[str, str], PairLimits | None],
+    *,
     lease_timeout: float,
 ) -> list[Violation]:
-    """Every invariant breach in `entries` (see the module docstring), in history order.
+    """Every breach in an audit trail (see the module docstring)."""
+    ordered = sorted(events, key=lambda e: (e.at, e.seq))
+    violations: list[Violation] = []
+    live: dict[str, tuple[str, LeaseRecord]] = {}  # lease id -> (holder, lease)
+    per_pair: dict[tuple[str, str], set[str]] = defaultdict(set)
+    unreserved: dict[tuple[str, str], set[str]] = defaultdict(set)
+    per_pin: dict[str, set[str]] = defaultdict(set)
+    pins: dict[tuple[str, str], tuple[str, str, str]] = {}  # (model, session) -> (provider, id, holder)
+    pins_per_pair: dict[tuple[str, str], set[tuple[str, str]]] = defaultdict(set)
+    crashed: dict[str, float] = {}
+    expiries: list[tuple[float, str]] = []  # (time, lease id): crashed holders' leases
 
-    `limits_by_pm` maps (provider id, model name) to the pair's limits, or None for a pair
-    without limits.
-    """
-    replay = _Replay(limits_by_pm, lease_timeout)
-    for entry in entries:
-        replay.apply(entry)
-    return replay.violations
+    def end(lease_id: str) -> None:
+        holder_lease = live.pop(lease_id, None)
+        if holder_lease is None:
+            return
+        lease = holder_lease[1]
+        per_pair[lease.pair].discard(lease_id)
+        unreserved[lease.pair].discard(lease_id)
+        if lease.pin_id is not None:
+            per_pin[lease.pin_id].discard(lease_id)
+
+    for index, event in enumerate(ordered):
+        while expiries and expiries[0][0] <= event.at:
+            _, lease_id = heapq.heappop(expiries)
+            holder = live.get(lease_id)
+            if holder is not None and holder[0] in crashed:
+                end(lease_id)
+        where = event.instance
+        if event.kind == "crashed":
+            crashed[event.instance] = event.at
+            for lease_id, (holder, _) in live.items():
+                if holder == event.instance:
+                    heapq.heappush(expiries, (event.at + lease_timeout, lease_id))
+            continue
+        if event.kind in ("granted", "adopted"):
+            lease = event.lease
+            assert lease is not None
+            pair = lease.pair
+            lim = limits.get(pair)
+            current = live.get(lease.lease_id)
+            if event.kind == "granted" and current is not None:
+                violations.append(Violation(
+                    "double", lease.lease_id, index, f"granted by {where} while live at {current[0]}"
+                ))
+            if event.kind == "granted" and event.quota is not None and event.use is not None:
+                q, (leases, unres, _) = event.quota, event.use
+                if leases >= q.g or (lease.unreserved and unres >= q.u):
+                    violations.append(Violation(
+                        "quota", lease.lease_id, index,
+                        f"{where} granted with use {leases}/{unres} at quota g={q.g} u={q.u}",
+                    ))
+            end(lease.lease_id)
+            live[lease.lease_id] = (where, lease)
+            per_pair[pair].add(lease.lease_id)
+            if lease.unreserved:
+                unreserved[pair].add(lease.lease_id)
+            if lease.pin_id is not None and lease.kind.value in ("pinned", "new_pin"):
+                per_pin[lease.pin_id].add(lease.lease_id)
+            if lim is not None:
+                g = lim.max_global_in_flight_request_slots
+                r = min(lim.global_in_flight_request_slots_reserved_for_pinned_sessions, g)
+                s = lim.max_per_session_in_flight_request_slots
+                if len(per_pair[pair]) > g:
+                    violations.append(Violation(
+                        "I2a", lease.lease_id, index, f"{len(per_pair[pair])} live leases on "
+                        f"{pair[0]}/{pair[1]} > G={g}"
+                    ))
+                if len(unreserved[pair]) > g - r:
+                    violations.append(Violation(
+                        "I2b", lease.lease_id, index, f"{len(unreserved[pair])} unreserved "
+                        f"leases on {pair[0]}/{pair[1]} > G-R={g - r}"
+                    ))
+                if lease.pin_id is not None and len(per_pin[lease.pin_id]) > s:
+                    violations.append(Violation(
+                        "I2c", lease.lease_id, index, f"pin {lease.pin_id} lists "
+                        f"{len(per_pin[lease.pin_id])} leases > S={s}"
+                    ))
+        elif event.kind == "ended":
+            lease = event.lease
+            assert lease is not None
+            holder = live.get(lease.lease_id)
+            if holder is not None and holder[0] == where:
+                end(lease.lease_id)
+        elif event.kind == "pin_added":
+            assert event.pin is not None
+            provider, model, session, pin_id = event.pin
+            skey = (model, session)
+            current = pins.get(skey)
+            if current is not None and current[1] != pin_id and current[2] not in crashed:
+                violations.append(Violation(
+                    "I3", f"{model}/{session}", index,
+                    f"pin {pin_id} added by {where} while pin {current[1]} lives at {current[2]}",
+                ))
+            if current is not None:
+                pins_per_pair[(current[0], model)].discard(skey)
+            pins[skey] = (provider, pin_id, where)
+            pins_per_pair[(provider, model)].add(skey)
+            lim = limits.get((provider, model))
+            if lim is not None and len(pins_per_pair[(provider, model)]) > lim.max_pinned_sessions:
+                violations.append(Violation(
+                    "I2d", f"{model}/{session}", index,
+                    f"{len(pins_per_pair[(provider, model)])} live pins on {provider}/{model} "
+                    f"> P={lim.max_pinned_sessions}",
+                ))
+        elif event.kind == "pin_removed":
+            assert event.pin is not None
+            provider, model, session, pin_id = event.pin
+            skey = (model, session)
+            current = pins.get(skey)
+            if current is not None and current[1] == pin_id and current[2] == where:
+                del pins[skey]
+                pins_per_pair[(provider, model)].discard(skey)
+    return violations

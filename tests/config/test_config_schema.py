@@ -118,17 +118,21 @@ def test_defaults_follow_the_spec():
     assert config.pinning.model_dump() == {
         "pin_inactivity_timeout": 300.0,
         "lease_timeout": 30.0,
-        "max_routing_attempts": 10,
         "bucket": "llmgw_routing",
         "storage": "file",
         "replicas": 1,
         "history": 1,
         "reaper_interval": 1.0,
+        "min_idle_before_evict": 60.0,
+        "return_home": True,
+        "return_home_after": 30.0,
+        "return_home_saturation": 0.5,
     }
     assert config.balancer.model_dump() == {
         "window": 120.0,
         "input_to_output_token_ratio": 250,
         "greediness": 0.5,
+        "max_exploring": 1,
     }
     assert config.providers[0].models[0].features == ["chat", "completions"]
     assert config.endpoints[0].pool == "default" and config.endpoints[0].weight == 100
@@ -406,9 +410,9 @@ BAD = [
         "1",
     ),
     (
-        "zero-routing-attempts",
-        mutate(pinning={"max_routing_attempts": 0}),
-        "pinning.max_routing_attempts",
+        "zero-shards",
+        mutate(admission={"shards": 0}),
+        "admission.shards",
         "1",
     ),
     ("bad-listen", mutate(listen="localhost"), "listen", "host:port"),

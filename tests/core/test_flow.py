@@ -253,15 +253,13 @@ def test_endpoint_choice_weighs_inflight_by_each_endpoints_capacity():
     """Nothing queues anywhere; the big endpoint (capacity 8) with 4 in flight beats the small
     one (capacity 2) with 2: half full against full."""
     loads = {
-        e: EndpointLoad(16, EngineSample(EngineDialect.VLLM, 0, 0, 0.0), NOW - 1)
-        for e in ("small", "big")
+        e: EndpointLoad(capacity, EngineSample(EngineDialect.VLLM, 0, 0, 0.0), NOW - 1)
+        for e, capacity in (("small", 2), ("big", 8))
     }
-    view = PoolView(loads, {"big": 4, "small": 2}, NOW, SETTINGS, {"big": 8.0, "small": 2.0})
+    view = PoolView(loads, {"big": 4, "small": 2}, NOW, SETTINGS)
     assert view.saturation() == 0
     assert view.score("small") == 1.0 and view.score("big") == 0.5
     assert view.least_saturated() == "big"
-    plain = PoolView(loads, {"big": 4, "small": 2}, NOW, SETTINGS)
-    assert plain.least_saturated() == "small"  # without capacities: a tie, the first listed
 
 
 def test_take_matching_removes_only_what_it_wants_and_leaves_the_rest_in_place():

@@ -1,0 +1,200 @@
+"""This admission instance's membership, and its view of every member and shard owner.
+
+- **Join**: create ``member.<instance>`` (a unique id per process start).
+- **Heartbeat** every ``admission.heartbeat``: CAS the member key with a new ``renewed_at``.
+  Others treat a member as dead once ``renewed_at + admission.member_ttl`` has passed.
+- **Fencing**: this instance serves only while its last successful heartbeat is younger than
+  ``fence_after`` (less than the TTL by a safety margin, measured on its own monotonic clock),
+  so it stops deciding before anyone may take its shards or quota (hosts' clocks may differ by
+  less than that margin). A heartbeat whose CAS fails means the key was taken away (the reaper
+  removed it after this instance was paused for long): the instance is *lost*; `on_lost` drops
+  everything it held and it joins again under a new id.
+- **View**: watches of ``member.`` and ``shard.`` keep `members` and `owners` current; every
+  change calls `on_change`.
+
+Nothing here decides; `ShardKeeper` plans from this view.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from llmgw.core.keys import MEMBER_PREFIX, SHARD_PREFIX, MemberValue, ShardValue, ValueFormatError
+from llmgw.core.shards import Member, live_members
+from llmgw.state.kv import CasConflict
+
+if TYPE_CHECKING:
+    from llmgw.state.store import RoutingStore
+
+log = logging.getLogger("llmgw.admission.membership")
+
+
+class Membership:
+    def __init__(
+        self,
+        store: RoutingStore,
+        instance: str,
+        *,
+        heartbeat: float,
+        ttl: float,
+        clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.store = store
+        self.instance = instance
+        self.heartbeat = heartbeat
+        self.ttl = ttl
+        # Stop serving after 60% of the TTL without a successful heartbeat: the rest is the
+        # margin for clock skew between hosts and a heartbeat's own latency.
+        self.fence_after = 0.6 * ttl
+        self._clock = clock
+        self._monotonic = monotonic
+        self._revision = 0
+        self._joined_at = 0.0
+        self._renewed_mono = float("-inf")
+        self.members: dict[str, Member] = {}
+        self.owners: dict[int, ShardValue] = {}
+        self.owner_revisions: dict[int, int] = {}
+        self.on_change: Callable[[], None] = lambda: None
+        self.on_lost: Callable[[], None] = lambda: None
+        self._tasks: list[asyncio.Task[None]] = []
+        self.stopping = False
+
+    # ---- state ------------------------------------------------------------------------------
+
+    def can_serve(self) -> bool:
+        """Renewed recently enough to decide (see fencing in the module docstring)."""
+        return self._monotonic() - self._renewed_mono < self.fence_after
+
+    def live(self) -> dict[str, Member]:
+        members = live_members(self.members.values(), self._clock(), self.ttl)
+        members.setdefault(
+            self.instance, Member(self.instance, self._clock(), self._joined_at or self._clock())
+        )
+        return members
+
+    def is_live(self, instance: str | None) -> bool:
+        return instance is not None and instance in self.live()
+
+    # ---- lifetime ---------------------------------------------------------------------------
+
+    async def join(self) -> None:
+        now = self._clock()
+        self._joined_at = now
+        self._revision = await self.store.join(MemberValue(self.instance, now, now))
+        self._renewed_mono = self._monotonic()
+        # The current view first (a list), then the watches keep it current: the first plan
+        # sees every owner, and a watch's replay of what was listed changes nothing.
+        for stored in await self.store.members():
+            m = stored.value
+            self.members[m.instance] = Member(m.instance, m.renewed_at, m.joined_at)
+        await self.refresh_owners()
+        self._tasks.append(asyncio.create_task(self._follow(MEMBER_PREFIX), name="members"))
+        self._tasks.append(asyncio.create_task(self._follow(SHARD_PREFIX), name="shards"))
+        self._tasks.append(asyncio.create_task(self._beat(), name="heartbeat"))
+
+    async def renew_now(self) -> bool:
+        """One heartbeat; False if the member key was taken away (the instance is lost)."""
+        started = self._monotonic()
+        now = self._clock()
+        revision = await self.store.renew_member(
+            MemberValue(self.instance, self._joined_at, now), self._revision
+        )
+        if revision is None:
+            return False
+        self._revision = revision
+        self._renewed_mono = started
+        return True
+
+    async def _beat(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat)
+            try:
+                renewed = await self.renew_now()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # NATS unreachable: keep trying; fencing protects us
+                log.warning("heartbeat failed: %s", exc)
+                continue
+            if not renewed:
+                log.error(
+                    "member key %s was taken away (this instance was unreachable for longer "
+                    "than admission.member_ttl): dropping everything and joining again",
+                    self.instance,
+                )
+                self.on_lost()
+                return
+
+    async def rejoin(self, instance: str) -> None:
+        """Join again under a new id (after being lost); the watches keep running."""
+        self.instance = instance
+        now = self._clock()
+        self._joined_at = now
+        self._revision = await self.store.join(MemberValue(instance, now, now))
+        self._renewed_mono = self._monotonic()
+        self._tasks = [t for t in self._tasks if t.get_name() != "heartbeat" or not t.done()]
+        self._tasks.append(asyncio.create_task(self._beat(), name="heartbeat"))
+
+    async def _follow(self, prefix: str) -> None:
+        while True:
+            try:
+                async for entry in self.store.watch(prefix):
+                    self._apply(prefix, entry.key, entry.value, entry.revision, entry.deleted)
+                    self.on_change()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.warning("watch of %s ended; retrying in 1 s", prefix, exc_info=True)
+                await asyncio.sleep(1.0)
+
+    def _apply(self, prefix: str, key: str, value: bytes, revision: int, deleted: bool) -> None:
+        name = key[len(prefix) :]
+        if prefix == MEMBER_PREFIX:
+            if deleted:
+                self.members.pop(name, None)
+                return
+            try:
+                member = MemberValue.from_json(value)
+            except ValueFormatError:
+                return
+            self.members[name] = Member(member.instance, member.renewed_at, member.joined_at)
+        else:
+            try:
+                shard = int(name)
+            except ValueError:
+                return
+            if revision < self.owner_revisions.get(shard, 0):
+                return  # older than what a direct read showed
+            if deleted:
+                self.owners.pop(shard, None)
+                self.owner_revisions.pop(shard, None)
+                return
+            try:
+                self.owners[shard] = ShardValue.from_json(value)
+            except ValueFormatError:
+                return
+            self.owner_revisions[shard] = revision
+
+    async def refresh_owners(self) -> None:
+        """Read every shard key now (after a fence: do not trust what the watch had)."""
+        owners = await self.store.shard_owners()
+        for shard, stored in owners.items():
+            if stored.revision >= self.owner_revisions.get(shard, 0):
+                self.owners[shard] = stored.value
+                self.owner_revisions[shard] = stored.revision
+
+    async def leave(self) -> None:
+        self.stopping = True
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks.clear()
+        with contextlib.suppress(CasConflict, Exception):
+            await self.store.leave(self.instance, self._revision)

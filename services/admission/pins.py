@@ -1,0 +1,144 @@
+"""Writing a shard owner's pins to the routing bucket, off the request path.
+
+The owner's ledger is the authority on its shards' pins; the bucket holds a durable copy for the
+next owner (after a handover or a crash). So a request never waits for a pin write: creating,
+moving, refreshing and removing a pin are queued here, and writes to one key run one after
+another in the order they were asked for (each needs the revision the previous one produced);
+writes to different keys run concurrently. The last value asked for is what the key ends with.
+
+A write that conflicts (the key is not at the revision this writer knows) can only mean the
+stored copy is stale (a previous owner's late write, a lost acknowledgement): the owner reads
+the key and writes its own value over it. A write that fails for another reason (NATS
+unreachable) leaves the key's revision unknown; the next write for it reads first. What a
+crash loses is only durability: the session re-pins, a prefix-cache miss.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any
+
+from llmgw.core.keys import PinValue
+from llmgw.state.kv import CasConflict
+
+if TYPE_CHECKING:
+    from llmgw.core.ledger import Ledger, PinRecord
+    from llmgw.state.store import RoutingStore
+
+log = logging.getLogger("llmgw.admission.pins")
+
+_UNKNOWN = -1  # the key's revision is unknown: read before writing
+
+
+def stored_value(pin: PinRecord) -> PinValue:
+    return PinValue(
+        pin.pin_id, pin.provider, pin.model, pin.session, pin.created_at, pin.since, pin.last_used
+    )
+
+
+class PinWriter:
+    def __init__(self, store: RoutingStore, ledger: Ledger) -> None:
+        self.store = store
+        self.ledger = ledger
+        self._revision: dict[str, int] = {}  # key -> revision of our last write (0: none)
+        self._last: dict[str, asyncio.Future[None]] = {}
+        self.failures = 0
+        self.overwrites = 0
+        self.on_failure: Callable[[str, Exception], None] | None = None
+
+    def known(self, key: str, revision: int) -> None:
+        """A pin loaded from the bucket (adoption): its current revision."""
+        self._revision[key] = revision
+
+    def forget(self, key: str) -> None:
+        self._revision.pop(key, None)
+
+    def pending(self) -> int:
+        return sum(1 for f in self._last.values() if not f.done())
+
+    # ---- what the owner asks for ------------------------------------------------------------
+
+    def put(self, pin: PinRecord) -> None:
+        """Store the pin's current value (a new pin, a move, a refresh)."""
+        self._chain(pin.key, self._put(pin.key, stored_value(pin)))
+
+    def delete(self, pin: PinRecord) -> None:
+        self._chain(pin.key, self._delete(pin.key))
+
+    async def drain(self, keys: list[str] | None = None, timeout: float = 5.0) -> None:
+        """Wait for queued writes (of `keys`, or all) to land, at most `timeout` seconds."""
+        waiting = [f for k, f in self._last.items() if keys is None or k in keys]
+        if waiting:
+            await asyncio.wait(waiting, timeout=timeout)
+
+    # ---- the writes -------------------------------------------------------------------------
+
+    def _chain(self, key: str, write: Coroutine[Any, Any, None]) -> None:
+        previous = self._last.get(key)
+
+        async def run() -> None:
+            if previous is not None and not previous.done():
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(previous)
+            try:
+                await write
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.failures += 1
+                self._revision[key] = _UNKNOWN
+                log.warning("pin %s not written: %s", key, exc)
+                if self.on_failure is not None:
+                    self.on_failure(key, exc)
+
+        future = asyncio.ensure_future(run())
+        self._last[key] = future
+        future.add_done_callback(lambda f, k=key: self._done(k, f))
+
+    def _done(self, key: str, future: asyncio.Future[None]) -> None:
+        if self._last.get(key) is future:
+            del self._last[key]
+
+    async def _current(self, key: str) -> int:
+        """The revision to write at: ours, or (unknown) what the key holds now (0: absent)."""
+        revision = self._revision.get(key, 0)
+        if revision != _UNKNOWN:
+            return revision
+        stored = await self.store.get_pin(key)
+        return 0 if stored is None else stored.revision
+
+    async def _put(self, key: str, value: PinValue) -> None:
+        revision = await self._current(key)
+        try:
+            if revision == 0:
+                written = await self.store.create_pin(key, value)
+            else:
+                written = await self.store.update_pin(key, value, revision)
+        except CasConflict:
+            self.overwrites += 1
+            stored = await self.store.get_pin(key)
+            if stored is None:
+                written = await self.store.create_pin(key, value)
+            else:
+                written = await self.store.update_pin(key, value, stored.revision)
+        self._revision[key] = written
+        pin = self.ledger.pins.get((value.model, value.session))
+        if pin is not None and pin.key == key and pin.pin_id == value.pin_id:
+            pin.revision = written
+            pin.stored_refreshed_at = max(pin.stored_refreshed_at, value.refreshed_at)
+
+    async def _delete(self, key: str) -> None:
+        revision = await self._current(key)
+        if revision == 0:
+            self._revision.pop(key, None)
+            return
+        try:
+            await self.store.delete_pin(key, revision)
+        except CasConflict:
+            stored = await self.store.get_pin(key)
+            if stored is not None:
+                await self.store.delete_pin(key, stored.revision)
+        self._revision.pop(key, None)

@@ -1,0 +1,414 @@
+"""Which shards this instance serves: claims, handovers, adoption after a crash.
+
+The shard keys in the routing bucket say who owns each shard; `Membership` follows them. Each
+round (every heartbeat, and at once when members or owners change) `ShardKeeper.rebalance`:
+
+1. stops serving a shard whose key names another instance (re-read first: the view may lag);
+2. takes over a shard whose key names this instance but which it does not serve yet (a
+   handover to it, or its own earlier claim);
+3. claims, by CAS, the shards rendezvous hashing gives it whose owner is gone
+   (`llmgw.core.shards.plan_shards`) and takes them over;
+4. hands over the shards it owns that rendezvous hashing gives to another settled member.
+
+**Handover** (graceful: a rebalance, or `stop`), giver G to receiver R: G stops serving the shard
+(unsubscribes; its queued requests of the shard are answered NOT_OWNER and the edges ask again),
+lets the shard's pin writes land, CASes the shard key to R, takes the shard's pins and leases out
+of its ledger, moves the quota they use to R (one CAS per pair), and sends them to R
+(``llmgw.v1.admission.handover.<R>``). R takes them in and serves the shard. Nothing is lost: a
+lease is in exactly one ledger at every moment but the message's flight, when neither ends it.
+
+**Adoption** (G is gone: a crash, or G released the shard with no member to take it): R claims
+the shard, loads its pins from the bucket, asks every edge for its leases there (a roll call,
+answers collected for ``admission.rollcall_window``), moves their quota from G to itself, and
+serves. A lease no edge announced in time is not adopted; its edge learns at its next renewal
+that the lease is lost and ends the request.
+
+While a shard has no subscriber (between the giver's unsubscribe and the receiver's
+subscribe), edges' requests for it find no responders and are retried with a short backoff.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from pydantic import ValidationError
+
+from llmgw.core.keys import ShardValue
+from llmgw.core.ledger import EndReason, LeaseRecord, PinRecord, ShardState
+from llmgw.core.shards import plan_shards
+from llmgw.events import ShardEvent
+from llmgw.wire import (
+    ADMISSION_ROLLCALL_SUBJECT,
+    Handover,
+    HandoverReply,
+    RollCall,
+    RollCallAnswer,
+    admission_subject,
+    handover_subject,
+    leases_subject,
+)
+
+if TYPE_CHECKING:
+    from nats.aio.msg import Msg
+    from nats.aio.subscription import Subscription
+
+    from llmgw.services.admission.service import AdmissionService
+
+log = logging.getLogger("llmgw.admission.shards")
+
+_MAX_RELEASE_PER_ROUND = 8
+_HANDOVER_WAIT = 1.0  # seconds a new owner waits for the old one's handover before a roll call
+_HANDOVER_TIMEOUT = 2.0
+
+
+class ShardKeeper:
+    def __init__(self, service: AdmissionService) -> None:
+        self.service = service
+        self.serving: dict[int, list[Subscription]] = {}
+        self.leaving: set[int] = set()
+        self._taking: set[int] = set()
+        self._handed: dict[int, asyncio.Event] = {}
+        self._wake = asyncio.Event()
+        self._lock = asyncio.Lock()
+        self._task: asyncio.Task[None] | None = None
+        self.stopping = False
+        self.adopted_leases = 0
+        self.refused_leases = 0
+
+    def serves(self, shard: int) -> bool:
+        return shard in self.serving and shard not in self.leaving
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    # ---- lifetime -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self.service.membership.on_change = self.wake
+        await self.rebalance()
+        self._task = asyncio.create_task(self._loop(), name="shard-keeper")
+
+    async def _loop(self) -> None:
+        heartbeat = self.service.config.admission.heartbeat
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(heartbeat):
+                    await self._wake.wait()
+            self._wake.clear()
+            try:
+                await self.rebalance()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.warning("shard rebalance failed", exc_info=True)
+
+    async def stop(self) -> None:
+        """Hand every shard to another member; with none left, release them (the next
+        instance to start adopts their leases from the edges)."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self.stopping = True
+        with contextlib.suppress(Exception):
+            await self.rebalance(max_release=len(self.serving) + 1)
+        for shard in list(self.serving):
+            await self._release(shard)
+
+    async def drop_all(self) -> None:
+        for shard in list(self.serving):
+            await self._drop(shard)
+
+    # ---- a round ------------------------------------------------------------------------------
+
+    async def rebalance(self, max_release: int = _MAX_RELEASE_PER_ROUND) -> None:
+        service = self.service
+        membership = service.membership
+        if not membership.can_serve():
+            return
+        async with self._lock:
+            me = membership.instance
+            owners = {k: v.owner for k, v in membership.owners.items()}
+            for shard in list(self.serving):
+                if owners.get(shard) != me and shard not in self.leaving:
+                    stored = await service.store.shard(shard)
+                    if stored is None or stored.value.owner != me:
+                        log.warning(
+                            "shard %d is no longer ours (%s): dropping it",
+                            shard,
+                            stored.value.owner if stored else "released",
+                        )
+                        await self._drop(shard)
+            takeovers: list[tuple[int, str | None]] = [
+                (k, v.previous)
+                for k, v in membership.owners.items()
+                if v.owner == me and k not in self.serving and k not in self._taking
+            ]
+            plan = plan_shards(
+                me,
+                service.config.admission.shards,
+                owners,
+                membership.live(),
+                service._clock(),
+                settle=2 * service.config.admission.heartbeat,
+                max_release=max_release,
+                stopping=(me,) if self.stopping else (),
+            )
+            for shard in plan.claim:
+                if shard in self._taking:
+                    continue
+                current = membership.owners.get(shard)
+                previous = None
+                if current is not None:
+                    previous = current.owner if current.owner is not None else current.previous
+                value = ShardValue(me, service._clock(), previous)
+                revision = await service.store.set_shard(
+                    shard, value, membership.owner_revisions.get(shard)
+                )
+                if revision is None:
+                    continue  # somebody else moved it meanwhile: the next round sees who
+                membership.owners[shard] = value
+                membership.owner_revisions[shard] = revision
+                takeovers.append((shard, previous))
+            if takeovers:
+                await self._take_over(takeovers)
+            for shard, target in plan.release:
+                await self._hand_over(shard, target)
+
+    # ---- taking shards ------------------------------------------------------------------------
+
+    async def _take_over(self, shards: list[tuple[int, str | None]]) -> None:
+        membership = self.service.membership
+        me = membership.instance
+        for shard, _ in shards:
+            self._taking.add(shard)
+        try:
+            waits = [
+                self._handed.setdefault(shard, asyncio.Event())
+                for shard, previous in shards
+                if previous is not None and previous != me and membership.is_live(previous)
+            ]
+            if waits:  # a live previous owner is handing them over: give it a moment
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(_HANDOVER_WAIT):
+                        await asyncio.gather(*(w.wait() for w in waits))
+            adopt = [(k, p) for k, p in shards if k not in self.serving]
+            if adopt:
+                await self._adopt(adopt)
+        finally:
+            for shard, _ in shards:
+                self._taking.discard(shard)
+
+    async def _adopt(self, shards: list[tuple[int, str | None]]) -> None:
+        service = self.service
+        me = service.instance
+        now = service._clock()
+        announced = await self._rollcall([k for k, _ in shards])
+        states: list[tuple[ShardState, str | None]] = []
+        for shard, previous in shards:
+            pins = []
+            for key, stored in await service.store.shard_pins(shard):
+                value = stored.value
+                pins.append(
+                    PinRecord(
+                        key,
+                        value.pin_id,
+                        value.provider,
+                        value.model,
+                        value.session,
+                        shard,
+                        value.created_at,
+                        value.since,
+                        max(value.refreshed_at, now),
+                        value.refreshed_at,
+                        stored.revision,
+                    )
+                )
+                service.pins.known(key, stored.revision)
+            states.append(
+                (ShardState(shard, tuple(pins), tuple(announced.get(shard, ()))), previous)
+            )
+        by_previous: dict[str, dict[tuple[str, str], list[int]]] = {}
+        for state, previous in states:
+            if previous is None or previous == me:
+                continue
+            totals = by_previous.setdefault(previous, {})
+            for pair, (g, u, p) in state.counts().items():
+                t = totals.setdefault(pair, [0, 0, 0])
+                t[0] += g
+                t[1] += u
+                t[2] += p
+        for previous, totals in by_previous.items():
+            await service.quotas.transfer(
+                previous, me, {pair: (t[0], t[1], t[2]) for pair, t in totals.items()}
+            )
+        adopted = refused = pins_in = 0
+        for state, _ in states:
+            dropped, unpinned = service.ledger.add_shard(state, now)
+            adopted += len(state.leases) - len(dropped)
+            refused += len(dropped)
+            pins_in += len(state.pins) - len(unpinned)
+            for pin in unpinned:  # no pin quota left: the session pins again
+                service.pins.delete(pin)
+            await self._subscribe(state.shard)
+        self.adopted_leases += adopted
+        self.refused_leases += refused
+        if refused:
+            log.warning(
+                "%d leases could not be adopted (no quota left): their requests end", refused
+            )
+        previous = next((p for _, p in shards if p is not None), None)
+        service.events.emit(
+            ShardEvent,
+            event="shard.claimed",
+            owner=me,
+            shards=tuple(k for k, _ in shards),
+            previous=previous,
+            leases=adopted,
+            pins=pins_in,
+        )
+        service.quotas.wake()
+
+    async def _rollcall(self, shards: Iterable[int]) -> dict[int, list[LeaseRecord]]:
+        """Ask every edge which leases it holds in `shards`; answers within the window."""
+        service = self.service
+        wanted = set(shards)
+        found: dict[int, dict[str, LeaseRecord]] = {}
+
+        async def collect(msg: Msg) -> None:
+            try:
+                answer = RollCallAnswer.model_validate_json(msg.data)
+            except ValidationError:
+                return
+            for lease in answer.leases:
+                if lease.shard in wanted:
+                    found.setdefault(lease.shard, {})[lease.lease_id] = lease
+
+        inbox = service.nc.new_inbox()
+        sub = await service.nc.subscribe(inbox, cb=collect)
+        try:
+            call = RollCall(owner=service.instance, shards=tuple(sorted(wanted)))
+            await service.nc.publish(
+                ADMISSION_ROLLCALL_SUBJECT, call.model_dump_json().encode(), reply=inbox
+            )
+            # Not a guess at synchronisation: a roll call has no count of answers to wait for
+            # (edges come and go); the window is its documented deadline.
+            await asyncio.sleep(service.config.admission.rollcall_window)
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        return {shard: list(leases.values()) for shard, leases in found.items()}
+
+    async def on_handover(self, msg: Msg) -> None:
+        service = self.service
+        try:
+            handover = Handover.model_validate_json(msg.data)
+        except ValidationError:
+            return
+        state = handover.state
+        refused: list[str] = []
+        if state.shard not in self.serving:
+            await service.quotas.reload(list(state.counts()))
+            dropped, unpinned = service.ledger.add_shard(state, service._clock())
+            refused = [lease.lease_id for lease in dropped]
+            for pin in state.pins:
+                service.pins.known(pin.key, pin.revision)
+            for pin in unpinned:
+                service.pins.delete(pin)
+            await self._subscribe(state.shard)
+        self._handed.setdefault(state.shard, asyncio.Event()).set()
+        if msg.reply:
+            reply = HandoverReply(accepted=True, refused=tuple(refused))
+            with contextlib.suppress(Exception):
+                await service.nc.publish(msg.reply, reply.model_dump_json().encode())
+
+    async def _subscribe(self, shard: int) -> None:
+        service = self.service
+        subs = [
+            await service.nc.subscribe(admission_subject(shard), cb=service.on_request),
+            await service.nc.subscribe(leases_subject(shard), cb=service.on_renewal),
+        ]
+        self.serving[shard] = subs
+        self.leaving.discard(shard)
+        with contextlib.suppress(Exception):
+            await service.nc.flush(timeout=2)
+
+    # ---- giving shards away -------------------------------------------------------------------
+
+    async def _stop_serving(self, shard: int) -> None:
+        self.leaving.add(shard)
+        for sub in self.serving.get(shard, ()):
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        flow = self.service.flow
+        if flow is not None:
+            flow.drop(lambda context: context.request.shard == shard, "moved")
+
+    async def _hand_over(self, shard: int, target: str) -> None:
+        service = self.service
+        membership = service.membership
+        me = service.instance
+        await self._stop_serving(shard)
+        keys = [p.key for p in service.ledger.shard_state(shard).pins]
+        await service.pins.drain(keys)
+        value = ShardValue(target, service._clock(), me)
+        revision = await service.store.set_shard(
+            shard, value, membership.owner_revisions.get(shard)
+        )
+        if revision is None:
+            log.warning("shard %d changed hands during its handover: dropping it", shard)
+            await self._forget(shard, EndReason.DROPPED)
+            return
+        membership.owners[shard] = value
+        membership.owner_revisions[shard] = revision
+        state = service.ledger.take_shard(shard, service._clock(), EndReason.MOVED)
+        await service.quotas.transfer(me, target, state.counts())
+        try:
+            reply = await service.nc.request(
+                handover_subject(target),
+                Handover(source=me, state=state).model_dump_json().encode(),
+                timeout=_HANDOVER_TIMEOUT,
+            )
+            answer = HandoverReply.model_validate_json(reply.data)
+            if answer.refused:
+                log.warning("shard %d: %s refused %d leases", shard, target, len(answer.refused))
+        except Exception as exc:  # the receiver adopts by roll call instead
+            log.warning("shard %d: handover to %s not confirmed (%s)", shard, target, exc)
+        self.serving.pop(shard, None)
+        self.leaving.discard(shard)
+        service.events.emit(
+            ShardEvent,
+            event="shard.handed",
+            owner=target,
+            shards=(shard,),
+            previous=me,
+            leases=len(state.leases),
+            pins=len(state.pins),
+        )
+        service.quotas.wake()
+
+    async def _release(self, shard: int) -> None:
+        """Stopping with nobody to take the shard: write it ownerless, keep its quota (the next
+        owner moves it from this instance's entry when it adopts the leases)."""
+        service = self.service
+        membership = service.membership
+        await self._stop_serving(shard)
+        await service.pins.drain([p.key for p in service.ledger.shard_state(shard).pins])
+        value = ShardValue(None, service._clock(), service.instance)
+        await service.store.set_shard(shard, value, membership.owner_revisions.get(shard))
+        for sub in self.serving.pop(shard, ()):
+            del sub
+        self.leaving.discard(shard)
+
+    async def _drop(self, shard: int) -> None:
+        await self._stop_serving(shard)
+        await self._forget(shard, EndReason.DROPPED)
+
+    async def _forget(self, shard: int, reason: EndReason) -> None:
+        self.service.ledger.take_shard(shard, self.service._clock(), reason)
+        self.serving.pop(shard, None)
+        self.leaving.discard(shard)

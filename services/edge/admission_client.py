@@ -1,0 +1,223 @@
+"""The edge's admission client over NATS: one request/reply to the shard's owner per attempt.
+
+`NatsAdmission.admit` publishes the `AdmitRequest` to ``llmgw.v1.admission.request.<shard>``
+with a reply subject under this edge's one inbox subscription (no per-request subscription, no
+per-request timer task) and waits:
+
+- for the first answer within ``nats.request_timeout``: the decision, or QUEUED (the request
+  waits in flow control), after which it waits up to ``admission.queue_ttl`` more for the
+  decision. So an admission service that does not answer fails the request within the request
+  timeout, never the whole queue budget (invariant I7);
+- "no responders" or NOT_OWNER (the shard is moving between instances) is retried with a short
+  backoff within the request timeout;
+- while NATS is unreachable it fails at once (`AdmissionUnavailable(fast=True)`): the declared
+  outage mode `reject` answers 503 with Retry-After without waiting.
+
+While queued it watches the client: when the client hangs up it tells every admission instance
+to drop the request (``llmgw.v1.admission.cancel``) and still takes the answer (CANCELLED, or a
+grant that crossed the cancel, whose lease the caller ends at once).
+
+Readiness: a background probe asks ``llmgw.v1.admission.health`` every second; the edge is ready
+while NATS is connected and an admission instance answered within the last few seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+from llmgw.contracts import AdmissionUnavailable
+from llmgw.core.outcomes import Refusal
+from llmgw.wire import (
+    ADMISSION_CANCEL_SUBJECT,
+    ADMISSION_HEALTH_SUBJECT,
+    AdmitCancel,
+    AdmitReply,
+    AdmitRequest,
+    ReplyStatus,
+    admission_subject,
+)
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client as NATS
+    from nats.aio.msg import Msg
+    from nats.aio.subscription import Subscription
+
+log = logging.getLogger("llmgw.edge.admission")
+
+_NO_RESPONDERS = "503"
+_BACKOFF = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
+_PROBE_EVERY = 1.0
+_READY_FOR = 3.0  # seconds an answered probe keeps the edge ready
+
+
+class _Pending:
+    __slots__ = ("early", "future")
+
+    def __init__(self, future: asyncio.Future[Msg]) -> None:
+        self.future = future
+        self.early: Msg | None = None  # the decision, when it came before the waiter re-armed
+
+
+class NatsAdmission:
+    """`llmgw.contracts.AdmissionClient` over NATS request/reply (see the module docstring)."""
+
+    def __init__(
+        self,
+        nc: NATS,
+        *,
+        request_timeout: float,
+        queue_ttl: float,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._nc = nc
+        self.request_timeout = request_timeout
+        self.queue_ttl = queue_ttl
+        self._monotonic = monotonic
+        self._pending: dict[str, _Pending] = {}
+        self._tokens = itertools.count()
+        self._prefix = ""
+        self._sub: Subscription | None = None
+        self._probe: asyncio.Task[None] | None = None
+        self._answered_at = float("-inf")
+        self.unanswered = 0  # probes without an answer in a row
+
+    async def start(self) -> None:
+        self._prefix = self._nc.new_inbox()
+        self._sub = await self._nc.subscribe(f"{self._prefix}.*", cb=self._on_reply)
+        await self._nc.flush()
+        self._probe = asyncio.create_task(self._probing(), name="admission-probe")
+
+    async def stop(self) -> None:
+        if self._probe is not None:
+            self._probe.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._probe
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+
+    # ---- readiness ----------------------------------------------------------------------------
+
+    def ready(self) -> bool:
+        return self._nc.is_connected and self._monotonic() - self._answered_at < _READY_FOR
+
+    async def probe(self) -> bool:
+        """Ask the admission instances whether any is alive; True if one answered in time."""
+        if not self._nc.is_connected:
+            return False
+        try:
+            await self._nc.request(ADMISSION_HEALTH_SUBJECT, b"", timeout=self.request_timeout)
+        except Exception:
+            self.unanswered += 1
+            return False
+        self.unanswered = 0
+        self._answered_at = self._monotonic()
+        return True
+
+    async def _probing(self) -> None:
+        while True:
+            with contextlib.suppress(Exception):
+                await self.probe()
+            await asyncio.sleep(_PROBE_EVERY)
+
+    # ---- deciding -----------------------------------------------------------------------------
+
+    async def _on_reply(self, msg: Msg) -> None:
+        pending = self._pending.get(msg.subject)
+        if pending is None:
+            return
+        if pending.future.done():
+            pending.early = msg
+        else:
+            pending.future.set_result(msg)
+
+    async def admit(
+        self,
+        request: AdmitRequest,
+        client_gone: Callable[[], Awaitable[object]] | None = None,
+    ) -> tuple[AdmitReply, bool]:
+        """The decision, and whether the client left while the request was queued."""
+        nc = self._nc
+        if not nc.is_connected:
+            raise AdmissionUnavailable("the gateway cannot reach NATS", fast=True)
+        payload = request.model_dump_json(exclude_defaults=True).encode()
+        subject = admission_subject(request.shard)
+        loop = asyncio.get_running_loop()
+        deadline = self._monotonic() + self.request_timeout
+        for attempt in itertools.count():
+            token = f"{self._prefix}.{next(self._tokens)}"
+            pending = _Pending(loop.create_future())
+            self._pending[token] = pending
+            try:
+                await nc.publish(subject, payload, reply=token)
+                msg = await self._wait(pending, deadline)
+                if msg is None:
+                    raise AdmissionUnavailable("the admission service did not answer in time")
+                if not (msg.headers and msg.headers.get("Status") == _NO_RESPONDERS):
+                    reply = AdmitReply.model_validate_json(msg.data)
+                    left = False
+                    if reply.status is ReplyStatus.QUEUED:
+                        reply, left = await self._queued(request, pending, client_gone)
+                    if reply.refusal is not Refusal.NOT_OWNER:
+                        self._answered_at = self._monotonic()
+                        return reply, left
+            finally:
+                self._pending.pop(token, None)
+            # Nobody serves the shard right now (it is moving): ask again shortly.
+            pause = _BACKOFF[min(attempt, len(_BACKOFF) - 1)]
+            if self._monotonic() + pause >= deadline:
+                raise AdmissionUnavailable("no admission instance serves this request's shard")
+            await asyncio.sleep(pause)
+        raise AssertionError("unreachable")
+
+    async def _wait(self, pending: _Pending, deadline: float) -> Msg | None:
+        budget = deadline - self._monotonic()
+        if budget <= 0:
+            return None
+        try:
+            async with asyncio.timeout(budget):
+                return await pending.future
+        except TimeoutError:
+            return None
+
+    async def _queued(
+        self,
+        request: AdmitRequest,
+        pending: _Pending,
+        client_gone: Callable[[], Awaitable[object]] | None,
+    ) -> tuple[AdmitReply, bool]:
+        """Wait for the decision of a queued request, cancelling it if the client leaves."""
+        if pending.early is not None:
+            return AdmitReply.model_validate_json(pending.early.data), False
+        loop = asyncio.get_running_loop()
+        pending.future = loop.create_future()
+        budget = self.queue_ttl + self.request_timeout
+        watcher = asyncio.ensure_future(client_gone()) if client_gone is not None else None
+        try:
+            waiting: set[asyncio.Future[object]] = {pending.future}  # type: ignore[arg-type]
+            if watcher is not None:
+                waiting.add(watcher)
+            done, _ = await asyncio.wait(waiting, timeout=budget, return_when="FIRST_COMPLETED")
+            if pending.future.done():
+                return AdmitReply.model_validate_json(pending.future.result().data), False
+            if watcher is not None and watcher in done:
+                cancel = AdmitCancel(id=request.id).model_dump_json().encode()
+                with contextlib.suppress(Exception):
+                    await self._nc.publish(ADMISSION_CANCEL_SUBJECT, cancel)
+                msg = await self._wait(pending, self._monotonic() + self.request_timeout)
+                if msg is not None:
+                    return AdmitReply.model_validate_json(msg.data), True
+                cancelled = AdmitReply(
+                    id=request.id, status=ReplyStatus.REFUSED, refusal=Refusal.CANCELLED
+                )
+                return cancelled, True
+            raise AdmissionUnavailable("the admission service did not answer in time")
+        finally:
+            if watcher is not None and not watcher.done():
+                watcher.cancel()

@@ -1,0 +1,434 @@
+"""One routed request at the edge: admission, the relay, and retries while nothing reached the
+client.
+
+`Attempts.run` asks admission (one request/reply), relays to the target and answers the client.
+An attempt that fails before anything reached the client in a way another endpoint may not
+(connection refused or reset, a response-header or first-token timeout, a 429 or 5xx, a stream
+that broke before its first byte) is retried up to the model's profile's ``retries``: the retry
+names the failed attempt's lease (`retry_of`: admission releases it and decides the retry in
+one step) and how it failed (`failed`: the breakers learn it before the retry is placed), and
+excludes every endpoint already tried, so it may run on the next provider while the pin stays.
+When admission has nowhere else to send it, the client gets the last upstream failure.
+
+A stream's headers go to the client only with its first chunk (`first_chunk`), so a stream that
+fails before its first byte is retried exactly like a non-streamed request.
+
+Every attempt ends exactly once (`_AttemptEnd`): its lease leaves the edge's table and its
+`RequestEnded` (release, sample, usage) is reported, however it ended. A lost lease
+(`LeaseStore.expired`) decides the outcome before anything else: `lease_lost`, never retried,
+never a breaker's input, never released.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from starlette.responses import Response, StreamingResponse
+
+from llmgw.contracts import AdmissionUnavailable
+from llmgw.core.outcomes import REFUSAL_OUTCOMES, Outcome
+from llmgw.core.usage import StreamUsage, Usage, usage_in
+from llmgw.services.edge.errors import error_body, error_response
+from llmgw.services.edge.upstream import (
+    LEASE_LOST_MESSAGE,
+    StreamRelay,
+    UpstreamFailure,
+    error_message_from_upstream,
+    first_chunk,
+    loop_deadline,
+    open_upstream,
+    passthrough_headers,
+    read_body,
+)
+from llmgw.wire import AdmitReply, AdmitRequest, FailedAttempt, ReplyStatus, RequestEnded, Target
+
+if TYPE_CHECKING:
+    from llmgw.core.requests import Feature, ParsedRequest
+    from llmgw.services.edge.app import Edge
+    from llmgw.services.edge.leases import HeldLease
+
+# Failures of the endpoint, not of the request: worth another endpoint while nothing was sent.
+_RETRYABLE = frozenset(
+    {
+        Outcome.UPSTREAM_UNREACHABLE,
+        Outcome.UPSTREAM_TIMEOUT,
+        Outcome.UPSTREAM_ERROR,
+        Outcome.UPSTREAM_BROKEN_STREAM,
+    }
+)
+_RETRYABLE_STATUSES = frozenset({429, 500, 502, 503, 504})
+# Outcomes of an attempt that never reached an upstream (a retry found nowhere else to go).
+_ADMISSION_OUTCOMES = frozenset(
+    {
+        Outcome.NO_CAPACITY,
+        Outcome.ADMISSION_UNAVAILABLE,
+        Outcome.QUEUE_FULL,
+        Outcome.QUEUE_TIMEOUT,
+    }
+)
+_PATHS = {
+    "chat": "/v1/chat/completions",
+    "completions": "/v1/completions",
+    "embeddings": "/v1/embeddings",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class RoutedRequest:
+    """What the ingress learned about a request before asking admission."""
+
+    request_id: str
+    feature: Feature
+    parsed: ParsedRequest
+    raw: bytes
+    model: str
+    session: str | None
+    shard: int
+    band: str | None
+    tenant: str | None
+    headers: dict[str, str]  # response headers every answer carries (x-request-id, ...)
+    started: float
+    client_gone: Callable[[], Awaitable[object]] | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Failed:
+    """An attempt that failed before anything reached the client (another endpoint may do)."""
+
+    response: Response
+    outcome: Outcome
+    endpoint: str
+    lease: str | None
+    failed: FailedAttempt
+
+
+class Attempts:
+    def __init__(self, edge: Edge) -> None:
+        self.edge = edge
+
+    async def run(self, routed: RoutedRequest) -> tuple[Response, Outcome | None]:
+        """The client's response and outcome; outcome None: a stream that records its own."""
+        edge = self.edge
+        retries = edge.retries.get(routed.model, 0)
+        excluded: list[str] = []
+        previous: _Failed | None = None
+        for attempt in range(retries + 1):
+            admit = AdmitRequest(
+                id=routed.request_id if attempt == 0 else f"{routed.request_id}-{attempt}",
+                edge=edge.edge_id,
+                model=routed.model,
+                feature=routed.feature.value,
+                shard=routed.shard,
+                stream=routed.parsed.stream,
+                session=routed.session,
+                band=routed.band,
+                tenant=routed.tenant,
+                exclude=tuple(excluded),
+                retry_of=previous.lease if previous is not None else None,
+                failed=previous.failed if previous is not None else None,
+            )
+            asked = time.perf_counter()
+            try:
+                reply, client_left = await edge.admission.admit(admit, routed.client_gone)
+            except AdmissionUnavailable as exc:
+                if previous is not None:
+                    return previous.response, previous.outcome
+                return error_response(
+                    Outcome.ADMISSION_UNAVAILABLE,
+                    f"The gateway cannot admit requests right now: {exc.message}.",
+                    retry_after_s=1,
+                    headers=routed.headers,
+                ), Outcome.ADMISSION_UNAVAILABLE
+            finally:
+                edge.metrics.admission_duration.observe(time.perf_counter() - asked)
+            if reply.status is not ReplyStatus.ADMITTED or reply.target is None:
+                outcome = REFUSAL_OUTCOMES.get(reply.refusal, Outcome.NO_CAPACITY)  # type: ignore[arg-type]
+                if outcome is Outcome.CLIENT_DISCONNECTED:
+                    return Response(status_code=499), outcome
+                if previous is not None and outcome in _ADMISSION_OUTCOMES:
+                    return previous.response, previous.outcome
+                return error_response(
+                    outcome,
+                    reply.message or "The request was not admitted.",
+                    param="model" if outcome is Outcome.MODEL_NOT_FOUND else None,
+                    retry_after_s=reply.retry_after,
+                    headers=routed.headers,
+                ), outcome
+            ending = _AttemptEnd(edge, routed, admit, reply)
+            if client_left:  # a grant that crossed the cancel: give it back now
+                ending.finish(Outcome.CLIENT_DISCONNECTED, sent=False)
+                return Response(status_code=499), Outcome.CLIENT_DISCONNECTED
+            result = await self._attempt(routed, reply, ending)
+            if not isinstance(result, _Failed):
+                return result
+            previous = result
+            excluded.append(result.endpoint)
+            edge.metrics.retries.labels(result.outcome.value).inc()
+        assert previous is not None
+        return previous.response, previous.outcome
+
+    async def _attempt(
+        self, routed: RoutedRequest, reply: AdmitReply, ending: _AttemptEnd
+    ) -> tuple[Response, Outcome | None] | _Failed:
+        edge = self.edge
+        target = reply.target
+        assert target is not None
+        headers = dict(routed.headers)
+        if reply.route is not None:
+            headers["x-llmgw-route"] = reply.route
+        if reply.served_model is not None and reply.served_model != routed.model:
+            headers["x-llmgw-fallback-from"] = routed.model
+        headers["x-llmgw-provider"] = target.provider
+        headers["x-llmgw-endpoint"] = target.endpoint
+        parsed = routed.parsed
+        inject_usage = edge.inject_usage and parsed.stream and not parsed.include_usage
+        body, raw = parsed.body, routed.raw
+        rewrite = (
+            inject_usage or parsed.model != target.upstream_model or target.priority is not None
+        )
+        if rewrite:
+            body = dict(body)
+            if inject_usage:  # ask for usage anyway; the usage event is removed on the way back
+                body["stream_options"] = {
+                    **(body.get("stream_options") or {}),
+                    "include_usage": True,
+                }
+            body["model"] = target.upstream_model
+            if target.priority is not None:
+                body["priority"] = target.priority
+            raw = json.dumps(body).encode()
+        url = target.url.rstrip("/") + _PATHS[routed.feature.value]
+        timeouts = edge.timeouts_for(routed.model)
+        deadline = loop_deadline(timeouts.total)
+        ending.upstream_started = time.perf_counter()
+        try:
+            upstream = await open_upstream(
+                edge.deps.session, url, raw, edge.upstream_headers[target.provider], timeouts
+            )
+        except UpstreamFailure as failure:
+            return self._failure(ending, failure.outcome, failure.message, headers)
+        if ending.hold is not None:
+            ending.hold.on_lost = upstream.close  # a lost lease cancels the upstream request
+        upstream_headers = {**passthrough_headers(upstream), **headers}
+        if upstream.status != 200:
+            ending.status = upstream.status
+            ending.retry_after = _retry_after(upstream.headers.get("retry-after"))
+            try:
+                payload = await read_body(upstream, deadline)
+            except UpstreamFailure as failure:
+                return self._failure(ending, failure.outcome, failure.message, headers)
+            if upstream.status < 500 and upstream.status != 429:
+                # The engine judged the request itself (e.g. prompt too long): its answer is the
+                # client's answer.
+                ending.finish(Outcome.BAD_REQUEST)
+                return Response(
+                    payload, status_code=upstream.status, headers=upstream_headers
+                ), Outcome.BAD_REQUEST
+            response = Response(
+                error_body(
+                    error_message_from_upstream(payload, upstream.status),
+                    "upstream_error",
+                    "upstream_error",
+                ),
+                status_code=upstream.status if upstream.status in (429, 503) else 502,
+                headers=upstream_headers,
+                media_type="application/json",
+            )
+            return self._failure(ending, Outcome.UPSTREAM_ERROR, "", headers, response)
+        if not parsed.stream:
+            try:
+                payload = await read_body(upstream, deadline)
+            except UpstreamFailure as failure:
+                return self._failure(ending, failure.outcome, failure.message, headers)
+            ending.usage = usage_in(payload)
+            ending.finish(Outcome.SUCCESS)
+            return Response(payload, status_code=200, headers=upstream_headers), Outcome.SUCCESS
+        try:
+            first = await first_chunk(upstream, timeouts, deadline)
+        except UpstreamFailure as failure:
+            return self._failure(ending, failure.outcome, failure.message, headers)
+        usage = StreamUsage(remove=inject_usage)
+        hold = ending.hold
+        relay = StreamRelay(
+            upstream,
+            first,
+            timeouts,
+            deadline,
+            lease_lost=lambda: hold is not None and edge.leases.expired(hold),
+            usage=usage,
+        )
+        metrics = edge.metrics
+        feature = routed.feature
+
+        def end_once() -> None:
+            if ending.ended:
+                return
+            ending.usage = usage.usage
+            ending.finish(relay.outcome)
+            metrics.observe(feature, relay.outcome, time.perf_counter() - routed.started)
+
+        async def body_then_finish() -> Any:
+            try:
+                async for chunk in relay:
+                    yield chunk
+            finally:
+                end_once()
+
+        upstream_headers.setdefault("content-type", "text/event-stream")
+        upstream_headers["cache-control"] = "no-cache"
+        return _EndingStream(body_then_finish(), end_once, upstream, headers=upstream_headers), None
+
+    def _failure(
+        self,
+        ending: _AttemptEnd,
+        outcome: Outcome,
+        message: str,
+        headers: dict[str, str],
+        response: Response | None = None,
+    ) -> tuple[Response, Outcome] | _Failed:
+        """An attempt that failed before the client got anything: lease_lost if the lease is
+        gone (first: nothing else counts then), a retry if the failure is the endpoint's."""
+        if ending.hold is not None and self.edge.leases.expired(ending.hold):
+            ending.finish(Outcome.LEASE_LOST)
+            return error_response(
+                Outcome.LEASE_LOST, LEASE_LOST_MESSAGE, headers=headers
+            ), Outcome.LEASE_LOST
+        ending.finish(outcome)
+        if response is None:
+            response = error_response(outcome, message, headers=headers)
+        retryable = outcome in _RETRYABLE and (
+            outcome is not Outcome.UPSTREAM_ERROR or ending.status in _RETRYABLE_STATUSES
+        )
+        if not retryable:
+            return response, outcome
+        assert ending.reply.target is not None
+        return _Failed(
+            response,
+            outcome,
+            ending.reply.target.endpoint,
+            ending.reply.lease.lease_id if ending.reply.lease is not None else None,
+            FailedAttempt(
+                attempt=ending.admit.id,
+                endpoint=ending.reply.target.endpoint,
+                outcome=outcome.value,
+                status=ending.status,
+                retry_after=ending.retry_after,
+            ),
+        )
+
+
+class _EndingStream(StreamingResponse):
+    """A streamed response that ends its attempt even if its body never starts.
+
+    When the client is gone before the first byte, Starlette fails on sending the headers and
+    never starts the body generator, whose `finally` would end it; this runs the same ending
+    (and closes the upstream) regardless.
+    """
+
+    def __init__(
+        self, body: Any, on_end: Callable[[], None], upstream: Any, *, headers: dict[str, str]
+    ) -> None:
+        super().__init__(body, status_code=200, headers=headers)
+        self._on_end = on_end
+        self._upstream = upstream
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_end()
+            self._upstream.close()
+
+
+class _AttemptEnd:
+    """What happens once when an admitted attempt ends, however it ends: its lease leaves the
+    edge's table (released by the owner on the RequestEnded, unless lost) and one RequestEnded
+    is reported (release, sample, usage, breaker evidence)."""
+
+    __slots__ = (
+        "admit",
+        "edge",
+        "ended",
+        "hold",
+        "reply",
+        "retry_after",
+        "routed",
+        "status",
+        "upstream_started",
+        "usage",
+    )
+
+    def __init__(
+        self, edge: Edge, routed: RoutedRequest, admit: AdmitRequest, reply: AdmitReply
+    ) -> None:
+        self.edge = edge
+        self.routed = routed
+        self.admit = admit
+        self.reply = reply
+        self.hold: HeldLease | None = (
+            edge.leases.hold(reply.lease) if reply.lease is not None else None
+        )
+        self.ended = False
+        self.upstream_started: float | None = None
+        self.status: int | None = None
+        self.retry_after: float | None = None
+        self.usage: Usage | None = None
+
+    def finish(self, outcome: Outcome, *, sent: bool | None = None) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        edge = self.edge
+        lease_id: str | None = None
+        if self.hold is not None:
+            lost = self.hold.lost
+            edge.leases.end(self.hold)
+            if not lost:
+                lease_id = self.hold.record.lease_id
+        target: Target | None = self.reply.target
+        assert target is not None
+        ok = outcome is Outcome.SUCCESS
+        usage = self.usage if ok else None
+        reached = self.upstream_started is not None if sent is None else sent
+        edge.reporter.report(
+            RequestEnded(
+                id=self.admit.id,
+                edge=edge.edge_id,
+                lease=lease_id,
+                shard=self.reply.lease.shard if self.reply.lease is not None else None,
+                refresh=self.reply.refresh and ok,
+                ok=ok,
+                outcome=outcome.value,
+                model=self.routed.model,
+                served_model=self.reply.served_model,
+                provider=target.provider,
+                endpoint=target.endpoint,
+                route=self.reply.route,
+                tenant=self.routed.tenant,
+                ended_at=time.time(),
+                latency=time.perf_counter() - self.upstream_started
+                if self.upstream_started is not None
+                else 0.0,
+                sent=reached and outcome is not Outcome.LEASE_LOST,
+                input_tokens=usage.input_tokens if usage else 0,
+                output_tokens=usage.output_tokens if usage else 0,
+                status=self.status,
+                retry_after=self.retry_after,
+            )
+        )
+        if usage is not None:
+            edge.metrics.tokens.labels("input").inc(usage.input_tokens)
+            edge.metrics.tokens.labels("output").inc(usage.output_tokens)
+
+
+def _retry_after(value: str | None) -> float | None:
+    """Retry-After in seconds (the delta-seconds form; an HTTP date is ignored)."""
+    try:
+        seconds = float(value) if value is not None else None
+    except ValueError:
+        return None
+    return seconds if seconds is not None and 0 <= seconds <= 3600 else None

@@ -1,0 +1,563 @@
+"""What one admission instance owns, in memory: its shards' pins and leases, and its quotas.
+
+The ledger is the state machine behind memory-speed admission (docs/adr/0002-admission-at-
+memory-speed.md). Every method is synchronous and does no I/O, so on one event loop each one is
+atomic: a decision read from the ledger and applied to it cannot interleave with another.
+
+Ownership, at each step of a lease's life:
+
+- `grant` creates a lease; from the reply on, the *edge* runs the request and renews the lease
+  (`renew`), and the ledger *accounts* it against this instance's quota of the pair;
+- it ends exactly once: `release` (the edge's end-of-request message), `renew` finding it
+  missing from the edge's complete list, `expire` (not renewed within ``lease_timeout``: its
+  edge died or was cut off), or `take_shard` (the shard moved to another instance with it);
+- a lease always belongs to the shard its request was decided in, and a shard's leases live in
+  exactly one ledger, the shard owner's.
+
+Invariants (checked after every operation by the property tests, and across instances by
+`llmgw.state.checker` over the observer's audit trail):
+
+- per pair with limits: live leases <= g, live unreserved leases <= u, pins <= p of this
+  instance's quota (`Quota`); ``u`` bounds new-pin and temporary leases and pinned leases that
+  did not fit the reserve (g - u), so across instances the reserve R holds;
+- per pin of a pair with limits: its listed leases <= S (max_per_session_in_flight_request_slots);
+- one pin per (model, session); a pin listing a lease never expires or is evicted;
+- every lease and pin is indexed under exactly one shard.
+
+Quotas are never lowered below use (the quota keeper's rule); `add_shard` takes in only what
+the quota covers and returns the rest.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
+
+from llmgw.core.quota import PairLimits, Quota
+
+__all__ = [
+    "CapacityError",
+    "EndReason",
+    "LeaseKind",
+    "LeaseRecord",
+    "Ledger",
+    "LedgerObserver",
+    "PairUse",
+    "PinRecord",
+    "Room",
+    "ShardState",
+]
+
+Pair = tuple[str, str]  # (provider, model)
+SessionKey = tuple[str, str]  # (model, session)
+
+
+class LeaseKind(enum.StrEnum):
+    """Why a lease exists (seed 000); also decides which quota it may use."""
+
+    PINNED = "pinned"  # a request of a pinned session on its pin's provider (may use the reserve)
+    NEW_PIN = "new_pin"  # the request that created (or moved) its session's pin
+    TEMPORARY = "temporary"  # runs elsewhere this once (capacity spike, no session, overflow)
+
+
+class EndReason(enum.StrEnum):
+    """How a lease ended (the audit trail and the `lease.ended` metrics label)."""
+
+    RELEASED = "released"  # the edge said the request ended
+    UNLISTED = "unlisted"  # the edge's complete lease list no longer named it
+    EXPIRED = "expired"  # not renewed within lease_timeout (its edge died or was cut off)
+    MOVED = "moved"  # handed over with its shard to another instance
+    DROPPED = "dropped"  # this instance gave up the shard without handing it over (fenced)
+
+
+class CapacityError(RuntimeError):
+    """A grant or pin creation without room: the caller decided on a stale view (a bug)."""
+
+
+@dataclass(slots=True)
+class PinRecord:
+    """A session's pin as its owner holds it. ``revision`` 0: its write is not acknowledged yet."""
+
+    key: str
+    pin_id: str
+    provider: str
+    model: str
+    session: str
+    shard: int
+    created_at: float
+    since: float  # when it was created or last moved: return-home hysteresis counts from here
+    last_used: float  # last successful release of one of its leases (the inactivity countdown)
+    stored_refreshed_at: float  # the refreshed_at its stored value carries
+    revision: int = 0
+    leases: set[str] = field(default_factory=set)
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseRecord:
+    """One granted request lease. ``unreserved``: it counts against the quota's ``u``."""
+
+    lease_id: str
+    provider: str
+    model: str
+    kind: LeaseKind
+    unreserved: bool
+    shard: int
+    edge: str
+    granted_at: float
+    renewed_at: float
+    session: str | None = None
+    pin_id: str | None = None
+    endpoint: str | None = None
+
+    @property
+    def pair(self) -> Pair:
+        return (self.provider, self.model)
+
+
+@dataclass(slots=True)
+class PairUse:
+    """What an instance uses of a pair: live leases, of which unreserved, and pins."""
+
+    leases: int = 0
+    unreserved: int = 0
+    pins: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Room:
+    """What a pair can take at this instance right now."""
+
+    pinned: bool  # a lease for a pinned session (reserve first, then unreserved quota)
+    unreserved: bool  # a new-pin or temporary lease
+    pin: bool  # one more pin
+
+
+@dataclass(frozen=True, slots=True)
+class ShardState:
+    """Everything of one shard, as it moves between instances (handover) or is dropped."""
+
+    shard: int
+    pins: tuple[PinRecord, ...]
+    leases: tuple[LeaseRecord, ...]
+
+    def counts(self) -> dict[Pair, tuple[int, int, int]]:
+        """(leases, unreserved leases, pins) per pair: the quota the shard needs."""
+        result: dict[Pair, list[int]] = {}
+        for lease in self.leases:
+            c = result.setdefault(lease.pair, [0, 0, 0])
+            c[0] += 1
+            c[1] += lease.unreserved
+        for pin in self.pins:
+            result.setdefault((pin.provider, pin.model), [0, 0, 0])[2] += 1
+        return {pair: (c[0], c[1], c[2]) for pair, c in result.items()}
+
+
+class LedgerObserver:
+    """Hooks for the audit trail (tests' checker) and metrics; every method is a no-op here."""
+
+    def lease_granted(self, lease: LeaseRecord, quota: Quota | None, use: PairUse) -> None: ...
+
+    def lease_adopted(self, lease: LeaseRecord, quota: Quota | None, use: PairUse) -> None:
+        """A lease taken in with its shard (handover or adoption), not a new grant."""
+
+    def lease_ended(self, lease: LeaseRecord, reason: EndReason, at: float) -> None: ...
+
+    def pin_added(self, pin: PinRecord, at: float) -> None: ...
+
+    def pin_removed(self, pin: PinRecord, at: float, reason: str) -> None: ...
+
+
+class Ledger:
+    """The in-memory admission state of one instance (see the module docstring)."""
+
+    def __init__(
+        self,
+        limits: Mapping[Pair, PairLimits | None],
+        *,
+        lease_timeout: float,
+        pin_inactivity_timeout: float,
+        observer: LedgerObserver | None = None,
+    ) -> None:
+        self.limits: dict[Pair, PairLimits | None] = dict(limits)
+        self.lease_timeout = lease_timeout
+        self.pin_inactivity_timeout = pin_inactivity_timeout
+        self.observer = observer or LedgerObserver()
+        self.pins: dict[SessionKey, PinRecord] = {}
+        self.leases: dict[str, LeaseRecord] = {}
+        self.quota: dict[Pair, Quota] = {}
+        self.use: dict[Pair, PairUse] = {}
+        self._shard_pins: dict[int, set[SessionKey]] = {}
+        self._shard_leases: dict[int, set[str]] = {}
+        self._edge_leases: dict[tuple[str, int], set[str]] = {}
+        # Pins without live leases, per pair, least recently used first: eviction candidates.
+        self._idle: dict[Pair, OrderedDict[SessionKey, None]] = {}
+        self._endpoint_leases: dict[str, int] = {}
+        self.on_endpoint_change: Callable[[str, int], None] | None = None
+
+    # ---- reading ----------------------------------------------------------------------------
+
+    def limits_of(self, provider: str, model: str) -> PairLimits | None:
+        return self.limits.get((provider, model))
+
+    def pair_use(self, pair: Pair) -> PairUse:
+        return self.use.setdefault(pair, PairUse())
+
+    def pair_quota(self, pair: Pair) -> Quota | None:
+        """This instance's quota of a pair with limits (zero until granted); None: no limits."""
+        if self.limits.get(pair) is None:
+            return None
+        return self.quota.get(pair, Quota())
+
+    def room(self, provider: str, model: str) -> Room:
+        pair = (provider, model)
+        quota = self.pair_quota(pair)
+        if quota is None:
+            return Room(True, True, True)
+        use = self.pair_use(pair)
+        leases_left = use.leases < quota.g
+        reserve_left = (use.leases - use.unreserved) < (quota.g - quota.u)
+        unreserved_left = use.unreserved < quota.u
+        return Room(
+            pinned=leases_left and (reserve_left or unreserved_left),
+            unreserved=leases_left and unreserved_left,
+            pin=use.pins < quota.p,
+        )
+
+    def pin(self, model: str, session: str) -> PinRecord | None:
+        return self.pins.get((model, session))
+
+    def session_limit(self, provider: str, model: str) -> int | None:
+        limits = self.limits.get((provider, model))
+        return None if limits is None else limits.max_per_session_in_flight_request_slots
+
+    def session_full(self, pin: PinRecord) -> bool:
+        limit = self.session_limit(pin.provider, pin.model)
+        return limit is not None and len(pin.leases) >= limit
+
+    def evictable(self, provider: str, model: str, now: float, min_idle: float) -> PinRecord | None:
+        """The least recently used pin of the pair without leases, idle >= `min_idle`."""
+        idle = self._idle.get((provider, model))
+        if not idle:
+            return None
+        key = next(iter(idle))
+        pin = self.pins[key]
+        return pin if now - pin.last_used >= min_idle else None
+
+    def endpoint_leases(self, endpoint: str) -> int:
+        """Live leases of this instance's requests on `endpoint` (its own exact inflight)."""
+        return self._endpoint_leases.get(endpoint, 0)
+
+    def shard_of_lease(self, lease_id: str) -> int | None:
+        lease = self.leases.get(lease_id)
+        return None if lease is None else lease.shard
+
+    def shards(self) -> set[int]:
+        return set(self._shard_pins) | set(self._shard_leases)
+
+    def edges(self) -> set[str]:
+        return {edge for edge, _ in self._edge_leases}
+
+    # ---- quotas -----------------------------------------------------------------------------
+
+    def set_quota(self, pair: Pair, quota: Quota) -> None:
+        self.quota[pair] = quota
+
+    # ---- pins -------------------------------------------------------------------------------
+
+    def create_pin(
+        self, key: str, pin_id: str, provider: str, model: str, session: str, shard: int, now: float
+    ) -> PinRecord:
+        """A new pin for a session that has none; CapacityError without pin room."""
+        skey = (model, session)
+        if skey in self.pins:
+            raise CapacityError(f"session {session} already has a pin")
+        if not self.room(provider, model).pin:
+            raise CapacityError(f"no pin room on {provider}/{model}")
+        pin = PinRecord(key, pin_id, provider, model, session, shard, now, now, now, now)
+        self._add_pin(pin, now)
+        return pin
+
+    def move_pin(self, pin: PinRecord, new_pin_id: str, provider: str, now: float) -> PinRecord:
+        """Move `pin` to `provider` (a new pin id; its running leases stay where they run and no
+        longer count for the moved pin). CapacityError without pin room on the target."""
+        if self.pins.get((pin.model, pin.session)) is not pin:
+            raise CapacityError("moving a pin that is not the session's current pin")
+        if not self.room(provider, pin.model).pin:
+            raise CapacityError(f"no pin room on {provider}/{pin.model}")
+        self._remove_pin(pin, now, "moved")
+        moved = PinRecord(
+            pin.key,
+            new_pin_id,
+            provider,
+            pin.model,
+            pin.session,
+            pin.shard,
+            pin.created_at,
+            now,
+            now,
+            pin.stored_refreshed_at,
+            revision=pin.revision,
+        )
+        self._add_pin(moved, now)
+        return moved
+
+    def remove_pin(self, pin: PinRecord, now: float, reason: str) -> None:
+        """Evict or expire a pin; it must list no live lease."""
+        if pin.leases:
+            raise CapacityError(f"pin {pin.pin_id} still lists leases {sorted(pin.leases)}")
+        if self.pins.get((pin.model, pin.session)) is pin:
+            self._remove_pin(pin, now, reason)
+
+    def touch_pin(self, pin: PinRecord, now: float) -> None:
+        pin.last_used = max(pin.last_used, now)
+        idle = self._idle.get((pin.provider, pin.model))
+        if idle is not None and (pin.model, pin.session) in idle:
+            idle.move_to_end((pin.model, pin.session))
+
+    def _add_pin(self, pin: PinRecord, now: float) -> None:
+        skey = (pin.model, pin.session)
+        self.pins[skey] = pin
+        self._shard_pins.setdefault(pin.shard, set()).add(skey)
+        self.pair_use((pin.provider, pin.model)).pins += 1
+        if not pin.leases:
+            self._idle.setdefault((pin.provider, pin.model), OrderedDict())[skey] = None
+        self.observer.pin_added(pin, now)
+
+    def _remove_pin(self, pin: PinRecord, now: float, reason: str) -> None:
+        skey = (pin.model, pin.session)
+        del self.pins[skey]
+        members = self._shard_pins.get(pin.shard)
+        if members is not None:
+            members.discard(skey)
+            if not members:
+                del self._shard_pins[pin.shard]
+        self.pair_use((pin.provider, pin.model)).pins -= 1
+        idle = self._idle.get((pin.provider, pin.model))
+        if idle is not None:
+            idle.pop(skey, None)
+        self.observer.pin_removed(pin, now, reason)
+
+    # ---- leases -----------------------------------------------------------------------------
+
+    def grant(
+        self,
+        lease_id: str,
+        provider: str,
+        model: str,
+        kind: LeaseKind,
+        *,
+        shard: int,
+        edge: str,
+        now: float,
+        session: str | None = None,
+        pin: PinRecord | None = None,
+        endpoint: str | None = None,
+    ) -> LeaseRecord:
+        """A new lease of `kind` on (provider, model), listed in `pin` if given (a pinned or
+        new-pin lease of that pin's pair). CapacityError without room or past the session limit.
+        """
+        pair = (provider, model)
+        if lease_id in self.leases:
+            raise CapacityError(f"lease id {lease_id} is taken")
+        room = self.room(provider, model)
+        quota = self.pair_quota(pair)
+        use = self.pair_use(pair)
+        if kind is LeaseKind.PINNED:
+            if not room.pinned:
+                raise CapacityError(f"no room for a pinned lease on {provider}/{model}")
+            unreserved = quota is not None and (use.leases - use.unreserved) >= (quota.g - quota.u)
+        else:
+            if not room.unreserved:
+                raise CapacityError(f"no unreserved room on {provider}/{model}")
+            unreserved = quota is not None
+        if pin is not None:
+            if (pin.provider, pin.model) != pair:
+                raise CapacityError("a lease listed in a pin must be on the pin's pair")
+            if self.session_full(pin):
+                raise CapacityError(f"session {pin.session} is at its in-flight limit")
+        lease = LeaseRecord(
+            lease_id,
+            provider,
+            model,
+            kind,
+            unreserved,
+            shard,
+            edge,
+            now,
+            now,
+            session,
+            pin.pin_id if pin is not None else None,
+            endpoint,
+        )
+        self._add_lease(lease)
+        if pin is not None:
+            self._list(pin, lease_id)
+        self.observer.lease_granted(lease, quota, use)
+        return lease
+
+    def _list(self, pin: PinRecord, lease_id: str) -> None:
+        if not pin.leases:
+            idle = self._idle.get((pin.provider, pin.model))
+            if idle is not None:
+                idle.pop((pin.model, pin.session), None)
+        pin.leases.add(lease_id)
+
+    def _unlist(self, pin: PinRecord, lease_id: str) -> None:
+        pin.leases.discard(lease_id)
+        if not pin.leases:
+            self._idle.setdefault((pin.provider, pin.model), OrderedDict())[
+                (pin.model, pin.session)
+            ] = None
+            self._idle[(pin.provider, pin.model)].move_to_end((pin.model, pin.session))
+
+    def _add_lease(self, lease: LeaseRecord) -> None:
+        self.leases[lease.lease_id] = lease
+        use = self.pair_use(lease.pair)
+        use.leases += 1
+        use.unreserved += lease.unreserved
+        self._shard_leases.setdefault(lease.shard, set()).add(lease.lease_id)
+        self._edge_leases.setdefault((lease.edge, lease.shard), set()).add(lease.lease_id)
+        if lease.endpoint is not None:
+            self._count_endpoint(lease.endpoint, +1)
+
+    def _end(self, lease: LeaseRecord, reason: EndReason, at: float, refresh: bool) -> None:
+        del self.leases[lease.lease_id]
+        use = self.pair_use(lease.pair)
+        use.leases -= 1
+        use.unreserved -= lease.unreserved
+        for index, key in (
+            (self._shard_leases, lease.shard),
+            (self._edge_leases, (lease.edge, lease.shard)),
+        ):
+            members = index.get(key)  # type: ignore[call-overload]
+            if members is not None:
+                members.discard(lease.lease_id)
+                if not members:
+                    del index[key]  # type: ignore[arg-type]
+        if lease.endpoint is not None:
+            self._count_endpoint(lease.endpoint, -1)
+        if lease.session is not None:
+            pin = self.pins.get((lease.model, lease.session))
+            if pin is not None and pin.pin_id == lease.pin_id:
+                self._unlist(pin, lease.lease_id)
+                if refresh:
+                    self.touch_pin(pin, at)
+        self.observer.lease_ended(lease, reason, at)
+
+    def _count_endpoint(self, endpoint: str, delta: int) -> None:
+        count = self._endpoint_leases.get(endpoint, 0) + delta
+        if count:
+            self._endpoint_leases[endpoint] = count
+        else:
+            self._endpoint_leases.pop(endpoint, None)
+        if self.on_endpoint_change is not None:
+            self.on_endpoint_change(endpoint, count)
+
+    def release(self, lease_id: str, now: float, *, refresh: bool) -> LeaseRecord | None:
+        """End a lease its edge reported ended; with `refresh`, restart its pin's countdown.
+        None when it is not here (already ended, or never was)."""
+        lease = self.leases.get(lease_id)
+        if lease is None:
+            return None
+        self._end(lease, EndReason.RELEASED, now, refresh)
+        return lease
+
+    def renew(
+        self, edge: str, shard: int, listed: Iterable[str], now: float, *, settle: float
+    ) -> list[str]:
+        """An edge's complete list of its live leases in `shard`: renews each, returns the ones
+        not held here (lost: the edge must end those requests), and ends the edge's leases in
+        the shard that the list leaves out and that are older than `settle` seconds (their end
+        message was lost; younger ones may still be on their way to the edge)."""
+        listed = set(listed)
+        lost = []
+        for lease_id in listed:
+            lease = self.leases.get(lease_id)
+            if lease is None or lease.edge != edge or lease.shard != shard:
+                lost.append(lease_id)
+                continue
+            self.leases[lease_id] = replace(lease, renewed_at=now)
+        for lease_id in list(self._edge_leases.get((edge, shard), ())):
+            lease = self.leases[lease_id]
+            if lease_id not in listed and now - lease.granted_at >= settle:
+                self._end(lease, EndReason.UNLISTED, now, refresh=False)
+        return sorted(lost)
+
+    def expired_leases(self, now: float) -> list[LeaseRecord]:
+        """End and return every lease not renewed within lease_timeout of `now`."""
+        expired = [x for x in self.leases.values() if now >= x.renewed_at + self.lease_timeout]
+        for lease in expired:
+            self._end(lease, EndReason.EXPIRED, now, refresh=False)
+        return expired
+
+    def idle_pins(self, now: float) -> list[PinRecord]:
+        """Pins without leases whose inactivity countdown has run out (not removed here: the
+        caller deletes their stored value, then `remove_pin`)."""
+        due = []
+        for idle in self._idle.values():
+            for skey in idle:
+                pin = self.pins[skey]
+                if now >= pin.last_used + self.pin_inactivity_timeout:
+                    due.append(pin)
+        return due
+
+    def pins_to_refresh(self, every: float) -> Iterator[PinRecord]:
+        """Stored pins whose stored refreshed_at lags their last use by `every` or more."""
+        for pin in self.pins.values():
+            if pin.revision and pin.last_used - pin.stored_refreshed_at >= every:
+                yield pin
+
+    # ---- shards -----------------------------------------------------------------------------
+
+    def shard_state(self, shard: int) -> ShardState:
+        pins = tuple(self.pins[k] for k in sorted(self._shard_pins.get(shard, ())))
+        leases = tuple(self.leases[x] for x in sorted(self._shard_leases.get(shard, ())))
+        return ShardState(shard, pins, leases)
+
+    def take_shard(self, shard: int, now: float, reason: EndReason) -> ShardState:
+        """Remove everything of `shard` from this ledger (it moves away, or is dropped) and
+        return it; the quota it used stays here until the caller gives it up."""
+        state = self.shard_state(shard)
+        for lease in state.leases:
+            self._end(lease, reason, now, refresh=False)
+        for pin in state.pins:
+            if self.pins.get((pin.model, pin.session)) is pin:
+                self._remove_pin(pin, now, reason.value)
+        return state
+
+    def add_shard(
+        self, state: ShardState, now: float
+    ) -> tuple[list[LeaseRecord], list[PinRecord]]:
+        """Take in a shard's pins and leases (handover or adoption); quota must already cover
+        them. Returns what the pair's quota could not cover (refused leases: their requests
+        lose their lease; refused pins: their sessions pin again, a prefix-cache miss), so the
+        quotas hold whatever the transfer achieved."""
+        refused_leases: list[LeaseRecord] = []
+        refused_pins: list[PinRecord] = []
+        for pin in state.pins:
+            if (pin.model, pin.session) in self.pins:
+                continue
+            if not self.room(pin.provider, pin.model).pin:
+                refused_pins.append(pin)
+                continue
+            self._add_pin(replace(pin, leases=set()), now)
+        for lease in state.leases:
+            if lease.lease_id in self.leases:
+                continue
+            pair = lease.pair
+            quota = self.pair_quota(pair)
+            use = self.pair_use(pair)
+            if quota is not None and (
+                use.leases >= quota.g or (lease.unreserved and use.unreserved >= quota.u)
+            ):
+                refused_leases.append(lease)
+                continue
+            self._add_lease(lease)
+            if lease.session is not None:
+                pin = self.pins.get((lease.model, lease.session))
+                if pin is not None and pin.pin_id == lease.pin_id:
+                    self._list(pin, lease.lease_id)
+            self.observer.lease_adopted(lease, quota, use)
+        return refused_leases, refused_pins

@@ -1,0 +1,426 @@
+"""One placement decision: which provider and which endpoint a request runs on, and what it does
+to its session's pin. Seed 000's algorithm, decided in memory over one snapshot.
+
+Pure: `place` takes a `Snapshot` (providers in priority order with their endpoints' load, health
+and breakers, the pair room this admission instance has, the session's pin) and a
+`PlacementRequest`, and returns a `Placement` or a `Refusal` (UNSUPPORTED or NO_CAPACITY). No I/O, no clock (``now`` is in the
+snapshot), no randomness (a uniform ``draw`` is in the request). The admission service applies
+the result to its ledger in the same event-loop turn, so decision and transition are atomic.
+
+Seed 000, step for step (the names in brackets are the seed's):
+
+- no session: the first usable provider with room runs it once [execute_request_without_pinning];
+- no pin: the first usable provider with pin and request room gets the session's pin
+  [execute_not_yet_pinned_request]; a full pin table evicts its least recently used idle pin
+  (`ProviderState.evictable`) instead of refusing;
+- a pin on a provider that no longer serves the model, or is degraded: the pin moves to the next
+  usable provider with room [try_repin_to_other_provider_and_retry_execute];
+- a pin whose session or provider is at its in-flight limit: the request runs elsewhere once and
+  the pin stays [execute_pinned_request, execute_temporary_fallback];
+- otherwise the request runs on its pin.
+
+Beyond the seed:
+
+- *return home*: a session pinned to a lower-priority provider (a third party, or a lower
+  managed provider) moves back to a higher-priority managed provider that is usable, has pin
+  and request room, is not busier than ``return_home_saturation``, once the pin has stayed put
+  for ``return_home_after`` seconds (hysteresis: pins do not flap);
+- *failures move across providers*: a retry whose pinned provider has no endpoint left to try
+  (they failed for this request) runs once on the next provider while the pin stays;
+- *flow control's overflow*: the managed pool is above the band's ceiling, so the request runs on
+  the first usable unlimited provider now; no pin is created or moved;
+- *endpoint choice* (managed providers, strategy "score"): a session's request goes to its
+  replica by consistent hashing with bounded loads (llmgw.core.affinity) within the highest
+  priority tier that is not saturated; a request without a session to the lowest score
+  max(saturation, inflight / capacity). An *interactive* request (its band's flag) never goes to
+  an endpoint without a free batch slot while another usable endpoint of the provider has one:
+  queueing behind a full batch costs more than a prefix-cache miss. Strategy "rate" (unlimited
+  providers): a weighted draw by the rate balancer's weights (computed by the caller, which also
+  caps exploration).
+
+Properties (tests/core/test_placement.py, hypothesis):
+
+- a session's home replica is kept whenever it is usable and has room under the load bound,
+  unless the request is interactive, the home has no free batch slot and another usable
+  endpoint of the provider has one;
+- no interactive request is placed on an endpoint without a free batch slot while another usable
+  endpoint of the same provider has one;
+- an unlimited provider is chosen only when no managed provider can take the request now (usable,
+  with room for the lease it needs, with a usable endpoint), or flow control said overflow, or
+  the session is pinned there (and cannot return home).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from llmgw.core.affinity import HashRing, bounded_load_choice
+from llmgw.core.ledger import LeaseKind, Room
+from llmgw.core.outcomes import Refusal
+
+__all__ = [
+    "AffinityBreak",
+    "EndpointState",
+    "PinAction",
+    "PinState",
+    "Placement",
+    "PlacementRequest",
+    "PlacementSettings",
+    "ProviderState",
+    "Refusal",
+    "Route",
+    "Snapshot",
+    "place",
+]
+
+
+class Route(enum.StrEnum):
+    """How a placed request relates to its session's pin (a metrics label, `x-llmgw-route`)."""
+
+    PINNED = "pinned"  # on the session's pin
+    NEW_PIN = "new_pin"  # created the session's pin
+    REPINNED = "repinned"  # moved the pin off a provider that is degraded or no longer serves it
+    RETURNED_HOME = "returned_home"  # moved the pin back to a higher-priority managed provider
+    TEMPORARY = "temporary"  # ran elsewhere this once (limit or failure); the pin stays
+    UNPINNED = "unpinned"  # no session (e.g. embeddings)
+    OVERFLOW = "overflow"  # flow control: the managed pool was saturated; ran on a third party
+
+
+class PinAction(enum.StrEnum):
+    NONE = "none"
+    CREATE = "create"
+    MOVE = "move"
+
+
+class AffinityBreak(enum.StrEnum):
+    """Why a session's request did not go to its home replica (a metrics label)."""
+
+    HOME_UNUSABLE = "home_unusable"  # unhealthy, breaker open, or failed for this request
+    HOME_OVER_BOUND = "home_over_bound"  # over the bounded-load cap
+    HOME_BUSY = "home_busy"  # interactive: no free batch slot there, one elsewhere
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointState:
+    """One endpoint of a provider as placement sees it.
+
+    ``usable``: healthy, its breaker lets a request through, and not already tried by this
+    request. ``inflight``: requests on it now by the gateway's own accounting plus the engine's
+    foreign load. ``capacity``: its batch slots (> 0). ``rate_weight``: the rate balancer's
+    weight (strategy "rate"), None where not computed.
+    """
+
+    id: str
+    priority: int = 100
+    usable: bool = True
+    inflight: int = 0
+    capacity: int = 1
+    saturation: float = 0.0
+    rate_weight: float | None = None
+
+    @property
+    def free_slot(self) -> bool:
+        return self.inflight < self.capacity
+
+    @property
+    def score(self) -> float:
+        return max(self.saturation, self.inflight / self.capacity if self.capacity else 0.0)
+
+
+@dataclass(frozen=True, slots=True)
+class ProviderState:
+    """A provider for the request's model. ``degraded``: a managed provider none of whose
+    endpoints is healthy with a closed (or probing) breaker. ``room``: what this admission
+    instance can grant on the pair now. ``evictable``: a new pin may evict an idle pin instead
+    of needing pin room. ``saturation``: the mean saturation of its endpoints for the model."""
+
+    id: str
+    managed: bool
+    supports: bool
+    degraded: bool
+    endpoints: tuple[EndpointState, ...]
+    room: Room
+    strategy: str = "score"
+    evictable: bool = False
+    saturation: float = 0.0
+    ring: HashRing | None = None
+
+    @property
+    def usable(self) -> bool:
+        return self.supports and not self.degraded
+
+
+@dataclass(frozen=True, slots=True)
+class PinState:
+    """The session's pin: where, whether its session is at its in-flight limit, since when it is
+    where it is."""
+
+    provider: str
+    full: bool
+    since: float
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementSettings:
+    session_load_factor: float = 1.25
+    return_home: bool = True
+    return_home_after: float = 30.0
+    return_home_saturation: float = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    providers: tuple[ProviderState, ...]  # managed first (by priority), then unlimited
+    pin: PinState | None
+    now: float
+    settings: PlacementSettings = PlacementSettings()
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementRequest:
+    session: str | None = None
+    interactive: bool = True
+    overflow: bool = False  # flow control decided: run on an unlimited provider now
+    draw: float = 0.0  # uniform in [0, 1): the randomness of weighted draws
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Run on `provider`/`endpoint` under a lease of `lease_kind`; `pin_action` says what
+    happens to the session's pin (`evict`: make room by evicting an idle pin of the provider).
+    `reason` says why a request left its pin (temporary, repinned, returned home)."""
+
+    provider: str
+    endpoint: str
+    route: Route
+    lease_kind: LeaseKind
+    pin_action: PinAction = PinAction.NONE
+    evict: bool = False
+    reason: str | None = None
+    affinity_break: AffinityBreak | None = None
+
+    @property
+    def refresh_pin_on_success(self) -> bool:
+        return self.route in (Route.PINNED, Route.NEW_PIN, Route.REPINNED, Route.RETURNED_HOME)
+
+
+Outcome = Placement | Refusal
+
+
+def place(snapshot: Snapshot, request: PlacementRequest) -> Outcome:
+    """The placement of one request (see the module docstring)."""
+    providers = snapshot.providers
+    if not any(p.supports for p in providers):
+        return Refusal.UNSUPPORTED
+    if request.overflow:
+        for provider in providers:
+            if not provider.managed and provider.usable:
+                chosen = _endpoint(provider, None, request, snapshot.settings)
+                if chosen is not None:
+                    return Placement(
+                        provider.id,
+                        chosen[0],
+                        Route.OVERFLOW,
+                        LeaseKind.TEMPORARY,
+                        reason="overflow",
+                    )
+    if request.session is None:
+        return _temporary(snapshot, request, None, Route.UNPINNED, None)
+    pin = snapshot.pin
+    if pin is None:
+        return _new_pin(snapshot, request, None, Route.NEW_PIN, None)
+    current = next((p for p in providers if p.id == pin.provider), None)
+    if current is None or not current.usable:
+        reason = "unsupported" if current is None or not current.supports else "degraded"
+        return _new_pin(snapshot, request, pin.provider, Route.REPINNED, reason)
+    home = _return_home(snapshot, request, current, pin)
+    if home is not None:
+        return home
+    if pin.full:
+        return _temporary(snapshot, request, current.id, Route.TEMPORARY, "session_limit")
+    if not current.room.pinned:
+        return _temporary(snapshot, request, current.id, Route.TEMPORARY, "global_limit")
+    chosen = _endpoint(current, request.session, request, snapshot.settings)
+    if chosen is None:  # every endpoint failed for this request: elsewhere once
+        return _temporary(snapshot, request, current.id, Route.TEMPORARY, "endpoint_failed")
+    return Placement(
+        current.id, chosen[0], Route.PINNED, LeaseKind.PINNED, affinity_break=chosen[1]
+    )
+
+
+def can_take_now(provider: ProviderState, kind: LeaseKind, *, new_pin: bool) -> bool:
+    """Usable, with room for a lease of `kind` (and a pin, if it needs one), and an endpoint."""
+    if not provider.usable or not any(e.usable for e in provider.endpoints):
+        return False
+    room = provider.room
+    if kind is LeaseKind.PINNED and not room.pinned:
+        return False
+    if kind is not LeaseKind.PINNED and not room.unreserved:
+        return False
+    return not new_pin or room.pin or provider.evictable
+
+
+def _new_pin(
+    snapshot: Snapshot,
+    request: PlacementRequest,
+    excluded: str | None,
+    route: Route,
+    reason: str | None,
+) -> Outcome:
+    """Create (or move, for a REPINNED route) the session's pin on the first provider that
+    can take it."""
+    action = PinAction.CREATE if route is Route.NEW_PIN else PinAction.MOVE
+    for provider in snapshot.providers:
+        if provider.id == excluded or not can_take_now(provider, LeaseKind.NEW_PIN, new_pin=True):
+            continue
+        chosen = _endpoint(provider, request.session, request, snapshot.settings)
+        if chosen is None:
+            continue
+        return Placement(
+            provider.id,
+            chosen[0],
+            route,
+            LeaseKind.NEW_PIN,
+            action,
+            evict=not provider.room.pin,
+            reason=reason,
+            affinity_break=chosen[1],
+        )
+    return Refusal.NO_CAPACITY
+
+
+def _temporary(
+    snapshot: Snapshot,
+    request: PlacementRequest,
+    excluded: str | None,
+    route: Route,
+    reason: str | None,
+) -> Outcome:
+    for provider in snapshot.providers:
+        if provider.id == excluded or not can_take_now(
+            provider, LeaseKind.TEMPORARY, new_pin=False
+        ):
+            continue
+        chosen = _endpoint(provider, request.session, request, snapshot.settings)
+        if chosen is None:
+            continue
+        return Placement(
+            provider.id,
+            chosen[0],
+            route,
+            LeaseKind.TEMPORARY,
+            reason=reason,
+            affinity_break=chosen[1],
+        )
+    return Refusal.NO_CAPACITY
+
+
+def _return_home(
+    snapshot: Snapshot, request: PlacementRequest, current: ProviderState, pin: PinState
+) -> Placement | None:
+    settings = snapshot.settings
+    if not settings.return_home or snapshot.now - pin.since < settings.return_home_after:
+        return None
+    for provider in snapshot.providers:
+        if provider.id == current.id:
+            return None  # only providers ahead of the current one are "home"
+        if not provider.managed or provider.saturation > settings.return_home_saturation:
+            continue
+        if not can_take_now(provider, LeaseKind.NEW_PIN, new_pin=True) or not provider.room.pin:
+            continue
+        chosen = _endpoint(provider, request.session, request, settings)
+        if chosen is None:
+            continue
+        return Placement(
+            provider.id,
+            chosen[0],
+            Route.RETURNED_HOME,
+            LeaseKind.NEW_PIN,
+            PinAction.MOVE,
+            reason="return_home",
+            affinity_break=chosen[1],
+        )
+    return None
+
+
+def _endpoint(
+    provider: ProviderState,
+    session: str | None,
+    request: PlacementRequest,
+    settings: PlacementSettings,
+) -> tuple[str, AffinityBreak | None] | None:
+    candidates = [e for e in provider.endpoints if e.usable]
+    if not candidates:
+        return None
+    if provider.strategy == "rate":
+        return _weighted(candidates, request.draw), None
+    if not provider.managed:
+        return max(candidates, key=lambda e: e.priority).id, None
+    return _managed_endpoint(provider, candidates, session, request.interactive, settings)
+
+
+def _weighted(candidates: Sequence[EndpointState], draw: float) -> str:
+    weights = [max(0.0, e.rate_weight) if e.rate_weight is not None else 1.0 for e in candidates]
+    total = sum(weights)
+    if total <= 0:
+        weights, total = [1.0] * len(candidates), float(len(candidates))
+    threshold = draw * total
+    cumulative = 0.0
+    for endpoint, weight in zip(candidates, weights, strict=True):
+        cumulative += weight
+        if weight > 0 and threshold < cumulative:
+            return endpoint.id
+    return next(e.id for e, w in zip(candidates, weights, strict=True) if w > 0)
+
+
+def _managed_endpoint(
+    provider: ProviderState,
+    candidates: list[EndpointState],
+    session: str | None,
+    interactive: bool,
+    settings: PlacementSettings,
+) -> tuple[str, AffinityBreak | None]:
+    by_id = {e.id: e for e in candidates}
+    tiers = sorted({e.priority for e in candidates}, reverse=True)
+    tier: list[EndpointState] = []
+    for priority in tiers:
+        tier = [e for e in candidates if e.priority == priority and e.saturation < 1.0]
+        if tier:
+            break
+    if not tier:
+        tier = [e for e in candidates if e.priority == tiers[0]]
+    walk: list[str] = []
+    brk: AffinityBreak | None = None
+    if session is not None and provider.ring is not None:
+        walk = provider.ring.walk(session)
+        loads = {e.id: e.inflight for e in tier}
+        chosen_id = bounded_load_choice(
+            provider.ring, session, loads, settings.session_load_factor, [e.id for e in tier]
+        )
+        if chosen_id is None or chosen_id not in by_id:
+            chosen = min(tier, key=lambda e: e.score)
+        else:
+            chosen = by_id[chosen_id]
+        ideal = walk[0] if walk else chosen.id
+        if chosen.id != ideal:
+            brk = (
+                AffinityBreak.HOME_OVER_BOUND
+                if ideal in {e.id for e in tier}
+                else AffinityBreak.HOME_UNUSABLE
+            )
+    else:
+        chosen = min(tier, key=lambda e: e.score)
+    if interactive and not chosen.free_slot:
+        free = [e for e in candidates if e.free_slot]
+        if free:
+            top = max(e.priority for e in free)
+            free = [e for e in free if e.priority == top]
+            if walk:
+                order = {endpoint: index for index, endpoint in enumerate(walk)}
+                chosen = min(free, key=lambda e: order.get(e.id, len(order)))
+                brk = AffinityBreak.HOME_BUSY if chosen.id != walk[0] else brk
+            else:
+                chosen = min(free, key=lambda e: e.score)
+    return chosen.id, brk

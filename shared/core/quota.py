@@ -1,0 +1,273 @@
+"""Capacity quotas: how a provider/model pair's limits are shared by the admission instances.
+
+A pair with limits (seed 000) has G global in-flight request slots, R of them reserved for
+pinned sessions, and P pins at most. Instead of one key per slot written on every request,
+each admission instance holds a *quota* of the pair, and grants request leases and pins from
+it in memory (the shape of YouTube's Doorman capacity leases):
+
+- ``g``: how many leases it may have live at once;
+- ``u`` <= ``g``: how many of those may be unpinned, new-pin or temporary (the rest need a pin:
+  that is how the reserve R holds);
+- ``p``: how many pins it may hold.
+
+All quotas of a pair are one small value in the routing bucket (`QuotaBook`, key
+``quota.<provider>.<mk>``), changed by compare-and-swap only, and a change is valid only if
+afterwards Σg <= G, Σu <= G - R and Σp <= P. An instance grants within its own quota, so across
+all instances at every moment: live leases <= G, unreserved leases <= G - R, pins <= P (I2).
+
+Quotas follow demand: each instance states what it wants (``wg``, ``wu``, ``wp``: what it uses
+plus headroom) and every instance computes the same max-min fair split of each limit from the
+book (`fair_targets`); an instance above its target gives back what it does not use, one below
+takes what is free. An instance only ever lowers its own quota down to what it uses, so a
+quota change never takes capacity away from a granted lease. A dead instance's quota stays in
+the book until the instances that adopted its leases and pins move those counts to themselves
+(`transfer`), and what is left is dropped after a grace period (`drop`).
+
+Pure: values in, values out, no clock or I/O.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+__all__ = [
+    "QUOTA_VERSION",
+    "PairLimits",
+    "Quota",
+    "QuotaBook",
+    "QuotaError",
+    "fair_targets",
+    "headroom",
+    "max_min_share",
+    "reclaimable",
+]
+
+QUOTA_VERSION = 2
+
+
+class PairLimits(Protocol):
+    """Capacity of one provider/model pair (the config's `Limits` satisfies it)."""
+
+    max_pinned_sessions: int
+    max_global_in_flight_request_slots: int
+    global_in_flight_request_slots_reserved_for_pinned_sessions: int
+    max_per_session_in_flight_request_slots: int
+
+
+class QuotaError(ValueError):
+    """A quota book that does not decode, or a change that would break the limits."""
+
+
+@dataclass(frozen=True, slots=True)
+class Quota:
+    """One instance's share of a pair, and what it asks for. All >= 0; ``u`` <= ``g``."""
+
+    g: int = 0
+    u: int = 0
+    p: int = 0
+    wg: int = 0
+    wu: int = 0
+    wp: int = 0
+    at: float = 0.0  # when its holder last wrote it (the holder's clock)
+
+    def __post_init__(self) -> None:
+        for name in ("g", "u", "p", "wg", "wu", "wp"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise QuotaError(f"quota field {name} must be an integer >= 0, got {value!r}")
+        if self.u > self.g:
+            raise QuotaError(f"unreserved quota u={self.u} exceeds the lease quota g={self.g}")
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "g": self.g,
+            "u": self.u,
+            "p": self.p,
+            "wg": self.wg,
+            "wu": self.wu,
+            "wp": self.wp,
+            "at": self.at,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class QuotaBook:
+    """Every instance's quota of one pair. Invariant (checked by `check`): Σg <= G,
+    Σu <= G - R, Σp <= P for the pair's limits."""
+
+    provider: str
+    model: str
+    holders: Mapping[str, Quota] = field(default_factory=dict)
+
+    # ---- reading ----------------------------------------------------------------------------
+
+    def quota(self, instance: str) -> Quota:
+        return self.holders.get(instance, Quota())
+
+    def totals(self) -> tuple[int, int, int]:
+        """(Σg, Σu, Σp)."""
+        holders = self.holders.values()
+        return sum(q.g for q in holders), sum(q.u for q in holders), sum(q.p for q in holders)
+
+    def free(self, limits: PairLimits) -> tuple[int, int, int]:
+        """What nobody holds: (G - Σg, (G - R) - Σu, P - Σp); never negative in a valid book."""
+        g, u, p = self.totals()
+        return (
+            _total(limits) - g,
+            _unreserved(limits) - u,
+            limits.max_pinned_sessions - p,
+        )
+
+    def check(self, limits: PairLimits) -> None:
+        """Raise QuotaError naming the limit a book breaks."""
+        g, u, p = self.totals()
+        if g > _total(limits):
+            raise QuotaError(f"lease quotas Σg={g} exceed G={_total(limits)}")
+        if u > _unreserved(limits):
+            raise QuotaError(f"unreserved quotas Σu={u} exceed G-R={_unreserved(limits)}")
+        if p > limits.max_pinned_sessions:
+            raise QuotaError(f"pin quotas Σp={p} exceed P={limits.max_pinned_sessions}")
+
+    # ---- changing ---------------------------------------------------------------------------
+
+    def with_quota(self, instance: str, quota: Quota) -> QuotaBook:
+        holders = dict(self.holders)
+        holders[instance] = quota
+        return replace(self, holders=holders)
+
+    def drop(self, instance: str) -> QuotaBook:
+        holders = {i: q for i, q in self.holders.items() if i != instance}
+        return replace(self, holders=holders)
+
+    def transfer(self, source: str, target: str, g: int, u: int, p: int, at: float) -> QuotaBook:
+        """Move (g, u, p) of `source`'s quota to `target` (an adopter of its leases and pins).
+
+        Moves at most what `source` holds of each; totals never change, so a valid book stays
+        valid. The source's wants are cleared (it is dead or leaving).
+        """
+        have = self.quota(source)
+        g, p = min(g, have.g), min(p, have.p)
+        # u moves with g as far as needed for the source to keep u <= g, never beyond g.
+        u = min(max(u, have.u - (have.g - g)), have.u, g)
+        left = Quota(have.g - g, have.u - u, have.p - p, 0, 0, 0, have.at)
+        got = self.quota(target)
+        moved = replace(got, g=got.g + g, u=got.u + u, p=got.p + p, at=at)
+        return self.with_quota(source, left).with_quota(target, moved)
+
+    # ---- codec ------------------------------------------------------------------------------
+
+    def to_json(self) -> bytes:
+        body = {
+            "v": QUOTA_VERSION,
+            "provider": self.provider,
+            "model": self.model,
+            "holders": {i: q.as_json() for i, q in sorted(self.holders.items())},
+        }
+        return json.dumps(body, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> QuotaBook:
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise QuotaError(f"quota book is not JSON: {exc}") from None
+        if not isinstance(body, dict) or body.get("v") != QUOTA_VERSION:
+            raise QuotaError(
+                f"quota book of unknown version {body.get('v') if isinstance(body, dict) else body!r}"
+            )
+        holders = body.get("holders")
+        if not isinstance(holders, dict):
+            raise QuotaError("quota book without a holders object")
+        try:
+            decoded = {
+                str(i): Quota(
+                    **{k: q[k] for k in ("g", "u", "p", "wg", "wu", "wp") if k in q},
+                    at=float(q.get("at", 0.0)),
+                )
+                for i, q in holders.items()
+            }
+        except (TypeError, AttributeError) as exc:
+            raise QuotaError(f"quota book holder does not decode: {exc}") from None
+        return cls(str(body.get("provider", "")), str(body.get("model", "")), decoded)
+
+
+def _total(limits: PairLimits) -> int:
+    return limits.max_global_in_flight_request_slots
+
+
+def _unreserved(limits: PairLimits) -> int:
+    reserved = min(
+        limits.global_in_flight_request_slots_reserved_for_pinned_sessions,
+        limits.max_global_in_flight_request_slots,
+    )
+    return limits.max_global_in_flight_request_slots - reserved
+
+
+def max_min_share(capacity: int, wants: Mapping[str, int]) -> dict[str, int]:
+    """Split `capacity` among `wants` by max-min fairness, then share what is left equally.
+
+    Nobody gets more than it wants until everybody has what it wants; what no one wants is
+    split evenly (remainders to the lexicographically first ids), so a lone instance holds the
+    whole limit and never has to ask on the request path. Integers; Σ result == capacity
+    whenever wants is non-empty. Deterministic: every instance computes the same split.
+    """
+    if capacity < 0:
+        raise ValueError(f"capacity must be >= 0, got {capacity}")
+    ids = sorted(wants)
+    if not ids:
+        return {}
+    share = dict.fromkeys(ids, 0)
+    left = capacity
+    pending = [i for i in ids if wants[i] > 0]
+    while left > 0 and pending:
+        level = left // len(pending)
+        if level == 0:  # fewer units than claimants: one each, in id order
+            for i in pending[:left]:
+                share[i] += 1
+            left = 0
+            break
+        for i in pending:
+            give = min(level, wants[i] - share[i])
+            share[i] += give
+            left -= give
+        pending = [i for i in pending if share[i] < wants[i]]
+    if left > 0:  # nobody wants more: the rest is split evenly
+        each, extra = divmod(left, len(ids))
+        for index, i in enumerate(ids):
+            share[i] += each + (1 if index < extra else 0)
+    return share
+
+
+def fair_targets(book: QuotaBook, limits: PairLimits, live: Sequence[str]) -> dict[str, Quota]:
+    """The quota each live instance should hold, from everybody's wants in `book`.
+
+    Targets for g and p are `max_min_share` of G and P over the live instances' wants; u is
+    the max-min share of G - R, capped by the instance's g target. Instances not in `live` get
+    nothing (their quota is adopted or dropped, not rebalanced).
+    """
+    wants_g = {i: book.quota(i).wg for i in live}
+    wants_u = {i: book.quota(i).wu for i in live}
+    wants_p = {i: book.quota(i).wp for i in live}
+    g = max_min_share(_total(limits), wants_g)
+    u = max_min_share(_unreserved(limits), wants_u)
+    p = max_min_share(limits.max_pinned_sessions, wants_p)
+    return {i: Quota(g[i], min(u[i], g[i]), p[i]) for i in live}
+
+
+def headroom(limit: int, members: int) -> int:
+    """Spare quota an instance asks for beyond what it uses: a tenth of its fair share, >= 1."""
+    if limit <= 0:
+        return 0
+    return max(1, math.ceil(limit / max(1, members) / 10))
+
+
+def reclaimable(book: QuotaBook, live: Mapping[str, object], now: float, grace: float) -> list[str]:
+    """Holders of `book` that are not `live` and whose entry is older than `grace`: what they
+    still hold was adopted by now if it ever will be (their leases' edges answered the new
+    owners' roll calls, or lost them), so the reaper may drop it. A live holder is never
+    reclaimable, however old its entry."""
+    return sorted(i for i, q in book.holders.items() if i not in live and now - q.at >= grace)

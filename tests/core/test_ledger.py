@@ -1,0 +1,256 @@
+"""The ledger: every operation keeps the quotas, the session limit and its indexes exact.
+
+A hypothesis state machine drives random sequences of everything an owner does (grants of each
+kind, releases, renewals, expiry, pins created, moved, evicted and expired, quotas raised and
+lowered, shards handed out and taken in) and checks every invariant of the module docstring
+after each step, against a recount from scratch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from llmgw.core.ledger import CapacityError, EndReason, LeaseKind, Ledger
+from llmgw.core.quota import Quota
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_pinned_sessions: int = 4
+    max_global_in_flight_request_slots: int = 6
+    global_in_flight_request_slots_reserved_for_pinned_sessions: int = 2
+    max_per_session_in_flight_request_slots: int = 2
+
+
+LIMITED = ("iris", "m")
+OPEN = ("tx", "m")
+SESSIONS = [f"{i:032x}" for i in range(8)]
+ENDPOINTS = ["e1", "e2"]
+
+
+def ledger() -> Ledger:
+    return Ledger({LIMITED: Limits(), OPEN: None}, lease_timeout=30, pin_inactivity_timeout=300)
+
+
+class LedgerMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ledger = ledger()
+        self.now = 0.0
+        self.ids = 0
+        self.ledger.set_quota(LIMITED, Quota(4, 3, 3))
+        self.away = []  # shard states taken out (to bring back)
+
+    def _id(self) -> str:
+        self.ids += 1
+        return f"{self.ids:016x}"
+
+    @rule(dt=st.floats(0, 50))
+    def tick(self, dt):
+        self.now += dt
+
+    @rule(session=st.sampled_from(SESSIONS), pair=st.sampled_from([LIMITED, OPEN]),
+          shard=st.integers(0, 3))
+    def create_pin(self, session, pair, shard):
+        if self.ledger.pin(pair[1], session) is not None:
+            return
+        room = self.ledger.room(*pair)
+        try:
+            pin = self.ledger.create_pin(f"pin.{shard}.{session}", self._id(), *pair, session,
+                                         shard, self.now)
+        except CapacityError:
+            assert not room.pin
+            return
+        assert room.pin and pin.leases == set()
+
+    @rule(session=st.sampled_from(SESSIONS), kind=st.sampled_from(list(LeaseKind)),
+          endpoint=st.sampled_from(ENDPOINTS), listed=st.booleans(), edge=st.sampled_from("ab"))
+    def grant(self, session, kind, endpoint, listed, edge):
+        pin = self.ledger.pin("m", session)
+        if kind is LeaseKind.TEMPORARY or not listed or pin is None:
+            pin, pair, shard = None, LIMITED, 0
+        else:
+            pair, shard = (pin.provider, pin.model), pin.shard
+        room = self.ledger.room(*pair)
+        full = pin is not None and self.ledger.session_full(pin)
+        before = len(pin.leases) if pin is not None else 0
+        try:
+            lease = self.ledger.grant(self._id(), *pair, kind, shard=shard, edge=edge,
+                                      now=self.now, session=session, pin=pin, endpoint=endpoint)
+        except CapacityError:
+            ok = room.pinned if kind is LeaseKind.PINNED else room.unreserved
+            assert not ok or full
+            return
+        assert not full
+        if pin is not None:
+            assert lease.lease_id in pin.leases and len(pin.leases) == before + 1
+
+    @precondition(lambda self: self.ledger.leases)
+    @rule(data=st.data(), refresh=st.booleans())
+    def release(self, data, refresh):
+        lease_id = data.draw(st.sampled_from(sorted(self.ledger.leases)))
+        assert self.ledger.release(lease_id, self.now, refresh=refresh) is not None
+        assert self.ledger.release(lease_id, self.now, refresh=refresh) is None  # exactly once
+
+    @rule(edge=st.sampled_from("ab"), shard=st.integers(0, 3), data=st.data())
+    def renew(self, edge, shard, data):
+        mine = sorted(i for i, x in self.ledger.leases.items() if x.edge == edge and x.shard == shard)
+        listed = data.draw(st.lists(st.sampled_from(mine + ["ffffffffffffffff"]), unique=True))
+        lost = self.ledger.renew(edge, shard, listed, self.now, settle=5.0)
+        assert "ffffffffffffffff" not in listed or "ffffffffffffffff" in lost
+        for lease_id in mine:
+            if lease_id not in listed and lease_id in self.ledger.leases:
+                assert self.now - self.ledger.leases[lease_id].granted_at < 5.0
+
+    @rule()
+    def expire(self):
+        for lease in self.ledger.expired_leases(self.now):
+            assert self.now >= lease.renewed_at + 30
+        for pin in self.ledger.idle_pins(self.now):
+            assert not pin.leases
+            self.ledger.remove_pin(pin, self.now, "expired")
+
+    @rule(min_idle=st.floats(0, 100))
+    def evict(self, min_idle):
+        pin = self.ledger.evictable(*LIMITED, self.now, min_idle)
+        if pin is not None:
+            assert not pin.leases and self.now - pin.last_used >= min_idle
+            self.ledger.remove_pin(pin, self.now, "evicted")
+
+    @precondition(lambda self: self.ledger.pins)
+    @rule(data=st.data(), to=st.sampled_from([LIMITED, OPEN]))
+    def move(self, data, to):
+        key = data.draw(st.sampled_from(sorted(self.ledger.pins)))
+        pin = self.ledger.pins[key]
+        if (pin.provider, pin.model) == to:
+            return
+        room = self.ledger.room(*to)
+        try:
+            moved = self.ledger.move_pin(pin, self._id(), to[0], self.now)
+        except CapacityError:
+            assert not room.pin
+            return
+        assert moved.leases == set() and self.ledger.pin(*key) is moved
+
+    @precondition(lambda self: self.ledger.pins)
+    @rule(data=st.data())
+    def removing_a_busy_pin_is_refused(self, data):
+        pin = self.ledger.pins[data.draw(st.sampled_from(sorted(self.ledger.pins)))]
+        if pin.leases:
+            with pytest.raises(CapacityError):
+                self.ledger.remove_pin(pin, self.now, "evicted")
+
+    @rule(g=st.integers(0, 6), u=st.integers(0, 4), p=st.integers(0, 4))
+    def set_quota(self, g, u, p):
+        use = self.ledger.pair_use(LIMITED)
+        g, p = max(g, use.leases), max(p, use.pins)
+        u = min(max(u, use.unreserved), g)  # the keeper never lowers a quota below use
+        self.ledger.set_quota(LIMITED, Quota(g, u, p))
+
+    @rule(shard=st.integers(0, 3))
+    def hand_out(self, shard):
+        state = self.ledger.take_shard(shard, self.now, EndReason.MOVED)
+        assert not self.ledger.shard_state(shard).pins and not self.ledger.shard_state(shard).leases
+        if state.pins or state.leases:
+            self.away.append(state)
+
+    @precondition(lambda self: self.away)
+    @rule()
+    def take_back(self):
+        state = self.away.pop()
+        refused, refused_pins = self.ledger.add_shard(state, self.now)
+        for lease in state.leases:
+            assert (lease.lease_id in self.ledger.leases) != (lease in refused)
+        for pin in state.pins:
+            assert (self.ledger.pin(pin.model, pin.session) is not None) != (pin in refused_pins)
+
+    @invariant()
+    def counts_match_a_recount(self):
+        ledger = self.ledger
+        for pair in (LIMITED, OPEN):
+            leases = [x for x in ledger.leases.values() if x.pair == pair]
+            use = ledger.pair_use(pair)
+            assert use.leases == len(leases)
+            assert use.unreserved == sum(x.unreserved for x in leases)
+            assert use.pins == sum(1 for p in ledger.pins.values() if (p.provider, p.model) == pair)
+        for endpoint in ENDPOINTS:
+            assert ledger.endpoint_leases(endpoint) == sum(
+                1 for x in ledger.leases.values() if x.endpoint == endpoint
+            )
+
+    @invariant()
+    def quotas_and_the_session_limit_hold(self):
+        ledger = self.ledger
+        quota = ledger.pair_quota(LIMITED)
+        use = ledger.pair_use(LIMITED)
+        assert use.leases <= quota.g and use.unreserved <= quota.u and use.pins <= quota.p
+        for pin in ledger.pins.values():
+            if (pin.provider, pin.model) == LIMITED:
+                assert len(pin.leases) <= Limits.max_per_session_in_flight_request_slots
+            for lease_id in pin.leases:
+                assert ledger.leases[lease_id].pin_id == pin.pin_id
+
+    @invariant()
+    def every_pin_and_lease_is_in_exactly_one_shard(self):
+        ledger = self.ledger
+        shard_leases = [x for s in ledger.shards() for x in ledger.shard_state(s).leases]
+        shard_pins = [p for s in ledger.shards() for p in ledger.shard_state(s).pins]
+        assert sorted(x.lease_id for x in shard_leases) == sorted(ledger.leases)
+        assert len(shard_pins) == len(ledger.pins)
+
+    @invariant()
+    def idle_pins_are_exactly_those_without_leases(self):
+        ledger = self.ledger
+        evictable = set()
+        for pair in (LIMITED, OPEN):
+            while True:
+                pin = ledger.evictable(*pair, float("inf"), 0)
+                if pin is None or (pin.model, pin.session) in evictable:
+                    break
+                evictable.add((pin.model, pin.session))
+                break
+        for key in evictable:
+            assert not ledger.pins[key].leases
+
+
+TestLedger = LedgerMachine.TestCase
+TestLedger.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_a_pinned_lease_takes_the_reserve_first_and_new_leases_never_do():
+    lg = ledger()
+    lg.set_quota(LIMITED, Quota(g=3, u=1, p=2))  # reserve at this instance: g - u = 2
+    pin = lg.create_pin("pin.0.s", "p1", *LIMITED, "s", 0, 0.0)
+    first = lg.grant("l1", *LIMITED, LeaseKind.NEW_PIN, shard=0, edge="e", now=0, session="s",
+                     pin=pin)
+    assert first.unreserved and not lg.room(*LIMITED).unreserved
+    second = lg.grant("l2", *LIMITED, LeaseKind.PINNED, shard=0, edge="e", now=0, session="s",
+                      pin=pin)
+    assert not second.unreserved  # from the reserve
+    with pytest.raises(CapacityError, match="unreserved"):
+        lg.grant("l3", *LIMITED, LeaseKind.TEMPORARY, shard=0, edge="e", now=0)
+
+
+def test_renewal_reports_lost_leases_and_ends_the_unlisted_old_ones():
+    lg = ledger()
+    lg.set_quota(LIMITED, Quota(4, 4, 4))
+    old = lg.grant("a" * 16, *LIMITED, LeaseKind.TEMPORARY, shard=1, edge="edge", now=0.0)
+    young = lg.grant("b" * 16, *LIMITED, LeaseKind.TEMPORARY, shard=1, edge="edge", now=9.5)
+    lost = lg.renew("edge", 1, ["c" * 16], 10.0, settle=2.0)
+    assert lost == ["c" * 16]
+    assert old.lease_id not in lg.leases  # its end message was lost: ended now
+    assert young.lease_id in lg.leases  # may still be on its way to the edge
+
+
+def test_expiry_ends_leases_not_renewed_and_a_pin_outlives_its_last_lease_by_its_timeout():
+    lg = ledger()
+    lg.set_quota(LIMITED, Quota(4, 4, 4))
+    pin = lg.create_pin("pin.0.s", "p1", *LIMITED, "s", 0, 0.0)
+    lg.grant("l1", *LIMITED, LeaseKind.NEW_PIN, shard=0, edge="e", now=0.0, session="s", pin=pin)
+    assert lg.expired_leases(29.9) == [] and [x.lease_id for x in lg.expired_leases(30.0)] == ["l1"]
+    assert lg.idle_pins(299.0) == [] and lg.idle_pins(300.0) == [pin]

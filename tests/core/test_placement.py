@@ -1,0 +1,303 @@
+"""Placement: seed 000 step for step, plus affinity, free batch slots and return home.
+
+Properties (hypothesis, over generated snapshots):
+- a session's home replica is kept whenever it is usable and within the load bound, unless the
+  request is interactive, the home has no free batch slot and another usable endpoint has one;
+- no interactive request lands on an endpoint without a free batch slot while another usable
+  endpoint of the same provider has one;
+- an unlimited provider is chosen only when no managed provider can take the request now (or
+  flow control said overflow, or the session is pinned there).
+Then table-driven cases for each route.
+"""
+
+from __future__ import annotations
+
+import math
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from llmgw.core.affinity import HashRing
+from llmgw.core.ledger import LeaseKind, Room
+from llmgw.core.outcomes import Refusal
+from llmgw.core.placement import (
+    AffinityBreak,
+    EndpointState,
+    PinAction,
+    PinState,
+    Placement,
+    PlacementRequest,
+    PlacementSettings,
+    ProviderState,
+    Route,
+    Snapshot,
+    can_take_now,
+    place,
+)
+
+ROOMY = Room(True, True, True)
+FULL = Room(False, False, False)
+NOW = 1000.0
+SESSION = "ab" * 16
+
+
+def endpoint(id_, inflight=0, capacity=8, usable=True, saturation=0.0, priority=100):
+    return EndpointState(id_, priority, usable, inflight, capacity, saturation)
+
+
+def managed(id_, endpoints, room=ROOMY, degraded=False, evictable=False, saturation=0.0):
+    ring = HashRing([e.id for e in endpoints]) if endpoints else None
+    return ProviderState(id_, True, True, degraded, tuple(endpoints), room, "score", evictable,
+                         saturation, ring)
+
+
+def unlimited(id_="tx", endpoints=("t1",)):
+    return ProviderState(id_, False, True, False,
+                         tuple(EndpointState(e, rate_weight=1.0) for e in endpoints), ROOMY, "rate")
+
+
+def snap(*providers, pin=None, settings=PlacementSettings()):
+    return Snapshot(tuple(providers), pin, NOW, settings)
+
+
+# ---- generated snapshots ---------------------------------------------------------------------
+
+endpoint_states = st.builds(
+    EndpointState,
+    id=st.just("x"),
+    usable=st.booleans(),
+    inflight=st.integers(0, 20),
+    capacity=st.integers(1, 16),
+    saturation=st.floats(0, 0.99),
+)
+rooms = st.builds(Room, st.booleans(), st.booleans(), st.booleans())
+
+
+@st.composite
+def managed_providers(draw, name):
+    states = draw(st.lists(endpoint_states, min_size=1, max_size=4))
+    endpoints = [
+        EndpointState(f"{name}-e{i}", 100, s.usable, s.inflight, s.capacity, s.saturation)
+        for i, s in enumerate(states)
+    ]
+    return managed(name, endpoints, draw(rooms), degraded=draw(st.booleans()),
+                   evictable=draw(st.booleans()), saturation=draw(st.floats(0, 2)))
+
+
+@st.composite
+def snapshots(draw):
+    providers = [draw(managed_providers("iris")), draw(managed_providers("iris2"))]
+    if draw(st.booleans()):
+        providers.append(unlimited())
+    pin = None
+    if draw(st.booleans()):
+        pin = PinState(draw(st.sampled_from([p.id for p in providers])), draw(st.booleans()),
+                       draw(st.floats(0, NOW)))
+    settings = PlacementSettings(return_home=draw(st.booleans()))
+    return snap(*providers, pin=pin, settings=settings)
+
+
+requests = st.builds(
+    PlacementRequest,
+    session=st.one_of(st.none(), st.text("0123456789abcdef", min_size=32, max_size=32)),
+    interactive=st.booleans(),
+    overflow=st.booleans(),
+    draw=st.floats(0, 0.999),
+)
+
+
+def by_id(snapshot, provider_id):
+    return next(p for p in snapshot.providers if p.id == provider_id)
+
+
+@given(snapshot=snapshots(), request=requests)
+def test_interactive_requests_never_queue_where_another_endpoint_has_a_free_slot(snapshot, request):
+    outcome = place(snapshot, request)
+    if not isinstance(outcome, Placement) or not request.interactive:
+        return
+    provider = by_id(snapshot, outcome.provider)
+    if not provider.managed:
+        return
+    chosen = next(e for e in provider.endpoints if e.id == outcome.endpoint)
+    assert chosen.usable
+    if not chosen.free_slot:
+        assert not any(e.usable and e.free_slot for e in provider.endpoints), outcome
+
+
+@given(snapshot=snapshots(), request=requests)
+def test_an_unlimited_provider_is_chosen_only_when_no_managed_one_can_take_it(snapshot, request):
+    outcome = place(snapshot, request)
+    if not isinstance(outcome, Placement) or by_id(snapshot, outcome.provider).managed:
+        return
+    if request.overflow or outcome.route is Route.PINNED:
+        return  # flow control's overflow, or the session's pin is there
+    pin = snapshot.pin
+    for provider in snapshot.providers:
+        if not provider.managed:
+            continue
+        if outcome.route is Route.TEMPORARY and pin is not None and provider.id == pin.provider:
+            continue  # the pin's own provider was full or failed: that is why it left
+        needs_pin = outcome.route in (Route.NEW_PIN, Route.REPINNED)
+        kind = LeaseKind.NEW_PIN if needs_pin else LeaseKind.TEMPORARY
+        assert not can_take_now(provider, kind, new_pin=needs_pin), (provider.id, outcome)
+
+
+@given(
+    inflights=st.lists(st.integers(0, 12), min_size=2, max_size=5),
+    capacity=st.integers(1, 12),
+    interactive=st.booleans(),
+    session=st.text("0123456789abcdef", min_size=32, max_size=32),
+    factor=st.sampled_from([1.0, 1.25, 1.5, 2.0]),
+)
+def test_a_session_keeps_its_home_replica_while_it_has_room(
+    inflights, capacity, interactive, session, factor
+):
+    endpoints = [endpoint(f"e{i}", n, capacity) for i, n in enumerate(inflights)]
+    iris = managed("iris", endpoints)
+    settings = PlacementSettings(session_load_factor=factor)
+    outcome = place(
+        snap(iris, pin=PinState("iris", False, NOW), settings=settings),
+        PlacementRequest(session, interactive),
+    )
+    assert isinstance(outcome, Placement) and outcome.route is Route.PINNED
+    home = iris.ring.walk(session)[0]
+    load = {e.id: e.inflight for e in endpoints}
+    bound = math.ceil(factor * (sum(load.values()) + 1) / len(endpoints))
+    has_room = load[home] + 1 <= bound
+    home_free = load[home] < capacity
+    someone_free = any(n < capacity for n in load.values())
+    if has_room and (not interactive or home_free or not someone_free):
+        assert outcome.endpoint == home and outcome.affinity_break is None
+    if outcome.endpoint != home:
+        assert outcome.affinity_break is not None
+
+
+# ---- seed 000, route by route -----------------------------------------------------------------
+
+
+def test_no_session_runs_on_the_first_provider_with_room_without_a_pin():
+    outcome = place(snap(managed("iris", [endpoint("e1")]), unlimited()), PlacementRequest(None))
+    assert outcome == Placement("iris", "e1", Route.UNPINNED, LeaseKind.TEMPORARY)
+
+
+def test_a_new_session_is_pinned_on_the_first_managed_provider_with_pin_and_request_room():
+    iris = managed("iris", [endpoint("e1")], room=Room(True, True, False))  # pin table full
+    iris2 = managed("iris2", [endpoint("f1")])
+    outcome = place(snap(iris, iris2, unlimited()), PlacementRequest(SESSION))
+    assert isinstance(outcome, Placement)
+    assert (outcome.provider, outcome.route, outcome.pin_action) == (
+        "iris2", Route.NEW_PIN, PinAction.CREATE,
+    )
+
+
+def test_a_full_pin_table_evicts_an_idle_pin_rather_than_sending_the_session_away():
+    iris = managed("iris", [endpoint("e1")], room=Room(True, True, False), evictable=True)
+    outcome = place(snap(iris, unlimited()), PlacementRequest(SESSION))
+    assert isinstance(outcome, Placement)
+    assert (outcome.provider, outcome.evict, outcome.route) == ("iris", True, Route.NEW_PIN)
+
+
+def test_only_when_every_managed_provider_is_full_does_a_new_session_go_to_a_third_party():
+    iris = managed("iris", [endpoint("e1")], room=Room(True, False, True))
+    outcome = place(snap(iris, unlimited()), PlacementRequest(SESSION))
+    assert isinstance(outcome, Placement) and outcome.provider == "tx"
+    assert outcome.route is Route.NEW_PIN
+
+
+def test_a_pinned_session_at_its_limit_runs_elsewhere_and_keeps_its_pin():
+    iris = managed("iris", [endpoint("e1")])
+    iris2 = managed("iris2", [endpoint("f1")])
+    outcome = place(snap(iris, iris2, pin=PinState("iris", True, NOW)), PlacementRequest(SESSION))
+    assert isinstance(outcome, Placement)
+    assert (outcome.provider, outcome.route, outcome.reason, outcome.pin_action) == (
+        "iris2", Route.TEMPORARY, "session_limit", PinAction.NONE,
+    )
+
+
+def test_a_provider_at_its_global_limit_sends_the_request_elsewhere_once():
+    iris = managed("iris", [endpoint("e1")], room=Room(False, False, True))
+    outcome = place(snap(iris, unlimited(), pin=PinState("iris", False, NOW)),
+                    PlacementRequest(SESSION))
+    assert isinstance(outcome, Placement)
+    assert (outcome.provider, outcome.route, outcome.reason) == ("tx", Route.TEMPORARY,
+                                                                 "global_limit")
+
+
+def test_a_degraded_provider_loses_its_sessions_to_the_next_one():
+    iris = managed("iris", [endpoint("e1")], degraded=True)
+    iris2 = managed("iris2", [endpoint("f1")])
+    outcome = place(snap(iris, iris2, pin=PinState("iris", False, NOW)), PlacementRequest(SESSION))
+    assert isinstance(outcome, Placement)
+    assert (outcome.provider, outcome.route, outcome.pin_action, outcome.reason) == (
+        "iris2", Route.REPINNED, PinAction.MOVE, "degraded",
+    )
+
+
+def test_a_retry_whose_pinned_provider_has_no_endpoint_left_runs_on_the_next_provider():
+    iris = managed("iris", [endpoint("e1", usable=False)])  # failed for this request
+    outcome = place(snap(iris, unlimited(), pin=PinState("iris", False, NOW)),
+                    PlacementRequest(SESSION))
+    assert isinstance(outcome, Placement)
+    assert (outcome.provider, outcome.route, outcome.reason) == ("tx", Route.TEMPORARY,
+                                                                 "endpoint_failed")
+
+
+def test_a_session_on_a_third_party_returns_home_once_settled_and_our_pool_has_room():
+    iris = managed("iris", [endpoint("e1")], saturation=0.2)
+    pin = PinState("tx", False, NOW - 31)
+    outcome = place(snap(iris, unlimited(), pin=pin), PlacementRequest(SESSION))
+    assert isinstance(outcome, Placement)
+    assert (outcome.provider, outcome.route, outcome.pin_action) == (
+        "iris", Route.RETURNED_HOME, PinAction.MOVE,
+    )
+    # Hysteresis: not before return_home_after, not while our pool is busy, not when disabled.
+    for providers, pin_, settings in (
+        ((iris, unlimited()), PinState("tx", False, NOW - 5), PlacementSettings()),
+        ((managed("iris", [endpoint("e1")], saturation=0.9), unlimited()), pin,
+         PlacementSettings()),
+        ((iris, unlimited()), pin, PlacementSettings(return_home=False)),
+    ):
+        stays = place(snap(*providers, pin=pin_, settings=settings), PlacementRequest(SESSION))
+        assert isinstance(stays, Placement) and stays.route is Route.PINNED
+        assert stays.provider == "tx"
+
+
+def test_overflow_goes_to_a_third_party_and_leaves_the_pin_alone():
+    iris = managed("iris", [endpoint("e1")])
+    outcome = place(snap(iris, unlimited(), pin=PinState("iris", False, NOW)),
+                    PlacementRequest(SESSION, overflow=True))
+    assert isinstance(outcome, Placement)
+    assert (outcome.provider, outcome.route, outcome.pin_action) == ("tx", Route.OVERFLOW,
+                                                                     PinAction.NONE)
+
+
+def test_nothing_serves_the_model_or_everything_is_full():
+    unsupported = ProviderState("iris", True, False, False, (endpoint("e1"),), ROOMY)
+    assert place(snap(unsupported), PlacementRequest(SESSION)) is Refusal.UNSUPPORTED
+    full = managed("iris", [endpoint("e1")], room=FULL)
+    assert place(snap(full), PlacementRequest(SESSION)) is Refusal.NO_CAPACITY
+
+
+def test_an_interactive_request_leaves_a_full_home_for_a_free_slot_and_says_why():
+    # Home e1 is full (8 of 8) but within the load bound (ceil(1.25 * 16 / 2) = 10); e2 has one
+    # free slot.
+    endpoints = [endpoint("e1", 8, 8), endpoint("e2", 7, 8)]
+    iris = managed("iris", endpoints)
+    session = next(
+        s for s in (f"{i:032x}" for i in range(100)) if iris.ring.walk(s)[0] == "e1"
+    )
+    batch = place(snap(iris, pin=PinState("iris", False, NOW)),
+                  PlacementRequest(session, interactive=False))
+    assert isinstance(batch, Placement) and batch.endpoint == "e1"  # keeps its prefix cache
+    interactive = place(snap(iris, pin=PinState("iris", False, NOW)),
+                        PlacementRequest(session, interactive=True))
+    assert isinstance(interactive, Placement)
+    assert interactive.endpoint == "e2" and interactive.affinity_break is AffinityBreak.HOME_BUSY
+
+
+def test_rate_strategy_draws_by_the_balancers_weights():
+    tx = ProviderState("tx", False, True, False,
+                       (EndpointState("t1", rate_weight=1.0), EndpointState("t2", rate_weight=3.0)),
+                       ROOMY, "rate")
+    picks = [place(snap(tx), PlacementRequest(None, draw=d / 100)).endpoint for d in range(100)]
+    assert picks.count("t1") == 25 and picks.count("t2") == 75

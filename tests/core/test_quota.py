@@ -1,0 +1,136 @@
+"""Quotas: the fair split every instance computes alike, and books that never exceed the limits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from llmgw.core.quota import (
+    Quota,
+    QuotaBook,
+    QuotaError,
+    fair_targets,
+    headroom,
+    max_min_share,
+    reclaimable,
+)
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_pinned_sessions: int
+    max_global_in_flight_request_slots: int
+    global_in_flight_request_slots_reserved_for_pinned_sessions: int
+    max_per_session_in_flight_request_slots: int = 2
+
+
+wants = st.dictionaries(st.sampled_from(list("abcdefg")), st.integers(0, 200), max_size=7)
+
+
+@given(capacity=st.integers(0, 500), wants=wants)
+def test_max_min_share_splits_everything_and_is_fair(capacity, wants):
+    share = max_min_share(capacity, wants)
+    if not wants:
+        assert share == {}
+        return
+    assert sum(share.values()) == capacity
+    assert set(share) == set(wants)
+    if sum(wants.values()) <= capacity:
+        assert all(share[i] >= wants[i] for i in wants)  # everyone gets what it wants
+    else:
+        for i in wants:
+            if share[i] < wants[i]:
+                # a short instance gets at least as much as anyone else, less one unit
+                assert all(share[i] >= min(share[j], wants[j]) - 1 for j in wants)
+    assert max_min_share(capacity, dict(reversed(list(wants.items())))) == share
+
+
+def test_a_lone_instance_holds_the_whole_limit():
+    assert max_min_share(64, {"only": 3}) == {"only": 64}
+
+
+def test_two_busy_instances_split_evenly_and_a_quiet_one_keeps_its_want():
+    assert max_min_share(64, {"a": 100, "b": 100}) == {"a": 32, "b": 32}
+    assert max_min_share(64, {"busy": 100, "quiet": 4}) == {"busy": 60, "quiet": 4}
+
+
+def _book(holders):
+    return QuotaBook("iris", "m", {i: Quota(g, u, p) for i, (g, u, p) in holders.items()})
+
+
+def test_a_book_over_any_limit_is_refused_with_the_limit_named():
+    limits = Limits(10, 8, 2)
+    _book({"a": (4, 3, 5), "b": (4, 3, 5)}).check(limits)  # exactly at every limit
+    with pytest.raises(QuotaError, match="Σg=9 exceed G=8"):
+        _book({"a": (5, 3, 5), "b": (4, 3, 5)}).check(limits)
+    with pytest.raises(QuotaError, match="Σu=7 exceed G-R=6"):
+        _book({"a": (4, 4, 5), "b": (4, 3, 5)}).check(limits)
+    with pytest.raises(QuotaError, match="Σp=11 exceed P=10"):
+        _book({"a": (4, 3, 6), "b": (4, 3, 5)}).check(limits)
+
+
+def test_a_holder_cannot_have_more_unreserved_than_leases():
+    with pytest.raises(QuotaError, match="exceeds the lease quota"):
+        Quota(g=2, u=3)
+
+
+@given(
+    source=st.tuples(st.integers(0, 20), st.integers(0, 20), st.integers(0, 20)),
+    move=st.tuples(st.integers(0, 30), st.integers(0, 30), st.integers(0, 30)),
+)
+def test_a_transfer_never_changes_the_totals_nor_moves_more_than_was_held(source, move):
+    g, u, p = source
+    u = min(u, g)
+    book = QuotaBook("iris", "m", {"dead": Quota(g, u, p), "alive": Quota(1, 1, 1)})
+    after = book.transfer("dead", "alive", *move, at=5.0)
+    assert after.totals() == book.totals()
+    moved = after.quota("alive")
+    assert moved.g - 1 <= g and moved.u - 1 <= u and moved.p - 1 <= p
+    for q in after.holders.values():
+        assert q.u <= q.g
+
+
+def test_books_round_trip_through_json():
+    book = QuotaBook("iris", "llama-3.3-70b", {"a": Quota(3, 2, 10, 4, 2, 11, 1.5)})
+    assert QuotaBook.from_json(book.to_json()) == book
+    with pytest.raises(QuotaError, match="version"):
+        QuotaBook.from_json(b'{"v": 1, "holders": {}}')
+
+
+@given(
+    wants=st.dictionaries(
+        st.sampled_from(list("abcd")),
+        st.tuples(st.integers(0, 50), st.integers(0, 50), st.integers(0, 50)),
+        min_size=1,
+    ),
+    limits=st.builds(
+        Limits, st.integers(0, 100), st.integers(1, 100), st.integers(0, 100)
+    ),
+)
+def test_fair_targets_fit_the_limits(wants, limits):
+    book = QuotaBook(
+        "iris", "m", {i: Quota(0, 0, 0, wg, wu, wp) for i, (wg, wu, wp) in wants.items()}
+    )
+    targets = fair_targets(book, limits, sorted(wants))
+    g = limits.max_global_in_flight_request_slots
+    r = min(limits.global_in_flight_request_slots_reserved_for_pinned_sessions, g)
+    assert sum(t.g for t in targets.values()) <= g
+    assert sum(t.u for t in targets.values()) <= g - r
+    assert sum(t.p for t in targets.values()) <= limits.max_pinned_sessions
+    assert all(t.u <= t.g for t in targets.values())
+
+
+def test_headroom_is_a_tenth_of_a_fair_share_and_at_least_one():
+    assert headroom(64, 1) == 7 and headroom(64, 4) == 2 and headroom(3, 8) == 1
+    assert headroom(0, 1) == 0
+
+
+def test_only_dead_holders_with_old_entries_are_reclaimable():
+    book = QuotaBook(
+        "iris", "m", {"live": Quota(1, 1, 1, at=0.0), "dead-old": Quota(2, 1, 1, at=0.0),
+                      "dead-new": Quota(2, 1, 1, at=95.0)}
+    )
+    assert reclaimable(book, {"live": object()}, now=100.0, grace=10.0) == ["dead-old"]
