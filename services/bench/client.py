@@ -41,10 +41,14 @@ class RequestOptions:
     extra_headers: Mapping[str, str] = field(default_factory=dict)
 
 
+DETAIL_CHARS = 200
+
+
 class _Failed(Exception):
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, detail: str | None = None) -> None:
         super().__init__(kind)
         self.kind = kind
+        self.detail = detail
 
 
 @dataclass(slots=True)
@@ -76,24 +80,25 @@ async def send(
     outcome = _Outcome()
     start = clock()
     error: str | None = None
+    detail: str | None = None
     try:
         async with session.post(options.url, data=payload, headers=headers) as response:
             outcome.status = response.status
             if response.status >= 300:
-                await response.read()
-                raise _Failed("http")
+                raise _Failed("http", _error_message(await response.read()))
             if options.stream:
                 await _read_stream(response, outcome, clock)
             else:
                 await _read_whole(response, outcome)
     except _Failed as failed:
-        error = failed.kind
+        error, detail = failed.kind, failed.detail
     except TimeoutError:
         error = "timeout"
-    except aiohttp.ClientPayloadError:
-        error = "incomplete"
-    except (aiohttp.ClientError, OSError):
+    except aiohttp.ClientPayloadError as exc:
+        error, detail = "incomplete", _short(str(exc) or type(exc).__name__)
+    except (aiohttp.ClientError, OSError) as exc:
         error = "connection" if outcome.status is None else "incomplete"
+        detail = _short(str(exc) or type(exc).__name__)
     except asyncio.CancelledError:
         raise
     end = clock()
@@ -118,6 +123,7 @@ async def send(
         band=plan.band,
         session_id=plan.session_id,
         turn=plan.turn,
+        detail=detail,
     )
     return record, ("".join(outcome.text) if error is None else None)
 
@@ -145,7 +151,7 @@ def _stream_event(data: str, outcome: _Outcome, clock: Clock) -> bool:
     if not isinstance(chunk, dict):
         raise _Failed("bad_response")
     if "error" in chunk:
-        raise _Failed("stream_error")
+        raise _Failed("stream_error", _error_message(data.encode()))
     text = chunk_text(chunk)
     if text:
         if outcome.first_token is None:
@@ -162,15 +168,33 @@ async def _read_whole(response: aiohttp.ClientResponse, outcome: _Outcome) -> No
     try:
         body = json.loads(raw)
     except ValueError:
-        raise _Failed("bad_response") from None
+        raise _Failed("bad_response", _error_message(raw)) from None
     if not isinstance(body, dict) or not isinstance(body.get("choices"), list):
-        raise _Failed("bad_response")
+        raise _Failed("bad_response", _error_message(raw))
     text = chunk_text(body)
     outcome.text.append(text)
     # Without usage, the token count is estimated at 4 characters per token.
     outcome.chunks = max(1, round(len(text) / 4)) if text else 0
     if isinstance(body.get("usage"), dict):
         outcome.usage = body["usage"]
+
+
+def _short(text: str) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= DETAIL_CHARS else text[: DETAIL_CHARS - 3] + "..."
+
+
+def _error_message(raw: bytes) -> str | None:
+    """The ``error.message`` of an OpenAI error body, else the body's start; None if empty."""
+    text = raw.decode("utf-8", errors="replace")
+    try:
+        error = json.loads(text).get("error")
+        message = error.get("message") if isinstance(error, dict) else error
+        if isinstance(message, str) and message:
+            return _short(message)
+    except (ValueError, AttributeError):
+        pass
+    return _short(text) if text.strip() else None
 
 
 async def fetch_model(

@@ -138,6 +138,10 @@ def markdown(result: Mapping[str, Any]) -> str:
         lines.append(_run_row("all", result["summary"]))
         for band, summary in result["bands"].items():
             lines.append(_run_row(band, summary))
+        examples = result["summary"].get("error_examples") or {}
+        if examples:
+            lines += ["", "Errors, first message of each:", ""]
+            lines += [f"- {key}: {message}" for key, message in examples.items()]
         hit_rate = result["summary"].get("prefix_cache_hit_rate")
         if hit_rate is not None:
             lines += [

@@ -15,7 +15,7 @@ Definitions (times in seconds on one monotonic clock):
   minimum, p100 the maximum, and they never decrease as q grows.
 
 An error's key is its HTTP status as a string (``"429"``, ``"500"``) or, when there is none or
-the body was unusable, one of `ERROR_KINDS`.
+the body was unusable, one of `ERROR_KINDS`; the summary keeps the first message seen per key.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
@@ -66,6 +66,8 @@ class RequestRecord:
     band: str | None = None
     session_id: str | None = None
     turn: int = 0
+    detail: str | None = field(default=None, compare=False)
+    """For a failure: the server's error message (or the exception), shortened."""
 
     @property
     def ok(self) -> bool:
@@ -130,6 +132,10 @@ def summarize(records: Iterable[RequestRecord]) -> dict[str, Any]:
     records = list(records)
     ok = [r for r in records if r.ok]
     errors = Counter(r.error_key for r in records if not r.ok)
+    examples: dict[str, str] = {}
+    for r in records:
+        if r.error_key is not None and r.detail and r.error_key not in examples:
+            examples[r.error_key] = r.detail
     if records:
         window = max(r.end for r in records) - min(r.start for r in records)
     else:
@@ -150,6 +156,7 @@ def summarize(records: Iterable[RequestRecord]) -> dict[str, Any]:
         "requests": len(records),
         "ok": len(ok),
         "errors": dict(sorted(errors.items(), key=lambda item: (-item[1], item[0]))),
+        "error_examples": {key: examples[key] for key in errors if key in examples},
         "error_rate": (len(records) - len(ok)) / len(records) if records else 0.0,
         "duration_s": window,
         "throughput": {

@@ -80,7 +80,9 @@ def test_an_unreachable_target_exits_1(capsys):
     assert bench(url) == 1
     assert "cannot reach" in capsys.readouterr().err
     assert bench(url, "--model", "m", "-n", "3", "-c", "1") == 1
-    assert "no request succeeded (3 of 3 failed)" in capsys.readouterr().err
+    captured = capsys.readouterr()
+    assert "no request succeeded (3 of 3 failed)" in captured.err
+    assert "| connection: 3 |" in captured.out and "- connection: Cannot connect" in captured.out
 
 
 def test_a_run_writes_json_markdown_and_plot(capsys, threaded_engine, tmp_path):
@@ -119,6 +121,7 @@ def test_errors_by_status_and_the_max_error_rate(capsys, threaded_engine, tmp_pa
     errors = json.loads(path.read_text())["summary"]["errors"]
     assert set(errors) == {"500"} and 0 < errors["500"] < 30
     assert f"500: {errors['500']}" in captured.out
+    assert "- 500: The server had an error while processing your request" in captured.out
     assert "more than --max-error-rate 0.1" in captured.err
     assert bench(sim.url, "-n", "10") == 0  # some errors, no limit: still a finished run
 

@@ -136,6 +136,8 @@ async def test_errors_are_reported_by_status(engine: StartEngine):
     assert summary["ok"] == served
     assert summary["ok"] + summary["errors"]["500"] + summary["errors"]["429"] == 80
     assert all(r.status == int(r.error_key) for r in records if not r.ok)
+    assert "simulated" in summary["error_examples"]["500"]
+    assert "Rate limit" in summary["error_examples"]["429"]
 
 
 @pytest.mark.parametrize("stream", [True, False])
