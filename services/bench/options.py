@@ -27,7 +27,7 @@ DEFAULTS = {
 
 EPILOG = """\
 distributions (DIST): fixed:N (or N), uniform:A-B (or A-B),
-  lognormal:mean=M,sigma=S[,min=A][,max=B]; prompt text is about 4.5 characters per token.
+  lognormal:mean=M,sigma=S[,min=A][,max=B]; prompt text is about 4.3 characters per token.
 exit status: 0 done; 1 target unreachable, no request succeeded, error rate above
   --max-error-rate, or an output file could not be written; 2 bad options; 130 interrupted.
 See docs/bench.md."""

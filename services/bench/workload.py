@@ -3,7 +3,7 @@
 Prompt text is plain lower-case English: words of two to four letters from a fixed list and a
 period every few words. Each such word (with its leading space) and each period is one token for
 typical BPE tokenizers (GPT, Llama, Qwen) and for the simulator's tokenizer, so
-``prompt_text(rng, n)`` is about n tokens (about 4.5 characters per token); a chat template adds
+``prompt_text(rng, n)`` is about n tokens (about 4.3 characters per token); a chat template adds
 a few tokens per message on top.
 
 A `Conversations` pool hands out the next request to send. Without sessions every request is a
