@@ -125,6 +125,17 @@ def build_parser() -> argparse.ArgumentParser:
     _sim_args(provider)
     provider.set_defaults(target="llmgw.services.sim.main:run_provider")
 
+    bench = sub.add_parser(
+        "bench",
+        help="load generator for any OpenAI-compatible URL (a gateway or an engine)",
+        description="Load an OpenAI-compatible URL and report throughput, latency, TTFT, TPOT "
+        "and errors; --sweep finds an engine's saturation knee.",
+    )
+    from llmgw.services.bench.options import add_bench_arguments  # argparse only, no aiohttp
+
+    add_bench_arguments(bench)
+    bench.set_defaults(target="llmgw.services.bench.main:run")
+
     return parser
 
 
