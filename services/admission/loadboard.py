@@ -7,8 +7,9 @@ counts from the moment it is granted to the moment its end message arrives: no l
 scraper, and no request counted after it ended (the phantom load a scrape-based count has).
 
 Foreign load is estimated at each report: what the engine reported running + waiting, minus the
-most the gateway had on it in the window around the scrape (so requests that ended just after
-the scrape are not mistaken for somebody else's), never below 0.
+most the gateway had on it within `FOREIGN_WINDOW` of the scrape (so requests that ended just
+after the scrape, or whose end message crossed the report, are not mistaken for somebody
+else's), never below 0.
 
 Batch capacity starts from the configuration (``endpoints[].capacity``, else a simulated
 engine's ``max_num_seqs``, else ``scoring.target_inflight`` scaled by the endpoint's weight) and
@@ -45,7 +46,9 @@ log = logging.getLogger("llmgw.admission.load")
 PEER_FORGET_AFTER = 3.0  # seconds: a peer's load not refreshed for this long is dropped
 _BUCKET = 0.05  # seconds per history bucket of the gateway's inflight
 _HISTORY = 4.0  # seconds of history kept (more than a scrape's round trip)
-_WINDOW = 0.25  # seconds before a scrape in which the gateway's inflight is looked up
+# Seconds either side of a scrape in which the gateway's own inflight is compared with the
+# engine's reading: clock skew between scraper and admission, and the report's delivery.
+FOREIGN_WINDOW = 0.1
 
 
 def saturation_settings(config: Config) -> SaturationSettings:
@@ -76,7 +79,10 @@ class LoadBoard:
         self._own: dict[str, int] = {}
         self._peers: dict[str, tuple[float, dict[str, int]]] = {}
         self._foreign: dict[str, int] = {}
-        self._history: dict[str, deque[tuple[int, int]]] = {e: deque() for e in self.floors}
+        # Per endpoint: (bucket, max, last) of the gateway's count, and the last count before
+        # the oldest bucket kept.
+        self._history: dict[str, deque[tuple[int, int, int]]] = {e: deque() for e in self.floors}
+        self._baseline: dict[str, int] = {}
         self._health_at: dict[str, float] = {}
         self._metrics_mode: dict[str, str] = {}
         self.reports = 0
@@ -131,7 +137,7 @@ class LoadBoard:
         self._loads[endpoint_id] = load
         if sample is not None and load.sampled_at == report.scraped_at:
             engine = (sample.running or 0) + (sample.waiting or 0)
-            ours = self._gateway_max_since(endpoint_id, report.scraped_at - _WINDOW)
+            ours = self._gateway_max_around(endpoint_id, report.scraped_at)
             self._foreign[endpoint_id] = max(0, engine - ours)
         elif sample is None:
             self._foreign[endpoint_id] = 0
@@ -151,26 +157,31 @@ class LoadBoard:
         return own + peers
 
     def _record(self, endpoint_id: str, now: float) -> None:
+        """Note the gateway's count on the endpoint now: per 50 ms bucket its max and its last."""
         history = self._history[endpoint_id]
         bucket = int(now / _BUCKET)
         value = self._gateway(endpoint_id, now)
         if history and history[-1][0] == bucket:
-            if value > history[-1][1]:
-                history[-1] = (bucket, value)
-        else:
-            history.append((bucket, value))
-            horizon = bucket - int(_HISTORY / _BUCKET)
-            while history and history[0][0] < horizon:
-                history.popleft()
+            _, top, _ = history[-1]
+            history[-1] = (bucket, max(top, value), value)
+            return
+        history.append((bucket, value, value))
+        horizon = bucket - int(_HISTORY / _BUCKET)
+        while history and history[0][0] < horizon:
+            self._baseline[endpoint_id] = history.popleft()[2]
 
-    def _gateway_max_since(self, endpoint_id: str, since: float) -> int:
-        first = int(since / _BUCKET)
-        history = self._history[endpoint_id]
-        # The value in force at `since` is the last bucket before it (or the current count).
-        before = [v for b, v in history if b < first]
-        during = [v for b, v in history if b >= first]
-        carried = before[-1] if before else 0
-        return max([carried, *during]) if during or before else 0
+    def _gateway_max_around(self, endpoint_id: str, at: float) -> int:
+        """The most the gateway had on the endpoint within FOREIGN_WINDOW of `at`."""
+        first = int((at - FOREIGN_WINDOW) / _BUCKET)
+        last = int((at + FOREIGN_WINDOW) / _BUCKET)
+        carried = self._baseline.get(endpoint_id, 0)  # the count in force as the window opens
+        top = None
+        for bucket, high, final in self._history[endpoint_id]:
+            if bucket < first:
+                carried = final
+            elif bucket <= last:
+                top = high if top is None else max(top, high)
+        return carried if top is None else max(carried, top)
 
     # ---- reading ----------------------------------------------------------------------------
 

@@ -231,7 +231,27 @@ class AdmissionService:
             await self._respond(msg.reply, reply)
 
     def begin(self, request: AdmitRequest, reply_to: str | None) -> AdmitReply | None:
-        """Decide now, or queue (then the answer is sent later and this returns None)."""
+        """Decide now, or queue (then the answer is sent to `reply_to` later: None)."""
+        started = self._start(request)
+        if isinstance(started, AdmitReply):
+            return started
+        context, future = started
+        context.reply_to = reply_to
+        self._spawn(self._wait_in_queue(context, future))
+        return None
+
+    async def decide(self, request: AdmitRequest) -> AdmitReply:
+        """Decide one request in this process, waiting through the queue as an edge would
+        (tests and tools; edges ask over NATS)."""
+        started = self._start(request)
+        if isinstance(started, AdmitReply):
+            return started
+        context, future = started
+        return self._final(context, await future)
+
+    def _start(
+        self, request: AdmitRequest
+    ) -> AdmitReply | tuple[_Request, asyncio.Future[Any]]:
         started = time.perf_counter()
         now = self._clock()
         model = request.model
@@ -248,23 +268,18 @@ class AdmissionService:
             return self._refusal(
                 request.id, Refusal.UNKNOWN_BAND, f"Unknown priority band '{request.band}'."
             )
-        context = _Request(request, Feature(request.feature), band, reply_to, started)
+        context = _Request(request, Feature(request.feature), band, None, started)
         if self.flow is None:
             return self._finish(context, self.place(context, overflow=False))
         policy = self.flow.band(band.name)
         assert policy is not None
         can_overflow = band.overflow and self.catalog.can_overflow(model, context.feature, now)
         decision = self.flow.check(
-            request.id,
-            model,
-            policy,
-            request.tenant or ANONYMOUS_TENANT,
-            can_overflow=can_overflow,
-            context=context,
+            request.id, model, policy, request.tenant or ANONYMOUS_TENANT,
+            can_overflow=can_overflow, context=context,
         )
         if isinstance(decision, asyncio.Future):
-            self._spawn(self._wait_in_queue(context, decision))
-            return None
+            return context, decision
         self.metrics.flow_decisions.labels(band.name, decision.value).inc()
         if decision is GateDecision.GRANTED:
             return self._finish(context, self.place(context, overflow=False))
@@ -273,20 +288,23 @@ class AdmissionService:
         refusal = Refusal.CANCELLED if decision is GateDecision.CANCELLED else Refusal.QUEUE_FULL
         return self._refusal(request.id, refusal, band=band.name)
 
+    def _final(self, context: _Request, result: Any) -> AdmitReply:
+        """The answer for a queued request, from what its queue future resolved to."""
+        if isinstance(result, AdmitReply):
+            return result
+        refusal = {
+            GateDecision.EXPIRED: Refusal.QUEUE_TIMEOUT,
+            GateDecision.CANCELLED: Refusal.CANCELLED,
+        }.get(result, Refusal.NOT_OWNER)
+        self.metrics.flow_decisions.labels(context.band.name, str(refusal)).inc()
+        return self._refusal(context.request.id, refusal, band=context.band.name)
+
     async def _wait_in_queue(self, context: _Request, future: asyncio.Future[Any]) -> None:
         request = context.request
-        await self._respond(context.reply_to, AdmitReply(id=request.id, status=ReplyStatus.QUEUED))
-        result = await future
-        if isinstance(result, AdmitReply):
-            reply = result
-        else:
-            refusal = {
-                GateDecision.EXPIRED: Refusal.QUEUE_TIMEOUT,
-                GateDecision.CANCELLED: Refusal.CANCELLED,
-            }.get(result, Refusal.NOT_OWNER)
-            self.metrics.flow_decisions.labels(context.band.name, str(refusal)).inc()
-            reply = self._refusal(request.id, refusal, band=context.band.name)
-        await self._respond(context.reply_to, reply)
+        await self._respond(
+            context.reply_to, AdmitReply(id=request.id, status=ReplyStatus.QUEUED)
+        )
+        await self._respond(context.reply_to, self._final(context, await future))
 
     def _dispatch_waiter(self, waiter: Waiter, decision: GateDecision) -> AdmitReply:
         """The tick let a queued request go: place it now (synchronously, inside the tick)."""

@@ -6,36 +6,40 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-import nats
 import pytest
 import pytest_asyncio
+from inproc import Admission, Edge, start_admission, start_edge
 
 from llmgw.config import Config, config_from_dict
-from llmgw.events import EventPublisher
 from llmgw.services.admission.service import AdmissionService
-from llmgw.services.edge.app import EdgeDeps, create_app
-from llmgw.services.edge.metrics import EdgeMetrics
-from llmgw.services.edge.upstream import Timeouts, new_session
 from llmgw.services.sim.apps import create_engine_app
 from llmgw.services.sim.params import EngineParams
 from llmgw.serving import RunningServer, free_port, start_server
-from llmgw.state.routing_state import RoutingState
-from llmgw.state.setup import open_routing_state
 
 
 @dataclass
 class Gateway:
     config: Config
-    edge: RunningServer
-    admission: AdmissionService | None
+    edge: Edge
+    admission_handle: Admission | None
     engines: dict[str, RunningServer]
-    deps: EdgeDeps
-    routing: RoutingState | None = None
-    app: Any = None
 
     @property
     def url(self) -> str:
         return self.edge.url
+
+    @property
+    def admission(self) -> AdmissionService | None:
+        handle = self.admission_handle
+        return None if handle is None or handle.stopped else handle.service
+
+    @property
+    def deps(self) -> Any:
+        return self.edge.deps
+
+    @property
+    def app(self) -> Any:
+        return self.edge.app
 
 
 def gateway_config(
@@ -44,7 +48,7 @@ def gateway_config(
     """Two managed engines and an unlimited deployment serving `m1` (alias `small`) and `m2`."""
     data: dict[str, Any] = {
         "nats": {"url": nats_url, "request_timeout": "500ms"},
-        "router": {"max_body_bytes": 4096},
+        "router": {"max_body_bytes": 4096, "load_bucket": f"load_{bucket}"},
         "pinning": {"bucket": bucket, "lease_timeout": "3s"},
         # No scraper runs here: flow control is off unless a test turns it on (tests/flow).
         "admission": {"enabled": False},
@@ -124,31 +128,21 @@ async def gateway(
     config = gateway_config(
         nats_url, {k: v.url for k, v in engines.items()}, f"routing_{unique_id}"
     )
-    admission_nc = await nats.connect(nats_url)
-    routing = await open_routing_state(admission_nc, config, instance_id="admission")
-    admission = AdmissionService(
-        config, admission_nc, routing, events=EventPublisher(admission_nc, "admission-test")
-    )
-    await admission.start()
-    edge_nc = await nats.connect(nats_url)
-    session = new_session(Timeouts.from_section(config.timeouts))
-    edge_routing = await open_routing_state(edge_nc, config, instance_id="edge", follow_slots=False)
-    deps = EdgeDeps(nc=edge_nc, session=session, metrics=EdgeMetrics(), routing=edge_routing)
-    app = create_app(config, deps)
-    edge = await start_server(app)
-    gw = Gateway(config, edge, admission, engines, deps, routing=routing, app=app)
+    admission = await start_admission(config, nats_url, instance="admission-test",
+                                      follow_load=False)
+    edge = await start_edge(config, nats_url, edge_id="edge-test")
+    gw = Gateway(config, edge, admission, engines)
     try:
         yield gw
     finally:
         await edge.stop()
-        await app.edge.drain()
-        await session.close()
-        await edge_nc.close()
-        if gw.admission is not None:
-            await gw.admission.stop()
-        await routing.close()
-        await admission_nc.jetstream().delete_key_value(config.pinning.bucket)
-        await admission_nc.close()
+        await admission.stop()
+        nc = admission.nc
+        import nats
+
+        nc = await nats.connect(nats_url)
+        await nc.jetstream().delete_key_value(config.pinning.bucket)
+        await nc.close()
         for server in engines.values():
             await server.stop()
 

@@ -6,7 +6,7 @@ import time
 import httpx
 import pytest
 
-from llmgw.wire import ADMISSION_REQUEST_SUBJECT
+from llmgw.wire import ADMISSION_REQUEST_PREFIX
 
 CHAT_PATH = "/v1/chat/completions"
 OK_BODY = b'{"model": "m1", "messages": [{"role": "user", "content": "x"}]}'
@@ -31,7 +31,7 @@ async def admission_spy(nats_client):
     async def record(msg):
         seen.append(msg.data)
 
-    sub = await nats_client.subscribe(ADMISSION_REQUEST_SUBJECT, cb=record)
+    sub = await nats_client.subscribe(ADMISSION_REQUEST_PREFIX + "*", cb=record)
     await nats_client.flush()
     yield seen
     await sub.unsubscribe()
@@ -101,7 +101,7 @@ async def test_oversized_bodies_get_413_honest_chunked_or_lying(
 
     # A declared length over the limit is refused at once, without waiting
     # for (or reading) a body that never comes.
-    reader, writer = await asyncio.open_connection(gateway.edge.host, gateway.edge.port)
+    reader, writer = await asyncio.open_connection(gateway.edge.server.host, gateway.edge.server.port)
     writer.write(
         b"POST "
         + CHAT_PATH.encode()
@@ -117,8 +117,7 @@ async def test_oversized_bodies_get_413_honest_chunked_or_lying(
 
 
 async def test_missing_admission_service_gets_503_with_retry_after_at_once(gateway):
-    await gateway.admission.stop()
-    gateway.admission = None
+    await gateway.admission_handle.stop()
     started = time.monotonic()
     async with httpx.AsyncClient() as http:
         response = await http.post(gateway.url + CHAT_PATH, content=OK_BODY)
@@ -128,14 +127,15 @@ async def test_missing_admission_service_gets_503_with_retry_after_at_once(gatew
 
 
 async def test_silent_admission_service_gets_503_within_the_request_timeout(gateway, nats_client):
-    await gateway.admission.stop()
-    gateway.admission = None
+    """A hung admission service (it takes the request and never answers, as a SIGSTOPped one
+    does) costs the client the request timeout, not the queue budget."""
+    await gateway.admission_handle.stop()
     swallowed = []
 
     async def swallow(msg):
         swallowed.append(msg)
 
-    sub = await nats_client.subscribe(ADMISSION_REQUEST_SUBJECT, queue="admission", cb=swallow)
+    sub = await nats_client.subscribe(ADMISSION_REQUEST_PREFIX + "*", cb=swallow)
     await nats_client.flush()
     started = time.monotonic()
     async with httpx.AsyncClient(timeout=10) as http:

@@ -53,7 +53,7 @@ async def test_stream_chunks_reach_the_client_as_the_engine_produces_them(gatewa
     assert last - first >= 0.25, arrivals
 
 
-async def test_an_unreachable_engine_is_retried_elsewhere_then_502_when_none_is_left(gateway):
+async def test_an_unreachable_engine_is_retried_elsewhere_then_on_the_next_provider(gateway):
     await gateway.engines["engine-1"].stop()
     async with httpx.AsyncClient() as http:
         retried = await http.post(gateway.url + CHAT_PATH, json=chat(stream=False))
@@ -62,7 +62,15 @@ async def test_an_unreachable_engine_is_retried_elsewhere_then_502_when_none_is_
         retries = gateway.deps.metrics.retries.labels("upstream_unreachable")._value.get()
         assert retries == 1
         await gateway.engines["engine-2"].stop()
-        response = await http.post(gateway.url + CHAT_PATH, json=chat(stream=False))
+        # Every iris endpoint fails for it: the retry leaves for the next provider, the pin stays.
+        moved = await http.post(gateway.url + CHAT_PATH, json=chat(stream=False))
+        assert moved.status_code == 200
+        assert moved.headers["x-llmgw-provider"] == "tensorx"
+        assert moved.headers["x-llmgw-route"] == "temporary"
+        # m2 has no other provider: the client gets the upstream's failure, not "no capacity".
+        response = await http.post(
+            gateway.url + CHAT_PATH, json={**chat(stream=False), "model": "m2"}
+        )
     assert response.status_code == 502
     assert response.json()["error"]["code"] == "upstream_unreachable"
 

@@ -8,17 +8,17 @@ import json
 import httpx
 import nats
 
-from llmgw.wire import REQUEST_STATS_SUBJECT, RequestStats
+from llmgw.wire import REQUEST_STATS_SUBJECT, RequestEnded
 
 CHAT = {"model": "m1", "messages": [{"role": "user", "content": "count to five"}], "max_tokens": 5}
 
 
-async def collect_stats(nats_url: str) -> tuple[object, list[RequestStats]]:
+async def collect_stats(nats_url: str) -> tuple[object, list[RequestEnded]]:
     nc = await nats.connect(nats_url)
-    seen: list[RequestStats] = []
+    seen: list[RequestEnded] = []
 
     async def on_stats(msg) -> None:
-        seen.append(RequestStats.model_validate_json(msg.data))
+        seen.append(RequestEnded.model_validate_json(msg.data))
 
     await nc.subscribe(REQUEST_STATS_SUBJECT, cb=on_stats)
     await nc.flush()
@@ -83,7 +83,9 @@ async def test_non_streamed_requests_and_failures_are_measured(gateway, nats_url
             assert ok.status_code == 200
             await gateway.engines["engine-1"].stop()  # the preferred engine goes away
             gateway.admission.health.set_healthy("engine-2", False)
-            failed = await client.post(gateway.url + "/v1/chat/completions", json=CHAT, timeout=10)
+            failed = await client.post(
+                gateway.url + "/v1/chat/completions", json={**CHAT, "model": "m2"}, timeout=10
+            )
         assert failed.status_code == 502
         await until(lambda: len(seen) == 2)
         good, bad = seen

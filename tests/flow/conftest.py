@@ -5,17 +5,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import nats
 import pytest
+from inproc import start_edge
 from rig import EDGE_LIMITS, open_rig
 
-from llmgw.services.edge.app import EdgeDeps, create_app
-from llmgw.services.edge.metrics import EdgeMetrics
-from llmgw.services.edge.upstream import Timeouts, new_session
 from llmgw.services.sim.apps import create_engine_app
 from llmgw.services.sim.params import EngineParams
 from llmgw.serving import start_server
-from llmgw.state.setup import open_routing_state
 
 
 @pytest.fixture
@@ -36,22 +32,14 @@ async def stack(nats_url, unique_id, request):
         **admission,
     )
     rig.engines = engines
-    edge_nc = await nats.connect(nats_url)
-    session = new_session(Timeouts.from_section(rig.config.timeouts))
-    routing = await open_routing_state(edge_nc, rig.config, instance_id="edge", follow_slots=False)
-    rig.edge_metrics = EdgeMetrics()
-    app = create_app(rig.config, EdgeDeps(edge_nc, session, rig.edge_metrics, routing))
-    edge = await start_server(app)
+    edge = await start_edge(rig.config, nats_url, edge_id="edge-flow")
+    rig.edge_metrics = edge.deps.metrics
     rig.edge_url = edge.url
-    rig.routing = routing
+    rig.edge = edge
     try:
         yield rig
     finally:
         await edge.stop()
-        await app.edge.drain()
-        await session.close()
-        await routing.close()
-        await edge_nc.close()
         await rig.close()
         for server in engines.values():
             await server.stop()

@@ -8,6 +8,7 @@ Requests are AdmitRequests over NATS, exactly as an edge sends them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import Callable
@@ -15,20 +16,23 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import nats
+from inproc import Cluster
 
 from llmgw.config import Config, config_from_dict
+from llmgw.core.shards import shard_of
 from llmgw.load import EndpointReport, LoadSample, report_key
-from llmgw.services.admission.health import HealthBoard
-from llmgw.services.admission.loadboard import LoadBoard, LoadFollower
+from llmgw.services.admission.loadboard import FOREIGN_WINDOW
 from llmgw.services.admission.service import AdmissionService
-from llmgw.state.nats_kv import open_routing_bucket
-from llmgw.state.setup import open_routing_state
+from llmgw.services.edge.admission_client import NatsAdmission
+from llmgw.state.setup import open_load_bucket
 from llmgw.wire import (
     ADMISSION_CANCEL_SUBJECT,
-    ADMISSION_REQUEST_SUBJECT,
+    REQUEST_STATS_SUBJECT,
     AdmitCancel,
     AdmitReply,
     AdmitRequest,
+    ReplyStatus,
+    RequestEnded,
 )
 
 MODEL = "m1"
@@ -101,89 +105,83 @@ class Rig:
     config: Config
     nc: Any
     load_kv: Any
-    admissions: list[AdmissionService] = field(default_factory=list)
+    cluster: Cluster
+    client: NatsAdmission
     _closers: list[Callable[[], Any]] = field(default_factory=list)
 
+    @property
+    def admissions(self) -> list[AdmissionService]:
+        return self.cluster.live_admissions()
+
     async def add_admission(self) -> AdmissionService:
-        nc = await nats.connect(self.nc.connected_url.geturl())
-        board = LoadBoard(self.config, HealthBoard())
-        follower = LoadFollower(board, self.load_kv)
-        await follower.start()
-        instance = f"admission-{len(self.admissions)}"
-        routing = await open_routing_state(nc, self.config, instance_id=instance)
-        service = AdmissionService(
-            self.config, nc, routing, board.health, load=board, instance=instance
-        )
-        await service.start()
-        self.admissions.append(service)
+        admission = await self.cluster.add_admission()
+        await self.cluster.settled()
+        return admission.service
 
-        async def close() -> None:
-            await service.stop()
-            await follower.stop()
-            await routing.close()
-            await nc.close()
-
-        self._closers.append(close)
-        return service
-
-    async def report(
-        self,
-        endpoint: str,
-        *,
-        running: int,
-        waiting: int = 0,
-        capacity: int = 8,
-        healthy: bool = True,
-        at: float | None = None,
-        kv_usage: float = 0.1,
-    ) -> None:
+    async def report(self, endpoint: str, *, running: int, waiting: int = 0, capacity: int = 8,
+                     healthy: bool = True, at: float | None = None, kv_usage: float = 0.1) -> None:
         """Write a scraper report and wait until every admission instance has applied it."""
         before = [a.load.reports for a in self.admissions]
         report = EndpointReport(
-            endpoint=endpoint,
-            provider="iris",
-            pool="p",
-            models=(MODEL,),
-            healthy=healthy,
+            endpoint=endpoint, provider="iris", pool="p", models=(MODEL,), healthy=healthy,
             sample=LoadSample(dialect="vllm", running=running, waiting=waiting, kv_usage=kv_usage),
-            capacity=capacity,
-            scraped_at=time.time() if at is None else at,
+            metrics="full", capacity=capacity, scraped_at=time.time() if at is None else at,
             scraper="test",
         )
         await self.load_kv.put(report_key(endpoint), report.to_bytes())
-        await until(
-            lambda: all(a.load.reports > b for a, b in zip(self.admissions, before, strict=True))
-        )
+        await until(lambda: all(a.load.reports > b for a, b in zip(self.admissions, before, strict=True)))
 
     async def report_all(self, **kwargs: Any) -> None:
         for endpoint in ENDPOINTS:
             await self.report(endpoint, **kwargs)
 
-    async def ask(
-        self,
-        *,
-        band: str | None = None,
-        tenant: str | None = None,
-        request_id: str | None = None,
-        timeout: float = 10,
-    ) -> AdmitReply:
-        request = AdmitRequest(
-            request_id=request_id or uuid.uuid4().hex,
-            edge_id="edge-test",
-            model=MODEL,
-            feature="chat",
-            band=band,
-            tenant=tenant,
+    def request(self, *, band: str | None = None, tenant: str | None = None,
+                request_id: str | None = None, session: str | None = None,
+                shard: int | None = None) -> AdmitRequest:
+        shards = self.config.admission.shards
+        if shard is None:
+            shard = shard_of(session, shards) if session is not None else 0
+        return AdmitRequest(
+            id=request_id or uuid.uuid4().hex, edge="edge-test", model=MODEL, feature="chat",
+            shard=shard, band=band, tenant=tenant, session=session,
         )
-        msg = await self.nc.request(
-            ADMISSION_REQUEST_SUBJECT, request.model_dump_json().encode(), timeout=timeout
-        )
-        return AdmitReply.model_validate_json(msg.data)
+
+    async def ask(self, *, band: str | None = None, tenant: str | None = None,
+                  request_id: str | None = None, session: str | None = None,
+                  shard: int | None = None, timeout: float = 10) -> AdmitReply:
+        """Ask admission exactly as an edge does (waiting through the queue if it queues)."""
+        request = self.request(band=band, tenant=tenant, request_id=request_id,
+                               session=session, shard=shard)
+        async with asyncio.timeout(timeout):
+            reply, _ = await self.client.admit(request)
+        return reply
+
+    async def finish_all(self) -> int:
+        """Every granted request ends now (its edge reports it, as after a real request), and
+        the engines' next reports no longer see the gateway's own requests of before."""
+        ended = 0
+        for service in self.admissions:
+            for lease in list(service.ledger.leases.values()):
+                message = RequestEnded(
+                    id=uuid.uuid4().hex, edge=lease.edge, lease=lease.lease_id, shard=lease.shard,
+                    ok=True, outcome="success", model=lease.model, provider=lease.provider,
+                    endpoint=lease.endpoint or "?", ended_at=time.time(), sent=False,
+                )
+                await self.nc.publish(REQUEST_STATS_SUBJECT, message.model_dump_json().encode())
+                ended += 1
+        await self.nc.flush()
+        await until(lambda: all(not a.ledger.leases for a in self.admissions), what="releases")
+        # Past the window in which admission compares an engine reading with its own count.
+        await asyncio.sleep(2 * FOREIGN_WINDOW + 0.06)
+        return ended
+
+    def shard_of_instance(self, service: AdmissionService) -> int:
+        """A shard `service` serves (to send a request to that instance)."""
+        return min(service.shards.serving)
 
     async def cancel(self, request_id: str) -> None:
-        await self.nc.publish(
-            ADMISSION_CANCEL_SUBJECT, AdmitCancel(request_id=request_id).model_dump_json().encode()
-        )
+        await self.nc.publish(ADMISSION_CANCEL_SUBJECT,
+                              AdmitCancel(id=request_id).model_dump_json().encode())
 
     def queued(self) -> int:
         return sum(len(a.flow.queues) for a in self.admissions if a.flow is not None)
@@ -191,41 +189,37 @@ class Rig:
     async def close(self) -> None:
         for close in reversed(self._closers):
             await close()
-        js = self.nc.jetstream()
-        for bucket in (self.config.router.load_bucket, self.config.pinning.bucket):
-            try:
-                await js.delete_key_value(bucket)
-            except Exception:
-                pass
+        await self.client.stop()
+        await self.cluster.stop()
         await self.nc.close()
 
 
-async def open_rig(
-    nats_url: str,
-    unique_id: str,
-    instances: int = 1,
-    *,
-    urls: dict[str, str] | None = None,
-    limits: dict[str, int] | None = None,
-    router: dict[str, Any] | None = None,
-    **admission: Any,
-) -> Rig:
+def admitted(reply: AdmitReply) -> bool:
+    return reply.status is ReplyStatus.ADMITTED
+
+
+async def open_rig(nats_url: str, unique_id: str, instances: int = 1, *,
+                   urls: dict[str, str] | None = None, limits: dict[str, int] | None = None,
+                   router: dict[str, Any] | None = None, **admission: Any) -> Rig:
     config = rig_config(nats_url, unique_id, urls=urls, limits=limits, router=router, **admission)
     nc = await nats.connect(nats_url)
-    load_kv = await open_routing_bucket(
-        nc.jetstream(), config.router.load_bucket, storage="memory", history=1
-    )
-    rig = Rig(config, nc, load_kv)
+    load_kv = await open_load_bucket(nc, config)
+    cluster = Cluster(config, nats_url)
     for _ in range(instances):
-        await rig.add_admission()
-    return rig
+        await cluster.add_admission()
+    await cluster.settled()
+    client = NatsAdmission(nc, request_timeout=config.nats.request_timeout,
+                           queue_ttl=config.admission.queue_ttl)
+    await client.start()
+    return Rig(config, nc, load_kv, cluster, client)
 
 
-async def until(
-    condition: Callable[[], bool], timeout: float = 5.0, what: str = "condition"
-) -> None:
+async def until(condition: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.002)
+
+
+__all__ = ["ENDPOINTS", "MODEL", "Rig", "admitted", "contextlib", "open_rig", "until"]

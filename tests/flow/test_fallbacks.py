@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import uuid
 
-import nats
 import pytest
+from inproc import start_admission
+from rig import admitted
 
 from llmgw.config import config_from_dict
-from llmgw.services.admission.service import AdmissionService
-from llmgw.state.setup import open_routing_state
-from llmgw.wire import AdmitRequest, RejectReason
+from llmgw.core.outcomes import Refusal
+from llmgw.core.shards import shard_of
+from llmgw.wire import AdmitRequest
 
 
 @pytest.fixture
@@ -19,6 +20,7 @@ async def service(nats_url, unique_id):
         {
             "nats": {"url": nats_url},
             "pinning": {"bucket": f"routing_{unique_id}"},
+            "router": {"load_bucket": f"load_{unique_id}"},
             "admission": {"enabled": False},
             "models": [
                 {"name": "big", "aliases": ["b"], "fallbacks": ["small"]},
@@ -46,22 +48,21 @@ async def service(nats_url, unique_id):
         source="<test>",
         env={},
     )
+    admission = await start_admission(config, nats_url, instance="admission", follow_load=False)
+    yield admission.service
+    await admission.stop()
+    import nats
+
     nc = await nats.connect(nats_url)
-    routing = await open_routing_state(nc, config, instance_id="admission")
-    service = AdmissionService(config, nc, routing)
-    yield service
-    await routing.close()
     await nc.jetstream().delete_key_value(config.pinning.bucket)
     await nc.close()
 
 
 def ask(model: str) -> AdmitRequest:
+    session = uuid.uuid4().hex
     return AdmitRequest(
-        request_id=uuid.uuid4().hex,
-        edge_id="e",
-        model=model,
-        feature="chat",
-        session_id=uuid.uuid4().hex,
+        id=uuid.uuid4().hex, edge="e", model=model, feature="chat", session=session,
+        shard=shard_of(session, 32),
     )
 
 
@@ -74,9 +75,9 @@ async def test_a_degraded_model_is_served_by_its_fallback(service):
     )
     service.health.set_healthy("gpu-big", False)
     fallback = await service.decide(ask("big"))
-    assert fallback.admitted
+    assert admitted(fallback)
     assert (fallback.target.endpoint, fallback.served_model) == ("gpu-small", "small")
     assert service.metrics.fallbacks.labels("big", "small")._value.get() == 1
     service.health.set_healthy("gpu-small", False)
     nowhere = await service.decide(ask("big"))
-    assert nowhere.reject_reason is RejectReason.NO_CAPACITY
+    assert nowhere.refusal is Refusal.NO_CAPACITY

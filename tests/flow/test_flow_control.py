@@ -6,9 +6,9 @@ import asyncio
 import time
 
 import pytest
-from rig import ENDPOINTS, open_rig, until
+from rig import ENDPOINTS, admitted, open_rig, until
 
-from llmgw.wire import RejectReason
+from llmgw.core.outcomes import Refusal
 
 
 @pytest.fixture
@@ -24,9 +24,14 @@ async def saturate(rig) -> None:
 
 
 async def open_headroom(rig) -> None:
-    """Batches full, nothing waiting, grants so far visible: bronze may add 3, silver 5."""
-    await asyncio.sleep(0.11)  # a report counts grants visible only 100 ms after them
+    """One round of room: the requests granted so far end while the engines are still full of
+    other work (so their ends free nothing yet), then the engines report full batches with
+    nothing waiting: bronze may add 3, silver 5."""
+    await saturate(rig)
+    await rig.finish_all()
     await rig.report_all(running=8, waiting=0)
+    for service in rig.admissions:  # the room is taken before the round ends
+        await ticks(service, 3)
 
 
 async def ticks(service, n: int = 5) -> None:
@@ -38,7 +43,7 @@ async def ticks(service, n: int = 5) -> None:
 async def test_nothing_waits_when_the_pool_is_not_saturated(rig):
     await rig.report_all(running=0, capacity=8)
     replies = await asyncio.gather(*(rig.ask(band="gold") for _ in range(10)))
-    assert all(r.admitted and r.target.provider == "iris" for r in replies)
+    assert all(admitted(r) and r.target.provider == "iris" for r in replies)
     metrics = rig.admissions[0].metrics
     assert metrics.flow_decisions.labels("gold", "granted")._value.get() == 10
     assert metrics.queue_wait.labels("gold", "granted")._sum.get() == 0  # nobody queued
@@ -68,7 +73,7 @@ async def test_no_lower_band_dispatch_while_a_higher_band_waits(rig):
     for _ in range(3):
         await open_headroom(rig)
     replies = await asyncio.gather(*silver, *bronze)
-    assert all(r.admitted for r in replies)
+    assert all(admitted(r) for r in replies)
 
 
 async def test_a_quiet_tenant_keeps_its_share_next_to_a_tenant_sending_20x(rig):
@@ -78,22 +83,26 @@ async def test_a_quiet_tenant_keeps_its_share_next_to_a_tenant_sending_20x(rig):
 
     async def one(tenant: str) -> None:
         started = time.monotonic()
-        reply = await rig.ask(band="bronze", tenant=tenant, timeout=30)
-        if reply.admitted:
+        reply = await rig.ask(band="bronze", tenant=tenant, timeout=60)
+        if admitted(reply):
             granted_at[tenant].append(time.monotonic() - started)
 
-    tasks = []
+    tasks, quiet_tasks = [], []
+    rounds = []
     for _ in range(12):
         tasks += [asyncio.create_task(one("noisy")) for _ in range(20)]
-        tasks.append(asyncio.create_task(one("quiet")))
+        quiet_tasks.append(asyncio.create_task(one("quiet")))
+        started = time.monotonic()
         await open_headroom(rig)
-    for _ in range(3):
+        rounds.append(time.monotonic() - started)
+    for _ in range(2):
         await open_headroom(rig)
+    await asyncio.wait_for(asyncio.gather(*quiet_tasks), 10)
     quiet, noisy = granted_at["quiet"], granted_at["noisy"]
     # Under contention (~240 noisy waiting) the quiet tenant got every request through, each
     # within a round or two, while the noisy one took the rest of the room.
     assert len(quiet) == 12
-    assert max(quiet) < 0.6, f"quiet waited {max(quiet):.2f} s"
+    assert max(quiet) < 2.5 * max(rounds), f"quiet waited {max(quiet):.2f} s"
     assert 20 <= len(noisy) <= 40
     for task in tasks:
         task.cancel()
@@ -108,8 +117,8 @@ async def test_a_full_band_rejects_at_once(nats_url, unique_id):
         started = time.monotonic()
         reply = await rig.ask(band="bronze")
         assert time.monotonic() - started < 0.5
-        assert (reply.admitted, reply.reject_reason) == (False, RejectReason.QUEUE_FULL)
-        assert reply.retry_after_s >= 1
+        assert (admitted(reply), reply.refusal) == (False, Refusal.QUEUE_FULL)
+        assert reply.retry_after >= 1
         silver = asyncio.create_task(rig.ask(band="silver"))  # each band has its own capacity
         await until(lambda: rig.queued() == 4, what="silver queued next to a full bronze band")
         for task in [*waiting, silver]:
@@ -125,9 +134,9 @@ async def test_a_request_that_waits_queue_ttl_is_rejected(nats_url, unique_id):
         started = time.monotonic()
         reply = await rig.ask(band="bronze")
         waited = time.monotonic() - started
-        assert (reply.admitted, reply.reject_reason) == (False, RejectReason.QUEUE_TIMEOUT)
+        assert (admitted(reply), reply.refusal) == (False, Refusal.QUEUE_TIMEOUT)
         assert 0.3 <= waited < 1.5
-        assert reply.retry_after_s >= 1
+        assert reply.retry_after >= 1
         assert rig.queued() == 0
     finally:
         await rig.close()
@@ -139,7 +148,7 @@ async def test_a_cancelled_request_leaves_the_queue_at_once(rig):
     await until(lambda: rig.queued() == 1)
     await rig.cancel("leaving")
     reply = await asyncio.wait_for(asking, 1)
-    assert reply.reject_reason is RejectReason.CANCELLED
+    assert reply.refusal is Refusal.CANCELLED
     assert rig.queued() == 0
     assert rig.admissions[0].metrics.cancellations._value.get() == 1
 
@@ -147,33 +156,33 @@ async def test_a_cancelled_request_leaves_the_queue_at_once(rig):
 async def test_interactive_bands_overflow_to_a_third_party_and_batch_bands_wait(rig):
     await saturate(rig)
     gold = await rig.ask(band="gold")
-    assert gold.admitted and (gold.target.provider, gold.route) == ("tensorx", "overflow")
+    assert admitted(gold) and (gold.target.provider, gold.route) == ("tensorx", "overflow")
     bronze = asyncio.create_task(rig.ask(band="bronze"))
     await until(lambda: rig.queued() == 1)
     await open_headroom(rig)
     reply = await bronze
-    assert reply.admitted and reply.target.provider == "iris"
+    assert admitted(reply) and reply.target.provider == "iris"
 
 
 async def test_stale_metrics_hold_back_lower_bands_but_never_drop_the_pool(rig):
     await rig.report_all(running=0, at=time.time() - 60)  # idle, but a minute old
     platinum = await rig.ask(band="platinum")
-    assert platinum.admitted and platinum.target.provider == "iris"  # 1.0: at the healthy limit
+    assert admitted(platinum) and platinum.target.provider == "iris"  # 1.0: at the healthy limit
     silver = asyncio.create_task(rig.ask(band="silver"))
     await until(lambda: rig.queued() == 1)
     await ticks(rig.admissions[0])
     assert not silver.done()
     await rig.report_all(running=0)  # fresh again: it flows
-    assert (await silver).admitted
+    assert admitted(await silver)
 
 
 async def test_unhealthy_endpoints_degrade_the_provider_for_the_model(rig):
     await rig.report_all(running=0, healthy=False)
     reply = await rig.ask(band="bronze")  # no healthy managed endpoint: nothing to protect
-    assert reply.admitted and reply.target.provider == "tensorx"
+    assert admitted(reply) and reply.target.provider == "tensorx"
     await rig.report("engine-2", running=0, healthy=True)
     reply = await rig.ask(band="bronze")
-    assert reply.admitted and reply.target.endpoint == "engine-2"
+    assert admitted(reply) and reply.target.endpoint == "engine-2"
 
 
 async def test_flow_control_off_admits_regardless_of_saturation(nats_url, unique_id):
@@ -181,6 +190,6 @@ async def test_flow_control_off_admits_regardless_of_saturation(nats_url, unique
     try:
         await saturate(rig)
         replies = await asyncio.gather(*(rig.ask(band="bronze") for _ in range(5)))
-        assert all(r.admitted and r.target.provider == "iris" for r in replies)
+        assert all(admitted(r) and r.target.provider == "iris" for r in replies)
     finally:
         await rig.close()

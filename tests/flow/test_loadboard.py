@@ -1,4 +1,8 @@
-"""The load board's inflight estimate: engine numbers at the last scrape, corrected in between."""
+"""The load board's inflight: the gateway's own exact count plus the engine's foreign load.
+
+No phantom load: a request counts from its grant to its end message, never longer, whatever the
+scraper saw; the engine's numbers only add what the gateway did not send.
+"""
 
 from __future__ import annotations
 
@@ -6,81 +10,84 @@ from rig import MODEL, rig_config
 
 from llmgw.load import EndpointReport, LoadSample
 from llmgw.services.admission.health import HealthBoard
-from llmgw.services.admission.loadboard import LoadBoard
+from llmgw.services.admission.loadboard import FOREIGN_WINDOW, PEER_FORGET_AFTER, LoadBoard
 
 T = 1_000_000.0
 
 
-def board_with_sample(running: int, waiting: int = 0, at: float = T) -> LoadBoard:
+def board() -> LoadBoard:
     config = rig_config("nats://127.0.0.1:4222", "x", router={"scrape_interval": "400ms"})
-    board = LoadBoard(config, HealthBoard())
+    return LoadBoard(config, HealthBoard())
+
+
+def report(board: LoadBoard, at: float, running: int | None, waiting: int | None = 0,
+           kv: float | None = 0.1) -> None:
+    sample = None
+    if running is not None or waiting is not None or kv is not None:
+        sample = LoadSample(dialect="vllm", running=running, waiting=waiting, kv_usage=kv)
     board.apply(
         EndpointReport(
-            endpoint="engine-1",
-            provider="iris",
-            pool="p",
-            models=(MODEL,),
-            healthy=True,
-            sample=LoadSample(dialect="vllm", running=running, waiting=waiting, kv_usage=0.1),
-            capacity=8,
-            scraped_at=at,
-            scraper="test",
+            endpoint="engine-1", provider="iris", pool="p", models=(MODEL,), healthy=True,
+            sample=sample, capacity=0, scraped_at=at, scraper="test",
         )
     )
-    return board
 
 
-def test_grants_count_until_they_end_or_a_later_scrape_shows_them():
-    board = board_with_sample(running=3)
-    assert board.visibility_margin == 0.1  # a quarter of the scrape interval
-    board.record_grant("engine-1", T + 0.01)
-    board.record_grant("engine-1", T + 0.02)
-    assert board.inflight("engine-1", T + 0.03) == 5
-    board.request_ended("engine-1", T + 0.01, T + 0.05)  # short: ended before any scrape
-    assert board.inflight("engine-1", T + 0.06) == 4
-    board.apply(
-        EndpointReport(
-            endpoint="engine-1",
-            provider="iris",
-            pool="p",
-            models=(MODEL,),
-            healthy=True,
-            sample=LoadSample(dialect="vllm", running=4, waiting=0, kv_usage=0.1),
-            capacity=8,
-            scraped_at=T + 0.2,
-            scraper="test",
-        )
-    )
-    assert board.inflight("engine-1", T + 0.21) == 4  # the grant at +0.02 is in the sample now
+def test_own_requests_count_from_grant_to_end_and_never_after():
+    b = board()
+    b.set_own("engine-1", 2, T)
+    report(b, T + 0.01, running=2)  # the scrape sees exactly the gateway's two
+    assert b.foreign("engine-1") == 0 and b.inflight("engine-1", T + 0.02) == 2
+    b.set_own("engine-1", 0, T + 0.05)  # both end right after the scrape
+    assert b.inflight("engine-1", T + 0.06) == 0  # no phantom until the next scrape
 
 
-def test_a_request_the_last_scrape_saw_frees_its_place_when_it_ends():
-    board = board_with_sample(running=6, waiting=1, at=T)
-    board.request_ended("engine-1", T - 5, T + 0.3)  # running at the scrape, ended after it
-    board.request_ended("engine-1", T - 5, T + 0.3)
-    assert board.inflight("engine-1", T + 0.31) == 5
-    board.request_ended("engine-1", T - 5, T - 0.1)  # ended before the scrape: not in it
-    board.request_ended("engine-1", T - 0.05, T + 0.3)  # too recent to be trusted in it
-    assert board.inflight("engine-1", T + 0.31) == 5
-    for _ in range(10):  # never below zero, whatever arrives
-        board.request_ended("engine-1", T - 5, T + 0.3)
-    assert board.inflight("engine-1", T + 0.31) == 0
+def test_what_the_engine_runs_beyond_the_gateways_requests_is_foreign_load():
+    b = board()
+    b.set_own("engine-1", 1, T)
+    report(b, T + 1, running=5, waiting=2)  # 7 at the engine, 1 of them ours
+    assert b.foreign("engine-1") == 6 and b.inflight("engine-1", T + 1.1) == 7
+    report(b, T + 2, running=1, waiting=0)  # the other client went away
+    assert b.foreign("engine-1") == 0
 
 
-def test_a_new_scrape_replaces_the_corrections():
-    board = board_with_sample(running=6, at=T)
-    board.request_ended("engine-1", T - 5, T + 0.3)
-    board.apply(
-        EndpointReport(
-            endpoint="engine-1",
-            provider="iris",
-            pool="p",
-            models=(MODEL,),
-            healthy=True,
-            sample=LoadSample(dialect="vllm", running=5, waiting=0, kv_usage=0.1),
-            capacity=8,
-            scraped_at=T + 0.4,
-            scraper="test",
-        )
-    )
-    assert board.inflight("engine-1", T + 0.41) == 5
+def test_a_request_that_ended_just_after_the_scrape_is_not_taken_for_foreign_load():
+    b = board()
+    b.set_own("engine-1", 3, T)
+    b.set_own("engine-1", 0, T + 0.5 * FOREIGN_WINDOW)  # ended just after the scrape below
+    report(b, T + 0.4 * FOREIGN_WINDOW, running=3)  # the report arrives after the ends
+    assert b.foreign("engine-1") == 0
+
+
+def test_a_long_running_request_is_never_counted_twice():
+    b = board()
+    b.set_own("engine-1", 1, T)
+    report(b, T + 30, running=1)  # long after its grant: history of the grant trimmed
+    assert b.foreign("engine-1") == 0 and b.inflight("engine-1", T + 30) == 1
+
+
+def test_peers_live_leases_count_until_they_go_quiet():
+    b = board()
+    b.peer_load("admission-2", T, {"engine-1": 4}, T)
+    assert b.inflight("engine-1", T + 1) == 4
+    assert b.inflight("engine-1", T + PEER_FORGET_AFTER + 0.1) == 0
+
+
+def test_capacity_starts_from_the_config_and_only_grows():
+    b = board()
+    assert b.capacity("engine-1") >= 1  # scoring.target_inflight by weight: never 0
+    floor = b.capacity("engine-1")
+    report(b, T, running=floor + 5)
+    assert b.capacity("engine-1") == floor + 5
+    report(b, T + 1, running=1)
+    assert b.capacity("engine-1") == floor + 5
+
+
+def test_an_engine_without_load_metrics_is_fresh_and_scored_by_the_gateways_count():
+    b = board()
+    capacity = b.capacity("engine-1")
+    report(b, T, running=None, waiting=None, kv=None)  # answered /health, no load gauges
+    assert b.saturation("engine-1", T + 1) == 0.0  # not stale: nothing black-holes the pool
+    b.set_own("engine-1", capacity + 2, T + 1)
+    assert b.saturation("engine-1", T + 1) == 2 / 4  # 2 queued over target_waiting 4
+    assert b.metrics_mode("engine-1") == "none"

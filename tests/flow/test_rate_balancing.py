@@ -9,17 +9,16 @@ from collections import Counter
 
 import nats
 import pytest
+from inproc import start_admission
 from rig import until
 
 from llmgw.config import config_from_dict
-from llmgw.services.admission.service import AdmissionService
-from llmgw.state.setup import open_routing_state
 from llmgw.wire import (
-    ADMISSION_REQUEST_SUBJECT,
     REQUEST_STATS_SUBJECT,
     AdmitReply,
     AdmitRequest,
-    RequestStats,
+    RequestEnded,
+    admission_subject,
 )
 
 DEPLOYMENTS = ("east", "west", "north")
@@ -31,6 +30,7 @@ async def admission(nats_url, unique_id):
         {
             "nats": {"url": nats_url},
             "pinning": {"bucket": f"routing_{unique_id}"},
+            "router": {"load_bucket": f"load_{unique_id}"},
             "admission": {"enabled": False},
             "balancer": {"window": "60s", "greediness": 0.5},
             "models": [{"name": "m1"}],
@@ -43,23 +43,18 @@ async def admission(nats_url, unique_id):
         source="<test>",
         env={},
     )
+    admission = await start_admission(config, nats_url, instance="admission", follow_load=False)
     nc = await nats.connect(nats_url)
-    routing = await open_routing_state(nc, config, instance_id="admission")
-    service = AdmissionService(config, nc, routing)
-    await service.start()
-    yield service, nc
-    await service.stop()
-    await routing.close()
+    yield admission.service, nc
+    await admission.stop()
     await nc.jetstream().delete_key_value(config.pinning.bucket)
     await nc.close()
 
 
 async def picks(nc, n: int) -> Counter[str]:
     async def one() -> str:
-        request = AdmitRequest(request_id=uuid.uuid4().hex, edge_id="e", model="m1", feature="chat")
-        msg = await nc.request(
-            ADMISSION_REQUEST_SUBJECT, request.model_dump_json().encode(), timeout=5
-        )
+        request = AdmitRequest(id=uuid.uuid4().hex, edge="e", model="m1", feature="chat", shard=0)
+        msg = await nc.request(admission_subject(0), request.model_dump_json().encode(), timeout=5)
         return AdmitReply.model_validate_json(msg.data).target.endpoint
 
     return Counter(await asyncio.gather(*(one() for _ in range(n))))
@@ -76,7 +71,10 @@ async def test_deployments_are_chosen_by_their_learned_rates(admission):
             ("west", 3.0, 90, True),
             ("north", 0.5, 0, False),
         ):
-            stats = RequestStats(
+            stats = RequestEnded(
+                id=uuid.uuid4().hex,
+                edge="e",
+                model="m1",
                 endpoint=endpoint,
                 provider="tensorx",
                 ended_at=now - i * 0.1,

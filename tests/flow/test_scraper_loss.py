@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import time
 
-from rig import ENDPOINTS, open_rig, until
+from rig import ENDPOINTS, admitted, open_rig, until
 
 from llmgw.services.scraper.main import serve
 from llmgw.services.sim.apps import create_engine_app
@@ -46,7 +46,7 @@ async def test_admission_stays_safe_when_the_scraper_dies(nats_url, unique_id):
             what="fresh reports from the scraper",
         )
         fresh = await rig.ask(band="bronze")
-        assert fresh.admitted and fresh.target.provider == "iris"
+        assert admitted(fresh) and fresh.target.provider == "iris"
 
         scraper.cancel()  # dies mid-flight: no goodbye, its last reports stay in the bucket
         with contextlib.suppress(asyncio.CancelledError):
@@ -57,14 +57,14 @@ async def test_admission_stays_safe_when_the_scraper_dies(nats_url, unique_id):
         bronze = asyncio.create_task(rig.ask(band="bronze"))
         await until(lambda: rig.queued() == 1, what="bronze to wait")
         platinum = await rig.ask(band="platinum")
-        assert platinum.admitted and platinum.target.provider == "iris"
+        assert admitted(platinum) and platinum.target.provider == "iris"
         gold = await rig.ask(band="gold")
-        assert gold.admitted and (gold.target.provider, gold.route) == ("tensorx", "overflow")
+        assert admitted(gold) and (gold.target.provider, gold.route) == ("tensorx", "overflow")
         assert not bronze.done()
 
         scraper = start_scraper()  # a replacement: fresh reports, bronze flows again
         reply = await asyncio.wait_for(bronze, 5)
-        assert reply.admitted and reply.target.provider == "iris"
+        assert admitted(reply) and reply.target.provider == "iris"
     finally:
         scraper.cancel()
         with contextlib.suppress(asyncio.CancelledError):

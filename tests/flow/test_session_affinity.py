@@ -1,37 +1,42 @@
-"""Admission keeps a session on its engine replica (bounded-load consistent hashing)."""
+"""Admission keeps a session on its engine replica (bounded-load consistent hashing), with flow
+control on: the reservation flow control makes is the one placement chose, so it never pushes a
+session off its home."""
 
 from __future__ import annotations
 
 import time
-import uuid
 from collections import Counter
 
 import pytest
-from rig import ENDPOINTS, MODEL, open_rig
+from rig import ENDPOINTS, admitted, open_rig
 
-from llmgw.wire import AdmitReply, AdmitRequest
+from llmgw.wire import REQUEST_STATS_SUBJECT, RequestEnded
 
 
-@pytest.fixture
-async def rig(nats_url, unique_id):
-    rig = await open_rig(nats_url, unique_id, enabled=False)
+@pytest.fixture(params=[True, False], ids=["flow-control-on", "flow-control-off"])
+async def rig(nats_url, unique_id, request):
+    rig = await open_rig(nats_url, unique_id, enabled=request.param)
     yield rig
     await rig.close()
 
 
-async def place(rig, session: str | None, *, end: bool = True) -> str:
+async def place(rig, session: str, *, end: bool = True) -> str:
     """Admit one request of `session`; with `end`, it also ends (as the edge would announce)."""
-    request = AdmitRequest(
-        request_id=uuid.uuid4().hex,
-        edge_id="edge-test",
-        model=MODEL,
-        feature="chat",
-        session_id=session,
-    )
-    reply: AdmitReply = await rig.admissions[0].decide(request)
-    assert reply.admitted and reply.target.provider == "iris"
+    reply = await rig.ask(session=session, band="gold")
+    assert admitted(reply) and reply.target.provider == "iris"
     if end:
-        rig.admissions[0].load.request_ended(reply.target.endpoint, reply.granted_at, time.time())
+        message = RequestEnded(
+            id=reply.id, edge="edge-test", lease=reply.lease.lease_id, shard=reply.lease.shard,
+            refresh=True, ok=True, outcome="success", model="m1", provider="iris",
+            endpoint=reply.target.endpoint, ended_at=time.time(),
+        )
+        await rig.nc.publish(REQUEST_STATS_SUBJECT, message.model_dump_json().encode())
+        await rig.nc.flush()
+        service = rig.admissions[0]
+        deadline = time.monotonic() + 2
+        while reply.lease.lease_id in service.ledger.leases:
+            assert time.monotonic() < deadline, "the end never reached admission"
+            await rig.nc.flush()
     return reply.target.endpoint
 
 
@@ -44,6 +49,17 @@ async def test_a_session_keeps_its_replica_and_sessions_spread(rig):
     assert all(len(places) == 1 for places in homes.values())  # each session: one replica
     spread = Counter(next(iter(p)) for p in homes.values())
     assert set(spread) == set(ENDPOINTS) and min(spread.values()) >= 10
+
+
+async def test_sessions_sent_one_at_a_time_land_on_their_ring_home_from_the_first_request(rig):
+    """Issue: flow control used to reserve the least loaded endpoint (a tie: the first) and the
+    affinity choice then counted that reservation as load, so no session ever started on the
+    first endpoint in config order."""
+    await rig.report_all(running=0, capacity=8)
+    firsts = Counter()
+    for n in range(30):
+        firsts[await place(rig, f"{n + 1000:032x}")] += 1
+    assert set(firsts) == set(ENDPOINTS) and min(firsts.values()) >= 8, firsts
 
 
 async def test_a_busy_replica_sends_its_sessions_next_door(rig):

@@ -9,13 +9,10 @@ bands in every other.
 from __future__ import annotations
 
 import asyncio
-import uuid
 
 import pytest
-from rig import MODEL, open_rig, until
+from rig import admitted, open_rig, until
 from test_flow_control import open_headroom, saturate
-
-from llmgw.wire import AdmitRequest
 
 
 @pytest.fixture
@@ -25,10 +22,9 @@ async def rig3(nats_url, unique_id):
     await rig.close()
 
 
-def request(band: str) -> AdmitRequest:
-    return AdmitRequest(
-        request_id=uuid.uuid4().hex, edge_id="edge-test", model=MODEL, feature="chat", band=band
-    )
+def ask_at(rig, service, band: str):
+    """A request decided by `service` (sent to a shard it owns, as an edge would)."""
+    return rig.ask(band=band, shard=rig.shard_of_instance(service), timeout=30)
 
 
 async def all_ticked(rig, n: int = 5) -> None:
@@ -43,7 +39,7 @@ async def test_instances_share_one_headroom_instead_of_multiplying_it(rig3):
     await saturate(rig)
     # 10 bronze waiters in each instance (decided directly, as each would from its queue group).
     tasks = [
-        asyncio.create_task(a.decide(request("bronze"))) for a in rig.admissions for _ in range(10)
+        asyncio.create_task(ask_at(rig, a, "bronze")) for a in rig.admissions for _ in range(10)
     ]
     await until(lambda: [len(a.flow.queues) for a in rig.admissions] == [10, 10, 10])
     await all_ticked(rig)  # gossip of the queue depths has gone round
@@ -60,15 +56,15 @@ async def test_instances_share_one_headroom_instead_of_multiplying_it(rig3):
         granted_before = granted
         rounds += 1
         assert rounds < 20, "waiters starved"
-    assert all(t.result().admitted for t in tasks)
+    assert all(admitted(t.result()) for t in tasks)
 
 
 async def test_a_band_waiting_in_one_instance_holds_back_lower_bands_in_the_others(rig3):
     rig = rig3
     a, b, _ = rig.admissions
     await saturate(rig)
-    silver = [asyncio.create_task(a.decide(request("silver"))) for _ in range(8)]
-    bronze = [asyncio.create_task(b.decide(request("bronze"))) for _ in range(8)]
+    silver = [asyncio.create_task(ask_at(rig, a, "silver")) for _ in range(8)]
+    bronze = [asyncio.create_task(ask_at(rig, b, "bronze")) for _ in range(8)]
     await until(lambda: (len(a.flow.queues), len(b.flow.queues)) == (8, 8))
     await all_ticked(rig)
     await open_headroom(rig)  # room for 5 silver: silver still waits after it

@@ -1,0 +1,176 @@
+"""Real gateway parts in this process: admission instances and edges, each with its own NATS
+connection (exactly as separate processes would have), on real uvicorn servers.
+
+Used by the edge, flow, mesh and chaos tests. Nothing here is a mock: the instances are the
+product's services, composed the way their `main` modules compose them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import nats
+
+from llmgw.config import Config
+from llmgw.core.ledger import LedgerObserver
+from llmgw.events import EventPublisher
+from llmgw.services.admission.health import HealthBoard
+from llmgw.services.admission.loadboard import LoadBoard, LoadFollower
+from llmgw.services.admission.service import AdmissionService, limits_from_config
+from llmgw.services.edge.app import HotPathApp, create_app
+from llmgw.services.edge.main import close_edge_deps, open_edge_deps
+from llmgw.serving import RunningServer, start_server
+from llmgw.state.setup import open_load_bucket, open_routing_store
+
+
+@dataclass
+class Admission:
+    service: AdmissionService
+    nc: Any
+    follower: LoadFollower | None = None
+    stopped: bool = False
+
+    async def stop(self) -> None:
+        if self.stopped:
+            return
+        self.stopped = True
+        await self.service.stop()
+        if self.follower is not None:
+            await self.follower.stop()
+        await self.nc.close()
+
+    async def kill(self) -> None:
+        """Die without a word (no handover, no goodbye): what SIGKILL leaves behind."""
+        if self.stopped:
+            return
+        self.stopped = True
+        service = self.service
+        for task in [*service._loops, *service._tasks]:
+            task.cancel()
+        if service.shards._task is not None:
+            service.shards._task.cancel()
+        for task in service.membership._tasks:
+            task.cancel()
+        for task in service.quotas._tasks:
+            task.cancel()
+        if service.flow is not None and service.flow._tick_task is not None:
+            service.flow._tick_task.cancel()
+        await self.nc.close()
+        if self.follower is not None:
+            await self.follower.stop()
+
+
+@dataclass
+class Edge:
+    app: HotPathApp
+    server: RunningServer
+    deps: Any
+    nc: Any
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    async def stop(self) -> None:
+        await self.server.stop()
+        await close_edge_deps(self.deps)
+        await self.nc.close()
+
+
+async def start_admission(
+    config: Config,
+    nats_url: str,
+    *,
+    instance: str,
+    follow_load: bool = True,
+    observer: LedgerObserver | None = None,
+    **kwargs: Any,
+) -> Admission:
+    """One admission instance as `llmgw admission` runs it (its load board follows the load
+    bucket when `follow_load`)."""
+    nc = await nats.connect(nats_url, name=instance)
+    health = kwargs.pop("health", None) or HealthBoard()
+    board = kwargs.pop("load", None) or LoadBoard(config, health)
+    follower = None
+    if follow_load:
+        follower = LoadFollower(board, await open_load_bucket(nc, config))
+        await follower.start()
+    store = await open_routing_store(nc, config)
+    service = AdmissionService(
+        config, nc, store, instance=instance, health=health, load=board,
+        events=EventPublisher(nc, instance), observer=observer, **kwargs,
+    )
+    await service.start()
+    return Admission(service, nc, follower)
+
+
+async def start_edge(config: Config, nats_url: str, *, edge_id: str) -> Edge:
+    """One edge as `llmgw edge` runs it, on a free port."""
+    nc = await nats.connect(nats_url, name=edge_id)
+    deps = await open_edge_deps(nc, config, edge_id)
+    app = create_app(config, deps)
+    server = await start_server(app)
+    return Edge(app, server, deps, nc)
+
+
+@dataclass
+class Cluster:
+    """Admission instances and edges sharing one config (and so one routing bucket)."""
+
+    config: Config
+    nats_url: str
+    admissions: list[Admission] = field(default_factory=list)
+    edges: list[Edge] = field(default_factory=list)
+    observer_for: Any = None  # instance -> LedgerObserver (an AuditLog's), or None
+
+    @property
+    def limits(self) -> dict:
+        return limits_from_config(self.config)
+
+    async def add_admission(self, instance: str | None = None, **kwargs: Any) -> Admission:
+        name = instance or f"admission-{len(self.admissions)}"
+        observer = self.observer_for(name) if self.observer_for is not None else None
+        admission = await start_admission(
+            self.config, self.nats_url, instance=name, observer=observer, **kwargs
+        )
+        self.admissions.append(admission)
+        return admission
+
+    async def add_edge(self) -> Edge:
+        edge = await start_edge(self.config, self.nats_url, edge_id=f"edge-{len(self.edges)}")
+        self.edges.append(edge)
+        return edge
+
+    def live_admissions(self) -> list[AdmissionService]:
+        return [a.service for a in self.admissions if not a.stopped]
+
+    async def settled(self, timeout: float = 10.0) -> None:
+        """Until every shard is served by exactly one live instance."""
+        shards = self.config.admission.shards
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            served = [s for a in self.live_admissions() for s in a.shards.serving]
+            if sorted(served) == list(range(shards)):
+                return
+            if loop.time() > deadline:
+                raise AssertionError(f"shards not settled: {sorted(served)}")
+            await asyncio.sleep(0.02)
+
+    async def stop(self, *, delete_buckets: bool = True) -> None:
+        for edge in self.edges:
+            with contextlib.suppress(Exception):
+                await edge.stop()
+        for admission in self.admissions:
+            with contextlib.suppress(Exception):
+                await admission.stop()
+        if delete_buckets:
+            nc = await nats.connect(self.nats_url)
+            js = nc.jetstream()
+            for bucket in (self.config.pinning.bucket, self.config.router.load_bucket):
+                with contextlib.suppress(Exception):
+                    await js.delete_key_value(bucket)
+            await nc.close()
