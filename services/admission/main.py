@@ -45,7 +45,11 @@ def run(args: argparse.Namespace) -> int:
         instance = service_instance("admission")
         board = LoadBoard(config, HealthBoard())
         load_kv = await open_routing_bucket(
-            nc.jetstream(), config.router.load_bucket, storage="memory", history=1
+            nc.jetstream(),
+            config.router.load_bucket,
+            storage="memory",
+            history=1,
+            replicas=config.replicas_of(config.router.load_bucket),
         )
         follower = LoadFollower(board, load_kv)
         await follower.start()

@@ -81,6 +81,7 @@ async def serve(
             router.load_bucket,
             storage=LOAD_BUCKET_STORAGE,
             history=LOAD_BUCKET_HISTORY,
+            replicas=config.replicas_of(router.load_bucket),
         )
         scraper = Scraper(
             targets,

@@ -35,7 +35,7 @@ async def open_routing_state(
         nc.jetstream(),
         pinning.bucket,
         storage=pinning.storage,
-        replicas=pinning.replicas,
+        replicas=config.replicas_of(pinning.bucket),
         history=pinning.history,
     )
     state = RoutingState(
