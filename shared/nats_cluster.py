@@ -395,8 +395,7 @@ class EmbeddedNatsCluster:
 
     def _prepare_restart(self, index: int) -> ClusterNode:
         node = self.nodes[index]
-        if node.running:
-            node.server.stop()
+        node.server.stop()  # a running node stops gracefully; an exited one is reaped
         self._spawn_node(node)
         return node
 
