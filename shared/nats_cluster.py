@@ -30,7 +30,9 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import signal
 import socket
+import subprocess
 import tempfile
 import time
 import urllib.error
@@ -59,6 +61,7 @@ MIN_CLUSTER_SIZE = 3
 _POLL_INTERVAL = 0.05
 _HTTP_TIMEOUT = 1.0
 _LOG_TAIL_LINES = 8
+_SIGNALLED_EXIT_TIMEOUT = 10.0  # seconds a signalled node may take to exit before SIGKILL
 
 
 @dataclass(eq=False)
@@ -211,14 +214,22 @@ class EmbeddedNatsCluster:
     async def astop(self, grace: float = 5.0) -> None:
         await asyncio.to_thread(self.stop, grace)
 
-    def kill(self, index: int) -> int | None:
-        """SIGKILL node `index` (a crash: no leadership hand-over); returns its exit code."""
+    def kill(self, index: int, sig: signal.Signals = signal.SIGKILL) -> int | None:
+        """Signal node `index` and wait for its exit; returns its exit code. The store stays.
+
+        SIGKILL (default) is a crash: the node's Raft groups must elect new leaders after an
+        election timeout. SIGTERM is a clean shutdown: nats-server hands its leaderships over.
+        """
         node = self.nodes[index]
         process = node.server.process
         if process is not None and process.poll() is None:
-            process.kill()
-            process.wait()
-        return node.server.stop()  # reaps it and removes its ports file; the store stays
+            process.send_signal(sig)
+            try:
+                process.wait(_SIGNALLED_EXIT_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        return node.server.stop()  # reaps it and removes its ports file
 
     def restart(self, index: int, timeout: float = 30.0) -> ClusterNode:
         """Start node `index` again (stopping it first if it runs) with its store, name, ports.

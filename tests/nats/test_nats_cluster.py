@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -200,6 +201,19 @@ async def test_killing_the_stream_leader_keeps_a_full_list_client_writing(
         assert await store.update("pin.m.s", b"engine-4", third) > third
     finally:
         await solo.close()
+
+
+async def test_a_leader_stopped_cleanly_hands_over_without_an_election_timeout(
+    cluster: EmbeddedNatsCluster, full_list_client: NatsClient
+) -> None:
+    kv = await open_routing_bucket(full_list_client.jetstream(timeout=0.5), BUCKET, replicas=3)
+    revision = await kv.create("pin.m.s", b"engine-1")
+    leader = cluster.stream_leader(STREAM)
+    assert leader is not None
+    await asyncio.to_thread(cluster.kill, leader, signal.SIGTERM)
+    # A crash costs an election timeout (>= 4 s); a clean shutdown transfers leadership first.
+    await cas_until_done(kv, "pin.m.s", b"engine-2", revision, 3.0)
+    assert cluster.stream_leader(STREAM) not in (None, leader)
 
 
 async def test_losing_a_follower_does_not_interrupt_writes(
