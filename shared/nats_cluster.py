@@ -7,7 +7,7 @@ store directory. Every node routes to every other one; all share one cluster nam
 Invariants:
 - `start()` returns only when every node accepts clients and answers a JetStream API request,
   every node names the same meta leader, and that leader sees every other node as a current
-  peer: a bucket with as many replicas as nodes can be created at once.
+  peer: a bucket with up to min(size, 5) replicas can be created at once.
 - A node's client port, cluster port, server name and store directory are fixed at the first
   `start()` and kept by `kill(i)` and `restart(i)`, so a restarted node rejoins as the same
   peer, catches up from its own store plus the others, and clients that hold the full server
