@@ -58,6 +58,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--dry-run", action="store_true", help="print the processes it would start and exit"
     )
     up.add_argument(
+        "--nats-cluster",
+        type=int,
+        default=None,
+        metavar="N",
+        help="run the embedded NATS as a JetStream cluster of N servers (1, or 3 or more); "
+        "buckets get 3 replicas (overrides nats.embedded_cluster)",
+    )
+    up.add_argument(
         "--ready-timeout",
         type=float,
         default=60.0,

@@ -54,9 +54,10 @@ REPORT_KEY_PREFIX = "endpoint."
 ENDPOINT_EVENT_VERBS = ("scraped", "healthy", "unhealthy")
 POOL_EVENT_VERBS = ("measured",)
 # How every user opens the load bucket (`open_routing_bucket(js, config.router.load_bucket,
-# storage=LOAD_BUCKET_STORAGE, history=LOAD_BUCKET_HISTORY)`): an opener asking for other
-# settings gets BucketConfigMismatch. Memory storage: the reports are rebuilt every scrape
-# interval, so surviving a server restart is worth nothing; history 1: only the latest counts.
+# storage=LOAD_BUCKET_STORAGE, history=LOAD_BUCKET_HISTORY, replicas=config.replicas_of(
+# config.router.load_bucket))`): an opener asking for other settings gets BucketConfigMismatch.
+# Memory storage: the reports are rebuilt every scrape interval, so surviving a server restart
+# is worth nothing; history 1: only the latest counts.
 LOAD_BUCKET_STORAGE = "memory"
 LOAD_BUCKET_HISTORY = 1
 

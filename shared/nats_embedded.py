@@ -5,7 +5,9 @@ plain `pip install` is enough to run a local cluster: no Docker, no system packa
 
 Invariants:
 - `start()` returns only once the server accepts clients AND answers a JetStream
-  API request, so callers can create KV buckets immediately.
+  API request, so callers can create KV buckets immediately. `start()` is `spawn()`
+  then `wait_ready()`; a caller starting several servers that need each other (a
+  cluster, `llmgw.nats_cluster`) spawns them all first, then waits for each.
 - A failed start leaves nothing behind: the process is killed and the temporary
   directories are removed; the error carries the tail of the server's log.
 - `stop()` is idempotent. A temporary store (store_dir=None) is deleted; a store
@@ -35,6 +37,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 __all__ = [
     "MIN_NATS_VERSION",
@@ -46,6 +49,8 @@ __all__ = [
     "NatsStartError",
     "die_with_parent",
     "find_nats_server",
+    "jetstream_answers",
+    "js_api_request",
     "nats_server_version",
     "port_is_free",
 ]
@@ -180,6 +185,7 @@ class EmbeddedNats:
         self.process: subprocess.Popen[bytes] | None = None
         self.version: tuple[int, int, int] | None = None
         self._port: int | None = None
+        self._ports: dict[str, list[str]] = {}
         self._log_offset = 0
 
     # -- public state ---------------------------------------------------------------------
@@ -195,6 +201,12 @@ class EmbeddedNats:
         return f"nats://{self.host}:{self.port}"
 
     @property
+    def monitor_url(self) -> str | None:
+        """The HTTP monitoring URL, when the server was started with one (`-m`), else None."""
+        urls = self._ports.get("monitoring") or []
+        return urls[0] if urls else None
+
+    @property
     def pid(self) -> int:
         if self.process is None:
             raise NatsServerError("the embedded NATS server is not running")
@@ -208,15 +220,15 @@ class EmbeddedNats:
 
     def start(self, timeout: float = 10.0) -> EmbeddedNats:
         """Start the server and wait until JetStream answers; returns self."""
-        self._spawn()
-        self._wait_ready_or_cleanup(timeout)
+        self.spawn()
+        self.wait_ready(timeout)
         return self
 
     async def astart(self, ready_within: float = 10.0) -> EmbeddedNats:
         # Spawn in this thread (die-with-parent is bound to the forking thread); only
         # the readiness wait runs in a worker thread.
-        self._spawn()
-        await asyncio.to_thread(self._wait_ready_or_cleanup, ready_within)
+        self.spawn()
+        await asyncio.to_thread(self.wait_ready, ready_within)
         return self
 
     def stop(self, timeout: float = 5.0) -> int | None:
@@ -235,6 +247,7 @@ class EmbeddedNats:
                     process.wait()
             code = process.returncode
         self._port = None
+        self._ports = {}
         self._remove_runtime_dir()
         return code
 
@@ -272,9 +285,12 @@ class EmbeddedNats:
             text = log.read().decode("utf-8", errors="replace")
         return "\n".join(text.splitlines()[-lines:])
 
-    # -- internals ------------------------------------------------------------------------
+    def spawn(self) -> None:
+        """Check the binary and the port, then start the process without waiting for it.
 
-    def _spawn(self) -> None:
+        Raises NatsServerNotFound, NatsServerTooOld, NatsPortInUse or NatsStartError; on
+        any of them nothing is left running. Follow with `wait_ready()`.
+        """
         if self.process is not None:
             raise NatsServerError(f"the embedded NATS server is already running (pid {self.pid})")
         binary = self.binary or find_nats_server()
@@ -322,13 +338,20 @@ class EmbeddedNats:
             self._remove_runtime_dir()
             raise NatsStartError(f"cannot run {binary}: {exc}") from exc
 
-    def _wait_ready_or_cleanup(self, timeout: float) -> None:
+    def wait_ready(self, timeout: float) -> None:
+        """Return once the spawned server accepts clients and JetStream answers.
+
+        On failure (early exit, timeout) the server is stopped and its temporary
+        directories removed before the error, which carries the log tail, propagates.
+        """
         try:
             self._wait_ready(timeout)
         except BaseException:
             # The error message already carries the log tail; the temp dir may go.
             self.stop(timeout=2.0)
             raise
+
+    # -- internals ------------------------------------------------------------------------
 
     def _wait_ready(self, timeout: float) -> None:
         assert self.process is not None and self._runtime_dir is not None
@@ -345,7 +368,7 @@ class EmbeddedNats:
                 )
             if self._port is None:
                 self._port = self._read_ports_file()
-            if self._port is not None and _jetstream_answers(self.host, self._port):
+            if self._port is not None and jetstream_answers(self.host, self._port):
                 return
             if time.monotonic() >= deadline:
                 raise NatsStartError(
@@ -357,15 +380,17 @@ class EmbeddedNats:
             delay = min(delay * 2, 0.1)
 
     def _read_ports_file(self) -> int | None:
+        """The client port from the ports file (None until it is complete); keeps every URL."""
         assert self._runtime_dir is not None and self.process is not None
         path = next(iter(self._runtime_dir.glob(f"*_{self.process.pid}.ports")), None)
         if path is None:
             return None
         try:
-            urls = json.loads(path.read_text(encoding="utf-8")).get("nats") or []
+            ports = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             return None  # written but not complete yet
-        for url in urls:
+        self._ports = {kind: list(urls or []) for kind, urls in ports.items()}
+        for url in self._ports.get("nats", []):
             match = re.search(r":(\d+)$", url)
             if match:
                 return int(match.group(1))
@@ -383,37 +408,52 @@ class EmbeddedNats:
             self._runtime_dir = None
 
 
-def _jetstream_answers(host: str, port: int, timeout: float = 1.0) -> bool:
-    """Whether the server accepts a client and its JetStream API answers `$JS.API.INFO`.
+def jetstream_answers(host: str, port: int, timeout: float = 1.0) -> bool:
+    """Whether the server accepts a client and its JetStream API answers `$JS.API.INFO`."""
+    reply = js_api_request(host, port, "$JS.API.INFO", timeout=timeout)
+    return reply is not None and "error" not in reply
 
-    Speaks the text protocol directly so the sync API needs no event loop: read
-    INFO, send CONNECT + SUB + PUB with a reply inbox, expect a MSG (not a 503 HMSG).
+
+def js_api_request(
+    host: str, port: int, subject: str, payload: bytes = b"", timeout: float = 1.0
+) -> dict[str, Any] | None:
+    """One JetStream API request to the server at host:port; its JSON reply, or None.
+
+    None: no connection, no JetStream, no responder yet (a 503 HMSG), or no reply within
+    `timeout`. Speaks the text protocol directly so sync callers need no event loop:
+    read INFO, send CONNECT + SUB + PUB with a reply inbox, expect a MSG.
     """
     try:
         with socket.create_connection((host, port), timeout=timeout) as sock:
             reader = sock.makefile("rb")
             info_line = reader.readline()
             if not info_line.startswith(b"INFO "):
-                return False
+                return None
             if not json.loads(info_line[5:]).get("jetstream"):
-                return False
+                return None
             connect = {"verbose": False, "pedantic": False, "headers": True, "no_responders": True}
             sock.sendall(
                 b"CONNECT " + json.dumps(connect).encode() + b"\r\n"
-                b"SUB _llmgw_ready 1\r\n"
-                b"PUB $JS.API.INFO _llmgw_ready 0\r\n\r\n"
+                b"SUB _llmgw_api 1\r\n"
+                b"PUB "
+                + subject.encode()
+                + b" _llmgw_api "
+                + str(len(payload)).encode()
+                + b"\r\n"
+                + payload
+                + b"\r\n"
             )
             while True:
                 line = reader.readline()
                 if not line:
-                    return False
+                    return None
                 if line.startswith(b"PING"):
                     sock.sendall(b"PONG\r\n")
                 elif line.startswith(b"MSG "):
                     size = int(line.split()[-1])
-                    payload = json.loads(reader.read(size + 2)[:size] or b"{}")
-                    return "error" not in payload
+                    reply = json.loads(reader.read(size + 2)[:size] or b"{}")
+                    return reply if isinstance(reply, dict) else None
                 elif line.startswith((b"HMSG ", b"-ERR")):
-                    return False  # no responders yet (503) or refused
+                    return None  # no responders yet (503) or refused
     except (OSError, ValueError):
-        return False
+        return None

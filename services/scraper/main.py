@@ -16,7 +16,7 @@ import logging
 
 from llmgw import natsconn
 from llmgw.config import Config, parse_hostport
-from llmgw.load import LOAD_BUCKET_HISTORY, LOAD_BUCKET_STORAGE, capacity_floors
+from llmgw.load import capacity_floors
 from llmgw.runtime import (
     load_or_exit,
     require_nats_server,
@@ -28,7 +28,7 @@ from llmgw.runtime import (
 from llmgw.services.scraper.metrics import ScraperMetrics
 from llmgw.services.scraper.reports import saturation_settings, scrape_targets
 from llmgw.services.scraper.service import Scraper, new_http_client
-from llmgw.state.nats_kv import open_routing_bucket
+from llmgw.state.setup import open_load_bucket
 
 __all__ = ["run", "serve"]
 
@@ -76,12 +76,7 @@ async def serve(
     client = new_http_client(router.scrape_timeout, len(targets))
     admin_server = None
     try:
-        bucket = await open_routing_bucket(
-            nc.jetstream(),
-            router.load_bucket,
-            storage=LOAD_BUCKET_STORAGE,
-            history=LOAD_BUCKET_HISTORY,
-        )
+        bucket = await open_load_bucket(nc, config)
         scraper = Scraper(
             targets,
             client=client,

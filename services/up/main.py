@@ -1,12 +1,15 @@
 """`llmgw up`: the whole gateway on one machine, from one config file.
 
-Starts an embedded NATS server (when `nats.url` is "embedded"), then the
+Starts an embedded NATS server (when `nats.url` is "embedded"), or a JetStream
+cluster of them (`nats.embedded_cluster: 3` or `--nats-cluster 3`), then the
 simulators of every endpoint with a `simulate` block, the admission service and
 the edge, each as a child process (`python -m llmgw ...`) reading the same config.
-Children get the embedded server's URL through `LLMGW_NATS__URL`.
+Children get the server list through `LLMGW_NATS__URL` (and, with a cluster, the
+bucket replicas through `LLMGW_NATS__REPLICAS`). NATS stops last. A cluster node
+that exits is restarted with its store (`nats_keeper.py`); a single server is not.
 
 Exit codes: 0 after Ctrl-C/SIGTERM, 1 when the cluster cannot start or a child
-crash-loops (see `restart.py`), 2 for config errors.
+(or a NATS node) crash-loops (see `restart.py`), 2 for config errors.
 """
 
 from __future__ import annotations
@@ -19,9 +22,21 @@ import sys
 from urllib.parse import urlsplit
 
 from llmgw.config import Config
+from llmgw.nats_cluster import EmbeddedNatsCluster
 from llmgw.nats_embedded import EmbeddedNats, NatsServerError, port_is_free
 from llmgw.runtime import load_or_exit
-from llmgw.services.up.plan import ServiceSpec, duplicate_listens, format_plan, plan_cluster
+from llmgw.services.up.nats_keeper import NatsKeeper, node_label
+from llmgw.services.up.plan import (
+    CLUSTER_NAME,
+    NatsPlan,
+    PlanError,
+    ServiceSpec,
+    duplicate_listens,
+    format_nats_plan,
+    format_plan,
+    plan_cluster,
+    plan_nats,
+)
 from llmgw.services.up.supervisor import ClusterSupervisor
 
 DEFAULT_CONFIG = "config/local.yaml"
@@ -33,14 +48,18 @@ _ANY_HOSTS = {"", "0.0.0.0", "::"}
 def run(args: argparse.Namespace) -> int:
     config_path = str(getattr(args, "config", None) or DEFAULT_CONFIG)
     config = load_or_exit(config_path)
+    try:
+        nats_plan = plan_nats(config, getattr(args, "nats_cluster", None))
+    except PlanError as exc:
+        print(f"llmgw up: {exc}", file=sys.stderr)
+        return 2
     specs = plan_cluster(config, config_path)
-    embedded = config.nats.is_embedded
 
     if getattr(args, "dry_run", False):
-        print(format_plan(specs, _nats_plan_line(config, embedded)))
+        print(format_plan(specs, format_nats_plan(nats_plan)))
         return 0
 
-    problems = duplicate_listens(specs) + _busy_ports(specs, config, embedded)
+    problems = duplicate_listens(specs) + _busy_ports(specs, nats_plan)
     if problems:
         for problem in problems:
             print(f"llmgw up: {problem}", file=sys.stderr)
@@ -49,25 +68,14 @@ def run(args: argparse.Namespace) -> int:
 
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"  # children's lines (and ready lines) arrive as printed
-    nats: EmbeddedNats | None = None
-    if embedded:
-        nats = EmbeddedNats(
-            port=config.nats.embedded_port,
-            store_dir=config.nats.store_dir,
-            server_name="llmgw-up",
-            kill_with_parent=True,
-        )
-        try:
-            nats.start()
-        except NatsServerError as exc:
-            print(f"llmgw up: cannot start the embedded NATS server: {exc}", file=sys.stderr)
-            return 1
-        env["LLMGW_NATS__URL"] = nats.url
-        version = ".".join(map(str, nats.version or ()))
-        print(
-            f"[nats] nats-server {version} ready on {nats.url} (pid {nats.pid}, store {nats.store_dir})"
-        )
-        sys.stdout.flush()
+    nats: EmbeddedNats | EmbeddedNatsCluster | None = None
+    try:
+        nats = _start_nats(nats_plan)
+    except NatsServerError as exc:
+        print(f"llmgw up: cannot start the embedded NATS server: {exc}", file=sys.stderr)
+        return 1
+    if nats is not None:
+        env.update(nats_plan.child_env(nats.url))
     try:
         return asyncio.run(_supervise(specs, env, config, args, nats))
     finally:
@@ -81,12 +89,55 @@ def run(args: argparse.Namespace) -> int:
                 signal.signal(signal.SIGINT, previous)
 
 
+def _start_nats(plan: NatsPlan) -> EmbeddedNats | EmbeddedNatsCluster | None:
+    """Start what `plan` embeds (nothing for external servers) and print where it runs."""
+    if not plan.embedded:
+        return None
+    if not plan.is_cluster:
+        server = EmbeddedNats(
+            port=plan.nodes[0].port,
+            store_dir=plan.store_dir,
+            server_name=CLUSTER_NAME,
+            kill_with_parent=True,
+        )
+        server.start()
+        version = ".".join(map(str, server.version or ()))
+        print(
+            f"[nats] nats-server {version} ready on {server.url} "
+            f"(pid {server.pid}, store {server.store_dir})",
+            flush=True,
+        )
+        return server
+    cluster = EmbeddedNatsCluster(
+        len(plan.nodes),
+        port=plan.nodes[0].port,
+        store_dir=plan.store_dir,
+        name=CLUSTER_NAME,
+        kill_with_parent=True,
+    )
+    cluster.start()
+    version = ".".join(map(str, cluster.version or ()))
+    for node in cluster.nodes:
+        print(
+            f"[{node_label(node.index)}] nats-server {version} {node.name} ready on {node.url} "
+            f"(pid {node.pid}, store {node.store_dir})"
+        )
+    leader = cluster.meta_leader()
+    print(
+        f"[nats] JetStream cluster {CLUSTER_NAME} of {len(cluster.nodes)} ready on {cluster.url} "
+        f"(meta leader {node_label(leader) if leader is not None else 'unknown'}; "
+        f"bucket replicas: {plan.replicas})",
+        flush=True,
+    )
+    return cluster
+
+
 async def _supervise(
     specs: list[ServiceSpec],
     env: dict[str, str],
     config: Config,
     args: argparse.Namespace,
-    nats: EmbeddedNats | None,
+    nats: EmbeddedNats | EmbeddedNatsCluster | None,
 ) -> int:
     supervisor = ClusterSupervisor(
         specs,
@@ -97,6 +148,11 @@ async def _supervise(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, supervisor.request_stop)
+    keeper: asyncio.Task[None] | None = None
+    if isinstance(nats, EmbeddedNatsCluster):
+        keeper = asyncio.create_task(
+            NatsKeeper(nats, say=supervisor.say, on_give_up=supervisor.fail).run()
+        )
 
     def announce() -> None:
         edge_url = _connectable_url(supervisor.ready_url("edge") or _edge_url_from_config(config))
@@ -108,21 +164,25 @@ async def _supervise(
     try:
         code = await supervisor.run(on_ready=announce)
     finally:
+        if keeper is not None:
+            keeper.cancel()
+            await asyncio.gather(keeper, return_exceptions=True)
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
     supervisor.say("llmgw up: stopped" if code == 0 else f"llmgw up: exiting with code {code}")
     return code
 
 
-def _busy_ports(specs: list[ServiceSpec], config: Config, embedded: bool) -> list[str]:
+def _busy_ports(specs: list[ServiceSpec], nats: NatsPlan) -> list[str]:
     """Ports of the plan that something else already listens on (checked before any start)."""
     problems = []
-    nats_port = config.nats.embedded_port if embedded else 0
-    if nats_port and not port_is_free("127.0.0.1", nats_port):
-        problems.append(
-            f"port 127.0.0.1:{nats_port} (nats.embedded_port) is already in use; "
-            "is another `llmgw up` or nats-server running?"
-        )
+    for index, node in enumerate(nats.nodes):
+        if node.port and not port_is_free("127.0.0.1", node.port):
+            what = "nats.embedded_port" + (f" + {index}, {node.name}" if index else "")
+            problems.append(
+                f"port 127.0.0.1:{node.port} ({what}) is already in use; "
+                "is another `llmgw up` or nats-server running?"
+            )
     for spec in specs:
         for address in spec.listens:
             if address.port and not port_is_free(address.host, address.port):
@@ -144,12 +204,3 @@ def _connectable_url(url: str) -> str:
 
 def _edge_url_from_config(config: Config) -> str:
     return f"http://{_connectable(config.listen_host)}:{config.listen_port}"
-
-
-def _nats_plan_line(config: Config, embedded: bool) -> str:
-    nats = config.nats
-    if not embedded:
-        return f"{'nats':<16} external {nats.url}"
-    port = nats.embedded_port or "a free port"
-    store = nats.store_dir or "a temporary directory"
-    return f"{'nats':<16} embedded nats-server on 127.0.0.1:{port} (JetStream store: {store})"

@@ -6,6 +6,12 @@
 Admin ports: the edge serves /metrics and /health on `admin_listen`; admission, the reaper and the
 scraper on the next three ports (+1, +2, +3), unless `admin_listen`'s port is 0.
 
+NATS (`plan_nats`): with `nats.url: embedded`, one nats-server on `embedded_port`, or with
+`nats.embedded_cluster: N` (or `llmgw up --nats-cluster N`, which wins) a JetStream cluster of N
+nodes on `embedded_port + i`. It starts before every tier and stops after them. With a cluster,
+the services get the whole server list and `nats.replicas` (3 unless the config sets it), so
+every bucket they create is replicated.
+
 Order (tiers start in this order and stop in reverse):
   1. a simulator per endpoint that has a `simulate` block (`llmgw sim engine|provider`),
   2. the admission service, the reaper and the scraper (together: none needs another),
@@ -73,6 +79,112 @@ class ServiceSpec:
     @property
     def tier(self) -> int:
         return TIER_OF_KIND[self.kind]
+
+
+CLUSTER_NAME = "llmgw-up"
+# Replicas of the services' buckets on an embedded cluster when the config does not say.
+CLUSTER_REPLICAS = 3
+
+
+class PlanError(ValueError):
+    """The config and the command line ask for a NATS setup `llmgw up` cannot start."""
+
+
+@dataclass(frozen=True, slots=True)
+class NatsNodeSpec:
+    """One embedded nats-server: its label in the output and its client port (0 = a free one)."""
+
+    name: str
+    port: int
+
+
+@dataclass(frozen=True, slots=True)
+class NatsPlan:
+    """Where the services find NATS. No nodes: external servers (`url`), nothing is started.
+
+    `replicas` is what the services pass to every bucket they create (`nats.replicas`); for a
+    cluster `llmgw up` hands it to them as LLMGW_NATS__REPLICAS.
+    """
+
+    url: str
+    nodes: tuple[NatsNodeSpec, ...]
+    replicas: int
+    store_dir: str | None = None
+
+    @property
+    def embedded(self) -> bool:
+        return bool(self.nodes)
+
+    @property
+    def is_cluster(self) -> bool:
+        return len(self.nodes) > 1
+
+    def child_env(self, server_url: str) -> dict[str, str]:
+        """The environment the services get once the embedded servers run at `server_url`."""
+        if not self.embedded:
+            return {}
+        env = {"LLMGW_NATS__URL": server_url}
+        if self.is_cluster:
+            env["LLMGW_NATS__REPLICAS"] = str(self.replicas)
+        return env
+
+
+def plan_nats(config: Config, cluster_size: int | None = None) -> NatsPlan:
+    """The NATS part of the plan; `cluster_size` (from --nats-cluster) overrides the config.
+
+    Raises PlanError when a cluster is asked of external servers, for a size Raft cannot use,
+    or when buckets would need more replicas than there are servers.
+    """
+    from llmgw.config.sections import MAX_EMBEDDED_CLUSTER
+
+    nats = config.nats
+    if not nats.is_embedded:
+        if cluster_size is not None:
+            raise PlanError(f"--nats-cluster needs nats.url: embedded; this config uses {nats.url}")
+        return NatsPlan(nats.url, (), nats.replicas)
+    size = nats.embedded_cluster if cluster_size is None else cluster_size
+    if size == 2 or not 1 <= size <= MAX_EMBEDDED_CLUSTER:
+        raise PlanError(
+            f"--nats-cluster {size}: use 1 (one server) or 3..{MAX_EMBEDDED_CLUSTER} "
+            "(a Raft majority must survive losing a server)"
+        )
+    replicas = nats.replicas
+    if size > 1 and "replicas" not in nats.model_fields_set:
+        replicas = CLUSTER_REPLICAS
+    wanted = max(replicas, config.pinning.replicas or 0)
+    if wanted > size:
+        raise PlanError(
+            f"buckets with {wanted} replicas need at least {wanted} NATS servers and `llmgw up` "
+            f"would start {size}: set nats.embedded_cluster (or --nats-cluster) to {max(wanted, 3)}"
+            ", or lower nats.replicas / pinning.replicas"
+        )
+    port = nats.embedded_port
+    if size == 1:
+        nodes: tuple[NatsNodeSpec, ...] = (NatsNodeSpec("nats", port),)
+    else:
+        nodes = tuple(NatsNodeSpec(f"nats-{i}", port + i if port else 0) for i in range(size))
+    return NatsPlan(nats.url, nodes, replicas, nats.store_dir)
+
+
+def format_nats_plan(plan: NatsPlan) -> str:
+    """The NATS lines of `llmgw up --dry-run`."""
+    if not plan.embedded:
+        return f"{'nats':<16} external {plan.url}"
+    store = plan.store_dir or "a temporary directory"
+    if not plan.is_cluster:
+        port = plan.nodes[0].port or "a free port"
+        return f"{'nats':<16} embedded nats-server on 127.0.0.1:{port} (JetStream store: {store})"
+    lines = [
+        f"{'nats':<16} embedded JetStream cluster {CLUSTER_NAME} of {len(plan.nodes)} nodes; "
+        f"bucket replicas: {plan.replicas} (stores under {store})"
+    ]
+    for index, node in enumerate(plan.nodes):
+        port = node.port or "a free port"
+        lines.append(
+            f"{node.name:<16} nats-server {CLUSTER_NAME}-{index} on 127.0.0.1:{port} "
+            "(cluster port: a free one)"
+        )
+    return "\n".join(lines)
 
 
 def plan_cluster(config: Config, config_path: str) -> list[ServiceSpec]:

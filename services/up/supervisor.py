@@ -91,6 +91,12 @@ class ClusterSupervisor:
             self._force.set()
         self._stop.set()
 
+    def fail(self, reason: str) -> None:
+        """Stop everything with exit code 1 for a failure outside the children (a NATS node)."""
+        if not self._failure.is_set():
+            self._failure_reason = reason
+            self._failure.set()
+
     def say(self, line: str) -> None:
         # A closed terminal or pipe must not take the cluster down with it.
         with contextlib.suppress(BrokenPipeError, ValueError):

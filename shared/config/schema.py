@@ -191,6 +191,17 @@ class Config(BaseSettings):
     def admin_port(self) -> int:
         return parse_hostport(self.admin_listen)[1]
 
+    # -- JetStream placement --
+    def replicas_of(self, bucket: str) -> int:
+        """Replicas of the KV bucket (or stream) `bucket`: the one place that decides them.
+
+        `nats.replicas` for every bucket and stream a service creates; `pinning.replicas`, when
+        set (deprecated), overrides it for the routing bucket `pinning.bucket`.
+        """
+        if bucket == self.pinning.bucket and self.pinning.replicas is not None:
+            return self.pinning.replicas
+        return self.nats.replicas
+
     # -- lookups --
     def resolve_model(self, name_or_alias: str) -> str | None:
         """The canonical model name for a name or alias, or None when unknown."""

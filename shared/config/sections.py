@@ -29,12 +29,23 @@ class NatsTls(StrictModel):
     verify: bool = True
 
 
+# The largest embedded cluster `llmgw up` starts (JetStream keeps at most 5 replicas per stream).
+MAX_EMBEDDED_CLUSTER = 7
+
+
 class NatsConfig(StrictModel):
     """How services reach the NATS mesh; "embedded" means `llmgw up` starts a server itself."""
 
     url: str = "embedded"
     embedded_port: int = Field(4222, ge=0, le=65535)
+    # Servers `llmgw up` starts when url is "embedded": 1, or a JetStream cluster of 3 or more
+    # (a Raft majority must survive losing one). Node i listens on embedded_port + i.
+    embedded_cluster: int = Field(1, ge=1, le=MAX_EMBEDDED_CLUSTER)
     store_dir: str | None = None
+    # Replicas of every KV bucket and stream the services create: the one setting that decides
+    # them (read through `Config.replicas_of`; `pinning.replicas` may override it for the routing
+    # bucket). `llmgw up` with a cluster passes 3 to its services unless this is set.
+    replicas: int = Field(1, ge=1, le=5)
     user: str | None = None
     password: SecretStr | None = None
     token: SecretStr | None = None
@@ -43,6 +54,15 @@ class NatsConfig(StrictModel):
     tls: NatsTls | None = None
     connect_timeout: PositiveDuration = 2.0
     request_timeout: PositiveDuration = 1.0
+
+    @field_validator("embedded_cluster")
+    @classmethod
+    def _check_cluster_size(cls, size: int) -> int:
+        if size == 2:
+            raise ValueError(
+                "2 servers cannot survive losing one (Raft needs a majority): use 1, or 3 or more"
+            )
+        return size
 
     @field_validator("url")
     @classmethod
@@ -243,7 +263,8 @@ class PinningConfig(StrictModel):
     # The JetStream KV bucket that holds pins and leases (docs/adr/0001-routing-state.md).
     bucket: str = Field("llmgw_routing", pattern=r"^[A-Za-z0-9_-]+$")
     storage: Literal["file", "memory"] = "file"
-    replicas: int = Field(1, ge=1, le=5)
+    # Deprecated: an override of `nats.replicas` for this bucket alone (None: nats.replicas).
+    replicas: int | None = Field(None, ge=1, le=5)
     # Revisions kept per key: 1 in production; tests raise it so a recorder never misses one.
     history: int = Field(1, ge=1, le=64)
     # How often the reaper looks for expired leases and idle pins.

@@ -21,7 +21,7 @@ async def open_routing_store(nc: NATS, config: Config) -> RoutingStore:
         nc.jetstream(),
         pinning.bucket,
         storage=pinning.storage,
-        replicas=pinning.replicas,
+        replicas=config.replicas_of(pinning.bucket),
         history=pinning.history,
     )
     return RoutingStore(kv)
@@ -34,4 +34,5 @@ async def open_load_bucket(nc: NATS, config: Config) -> NatsKV:
         config.router.load_bucket,
         storage=LOAD_BUCKET_STORAGE,
         history=LOAD_BUCKET_HISTORY,
+        replicas=config.replicas_of(config.router.load_bucket),
     )

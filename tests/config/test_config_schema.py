@@ -120,7 +120,7 @@ def test_defaults_follow_the_spec():
         "lease_timeout": 30.0,
         "bucket": "llmgw_routing",
         "storage": "file",
-        "replicas": 1,
+        "replicas": None,
         "history": 1,
         "reaper_interval": 1.0,
         "min_idle_before_evict": 60.0,
@@ -417,6 +417,8 @@ BAD = [
     ),
     ("bad-listen", mutate(listen="localhost"), "listen", "host:port"),
     ("bad-nats-url", mutate(nats={"url": "http://h:4222"}), "nats.url", "nats://"),
+    ("two-node-cluster", mutate(nats={"embedded_cluster": 2}), "nats.embedded_cluster", "3"),
+    ("zero-replicas", mutate(nats={"replicas": 0}), "nats.replicas", "1"),
     ("typo-at-top", mutate(rooter={}), "rooter", "did you mean 'router'"),
     ("typo-nested", mutate(router={"retires": 1}), "router.retires", "did you mean 'retries'"),
     (
@@ -435,6 +437,15 @@ def test_invalid_configs_name_the_field(data, path, fragment):
     problems = problems_of(data)
     matching = [p for p in problems if p.startswith(f"{path}") and fragment in p]
     assert matching, problems
+
+
+def test_replicas_come_from_nats_replicas_unless_pinning_overrides_the_routing_bucket():
+    config = build(mutate(nats={"replicas": 3}))
+    assert config.replicas_of(config.pinning.bucket) == 3
+    assert config.replicas_of(config.router.load_bucket) == 3
+    config = build(mutate(nats={"replicas": 3}, pinning={"replicas": 1}))
+    assert config.replicas_of(config.pinning.bucket) == 1
+    assert config.replicas_of(config.router.load_bucket) == 3
 
 
 def test_every_cross_reference_problem_is_reported_at_once():

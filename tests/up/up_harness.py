@@ -107,13 +107,13 @@ class UpProcess:
                 self._changed.wait(left)
 
     def pids(self) -> dict[str, int]:
-        """Latest pid of every process it reported ("[name] started pid N", "[nats] ... pid N")."""
+        """Latest pid of every process it reported ("[name] started pid N", "[nats-0] ... pid N")."""
         found: dict[str, int] = {}
         for line in list(self.lines):
             if match := re.match(r"^\[([\w.-]+)\] started pid (\d+)", line):
                 found[match.group(1)] = int(match.group(2))
-            elif match := re.match(r"^\[nats\] .*\(pid (\d+)", line):
-                found["nats"] = int(match.group(1))
+            elif match := re.match(r"^\[(nats(?:-\d+)?)\] .*\(pid (\d+)", line):
+                found[match.group(1)] = int(match.group(2))  # one server, or a cluster's nodes
         return found
 
     def all_pids(self) -> set[int]:

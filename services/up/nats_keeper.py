@@ -1,0 +1,96 @@
+"""Keeps the nodes of `llmgw up`'s embedded NATS cluster running.
+
+Policy (the same as for the services, `restart.py`): a node that exits is reported and started
+again with its own store, name and ports after the policy's backoff, so it rejoins the cluster
+and catches up from its peers; the other nodes keep serving meanwhile (a 3-node cluster keeps
+its quorum with one node down). A node that exits `max_exits` times within the window is broken:
+the keeper calls `on_give_up` and `llmgw up` stops with exit code 1.
+
+Only a cluster is kept: a single embedded server has no peer to catch up from and nothing
+would serve while it restarts, so `llmgw up` leaves it alone, as it always did.
+
+Ownership: the cluster (its processes and stores) belongs to `llmgw up`'s main function, which
+stops it after the services; the keeper only restarts nodes, one at a time, from the event
+loop's thread (die-with-parent is bound to the spawning thread, see `arestart`). A restart in
+progress when the keeper is cancelled finishes its bounded readiness wait in a worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from llmgw.nats_cluster import EmbeddedNatsCluster
+from llmgw.nats_embedded import NatsServerError
+from llmgw.services.up.restart import RestartPolicy
+
+DEFAULT_POLL_INTERVAL_S = 0.25
+DEFAULT_RESTART_TIMEOUT_S = 30.0
+
+
+def node_label(index: int) -> str:
+    """How `llmgw up` prefixes a node's lines (the plan's name for it)."""
+    return f"nats-{index}"
+
+
+class NatsKeeper:
+    """Polls the nodes of `cluster`; restarts one that exited, per `RestartPolicy`."""
+
+    def __init__(
+        self,
+        cluster: EmbeddedNatsCluster,
+        *,
+        say: Callable[[str], None],
+        on_give_up: Callable[[str], None],
+        policy_factory: Callable[[], RestartPolicy] = RestartPolicy,
+        clock: Callable[[], float] = time.monotonic,
+        poll_interval: float = DEFAULT_POLL_INTERVAL_S,
+        restart_timeout: float = DEFAULT_RESTART_TIMEOUT_S,
+    ) -> None:
+        self._cluster = cluster
+        self._say = say
+        self._on_give_up = on_give_up
+        self._policies = [policy_factory() for _ in cluster.nodes]
+        self._clock = clock
+        self._poll_interval = poll_interval
+        self._restart_timeout = restart_timeout
+        self.restarts = 0  # successful restarts, for tests and the curious
+
+    async def run(self) -> None:
+        """Watch until cancelled, or until a node crash-loops (then `on_give_up` was called)."""
+        while True:
+            for node in self._cluster.nodes:
+                if not node.running and not await self._recover(node.index):
+                    return
+            await asyncio.sleep(self._poll_interval)
+
+    async def _recover(self, index: int) -> bool:
+        """Restart node `index` until it is ready again; False once the policy gives up."""
+        label = node_label(index)
+        policy = self._policies[index]
+        process = self._cluster.nodes[index].server.process
+        what = f"exited with code {process.poll() if process is not None else None}"
+        while True:
+            decision = policy.record_exit(self._clock())
+            if not decision.restart:
+                reason = (
+                    f"[{label}] {what}; {decision.exits_in_window} exits within "
+                    f"{policy.window:g}s, giving up"
+                )
+                self._say(reason)
+                self._on_give_up(reason)
+                return False
+            self._say(
+                f"[{label}] {what}; restarting it with its store "
+                f"({decision.exits_in_window}/{decision.max_exits}) in {decision.delay:g}s"
+            )
+            await asyncio.sleep(decision.delay)
+            try:
+                node = await self._cluster.arestart(index, self._restart_timeout)
+            except NatsServerError as exc:
+                what = f"did not come back ({str(exc).splitlines()[0]})"
+                continue
+            self.restarts += 1
+            self._say(f"[{label}] ready again (pid {node.pid}), rejoined the cluster")
+            return True
