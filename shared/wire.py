@@ -275,7 +275,8 @@ class FlowState(_Message):
 class FlowLoad(_Message):
     """One admission instance's live leases per managed endpoint (ADMISSION_LOAD_SUBJECT).
 
-    Sent on change (coalesced) and every second; every other instance counts them into the
+    Sent at the next event-loop turn after a change (the endpoints that changed, `full` False)
+    and every second (all of them, `full` True); every other instance counts them into the
     endpoint's inflight, so all of them see the same load (forgotten after a few seconds).
     """
 
@@ -283,4 +284,5 @@ class FlowLoad(_Message):
     instance: str
     scope: str
     at: float
+    full: bool = True
     inflight: dict[str, int]

@@ -100,8 +100,15 @@ async def start_admission(
         await follower.start()
     store = await open_routing_store(nc, config)
     service = AdmissionService(
-        config, nc, store, instance=instance, health=health, load=board,
-        events=EventPublisher(nc, instance), observer=observer, **kwargs,
+        config,
+        nc,
+        store,
+        instance=instance,
+        health=health,
+        load=board,
+        events=EventPublisher(nc, instance),
+        observer=observer,
+        **kwargs,
     )
     await service.start()
     return Admission(service, nc, follower)
@@ -158,6 +165,23 @@ class Cluster:
                 return
             if loop.time() > deadline:
                 raise AssertionError(f"shards not settled: {sorted(served)}")
+            await asyncio.sleep(0.02)
+
+    async def balanced(self, timeout: float = 15.0) -> None:
+        """Until every shard is served by the live instance rendezvous hashing gives it to."""
+        from llmgw.core.shards import desired_owner
+
+        shards = self.config.admission.shards
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            live = self.live_admissions()
+            names = [a.instance for a in live]
+            serving = {s: a.instance for a in live for s in a.shards.serving}
+            if all(serving.get(s) == desired_owner(s, names) for s in range(shards)):
+                return
+            if loop.time() > deadline:
+                raise AssertionError("shards not balanced over the live instances")
             await asyncio.sleep(0.02)
 
     async def stop(self, *, delete_buckets: bool = True) -> None:

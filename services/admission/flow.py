@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from llmgw.core.flow import BandPolicy, FlowQueues, GateDecision, Waiter, gate, plan_dispatch
+from llmgw.tasks import cancel_and_wait
 from llmgw.wire import ADMISSION_CANCEL_SUBJECT, ADMISSION_FLOW_SUBJECT, AdmitCancel, FlowState
 
 if TYPE_CHECKING:
@@ -260,7 +261,7 @@ class FlowControl:
         return answered
 
     async def _run(self) -> None:
-        while True:
+        while self._tick_task is not None:
             started = time.perf_counter()
             try:
                 self.tick()
@@ -335,7 +336,5 @@ class FlowControl:
                 await sub.unsubscribe()
         self._subs.clear()
         if self._tick_task is not None:
-            self._tick_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._tick_task
-            self._tick_task = None
+            task, self._tick_task = self._tick_task, None
+            await cancel_and_wait([task])

@@ -7,9 +7,10 @@ counts from the moment it is granted to the moment its end message arrives: no l
 scraper, and no request counted after it ended (the phantom load a scrape-based count has).
 
 Foreign load is estimated at each report: what the engine reported running + waiting, minus the
-most the gateway had on it within `FOREIGN_WINDOW` of the scrape (so requests that ended just
-after the scrape, or whose end message crossed the report, are not mistaken for somebody
-else's), never below 0.
+most the gateway had on it in the `FOREIGN_WINDOW` before the scrape (so requests that ended
+around the scrape, or whose end message crossed the report, are not mistaken for somebody
+else's; grants made after the scrape are not subtracted, they are not in the engine's count),
+never below 0.
 
 Batch capacity starts from the configuration (``endpoints[].capacity``, else a simulated
 engine's ``max_num_seqs``, else ``scoring.target_inflight`` scaled by the endpoint's weight) and
@@ -23,7 +24,6 @@ from the load bucket (read at start, then a KV watch).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -36,6 +36,7 @@ from llmgw.core.saturation import EndpointLoad, SaturationSettings, endpoint_sat
 from llmgw.core.saturation import update as update_load
 from llmgw.load import REPORT_KEY_PREFIX, EndpointReport, capacity_floors
 from llmgw.services.admission.health import HealthBoard
+from llmgw.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
     from llmgw.config.schema import Config
@@ -46,8 +47,8 @@ log = logging.getLogger("llmgw.admission.load")
 PEER_FORGET_AFTER = 3.0  # seconds: a peer's load not refreshed for this long is dropped
 _BUCKET = 0.05  # seconds per history bucket of the gateway's inflight
 _HISTORY = 4.0  # seconds of history kept (more than a scrape's round trip)
-# Seconds either side of a scrape in which the gateway's own inflight is compared with the
-# engine's reading: clock skew between scraper and admission, and the report's delivery.
+# Seconds before a scrape in which the gateway's own inflight is compared with the engine's
+# reading: clock skew between scraper and admission, and requests in flight to the engine.
 FOREIGN_WINDOW = 0.1
 
 
@@ -105,10 +106,15 @@ class LoadBoard:
         self._own[endpoint_id] = count
         self._record(endpoint_id, now)
 
-    def peer_load(self, instance: str, at: float, inflight: dict[str, int], now: float) -> None:
-        """Another instance's live leases per endpoint (its gossip)."""
+    def peer_load(
+        self, instance: str, at: float, inflight: dict[str, int], now: float, *, full: bool = True
+    ) -> None:
+        """Another instance's live leases per endpoint (its gossip): all of them (`full`), or
+        the endpoints that changed."""
         previous = self._peers.get(instance)
-        self._peers[instance] = (at, dict(inflight))
+        counts = {} if full or previous is None else dict(previous[1])
+        counts.update(inflight)
+        self._peers[instance] = (at, counts)
         touched = set(inflight) | (set(previous[1]) if previous else set())
         for endpoint in touched:
             if endpoint in self._loads:
@@ -171,9 +177,9 @@ class LoadBoard:
             self._baseline[endpoint_id] = history.popleft()[2]
 
     def _gateway_max_around(self, endpoint_id: str, at: float) -> int:
-        """The most the gateway had on the endpoint within FOREIGN_WINDOW of `at`."""
+        """The most the gateway had on the endpoint in the FOREIGN_WINDOW up to `at`."""
         first = int((at - FOREIGN_WINDOW) / _BUCKET)
-        last = int((at + FOREIGN_WINDOW) / _BUCKET)
+        last = int(at / _BUCKET)
         carried = self._baseline.get(endpoint_id, 0)  # the count in force as the window opens
         top = None
         for bucket, high, final in self._history[endpoint_id]:
@@ -261,7 +267,7 @@ class LoadFollower:
         self._task = asyncio.create_task(self._follow(), name="load-follower")
 
     async def _follow(self) -> None:
-        while True:
+        while self._task is not None:
             try:
                 async for entry in self._kv.watch(REPORT_KEY_PREFIX):
                     if not entry.deleted:
@@ -274,6 +280,5 @@ class LoadFollower:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            task, self._task = self._task, None
+            await cancel_and_wait([task])

@@ -4,9 +4,11 @@
 - **Heartbeat** every ``admission.heartbeat``: CAS the member key with a new ``renewed_at``.
   Others treat a member as dead once ``renewed_at + admission.member_ttl`` has passed.
 - **Fencing**: this instance serves only while its last successful heartbeat is younger than
-  ``fence_after`` (less than the TTL by a safety margin, measured on its own monotonic clock),
-  so it stops deciding before anyone may take its shards or quota (hosts' clocks may differ by
-  less than that margin). A heartbeat whose CAS fails means the key was taken away (the reaper
+  ``fence_after`` (the TTL less a safety margin of max(2 s, 20%), measured on its own monotonic
+  clock), so it stops deciding before anyone may take its shards or quota (hosts' clocks may
+  differ by less than that margin). The TTL is long enough (15 s by default) to ride out a NATS
+  stream leader election (4-9 s after a node dies) without fencing: while the bucket has no
+  leader nobody can claim anything anyway, and decisions need no KV write. A heartbeat whose CAS fails means the key was taken away (the reaper
   removed it after this instance was paused for long): the instance is *lost*; `on_lost` drops
   everything it held and it joins again under a new id.
 - **View**: watches of ``member.`` and ``shard.`` keep `members` and `owners` current; every
@@ -27,6 +29,7 @@ from typing import TYPE_CHECKING
 from llmgw.core.keys import MEMBER_PREFIX, SHARD_PREFIX, MemberValue, ShardValue, ValueFormatError
 from llmgw.core.shards import Member, live_members
 from llmgw.state.kv import CasConflict
+from llmgw.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
     from llmgw.state.store import RoutingStore
@@ -49,9 +52,9 @@ class Membership:
         self.instance = instance
         self.heartbeat = heartbeat
         self.ttl = ttl
-        # Stop serving after 60% of the TTL without a successful heartbeat: the rest is the
-        # margin for clock skew between hosts and a heartbeat's own latency.
-        self.fence_after = 0.6 * ttl
+        # Stop serving a safety margin before the TTL runs out without a successful heartbeat:
+        # the margin covers clock skew between hosts and a heartbeat's own latency.
+        self.fence_after = ttl - max(2.0, 0.2 * ttl) if ttl > 4.0 else 0.5 * ttl
         self._clock = clock
         self._monotonic = monotonic
         self._revision = 0
@@ -64,6 +67,7 @@ class Membership:
         self.on_lost: Callable[[], None] = lambda: None
         self._tasks: list[asyncio.Task[None]] = []
         self.stopping = False
+        self._closed = False
 
     # ---- state ------------------------------------------------------------------------------
 
@@ -92,7 +96,7 @@ class Membership:
         # sees every owner, and a watch's replay of what was listed changes nothing.
         for stored in await self.store.members():
             m = stored.value
-            self.members[m.instance] = Member(m.instance, m.renewed_at, m.joined_at)
+            self.members[m.instance] = Member(m.instance, m.renewed_at, m.joined_at, m.leaving)
         await self.refresh_owners()
         self._tasks.append(asyncio.create_task(self._follow(MEMBER_PREFIX), name="members"))
         self._tasks.append(asyncio.create_task(self._follow(SHARD_PREFIX), name="shards"))
@@ -103,7 +107,7 @@ class Membership:
         started = self._monotonic()
         now = self._clock()
         revision = await self.store.renew_member(
-            MemberValue(self.instance, self._joined_at, now), self._revision
+            MemberValue(self.instance, self._joined_at, now, self.stopping), self._revision
         )
         if revision is None:
             return False
@@ -112,8 +116,10 @@ class Membership:
         return True
 
     async def _beat(self) -> None:
-        while True:
+        while not self._closed:
             await asyncio.sleep(self.heartbeat)
+            if self._closed:
+                return
             try:
                 renewed = await self.renew_now()
             except asyncio.CancelledError:
@@ -141,7 +147,7 @@ class Membership:
         self._tasks.append(asyncio.create_task(self._beat(), name="heartbeat"))
 
     async def _follow(self, prefix: str) -> None:
-        while True:
+        while not self._closed:
             try:
                 async for entry in self.store.watch(prefix):
                     self._apply(prefix, entry.key, entry.value, entry.revision, entry.deleted)
@@ -162,7 +168,9 @@ class Membership:
                 member = MemberValue.from_json(value)
             except ValueFormatError:
                 return
-            self.members[name] = Member(member.instance, member.renewed_at, member.joined_at)
+            self.members[name] = Member(
+                member.instance, member.renewed_at, member.joined_at, member.leaving
+            )
         else:
             try:
                 shard = int(name)
@@ -180,6 +188,16 @@ class Membership:
                 return
             self.owner_revisions[shard] = revision
 
+    async def refresh_members(self) -> None:
+        """Read every member key now (before a handover: the watch may lag a departure)."""
+        stored = await self.store.members()
+        self.members = {
+            m.value.instance: Member(
+                m.value.instance, m.value.renewed_at, m.value.joined_at, m.value.leaving
+            )
+            for m in stored
+        }
+
     async def refresh_owners(self) -> None:
         """Read every shard key now (after a fence: do not trust what the watch had)."""
         owners = await self.store.shard_owners()
@@ -188,13 +206,16 @@ class Membership:
                 self.owners[shard] = stored.value
                 self.owner_revisions[shard] = stored.revision
 
+    async def announce_leaving(self) -> None:
+        """Say in the member key that this instance is stopping, so nobody hands it shards."""
+        self.stopping = True
+        with contextlib.suppress(Exception):
+            await self.renew_now()
+
     async def leave(self) -> None:
         self.stopping = True
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        self._closed = True
+        await cancel_and_wait(self._tasks)
         self._tasks.clear()
         with contextlib.suppress(CasConflict, Exception):
             await self.store.leave(self.instance, self._revision)

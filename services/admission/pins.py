@@ -9,8 +9,9 @@ writes to different keys run concurrently. The last value asked for is what the 
 A write that conflicts (the key is not at the revision this writer knows) can only mean the
 stored copy is stale (a previous owner's late write, a lost acknowledgement): the owner reads
 the key and writes its own value over it. A write that fails for another reason (NATS
-unreachable) leaves the key's revision unknown; the next write for it reads first. What a
-crash loses is only durability: the session re-pins, a prefix-cache miss.
+unreachable, the bucket's stream electing a leader) leaves the key's revision unknown and is
+tried again every second (the newest value then; the next write reads first), for up to a
+minute. What a crash loses is only durability: the session re-pins, a prefix-cache miss.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("llmgw.admission.pins")
 
 _UNKNOWN = -1  # the key's revision is unknown: read before writing
+_RETRY_EVERY = 1.0
+_RETRIES = 60
 
 
 def stored_value(pin: PinRecord) -> PinValue:
@@ -63,10 +66,32 @@ class PinWriter:
 
     def put(self, pin: PinRecord) -> None:
         """Store the pin's current value (a new pin, a move, a refresh)."""
-        self._chain(pin.key, self._put(pin.key, stored_value(pin)))
+        self._chain(pin.key, self._put(pin.key, stored_value(pin)), self._again(pin, False))
 
     def delete(self, pin: PinRecord) -> None:
-        self._chain(pin.key, self._delete(pin.key))
+        self._chain(pin.key, self._delete(pin.key), self._again(pin, True))
+
+    def _again(self, pin: PinRecord, deleting: bool, attempt: int = 1) -> Callable[[], None]:
+        """What to do after a failed write: try once more a second later, with what the
+        ledger holds then (a later write for the key supersedes this one)."""
+
+        def retry() -> None:
+            if attempt > _RETRIES or pin.key in self._last:
+                return  # gave up, or a newer write for the key is queued
+            current = self.ledger.pins.get((pin.model, pin.session))
+            if deleting and current is None:
+                self._chain(pin.key, self._delete(pin.key), self._again(pin, True, attempt + 1))
+            elif not deleting and current is not None and current.key == pin.key:
+                self._chain(
+                    pin.key,
+                    self._put(pin.key, stored_value(current)),
+                    self._again(current, False, attempt + 1),
+                )
+
+        def later() -> None:
+            asyncio.get_running_loop().call_later(_RETRY_EVERY, retry)
+
+        return later
 
     async def drain(self, keys: list[str] | None = None, timeout: float = 5.0) -> None:
         """Wait for queued writes (of `keys`, or all) to land, at most `timeout` seconds."""
@@ -76,7 +101,9 @@ class PinWriter:
 
     # ---- the writes -------------------------------------------------------------------------
 
-    def _chain(self, key: str, write: Coroutine[Any, Any, None]) -> None:
+    def _chain(
+        self, key: str, write: Coroutine[Any, Any, None], on_failure: Callable[[], None]
+    ) -> None:
         previous = self._last.get(key)
 
         async def run() -> None:
@@ -90,9 +117,10 @@ class PinWriter:
             except Exception as exc:
                 self.failures += 1
                 self._revision[key] = _UNKNOWN
-                log.warning("pin %s not written: %s", key, exc)
+                log.warning("pin %s not written (trying again): %s", key, exc)
                 if self.on_failure is not None:
                     self.on_failure(key, exc)
+                on_failure()
 
         future = asyncio.ensure_future(run())
         self._last[key] = future

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from llmgw.core.keys import QUOTA_PREFIX
 from llmgw.core.quota import Quota, QuotaBook, QuotaError, fair_targets, headroom
+from llmgw.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
     from llmgw.core.ledger import Ledger
@@ -61,6 +62,7 @@ class QuotaKeeper:
         self._wake = asyncio.Event()
         self._lock = asyncio.Lock()
         self._tasks: list[asyncio.Task[None]] = []
+        self._closed = False
         self.writes = 0
         self.conflicts = 0
 
@@ -80,11 +82,8 @@ class QuotaKeeper:
         self._tasks.append(asyncio.create_task(self._loop(), name="quota-keeper"))
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        self._closed = True
+        await cancel_and_wait(self._tasks)
         self._tasks.clear()
 
     def wake(self) -> None:
@@ -97,7 +96,7 @@ class QuotaKeeper:
     async def _follow(self) -> None:
         from llmgw.state.store import Stored
 
-        while True:
+        while not self._closed:
             try:
                 async for entry in self.store.watch(QUOTA_PREFIX):
                     pair = self._by_key.get(entry.key)
@@ -119,11 +118,13 @@ class QuotaKeeper:
                 await asyncio.sleep(1.0)
 
     async def _loop(self) -> None:
-        while True:
+        while not self._closed:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.interval):
                     await self._wake.wait()
             self._wake.clear()
+            if self._closed:
+                return
             try:
                 await self.adjust()
             except asyncio.CancelledError:

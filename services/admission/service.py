@@ -51,6 +51,7 @@ from llmgw.services.admission.metrics import AdmissionMetrics
 from llmgw.services.admission.pins import PinWriter
 from llmgw.services.admission.quotas import QuotaKeeper
 from llmgw.services.admission.shards import ShardKeeper
+from llmgw.tasks import cancel_and_wait
 from llmgw.wire import (
     ADMISSION_HEALTH_SUBJECT,
     ADMISSION_LOAD_SUBJECT,
@@ -95,7 +96,6 @@ _MESSAGES = {
 _RETRYABLE = frozenset(
     {Refusal.NO_CAPACITY, Refusal.QUEUE_FULL, Refusal.QUEUE_TIMEOUT, Refusal.NOT_OWNER}
 )
-_LOAD_COALESCE = 0.005  # seconds: live-lease gossip goes out at most this often while busy
 _LOAD_HEARTBEAT = 1.0
 
 
@@ -202,7 +202,9 @@ class AdmissionService:
         self._subs: list[Subscription] = []
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loops: list[asyncio.Task[None]] = []
+        self._stopping = False
         self._load_scheduled = False
+        self._load_changed: set[str] = set()
         self._load_sent_at = 0.0
         self.settle = min(2.0, pinning.lease_timeout / 3)
 
@@ -249,9 +251,7 @@ class AdmissionService:
         context, future = started
         return self._final(context, await future)
 
-    def _start(
-        self, request: AdmitRequest
-    ) -> AdmitReply | tuple[_Request, asyncio.Future[Any]]:
+    def _start(self, request: AdmitRequest) -> AdmitReply | tuple[_Request, asyncio.Future[Any]]:
         started = time.perf_counter()
         now = self._clock()
         model = request.model
@@ -275,8 +275,12 @@ class AdmissionService:
         assert policy is not None
         can_overflow = band.overflow and self.catalog.can_overflow(model, context.feature, now)
         decision = self.flow.check(
-            request.id, model, policy, request.tenant or ANONYMOUS_TENANT,
-            can_overflow=can_overflow, context=context,
+            request.id,
+            model,
+            policy,
+            request.tenant or ANONYMOUS_TENANT,
+            can_overflow=can_overflow,
+            context=context,
         )
         if isinstance(decision, asyncio.Future):
             return context, decision
@@ -301,9 +305,7 @@ class AdmissionService:
 
     async def _wait_in_queue(self, context: _Request, future: asyncio.Future[Any]) -> None:
         request = context.request
-        await self._respond(
-            context.reply_to, AdmitReply(id=request.id, status=ReplyStatus.QUEUED)
-        )
+        await self._respond(context.reply_to, AdmitReply(id=request.id, status=ReplyStatus.QUEUED))
         await self._respond(context.reply_to, self._final(context, await future))
 
     def _dispatch_waiter(self, waiter: Waiter, decision: GateDecision) -> AdmitReply:
@@ -525,19 +527,27 @@ class AdmissionService:
 
     def _endpoint_changed(self, endpoint: str, count: int) -> None:
         self.load.set_own(endpoint, count, self._clock())
-        if not self._load_scheduled and len(self.membership.live()) > 1:
-            self._load_scheduled = True
-            asyncio.get_running_loop().call_later(_LOAD_COALESCE, self._send_load)
+        if self.load.knows(endpoint):
+            self._load_changed.add(endpoint)
+            if not self._load_scheduled and len(self.membership.live()) > 1:
+                # Sent at the next loop turn, batching this turn's changes: peers must see a
+                # grant before their next dispatch tick, or each would spend the same headroom.
+                self._load_scheduled = True
+                asyncio.get_running_loop().call_soon(self._send_load, False)
 
-    def _send_load(self) -> None:
+    def _send_load(self, full: bool) -> None:
         self._load_scheduled = False
         now = self._clock()
-        self._load_sent_at = now
+        endpoints = self.load.endpoints() if full else sorted(self._load_changed)
+        self._load_changed.clear()
+        if full:
+            self._load_sent_at = now
         message = FlowLoad(
             instance=self.instance,
             scope=self.config.pinning.bucket,
             at=now,
-            inflight={e: self.ledger.endpoint_leases(e) for e in self.load.endpoints()},
+            full=full,
+            inflight={e: self.ledger.endpoint_leases(e) for e in endpoints},
         )
         if self.nc.is_connected:
             self._spawn(self.nc.publish(ADMISSION_LOAD_SUBJECT, message.model_dump_json().encode()))
@@ -548,7 +558,9 @@ class AdmissionService:
         except ValidationError:
             return
         if load.instance != self.instance and load.scope == self.config.pinning.bucket:
-            self.load.peer_load(load.instance, load.at, load.inflight, self._clock())
+            self.load.peer_load(
+                load.instance, load.at, load.inflight, self._clock(), full=load.full
+            )
 
     # ---- housekeeping -------------------------------------------------------------------------
 
@@ -575,19 +587,15 @@ class AdmissionService:
             self.pins.put(pin)
         if self._failures_seen:
             self._failures_seen = {k: t for k, t in self._failures_seen.items() if now - t < 60.0}
-        if (
-            now - self._load_sent_at >= _LOAD_HEARTBEAT
-            and len(self.membership.live()) > 1
-            and not self._load_scheduled
-        ):
-            self._send_load()
+        if now - self._load_sent_at >= _LOAD_HEARTBEAT and len(self.membership.live()) > 1:
+            self._send_load(True)
 
     async def _housekeeping(self) -> None:
         interval = self.config.pinning.reaper_interval
-        while True:
+        while not self._stopping:
             await asyncio.sleep(interval)
             try:
-                if self.membership.can_serve():
+                if self.membership.can_serve() and not self._stopping:
                     self.expire(self._clock())
                 live = self.membership.live()
                 for peer in list(self.load._peers):
@@ -682,8 +690,8 @@ class AdmissionService:
 
     async def stop(self) -> None:
         """Hand every shard over (or release it), give back unused quota, leave."""
-        for task in self._loops:
-            task.cancel()
+        self._stopping = True
+        await cancel_and_wait(self._loops)
         await self.shards.stop()
         if self.flow is not None:
             await self.flow.stop()

@@ -41,6 +41,7 @@ from llmgw.core.keys import ShardValue
 from llmgw.core.ledger import EndReason, LeaseRecord, PinRecord, ShardState
 from llmgw.core.shards import plan_shards
 from llmgw.events import ShardEvent
+from llmgw.tasks import cancel_and_wait
 from llmgw.wire import (
     ADMISSION_ROLLCALL_SUBJECT,
     Handover,
@@ -94,11 +95,13 @@ class ShardKeeper:
 
     async def _loop(self) -> None:
         heartbeat = self.service.config.admission.heartbeat
-        while True:
+        while not self.stopping:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(heartbeat):
                     await self._wake.wait()
             self._wake.clear()
+            if self.stopping:
+                return
             try:
                 await self.rebalance()
             except asyncio.CancelledError:
@@ -109,12 +112,12 @@ class ShardKeeper:
     async def stop(self) -> None:
         """Hand every shard to another member; with none left, release them (the next
         instance to start adopts their leases from the edges)."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
         self.stopping = True
+        if self._task is not None:
+            await cancel_and_wait([self._task])
         with contextlib.suppress(Exception):
+            await self.service.membership.announce_leaving()
+            await self.service.membership.refresh_members()  # hand over only to the living
             await self.rebalance(max_release=len(self.serving) + 1)
         for shard in list(self.serving):
             await self._release(shard)
@@ -311,6 +314,18 @@ class ShardKeeper:
             return
         state = handover.state
         refused: list[str] = []
+        if self.stopping:
+            # Handed a shard while stopping (the giver had not seen it yet): take it, then
+            # release it at once; the next claimant adopts its leases from the edges.
+            self.service.ledger.add_shard(state, service._clock())
+            await service.quotas.reload(list(state.counts()))
+            self._handed.setdefault(state.shard, asyncio.Event()).set()
+            if msg.reply:
+                reply = HandoverReply(accepted=True)
+                with contextlib.suppress(Exception):
+                    await service.nc.publish(msg.reply, reply.model_dump_json().encode())
+            await self._release(state.shard)
+            return
         if state.shard not in self.serving:
             await service.quotas.reload(list(state.counts()))
             dropped, unpinned = service.ledger.add_shard(state, service._clock())

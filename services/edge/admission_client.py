@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 from llmgw.contracts import AdmissionUnavailable
 from llmgw.core.outcomes import Refusal
+from llmgw.tasks import cancel_and_wait
 from llmgw.wire import (
     ADMISSION_CANCEL_SUBJECT,
     ADMISSION_HEALTH_SUBJECT,
@@ -95,9 +96,8 @@ class NatsAdmission:
 
     async def stop(self) -> None:
         if self._probe is not None:
-            self._probe.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._probe
+            task, self._probe = self._probe, None
+            await cancel_and_wait([task])
         if self._sub is not None:
             with contextlib.suppress(Exception):
                 await self._sub.unsubscribe()
@@ -121,7 +121,7 @@ class NatsAdmission:
         return True
 
     async def _probing(self) -> None:
-        while True:
+        while self._probe is not None:
             with contextlib.suppress(Exception):
                 await self.probe()
             await asyncio.sleep(_PROBE_EVERY)

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
+from llmgw.tasks import cancel_and_wait
 from llmgw.wire import (
     ADMISSION_ROLLCALL_SUBJECT,
     LeaseRenewal,
@@ -124,15 +125,14 @@ class EdgeLeases:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            task, self._task = self._task, None
+            await cancel_and_wait([task])
         if self._sub is not None:
             with contextlib.suppress(Exception):
                 await self._sub.unsubscribe()
 
     async def _renewing(self) -> None:
-        while True:
+        while self._task is not None:
             await asyncio.sleep(self.renew_every)
             try:
                 await self.renew_all()

@@ -269,6 +269,7 @@ def format_report(report: StateReport, *, with_pins: bool) -> str:
         lines.append("  none (start `llmgw admission`, or `llmgw up`)")
     if with_pins:
         lines += ["", f"pins ({len(report.pins)}):"]
+    if with_pins and report.pins:
         lines += _table(
             ["session", "model", "provider", "shard", "idle", "expires in"],
             [

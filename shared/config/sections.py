@@ -200,10 +200,12 @@ class AdmissionConfig(StrictModel):
     # gateway; changing it needs a new routing bucket.
     shards: int = Field(32, ge=1, le=4096)
     # Admission instances renew their member key this often; one not renewed for member_ttl is
-    # dead (its shards and quota move to the others). It stops deciding after 60% of member_ttl
-    # without a renewal, so hosts' clocks must agree to well within the remaining 40%.
+    # dead (its shards and quota move to the others: a crashed instance's sessions wait about
+    # this long). It stops deciding max(2 s, 20%) before member_ttl without a renewal, so hosts'
+    # clocks must agree to well within that margin. Longer than a NATS leader election (4-9 s),
+    # so losing a NATS node does not stop admission.
     heartbeat: PositiveDuration = 1.0
-    member_ttl: PositiveDuration = 5.0
+    member_ttl: PositiveDuration = 15.0
     # A new owner of a shard asks the edges for their leases there and waits this long for
     # answers (a crash takeover; a handover carries the leases itself).
     rollcall_window: PositiveDuration = 0.3

@@ -168,15 +168,22 @@ class LayoutValue:
 
 @dataclass(frozen=True, slots=True)
 class MemberValue:
-    """An admission instance's heartbeat. Alive while now < renewed_at + member TTL."""
+    """An admission instance's heartbeat. Alive while now < renewed_at + member TTL.
+    ``leaving``: it is stopping (handing its shards over): give it none."""
 
     instance: str
     joined_at: float
     renewed_at: float
+    leaving: bool = False
 
     def to_json(self) -> bytes:
         return _encode(
-            {"instance": self.instance, "joined_at": self.joined_at, "renewed_at": self.renewed_at}
+            {
+                "instance": self.instance,
+                "joined_at": self.joined_at,
+                "renewed_at": self.renewed_at,
+                "leaving": self.leaving,
+            }
         )
 
     @classmethod
@@ -186,6 +193,7 @@ class MemberValue:
             _field(body, "instance", str, "member"),
             _field(body, "joined_at", float, "member"),
             _field(body, "renewed_at", float, "member"),
+            bool(body.get("leaving", False)),
         )
 
 

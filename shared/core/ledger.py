@@ -157,9 +157,15 @@ class ShardState:
 class LedgerObserver:
     """Hooks for the audit trail (tests' checker) and metrics; every method is a no-op here."""
 
-    def lease_granted(self, lease: LeaseRecord, quota: Quota | None, use: PairUse) -> None: ...
+    def lease_granted(
+        self, lease: LeaseRecord, quota: Quota | None, before: tuple[int, int, int]
+    ) -> None:
+        """A new lease; ``before``: the pair's (leases, unreserved, pins) at this instance just
+        before it, and ``quota`` the quota it was granted from (None: no limits)."""
 
-    def lease_adopted(self, lease: LeaseRecord, quota: Quota | None, use: PairUse) -> None:
+    def lease_adopted(
+        self, lease: LeaseRecord, quota: Quota | None, before: tuple[int, int, int]
+    ) -> None:
         """A lease taken in with its shard (handover or adoption), not a new grant."""
 
     def lease_ended(self, lease: LeaseRecord, reason: EndReason, at: float) -> None: ...
@@ -391,10 +397,11 @@ class Ledger:
             pin.pin_id if pin is not None else None,
             endpoint,
         )
+        before = (use.leases, use.unreserved, use.pins)
         self._add_lease(lease)
         if pin is not None:
             self._list(pin, lease_id)
-        self.observer.lease_granted(lease, quota, use)
+        self.observer.lease_granted(lease, quota, before)
         return lease
 
     def _list(self, pin: PinRecord, lease_id: str) -> None:
@@ -527,9 +534,7 @@ class Ledger:
                 self._remove_pin(pin, now, reason.value)
         return state
 
-    def add_shard(
-        self, state: ShardState, now: float
-    ) -> tuple[list[LeaseRecord], list[PinRecord]]:
+    def add_shard(self, state: ShardState, now: float) -> tuple[list[LeaseRecord], list[PinRecord]]:
         """Take in a shard's pins and leases (handover or adoption); quota must already cover
         them. Returns what the pair's quota could not cover (refused leases: their requests
         lose their lease; refused pins: their sessions pin again, a prefix-cache miss), so the
@@ -554,10 +559,11 @@ class Ledger:
             ):
                 refused_leases.append(lease)
                 continue
+            before = (use.leases, use.unreserved, use.pins)
             self._add_lease(lease)
             if lease.session is not None:
                 pin = self.pins.get((lease.model, lease.session))
                 if pin is not None and pin.pin_id == lease.pin_id:
                     self._list(pin, lease.lease_id)
-            self.observer.lease_adopted(lease, quota, use)
+            self.observer.lease_adopted(lease, quota, before)
         return refused_leases, refused_pins

@@ -60,11 +60,12 @@ def desired_owner(shard: int, members: Iterable[str]) -> str | None:
 
 @dataclass(frozen=True, slots=True)
 class Member:
-    """An admission instance as its member key shows it."""
+    """An admission instance as its member key shows it (`leaving`: stopping, take nothing)."""
 
     instance: str
     renewed_at: float
     joined_at: float
+    leaving: bool = False
 
     def alive(self, now: float, ttl: float) -> bool:
         """Renewed within ``ttl`` of ``now`` (a member that stopped renewing is dead)."""
@@ -104,15 +105,17 @@ def plan_shards(
 
     A member counts for the desired assignment once it has been a member for ``settle`` seconds
     (so a starting instance is not handed shards before it is ready, and a flapping one does not
-    move shards back and forth); `me` always counts for itself. Members in `stopping` (leaving
-    gracefully) count for nobody. A shard whose owner is not live is free to claim.
+    move shards back and forth); `me` always counts for itself. Members in `stopping`, or whose
+    key says `leaving` (stopping gracefully), count for nobody. A shard whose owner is not live is free to claim.
     Guarantees: a shard is never both claimed and released; claims are shards whose desired
     owner is `me`; releases go to the shard's desired owner, never to `me`.
     """
     eligible = sorted(
         m
         for m, member in members.items()
-        if m not in stopping and (m == me or now - member.joined_at >= settle)
+        if m not in stopping
+        and not member.leaving
+        and (m == me or now - member.joined_at >= settle)
     )
     if me not in eligible and me not in stopping:
         eligible.append(me)

@@ -55,7 +55,7 @@ from llmgw.core.keys import (
     model_key,
     parse_pin_key,
 )
-from llmgw.core.ledger import EndReason, LeaseRecord, LedgerObserver, PairUse, PinRecord
+from llmgw.core.ledger import EndReason, LeaseRecord, LedgerObserver, PinRecord
 from llmgw.core.quota import PairLimits, Quota, QuotaBook, QuotaError
 from llmgw.state.kv import KVEntry
 
@@ -99,9 +99,11 @@ def check_history(
                 lim = by_mk.get((provider, mk))
                 for instance, q in book.holders.items():
                     if q.u > q.g:
-                        violations.append(Violation(
-                            "quota", key, entry.revision, f"{instance} holds u={q.u} > g={q.g}"
-                        ))
+                        violations.append(
+                            Violation(
+                                "quota", key, entry.revision, f"{instance} holds u={q.u} > g={q.g}"
+                            )
+                        )
                 if lim is not None:
                     try:
                         book.check(lim)
@@ -111,9 +113,14 @@ def check_history(
                 _, mk, session = parse_pin_key(key)
                 pin = PinValue.from_json(entry.value)
                 if pin.session != session or model_key(pin.model) != mk:
-                    violations.append(Violation(
-                        "layout", key, entry.revision, "pin value names another session or model"
-                    ))
+                    violations.append(
+                        Violation(
+                            "layout",
+                            key,
+                            entry.revision,
+                            "pin value names another session or model",
+                        )
+                    )
             elif key.startswith(MEMBER_PREFIX):
                 MemberValue.from_json(entry.value)
             elif key.startswith(SHARD_PREFIX):
@@ -149,24 +156,36 @@ class _InstanceObserver(LedgerObserver):
         self._log = log
         self.instance = instance
 
-    def lease_granted(self, lease: LeaseRecord, quota: Quota | None, use: PairUse) -> None:
-        self._log.add(self.instance, "granted", lease.granted_at, lease=lease, quota=quota,
-                      use=(use.leases, use.unreserved, use.pins))
+    def lease_granted(
+        self, lease: LeaseRecord, quota: Quota | None, before: tuple[int, int, int]
+    ) -> None:
+        self._log.add(
+            self.instance, "granted", lease.granted_at, lease=lease, quota=quota, use=before
+        )
 
-    def lease_adopted(self, lease: LeaseRecord, quota: Quota | None, use: PairUse) -> None:
-        self._log.add(self.instance, "adopted", self._log.clock(), lease=lease, quota=quota,
-                      use=(use.leases, use.unreserved, use.pins))
+    def lease_adopted(
+        self, lease: LeaseRecord, quota: Quota | None, before: tuple[int, int, int]
+    ) -> None:
+        self._log.add(
+            self.instance, "adopted", self._log.clock(), lease=lease, quota=quota, use=before
+        )
 
     def lease_ended(self, lease: LeaseRecord, reason: EndReason, at: float) -> None:
         self._log.add(self.instance, "ended", at, lease=lease, reason=reason.value)
 
     def pin_added(self, pin: PinRecord, at: float) -> None:
-        self._log.add(self.instance, "pin_added", at,
-                      pin=(pin.provider, pin.model, pin.session, pin.pin_id))
+        self._log.add(
+            self.instance, "pin_added", at, pin=(pin.provider, pin.model, pin.session, pin.pin_id)
+        )
 
     def pin_removed(self, pin: PinRecord, at: float, reason: str) -> None:
-        self._log.add(self.instance, "pin_removed", at,
-                      pin=(pin.provider, pin.model, pin.session, pin.pin_id), reason=reason)
+        self._log.add(
+            self.instance,
+            "pin_removed",
+            at,
+            pin=(pin.provider, pin.model, pin.session, pin.pin_id),
+            reason=reason,
+        )
 
 
 @dataclass
@@ -201,11 +220,19 @@ class AuditLog:
         self.add(instance, "crashed", self.clock())  # type: ignore[operator]
 
     def to_json(self) -> str:
-        return json.dumps([
-            {"at": e.at, "instance": e.instance, "kind": e.kind,
-             "lease": e.lease.lease_id if e.lease else None, "pin": e.pin, "reason": e.reason}
-            for e in self.events
-        ])
+        return json.dumps(
+            [
+                {
+                    "at": e.at,
+                    "instance": e.instance,
+                    "kind": e.kind,
+                    "lease": e.lease.lease_id if e.lease else None,
+                    "pin": e.pin,
+                    "reason": e.reason,
+                }
+                for e in self.events
+            ]
+        )
 
 
 def check_audit(
@@ -221,7 +248,9 @@ def check_audit(
     per_pair: dict[tuple[str, str], set[str]] = defaultdict(set)
     unreserved: dict[tuple[str, str], set[str]] = defaultdict(set)
     per_pin: dict[str, set[str]] = defaultdict(set)
-    pins: dict[tuple[str, str], tuple[str, str, str]] = {}  # (model, session) -> (provider, id, holder)
+    pins: dict[
+        tuple[str, str], tuple[str, str, str]
+    ] = {}  # (model, session) -> (provider, id, holder)
     pins_per_pair: dict[tuple[str, str], set[tuple[str, str]]] = defaultdict(set)
     crashed: dict[str, float] = {}
     expiries: list[tuple[float, str]] = []  # (time, lease id): crashed holders' leases
@@ -256,16 +285,25 @@ def check_audit(
             lim = limits.get(pair)
             current = live.get(lease.lease_id)
             if event.kind == "granted" and current is not None:
-                violations.append(Violation(
-                    "double", lease.lease_id, index, f"granted by {where} while live at {current[0]}"
-                ))
+                violations.append(
+                    Violation(
+                        "double",
+                        lease.lease_id,
+                        index,
+                        f"granted by {where} while live at {current[0]}",
+                    )
+                )
             if event.kind == "granted" and event.quota is not None and event.use is not None:
                 q, (leases, unres, _) = event.quota, event.use
                 if leases >= q.g or (lease.unreserved and unres >= q.u):
-                    violations.append(Violation(
-                        "quota", lease.lease_id, index,
-                        f"{where} granted with use {leases}/{unres} at quota g={q.g} u={q.u}",
-                    ))
+                    violations.append(
+                        Violation(
+                            "quota",
+                            lease.lease_id,
+                            index,
+                            f"{where} granted with use {leases}/{unres} at quota g={q.g} u={q.u}",
+                        )
+                    )
             end(lease.lease_id)
             live[lease.lease_id] = (where, lease)
             per_pair[pair].add(lease.lease_id)
@@ -278,20 +316,33 @@ def check_audit(
                 r = min(lim.global_in_flight_request_slots_reserved_for_pinned_sessions, g)
                 s = lim.max_per_session_in_flight_request_slots
                 if len(per_pair[pair]) > g:
-                    violations.append(Violation(
-                        "I2a", lease.lease_id, index, f"{len(per_pair[pair])} live leases on "
-                        f"{pair[0]}/{pair[1]} > G={g}"
-                    ))
+                    violations.append(
+                        Violation(
+                            "I2a",
+                            lease.lease_id,
+                            index,
+                            f"{len(per_pair[pair])} live leases on {pair[0]}/{pair[1]} > G={g}",
+                        )
+                    )
                 if len(unreserved[pair]) > g - r:
-                    violations.append(Violation(
-                        "I2b", lease.lease_id, index, f"{len(unreserved[pair])} unreserved "
-                        f"leases on {pair[0]}/{pair[1]} > G-R={g - r}"
-                    ))
+                    violations.append(
+                        Violation(
+                            "I2b",
+                            lease.lease_id,
+                            index,
+                            f"{len(unreserved[pair])} unreserved "
+                            f"leases on {pair[0]}/{pair[1]} > G-R={g - r}",
+                        )
+                    )
                 if lease.pin_id is not None and len(per_pin[lease.pin_id]) > s:
-                    violations.append(Violation(
-                        "I2c", lease.lease_id, index, f"pin {lease.pin_id} lists "
-                        f"{len(per_pin[lease.pin_id])} leases > S={s}"
-                    ))
+                    violations.append(
+                        Violation(
+                            "I2c",
+                            lease.lease_id,
+                            index,
+                            f"pin {lease.pin_id} lists {len(per_pin[lease.pin_id])} leases > S={s}",
+                        )
+                    )
         elif event.kind == "ended":
             lease = event.lease
             assert lease is not None
@@ -304,21 +355,29 @@ def check_audit(
             skey = (model, session)
             current = pins.get(skey)
             if current is not None and current[1] != pin_id and current[2] not in crashed:
-                violations.append(Violation(
-                    "I3", f"{model}/{session}", index,
-                    f"pin {pin_id} added by {where} while pin {current[1]} lives at {current[2]}",
-                ))
+                violations.append(
+                    Violation(
+                        "I3",
+                        f"{model}/{session}",
+                        index,
+                        f"pin {pin_id} added by {where} while pin {current[1]} lives at {current[2]}",
+                    )
+                )
             if current is not None:
                 pins_per_pair[(current[0], model)].discard(skey)
             pins[skey] = (provider, pin_id, where)
             pins_per_pair[(provider, model)].add(skey)
             lim = limits.get((provider, model))
             if lim is not None and len(pins_per_pair[(provider, model)]) > lim.max_pinned_sessions:
-                violations.append(Violation(
-                    "I2d", f"{model}/{session}", index,
-                    f"{len(pins_per_pair[(provider, model)])} live pins on {provider}/{model} "
-                    f"> P={lim.max_pinned_sessions}",
-                ))
+                violations.append(
+                    Violation(
+                        "I2d",
+                        f"{model}/{session}",
+                        index,
+                        f"{len(pins_per_pair[(provider, model)])} live pins on {provider}/{model} "
+                        f"> P={lim.max_pinned_sessions}",
+                    )
+                )
         elif event.kind == "pin_removed":
             assert event.pin is not None
             provider, model, session, pin_id = event.pin

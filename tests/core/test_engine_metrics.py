@@ -125,8 +125,15 @@ def test_parses_engine_load(text: str, expected: EngineSample) -> None:
             EngineSample(EngineDialect.SGLANG, 1, 2, None),
         ),
     ],
-    ids=["empty", "comments-only", "no-engine-gauges", "vllm-no-kv", "sglang-no-queue",
-         "running-only", "more-gauges-wins"],
+    ids=[
+        "empty",
+        "comments-only",
+        "no-engine-gauges",
+        "vllm-no-kv",
+        "sglang-no-queue",
+        "running-only",
+        "more-gauges-wins",
+    ],
 )
 def test_reads_partial_or_no_engine_load(text: str, expected: EngineSample | None) -> None:
     """Engines that expose only some of the gauges, or none, are usable: what is missing is

@@ -21,7 +21,9 @@ from llmgw.core.keys import (
 
 
 def test_keys_carry_only_safe_tokens():
-    assert pin_key(3, "llama-3.3-70b", "ab" * 16) == f"pin.3.{model_key('llama-3.3-70b')}.{'ab' * 16}"
+    assert (
+        pin_key(3, "llama-3.3-70b", "ab" * 16) == f"pin.3.{model_key('llama-3.3-70b')}.{'ab' * 16}"
+    )
     assert parse_pin_key(pin_key(3, "m", "s1")) == (3, model_key("m"), "s1")
     assert quota_key("iris", "m") == f"quota.iris.{model_key('m')}"
     assert shard_key(7) == "shard.7" and member_key("adm-1") == "member.adm-1"

@@ -54,22 +54,31 @@ class LedgerMachine(RuleBasedStateMachine):
     def tick(self, dt):
         self.now += dt
 
-    @rule(session=st.sampled_from(SESSIONS), pair=st.sampled_from([LIMITED, OPEN]),
-          shard=st.integers(0, 3))
+    @rule(
+        session=st.sampled_from(SESSIONS),
+        pair=st.sampled_from([LIMITED, OPEN]),
+        shard=st.integers(0, 3),
+    )
     def create_pin(self, session, pair, shard):
         if self.ledger.pin(pair[1], session) is not None:
             return
         room = self.ledger.room(*pair)
         try:
-            pin = self.ledger.create_pin(f"pin.{shard}.{session}", self._id(), *pair, session,
-                                         shard, self.now)
+            pin = self.ledger.create_pin(
+                f"pin.{shard}.{session}", self._id(), *pair, session, shard, self.now
+            )
         except CapacityError:
             assert not room.pin
             return
         assert room.pin and pin.leases == set()
 
-    @rule(session=st.sampled_from(SESSIONS), kind=st.sampled_from(list(LeaseKind)),
-          endpoint=st.sampled_from(ENDPOINTS), listed=st.booleans(), edge=st.sampled_from("ab"))
+    @rule(
+        session=st.sampled_from(SESSIONS),
+        kind=st.sampled_from(list(LeaseKind)),
+        endpoint=st.sampled_from(ENDPOINTS),
+        listed=st.booleans(),
+        edge=st.sampled_from("ab"),
+    )
     def grant(self, session, kind, endpoint, listed, edge):
         pin = self.ledger.pin("m", session)
         if kind is LeaseKind.TEMPORARY or not listed or pin is None:
@@ -80,8 +89,17 @@ class LedgerMachine(RuleBasedStateMachine):
         full = pin is not None and self.ledger.session_full(pin)
         before = len(pin.leases) if pin is not None else 0
         try:
-            lease = self.ledger.grant(self._id(), *pair, kind, shard=shard, edge=edge,
-                                      now=self.now, session=session, pin=pin, endpoint=endpoint)
+            lease = self.ledger.grant(
+                self._id(),
+                *pair,
+                kind,
+                shard=shard,
+                edge=edge,
+                now=self.now,
+                session=session,
+                pin=pin,
+                endpoint=endpoint,
+            )
         except CapacityError:
             ok = room.pinned if kind is LeaseKind.PINNED else room.unreserved
             assert not ok or full
@@ -99,8 +117,10 @@ class LedgerMachine(RuleBasedStateMachine):
 
     @rule(edge=st.sampled_from("ab"), shard=st.integers(0, 3), data=st.data())
     def renew(self, edge, shard, data):
-        mine = sorted(i for i, x in self.ledger.leases.items() if x.edge == edge and x.shard == shard)
-        listed = data.draw(st.lists(st.sampled_from(mine + ["ffffffffffffffff"]), unique=True))
+        mine = sorted(
+            i for i, x in self.ledger.leases.items() if x.edge == edge and x.shard == shard
+        )
+        listed = data.draw(st.lists(st.sampled_from([*mine, "ffffffffffffffff"]), unique=True))
         lost = self.ledger.renew(edge, shard, listed, self.now, settle=5.0)
         assert "ffffffffffffffff" not in listed or "ffffffffffffffff" in lost
         for lease_id in mine:
@@ -226,11 +246,13 @@ def test_a_pinned_lease_takes_the_reserve_first_and_new_leases_never_do():
     lg = ledger()
     lg.set_quota(LIMITED, Quota(g=3, u=1, p=2))  # reserve at this instance: g - u = 2
     pin = lg.create_pin("pin.0.s", "p1", *LIMITED, "s", 0, 0.0)
-    first = lg.grant("l1", *LIMITED, LeaseKind.NEW_PIN, shard=0, edge="e", now=0, session="s",
-                     pin=pin)
+    first = lg.grant(
+        "l1", *LIMITED, LeaseKind.NEW_PIN, shard=0, edge="e", now=0, session="s", pin=pin
+    )
     assert first.unreserved and not lg.room(*LIMITED).unreserved
-    second = lg.grant("l2", *LIMITED, LeaseKind.PINNED, shard=0, edge="e", now=0, session="s",
-                      pin=pin)
+    second = lg.grant(
+        "l2", *LIMITED, LeaseKind.PINNED, shard=0, edge="e", now=0, session="s", pin=pin
+    )
     assert not second.unreserved  # from the reserve
     with pytest.raises(CapacityError, match="unreserved"):
         lg.grant("l3", *LIMITED, LeaseKind.TEMPORARY, shard=0, edge="e", now=0)

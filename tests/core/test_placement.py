@@ -47,16 +47,27 @@ def endpoint(id_, inflight=0, capacity=8, usable=True, saturation=0.0, priority=
 
 def managed(id_, endpoints, room=ROOMY, degraded=False, evictable=False, saturation=0.0):
     ring = HashRing([e.id for e in endpoints]) if endpoints else None
-    return ProviderState(id_, True, True, degraded, tuple(endpoints), room, "score", evictable,
-                         saturation, ring)
+    return ProviderState(
+        id_, True, True, degraded, tuple(endpoints), room, "score", evictable, saturation, ring
+    )
 
 
 def unlimited(id_="tx", endpoints=("t1",)):
-    return ProviderState(id_, False, True, False,
-                         tuple(EndpointState(e, rate_weight=1.0) for e in endpoints), ROOMY, "rate")
+    return ProviderState(
+        id_,
+        False,
+        True,
+        False,
+        tuple(EndpointState(e, rate_weight=1.0) for e in endpoints),
+        ROOMY,
+        "rate",
+    )
 
 
-def snap(*providers, pin=None, settings=PlacementSettings()):
+DEFAULT_SETTINGS = PlacementSettings()
+
+
+def snap(*providers, pin=None, settings=DEFAULT_SETTINGS):
     return Snapshot(tuple(providers), pin, NOW, settings)
 
 
@@ -80,8 +91,14 @@ def managed_providers(draw, name):
         EndpointState(f"{name}-e{i}", 100, s.usable, s.inflight, s.capacity, s.saturation)
         for i, s in enumerate(states)
     ]
-    return managed(name, endpoints, draw(rooms), degraded=draw(st.booleans()),
-                   evictable=draw(st.booleans()), saturation=draw(st.floats(0, 2)))
+    return managed(
+        name,
+        endpoints,
+        draw(rooms),
+        degraded=draw(st.booleans()),
+        evictable=draw(st.booleans()),
+        saturation=draw(st.floats(0, 2)),
+    )
 
 
 @st.composite
@@ -91,8 +108,11 @@ def snapshots(draw):
         providers.append(unlimited())
     pin = None
     if draw(st.booleans()):
-        pin = PinState(draw(st.sampled_from([p.id for p in providers])), draw(st.booleans()),
-                       draw(st.floats(0, NOW)))
+        pin = PinState(
+            draw(st.sampled_from([p.id for p in providers])),
+            draw(st.booleans()),
+            draw(st.floats(0, NOW)),
+        )
     settings = PlacementSettings(return_home=draw(st.booleans()))
     return snap(*providers, pin=pin, settings=settings)
 
@@ -186,7 +206,9 @@ def test_a_new_session_is_pinned_on_the_first_managed_provider_with_pin_and_requ
     outcome = place(snap(iris, iris2, unlimited()), PlacementRequest(SESSION))
     assert isinstance(outcome, Placement)
     assert (outcome.provider, outcome.route, outcome.pin_action) == (
-        "iris2", Route.NEW_PIN, PinAction.CREATE,
+        "iris2",
+        Route.NEW_PIN,
+        PinAction.CREATE,
     )
 
 
@@ -210,17 +232,24 @@ def test_a_pinned_session_at_its_limit_runs_elsewhere_and_keeps_its_pin():
     outcome = place(snap(iris, iris2, pin=PinState("iris", True, NOW)), PlacementRequest(SESSION))
     assert isinstance(outcome, Placement)
     assert (outcome.provider, outcome.route, outcome.reason, outcome.pin_action) == (
-        "iris2", Route.TEMPORARY, "session_limit", PinAction.NONE,
+        "iris2",
+        Route.TEMPORARY,
+        "session_limit",
+        PinAction.NONE,
     )
 
 
 def test_a_provider_at_its_global_limit_sends_the_request_elsewhere_once():
     iris = managed("iris", [endpoint("e1")], room=Room(False, False, True))
-    outcome = place(snap(iris, unlimited(), pin=PinState("iris", False, NOW)),
-                    PlacementRequest(SESSION))
+    outcome = place(
+        snap(iris, unlimited(), pin=PinState("iris", False, NOW)), PlacementRequest(SESSION)
+    )
     assert isinstance(outcome, Placement)
-    assert (outcome.provider, outcome.route, outcome.reason) == ("tx", Route.TEMPORARY,
-                                                                 "global_limit")
+    assert (outcome.provider, outcome.route, outcome.reason) == (
+        "tx",
+        Route.TEMPORARY,
+        "global_limit",
+    )
 
 
 def test_a_degraded_provider_loses_its_sessions_to_the_next_one():
@@ -229,17 +258,24 @@ def test_a_degraded_provider_loses_its_sessions_to_the_next_one():
     outcome = place(snap(iris, iris2, pin=PinState("iris", False, NOW)), PlacementRequest(SESSION))
     assert isinstance(outcome, Placement)
     assert (outcome.provider, outcome.route, outcome.pin_action, outcome.reason) == (
-        "iris2", Route.REPINNED, PinAction.MOVE, "degraded",
+        "iris2",
+        Route.REPINNED,
+        PinAction.MOVE,
+        "degraded",
     )
 
 
 def test_a_retry_whose_pinned_provider_has_no_endpoint_left_runs_on_the_next_provider():
     iris = managed("iris", [endpoint("e1", usable=False)])  # failed for this request
-    outcome = place(snap(iris, unlimited(), pin=PinState("iris", False, NOW)),
-                    PlacementRequest(SESSION))
+    outcome = place(
+        snap(iris, unlimited(), pin=PinState("iris", False, NOW)), PlacementRequest(SESSION)
+    )
     assert isinstance(outcome, Placement)
-    assert (outcome.provider, outcome.route, outcome.reason) == ("tx", Route.TEMPORARY,
-                                                                 "endpoint_failed")
+    assert (outcome.provider, outcome.route, outcome.reason) == (
+        "tx",
+        Route.TEMPORARY,
+        "endpoint_failed",
+    )
 
 
 def test_a_session_on_a_third_party_returns_home_once_settled_and_our_pool_has_room():
@@ -248,13 +284,18 @@ def test_a_session_on_a_third_party_returns_home_once_settled_and_our_pool_has_r
     outcome = place(snap(iris, unlimited(), pin=pin), PlacementRequest(SESSION))
     assert isinstance(outcome, Placement)
     assert (outcome.provider, outcome.route, outcome.pin_action) == (
-        "iris", Route.RETURNED_HOME, PinAction.MOVE,
+        "iris",
+        Route.RETURNED_HOME,
+        PinAction.MOVE,
     )
     # Hysteresis: not before return_home_after, not while our pool is busy, not when disabled.
     for providers, pin_, settings in (
         ((iris, unlimited()), PinState("tx", False, NOW - 5), PlacementSettings()),
-        ((managed("iris", [endpoint("e1")], saturation=0.9), unlimited()), pin,
-         PlacementSettings()),
+        (
+            (managed("iris", [endpoint("e1")], saturation=0.9), unlimited()),
+            pin,
+            PlacementSettings(),
+        ),
         ((iris, unlimited()), pin, PlacementSettings(return_home=False)),
     ):
         stays = place(snap(*providers, pin=pin_, settings=settings), PlacementRequest(SESSION))
@@ -264,11 +305,16 @@ def test_a_session_on_a_third_party_returns_home_once_settled_and_our_pool_has_r
 
 def test_overflow_goes_to_a_third_party_and_leaves_the_pin_alone():
     iris = managed("iris", [endpoint("e1")])
-    outcome = place(snap(iris, unlimited(), pin=PinState("iris", False, NOW)),
-                    PlacementRequest(SESSION, overflow=True))
+    outcome = place(
+        snap(iris, unlimited(), pin=PinState("iris", False, NOW)),
+        PlacementRequest(SESSION, overflow=True),
+    )
     assert isinstance(outcome, Placement)
-    assert (outcome.provider, outcome.route, outcome.pin_action) == ("tx", Route.OVERFLOW,
-                                                                     PinAction.NONE)
+    assert (outcome.provider, outcome.route, outcome.pin_action) == (
+        "tx",
+        Route.OVERFLOW,
+        PinAction.NONE,
+    )
 
 
 def test_nothing_serves_the_model_or_everything_is_full():
@@ -283,21 +329,27 @@ def test_an_interactive_request_leaves_a_full_home_for_a_free_slot_and_says_why(
     # free slot.
     endpoints = [endpoint("e1", 8, 8), endpoint("e2", 7, 8)]
     iris = managed("iris", endpoints)
-    session = next(
-        s for s in (f"{i:032x}" for i in range(100)) if iris.ring.walk(s)[0] == "e1"
+    session = next(s for s in (f"{i:032x}" for i in range(100)) if iris.ring.walk(s)[0] == "e1")
+    batch = place(
+        snap(iris, pin=PinState("iris", False, NOW)), PlacementRequest(session, interactive=False)
     )
-    batch = place(snap(iris, pin=PinState("iris", False, NOW)),
-                  PlacementRequest(session, interactive=False))
     assert isinstance(batch, Placement) and batch.endpoint == "e1"  # keeps its prefix cache
-    interactive = place(snap(iris, pin=PinState("iris", False, NOW)),
-                        PlacementRequest(session, interactive=True))
+    interactive = place(
+        snap(iris, pin=PinState("iris", False, NOW)), PlacementRequest(session, interactive=True)
+    )
     assert isinstance(interactive, Placement)
     assert interactive.endpoint == "e2" and interactive.affinity_break is AffinityBreak.HOME_BUSY
 
 
 def test_rate_strategy_draws_by_the_balancers_weights():
-    tx = ProviderState("tx", False, True, False,
-                       (EndpointState("t1", rate_weight=1.0), EndpointState("t2", rate_weight=3.0)),
-                       ROOMY, "rate")
+    tx = ProviderState(
+        "tx",
+        False,
+        True,
+        False,
+        (EndpointState("t1", rate_weight=1.0), EndpointState("t2", rate_weight=3.0)),
+        ROOMY,
+        "rate",
+    )
     picks = [place(snap(tx), PlacementRequest(None, draw=d / 100)).endpoint for d in range(100)]
     assert picks.count("t1") == 25 and picks.count("t2") == 75

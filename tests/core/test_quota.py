@@ -106,9 +106,7 @@ def test_books_round_trip_through_json():
         st.tuples(st.integers(0, 50), st.integers(0, 50), st.integers(0, 50)),
         min_size=1,
     ),
-    limits=st.builds(
-        Limits, st.integers(0, 100), st.integers(1, 100), st.integers(0, 100)
-    ),
+    limits=st.builds(Limits, st.integers(0, 100), st.integers(1, 100), st.integers(0, 100)),
 )
 def test_fair_targets_fit_the_limits(wants, limits):
     book = QuotaBook(
@@ -130,7 +128,12 @@ def test_headroom_is_a_tenth_of_a_fair_share_and_at_least_one():
 
 def test_only_dead_holders_with_old_entries_are_reclaimable():
     book = QuotaBook(
-        "iris", "m", {"live": Quota(1, 1, 1, at=0.0), "dead-old": Quota(2, 1, 1, at=0.0),
-                      "dead-new": Quota(2, 1, 1, at=95.0)}
+        "iris",
+        "m",
+        {
+            "live": Quota(1, 1, 1, at=0.0),
+            "dead-old": Quota(2, 1, 1, at=0.0),
+            "dead-new": Quota(2, 1, 1, at=95.0),
+        },
     )
     assert reclaimable(book, {"live": object()}, now=100.0, grace=10.0) == ["dead-old"]

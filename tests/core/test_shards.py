@@ -8,8 +8,9 @@ from hypothesis import strategies as st
 
 from llmgw.core.shards import Member, desired_owner, live_members, plan_shards, shard_of
 
-members_st = st.lists(st.text("abcdefgh", min_size=1, max_size=4), min_size=1, max_size=6,
-                      unique=True)
+members_st = st.lists(
+    st.text("abcdefgh", min_size=1, max_size=4), min_size=1, max_size=6, unique=True
+)
 
 
 @given(session=st.text(), shards=st.integers(1, 256))

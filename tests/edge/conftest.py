@@ -128,8 +128,9 @@ async def gateway(
     config = gateway_config(
         nats_url, {k: v.url for k, v in engines.items()}, f"routing_{unique_id}"
     )
-    admission = await start_admission(config, nats_url, instance="admission-test",
-                                      follow_load=False)
+    admission = await start_admission(
+        config, nats_url, instance="admission-test", follow_load=False
+    )
     edge = await start_edge(config, nats_url, edge_id="edge-test")
     gw = Gateway(config, edge, admission, engines)
     try:

@@ -101,7 +101,9 @@ async def test_oversized_bodies_get_413_honest_chunked_or_lying(
 
     # A declared length over the limit is refused at once, without waiting
     # for (or reading) a body that never comes.
-    reader, writer = await asyncio.open_connection(gateway.edge.server.host, gateway.edge.server.port)
+    reader, writer = await asyncio.open_connection(
+        gateway.edge.server.host, gateway.edge.server.port
+    )
     writer.write(
         b"POST "
         + CHAT_PATH.encode()

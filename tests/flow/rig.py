@@ -71,7 +71,7 @@ def rig_config(
             "router": {"load_bucket": f"load_{unique_id}", "stale_after": "5s", **(router or {})},
             "pinning": {"bucket": f"routing_{unique_id}"},
             "scoring": {"target_waiting": 4, "kv_ceiling": 0.9},
-            "admission": {"interval": "5ms", **admission},
+            "admission": {"interval": "5ms", "heartbeat": "200ms", "member_ttl": "3s", **admission},
             "models": [{"name": MODEL}],
             "providers": [
                 {"id": "iris", "kind": "managed", "priority": 100, "models": [iris_model]},
@@ -118,40 +118,77 @@ class Rig:
         await self.cluster.settled()
         return admission.service
 
-    async def report(self, endpoint: str, *, running: int, waiting: int = 0, capacity: int = 8,
-                     healthy: bool = True, at: float | None = None, kv_usage: float = 0.1) -> None:
+    async def report(
+        self,
+        endpoint: str,
+        *,
+        running: int,
+        waiting: int = 0,
+        capacity: int = 8,
+        healthy: bool = True,
+        at: float | None = None,
+        kv_usage: float = 0.1,
+    ) -> None:
         """Write a scraper report and wait until every admission instance has applied it."""
         before = [a.load.reports for a in self.admissions]
         report = EndpointReport(
-            endpoint=endpoint, provider="iris", pool="p", models=(MODEL,), healthy=healthy,
+            endpoint=endpoint,
+            provider="iris",
+            pool="p",
+            models=(MODEL,),
+            healthy=healthy,
             sample=LoadSample(dialect="vllm", running=running, waiting=waiting, kv_usage=kv_usage),
-            metrics="full", capacity=capacity, scraped_at=time.time() if at is None else at,
+            metrics="full",
+            capacity=capacity,
+            scraped_at=time.time() if at is None else at,
             scraper="test",
         )
         await self.load_kv.put(report_key(endpoint), report.to_bytes())
-        await until(lambda: all(a.load.reports > b for a, b in zip(self.admissions, before, strict=True)))
+        await until(
+            lambda: all(a.load.reports > b for a, b in zip(self.admissions, before, strict=True))
+        )
 
     async def report_all(self, **kwargs: Any) -> None:
         for endpoint in ENDPOINTS:
             await self.report(endpoint, **kwargs)
 
-    def request(self, *, band: str | None = None, tenant: str | None = None,
-                request_id: str | None = None, session: str | None = None,
-                shard: int | None = None) -> AdmitRequest:
+    def request(
+        self,
+        *,
+        band: str | None = None,
+        tenant: str | None = None,
+        request_id: str | None = None,
+        session: str | None = None,
+        shard: int | None = None,
+    ) -> AdmitRequest:
         shards = self.config.admission.shards
         if shard is None:
             shard = shard_of(session, shards) if session is not None else 0
         return AdmitRequest(
-            id=request_id or uuid.uuid4().hex, edge="edge-test", model=MODEL, feature="chat",
-            shard=shard, band=band, tenant=tenant, session=session,
+            id=request_id or uuid.uuid4().hex,
+            edge="edge-test",
+            model=MODEL,
+            feature="chat",
+            shard=shard,
+            band=band,
+            tenant=tenant,
+            session=session,
         )
 
-    async def ask(self, *, band: str | None = None, tenant: str | None = None,
-                  request_id: str | None = None, session: str | None = None,
-                  shard: int | None = None, timeout: float = 10) -> AdmitReply:
+    async def ask(
+        self,
+        *,
+        band: str | None = None,
+        tenant: str | None = None,
+        request_id: str | None = None,
+        session: str | None = None,
+        shard: int | None = None,
+        timeout: float = 10,
+    ) -> AdmitReply:
         """Ask admission exactly as an edge does (waiting through the queue if it queues)."""
-        request = self.request(band=band, tenant=tenant, request_id=request_id,
-                               session=session, shard=shard)
+        request = self.request(
+            band=band, tenant=tenant, request_id=request_id, session=session, shard=shard
+        )
         async with asyncio.timeout(timeout):
             reply, _ = await self.client.admit(request)
         return reply
@@ -163,9 +200,17 @@ class Rig:
         for service in self.admissions:
             for lease in list(service.ledger.leases.values()):
                 message = RequestEnded(
-                    id=uuid.uuid4().hex, edge=lease.edge, lease=lease.lease_id, shard=lease.shard,
-                    ok=True, outcome="success", model=lease.model, provider=lease.provider,
-                    endpoint=lease.endpoint or "?", ended_at=time.time(), sent=False,
+                    id=uuid.uuid4().hex,
+                    edge=lease.edge,
+                    lease=lease.lease_id,
+                    shard=lease.shard,
+                    ok=True,
+                    outcome="success",
+                    model=lease.model,
+                    provider=lease.provider,
+                    endpoint=lease.endpoint or "?",
+                    ended_at=time.time(),
+                    sent=False,
                 )
                 await self.nc.publish(REQUEST_STATS_SUBJECT, message.model_dump_json().encode())
                 ended += 1
@@ -180,8 +225,9 @@ class Rig:
         return min(service.shards.serving)
 
     async def cancel(self, request_id: str) -> None:
-        await self.nc.publish(ADMISSION_CANCEL_SUBJECT,
-                              AdmitCancel(id=request_id).model_dump_json().encode())
+        await self.nc.publish(
+            ADMISSION_CANCEL_SUBJECT, AdmitCancel(id=request_id).model_dump_json().encode()
+        )
 
     def queued(self) -> int:
         return sum(len(a.flow.queues) for a in self.admissions if a.flow is not None)
@@ -198,9 +244,16 @@ def admitted(reply: AdmitReply) -> bool:
     return reply.status is ReplyStatus.ADMITTED
 
 
-async def open_rig(nats_url: str, unique_id: str, instances: int = 1, *,
-                   urls: dict[str, str] | None = None, limits: dict[str, int] | None = None,
-                   router: dict[str, Any] | None = None, **admission: Any) -> Rig:
+async def open_rig(
+    nats_url: str,
+    unique_id: str,
+    instances: int = 1,
+    *,
+    urls: dict[str, str] | None = None,
+    limits: dict[str, int] | None = None,
+    router: dict[str, Any] | None = None,
+    **admission: Any,
+) -> Rig:
     config = rig_config(nats_url, unique_id, urls=urls, limits=limits, router=router, **admission)
     nc = await nats.connect(nats_url)
     load_kv = await open_load_bucket(nc, config)
@@ -208,13 +261,18 @@ async def open_rig(nats_url: str, unique_id: str, instances: int = 1, *,
     for _ in range(instances):
         await cluster.add_admission()
     await cluster.settled()
-    client = NatsAdmission(nc, request_timeout=config.nats.request_timeout,
-                           queue_ttl=config.admission.queue_ttl)
+    if instances > 1:
+        await cluster.balanced()
+    client = NatsAdmission(
+        nc, request_timeout=config.nats.request_timeout, queue_ttl=config.admission.queue_ttl
+    )
     await client.start()
     return Rig(config, nc, load_kv, cluster, client)
 
 
-async def until(condition: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
+async def until(
+    condition: Callable[[], bool], timeout: float = 5.0, what: str = "condition"
+) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:

@@ -61,7 +61,11 @@ async def service(nats_url, unique_id):
 def ask(model: str) -> AdmitRequest:
     session = uuid.uuid4().hex
     return AdmitRequest(
-        id=uuid.uuid4().hex, edge="e", model=model, feature="chat", session=session,
+        id=uuid.uuid4().hex,
+        edge="e",
+        model=model,
+        feature="chat",
+        session=session,
         shard=shard_of(session, 32),
     )
 

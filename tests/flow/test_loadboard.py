@@ -20,15 +20,27 @@ def board() -> LoadBoard:
     return LoadBoard(config, HealthBoard())
 
 
-def report(board: LoadBoard, at: float, running: int | None, waiting: int | None = 0,
-           kv: float | None = 0.1) -> None:
+def report(
+    board: LoadBoard,
+    at: float,
+    running: int | None,
+    waiting: int | None = 0,
+    kv: float | None = 0.1,
+) -> None:
     sample = None
     if running is not None or waiting is not None or kv is not None:
         sample = LoadSample(dialect="vllm", running=running, waiting=waiting, kv_usage=kv)
     board.apply(
         EndpointReport(
-            endpoint="engine-1", provider="iris", pool="p", models=(MODEL,), healthy=True,
-            sample=sample, capacity=0, scraped_at=at, scraper="test",
+            endpoint="engine-1",
+            provider="iris",
+            pool="p",
+            models=(MODEL,),
+            healthy=True,
+            sample=sample,
+            capacity=0,
+            scraped_at=at,
+            scraper="test",
         )
     )
 

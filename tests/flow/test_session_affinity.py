@@ -26,9 +26,17 @@ async def place(rig, session: str, *, end: bool = True) -> str:
     assert admitted(reply) and reply.target.provider == "iris"
     if end:
         message = RequestEnded(
-            id=reply.id, edge="edge-test", lease=reply.lease.lease_id, shard=reply.lease.shard,
-            refresh=True, ok=True, outcome="success", model="m1", provider="iris",
-            endpoint=reply.target.endpoint, ended_at=time.time(),
+            id=reply.id,
+            edge="edge-test",
+            lease=reply.lease.lease_id,
+            shard=reply.lease.shard,
+            refresh=True,
+            ok=True,
+            outcome="success",
+            model="m1",
+            provider="iris",
+            endpoint=reply.target.endpoint,
+            ended_at=time.time(),
         )
         await rig.nc.publish(REQUEST_STATS_SUBJECT, message.model_dump_json().encode())
         await rig.nc.flush()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import random
 import signal
 import sys
 from pathlib import Path
@@ -14,36 +13,23 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from reaper_helpers import IRIS, LOCAL_CONFIG, MODEL, WAIT, Connect, EventLog, config_data
+from reaper_helpers import LOCAL_CONFIG, WAIT, Connect, EventLog, config_data
 
 from llmgw.config import Config
+from llmgw.core.keys import MemberValue
 from llmgw.events import EventName
 from llmgw.services.reaper.main import run, serve
 from llmgw.serving import free_port
-from llmgw.state import open_routing_bucket
-from llmgw.state.routing_state import RoutingState
-from llmgw.state.setup import limits_from_config
+from llmgw.state.setup import open_routing_store
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-async def _abandoned_temporary_lease(config: Config, connect: Connect) -> str:
-    """A lease granted long ago by an edge that died: expired the moment a reaper looks."""
-    nc = await connect()
-    kv = await open_routing_bucket(nc.jetstream(), config.pinning.bucket)
-    long_ago = 1_000.0
-    # Not started: the bucket is new, so every slot is free and the slot mirror (a hint for
-    # choosing a free slot) has nothing to tell.
-    state = RoutingState(
-        kv,
-        limits_from_config(config),
-        clock=lambda: long_ago,
-        rng=random.Random(3),
-        lease_timeout=config.pinning.lease_timeout,
-    )
-    admitted = await state.try_admit_request_without_pin(IRIS, MODEL)
-    assert admitted.lease is not None
-    return admitted.lease.lease_id
+async def _dead_member(config: Config, connect: Connect) -> str:
+    """An admission instance that joined long ago and died: its key is the reaper's to remove."""
+    store = await open_routing_store(await connect(), config)
+    await store.join(MemberValue("admission-long-gone", 1_000.0, 1_000.0))
+    return "admission-long-gone"
 
 
 async def test_reaper_process_prints_ready_reaps_and_exits_0_on_sigterm(
@@ -54,7 +40,7 @@ async def test_reaper_process_prints_ready_reaps_and_exits_0_on_sigterm(
     connect: Connect,
     event_log: EventLog,
 ) -> None:
-    lease_id = await _abandoned_temporary_lease(config, connect)
+    member = await _dead_member(config, connect)
     config_file = tmp_path / "reaper.yaml"
     config_file.write_text(yaml.safe_dump(config_data(nats_url, bucket)))
     env = {k: v for k, v in os.environ.items() if not k.upper().startswith("LLMGW_")}
@@ -79,9 +65,9 @@ async def test_reaper_process_prints_ready_reaps_and_exits_0_on_sigterm(
                 assert line, "the reaper exited before it was ready:\n" + "".join(output)
                 output.append(line.decode())
         await event_log.wait_until(
-            lambda log: any(e.lease_id == lease_id for e in log.named(EventName.LEASE_EXPIRED))
+            lambda log: any(e.member == member for e in log.named(EventName.MEMBER_EXPIRED))
         )
-        (event,) = event_log.named(EventName.LEASE_EXPIRED)
+        (event,) = event_log.named(EventName.MEMBER_EXPIRED)
         assert event.instance.startswith("reaper-") and event.instance in output[-1]
 
         process.send_signal(signal.SIGTERM)
@@ -110,7 +96,7 @@ async def test_admin_port_serves_metrics_and_health(config: Config) -> None:
         async with asyncio.timeout(WAIT):
             await task
     assert health.status_code == 200 and health.json()["nats"] == "connected"
-    assert 'llmgw_reaper_actions_total{kind="lease_expired"} 0.0' in metrics.text
+    assert 'llmgw_reaper_actions_total{kind="member_expired"} 0.0' in metrics.text
     assert "llmgw_reaper_pass_duration_seconds_count" in metrics.text
 
 

@@ -55,6 +55,8 @@ def config_data(
                     "provider": provider,
                     "models": [MODEL],
                     "pool": "gpu/a",
+                    # The least batch capacity there is: what the scraper learns shows above it.
+                    "capacity": 1,
                 }
                 for endpoint, url in endpoints.items()
             ),

@@ -83,30 +83,46 @@ def test_healthy_means_health_answered_200(health: Fetched, verdict: tuple) -> N
 
 
 def test_a_vllm_exposition_gives_the_engines_load() -> None:
-    sample, error = read_sample(vllm_metrics(3, 2, 0.25))
-    assert error is None
+    sample, mode, error = read_sample(vllm_metrics(3, 2, 0.25))
+    assert (mode, error) == ("full", None)
     assert sample == EngineSample(EngineDialect.VLLM, running=3, waiting=2, kv_usage=0.25)
 
 
 @pytest.mark.parametrize(
-    ("metrics", "error_part"),
+    ("metrics", "mode", "error_part"),
     [
-        (Fetched(status=404, body="not found"), "HTTP 404"),
-        (Fetched(status=200, body='vllm:num_requests_running{model_name="m1 3\n'), "line 1"),
-        (Fetched(status=200, body="up 1\n"), "no engine load metrics found"),
-        (Fetched(error="no answer within 1s", timed_out=True), "no answer within 1s"),
+        (Fetched(status=500, body="oops"), "error", "HTTP 500"),
+        (
+            Fetched(status=200, body='vllm:num_requests_running{model_name="m1 3\n'),
+            "error",
+            "line 1",
+        ),
+        (Fetched(error="no answer within 1s", timed_out=True), "error", "no answer within 1s"),
+        (Fetched(status=404, body="not found"), "none", None),  # no /metrics: not an error
+        (Fetched(status=200, body="up 1\n"), "none", None),  # no load gauges: not an error
     ],
-    ids=["http-error", "malformed", "not-an-engine", "timeout"],
+    ids=["http-error", "malformed", "timeout", "no-metrics-route", "not-an-engine"],
 )
-def test_unreadable_metrics_give_no_sample_and_say_why(metrics: Fetched, error_part: str) -> None:
-    sample, error = read_sample(metrics)
-    assert sample is None
-    assert error is not None and error_part in error
+def test_metrics_without_a_sample_say_why(metrics: Fetched, mode: str, error_part) -> None:
+    sample, got_mode, error = read_sample(metrics)
+    assert sample is None and got_mode == mode
+    if error_part is None:
+        assert error is None
+    else:
+        assert error is not None and error_part in error
+
+
+def test_partial_metrics_give_a_partial_sample() -> None:
+    sample, mode, error = read_sample(
+        Fetched(status=200, body="vllm:num_requests_running 3\nvllm:num_requests_waiting 1\n")
+    )
+    assert (mode, error) == ("partial", None)
+    assert sample is not None and sample.kv_usage is None and sample.missing == ("kv_usage",)
 
 
 def test_error_texts_are_bounded() -> None:
     huge = "ReadError: " + "x" * 10_000
-    sample, error = read_sample(Fetched(error=huge))
+    sample, _, error = read_sample(Fetched(error=huge))
     assert sample is None and error is not None and len(error) == ERROR_TEXT_LIMIT
     assert health_verdict(Fetched(error=huge)) == (False, error)
 
@@ -124,13 +140,22 @@ def test_error_texts_are_bounded() -> None:
         ),
         (Fetched(error="refused"), Fetched(error="refused"), ScrapeOutcome.UNREACHABLE),
         (Fetched(error="refused"), Fetched(error="slow", timed_out=True), ScrapeOutcome.TIMEOUT),
+        (OK_HEALTH, Fetched(status=404), ScrapeOutcome.NO_METRICS),
     ],
-    ids=["ok", "metrics-error", "unhealthy", "health-timeout", "unreachable", "timeout"],
+    ids=[
+        "ok",
+        "metrics-error",
+        "unhealthy",
+        "health-timeout",
+        "unreachable",
+        "timeout",
+        "no-metrics",
+    ],
 )
 def test_outcome_precedence(health: Fetched, metrics: Fetched, outcome: ScrapeOutcome) -> None:
     healthy, _ = health_verdict(health)
-    sample, _ = read_sample(metrics)
-    assert classify(health, metrics, healthy=healthy, sample=sample) is outcome
+    _, mode, _ = read_sample(metrics)
+    assert classify(health, metrics, healthy=healthy, mode=mode) is outcome
 
 
 def test_report_learns_capacity_as_the_high_water_mark_of_running() -> None:
@@ -157,7 +182,13 @@ def test_failed_metrics_keep_the_last_sample_in_the_load_but_not_in_the_report()
     report, after, outcome = report_at(load, Fetched(status=500), 105.0)
     assert outcome is ScrapeOutcome.METRICS_ERROR
     assert report.sample is None and report.metrics_error == "HTTP 500"
-    assert after == load  # capacity and the last reading survive
+    # Capacity and the last reading survive; the endpoint answered, so it is reported fresh.
+    assert (after.capacity, after.sample, after.sampled_at) == (
+        load.capacity,
+        load.sample,
+        load.sampled_at,
+    )
+    assert after.reported_at == 105.0
     assert report.capacity == 3
     assert report.saturation is not None and report.saturation < 1  # 5 s old: still fresh
 

@@ -86,7 +86,7 @@ async def test_reports_land_in_the_bucket_with_the_capacity_learned_under_load(
     config = make_config(nats_url, load_bucket, unique_id, {"busy": engine.url})
     async with running_scraper(config, instance="scraper-one"):
         idle = await events.wait_for_report("busy", lambda r: r.sample is not None)
-        assert idle.healthy and idle.capacity == 0 and idle.sample is not None
+        assert idle.healthy and idle.capacity == 1 and idle.sample is not None  # the config's
         assert idle.sample.running == 0
 
         load.start(engine.url, 3)  # two run (max_num_seqs), one waits

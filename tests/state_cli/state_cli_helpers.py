@@ -25,5 +25,9 @@ def write_config(path: Path, nats_url: str, bucket: str) -> Path:
     data: dict[str, Any] = yaml.safe_load(LOCAL_CONFIG.read_text())
     data["nats"] = {"url": nats_url, "connect_timeout": "1s"}
     data["pinning"] = {"bucket": bucket}
+    data["router"] = {"load_bucket": f"load_{bucket}"}
+    # No scraper runs here: with flow control on, every engine would count as stale (saturated)
+    # and gold would overflow to the third party; these tests read state, not flow control.
+    data["admission"] = {"enabled": False}
     path.write_text(yaml.safe_dump(data))
     return path

@@ -7,72 +7,93 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from inproc import start_admission
 from nats.aio.client import Client as NatsClient
 from nats.js.errors import NotFoundError
 from state_cli_helpers import IRIS, LOCAL_CONFIG, MODEL, REPO, TENSORX, session_id, write_config
 
 from llmgw.config import load_config
-from llmgw.core.leases import AdmissionResult
+from llmgw.core.shards import shard_of
 from llmgw.services.state.main import run
 from llmgw.serving import free_port
 from llmgw.state import open_routing_bucket
-from llmgw.state.routing_state import RoutingState
-from llmgw.state.setup import limits_from_config
+from llmgw.wire import AdmitRequest, ReplyStatus
 
 
-async def _populate(nc: NatsClient, config_file: Path) -> None:
-    """Two pins on iris (one with two leases), one on tensorx, one temporary lease on iris that
-    an edge abandoned a minute ago (expired, not yet reaped)."""
+async def _populate(nats_url: str, config_file: Path):
+    """A live admission instance holding two pins on iris (one with two leases), one on
+    tensorx (which iris cannot take: the session asked for it by failing over), and their
+    leases, all still running."""
     config = load_config(config_file, env={})
-    kv = await open_routing_bucket(nc.jetstream(), config.pinning.bucket)
-    limits = limits_from_config(config)
-    # Not started: the only writers on a new bucket need no slot mirror.
-    a_minute_ago = RoutingState(kv, limits, clock=lambda: time.time() - 60, rng=random.Random(1))
-    now = RoutingState(kv, limits, clock=time.time, rng=random.Random(2))
-    admissions = [await a_minute_ago.try_admit_request_without_pin(IRIS, MODEL)]
-    for session, provider in ((1, IRIS), (2, IRIS), (3, TENSORX)):
-        admissions.append(
-            await now.try_admit_unpinned_session_request(provider, MODEL, session_id(session))
+    admission = await start_admission(
+        config, nats_url, instance="admission-state", follow_load=False
+    )
+    service = admission.service
+    for n in (1, 2, 2):
+        session = session_id(n)
+        reply = await service.decide(
+            AdmitRequest(
+                id=f"r{n}-{time.monotonic_ns()}",
+                edge="edge-x",
+                model=MODEL,
+                feature="chat",
+                session=session,
+                shard=shard_of(session, config.admission.shards),
+            )
         )
-    admissions.append(await now.try_admit_pinned_session_request(MODEL, session_id(2)))
-    assert {a.result for a in admissions} == {AdmissionResult.ADMITTED}
+        assert reply.status is ReplyStatus.ADMITTED and reply.target.provider == IRIS
+    service.catalog.forced_degraded.add((IRIS, MODEL))  # iris is down for session 3
+    session = session_id(3)
+    reply = await service.decide(
+        AdmitRequest(
+            id="r3",
+            edge="edge-x",
+            model=MODEL,
+            feature="chat",
+            session=session,
+            shard=shard_of(session, config.admission.shards),
+        )
+    )
+    assert reply.target.provider == TENSORX
+    await service.pins.drain()
+    return admission
 
 
-async def test_json_output_counts_the_live_bucket(
+async def test_json_output_counts_the_live_bucket_and_the_instances_leases(
     tmp_path: Path,
     nats_url: str,
     bucket: str,
-    nats_client: NatsClient,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     config_file = write_config(tmp_path / "c.yaml", nats_url, bucket)
-    await _populate(nats_client, config_file)
-
-    # run() owns its event loop, as the console command does: give it a thread.
-    code = await asyncio.to_thread(
-        run, argparse.Namespace(config=str(config_file), json=True, pins=True)
-    )
+    admission = await _populate(nats_url, config_file)
+    try:
+        # run() owns its event loop, as the console command does: give it a thread.
+        code = await asyncio.to_thread(
+            run, argparse.Namespace(config=str(config_file), json=True, pins=True)
+        )
+    finally:
+        await admission.stop()
     out = capsys.readouterr().out
     assert code == 0
     data = json.loads(out)
     assert data["bucket"] == bucket
     pairs = {(p["provider"], p["model"]): p for p in data["pairs"]}
     iris = pairs[(IRIS, MODEL)]
-    assert (iris["pins"], iris["leases"], iris["live_leases"], iris["expired_leases"]) == (
-        2,
-        4,
-        3,
-        1,
-    )
-    assert iris["top_sessions"][0] == {"session": session_id(2), "leases": 2}
+    assert (iris["pins"], iris["pins_stored"], iris["leases"]) == (2, 2, 3)
+    assert (iris["max_pins"], iris["max_leases"], iris["reserved"]) == (200, 64, 16)
+    assert iris["quota_leases"] == 64  # a lone instance holds the whole limit
     assert (pairs[(TENSORX, MODEL)]["pins"], pairs[(TENSORX, MODEL)]["leases"]) == (1, 1)
     assert sorted(p["session"] for p in data["pins"]) == [session_id(n) for n in (1, 2, 3)]
+    [instance] = data["instances"]
+    assert instance["instance"] == "admission-state" and instance["answered"]
+    assert instance["shards"] == 32 and instance["leases"] == 4
+    assert data["leases_by_kind"] == {"new_pin": 3, "pinned": 1}
 
 
 async def test_text_output_from_the_command_line(
@@ -103,11 +124,12 @@ async def test_text_output_from_the_command_line(
     assert process.returncode == 0, err.decode()
     lines = out.decode().splitlines()
     assert lines[0] == (f"routing bucket {bucket}: lease timeout 30s, pin inactivity timeout 5m")
-    assert lines[1].startswith("read at ") and lines[1].endswith(" UTC")
+    assert lines[1].startswith("read at ") and lines[1].endswith(" UTC; 0/32 shards owned")
     assert [line.split() for line in lines if line.startswith(f"{IRIS} ")] == [
-        [IRIS, MODEL, "0/200", "0/64", "0/16", "0", "-"],
-        [IRIS, "qwen2.5-32b", "0/200", "0/64", "0/16", "0", "-"],
+        [IRIS, MODEL, "0/200", "0/64", "0/16", "0/0/0"],
+        [IRIS, "qwen2.5-32b", "0/200", "0/64", "0/16", "0/0/0"],
     ]
+    assert "  none (start `llmgw admission`, or `llmgw up`)" in lines
     assert lines[-1] == "pins (0):"
 
 

@@ -1,0 +1,79 @@
+"""The reaper clears what dead admission instances leave: their member keys and their leftover
+quota. It never touches a live instance's, and two reapers make each change once."""
+
+from __future__ import annotations
+
+import pytest
+from reaper_helpers import IRIS, MODEL, Connect, EventLog
+
+from llmgw.config import Config
+from llmgw.core.keys import MemberValue
+from llmgw.core.quota import Quota, QuotaBook
+from llmgw.events import EventName
+from llmgw.services.reaper.main import open_reaper, quota_grace
+from llmgw.state.setup import open_routing_store
+
+NOW = 10_000.0
+
+
+@pytest.fixture
+async def store(config: Config, connect: Connect):
+    return await open_routing_store(await connect(), config)
+
+
+async def test_dead_members_keys_go_after_three_ttls_and_live_ones_stay(
+    config: Config, connect: Connect, store, event_log: EventLog
+):
+    ttl = config.admission.member_ttl
+    await store.join(MemberValue("admission-dead", 0.0, NOW - 3 * ttl - 1))
+    await store.join(MemberValue("admission-late", 0.0, NOW - 2 * ttl))  # dead, not long enough
+    await store.join(MemberValue("admission-live", 0.0, NOW - 0.5))
+    reaper = await open_reaper(await connect(), config, instance="reaper-a", clock=lambda: NOW)
+    result = await reaper.run_pass()
+    assert result.members_removed == ("admission-dead",)
+    remaining = {m.value.instance for m in await store.members()}
+    assert remaining == {"admission-late", "admission-live"}
+    events = await event_log.sync(reaper.events._nc)
+    assert [e.member for e in events if e.event == EventName.MEMBER_EXPIRED] == ["admission-dead"]
+
+
+async def test_a_dead_instances_leftover_quota_returns_to_the_pool_after_the_grace(
+    config: Config, connect: Connect, store, event_log: EventLog
+):
+    grace = quota_grace(config)
+    await store.join(MemberValue("admission-live", 0.0, NOW - 0.5))
+    book = QuotaBook(
+        IRIS,
+        MODEL,
+        {
+            "admission-live": Quota(10, 8, 50, at=NOW - 10 * grace),  # old entry, live holder
+            "admission-gone": Quota(4, 3, 20, at=NOW - grace - 1),
+            "admission-recent": Quota(2, 1, 5, at=NOW - grace / 2),  # its adopters are at work
+        },
+    )
+    assert await store.write_quota_book(book, 0) is not None
+    reaper = await open_reaper(await connect(), config, instance="reaper-a", clock=lambda: NOW)
+    result = await reaper.run_pass()
+    assert result.quota_reclaimed == ((IRIS, MODEL, "admission-gone"),)
+    after = (await store.quota_book(IRIS, MODEL)).value
+    assert set(after.holders) == {"admission-live", "admission-recent"}
+    events = await event_log.sync(reaper.events._nc)
+    (reclaimed,) = [e for e in events if e.event == EventName.QUOTA_RECLAIMED]
+    assert (reclaimed.member, reclaimed.leases, reclaimed.pins) == ("admission-gone", 4, 20)
+
+
+async def test_two_reapers_make_each_change_once(
+    config: Config, connect: Connect, store, event_log: EventLog
+):
+    ttl = config.admission.member_ttl
+    for n in range(5):
+        await store.join(MemberValue(f"admission-dead-{n}", 0.0, NOW - 4 * ttl))
+    first = await open_reaper(await connect(), config, instance="reaper-a", clock=lambda: NOW)
+    second = await open_reaper(await connect(), config, instance="reaper-b", clock=lambda: NOW)
+    import asyncio
+
+    a, b = await asyncio.gather(first.run_pass(), second.run_pass())
+    removed = [*a.members_removed, *b.members_removed]
+    assert sorted(removed) == [f"admission-dead-{n}" for n in range(5)]  # each once
+    events = await event_log.sync(first.events._nc, second.events._nc)
+    assert len([e for e in events if e.event == EventName.MEMBER_EXPIRED]) == 5
