@@ -48,6 +48,11 @@ class Admission:
             return
         self.stopped = True
         service = self.service
+        # The flags its loops check after every await, so none outlives the cancel below.
+        service._stopping = True
+        service.membership._closed = True
+        service.quotas._closed = True
+        service.shards.stopping = True
         for task in [*service._loops, *service._tasks]:
             task.cancel()
         if service.shards._task is not None:

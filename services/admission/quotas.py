@@ -8,12 +8,15 @@ targets from everybody's wants and moves its own entry toward its target:
 - up: never beyond what nobody holds (Σ stays within the limits: the book's invariant).
 
 Its wants are its use plus headroom (`llmgw.core.quota.headroom`), so a lone instance holds the
-whole limit and several split it by demand. The ledger always grants from the quota the book
-shows for this instance (`Ledger.set_quota`), updated after every successful write and on every
-change another instance makes (a transfer to this instance, for example).
+whole limit and several split it by demand. The ledger grants from the quota the book shows for
+this instance (`Ledger.set_quota`), never more: a lower entry applies before its write is sent
+(nothing is granted into what is being given back), a higher one only once it has landed, and
+on every change another instance makes (a transfer to this instance, for example).
 
-Adoption and handover move counts between instances in one CAS (`transfer`): the giver after
-it removed the shard's leases and pins from its ledger, the adopter before it takes them in.
+Adoption and handover move counts between instances in one CAS (`transfer`), made by the
+receiver just before it takes the shard's leases and pins in. The giver sets them aside first
+(`hold_out`: removed from its ledger, still in its entry, not spendable) until the receiver has
+moved them (`settle`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from llmgw.core.keys import QUOTA_PREFIX
@@ -63,6 +67,10 @@ class QuotaKeeper:
         self._lock = asyncio.Lock()
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
+        # Use on its way to another instance (a shard being handed over): already out of the
+        # ledger, not yet out of this instance's book entry. Never spendable meanwhile.
+        self._outgoing: dict[Pair, tuple[int, int, int]] = {}
+        self._writing: dict[Pair, Quota] = {}  # this instance's entry while its write flies
         self.writes = 0
         self.conflicts = 0
 
@@ -91,7 +99,40 @@ class QuotaKeeper:
         self._wake.set()
 
     def _sync(self, pair: Pair) -> None:
-        self.ledger.set_quota(pair, self.books[pair].value.quota(self.me))
+        """Show the ledger this instance's entry of the book, less what is on its way out; while
+        a smaller entry is being written, the smaller of the two."""
+        quota = self.books[pair].value.quota(self.me)
+        lowering = self._writing.get(pair)
+        if lowering is not None:
+            g = min(quota.g, lowering.g)
+            quota = Quota(g, min(g, quota.u, lowering.u), min(quota.p, lowering.p))
+        out = self._outgoing.get(pair)
+        if out is not None:
+            g = max(0, quota.g - out[0])
+            quota = Quota(g, min(g, max(0, quota.u - out[1])), max(0, quota.p - out[2]))
+        self.ledger.set_quota(pair, quota)
+
+    def hold_out(self, counts: Mapping[Pair, tuple[int, int, int]]) -> None:
+        """Before a shard leaves the ledger: its use stays unspendable here until its receiver
+        has moved the quota to itself (`settle` then), else a grant could slip into the gap."""
+        for pair, (g, u, p) in counts.items():
+            if pair not in self.limits:
+                continue
+            og, ou, op = self._outgoing.get(pair, (0, 0, 0))
+            self._outgoing[pair] = (og + g, ou + u, op + p)
+            self._sync(pair)
+
+    def settle(self, counts: Mapping[Pair, tuple[int, int, int]]) -> None:
+        """What `hold_out` set aside has arrived (the receiver moved its quota) or never will."""
+        for pair, (g, u, p) in counts.items():
+            og, ou, op = self._outgoing.get(pair, (0, 0, 0))
+            left = (max(0, og - g), max(0, ou - u), max(0, op - p))
+            if left == (0, 0, 0):
+                self._outgoing.pop(pair, None)
+            else:
+                self._outgoing[pair] = left
+            if pair in self.books:
+                self._sync(pair)
 
     async def _follow(self) -> None:
         from llmgw.state.store import Stored
@@ -138,6 +179,8 @@ class QuotaKeeper:
         """Where this instance's entry should go now (pure given the book, use and members)."""
         limits = self.limits[pair]
         use = self.ledger.pair_use(pair)
+        og, ou, op = self._outgoing.get(pair, (0, 0, 0))
+        use = _Use(use.leases + og, use.unreserved + ou, use.pins + op)
         live = sorted(self.membership.live())
         members = max(1, len(live))
         total = limits.max_global_in_flight_request_slots
@@ -184,7 +227,14 @@ class QuotaKeeper:
             entry = Quota(want.g, want.u, want.p, want.wg, want.wu, want.wp, self._clock())
             new_book = book.with_quota(self.me, entry)
             new_book.check(limits)
-            revision = await self.store.write_quota_book(new_book, stored.revision)
+            # Lowering takes effect here before the write (nothing granted into the part given
+            # back while the write is in flight); raising only once the write has landed.
+            self._writing[pair] = entry
+            self._sync(pair)
+            try:
+                revision = await self.store.write_quota_book(new_book, stored.revision)
+            finally:
+                del self._writing[pair]
             if revision is not None:
                 from llmgw.state.store import Stored
 
@@ -202,41 +252,53 @@ class QuotaKeeper:
         self, source: str, target: str, counts: Mapping[Pair, tuple[int, int, int]]
     ) -> dict[Pair, tuple[int, int, int]]:
         """Move (leases, unreserved, pins) of each pair from `source` to `target`; returns what
-        moved (at most what `source` held)."""
-        from llmgw.state.store import Stored
-
+        moved (at most what `source` held). The receiver of a shard calls it, in the same
+        step as it takes the shard's state in (handover or adoption)."""
         moved: dict[Pair, tuple[int, int, int]] = {}
         async with self._lock:
             for pair, (g, u, p) in counts.items():
                 if pair not in self.limits:
                     continue
-                for _ in range(_MAX_CAS):
-                    stored = self.books[pair]
-                    have = stored.value.quota(source)
-                    step = (min(g, have.g), min(u, have.u, g), min(p, have.p))
-                    new_book = stored.value.transfer(source, target, *step, at=self._clock())
-                    revision = await self.store.write_quota_book(new_book, stored.revision)
-                    if revision is not None:
-                        self.books[pair] = Stored(new_book, revision)
-                        self._sync(pair)
-                        moved[pair] = step
-                        break
-                    self.conflicts += 1
-                    self.books[pair] = await self.store.quota_book(*pair)
-                    self._sync(pair)
+                await self._transfer_one(pair, source, target, (g, u, p), moved)
+                self._sync(pair)
         return moved
 
-    async def reload(self, pairs: list[Pair]) -> None:
-        """Read these books now (a handover's quota was just moved to this instance)."""
-        for pair in pairs:
-            if pair in self.limits:
-                self.books[pair] = await self.store.quota_book(*pair)
-                self._sync(pair)
+    async def _transfer_one(
+        self,
+        pair: Pair,
+        source: str,
+        target: str,
+        counts: tuple[int, int, int],
+        moved: dict[Pair, tuple[int, int, int]],
+    ) -> None:
+        from llmgw.state.store import Stored
+
+        g, u, p = counts
+        for _ in range(_MAX_CAS):
+            stored = self.books[pair]
+            have = stored.value.quota(source)
+            step = (min(g, have.g), min(u, have.u, g), min(p, have.p))
+            new_book = stored.value.transfer(source, target, *step, at=self._clock())
+            revision = await self.store.write_quota_book(new_book, stored.revision)
+            if revision is not None:
+                self.books[pair] = Stored(new_book, revision)
+                moved[pair] = step
+                return
+            self.conflicts += 1
+            self.books[pair] = await self.store.quota_book(*pair)
+            self._sync(pair)
 
     async def leave(self) -> None:
         """Stopping: give back everything not in use (the entry stays if something is)."""
         with contextlib.suppress(Exception):
             await self.adjust(stopping=True)
+
+
+@dataclass(frozen=True, slots=True)
+class _Use:
+    leases: int
+    unreserved: int
+    pins: int
 
 
 def _toward(current: int, target: int, *, floor: int, free: int) -> int:

@@ -250,6 +250,7 @@ class ShardKeeper:
                 previous, me, {pair: (t[0], t[1], t[2]) for pair, t in totals.items()}
             )
         adopted = refused = pins_in = 0
+        now = service._clock()  # the roll call and the transfers took a while
         for state, _ in states:
             dropped, unpinned = service.ledger.add_shard(state, now)
             adopted += len(state.leases) - len(dropped)
@@ -317,8 +318,8 @@ class ShardKeeper:
         if self.stopping:
             # Handed a shard while stopping (the giver had not seen it yet): take it, then
             # release it at once; the next claimant adopts its leases from the edges.
+            await service.quotas.transfer(handover.source, service.instance, state.counts())
             self.service.ledger.add_shard(state, service._clock())
-            await service.quotas.reload(list(state.counts()))
             self._handed.setdefault(state.shard, asyncio.Event()).set()
             if msg.reply:
                 reply = HandoverReply(accepted=True)
@@ -327,7 +328,7 @@ class ShardKeeper:
             await self._release(state.shard)
             return
         if state.shard not in self.serving:
-            await service.quotas.reload(list(state.counts()))
+            await service.quotas.transfer(handover.source, service.instance, state.counts())
             dropped, unpinned = service.ledger.add_shard(state, service._clock())
             refused = [lease.lease_id for lease in dropped]
             for pin in state.pins:
@@ -380,8 +381,11 @@ class ShardKeeper:
             return
         membership.owners[shard] = value
         membership.owner_revisions[shard] = revision
+        # The receiver moves the shard's quota from this instance's entry to its own as it
+        # takes the state in; until then that use is set aside here, never spendable twice.
+        counts = service.ledger.shard_state(shard).counts()
+        service.quotas.hold_out(counts)
         state = service.ledger.take_shard(shard, service._clock(), EndReason.MOVED)
-        await service.quotas.transfer(me, target, state.counts())
         try:
             reply = await service.nc.request(
                 handover_subject(target),
@@ -391,8 +395,11 @@ class ShardKeeper:
             answer = HandoverReply.model_validate_json(reply.data)
             if answer.refused:
                 log.warning("shard %d: %s refused %d leases", shard, target, len(answer.refused))
+            service.quotas.settle(counts)
         except Exception as exc:  # the receiver adopts by roll call instead
             log.warning("shard %d: handover to %s not confirmed (%s)", shard, target, exc)
+            # It may still be taking the handover in: settle once it surely has, or never will.
+            asyncio.get_running_loop().call_later(_HANDOVER_TIMEOUT, service.quotas.settle, counts)
         self.serving.pop(shard, None)
         self.leaving.discard(shard)
         service.events.emit(

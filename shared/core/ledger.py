@@ -170,7 +170,9 @@ class LedgerObserver:
 
     def lease_ended(self, lease: LeaseRecord, reason: EndReason, at: float) -> None: ...
 
-    def pin_added(self, pin: PinRecord, at: float) -> None: ...
+    def pin_added(self, pin: PinRecord, at: float, quota: Quota | None, before: int) -> None:
+        """A pin taken on (new, moved or taken in with its shard); ``before``: the pair's pins
+        at this instance just before it, ``quota`` the quota it came out of (None: no limits)."""
 
     def pin_removed(self, pin: PinRecord, at: float, reason: str) -> None: ...
 
@@ -326,10 +328,11 @@ class Ledger:
         skey = (pin.model, pin.session)
         self.pins[skey] = pin
         self._shard_pins.setdefault(pin.shard, set()).add(skey)
-        self.pair_use((pin.provider, pin.model)).pins += 1
+        use = self.pair_use((pin.provider, pin.model))
+        use.pins += 1
         if not pin.leases:
             self._idle.setdefault((pin.provider, pin.model), OrderedDict())[skey] = None
-        self.observer.pin_added(pin, now)
+        self.observer.pin_added(pin, now, self.pair_quota((pin.provider, pin.model)), use.pins - 1)
 
     def _remove_pin(self, pin: PinRecord, now: float, reason: str) -> None:
         skey = (pin.model, pin.session)
@@ -525,7 +528,9 @@ class Ledger:
 
     def take_shard(self, shard: int, now: float, reason: EndReason) -> ShardState:
         """Remove everything of `shard` from this ledger (it moves away, or is dropped) and
-        return it; the quota it used stays here until the caller gives it up."""
+        return it. Its use no longer counts here, so the caller sets it aside first (the
+        admission service's `QuotaKeeper.hold_out`) until its quota has moved on; else the
+        room it leaves could be granted twice."""
         state = self.shard_state(shard)
         for lease in state.leases:
             self._end(lease, reason, now, refresh=False)

@@ -21,14 +21,15 @@ by `AuditLog`, a `LedgerObserver`), replayed in time order:
     I2c       live leases listed in one pin > S
     I2d       live pins of a pair > P
     I3        two live pins (different ids) of one (model, session) at once
-    quota     an instance granting beyond its own quota (leases >= g, unreserved >= u)
+    quota     an instance granting beyond its own quota (leases >= g, unreserved >= u, pins >= p)
     double    a lease id granted while it is live
 
 A lease is live from its grant until its end; an adoption moves it to its adopter (same id,
 still live, never counted twice). An instance that *crashed* (`AuditLog.crash`) ends nothing:
 its leases stay live until adopted, or until ``lease_timeout`` after the crash (by then their
-edges have been told they are lost, or could not renew them, and ended their requests); its
-pins until the shard's next owner adds or drops them.
+edges have been told they are lost, or could not renew them, and ended their requests). Its pins
+stop counting against P at the crash (nobody routes with a pin that only the bucket holds) and
+count again when the shard's next owner adopts them; for I3 they are not live at all.
 """
 
 from __future__ import annotations
@@ -159,30 +160,29 @@ class _InstanceObserver(LedgerObserver):
     def lease_granted(
         self, lease: LeaseRecord, quota: Quota | None, before: tuple[int, int, int]
     ) -> None:
-        self._log.add(
-            self.instance, "granted", lease.granted_at, lease=lease, quota=quota, use=before
-        )
+        self._log.add(self.instance, "granted", lease=lease, quota=quota, use=before)
 
     def lease_adopted(
         self, lease: LeaseRecord, quota: Quota | None, before: tuple[int, int, int]
     ) -> None:
-        self._log.add(
-            self.instance, "adopted", self._log.clock(), lease=lease, quota=quota, use=before
-        )
+        self._log.add(self.instance, "adopted", lease=lease, quota=quota, use=before)
 
     def lease_ended(self, lease: LeaseRecord, reason: EndReason, at: float) -> None:
-        self._log.add(self.instance, "ended", at, lease=lease, reason=reason.value)
+        self._log.add(self.instance, "ended", lease=lease, reason=reason.value)
 
-    def pin_added(self, pin: PinRecord, at: float) -> None:
+    def pin_added(self, pin: PinRecord, at: float, quota: Quota | None, before: int) -> None:
         self._log.add(
-            self.instance, "pin_added", at, pin=(pin.provider, pin.model, pin.session, pin.pin_id)
+            self.instance,
+            "pin_added",
+            pin=(pin.provider, pin.model, pin.session, pin.pin_id),
+            quota=quota,
+            use=(0, 0, before),
         )
 
     def pin_removed(self, pin: PinRecord, at: float, reason: str) -> None:
         self._log.add(
             self.instance,
             "pin_removed",
-            at,
             pin=(pin.provider, pin.model, pin.session, pin.pin_id),
             reason=reason,
         )
@@ -211,13 +211,16 @@ class AuditLog:
     def observer(self, instance: str) -> LedgerObserver:
         return _InstanceObserver(self, instance)
 
-    def add(self, instance: str, kind: str, at: float, **fields: object) -> None:
+    def add(self, instance: str, kind: str, **fields: object) -> None:
+        """Record an event, stamped now: in one process the recording order is the real
+        order (a ledger's own `now` may have been taken before an await)."""
         with self._lock:
             self._seq += 1
+            at = self.clock()  # type: ignore[operator]
             self.events.append(AuditEvent(at, self._seq, instance, kind, **fields))  # type: ignore[arg-type]
 
     def crash(self, instance: str) -> None:
-        self.add(instance, "crashed", self.clock())  # type: ignore[operator]
+        self.add(instance, "crashed")
 
     def to_json(self) -> str:
         return json.dumps(
@@ -277,6 +280,11 @@ def check_audit(
             for lease_id, (holder, _) in live.items():
                 if holder == event.instance:
                     heapq.heappush(expiries, (event.at + lease_timeout, lease_id))
+            # Its pins are in limbo: only in the bucket, used by nobody, until the shard's next
+            # owner adopts them (pin_added, within that owner's quota) or refuses them.
+            for skey, (provider, _, holder) in pins.items():
+                if holder == event.instance:
+                    pins_per_pair[(provider, skey[0])].discard(skey)
             continue
         if event.kind in ("granted", "adopted"):
             lease = event.lease
@@ -361,6 +369,16 @@ def check_audit(
                         f"{model}/{session}",
                         index,
                         f"pin {pin_id} added by {where} while pin {current[1]} lives at {current[2]}",
+                    )
+                )
+            if event.quota is not None and event.use is not None and event.use[2] >= event.quota.p:
+                violations.append(
+                    Violation(
+                        "quota",
+                        f"{model}/{session}",
+                        index,
+                        f"{where} took pin {pin_id} with {event.use[2]} pins at quota "
+                        f"p={event.quota.p}",
                     )
                 )
             if current is not None:

@@ -1,28 +1,29 @@
-"""An in-process mesh on real parts: N admission instances and M edges sharing one bucket.
+"""An in-process mesh on real parts: N admission instances and M edges sharing one bucket, a real
+scraper reading real simulated engines, flow control on (the shipped defaults).
 
-Every instance has its own NATS connection and its own RoutingState (own
-slot mirror), exactly as separate processes would; simulated engines run on
-uvicorn. Used by the concurrency and chaos tests.
+Every instance has its own NATS connection, exactly as separate processes would; simulated
+engines run on uvicorn. Every ledger reports to one `AuditLog`, so the checker can replay every
+grant and end of every instance. Used by the concurrency and first-request tests.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
-import nats
+from inproc import Cluster
 
 from llmgw.config import Config, config_from_dict
-from llmgw.services.admission.service import AdmissionService
-from llmgw.services.edge.app import EdgeDeps, HotPathApp, create_app
-from llmgw.services.edge.metrics import EdgeMetrics
-from llmgw.services.edge.upstream import Timeouts, new_session
+from llmgw.services.scraper.main import serve as serve_scraper
 from llmgw.services.sim.apps import create_engine_app
 from llmgw.services.sim.params import EngineParams
 from llmgw.serving import RunningServer, start_server
-from llmgw.state.setup import limits_from_config, open_routing_state
+from llmgw.state.checker import AuditLog
 
 MODEL = "chat-model"
+FEATURES = ["chat", "completions", "embeddings"]
 
 
 def small_limits(pinned: int = 5, slots: int = 8, reserved: int = 2, per_session: int = 2) -> dict:
@@ -35,13 +36,14 @@ def small_limits(pinned: int = 5, slots: int = 8, reserved: int = 2, per_session
 
 
 def mesh_config(
-    nats_url: str, bucket: str, urls: dict[str, str], limits: dict | None = None, **pinning: Any
+    nats_url: str, bucket: str, urls: dict[str, str], limits: dict | None = None, **admission: Any
 ) -> Config:
     """Managed providers a and b (one engine each, small limits) and unlimited c."""
     limits = limits or small_limits()
     return config_from_dict(
         {
             "nats": {"url": nats_url, "request_timeout": "2s"},
+            "router": {"scrape_interval": "200ms", "load_bucket": f"load_{bucket}"},
             "timeouts": {
                 "dial": "1s",
                 "response_header": "5s",
@@ -49,28 +51,52 @@ def mesh_config(
                 "idle": "2s",
                 "total": "30s",
             },
-            "pinning": {"bucket": bucket, "history": 64, "lease_timeout": "5s", **pinning},
-            # Pins and leases under concurrency, with no scraper: flow control stays off.
-            "admission": {"enabled": False},
+            "pinning": {
+                "bucket": bucket,
+                "history": 64,
+                "lease_timeout": "5s",
+                "pin_inactivity_timeout": "5s",
+                "min_idle_before_evict": "1s",
+                # Chaos degrades providers every second or so; sessions it moved come home soon.
+                "return_home_after": "1s",
+            },
+            # Flow control on, as shipped; quick membership so churn settles within a test.
+            "admission": {"shards": 16, "heartbeat": "200ms", "member_ttl": "3s", **admission},
             "models": [{"name": MODEL}],
             "providers": [
                 {
                     "id": "a",
                     "kind": "managed",
                     "priority": 200,
-                    "models": [{"name": MODEL, "limits": limits}],
+                    "models": [{"name": MODEL, "limits": limits, "features": FEATURES}],
                 },
                 {
                     "id": "b",
                     "kind": "managed",
                     "priority": 100,
-                    "models": [{"name": MODEL, "limits": limits}],
+                    "models": [{"name": MODEL, "limits": limits, "features": FEATURES}],
                 },
-                {"id": "c", "kind": "unlimited", "models": [{"name": MODEL}]},
+                {
+                    "id": "c",
+                    "kind": "unlimited",
+                    "models": [{"name": MODEL, "features": FEATURES}],
+                },
             ],
             "endpoints": [
-                {"id": "engine-a", "url": urls["a"], "provider": "a", "models": [MODEL]},
-                {"id": "engine-b", "url": urls["b"], "provider": "b", "models": [MODEL]},
+                {
+                    "id": "engine-a",
+                    "url": urls["a"],
+                    "provider": "a",
+                    "models": [MODEL],
+                    "capacity": 64,
+                },
+                {
+                    "id": "engine-b",
+                    "url": urls["b"],
+                    "provider": "b",
+                    "models": [MODEL],
+                    "capacity": 64,
+                },
                 {"id": "deploy-c", "url": urls["c"], "provider": "c", "models": [MODEL]},
             ],
         },
@@ -82,16 +108,23 @@ def mesh_config(
 @dataclass
 class Mesh:
     config: Config
+    cluster: Cluster
     engines: dict[str, RunningServer]
-    admissions: list[AdmissionService] = field(default_factory=list)
-    edges: list[RunningServer] = field(default_factory=list)
-    edge_apps: list[HotPathApp] = field(default_factory=list)
-    _connections: list[Any] = field(default_factory=list)
-    _closers: list[Any] = field(default_factory=list)
+    audit: AuditLog
+    _scraper_stop: asyncio.Event = field(default_factory=asyncio.Event)
+    _scraper: asyncio.Task[None] | None = None
 
     @property
-    def limits(self):
-        return limits_from_config(self.config)
+    def limits(self) -> dict:
+        return self.cluster.limits
+
+    @property
+    def edges(self):  # type: ignore[no-untyped-def]
+        return self.cluster.edges
+
+    @property
+    def admissions(self):  # type: ignore[no-untyped-def]
+        return self.cluster.live_admissions()
 
     def set_degraded(self, provider: str, degraded: bool) -> None:
         """Mark a managed provider degraded (or not) in every admission instance."""
@@ -101,17 +134,30 @@ class Mesh:
             else:
                 admission.catalog.forced_degraded.discard((provider, MODEL))
 
+    async def kill_admission(self, index: int) -> str:
+        """SIGKILL-like: it vanishes without handing anything over."""
+        handle = [a for a in self.cluster.admissions if not a.stopped][index]
+        name = handle.service.instance
+        self.audit.crash(name)
+        await handle.kill()
+        return name
+
+    async def stop_admission(self, index: int) -> str:
+        """SIGTERM-like: it hands its shards over and leaves."""
+        handle = [a for a in self.cluster.admissions if not a.stopped][index]
+        await handle.stop()
+        return handle.service.instance
+
+    async def drain_edges(self) -> None:
+        for edge in self.edges:
+            await edge.deps.reporter.drain()
+
     async def stop(self) -> None:
-        for server in self.edges:
-            await server.stop()
-        for app in self.edge_apps:
-            await app.edge.drain()
-        for admission in self.admissions:
-            await admission.stop()
-        for close in reversed(self._closers):
-            await close()
-        for nc in self._connections:
-            await nc.close()
+        self._scraper_stop.set()
+        if self._scraper is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._scraper, 10)
+        await self.cluster.stop()
         for server in self.engines.values():
             await server.stop()
 
@@ -123,9 +169,8 @@ async def start_mesh(
     admissions: int = 4,
     edges: int = 2,
     engine_params: EngineParams | None = None,
-    routing_state_factory: Any = None,
     limits: dict | None = None,
-    **pinning: Any,
+    **admission: Any,
 ) -> Mesh:
     params = engine_params or EngineParams.zero_delay(itl_base="2ms", max_num_seqs=64)
     engines = {}
@@ -134,28 +179,24 @@ async def start_mesh(
             create_engine_app(params.model_copy(update={"seed": seed}), [MODEL])
         )
     config = mesh_config(
-        nats_url, bucket, {k: v.url for k, v in engines.items()}, limits, **pinning
+        nats_url, bucket, {k: v.url for k, v in engines.items()}, limits, **admission
     )
-    mesh = Mesh(config, engines)
+    audit = AuditLog()
+    cluster = Cluster(config, nats_url, observer_for=audit.observer)
+    mesh = Mesh(config, cluster, engines, audit)
+    ready = asyncio.Event()
+    mesh._scraper = asyncio.create_task(
+        serve_scraper(config, stop=mesh._scraper_stop, ready=ready, instance="scraper-mesh")
+    )
+    await asyncio.wait_for(ready.wait(), 10)
     for i in range(admissions):
-        nc = await nats.connect(nats_url, name=f"admission-{i}")
-        mesh._connections.append(nc)
-        routing = await open_routing_state(nc, config, instance_id=f"admission-{i}")
-        if routing_state_factory is not None:
-            routing = routing_state_factory(routing)
-        mesh._closers.append(routing.close)
-        service = AdmissionService(config, nc, routing)
-        await service.start()
-        mesh.admissions.append(service)
-    for i in range(edges):
-        nc = await nats.connect(nats_url, name=f"edge-{i}")
-        mesh._connections.append(nc)
-        routing = await open_routing_state(nc, config, instance_id=f"edge-{i}", follow_slots=False)
-        session = new_session(Timeouts.from_section(config.timeouts))
-        mesh._closers.append(session.close)
-        app = create_app(
-            config, EdgeDeps(nc=nc, session=session, metrics=EdgeMetrics(), routing=routing)
-        )
-        mesh.edge_apps.append(app)
-        mesh.edges.append(await start_server(app))
+        await cluster.add_admission(f"admission-{i}")
+    await cluster.settled()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 10
+    while not all(a.load.reports >= 2 for a in cluster.live_admissions()):
+        assert loop.time() < deadline, "the scraper's reports never reached admission"
+        await asyncio.sleep(0.02)
+    for _ in range(edges):
+        await cluster.add_edge()
     return mesh
