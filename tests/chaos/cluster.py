@@ -21,15 +21,14 @@ MODEL = "chat-model"
 def write_config(
     path: Path, nats_url: str, engine_url: str, bucket: str, limits: dict, **pinning
 ) -> Path:
+    """The shipped defaults (flow control on, a scraper), one managed provider, one engine."""
     data = {
         "listen": f"127.0.0.1:{free_port()}",
         "admin_listen": f"127.0.0.1:{free_port()}",
         "nats": {"url": nats_url, "request_timeout": "2s"},
-        "router": {"scrape_interval": "60s"},
+        "router": {"scrape_interval": "250ms", "load_bucket": f"load_{bucket}"},
         "timeouts": {"first_token": "30s", "idle": "30s", "total": "60s"},
         "pinning": {"bucket": bucket, "history": 64, **pinning},
-        # These tests are about leases and crashes, with no scraper: flow control stays off.
-        "admission": {"enabled": False},
         "models": [{"name": MODEL}],
         "providers": [
             {"id": "iris", "kind": "managed", "models": [{"name": MODEL, "limits": limits}]},

@@ -1,32 +1,46 @@
-"""An edge that dies or stalls while it holds leases: the reaper reclaims exactly what it held,
-pins survive, and a stalled edge that wakes up never frees a slot granted to someone else."""
+"""An edge that dies or stalls while it holds leases, with every service a real process and the
+shipped defaults on (flow control, a scraper, the reaper).
+
+The shard's owner (admission) holds the leases in memory and renews them from the edges' lists:
+a killed edge's leases end within ``lease_timeout`` (each announced once as lease.expired) and
+its sessions' pins survive; a paused edge that wakes finds its lease gone (``lease_lost``) and
+its late end message frees nothing granted since. What the instances hold is read from their
+state subject and what the edges hold from a roll call: the protocol's own observables.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import signal
+import time
 
 import httpx
 import pytest
 import yaml
 from cluster import MODEL, Service, edge_url, eventually, write_config
 
-from llmgw.config import load_config
-from llmgw.core.leasekeys import LEASE_PREFIX, PIN_PREFIX, LeaseSlotValue
-from llmgw.events import ALL_EVENTS_SUBJECT, parse_event
+from llmgw.core.keys import PIN_PREFIX
+from llmgw.events import EVENTS_SUBJECT_PREFIX, parse_event
 from llmgw.services.sim.apps import create_engine_app
 from llmgw.services.sim.params import EngineParams
 from llmgw.serving import start_server
-from llmgw.state import check_history
-from llmgw.state.history import HistoryRecorder
 from llmgw.state.nats_kv import open_routing_bucket
-from llmgw.state.setup import limits_from_config
+from llmgw.wire import (
+    ADMISSION_ROLLCALL_SUBJECT,
+    ADMISSION_STATE_SUBJECT,
+    REQUEST_STATS_SUBJECT,
+    RequestEnded,
+    RollCall,
+    RollCallAnswer,
+    StateReply,
+)
 
 pytestmark = pytest.mark.e2e
 
 LEASE_TIMEOUT = 2.0
-REAPER_INTERVAL = 0.2
+SHARDS = 32  # the shipped default
+LEASE_EVENTS_SUBJECT = f"{EVENTS_SUBJECT_PREFIX}.lease.>"
 
 
 @pytest.fixture
@@ -54,37 +68,58 @@ async def world(tmp_path, nats_url, nats_client, unique_id, engine, request):
         bucket,
         limits,
         lease_timeout=f"{LEASE_TIMEOUT}s",
-        reaper_interval=f"{REAPER_INTERVAL}s",
     )
-    kv = await open_routing_bucket(nats_client.jetstream(), bucket, history=64)
-    recorder = await HistoryRecorder(nats_client.jetstream(), bucket).start()
     events = []
 
     async def record(msg):
         events.append(parse_event(msg.data))
 
-    sub = await nats_client.subscribe(ALL_EVENTS_SUBJECT, cb=record)
-    services = {name: Service(name, config) for name in ("admission", "reaper", "edge")}
-    for service in services.values():
-        await asyncio.to_thread(service.wait_ready)
+    sub = await nats_client.subscribe(LEASE_EVENTS_SUBJECT, cb=record)
+    services = {}
+    for name in ("admission", "scraper", "reaper", "edge"):
+        services[name] = Service(name, config)
+        await asyncio.to_thread(services[name].wait_ready)
+    kv = await open_routing_bucket(nats_client.jetstream(), bucket, history=64)
     yield config, kv, services, events
     for service in services.values():
         service.stop()
     await sub.unsubscribe()
-    entries = await recorder.sync(timeout=10)
-    await recorder.stop()
     await nats_client.jetstream().delete_key_value(bucket)
-    loaded = load_config(config)
-    assert check_history(entries, limits_from_config(loaded), LEASE_TIMEOUT) == []
 
 
-async def taken(kv):
-    leases = {}
-    for entry in await kv.list(LEASE_PREFIX):
-        value = LeaseSlotValue.from_json(entry.value)
-        if value.is_taken:
-            leases[entry.key] = value.lease_id
-    return leases
+async def held_by_admission(nc) -> StateReply:
+    """What the (single) admission instance holds now."""
+    reply = await nc.request(ADMISSION_STATE_SUBJECT, b"", timeout=2)
+    return StateReply.model_validate_json(reply.data)
+
+
+def leases_held(state: StateReply) -> int:
+    return sum(pair.leases for pair in state.pairs)
+
+
+def pins_held(state: StateReply) -> int:
+    return sum(pair.pins for pair in state.pairs)
+
+
+async def leases_of_edges(nc, edges: int) -> dict[str, set[str]]:
+    """Roll call over every shard: each live edge that holds leases answers with them (waits
+    for `edges` answers)."""
+    answers: dict[str, set[str]] = {}
+    done = asyncio.Event()
+
+    async def collect(msg):
+        answer = RollCallAnswer.model_validate_json(msg.data)
+        answers[answer.edge] = {lease.lease_id for lease in answer.leases}
+        if len(answers) >= edges:
+            done.set()
+
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox, cb=collect)
+    call = RollCall(owner="chaos-test", shards=tuple(range(SHARDS)))
+    await nc.publish(ADMISSION_ROLLCALL_SUBJECT, call.model_dump_json().encode(), reply=inbox)
+    await asyncio.wait_for(done.wait(), 5)
+    await sub.unsubscribe()
+    return answers
 
 
 def chat(session, max_tokens=400):
@@ -100,33 +135,46 @@ async def open_streams(url, sessions):
     client = httpx.AsyncClient(timeout=60)
     streams = []
     for session in sessions:
-        cm = client.stream("POST", url + "/v1/chat/completions", json=chat(session))
+        cm = client.stream(
+            "POST",
+            url + "/v1/chat/completions",
+            json=chat(session),
+            headers={"x-session-id": session},
+        )
         response = await cm.__aenter__()
+        assert response.status_code == 200, await response.aread()
         lines = response.aiter_lines()
         assert (await anext(lines)).startswith("data: ")
         streams.append((cm, lines))
     return client, streams
 
 
-async def test_a_killed_edge_loses_exactly_its_leases_and_the_pins_survive(world):
+async def test_a_killed_edge_loses_exactly_its_leases_and_the_pins_survive(world, nats_client):
     config, kv, services, events = world
     client, _ = await open_streams(edge_url(config), ["a", "b", "c"])
-    held = await taken(kv)
+    [held] = (await leases_of_edges(nats_client, 1)).values()
     assert len(held) == 3
+    before = await held_by_admission(nats_client)
+    assert leases_held(before) == 3 and pins_held(before) == 3
     pins_before = {e.key for e in await kv.list(PIN_PREFIX)}
+    assert len(pins_before) == 3
 
     services["edge"].signal(signal.SIGKILL)
-    elapsed = await eventually(lambda: _none_taken(kv), timeout=LEASE_TIMEOUT + 5)
+    killed_at = time.monotonic()
 
-    assert elapsed <= LEASE_TIMEOUT + REAPER_INTERVAL + 1.5, elapsed
+    async def none_held():
+        return leases_held(await held_by_admission(nats_client)) == 0
+
+    await eventually(none_held, timeout=LEASE_TIMEOUT + 5)
+    elapsed = time.monotonic() - killed_at
+    # Ended by the owner's expiry sweep: lease_timeout after the last renewal, plus one sweep.
+    assert elapsed <= LEASE_TIMEOUT + 1.5, elapsed
     expired = sorted(e.lease_id for e in events if e.event == "lease.expired")
-    assert expired == sorted(held.values())  # exactly those, each once
-    assert {e.key for e in await kv.list(PIN_PREFIX)} == pins_before  # pins survive
+    assert expired == sorted(held)  # exactly those, each once
+    after = await held_by_admission(nats_client)
+    assert pins_held(after) == 3  # the sessions keep their engine (and its prefix cache)
+    assert {e.key for e in await kv.list(PIN_PREFIX)} == pins_before
     await client.aclose()
-
-
-async def _none_taken(kv):
-    return not await taken(kv)
 
 
 ONE_SLOT = {
@@ -138,38 +186,61 @@ ONE_SLOT = {
 
 
 @pytest.mark.parametrize("world", [ONE_SLOT], indirect=True)
-async def test_a_paused_edge_never_frees_a_slot_granted_to_someone_else(world, tmp_path):
-    config, kv, services, _ = world
+async def test_a_paused_edge_never_frees_a_slot_granted_to_someone_else(
+    world, tmp_path, nats_client
+):
+    config, kv, services, events = world
     client, [(cm, lines)] = await open_streams(edge_url(config), ["paused"])
-    [(slot_key, paused_lease)] = (await taken(kv)).items()
+    [paused_leases] = (await leases_of_edges(nats_client, 1)).values()
+    [paused_lease] = paused_leases
 
     services["edge"].signal(signal.SIGSTOP)
-    await eventually(lambda: _none_taken(kv), timeout=LEASE_TIMEOUT + 5)
+
+    async def none_held():
+        return leases_held(await held_by_admission(nats_client)) == 0
+
+    await eventually(none_held, timeout=LEASE_TIMEOUT + 5)
+    assert [e.lease_id for e in events if e.event == "lease.expired"] == [paused_lease]
     # The only slot goes to another request, through a second edge.
-    second = Service(
-        "edge",
-        write_config(
-            tmp_path / "second.yaml",
-            *_same_world(config),
-            lease_timeout=f"{LEASE_TIMEOUT}s",
-        ),
+    second_config = write_config(
+        tmp_path / "second.yaml", *_same_world(config), lease_timeout=f"{LEASE_TIMEOUT}s"
     )
+    second = Service("edge", second_config)
     await asyncio.to_thread(second.wait_ready)
+    ended: list[RequestEnded] = []
+
+    async def on_ended(msg):
+        ended.append(RequestEnded.model_validate_json(msg.data))
+
+    sub = await nats_client.subscribe(REQUEST_STATS_SUBJECT, cb=on_ended)
     try:
-        other_client, _ = await open_streams(edge_url(tmp_path / "second.yaml"), ["other"])
-        [(regranted_key, other_lease)] = (await taken(kv)).items()
-        assert regranted_key == slot_key and other_lease != paused_lease
+        other_client, _ = await open_streams(edge_url(second_config), ["other"])
+        [other_leases] = (await leases_of_edges(nats_client, 1)).values()  # the paused one sleeps
+        [other_lease] = other_leases
+        assert other_lease != paused_lease
+        assert leases_held(await held_by_admission(nats_client)) == 1
 
         services["edge"].signal(signal.SIGCONT)
         # The woken edge finds its lease gone at its next renewal and ends its stream.
         rest = [line async for line in lines]
         error = json.loads([line for line in rest if line.startswith("data: ")][-1][6:])
         assert error["error"]["code"] == "lease_lost"
-        # ...and it did not free the slot it no longer holds.
-        await asyncio.sleep(0.5)
-        assert (await taken(kv)) == {slot_key: other_lease}
+
+        async def paused_end_seen():
+            return any(e.outcome == "lease_lost" for e in ended)
+
+        # Its end message went out: lease_lost, releasing nothing (it knows it holds nothing)...
+        await eventually(paused_end_seen, timeout=5)
+        [lost_end] = [e for e in ended if e.outcome == "lease_lost"]
+        assert lost_end.lease is None and not lost_end.sent
+        # ...and freed nothing: the slot is still the other request's.
+        state = await held_by_admission(nats_client)
+        assert leases_held(state) == 1
+        # Edges answer a roll call only with leases: the woken one holds none now.
+        assert list((await leases_of_edges(nats_client, 1)).values()) == [{other_lease}]
         await other_client.aclose()
     finally:
+        await sub.unsubscribe()
         second.stop()
     await cm.__aexit__(None, None, None)
     await client.aclose()
