@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import yaml
 
 from llmgw.cli import build_parser
 from llmgw.config import load_config
@@ -157,6 +158,20 @@ def _workdir(runtime: Stage) -> str:
 def test_config_directory_is_copied_into_the_working_directory(runtime: Stage) -> None:
     assert "config ./config" in runtime.args("COPY")
     assert _workdir(runtime).startswith("/")
+
+
+def test_compose_commands_are_llmgw_arguments_reading_the_image_config(runtime: Stage) -> None:
+    """compose.yaml's commands go to this entrypoint: each must parse as `llmgw` arguments, and
+    read its config where the image (and compose's mount over it) keeps config/."""
+    compose = yaml.safe_load((REPO / "compose.yaml").read_text())
+    config_dir = f"{_workdir(runtime)}/config/"
+    built = {name: svc for name, svc in compose["services"].items() if "build" in svc}
+    assert built
+    for name, service in built.items():
+        args = build_parser().parse_args(service["command"])
+        assert args.config.startswith(config_dir), name
+        assert (REPO / "config" / args.config.removeprefix(config_dir)).is_file(), name
+        assert f"./config:{config_dir.rstrip('/')}:ro" in service["volumes"], name
 
 
 def test_exposed_ports_are_the_services_ports(runtime: Stage) -> None:
