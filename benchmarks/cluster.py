@@ -91,7 +91,15 @@ def _config(nats_url: str, engine_url: str, edge_port: int, admin_port: int, flo
             }
         ],
         "endpoints": [
-            {"id": "engine-1", "url": engine_url, "provider": "local", "models": ["bench-model"]}
+            # The simulated engine runs 64 requests at once (its max_num_seqs), as configured
+            # for a real engine.
+            {
+                "id": "engine-1",
+                "url": engine_url,
+                "provider": "local",
+                "models": ["bench-model"],
+                "capacity": 64,
+            }
         ],
     }
 
