@@ -13,7 +13,9 @@ every granted lease with the `RequestEnded` an edge publishes after the response
 from a pool of 2,000 (a warm-up pins each); each request picks one at random and, with
 probability 0.1, replaces it by a fresh one first (a new conversation: a new pin).
 
-Per run: a latency phase (500 decisions at concurrency 1, each lease ended before the next), then
+Per run: a latency phase (500 decisions at concurrency 1, each lease ended before the next; the
+p50 of a new conversation's first decision, which creates its pin, is shown next to a returning
+session's), then
 a sustained phase (`--requests` decisions with 32 in flight). CPUs: nats-server and the admission
 instances share CPU 1; this process, the engine and the scraper CPU 0. "Service CPU" is the user
 + system time of the admission instances and nats-server in the sustained phase per decision.
@@ -200,9 +202,11 @@ async def measure(nats_url: str, pids: list[int], workers: int, requests: int) -
             _, reply = await edges.decide(session)
             await edges.end(reply)
         latencies = []
+        by_route: dict[str | None, list[float]] = {}
         for _ in range(500):
             took, reply = await edges.decide(edges.pick())
             latencies.append(took)
+            by_route.setdefault(reply.route, []).append(took)
             await edges.end(reply)
         await nc.flush()
         todo = iter(range(requests))
@@ -220,6 +224,9 @@ async def measure(nats_url: str, pids: list[int], workers: int, requests: int) -
         return {
             "p50": pct(latencies, 0.5),
             "p99": pct(latencies, 0.99),
+            # A new conversation's first request (creates the pin) against a returning one.
+            "new": pct(by_route.get("new_pin", [0.0]), 0.5),
+            "returning": pct(by_route.get("pinned", [0.0]), 0.5),
             "rate": requests / elapsed,
             "cpu": used / requests,
             "refused": edges.refused,
@@ -305,14 +312,16 @@ def main() -> int:
         print(f"round {round_no + 1}/{args.rounds} done", file=sys.stderr)
     print(f"\n{args.rounds} rounds; median [min..max] over rounds\n")
     print(
-        "| instances | decision p50 ms (c=1) | decision p99 ms (c=1) | "
-        "decisions/s (32 in flight) | service CPU ms / decision | refused |"
+        "| instances | decision p50 ms (c=1) | decision p99 ms (c=1) | p50 new session / "
+        "returning ms | decisions/s (32 in flight) | service CPU ms / decision | refused |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for workers, runs in results.items():
         print(
             f"| {workers} | {fmt([r['p50'] for r in runs], 1e3)} | "
-            f"{fmt([r['p99'] for r in runs], 1e3)} | {fmt([r['rate'] for r in runs], 1, 0)} | "
+            f"{fmt([r['p99'] for r in runs], 1e3)} | "
+            f"{fmt([r['new'] for r in runs], 1e3)} / {fmt([r['returning'] for r in runs], 1e3)} | "
+            f"{fmt([r['rate'] for r in runs], 1, 0)} | "
             f"{fmt([r['cpu'] for r in runs], 1e3, 3)} | {sum(r['refused'] for r in runs)} |"
         )
     return 0
