@@ -35,8 +35,8 @@ log = logging.getLogger("llmgw.admission")
 
 
 def run(args: argparse.Namespace) -> int:
-    setup_logging("admission")
     config = load_or_exit(args.config)
+    setup_logging("admission", config)
     require_nats_server(config, "admission")
     admin_listen = getattr(args, "admin_listen", None)
     admin = parse_hostport(admin_listen) if admin_listen else None

@@ -38,8 +38,8 @@ _FIRST_ANSWER_WAIT = 10.0  # seconds the edge waits for an admission instance be
 
 
 def run(args: argparse.Namespace) -> int:
-    setup_logging("edge")
     config = load_or_exit(args.config)
+    setup_logging("edge", config)
     require_nats_server(config, "edge")
     host, port = parse_hostport(args.listen or config.listen)
     admin_host, admin_port = parse_hostport(args.admin_listen or config.admin_listen)
@@ -83,7 +83,9 @@ async def open_edge_deps(nc, config, edge_id: str) -> EdgeDeps:  # type: ignore[
         leases=leases,
         reporter=NatsReporter(nc),
         session=new_session(config.timeouts),
-        metrics=EdgeMetrics(),
+        metrics=EdgeMetrics(
+            tenant_label=config.metrics.tenant_label, max_tenants=config.metrics.max_tenants
+        ),
         edge_id=edge_id,
     )
 

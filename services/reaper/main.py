@@ -39,8 +39,8 @@ EMBEDDED_NATS_HELP = (
 
 
 def run(args: argparse.Namespace) -> int:
-    setup_logging("reaper")
     config = load_or_exit(args.config)
+    setup_logging("reaper", config)
     if config.nats.is_embedded:
         print(f"llmgw reaper: {EMBEDDED_NATS_HELP}", file=sys.stderr)
         return 2

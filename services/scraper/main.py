@@ -36,8 +36,8 @@ log = logging.getLogger("llmgw.scraper")
 
 
 def run(args: argparse.Namespace) -> int:
-    setup_logging("scraper")
     config = load_or_exit(args.config)
+    setup_logging("scraper", config)
     require_nats_server(config, "scraper")
     admin_listen = getattr(args, "admin_listen", None)
     admin = parse_hostport(admin_listen) if admin_listen else None
