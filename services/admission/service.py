@@ -41,6 +41,7 @@ from llmgw.core.outcomes import Refusal
 from llmgw.core.placement import PinAction, Placement, PlacementRequest, Route, place
 from llmgw.core.requests import Feature
 from llmgw.events import EventPublisher, LeaseExpired, PinEvent, PinMoved
+from llmgw.logs import request_id
 from llmgw.services.admission.balancing import UPSTREAM_FAILURES, RateBoard
 from llmgw.services.admission.catalog import ProviderCatalog
 from llmgw.services.admission.flow import FlowControl
@@ -221,6 +222,7 @@ class AdmissionService:
             log.warning("malformed admission request: %s", exc.errors()[:1])
             await self._respond(msg.reply, self._refusal("?", Refusal.MALFORMED))
             return
+        request_id.set(request.id)  # on this decision's log records (and its queue wait's)
         if not self.shards.serves(request.shard) or not self.membership.can_serve():
             await self._respond(msg.reply, self._refusal(request.id, Refusal.NOT_OWNER))
             return
