@@ -29,7 +29,7 @@ from llmgw.services.admission.loadboard import LoadBoard, LoadFollower
 from llmgw.services.admission.metrics import AdmissionMetrics
 from llmgw.services.admission.service import AdmissionService
 from llmgw.serving import start_server
-from llmgw.state.setup import open_load_bucket, open_routing_store
+from llmgw.state.setup import open_events_stream, open_load_bucket, open_routing_store
 
 log = logging.getLogger("llmgw.admission")
 
@@ -50,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
         metrics = AdmissionMetrics()
         metrics.watch_load(board, [m.name for m in config.models])
         store = await open_routing_store(nc, config)
+        await open_events_stream(nc, config)
         events = EventPublisher(nc, instance)
         service = AdmissionService(
             config,

@@ -404,6 +404,7 @@ class _AttemptEnd:
         edge.reporter.report(
             RequestEnded(
                 id=self.admit.id,
+                request_id=self.routed.request_id,
                 edge=edge.edge_id,
                 lease=lease_id,
                 shard=self.reply.lease.shard if self.reply.lease is not None else None,

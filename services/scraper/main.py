@@ -28,7 +28,7 @@ from llmgw.runtime import (
 from llmgw.services.scraper.metrics import ScraperMetrics
 from llmgw.services.scraper.reports import saturation_settings, scrape_targets
 from llmgw.services.scraper.service import Scraper, new_http_client
-from llmgw.state.setup import open_load_bucket
+from llmgw.state.setup import open_events_stream, open_load_bucket
 
 __all__ = ["run", "serve"]
 
@@ -77,6 +77,7 @@ async def serve(
     admin_server = None
     try:
         bucket = await open_load_bucket(nc, config)
+        await open_events_stream(nc, config)
         scraper = Scraper(
             targets,
             client=client,

@@ -10,8 +10,10 @@ import os
 import sys
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
+import yaml
 from inproc import start_admission
 from nats.aio.client import Client as NatsClient
 from nats.js.errors import NotFoundError
@@ -162,10 +164,34 @@ def test_an_unreachable_server_exits_1_quickly(
     assert "cannot read from NATS" in capsys.readouterr().err
 
 
-def test_an_embedded_nats_config_exits_2_explaining_what_to_set(
+async def test_an_embedded_config_reaches_the_server_up_started_on_its_port(
+    tmp_path: Path,
+    nats_url: str,
+    bucket: str,
+    nats_client: NatsClient,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    code = run(argparse.Namespace(config=str(LOCAL_CONFIG), json=False, pins=False))
+    """`nats.url: embedded` (the config `llmgw up` ran with) reads from embedded_port."""
+    config_file = write_config(tmp_path / "c.yaml", nats_url, bucket)
+    data = yaml.safe_load(config_file.read_text())
+    data["nats"] = {"url": "embedded", "embedded_port": urlsplit(nats_url).port}
+    config_file.write_text(yaml.safe_dump(data))
+    await open_routing_bucket(nats_client.jetstream(), bucket)
+    code = await asyncio.to_thread(
+        run, argparse.Namespace(config=str(config_file), json=True, pins=False)
+    )
+    assert code == 0
+    assert json.loads(capsys.readouterr().out)["bucket"] == bucket
+
+
+def test_an_embedded_config_on_a_random_port_exits_2_explaining_what_to_set(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = yaml.safe_load(LOCAL_CONFIG.read_text())
+    data["nats"] = {"url": "embedded", "embedded_port": 0}
+    config_file = tmp_path / "c.yaml"
+    config_file.write_text(yaml.safe_dump(data))
+    code = run(argparse.Namespace(config=str(config_file), json=False, pins=False))
     assert code == 2
     err = capsys.readouterr().err
-    assert "LLMGW_NATS__URL=nats://HOST:PORT llmgw state" in err and "llmgw up" in err
+    assert "LLMGW_NATS__URL=nats://HOST:PORT" in err and "llmgw up" in err
