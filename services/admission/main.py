@@ -30,6 +30,7 @@ from llmgw.services.admission.metrics import AdmissionMetrics
 from llmgw.services.admission.service import AdmissionService
 from llmgw.serving import start_server
 from llmgw.state.setup import open_events_stream, open_load_bucket, open_routing_store
+from llmgw.tracing import open_tracing
 
 log = logging.getLogger("llmgw.admission")
 
@@ -61,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
             load=board,
             metrics=metrics,
             events=events,
+            tracing=open_tracing("admission", config.tracing),
         )
         metrics.watch_breakers(service.breakers, [e.id for e in config.endpoints])
         metrics.watch_ledger(service.ledger, lambda: len(service.shards.serving))

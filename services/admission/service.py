@@ -52,6 +52,7 @@ from llmgw.services.admission.metrics import AdmissionMetrics
 from llmgw.services.admission.pins import PinWriter
 from llmgw.services.admission.quotas import QuotaKeeper
 from llmgw.services.admission.shards import ShardKeeper
+from llmgw.services.admission.tracing import DecisionSpans
 from llmgw.tasks import cancel_and_wait
 from llmgw.wire import (
     ADMISSION_HEALTH_SUBJECT,
@@ -80,6 +81,7 @@ if TYPE_CHECKING:
 
     from llmgw.config.schema import Config
     from llmgw.state.store import RoutingStore
+    from llmgw.tracing import Tracing
 
 log = logging.getLogger("llmgw.admission")
 
@@ -140,8 +142,10 @@ class AdmissionService:
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
+        tracing: Tracing | None = None,
     ) -> None:
         self.config = config
+        self._spans = DecisionSpans(tracing) if tracing is not None else None
         self.nc = nc
         self.store = store
         self._clock = clock
@@ -226,13 +230,20 @@ class AdmissionService:
         if not self.shards.serves(request.shard) or not self.membership.can_serve():
             await self._respond(msg.reply, self._refusal(request.id, Refusal.NOT_OWNER))
             return
+        traced = self._spans.start(msg.headers, request) if self._spans is not None else None
         try:
-            reply = self.begin(request, msg.reply)
-        except Exception:
-            log.exception("admission failed for request %s", request.id)
-            reply = self._refusal(request.id, Refusal.NO_CAPACITY, "The admission service failed.")
-        if reply is not None:
-            await self._respond(msg.reply, reply)
+            try:
+                reply = self.begin(request, msg.reply)
+            except Exception:
+                log.exception("admission failed for request %s", request.id)
+                reply = self._refusal(
+                    request.id, Refusal.NO_CAPACITY, "The admission service failed."
+                )
+            if reply is not None:
+                await self._respond(msg.reply, reply)
+        finally:
+            if traced is not None:
+                DecisionSpans.detach(traced)
 
     def begin(self, request: AdmitRequest, reply_to: str | None) -> AdmitReply | None:
         """Decide now, or queue (then the answer is sent to `reply_to` later: None)."""
@@ -470,6 +481,8 @@ class AdmissionService:
         )
 
     async def _respond(self, reply_to: str | None, reply: AdmitReply) -> None:
+        if self._spans is not None:
+            self._spans.replied(reply)
         if reply_to:
             with contextlib.suppress(Exception):
                 await self.nc.publish(reply_to, reply.model_dump_json(exclude_none=True).encode())

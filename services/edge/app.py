@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from llmgw.config.schema import Config, Timeouts
     from llmgw.contracts import AdmissionClient, RequestReporter
     from llmgw.services.edge.leases import EdgeLeases
+    from llmgw.tracing import Tracing
 
 log = logging.getLogger("llmgw.edge")
 
@@ -60,6 +61,7 @@ class EdgeDeps:
     metrics: EdgeMetrics
     edge_id: str = field(default_factory=lambda: f"edge-{uuid.uuid4().hex[:8]}")
     rng: random.Random = field(default_factory=random.Random)
+    tracing: Tracing | None = None  # OpenTelemetry (llmgw.tracing), off by default
 
 
 class Edge:
@@ -72,7 +74,7 @@ class Edge:
         self.leases = deps.leases
         self.reporter = deps.reporter
         self.metrics = deps.metrics
-        self.telemetry = EdgeTelemetry(deps.metrics, config.log)
+        self.telemetry = EdgeTelemetry(deps.metrics, config.log, tracing=deps.tracing)
         self.edge_id = deps.edge_id
         self.max_body = config.router.max_body_bytes
         self.flow_control = config.admission.enabled
@@ -91,8 +93,10 @@ class Edge:
         self.attempts = Attempts(self)
 
     def upstream_headers_for(self, routed: RoutedRequest, provider: str) -> dict[str, str]:
-        """The headers of an upstream call: the provider's, and the client's request id."""
-        return {**self.upstream_headers[provider], REQUEST_ID_HEADER: routed.request_id}
+        """The headers of an upstream call: the provider's, the client's request id, and with
+        tracing the attempt's ``traceparent`` (its upstream span starts here)."""
+        headers = {**self.upstream_headers[provider], REQUEST_ID_HEADER: routed.request_id}
+        return self.telemetry.upstream_headers(routed.record, headers)
 
     def timeouts_for(self, model: str) -> Timeouts:
         return self._timeouts.get(model, self._default_timeouts)
@@ -117,6 +121,7 @@ class Edge:
         # Every record logged while handling it carries its id (one task per request, so the
         # value needs no reset: the stream body runs in the same task).
         request_id.set(record.request_id)
+        self.telemetry.began(record, request.headers)
         response, outcome = await self._handle(request, record)
         if outcome is not None:  # streams record their outcome when they end
             self.telemetry.ended(record, outcome, response.status_code)

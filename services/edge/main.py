@@ -31,6 +31,7 @@ from llmgw.services.edge.metrics import EdgeMetrics
 from llmgw.services.edge.reporting import NatsReporter
 from llmgw.services.edge.upstream import new_session
 from llmgw.serving import start_server
+from llmgw.tracing import open_tracing
 
 log = logging.getLogger("llmgw.edge")
 
@@ -87,6 +88,7 @@ async def open_edge_deps(nc, config, edge_id: str) -> EdgeDeps:  # type: ignore[
             tenant_label=config.metrics.tenant_label, max_tenants=config.metrics.max_tenants
         ),
         edge_id=edge_id,
+        tracing=open_tracing("edge", config.tracing),
     )
 
 
@@ -95,6 +97,8 @@ async def close_edge_deps(deps: EdgeDeps) -> None:
     await deps.leases.stop()
     await deps.admission.stop()  # type: ignore[attr-defined]
     await deps.session.close()
+    if deps.tracing is not None:
+        deps.tracing.shutdown()  # flushes the exporter
 
 
 async def wait_for_admission(admission: NatsAdmission, timeout: float = _FIRST_ANSWER_WAIT) -> bool:

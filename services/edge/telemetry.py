@@ -7,7 +7,8 @@ request, when its response has ended (for a stream: when its body ended), and wr
 
 - metrics (`EdgeMetrics`): requests, end-to-end duration, TTFT and TPOT for streams, tokens;
 - one access line (logger ``llmgw.access``, fields below); successful requests are sampled at
-  ``log.access_sample``, every other outcome is always logged.
+  ``log.access_sample``, every other outcome is always logged;
+- with tracing on, the request's span and each attempt's upstream span (`llmgw.tracing`).
 
 Access fields: request_id, feature, model (asked), served_model, provider, endpoint, route,
 band, tenant, stream, status, outcome, ttft_ms, duration_ms, prompt_tokens, completion_tokens,
@@ -19,18 +20,21 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from llmgw.core.outcomes import Outcome
 from llmgw.logs import log_fields
 from llmgw.services.edge.metrics import NONE
+from llmgw.tracing import headers_of, otel_context, trace
 
 if TYPE_CHECKING:
     from llmgw.config.observability import LogConfig
     from llmgw.core.requests import Feature
     from llmgw.core.usage import Usage
     from llmgw.services.edge.metrics import EdgeMetrics
+    from llmgw.tracing import Tracing
 
 access_log = logging.getLogger("llmgw.access")
 
@@ -51,11 +55,12 @@ class RequestRecord:
     band: str | None = None
     tenant: str | None = None
     stream: bool = False
-    status: int | None = None
     first_token: float | None = None  # perf_counter when a stream's first chunk was read
     prompt_tokens: int = 0
     completion_tokens: int = 0
     retries: int = 0
+    span: Any = None  # llmgw.edge.request, with tracing on
+    upstream_span: Any = None  # the current attempt's llmgw.edge.upstream
 
     def attempt_ended(
         self,
@@ -66,6 +71,12 @@ class RequestRecord:
         usage: Usage | None,
     ) -> None:
         """An attempt on `endpoint` ended (the last one's values are the request's)."""
+        if self.upstream_span is not None:
+            self.upstream_span.set_attributes(
+                {"llmgw.provider": provider, "llmgw.endpoint": endpoint, "llmgw.route": route or ""}
+            )
+            self.upstream_span.end()
+            self.upstream_span = None
         self.provider = provider
         self.endpoint = endpoint
         self.route = route
@@ -81,11 +92,30 @@ class EdgeTelemetry:
         metrics: EdgeMetrics,
         log: LogConfig | None = None,
         rng: random.Random | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.metrics = metrics
+        self.tracing = tracing
         self.sample = log.access_sample if log is not None else 1.0
         self.access = log.access_log if log is not None else True
         self._rng = rng or random.Random()
+
+    def began(self, record: RequestRecord, headers: Mapping[str, str]) -> None:
+        """With tracing: the request's span (child of the client's ``traceparent``), made the
+        current span of the request's task, so admission requests carry it over NATS."""
+        if self.tracing is None:
+            return
+        record.span = self.tracing.start(
+            "llmgw.edge.request", self.tracing.extract(headers), server=True
+        )
+        otel_context.attach(trace.set_span_in_context(record.span))  # one task per request
+
+    def upstream_headers(self, record: RequestRecord, headers: dict[str, str]) -> dict[str, str]:
+        """With tracing: start the attempt's upstream span and name it in `headers`."""
+        if record.span is not None and self.tracing is not None:
+            record.upstream_span = self.tracing.start_child("llmgw.edge.upstream", record.span)
+            headers.update(headers_of(record.upstream_span))
+        return headers
 
     def ended(self, record: RequestRecord, outcome: Outcome, status: int) -> None:
         """The request's response ended with `outcome`; called once per request."""
@@ -112,6 +142,8 @@ class EdgeTelemetry:
             m.child(m.fallbacks, model, record.served_model).inc()
         if m.tenant_requests is not None:
             m.child(m.tenant_requests, m.tenant(record.tenant), model, outcome.value).inc()
+        if record.span is not None:
+            self._end_span(record, outcome, status)
         if not self.access or (
             outcome is Outcome.SUCCESS and self.sample < 1.0 and self._rng.random() >= self.sample
         ):
@@ -139,3 +171,21 @@ class EdgeTelemetry:
                 "retries": record.retries,
             },
         )
+
+    @staticmethod
+    def _end_span(record: RequestRecord, outcome: Outcome, status: int) -> None:
+        if record.upstream_span is not None:  # a stream whose attempt outlived its relay
+            record.upstream_span.end()
+        record.span.set_attributes(
+            {
+                "llmgw.request_id": record.request_id,
+                "llmgw.feature": record.feature.value,
+                "llmgw.model": record.model or "",
+                "llmgw.provider": record.provider or "",
+                "llmgw.endpoint": record.endpoint or "",
+                "llmgw.outcome": outcome.value,
+                "llmgw.retries": record.retries,
+                "http.response.status_code": status,
+            }
+        )
+        record.span.end()

@@ -4,20 +4,15 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
-import pytest_asyncio
-from conftest import gateway_config
-from inproc import start_admission, start_edge
+import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from llmgw.logs import JsonFormatter
-from llmgw.services.sim.apps import create_engine_app
-from llmgw.services.sim.params import EngineParams
-from llmgw.serving import start_server
 
 CHAT = "/v1/chat/completions"
 ACCESS_FIELDS = {
@@ -41,19 +36,6 @@ ACCESS_FIELDS = {
 }
 
 
-class HeaderRecorder:
-    """ASGI middleware: the headers of every request the engine received."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-        self.seen: list[dict[str, str]] = []
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
-            self.seen.append({k.decode(): v.decode() for k, v in scope["headers"]})
-        await self.app(scope, receive, send)
-
-
 class Lines(logging.Handler):
     """The access log as JSON objects, formatted by the service formatter."""
 
@@ -66,30 +48,18 @@ class Lines(logging.Handler):
         self.records.append(json.loads(self.format(record)))
 
 
-@pytest_asyncio.fixture
-async def recorded(nats_url: str, unique_id: str) -> AsyncIterator[tuple[Any, dict, Lines]]:
-    recorders, engines = {}, {}
-    for seed, name in enumerate(("engine-1", "engine-2", "tensorx-1")):
-        params = EngineParams.zero_delay(seed=seed)
-        recorders[name] = HeaderRecorder(create_engine_app(params, ["m1", "m2"]))
-        engines[name] = await start_server(recorders[name])
-    config = gateway_config(nats_url, {k: v.url for k, v in engines.items()}, f"r_{unique_id}")
-    admission = await start_admission(config, nats_url, instance="adm", follow_load=False)
-    edge = await start_edge(config, nats_url, edge_id="edge-t")
+@pytest.fixture
+def access_lines() -> Iterator[Lines]:
     lines = Lines()
     access = logging.getLogger("llmgw.access")
     access.addHandler(lines)
     previous = access.level
     access.setLevel(logging.INFO)
     try:
-        yield edge, recorders, lines
+        yield lines
     finally:
         access.removeHandler(lines)
         access.setLevel(previous)
-        await edge.stop()
-        await admission.stop()
-        for server in engines.values():
-            await server.stop()
 
 
 def _samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
@@ -101,8 +71,10 @@ def _samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
     ]
 
 
-async def test_access_line_request_id_and_labelled_metrics(recorded: Any) -> None:
-    edge, recorders, lines = recorded
+async def test_access_line_request_id_and_labelled_metrics(
+    gateway: Any, access_lines: Lines
+) -> None:
+    edge, recorders, lines = gateway.edge, gateway.received, access_lines
     body = {"model": "small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
     async with httpx.AsyncClient(base_url=edge.url, timeout=10) as http:
         plain = await http.post(CHAT, json=body, headers={"x-request-id": "client-id-1"})
