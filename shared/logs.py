@@ -126,8 +126,8 @@ def setup_logging(service: str, config: LogConfig | None = None, stream: Any = N
     if config is not None:
         for name, level in config.levels.items():
             logging.getLogger(name).setLevel(level.upper())
-        if not config.access_log:
-            logging.getLogger("llmgw.access").setLevel(logging.WARNING)
+        access = logging.getLogger("llmgw.access")
+        access.setLevel(logging.NOTSET if config.access_log else logging.WARNING)
 
 
 def _iso(created: float) -> str:
