@@ -113,6 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
     _config_arg(state)
     state.add_argument("--json", action="store_true", help="machine-readable output")
     state.add_argument("--pins", action="store_true", help="also list every pin")
+    state.add_argument(
+        "--session",
+        default=None,
+        metavar="KEY",
+        help="list only the pins of this session key: the session header's value or `user`",
+    )
     state.set_defaults(target="llmgw.services.state.main:run")
 
     events = sub.add_parser("events", help="print the events kept in the events stream")

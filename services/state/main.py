@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import sys
 import time
@@ -23,6 +24,7 @@ from nats.js.errors import NotFoundError
 
 from llmgw import natsconn
 from llmgw.config import Config
+from llmgw.core.sessions import sessions_of_key
 from llmgw.runtime import load_or_exit
 from llmgw.services.admission.service import limits_from_config
 from llmgw.services.state.report import StateReport, build_report, format_report, report_json
@@ -56,6 +58,13 @@ def run(args: argparse.Namespace) -> int:
         )
         return 1
     with_pins = bool(getattr(args, "pins", False))
+    key = getattr(args, "session", None)
+    if key is not None:  # the pins of one client's session key, hashed as the edge hashes it
+        wanted = sessions_of_key(key, [m.name for m in config.models])
+        report = dataclasses.replace(
+            report, pins=tuple(p for p in report.pins if p.session in wanted)
+        )
+        with_pins = True
     if getattr(args, "json", False):
         print(json.dumps(report_json(report, with_pins=with_pins), indent=2))
     else:

@@ -20,6 +20,8 @@ from nats.js.errors import NotFoundError
 from state_cli_helpers import IRIS, LOCAL_CONFIG, MODEL, REPO, TENSORX, session_id, write_config
 
 from llmgw.config import load_config
+from llmgw.core.requests import Feature
+from llmgw.core.sessions import session_id as core_session_id
 from llmgw.core.shards import shard_of
 from llmgw.services.state.main import run
 from llmgw.serving import free_port
@@ -195,3 +197,41 @@ def test_an_embedded_config_on_a_random_port_exits_2_explaining_what_to_set(
     assert code == 2
     err = capsys.readouterr().err
     assert "LLMGW_NATS__URL=nats://HOST:PORT" in err and "llmgw up" in err
+
+
+async def test_a_session_is_found_by_the_key_the_client_sent(
+    tmp_path: Path,
+    nats_url: str,
+    bucket: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`--session alice`: the pins of the session header value (or `user`) alice, hashed as the
+    edge hashes it; other sessions are left out."""
+    config_file = write_config(tmp_path / "c.yaml", nats_url, bucket)
+    config = load_config(config_file, env={})
+    admission = await start_admission(config, nats_url, instance="admission-k", follow_load=False)
+    try:
+        for key in ("alice", "bob"):
+            session = core_session_id(Feature.CHAT, MODEL, {}, header_key=key)
+            reply = await admission.service.decide(
+                AdmitRequest(
+                    id=f"k-{key}",
+                    edge="edge-x",
+                    model=MODEL,
+                    feature="chat",
+                    session=session,
+                    shard=shard_of(session, config.admission.shards),
+                )
+            )
+            assert reply.status is ReplyStatus.ADMITTED
+        await admission.service.pins.drain()
+        code = await asyncio.to_thread(
+            run, argparse.Namespace(config=str(config_file), json=True, pins=False, session="alice")
+        )
+    finally:
+        await admission.stop()
+    assert code == 0
+    pins = json.loads(capsys.readouterr().out)["pins"]
+    assert [p["session"] for p in pins] == [
+        core_session_id(Feature.CHAT, MODEL, {}, header_key="alice")
+    ]
