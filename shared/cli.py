@@ -67,6 +67,14 @@ def build_parser() -> argparse.ArgumentParser:
         "buckets get 3 replicas (overrides nats.embedded_cluster)",
     )
     up.add_argument(
+        "--port-offset",
+        type=int,
+        default=0,
+        metavar="N",
+        help="move every local port (edge, admin, NATS, simulated endpoints) by N: a second "
+        "cluster from the same config",
+    )
+    up.add_argument(
         "--ready-timeout",
         type=float,
         default=60.0,
