@@ -223,6 +223,7 @@ class AdmissionService:
         try:
             request = AdmitRequest.model_validate_json(msg.data)
         except ValidationError as exc:
+            request_id.set(None)  # not the previous message's (one task runs them all)
             log.warning("malformed admission request: %s", exc.errors()[:1])
             await self._respond(msg.reply, self._refusal("?", Refusal.MALFORMED))
             return
