@@ -144,7 +144,8 @@ class RequestEnded(_Message):
     """
 
     v: Literal[2] = 2
-    id: str
+    id: str  # the attempt: the request id, then "<request id>-<n>" for its n-th retry
+    request_id: str | None = None  # the client's x-request-id (or the edge's), every attempt
     edge: str
     lease: str | None = None
     shard: int | None = None

@@ -147,6 +147,8 @@ class Membership:
                 log.warning("heartbeat failed: %s", exc)
                 continue
             if not renewed:
+                if self.stopping:
+                    return  # leaving anyway: whoever claims its shards adopts what is left
                 log.error(
                     "member %s is lost (fenced, or its key was taken away: it could not renew "
                     "it for too long): dropping everything and joining again",
@@ -231,10 +233,14 @@ class Membership:
         with contextlib.suppress(Exception):
             await self.renew_now()
 
-    async def leave(self) -> None:
+    async def leave(self, *, write: bool = True) -> None:
+        """Stop the heartbeat and watches; delete the member key (unless `write` is False:
+        NATS is unreachable, and the key expires on its own after the TTL)."""
         self.stopping = True
         self._closed = True
         await cancel_and_wait(self._tasks)
         self._tasks.clear()
+        if not write:
+            return
         with contextlib.suppress(CasConflict, Exception):
             await self.store.leave(self.instance, self._revision)

@@ -48,6 +48,7 @@ from llmgw.core.outcomes import Refusal
 from llmgw.core.placement import PinAction, Placement, PlacementRequest, Route, place
 from llmgw.core.requests import Feature
 from llmgw.events import EventPublisher, LeaseExpired, PinEvent, PinMoved
+from llmgw.logs import request_id
 from llmgw.services.admission.balancing import UPSTREAM_FAILURES, RateBoard
 from llmgw.services.admission.catalog import ProviderCatalog
 from llmgw.services.admission.flow import FlowControl
@@ -58,6 +59,7 @@ from llmgw.services.admission.metrics import AdmissionMetrics
 from llmgw.services.admission.pins import PinWriter
 from llmgw.services.admission.quotas import QuotaKeeper
 from llmgw.services.admission.shards import ShardKeeper
+from llmgw.services.admission.tracing import DecisionSpans
 from llmgw.tasks import cancel_and_wait
 from llmgw.wire import (
     ADMISSION_HEALTH_SUBJECT,
@@ -86,6 +88,7 @@ if TYPE_CHECKING:
 
     from llmgw.config.schema import Config
     from llmgw.state.store import RoutingStore
+    from llmgw.tracing import Tracing
 
 log = logging.getLogger("llmgw.admission")
 
@@ -146,8 +149,10 @@ class AdmissionService:
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
+        tracing: Tracing | None = None,
     ) -> None:
         self.config = config
+        self._spans = DecisionSpans(tracing) if tracing is not None else None
         self.nc = nc
         self.store = store
         self._clock = clock
@@ -225,19 +230,28 @@ class AdmissionService:
         try:
             request = AdmitRequest.model_validate_json(msg.data)
         except ValidationError as exc:
+            request_id.set(None)  # not the previous message's (one task runs them all)
             log.warning("malformed admission request: %s", exc.errors()[:1])
             await self._respond(msg.reply, self._refusal("?", Refusal.MALFORMED))
             return
+        request_id.set(request.id)  # on this decision's log records (and its queue wait's)
         if not self.shards.serves(request.shard) or not self.membership.can_serve():
             await self._respond(msg.reply, self._refusal(request.id, Refusal.NOT_OWNER))
             return
+        traced = self._spans.start(msg.headers, request) if self._spans is not None else None
         try:
-            reply = self.begin(request, msg.reply)
-        except Exception:
-            log.exception("admission failed for request %s", request.id)
-            reply = self._refusal(request.id, Refusal.NO_CAPACITY, "The admission service failed.")
-        if reply is not None:
-            await self._respond(msg.reply, reply)
+            try:
+                reply = self.begin(request, msg.reply)
+            except Exception:
+                log.exception("admission failed for request %s", request.id)
+                reply = self._refusal(
+                    request.id, Refusal.NO_CAPACITY, "The admission service failed."
+                )
+            if reply is not None:
+                await self._respond(msg.reply, reply)
+        finally:
+            if traced is not None:
+                DecisionSpans.detach(traced)
 
     def begin(self, request: AdmitRequest, reply_to: str | None) -> AdmitReply | None:
         """Decide now, or queue (then the answer is sent to `reply_to` later: None)."""
@@ -475,6 +489,8 @@ class AdmissionService:
         )
 
     async def _respond(self, reply_to: str | None, reply: AdmitReply) -> None:
+        if self._spans is not None:
+            self._spans.replied(reply)
         if reply_to:
             with contextlib.suppress(Exception):
                 await self.nc.publish(reply_to, reply.model_dump_json(exclude_none=True).encode())
@@ -696,7 +712,10 @@ class AdmissionService:
         await self.nc.flush()
 
     def _lost(self) -> None:
-        """The member key was taken away: drop everything and join again under a new id."""
+        """Fenced, or the member key was taken away: drop everything and join again under a new
+        id (unless stopping: then the shards are left to be claimed)."""
+        if self._stopping:
+            return
         self._spawn(self._rejoin())
 
     async def _rejoin(self) -> None:
@@ -721,8 +740,9 @@ class AdmissionService:
         await self.shards.stop()
         if self.flow is not None:
             await self.flow.stop()
-        await self.pins.drain()
-        await self.quotas.leave()
+        if self.nc.is_connected:  # else nothing lands: the next owners adopt from the bucket
+            await self.pins.drain()
+            await self.quotas.leave()
         await self.quotas.stop()
         for sub in self._subs:
             with contextlib.suppress(Exception):
@@ -730,7 +750,7 @@ class AdmissionService:
         self._subs.clear()
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=5)
-        await self.membership.leave()
+        await self.membership.leave(write=self.nc.is_connected)
 
     def live_peers(self) -> int:
         now = self._clock()

@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from llmgw.core.requests import Feature, ParsedRequest
     from llmgw.services.edge.app import Edge
     from llmgw.services.edge.leases import HeldLease
+    from llmgw.services.edge.telemetry import RequestRecord
 
 # Failures of the endpoint, not of the request: worth another endpoint while nothing was sent.
 _RETRYABLE = frozenset(
@@ -93,6 +94,7 @@ class RoutedRequest:
     headers: dict[str, str]  # response headers every answer carries (x-request-id, ...)
     started: float
     client_gone: Callable[[], Awaitable[object]] | None
+    record: RequestRecord  # metrics and the access line (llmgw.services.edge.telemetry)
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +170,7 @@ class Attempts:
             previous = result
             excluded.append(result.endpoint)
             edge.metrics.retries.labels(result.outcome.value).inc()
+            routed.record.retries += 1
         assert previous is not None
         return previous.response, previous.outcome
 
@@ -207,7 +210,11 @@ class Attempts:
         ending.upstream_started = time.perf_counter()
         try:
             upstream = await open_upstream(
-                edge.deps.session, url, raw, edge.upstream_headers[target.provider], timeouts
+                edge.deps.session,
+                url,
+                raw,
+                edge.upstream_headers_for(routed, target.provider),
+                timeouts,
             )
         except UpstreamFailure as failure:
             return self._failure(ending, failure.outcome, failure.message, headers)
@@ -251,6 +258,7 @@ class Attempts:
             first = await first_chunk(upstream, timeouts, deadline)
         except UpstreamFailure as failure:
             return self._failure(ending, failure.outcome, failure.message, headers)
+        routed.record.first_token = time.perf_counter()
         usage = StreamUsage(remove=inject_usage)
         hold = ending.hold
         relay = StreamRelay(
@@ -261,15 +269,14 @@ class Attempts:
             lease_lost=lambda: hold is not None and edge.leases.expired(hold),
             usage=usage,
         )
-        metrics = edge.metrics
-        feature = routed.feature
+        telemetry = edge.telemetry
 
         def end_once() -> None:
             if ending.ended:
                 return
             ending.usage = usage.usage
             ending.finish(relay.outcome)
-            metrics.observe(feature, relay.outcome, time.perf_counter() - routed.started)
+            telemetry.ended(routed.record, relay.outcome, 200)
 
         async def body_then_finish() -> Any:
             try:
@@ -397,6 +404,7 @@ class _AttemptEnd:
         edge.reporter.report(
             RequestEnded(
                 id=self.admit.id,
+                request_id=self.routed.request_id,
                 edge=edge.edge_id,
                 lease=lease_id,
                 shard=self.reply.lease.shard if self.reply.lease is not None else None,
@@ -420,9 +428,9 @@ class _AttemptEnd:
                 retry_after=self.retry_after,
             )
         )
-        if usage is not None:
-            edge.metrics.tokens.labels("input").inc(usage.input_tokens)
-            edge.metrics.tokens.labels("output").inc(usage.output_tokens)
+        self.routed.record.attempt_ended(
+            target.provider, target.endpoint, self.reply.route, self.reply.served_model, usage
+        )
 
 
 def _retry_after(value: str | None) -> float | None:

@@ -33,6 +33,7 @@ from llmgw.services.edge.outage import OutageAdmission
 from llmgw.services.edge.reporting import NatsReporter
 from llmgw.services.edge.upstream import new_session
 from llmgw.serving import start_server
+from llmgw.tracing import open_tracing
 
 log = logging.getLogger("llmgw.edge")
 
@@ -40,8 +41,8 @@ _FIRST_ANSWER_WAIT = 10.0  # seconds the edge waits for an admission instance be
 
 
 def run(args: argparse.Namespace) -> int:
-    setup_logging("edge")
     config = load_or_exit(args.config)
+    setup_logging("edge", config)
     require_nats_server(config, "edge")
     host, port = parse_hostport(args.listen or config.listen)
     admin_host, admin_port = parse_hostport(args.admin_listen or config.admin_listen)
@@ -62,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
             # then close what they used.
             await asyncio.gather(api.stop(timeout=10), admin.stop())
             await close_edge_deps(deps)
-            await nc.drain()
+            await natsconn.drain_or_close(nc)
 
     return run_service(main)
 
@@ -93,8 +94,11 @@ async def open_edge_deps(nc, config, edge_id: str) -> EdgeDeps:  # type: ignore[
         leases=leases,
         reporter=NatsReporter(nc),
         session=new_session(config.timeouts),
-        metrics=EdgeMetrics(),
+        metrics=EdgeMetrics(
+            tenant_label=config.metrics.tenant_label, max_tenants=config.metrics.max_tenants
+        ),
         edge_id=edge_id,
+        tracing=open_tracing("edge", config.tracing),
     )
 
 
@@ -103,6 +107,8 @@ async def close_edge_deps(deps: EdgeDeps) -> None:
     await deps.leases.stop()
     await deps.admission.stop()  # type: ignore[attr-defined]
     await deps.session.close()
+    if deps.tracing is not None:
+        deps.tracing.shutdown()  # flushes the exporter
 
 
 async def wait_for_admission(
