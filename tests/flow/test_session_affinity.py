@@ -1,5 +1,5 @@
-"""Admission keeps a session on its engine replica (bounded-load consistent hashing), with flow
-control on: the reservation flow control makes is the one placement chose, so it never pushes a
+"""Admission keeps a session on its engine replica (where its last request ran; a new session
+starts where there is most room, ties broken by consistent hashing), with flow control on: the reservation flow control makes is the one placement chose, so it never pushes a
 session off its home."""
 
 from __future__ import annotations
@@ -75,8 +75,9 @@ async def test_a_busy_replica_sends_its_sessions_next_door(rig):
     session = "a" * 32
     home = await place(rig, session)
     other = next(e for e in ENDPOINTS if e != home)
-    # The home replica runs 7 (not saturated: capacity 8), the other 1: the bound is
-    # ceil(1.25 * (8 + 1) / 2) = 6, so the session spills to the other replica.
-    await rig.report(home, running=7, capacity=8)
+    # The home replica runs all its 8 slots and queues 2 (not saturated), the other runs 1: the
+    # bound is ceil(1.25 * (10 + 1) * 8 / 16) = 7, so the session spills to the other replica.
+    # (With a free slot at home it would stay: leaving costs its prefix cache, gains nothing.)
+    await rig.report(home, running=8, waiting=2, capacity=8)
     await rig.report(other, running=1, capacity=8)
     assert await place(rig, session) == other
