@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 from rig import ENDPOINTS, admitted, open_rig
 
-from llmgw.wire import REQUEST_STATS_SUBJECT, RequestEnded
+from llmgw.wire import REQUEST_STATS_SUBJECT, FailedAttempt, RequestEnded
 
 
 @pytest.fixture(params=[True, False], ids=["flow-control-on", "flow-control-off"])
@@ -81,3 +81,36 @@ async def test_a_busy_replica_sends_its_sessions_next_door(rig):
     await rig.report(home, running=8, waiting=2, capacity=8)
     await rig.report(other, running=1, capacity=8)
     assert await place(rig, session) == other
+
+
+async def test_a_retry_never_finds_its_own_session_at_the_limit(nats_url, unique_id):
+    """Issue 9, observation 10: the failed attempt's lease is released with the retry's
+    decision (one step), so a session at its in-flight limit retries on its pin, not elsewhere."""
+    limits = {
+        "max_pinned_sessions": 10,
+        "max_global_in_flight_request_slots": 10,
+        "global_in_flight_request_slots_reserved_for_pinned_sessions": 2,
+        "max_per_session_in_flight_request_slots": 1,
+    }
+    rig = await open_rig(nats_url, unique_id, limits=limits)
+    try:
+        await rig.report_all(running=0, capacity=8)
+        session = "c" * 32
+        first = await rig.ask(session=session, band="gold")
+        assert admitted(first) and first.target.provider == "iris"
+        request = rig.request(session=session, band="gold").model_copy(
+            update={
+                "retry_of": first.lease.lease_id,
+                "failed": FailedAttempt(
+                    attempt=first.id,
+                    endpoint=first.target.endpoint,
+                    outcome="upstream_unreachable",
+                ),
+            }
+        )
+        retry, _ = await rig.client.admit(request)
+        assert admitted(retry)
+        assert (retry.target.provider, retry.route) == ("iris", "pinned"), retry
+        assert first.lease.lease_id not in rig.admissions[0].ledger.leases
+    finally:
+        await rig.close()
