@@ -36,7 +36,14 @@ from llmgw.config.schema import Band
 from llmgw.core.breaker import BreakerBoard, BreakerSettings
 from llmgw.core.flow import GateDecision, Waiter
 from llmgw.core.keys import pin_key
-from llmgw.core.ledger import LeaseKind, LeaseRecord, Ledger, LedgerObserver, PinRecord
+from llmgw.core.ledger import (
+    LeaseKind,
+    LeaseRecord,
+    Ledger,
+    LedgerObserver,
+    PinRecord,
+    ShardState,
+)
 from llmgw.core.outcomes import Refusal
 from llmgw.core.placement import PinAction, Placement, PlacementRequest, Route, place
 from llmgw.core.requests import Feature
@@ -513,12 +520,31 @@ class AdmissionService:
             return
         if not self.shards.serves(renewal.shard) or not self.membership.can_serve():
             return  # no answer: the edge tries again (the new owner answers)
+        now = self._clock()
+        refused: list[str] = []
+        if renewal.claims:  # grants the edge made alone during a NATS outage
+            claims = tuple(c for c in renewal.claims if c.shard == renewal.shard)
+            dropped, _ = self.ledger.add_shard(ShardState(renewal.shard, (), claims), now)
+            refused = sorted(lease.lease_id for lease in dropped)
+            refused += sorted(c.lease_id for c in renewal.claims if c.shard != renewal.shard)
+            if refused:
+                log.warning(
+                    "edge %s: %d outage grants do not fit this instance's quota yet",
+                    renewal.edge,
+                    len(refused),
+                )
         lost = self.ledger.renew(
-            renewal.edge, renewal.shard, renewal.leases, self._clock(), settle=self.settle
+            renewal.edge, renewal.shard, renewal.leases, now, settle=self.settle
         )
+        if refused:  # listed too, but not ours: neither lost nor renewed
+            not_taken = set(refused)
+            lost = [lease_id for lease_id in lost if lease_id not in not_taken]
         if msg.reply:
             reply = LeaseRenewalReply(
-                lost=tuple(lost), owner=self.instance, edges=len(self.ledger.edges())
+                lost=tuple(lost),
+                refused=tuple(refused),
+                owner=self.instance,
+                edges=len(self.ledger.edges()),
             )
             with contextlib.suppress(Exception):
                 await self.nc.publish(msg.reply, reply.model_dump_json().encode())

@@ -15,6 +15,7 @@ import uuid
 from llmgw import natsconn
 from llmgw.config import parse_hostport
 from llmgw.core.keys import safe_token
+from llmgw.core.outage import LocalBudget
 from llmgw.runtime import (
     load_or_exit,
     require_nats_server,
@@ -28,6 +29,7 @@ from llmgw.services.edge.admission_client import NatsAdmission
 from llmgw.services.edge.app import EdgeDeps, create_app
 from llmgw.services.edge.leases import EdgeLeases
 from llmgw.services.edge.metrics import EdgeMetrics
+from llmgw.services.edge.outage import OutageAdmission
 from llmgw.services.edge.reporting import NatsReporter
 from llmgw.services.edge.upstream import new_session
 from llmgw.serving import start_server
@@ -66,16 +68,24 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def open_edge_deps(nc, config, edge_id: str) -> EdgeDeps:  # type: ignore[no-untyped-def]
-    """The edge's ports over one NATS connection, started."""
-    admission = NatsAdmission(
+    """The edge's ports over one NATS connection, started. With `admission.on_nats_outage:
+    local` the admission client decides alone while NATS is unreachable (`OutageAdmission`)."""
+    over_nats = NatsAdmission(
         nc, request_timeout=config.nats.request_timeout, queue_ttl=config.admission.queue_ttl
     )
+    budget = LocalBudget() if config.admission.on_nats_outage == "local" else None
+    admission: NatsAdmission | OutageAdmission = over_nats
+    if budget is not None:
+        admission = OutageAdmission(
+            over_nats, config, edge_id, budget, is_connected=lambda: nc.is_connected
+        )
     await admission.start()
     leases = EdgeLeases(
         nc,
         edge_id,
         lease_timeout=config.pinning.lease_timeout,
         request_timeout=config.nats.request_timeout,
+        local_budget=budget,
     )
     await leases.start()
     return EdgeDeps(
@@ -95,7 +105,9 @@ async def close_edge_deps(deps: EdgeDeps) -> None:
     await deps.session.close()
 
 
-async def wait_for_admission(admission: NatsAdmission, timeout: float = _FIRST_ANSWER_WAIT) -> bool:
+async def wait_for_admission(
+    admission: NatsAdmission | OutageAdmission, timeout: float = _FIRST_ANSWER_WAIT
+) -> bool:
     """Until an admission instance answers (True), or `timeout` (False: ready line anyway,
     /ready stays false until one answers)."""
     loop = asyncio.get_running_loop()

@@ -83,7 +83,8 @@ def session_id(
     feature_class = _FEATURE_CLASS.get(feature)
     if feature_class is None:
         return None
-    user = body.get("user") if isinstance(body.get("user"), str) else ""
+    raw_user = body.get("user")
+    user = raw_user if isinstance(raw_user, str) else ""
     explicit = header_key or user
     if explicit:
         return _digest("key", explicit, model, feature_class)
