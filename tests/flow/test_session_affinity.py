@@ -114,3 +114,33 @@ async def test_a_retry_never_finds_its_own_session_at_the_limit(nats_url, unique
         assert first.lease.lease_id not in rig.admissions[0].ledger.leases
     finally:
         await rig.close()
+
+
+async def test_a_full_pin_table_evicts_a_one_shot_pin_but_keeps_conversations(nats_url, unique_id):
+    """Pins that one-shot traffic cannot exhaust: with the table full, a new session evicts the
+    least recently used pin that served one request; a table of conversations (two requests
+    each, idle less than min_idle_before_evict) sends it to the third party, counted by why."""
+    limits = {
+        "max_pinned_sessions": 2,
+        "max_global_in_flight_request_slots": 10,
+        "global_in_flight_request_slots_reserved_for_pinned_sessions": 2,
+        "max_per_session_in_flight_request_slots": 2,
+    }
+    rig = await open_rig(nats_url, unique_id, limits=limits)
+    try:
+        await rig.report_all(running=0, capacity=8)
+        service = rig.admissions[0]
+        await place(rig, "1" * 32)  # a one-shot conversation so far
+        for _ in range(2):
+            await place(rig, "2" * 32)  # a conversation
+        await place(rig, "3" * 32)  # evicts 1's pin, not 2's
+        pinned = {pin.session for pin in service.ledger.pins.values()}
+        assert pinned == {"2" * 32, "3" * 32}
+        assert service.metrics.pins_evicted.labels("iris")._value.get() == 1
+        await place(rig, "3" * 32)  # now both pins are conversations
+        reply = await rig.ask(session="4" * 32, band="gold")
+        assert admitted(reply) and (reply.target.provider, reply.route) == ("tensorx", "new_pin")
+        offloads = service.metrics.offloads.labels("tensorx", "no_managed_room")._value.get()
+        assert offloads == 1
+    finally:
+        await rig.close()
