@@ -4,6 +4,7 @@ session off its home."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import Counter
 
@@ -83,18 +84,27 @@ async def test_a_busy_replica_sends_its_sessions_next_door(rig):
     assert await place(rig, session) == other
 
 
-async def test_a_retry_never_finds_its_own_session_at_the_limit(nats_url, unique_id):
-    """Issue 9, observation 10: the failed attempt's lease is released with the retry's
-    decision (one step), so a session at its in-flight limit retries on its pin, not elsewhere."""
+@contextlib.asynccontextmanager
+async def limited_rig(nats_url, unique_id, *, pins: int, per_session: int):
+    """A rig whose `iris` has limits (10 requests in flight, 2 reserved), idle engines."""
     limits = {
-        "max_pinned_sessions": 10,
+        "max_pinned_sessions": pins,
         "max_global_in_flight_request_slots": 10,
         "global_in_flight_request_slots_reserved_for_pinned_sessions": 2,
-        "max_per_session_in_flight_request_slots": 1,
+        "max_per_session_in_flight_request_slots": per_session,
     }
     rig = await open_rig(nats_url, unique_id, limits=limits)
     try:
         await rig.report_all(running=0, capacity=8)
+        yield rig
+    finally:
+        await rig.close()
+
+
+async def test_a_retry_never_finds_its_own_session_at_the_limit(nats_url, unique_id):
+    """Issue 9, observation 10: the failed attempt's lease is released with the retry's
+    decision (one step), so a session at its in-flight limit retries on its pin, not elsewhere."""
+    async with limited_rig(nats_url, unique_id, pins=10, per_session=1) as rig:
         session = "c" * 32
         first = await rig.ask(session=session, band="gold")
         assert admitted(first) and first.target.provider == "iris"
@@ -112,23 +122,13 @@ async def test_a_retry_never_finds_its_own_session_at_the_limit(nats_url, unique
         assert admitted(retry)
         assert (retry.target.provider, retry.route) == ("iris", "pinned"), retry
         assert first.lease.lease_id not in rig.admissions[0].ledger.leases
-    finally:
-        await rig.close()
 
 
 async def test_a_full_pin_table_evicts_a_one_shot_pin_but_keeps_conversations(nats_url, unique_id):
     """Pins that one-shot traffic cannot exhaust: with the table full, a new session evicts the
     least recently used pin that served one request; a table of conversations (two requests
     each, idle less than min_idle_before_evict) sends it to the third party, counted by why."""
-    limits = {
-        "max_pinned_sessions": 2,
-        "max_global_in_flight_request_slots": 10,
-        "global_in_flight_request_slots_reserved_for_pinned_sessions": 2,
-        "max_per_session_in_flight_request_slots": 2,
-    }
-    rig = await open_rig(nats_url, unique_id, limits=limits)
-    try:
-        await rig.report_all(running=0, capacity=8)
+    async with limited_rig(nats_url, unique_id, pins=2, per_session=2) as rig:
         service = rig.admissions[0]
         await place(rig, "1" * 32)  # a one-shot conversation so far
         for _ in range(2):
@@ -142,5 +142,3 @@ async def test_a_full_pin_table_evicts_a_one_shot_pin_but_keeps_conversations(na
         assert admitted(reply) and (reply.target.provider, reply.route) == ("tensorx", "new_pin")
         offloads = service.metrics.offloads.labels("tensorx", "no_managed_room")._value.get()
         assert offloads == 1
-    finally:
-        await rig.close()
