@@ -327,26 +327,30 @@ class Client:
             await asyncio.sleep(rng.expovariate(1 / think) if think else 0)
         return results
 
-    def band(self) -> str:
-        return self.rng.choices(list(BANDS), list(BANDS.values()))[0]
-
     async def mix(self, rate: float, seconds: float, think: float = THINK_TIME) -> Phase:
         """Poisson arrivals of `rate` requests/s for `seconds`: one-shots and chat turns."""
         phase = Phase()
         mean_turns = sum(TURNS) / 2
         one_shots = rate * ONE_SHOT_SHARE
         chats = rate * (1 - ONE_SHOT_SHARE) / mean_turns
+        # The schedule is drawn first, from its own seeded generator: every run of a phase sends
+        # the same conversations at the same offsets, whatever ran before it.
+        rng = random.Random(f"mix-{rate:.3f}-{seconds}")
+        schedule: list[tuple[float, str, int]] = []  # (offset, band, turns; 0 = one-shot)
+        at = rng.expovariate(one_shots + chats)
+        while at < seconds:
+            one = rng.random() < one_shots / (one_shots + chats)
+            band = rng.choices(list(BANDS), list(BANDS.values()))[0]
+            schedule.append((at, band, 0 if one else rng.randint(*TURNS)))
+            at += rng.expovariate(one_shots + chats)
         tasks: list[asyncio.Task[Any]] = []
-        deadline = time.monotonic() + seconds
-        while True:
-            await asyncio.sleep(self.rng.expovariate(one_shots + chats))
-            if time.monotonic() >= deadline:
-                break
-            if self.rng.random() < one_shots / (one_shots + chats):
-                tasks.append(asyncio.create_task(self.one_shot(phase, self.band())))
+        started = time.monotonic()
+        for offset, band, turns in schedule:
+            await asyncio.sleep(max(0.0, started + offset - time.monotonic()))
+            if turns == 0:
+                tasks.append(asyncio.create_task(self.one_shot(phase, band)))
             else:
-                turns = self.rng.randint(*TURNS)
-                tasks.append(asyncio.create_task(self.chat(phase, self.band(), turns, think)))
+                tasks.append(asyncio.create_task(self.chat(phase, band, turns, think)))
         await asyncio.gather(*tasks)
         return phase
 
