@@ -12,7 +12,8 @@ Seed 000, step for step (the names in brackets are the seed's):
 - no session: the first usable provider with room runs it once [execute_request_without_pinning];
 - no pin: the first usable provider with pin and request room gets the session's pin
   [execute_not_yet_pinned_request]; a full pin table evicts its least recently used idle pin
-  (`ProviderState.evictable`) instead of refusing;
+  that served one request, or has been idle `min_idle_before_evict` (`ProviderState.evictable`,
+  `llmgw.core.ledger.Ledger.evictable`) instead of refusing;
 - a pin on a provider that no longer serves the model, or is degraded: the pin moves to the next
   usable provider with room [try_repin_to_other_provider_and_retry_execute];
 - a pin whose session or provider is at its in-flight limit: the request runs elsewhere once and
