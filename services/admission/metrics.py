@@ -99,8 +99,9 @@ class AdmissionMetrics:
         self.offloads = Counter(
             "llmgw_admission_offloads",
             "Requests sent to an unlimited (third-party) provider, by provider and why: "
-            "overflow (flow control: managed pool saturated), session_limit, global_limit, "
-            "endpoint_failed, degraded, unsupported.",
+            "overflow (flow control: managed pool saturated), no_managed_room (a new pin or an "
+            "unpinned request no managed provider could take), pinned_there (its session's pin "
+            "is there), session_limit, global_limit, endpoint_failed, degraded, unsupported.",
             ["provider", "reason"],
             registry=r,
         )

@@ -114,6 +114,15 @@ def limits_from_config(config: Config) -> dict[tuple[str, str], Any]:
     return {(p.id, m.name): m.limits for p in config.providers for m in p.models}
 
 
+def offload_reason(placement: Placement) -> str:
+    """Why a request runs on an unlimited provider (the `llmgw_admission_offloads` label)."""
+    if placement.reason is not None:
+        return placement.reason  # overflow, session_limit, global_limit, endpoint_failed, ...
+    if placement.route is Route.PINNED:
+        return "pinned_there"  # its session's pin is there (and cannot return home yet)
+    return "no_managed_room"  # a new pin or an unpinned request that no managed provider took
+
+
 def new_token(rng: random.Random) -> str:
     """A fresh 64-bit id (pins, leases): 16 hex digits, a safe key token."""
     return f"{rng.getrandbits(64):016x}"
@@ -380,8 +389,8 @@ class AdmissionService:
         self.metrics.placements.labels(outcome.provider, outcome.route.value).inc()
         if outcome.affinity_break is not None:
             self.metrics.affinity_breaks.labels(outcome.provider, outcome.affinity_break).inc()
-        if self.catalog.is_unlimited(outcome.provider) and outcome.reason is not None:
-            self.metrics.offloads.labels(outcome.provider, outcome.reason).inc()
+        if self.catalog.is_unlimited(outcome.provider):
+            self.metrics.offloads.labels(outcome.provider, offload_reason(outcome)).inc()
         return AdmitReply(
             id=request.id,
             status=ReplyStatus.ADMITTED,

@@ -244,6 +244,7 @@ class ShardKeeper:
                         max(value.refreshed_at, now),
                         value.refreshed_at,
                         stored.revision,
+                        uses=2,  # its history is unknown: a conversation, not a one-shot
                     )
                 )
                 service.pins.known(key, stored.revision)

@@ -95,6 +95,8 @@ class PinRecord:
     stored_refreshed_at: float  # the refreshed_at its stored value carries
     revision: int = 0
     leases: set[str] = field(default_factory=set)
+    uses: int = 0  # leases ever listed in it (1: a one-shot conversation so far)
+    endpoint: str | None = None  # where its last request runs or ran (its prefix cache)
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,13 +250,22 @@ class Ledger:
         return limit is not None and len(pin.leases) >= limit
 
     def evictable(self, provider: str, model: str, now: float, min_idle: float) -> PinRecord | None:
-        """The least recently used pin of the pair without leases, idle >= `min_idle`."""
+        """The least recently used pin of the pair without leases that either served one
+        request only (a one-shot conversation so far) or has been idle >= `min_idle`.
+
+        One-shot traffic therefore never fills a pin table: its pins make room as soon as their
+        request ended. Cost: a scan of the pair's idle pins, oldest first, that stops at the
+        first candidate (the idle ones are oldest, so it stops at once when the oldest pin has
+        been idle long enough).
+        """
         idle = self._idle.get((provider, model))
         if not idle:
             return None
-        key = next(iter(idle))
-        pin = self.pins[key]
-        return pin if now - pin.last_used >= min_idle else None
+        for key in idle:
+            pin = self.pins[key]
+            if pin.uses <= 1 or now - pin.last_used >= min_idle:
+                return pin
+        return None
 
     def endpoint_leases(self, endpoint: str) -> int:
         """Live leases of this instance's requests on `endpoint` (its own exact inflight)."""
@@ -310,6 +321,7 @@ class Ledger:
             now,
             pin.stored_refreshed_at,
             revision=pin.revision,
+            uses=pin.uses,
         )
         self._add_pin(moved, now)
         return moved
@@ -407,6 +419,8 @@ class Ledger:
         self._add_lease(lease)
         if pin is not None:
             self._list(pin, lease_id)
+            if endpoint is not None:
+                pin.endpoint = endpoint
         self.observer.lease_granted(lease, quota, before)
         return lease
 
@@ -416,6 +430,7 @@ class Ledger:
             if idle is not None:
                 idle.pop((pin.model, pin.session), None)
         pin.leases.add(lease_id)
+        pin.uses += 1
 
     def _unlist(self, pin: PinRecord, lease_id: str) -> None:
         pin.leases.discard(lease_id)
