@@ -11,7 +11,8 @@ round (every heartbeat, and at once when members or owners change) `ShardKeeper.
 4. hands over the shards it owns that rendezvous hashing gives to another settled member.
 
 **Handover** (graceful: a rebalance, or `stop`), giver G to receiver R: G stops serving the shard
-(unsubscribes; its queued requests of the shard are answered NOT_OWNER and the edges ask again),
+(drains its subscriptions: requests delivered to it meanwhile, and its queued requests of the
+shard, are answered NOT_OWNER and the edges ask again),
 lets the shard's pin writes land, CASes the shard key to R, takes the shard's pins and leases out
 of its ledger, moves the quota they use to R (one CAS per pair), and sends them to R
 (``llmgw.v1.admission.handover.<R>``). R takes them in and serves the shard. Nothing is lost: a
@@ -358,8 +359,13 @@ class ShardKeeper:
     async def _stop_serving(self, shard: int) -> None:
         self.leaving.add(shard)
         for sub in self.serving.get(shard, ()):
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+            # Drained, not unsubscribed: requests already delivered here are still answered
+            # (NOT_OWNER: their edges ask the new owner) instead of dropped unanswered.
+            try:
+                await asyncio.wait_for(sub.drain(), _HANDOVER_TIMEOUT)
+            except Exception:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
         flow = self.service.flow
         if flow is not None:
             flow.drop(lambda context: context.request.shard == shard, "moved")

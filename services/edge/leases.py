@@ -51,7 +51,7 @@ log = logging.getLogger("llmgw.edge.leases")
 class HeldLease:
     """One request's lease at the edge (`llmgw.contracts.LeaseHold`)."""
 
-    __slots__ = ("_lost", "confirmed_at", "ended", "on_lost", "record")
+    __slots__ = ("_lost", "confirmed_at", "cut_short", "ended", "on_lost", "record")
 
     def __init__(self, record: LeaseRecord, now: float) -> None:
         self.record = record
@@ -59,10 +59,20 @@ class HeldLease:
         self.on_lost: Callable[[], None] | None = None
         self._lost = False
         self.ended = False
+        self.cut_short = False  # ended by the edge's drain deadline (`cut`)
 
     @property
     def lost(self) -> bool:
         return self._lost
+
+    def cut(self) -> None:
+        """The edge is stopping and its drain deadline passed: end the request now (its
+        upstream call is closed; the request ends as ``shutting_down`` and releases the lease)."""
+        if self._lost or self.ended:
+            return
+        self.cut_short = True
+        if self.on_lost is not None:
+            self.on_lost()
 
     def lose(self) -> None:
         if self._lost or self.ended:
