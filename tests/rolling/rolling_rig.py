@@ -53,7 +53,7 @@ def write_config(
     data = {
         "listen": f"127.0.0.1:{free_port()}",
         "admin_listen": f"127.0.0.1:{free_port()}",
-        "nats": {"url": nats_url, "request_timeout": "2s"},
+        "nats": {"url": nats_url},
         "router": {"scrape_interval": "250ms", "load_bucket": f"load_{bucket}", **router},
         "timeouts": {"first_token": "30s", "idle": "30s", "total": "60s"},
         "pinning": {"bucket": bucket, "history": 64, **(pinning or {})},
