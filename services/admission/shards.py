@@ -314,7 +314,7 @@ class ShardKeeper:
             handover = Handover.model_validate_json(msg.data)
         except ValidationError:
             return
-        state = handover.state
+        state = service.without_ended(handover.state)  # ends that overtook the handover
         refused: list[str] = []
         if self.stopping:
             # Handed a shard while stopping (the giver had not seen it yet): take it, then
