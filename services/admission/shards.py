@@ -16,7 +16,9 @@ shard, are answered NOT_OWNER and the edges ask again),
 lets the shard's pin writes land, CASes the shard key to R, takes the shard's pins and leases out
 of its ledger, moves the quota they use to R (one CAS per pair), and sends them to R
 (``llmgw.v1.admission.handover.<R>``). R takes them in and serves the shard. Nothing is lost: a
-lease is in exactly one ledger at every moment but the message's flight, when neither ends it.
+lease is in exactly one ledger at every moment but the message's flight, when neither ends it;
+an edge's end message that arrives during that flight is remembered by R, which leaves the
+ended lease out of what it takes in (`AdmissionService.without_ended`).
 
 **Adoption** (G is gone: a crash, or G released the shard with no member to take it): R claims
 the shard, loads its pins from the bucket, asks every edge for its leases there (a roll call,
