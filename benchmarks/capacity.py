@@ -238,6 +238,9 @@ async def count_on(nats_url: str, edge_url: str, requests: int, sessions: int, a
             pin_sizes.append((len(msg.subject) - len(f"$KV.{ROUTING}."), len(msg.data)))
 
     nc = await nats.connect(nats_url)
+    # Counted only once the shards have settled: a subscriber on `>` is a responder for every
+    # subject, so while a shard moves between instances the edges' requests for it get no
+    # "no responders" answer (which makes them ask again at once) but wait out their timeout.
     await _balanced(nc, admissions)
     await nc.subscribe(">", cb=on_msg)
     await nc.flush()
