@@ -73,6 +73,9 @@ async def start_server(
         # never sends a request on a connection the server is just closing.
         timeout_keep_alive=timeout_keep_alive,
         http="httptools",
+        # No X-Forwarded-* rewriting layer on every request: nothing here reads the client's
+        # address (a proxy in front keeps its own access log).
+        proxy_headers=False,
     )
     server = uvicorn.Server(config)
     server.config.setup_event_loop = lambda: None  # type: ignore[method-assign]

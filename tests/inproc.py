@@ -143,10 +143,13 @@ async def start_admission(
     return Admission(service, nc, follower)
 
 
-async def start_edge(config: Config, nats_url: str, *, edge_id: str) -> Edge:
-    """One edge as `llmgw edge` runs it, on a free port."""
+async def start_edge(config: Config, nats_url: str, *, edge_id: str, tracing: Any = None) -> Edge:
+    """One edge as `llmgw edge` runs it, on a free port (`tracing`: a `llmgw.tracing.Tracing`
+    in place of the config's)."""
     nc = await connect(nats_url, edge_id)
     deps = await open_edge_deps(nc, config, edge_id)
+    if tracing is not None:
+        deps.tracing = tracing
     app = create_app(config, deps)
     server = await start_server(app)
     return Edge(app, server, deps, nc)

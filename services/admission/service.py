@@ -49,6 +49,7 @@ from llmgw.core.outcomes import Refusal
 from llmgw.core.placement import PinAction, Placement, PlacementRequest, Route, place
 from llmgw.core.requests import Feature
 from llmgw.events import EventPublisher, LeaseExpired, PinEvent, PinMoved
+from llmgw.logs import request_id
 from llmgw.services.admission.balancing import UPSTREAM_FAILURES, RateBoard
 from llmgw.services.admission.catalog import ProviderCatalog
 from llmgw.services.admission.flow import FlowControl
@@ -59,6 +60,7 @@ from llmgw.services.admission.metrics import AdmissionMetrics
 from llmgw.services.admission.pins import PinWriter
 from llmgw.services.admission.quotas import QuotaKeeper
 from llmgw.services.admission.shards import ShardKeeper
+from llmgw.services.admission.tracing import DecisionSpans
 from llmgw.tasks import cancel_and_wait
 from llmgw.wire import (
     ADMISSION_HEALTH_SUBJECT,
@@ -87,6 +89,7 @@ if TYPE_CHECKING:
 
     from llmgw.config.schema import Config
     from llmgw.state.store import RoutingStore
+    from llmgw.tracing import Tracing
 
 log = logging.getLogger("llmgw.admission")
 
@@ -149,8 +152,10 @@ class AdmissionService:
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
+        tracing: Tracing | None = None,
     ) -> None:
         self.config = config
+        self._spans = DecisionSpans(tracing) if tracing is not None else None
         self.nc = nc
         self.store = store
         self._clock = clock
@@ -231,19 +236,28 @@ class AdmissionService:
         try:
             request = AdmitRequest.model_validate_json(msg.data)
         except ValidationError as exc:
+            request_id.set(None)  # not the previous message's (one task runs them all)
             log.warning("malformed admission request: %s", exc.errors()[:1])
             await self._respond(msg.reply, self._refusal("?", Refusal.MALFORMED))
             return
+        request_id.set(request.id)  # on this decision's log records (and its queue wait's)
         if not self.shards.serves(request.shard) or not self.membership.can_serve():
             await self._respond(msg.reply, self._refusal(request.id, Refusal.NOT_OWNER))
             return
+        traced = self._spans.start(msg.headers, request) if self._spans is not None else None
         try:
-            reply = self.begin(request, msg.reply)
-        except Exception:
-            log.exception("admission failed for request %s", request.id)
-            reply = self._refusal(request.id, Refusal.NO_CAPACITY, "The admission service failed.")
-        if reply is not None:
-            await self._respond(msg.reply, reply)
+            try:
+                reply = self.begin(request, msg.reply)
+            except Exception:
+                log.exception("admission failed for request %s", request.id)
+                reply = self._refusal(
+                    request.id, Refusal.NO_CAPACITY, "The admission service failed."
+                )
+            if reply is not None:
+                await self._respond(msg.reply, reply)
+        finally:
+            if traced is not None:
+                DecisionSpans.detach(traced)
 
     def begin(self, request: AdmitRequest, reply_to: str | None) -> AdmitReply | None:
         """Decide now, or queue (then the answer is sent to `reply_to` later: None)."""
@@ -481,6 +495,8 @@ class AdmissionService:
         )
 
     async def _respond(self, reply_to: str | None, reply: AdmitReply) -> None:
+        if self._spans is not None:
+            self._spans.replied(reply)
         if reply_to:
             with contextlib.suppress(Exception):
                 await self.nc.publish(reply_to, reply.model_dump_json(exclude_none=True).encode())
@@ -549,12 +565,31 @@ class AdmissionService:
             return
         if not self.shards.serves(renewal.shard) or not self.membership.can_serve():
             return  # no answer: the edge tries again (the new owner answers)
+        now = self._clock()
+        refused: list[str] = []
+        if renewal.claims:  # grants the edge made alone during a NATS outage
+            claims = tuple(c for c in renewal.claims if c.shard == renewal.shard)
+            dropped, _ = self.ledger.add_shard(ShardState(renewal.shard, (), claims), now)
+            refused = sorted(lease.lease_id for lease in dropped)
+            refused += sorted(c.lease_id for c in renewal.claims if c.shard != renewal.shard)
+            if refused:
+                log.warning(
+                    "edge %s: %d outage grants do not fit this instance's quota yet",
+                    renewal.edge,
+                    len(refused),
+                )
         lost = self.ledger.renew(
-            renewal.edge, renewal.shard, renewal.leases, self._clock(), settle=self.settle
+            renewal.edge, renewal.shard, renewal.leases, now, settle=self.settle
         )
+        if refused:  # listed too, but not ours: neither lost nor renewed
+            not_taken = set(refused)
+            lost = [lease_id for lease_id in lost if lease_id not in not_taken]
         if msg.reply:
             reply = LeaseRenewalReply(
-                lost=tuple(lost), owner=self.instance, edges=len(self.ledger.edges())
+                lost=tuple(lost),
+                refused=tuple(refused),
+                owner=self.instance,
+                edges=len(self.ledger.edges()),
             )
             with contextlib.suppress(Exception):
                 await self.nc.publish(msg.reply, reply.model_dump_json().encode())
@@ -706,7 +741,10 @@ class AdmissionService:
         await self.nc.flush()
 
     def _lost(self) -> None:
-        """The member key was taken away: drop everything and join again under a new id."""
+        """Fenced, or the member key was taken away: drop everything and join again under a new
+        id (unless stopping: then the shards are left to be claimed)."""
+        if self._stopping:
+            return
         self._spawn(self._rejoin())
 
     async def _rejoin(self) -> None:
@@ -731,8 +769,9 @@ class AdmissionService:
         await self.shards.stop()
         if self.flow is not None:
             await self.flow.stop()
-        await self.pins.drain()
-        await self.quotas.leave()
+        if self.nc.is_connected:  # else nothing lands: the next owners adopt from the bucket
+            await self.pins.drain()
+            await self.quotas.leave()
         await self.quotas.stop()
         for sub in self._subs:
             with contextlib.suppress(Exception):
@@ -740,7 +779,7 @@ class AdmissionService:
         self._subs.clear()
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=5)
-        await self.membership.leave()
+        await self.membership.leave(write=self.nc.is_connected)
 
     def live_peers(self) -> int:
         now = self._clock()

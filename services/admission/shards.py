@@ -118,12 +118,27 @@ class ShardKeeper:
         self.stopping = True
         if self._task is not None:
             await cancel_and_wait([self._task])
-        with contextlib.suppress(Exception):
-            await self.service.membership.announce_leaving()
-            await self.service.membership.refresh_members()  # hand over only to the living
-            await self.rebalance(max_release=len(self.serving) + 1)
+        nc = self.service.nc
+        if nc.is_connected:
+            with contextlib.suppress(Exception):
+                await self.service.membership.announce_leaving()
+                await self.service.membership.refresh_members()  # hand over only to the living
+                await self.rebalance(max_release=len(self.serving) + 1)
         for shard in list(self.serving):
-            await self._release(shard)
+            if not nc.is_connected:
+                # Nothing can be written: the shard is left to whoever claims it once this
+                # member's key expires, and its leases are adopted by roll call (as after a
+                # crash) instead of waiting out a timeout per shard.
+                await self._stop_serving(shard)
+                self.serving.pop(shard, None)
+                self.leaving.discard(shard)
+                continue
+            try:
+                await self._release(shard)
+            except Exception as exc:
+                log.warning("shard %d not released (%s): left to be claimed", shard, exc)
+                self.serving.pop(shard, None)
+                self.leaving.discard(shard)
 
     async def drop_all(self) -> None:
         for shard in list(self.serving):

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 from llmgw.contracts import AdmissionUnavailable
 from llmgw.core.outcomes import Refusal
 from llmgw.tasks import cancel_and_wait
+from llmgw.tracing import current_headers
 from llmgw.wire import (
     ADMISSION_CANCEL_SUBJECT,
     ADMISSION_HEALTH_SUBJECT,
@@ -156,7 +157,7 @@ class NatsAdmission:
             pending = _Pending(loop.create_future())
             self._pending[token] = pending
             try:
-                await nc.publish(subject, payload, reply=token)
+                await nc.publish(subject, payload, reply=token, headers=current_headers())
                 msg = await self._wait(pending, deadline)
                 if msg is None:
                     raise AdmissionUnavailable("the admission service did not answer in time")

@@ -52,6 +52,7 @@ if TYPE_CHECKING:
     from llmgw.core.requests import Feature, ParsedRequest
     from llmgw.services.edge.app import Edge
     from llmgw.services.edge.leases import HeldLease
+    from llmgw.services.edge.telemetry import RequestRecord
 
 # Failures of the endpoint, not of the request: worth another endpoint while nothing was sent.
 _RETRYABLE = frozenset(
@@ -95,6 +96,7 @@ class RoutedRequest:
     headers: dict[str, str]  # response headers every answer carries (x-request-id, ...)
     started: float
     client_gone: Callable[[], Awaitable[object]] | None
+    record: RequestRecord  # metrics and the access line (llmgw.services.edge.telemetry)
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +172,7 @@ class Attempts:
             previous = result
             excluded.append(result.endpoint)
             edge.metrics.retries.labels(result.outcome.value).inc()
+            routed.record.retries += 1
         assert previous is not None
         return previous.response, previous.outcome
 
@@ -213,7 +216,11 @@ class Attempts:
             hold.on_lost = task.cancel  # until the answer's headers: a cut or loss stops the wait
         try:
             upstream = await open_upstream(
-                edge.deps.session, url, raw, edge.upstream_headers[target.provider], timeouts
+                edge.deps.session,
+                url,
+                raw,
+                edge.upstream_headers_for(routed, target.provider),
+                timeouts,
             )
         except UpstreamFailure as failure:
             return self._failure(ending, failure.outcome, failure.message, headers)
@@ -262,6 +269,7 @@ class Attempts:
             first = await first_chunk(upstream, timeouts, deadline)
         except UpstreamFailure as failure:
             return self._failure(ending, failure.outcome, failure.message, headers)
+        routed.record.first_token = time.perf_counter()
         usage = StreamUsage(remove=inject_usage)
         relay = StreamRelay(
             upstream,
@@ -271,8 +279,7 @@ class Attempts:
             lease_lost=lambda: hold is not None and edge.leases.expired(hold),
             usage=usage,
         )
-        metrics = edge.metrics
-        feature = routed.feature
+        telemetry = edge.telemetry
 
         def end_once() -> None:
             if ending.ended:
@@ -282,7 +289,7 @@ class Attempts:
             if hold is not None and hold.cut_short and outcome is not Outcome.SUCCESS:
                 outcome = Outcome.SHUTTING_DOWN
             ending.finish(outcome)
-            metrics.observe(feature, outcome, time.perf_counter() - routed.started)
+            telemetry.ended(routed.record, outcome, 200)
 
         async def body_then_finish() -> Any:
             try:
@@ -420,6 +427,7 @@ class _AttemptEnd:
         edge.reporter.report(
             RequestEnded(
                 id=self.admit.id,
+                request_id=self.routed.request_id,
                 edge=edge.edge_id,
                 lease=lease_id,
                 shard=self.reply.lease.shard if self.reply.lease is not None else None,
@@ -443,9 +451,9 @@ class _AttemptEnd:
                 retry_after=self.retry_after,
             )
         )
-        if usage is not None:
-            edge.metrics.tokens.labels("input").inc(usage.input_tokens)
-            edge.metrics.tokens.labels("output").inc(usage.output_tokens)
+        self.routed.record.attempt_ended(
+            target.provider, target.endpoint, self.reply.route, self.reply.served_model, usage
+        )
 
 
 def _retry_after(value: str | None) -> float | None:

@@ -16,6 +16,7 @@ import uuid
 from llmgw import natsconn
 from llmgw.config import parse_hostport
 from llmgw.core.keys import safe_token
+from llmgw.core.outage import LocalBudget
 from llmgw.runtime import (
     load_or_exit,
     require_nats_server,
@@ -29,9 +30,11 @@ from llmgw.services.edge.admission_client import NatsAdmission
 from llmgw.services.edge.app import EdgeDeps, create_app
 from llmgw.services.edge.leases import EdgeLeases
 from llmgw.services.edge.metrics import EdgeMetrics
+from llmgw.services.edge.outage import OutageAdmission
 from llmgw.services.edge.reporting import NatsReporter
 from llmgw.services.edge.upstream import new_session
 from llmgw.serving import RunningServer, start_server
+from llmgw.tracing import open_tracing
 
 log = logging.getLogger("llmgw.edge")
 
@@ -40,8 +43,8 @@ _CUT_GRACE = 2.0  # seconds requests cut at the drain deadline get to end and re
 
 
 def run(args: argparse.Namespace) -> int:
-    setup_logging("edge")
     config = load_or_exit(args.config)
+    setup_logging("edge", config)
     require_nats_server(config, "edge")
     host, port = parse_hostport(args.listen or config.listen)
     admin_host, admin_port = parse_hostport(args.admin_listen or config.admin_listen)
@@ -65,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         finally:
             await asyncio.gather(api.stop(timeout=_CUT_GRACE), admin.stop())
             await close_edge_deps(deps)  # the cut requests' releases are sent before this ends
-            await nc.drain()
+            await natsconn.drain_or_close(nc)
 
     return run_service(main)
 
@@ -85,16 +88,24 @@ async def drain(deps: EdgeDeps, api: RunningServer, delay: float, timeout: float
 
 
 async def open_edge_deps(nc, config, edge_id: str) -> EdgeDeps:  # type: ignore[no-untyped-def]
-    """The edge's ports over one NATS connection, started."""
-    admission = NatsAdmission(
+    """The edge's ports over one NATS connection, started. With `admission.on_nats_outage:
+    local` the admission client decides alone while NATS is unreachable (`OutageAdmission`)."""
+    over_nats = NatsAdmission(
         nc, request_timeout=config.nats.request_timeout, queue_ttl=config.admission.queue_ttl
     )
+    budget = LocalBudget() if config.admission.on_nats_outage == "local" else None
+    admission: NatsAdmission | OutageAdmission = over_nats
+    if budget is not None:
+        admission = OutageAdmission(
+            over_nats, config, edge_id, budget, is_connected=lambda: nc.is_connected
+        )
     await admission.start()
     leases = EdgeLeases(
         nc,
         edge_id,
         lease_timeout=config.pinning.lease_timeout,
         request_timeout=config.nats.request_timeout,
+        local_budget=budget,
     )
     await leases.start()
     return EdgeDeps(
@@ -102,8 +113,11 @@ async def open_edge_deps(nc, config, edge_id: str) -> EdgeDeps:  # type: ignore[
         leases=leases,
         reporter=NatsReporter(nc),
         session=new_session(config.timeouts),
-        metrics=EdgeMetrics(),
+        metrics=EdgeMetrics(
+            tenant_label=config.metrics.tenant_label, max_tenants=config.metrics.max_tenants
+        ),
         edge_id=edge_id,
+        tracing=open_tracing("edge", config.tracing),
     )
 
 
@@ -112,9 +126,13 @@ async def close_edge_deps(deps: EdgeDeps) -> None:
     await deps.leases.stop()
     await deps.admission.stop()  # type: ignore[attr-defined]
     await deps.session.close()
+    if deps.tracing is not None:
+        deps.tracing.shutdown()  # flushes the exporter
 
 
-async def wait_for_admission(admission: NatsAdmission, timeout: float = _FIRST_ANSWER_WAIT) -> bool:
+async def wait_for_admission(
+    admission: NatsAdmission | OutageAdmission, timeout: float = _FIRST_ANSWER_WAIT
+) -> bool:
     """Until an admission instance answers (True), or `timeout` (False: ready line anyway,
     /ready stays false until one answers)."""
     loop = asyncio.get_running_loop()

@@ -34,8 +34,11 @@ import enum
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 from llmgw.core.quota import PairLimits, Quota
+
+K = TypeVar("K")
 
 __all__ = [
     "CapacityError",
@@ -437,15 +440,8 @@ class Ledger:
         use = self.pair_use(lease.pair)
         use.leases -= 1
         use.unreserved -= lease.unreserved
-        for index, key in (
-            (self._shard_leases, lease.shard),
-            (self._edge_leases, (lease.edge, lease.shard)),
-        ):
-            members = index.get(key)  # type: ignore[call-overload]
-            if members is not None:
-                members.discard(lease.lease_id)
-                if not members:
-                    del index[key]  # type: ignore[arg-type]
+        _discard(self._shard_leases, lease.shard, lease.lease_id)
+        _discard(self._edge_leases, (lease.edge, lease.shard), lease.lease_id)
         if lease.endpoint is not None:
             self._count_endpoint(lease.endpoint, -1)
         if lease.session is not None:
@@ -567,8 +563,17 @@ class Ledger:
             before = (use.leases, use.unreserved, use.pins)
             self._add_lease(lease)
             if lease.session is not None:
-                pin = self.pins.get((lease.model, lease.session))
-                if pin is not None and pin.pin_id == lease.pin_id:
-                    self._list(pin, lease.lease_id)
+                held = self.pins.get((lease.model, lease.session))
+                if held is not None and held.pin_id == lease.pin_id:
+                    self._list(held, lease.lease_id)
             self.observer.lease_adopted(lease, quota, before)
         return refused_leases, refused_pins
+
+
+def _discard(index: dict[K, set[str]], key: K, lease_id: str) -> None:
+    """Drop `lease_id` from index[key], and the key once its set is empty."""
+    members = index.get(key)
+    if members is not None:
+        members.discard(lease_id)
+        if not members:
+            del index[key]

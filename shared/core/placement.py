@@ -86,6 +86,7 @@ class Route(enum.StrEnum):
     TEMPORARY = "temporary"  # ran elsewhere this once (limit or failure); the pin stays
     UNPINNED = "unpinned"  # no session (e.g. embeddings)
     OVERFLOW = "overflow"  # flow control: the managed pool was saturated; ran on a third party
+    LOCAL = "local"  # decided by the edge alone while NATS was unreachable (llmgw.core.outage)
 
 
 class PinAction(enum.StrEnum):
