@@ -131,7 +131,9 @@ def wait_ready(proc: Proc, marker: str, timeout: float = 30) -> None:
 
 
 @contextmanager
-def running_cluster(gateway_cpus: set[int], engine_cpus: set[int], *, flow: bool = False):
+def running_cluster(
+    gateway_cpus: set[int], engine_cpus: set[int], *, flow: bool = False, admissions: int = 1
+):
     """Yield a Cluster; everything is stopped afterwards.
 
     ``flow``: admission runs flow control (every request passes an unsaturated queue) and a
@@ -181,14 +183,16 @@ def running_cluster(gateway_cpus: set[int], engine_cpus: set[int], *, flow: bool
                     env,
                 )
                 wait_ready(cluster.procs["scraper"], "ready")
-            cluster.procs["admission"] = start_process(
-                "admission",
-                [*cli, "admission", "--config", str(config_path)],
-                gateway_cpus,
-                logdir,
-                env,
-            )
-            wait_ready(cluster.procs["admission"], "ready")
+            for index in range(admissions):  # "admission", then "admission-1", ...
+                name = "admission" if index == 0 else f"admission-{index}"
+                cluster.procs[name] = start_process(
+                    name,
+                    [*cli, "admission", "--config", str(config_path)],
+                    gateway_cpus,
+                    logdir,
+                    env,
+                )
+                wait_ready(cluster.procs[name], "ready")
             cluster.procs["edge"] = start_process(
                 "edge", [*cli, "edge", "--config", str(config_path)], gateway_cpus, logdir, env
             )

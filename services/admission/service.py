@@ -26,8 +26,9 @@ import contextlib
 import logging
 import random
 import time
+from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
@@ -107,6 +108,8 @@ _RETRYABLE = frozenset(
     {Refusal.NO_CAPACITY, Refusal.QUEUE_FULL, Refusal.QUEUE_TIMEOUT, Refusal.NOT_OWNER}
 )
 _LOAD_HEARTBEAT = 1.0
+_ENDED_MEMORY_S = 5.0  # longer than a handover takes (its request times out after 2 s)
+_ENDED_MEMORY_MAX = 32_768
 
 
 def limits_from_config(config: Config) -> dict[tuple[str, str], Any]:
@@ -220,6 +223,9 @@ class AdmissionService:
         self._engine_priority = {b.name: index for index, b in enumerate(ranked)}
         self._fallbacks = {m.name: tuple(m.fallbacks) for m in config.models}
         self._failures_seen: dict[str, float] = {}  # attempt ids the breakers already have
+        # Ends of leases not held here, of shards not served here: one may be on its way here
+        # in a handover that its end overtook (`without_ended`). Oldest first, bounded.
+        self._ended_elsewhere: OrderedDict[str, float] = OrderedDict()
         self._subs: list[Subscription] = []
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loops: list[asyncio.Task[None]] = []
@@ -527,7 +533,9 @@ class AdmissionService:
             return
         now = self._clock()
         if ended.lease is not None:
-            self.ledger.release(ended.lease, now, refresh=ended.refresh and ended.ok)
+            released = self.ledger.release(ended.lease, now, refresh=ended.refresh and ended.ok)
+            if released is None and ended.shard is not None and not self.shards.serves(ended.shard):
+                self._remember_ended(ended.lease, now)
         if not ended.sent:
             return
         self.rates.add(ended)
@@ -537,6 +545,27 @@ class AdmissionService:
             self.breakers.record(
                 ended.endpoint, ended.ok, now, retry_after=None if ended.ok else ended.retry_after
             )
+
+    def _remember_ended(self, lease_id: str, now: float) -> None:
+        remembered = self._ended_elsewhere
+        remembered[lease_id] = now
+        while remembered and (
+            len(remembered) > _ENDED_MEMORY_MAX
+            or now - next(iter(remembered.values())) > _ENDED_MEMORY_S
+        ):
+            remembered.popitem(last=False)
+
+    def without_ended(self, state: ShardState) -> ShardState:
+        """`state` less the leases whose end reached this instance before the shard did (the
+        giver had taken them out, the end found them nowhere): taken in, they would stay here
+        until ``lease_timeout`` with nobody to end them (their edge renews them no more)."""
+        remembered = self._ended_elsewhere
+        if not remembered:
+            return state
+        kept = tuple(lease for lease in state.leases if lease.lease_id not in remembered)
+        for lease in state.leases:
+            remembered.pop(lease.lease_id, None)
+        return state if len(kept) == len(state.leases) else replace(state, leases=kept)
 
     async def on_renewal(self, msg: Msg) -> None:
         try:

@@ -11,11 +11,14 @@ round (every heartbeat, and at once when members or owners change) `ShardKeeper.
 4. hands over the shards it owns that rendezvous hashing gives to another settled member.
 
 **Handover** (graceful: a rebalance, or `stop`), giver G to receiver R: G stops serving the shard
-(unsubscribes; its queued requests of the shard are answered NOT_OWNER and the edges ask again),
+(drains its subscriptions: requests delivered to it meanwhile, and its queued requests of the
+shard, are answered NOT_OWNER and the edges ask again),
 lets the shard's pin writes land, CASes the shard key to R, takes the shard's pins and leases out
 of its ledger, moves the quota they use to R (one CAS per pair), and sends them to R
 (``llmgw.v1.admission.handover.<R>``). R takes them in and serves the shard. Nothing is lost: a
-lease is in exactly one ledger at every moment but the message's flight, when neither ends it.
+lease is in exactly one ledger at every moment but the message's flight, when neither ends it;
+an edge's end message that arrives during that flight is remembered by R, which leaves the
+ended lease out of what it takes in (`AdmissionService.without_ended`).
 
 **Adoption** (G is gone: a crash, or G released the shard with no member to take it): R claims
 the shard, loads its pins from the bucket, asks every edge for its leases there (a roll call,
@@ -329,7 +332,7 @@ class ShardKeeper:
             handover = Handover.model_validate_json(msg.data)
         except ValidationError:
             return
-        state = handover.state
+        state = service.without_ended(handover.state)  # ends that overtook the handover
         refused: list[str] = []
         if self.stopping:
             # Handed a shard while stopping (the giver had not seen it yet): take it, then
@@ -374,8 +377,13 @@ class ShardKeeper:
     async def _stop_serving(self, shard: int) -> None:
         self.leaving.add(shard)
         for sub in self.serving.get(shard, ()):
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+            # Drained, not unsubscribed: requests already delivered here are still answered
+            # (NOT_OWNER: their edges ask the new owner) instead of dropped unanswered.
+            try:
+                await asyncio.wait_for(sub.drain(), _HANDOVER_TIMEOUT)
+            except Exception:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
         flow = self.service.flow
         if flow is not None:
             flow.drop(lambda context: context.request.shard == shard, "moved")

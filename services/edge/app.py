@@ -31,6 +31,7 @@ from llmgw.core.sessions import session_id, tenant_id
 from llmgw.core.shards import shard_of
 from llmgw.logs import REQUEST_ID_HEADER, accept_request_id, request_id
 from llmgw.services.edge.attempts import _PATHS, Attempts, RoutedRequest
+from llmgw.services.edge.drain import EdgeDrain, with_connection_close
 from llmgw.services.edge.errors import error_body, error_response
 from llmgw.services.edge.metrics import EdgeMetrics
 from llmgw.services.edge.telemetry import EdgeTelemetry, RequestRecord
@@ -61,6 +62,7 @@ class EdgeDeps:
     metrics: EdgeMetrics
     edge_id: str = field(default_factory=lambda: f"edge-{uuid.uuid4().hex[:8]}")
     rng: random.Random = field(default_factory=random.Random)
+    drain: EdgeDrain = field(default_factory=EdgeDrain)
     tracing: Tracing | None = None  # OpenTelemetry (llmgw.tracing), off by default
 
 
@@ -239,6 +241,8 @@ class HotPathApp:
         self.app = app
 
     async def __call__(self, scope, receive, send) -> None:  # type: ignore[no-untyped-def]
+        if self.edge.deps.drain.draining:  # stopping: no connection is reused after this answer
+            send = with_connection_close(send)
         feature = _ROUTES.get(scope.get("path", "")) if scope["type"] == "http" else None
         if feature is None or scope["method"] != "POST":
             await self.app(scope, receive, send)

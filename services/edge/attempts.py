@@ -21,6 +21,7 @@ never a breaker's input, never released.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Awaitable, Callable
@@ -32,7 +33,8 @@ from starlette.responses import Response, StreamingResponse
 from llmgw.contracts import AdmissionUnavailable
 from llmgw.core.outcomes import REFUSAL_OUTCOMES, Outcome
 from llmgw.core.usage import StreamUsage, Usage, usage_in
-from llmgw.services.edge.errors import error_body, error_response
+from llmgw.services.edge.drain import SHUTDOWN_MESSAGE
+from llmgw.services.edge.errors import error_body, error_response, sse_error_event
 from llmgw.services.edge.upstream import (
     LEASE_LOST_MESSAGE,
     StreamRelay,
@@ -208,6 +210,10 @@ class Attempts:
         timeouts = edge.timeouts_for(routed.model)
         deadline = loop_deadline(timeouts.total)
         ending.upstream_started = time.perf_counter()
+        hold = ending.hold
+        task = asyncio.current_task()
+        if hold is not None and task is not None:
+            hold.on_lost = task.cancel  # until the answer's headers: a cut or loss stops the wait
         try:
             upstream = await open_upstream(
                 edge.deps.session,
@@ -218,6 +224,11 @@ class Attempts:
             )
         except UpstreamFailure as failure:
             return self._failure(ending, failure.outcome, failure.message, headers)
+        except asyncio.CancelledError:
+            if hold is None or not (hold.cut_short or hold.lost) or task is None:
+                raise
+            task.uncancel()
+            return self._failure(ending, Outcome.UPSTREAM_UNREACHABLE, "", headers)
         if ending.hold is not None:
             ending.hold.on_lost = upstream.close  # a lost lease cancels the upstream request
         upstream_headers = {**passthrough_headers(upstream), **headers}
@@ -260,7 +271,6 @@ class Attempts:
             return self._failure(ending, failure.outcome, failure.message, headers)
         routed.record.first_token = time.perf_counter()
         usage = StreamUsage(remove=inject_usage)
-        hold = ending.hold
         relay = StreamRelay(
             upstream,
             first,
@@ -275,12 +285,18 @@ class Attempts:
             if ending.ended:
                 return
             ending.usage = usage.usage
-            ending.finish(relay.outcome)
-            telemetry.ended(routed.record, relay.outcome, 200)
+            outcome = relay.outcome
+            if hold is not None and hold.cut_short and outcome is not Outcome.SUCCESS:
+                outcome = Outcome.SHUTTING_DOWN
+            ending.finish(outcome)
+            telemetry.ended(routed.record, outcome, 200)
 
         async def body_then_finish() -> Any:
             try:
                 async for chunk in relay:
+                    if hold is not None and hold.cut_short:  # the drain deadline closed it
+                        yield sse_error_event(SHUTDOWN_MESSAGE, Outcome.SHUTTING_DOWN.value)
+                        break
                     yield chunk
             finally:
                 end_once()
@@ -304,6 +320,13 @@ class Attempts:
             return error_response(
                 Outcome.LEASE_LOST, LEASE_LOST_MESSAGE, headers=headers
             ), Outcome.LEASE_LOST
+        if (
+            ending.hold is not None and ending.hold.cut_short
+        ):  # the drain deadline, not the endpoint
+            ending.finish(Outcome.SHUTTING_DOWN)
+            return error_response(
+                Outcome.SHUTTING_DOWN, SHUTDOWN_MESSAGE, headers=headers
+            ), Outcome.SHUTTING_DOWN
         ending.finish(outcome)
         if response is None:
             response = error_response(outcome, message, headers=headers)

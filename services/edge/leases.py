@@ -65,7 +65,16 @@ def is_local_lease(lease_id: str) -> bool:
 class HeldLease:
     """One request's lease at the edge (`llmgw.contracts.LeaseHold`)."""
 
-    __slots__ = ("_lost", "claimed", "confirmed_at", "ended", "local", "on_lost", "record")
+    __slots__ = (
+        "_lost",
+        "claimed",
+        "confirmed_at",
+        "cut_short",
+        "ended",
+        "local",
+        "on_lost",
+        "record",
+    )
 
     def __init__(self, record: LeaseRecord, now: float, *, local: bool = False) -> None:
         self.record = record
@@ -73,12 +82,22 @@ class HeldLease:
         self.on_lost: Callable[[], None] | None = None
         self._lost = False
         self.ended = False
+        self.cut_short = False  # ended by the edge's drain deadline (`cut`)
         self.local = local  # granted by this edge alone during a NATS outage
         self.claimed = not local  # an owner holds it (always, unless a local grant not yet taken)
 
     @property
     def lost(self) -> bool:
         return self._lost
+
+    def cut(self) -> None:
+        """The edge is stopping and its drain deadline passed: end the request now (its
+        upstream call is closed; the request ends as ``shutting_down`` and releases the lease)."""
+        if self._lost or self.ended:
+            return
+        self.cut_short = True
+        if self.on_lost is not None:
+            self.on_lost()
 
     def lose(self) -> None:
         if self._lost or self.ended:

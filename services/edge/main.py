@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import time
 import uuid
 
 from llmgw import natsconn
@@ -32,12 +33,13 @@ from llmgw.services.edge.metrics import EdgeMetrics
 from llmgw.services.edge.outage import OutageAdmission
 from llmgw.services.edge.reporting import NatsReporter
 from llmgw.services.edge.upstream import new_session
-from llmgw.serving import start_server
+from llmgw.serving import RunningServer, start_server
 from llmgw.tracing import open_tracing
 
 log = logging.getLogger("llmgw.edge")
 
 _FIRST_ANSWER_WAIT = 10.0  # seconds the edge waits for an admission instance before it is ready
+_CUT_GRACE = 2.0  # seconds requests cut at the drain deadline get to end and report
 
 
 def run(args: argparse.Namespace) -> int:
@@ -52,20 +54,37 @@ def run(args: argparse.Namespace) -> int:
         edge_id = safe_token(f"{service_instance('edge')}-{uuid.uuid4().hex[:6]}")
         deps = await open_edge_deps(nc, config, edge_id)
         app = create_app(config, deps)
-        api = await start_server(app, host, port)
+        router = config.router
+        # uvicorn's own graceful window outlasts the drain: the edge ends what is left itself.
+        api = await start_server(
+            app, host, port, timeout_graceful_shutdown=router.drain_timeout + _CUT_GRACE
+        )
         admin = await start_server(create_admin_app(deps, nc), admin_host, admin_port)
         await wait_for_admission(deps.admission)  # type: ignore[arg-type]
         print(f"llmgw edge ready on {api.url} (admin {admin.url})", flush=True)
         try:
             await wait_for_stop_signal()
+            await drain(deps, api, router.drain_delay, router.drain_timeout)
         finally:
-            # Stop taking requests, let running ones finish (uvicorn's graceful shutdown),
-            # then close what they used.
-            await asyncio.gather(api.stop(timeout=10), admin.stop())
-            await close_edge_deps(deps)
+            await asyncio.gather(api.stop(timeout=_CUT_GRACE), admin.stop())
+            await close_edge_deps(deps)  # the cut requests' releases are sent before this ends
             await natsconn.drain_or_close(nc)
 
     return run_service(main)
+
+
+async def drain(deps: EdgeDeps, api: RunningServer, delay: float, timeout: float) -> None:
+    """The graceful stop (services/edge/drain.py): unready for `delay` while still serving,
+    then no new connections and running requests until `timeout`, then cut what is left."""
+    deps.drain.begin()
+    log.info("stopping: /ready is false; serving %.1fs more before draining", delay)
+    await asyncio.sleep(delay)
+    stopping = asyncio.ensure_future(api.stop(timeout=timeout + _CUT_GRACE))
+    done, _ = await asyncio.wait({stopping}, timeout=timeout)
+    if not done:
+        cut = await deps.drain.cut(deps.leases, until=time.monotonic() + _CUT_GRACE)
+        log.warning("drain deadline (%.1fs) passed: ended %d running requests", timeout, cut)
+    await stopping
 
 
 async def open_edge_deps(nc, config, edge_id: str) -> EdgeDeps:  # type: ignore[no-untyped-def]

@@ -107,6 +107,11 @@ class RouterConfig(StrictModel):
     session_header: Name = "x-session-id"
     inject_usage: bool = True
     max_body_bytes: int = Field(33_554_432, ge=1024)
+    # An edge's stop (SIGTERM): /ready is false but requests are still served for drain_delay
+    # (a load balancer notices), then running requests get up to drain_timeout to end before
+    # the edge ends them (services/edge/drain.py).
+    drain_delay: Duration = 2.0
+    drain_timeout: PositiveDuration = 20.0
     # The JetStream KV bucket (memory storage) where the scraper keeps each endpoint's latest
     # load report (llmgw.load).
     load_bucket: str = Field("llmgw_load", pattern=r"^[A-Za-z0-9_-]+$")

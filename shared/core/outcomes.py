@@ -28,6 +28,7 @@ class Outcome(enum.StrEnum):
     LEASE_LOST = "lease_lost"  # the lease expired under the request (e.g. the edge was paused)
     QUEUE_FULL = "queue_full"  # flow control: the band's queue was at capacity
     QUEUE_TIMEOUT = "queue_timeout"  # flow control: waited admission.queue_ttl without a grant
+    SHUTTING_DOWN = "shutting_down"  # the edge stopped and its drain deadline ended the request
 
 
 class Refusal(enum.StrEnum):
@@ -77,6 +78,9 @@ ERROR_SHAPES: dict[Outcome, ErrorShape] = {
     Outcome.UPSTREAM_ERROR: ErrorShape(502, "upstream_error", "upstream_error"),
     Outcome.UPSTREAM_BROKEN_STREAM: ErrorShape(502, "upstream_error", "upstream_broken_stream"),
     Outcome.LEASE_LOST: ErrorShape(503, "service_unavailable", "lease_lost", retry_after=True),
+    Outcome.SHUTTING_DOWN: ErrorShape(
+        503, "service_unavailable", "shutting_down", retry_after=True
+    ),
     # Flow control (docs/architecture.md, "Status codes"): a full queue is back-pressure the
     # client should slow down for (429, what OpenAI clients retry with backoff); a request that
     # waited queue_ttl found the service overloaded (503). Both carry Retry-After.

@@ -111,9 +111,9 @@ async def _quiet(mesh: Mesh, timeout: float) -> None:
         await asyncio.sleep(0.1)
 
 
-async def _run(nats_client, nats_url, unique_id, seconds, *, churn=True, tamper=None):
+async def _run(nats_client, nats_url, unique_id, seconds, *, churn=True, tamper=None, **options):
     bucket = f"soak_{unique_id}"
-    mesh = await start_mesh(nats_url, bucket)
+    mesh = await start_mesh(nats_url, bucket, **options)
     await mesh.cluster.balanced()
     if tamper is not None:
         tamper(mesh)
