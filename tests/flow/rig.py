@@ -54,14 +54,18 @@ def rig_config(
     urls: dict[str, str] | None = None,
     limits: dict[str, int] | None = None,
     router: dict[str, Any] | None = None,
+    timeouts: dict[str, Any] | None = None,
+    endpoints: dict[str, dict[str, Any]] | None = None,
     **admission: Any,
 ) -> Config:
     """Managed `iris` (two engines; lease limits only if given) and unlimited `tensorx`, for m1.
 
     ``urls`` maps endpoint ids (engine-1, engine-2, tensorx-1) to real servers where requests
-    are relayed; without them nothing listens (tests that only ask admission).
+    are relayed; without them nothing listens (tests that only ask admission). ``endpoints``:
+    more fields of an endpoint by id (e.g. its priority), ``timeouts``: the timeouts section.
     """
     urls = urls or {}
+    extra = endpoints or {}
     iris_model: dict[str, Any] = {"name": MODEL}
     if limits:
         iris_model["limits"] = limits
@@ -83,6 +87,7 @@ def rig_config(
                     "url": urls.get(e, f"http://127.0.0.1:1/{e}"),
                     "provider": "iris",
                     "models": [MODEL],
+                    **extra.get(e, {}),
                 }
                 for e in ENDPOINTS
             ]
@@ -92,8 +97,10 @@ def rig_config(
                     "url": urls.get("tensorx-1", "http://127.0.0.1:1/t"),
                     "provider": "tensorx",
                     "models": [MODEL],
+                    **extra.get("tensorx-1", {}),
                 }
             ],
+            **({"timeouts": timeouts} if timeouts else {}),
         },
         source="<flow rig>",
         env={},
@@ -252,9 +259,20 @@ async def open_rig(
     urls: dict[str, str] | None = None,
     limits: dict[str, int] | None = None,
     router: dict[str, Any] | None = None,
+    timeouts: dict[str, Any] | None = None,
+    endpoints: dict[str, dict[str, Any]] | None = None,
     **admission: Any,
 ) -> Rig:
-    config = rig_config(nats_url, unique_id, urls=urls, limits=limits, router=router, **admission)
+    config = rig_config(
+        nats_url,
+        unique_id,
+        urls=urls,
+        limits=limits,
+        router=router,
+        timeouts=timeouts,
+        endpoints=endpoints,
+        **admission,
+    )
     nc = await nats.connect(nats_url)
     load_kv = await open_load_bucket(nc, config)
     cluster = Cluster(config, nats_url)
