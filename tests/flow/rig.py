@@ -19,6 +19,7 @@ import nats
 from inproc import Cluster
 
 from llmgw.config import Config, config_from_dict
+from llmgw.config.sections import default_bands
 from llmgw.core.shards import shard_of
 from llmgw.load import EndpointReport, LoadSample, report_key
 from llmgw.services.admission.loadboard import FOREIGN_WINDOW
@@ -45,6 +46,10 @@ EDGE_LIMITS = {
     "max_per_session_in_flight_request_slots": 10,
 }
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+# The default bands without their batch headroom: the rig's tests count what the saturation
+# ceilings let through (reports of full batches with nothing waiting are "room"); the headroom
+# has tests of its own (test_flow_control.py, the test_batch_headroom ones).
+CEILING_BANDS = [{**band.model_dump(), "batch_headroom": 0} for band in default_bands()]
 
 
 def rig_config(
@@ -75,7 +80,13 @@ def rig_config(
             "router": {"load_bucket": f"load_{unique_id}", "stale_after": "5s", **(router or {})},
             "pinning": {"bucket": f"routing_{unique_id}"},
             "scoring": {"target_waiting": 4, "kv_ceiling": 0.9},
-            "admission": {"interval": "5ms", "heartbeat": "200ms", "member_ttl": "3s", **admission},
+            "admission": {
+                "interval": "5ms",
+                "heartbeat": "200ms",
+                "member_ttl": "3s",
+                "bands": CEILING_BANDS,
+                **admission,
+            },
             "models": [{"name": MODEL}],
             "providers": [
                 {"id": "iris", "kind": "managed", "priority": 100, "models": [iris_model]},
