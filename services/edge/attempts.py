@@ -3,12 +3,15 @@ client.
 
 `Attempts.run` asks admission (one request/reply), relays to the target and answers the client.
 An attempt that fails before anything reached the client in a way another endpoint may not
-(connection refused or reset, a response-header or first-token timeout, a 429 or 5xx, a stream
-that broke before its first byte) is retried up to the model's profile's ``retries``: the retry
-names the failed attempt's lease (`retry_of`: admission releases it and decides the retry in
-one step) and how it failed (`failed`: the breakers learn it before the retry is placed), and
-excludes every endpoint already tried, so it may run on the next provider while the pin stays.
-When admission has nowhere else to send it, the client gets the last upstream failure.
+(connection refused or reset, an answer that is not HTTP, a response-header or first-token
+timeout, a 429 or 5xx, a stream that broke before its first byte) is retried up to the model's
+profile's ``retries``: the retry names the failed attempt's lease (`retry_of`: admission
+releases it and decides the retry in one step, so the retry never finds its own session at the
+per-session limit) and how it failed (`failed`: the breakers learn it before the retry is
+placed; a refused connection opens the endpoint's breaker at once), and excludes every endpoint
+already tried, so it may run on the next provider in priority order (the pin stays, or moves if
+the failures left its provider degraded). When admission has nowhere else to send it, the
+client gets the last upstream failure.
 
 A stream's 200 and headers go to the client only with its first data event (`first_chunk`,
 bounded by the ``first_token`` timeout), so a stream that fails before it (headers then nothing,
