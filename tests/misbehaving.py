@@ -3,8 +3,9 @@
 Raw asyncio sockets, not a framework, so it can do what no well-behaved server does: answer a
 streamed request with a 200 and its headers and then close, reset the connection, send bytes
 that are not server-sent events, send the engine's error event instead of the first token, or
-stall. `mode` may change between requests; `requests` counts the requests it read and `bodies`
-keeps their JSON bodies.
+stall. `mode` may change between requests; `requests` counts the POST requests it read and
+`bodies` keeps their JSON bodies. A GET (a scraper's /health or /metrics) is answered as an idle,
+healthy vLLM engine would, so the gateway keeps sending it work.
 """
 
 from __future__ import annotations
@@ -24,6 +25,12 @@ _SSE_HEADERS = (
 _ERROR_EVENT = (
     b'data: {"object": "error", "message": "CUDA error: an illegal memory access", '
     b'"type": "InternalServerError", "param": null, "code": 500}\n\n'
+)
+
+
+# What a scraper reads from an idle vLLM engine (GET /metrics); any other GET is /health's 200.
+_IDLE_METRICS = (
+    b"vllm:num_requests_running 0\nvllm:num_requests_waiting 0\nvllm:kv_cache_usage_perc 0\n"
 )
 
 
@@ -71,6 +78,9 @@ class MisbehavingServer:
                 if name.strip().lower() == b"content-length":
                     length = int(value)
             body = await reader.readexactly(length)
+            if head.startswith(b"GET "):  # a scraper: healthy and idle, so it gets traffic
+                await self._healthy(head, writer)
+                return
             self.requests += 1
             with contextlib.suppress(ValueError):
                 self.bodies.append(json.loads(body))
@@ -79,6 +89,16 @@ class MisbehavingServer:
             pass
         finally:
             writer.close()
+
+    async def _healthy(self, head: bytes, writer: asyncio.StreamWriter) -> None:
+        path = head.split(b" ", 2)[1]
+        answer = _IDLE_METRICS if path.startswith(b"/metrics") else b"ok"
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\nconnection: close\r\n"
+            + f"content-length: {len(answer)}\r\n\r\n".encode()
+            + answer
+        )
+        await writer.drain()
 
     async def _misbehave(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         mode = self.mode
