@@ -5,10 +5,11 @@ collapses under concurrency; see docs/benchmarks.md). Timeouts are phases,
 not one number (the config's `Timeouts`): dial, response headers, first
 streamed chunk, idle gap between chunks, and total. Each ends the request
 with a clear error. A stream's first chunk is read before anything is sent to
-the client (`first_chunk`: up to its first complete data event, which must be a server-sent
-event and not the engine's error), so a stream that fails before its first byte (headers then
-nothing, a reset, garbage, an error event) is retried like any other request; once the client has its 200, a failure is an
-SSE error event before the close.
+the client (`first_chunk`: up to its first complete data event, which must be a
+server-sent event and not the engine's error), so a stream that fails before its
+first byte (headers then nothing, a reset, garbage, an error event) is retried
+like any other request; once the client has its 200, a failure is an SSE error
+event before the close.
 """
 
 from __future__ import annotations

@@ -7,9 +7,10 @@ Per endpoint, three states:
 - **closed**: traffic flows; consecutive failures are counted, a success resets the count;
 - **open**: after ``failure_threshold`` consecutive failures, or at once when the endpoint
   answered 429/503 with Retry-After or refused the connection (``at_once``: nothing serves
-  there, so every request sent before the threshold would fail too), no traffic until the cooldown ends: ``cooldown`` (or the
-  Retry-After, if longer) times a jitter in [1, 1 + jitter), so breakers opened together (one
-  bad minute seen by every instance) do not all close in the same instant: no thundering herd;
+  there, so every request sent before the threshold would fail too), no traffic until the
+  cooldown ends: ``cooldown`` (or the Retry-After, if longer) times a jitter in [1, 1 + jitter),
+  so breakers opened together (one bad minute seen by every instance) do not all close in the
+  same instant: no thundering herd;
 - **half open**: after the cooldown, exactly one request (the probe) may go; its success closes
   the breaker, its failure opens it again for a doubled cooldown (capped at 8x). A probe that
   never reports frees the slot after ``probe_timeout``.
