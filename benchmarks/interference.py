@@ -7,15 +7,23 @@ edge), driven through the edge's HTTP API like any client:
 1. idle: platinum probes alone (a fixed rate, open loop) give the baseline;
 2. 500 bronze requests run continuously (each worker sends the next as soon as one ends) and
    platinum probes arrive at the same fixed rate. With admission on, bronze waits in admission's
-   queue (its ceiling is 0.3) and platinum goes straight to an engine;
+   queue (its ceiling is 0.3, and it leaves one batch slot per engine free: `batch_headroom`)
+   and platinum goes straight to a free slot;
 3. the same with `admission.enabled: false`: every bronze request sits in the engines' FIFO
    queues and platinum waits behind them.
 
-Sizing (2 cores, under a minute per pair of runs): 8 sequences run at once per engine; a probe
-is ~0.65 s of engine time and a bronze request ~0.25 s, so 500 bronze requests are ~8 s of engine
-work queued ahead of a probe when nothing holds them back.
+Sizing (2 cores, about a minute per run): 8 sequences run at once per engine (FIFO, as vLLM's
+default scheduling); a probe is 64 tokens, ~0.65 s of engine time. Two bronze mixes
+(`--lengths`): `similar` (issue 9's case, the default: 32..96 tokens, a probe's length on
+average, so 500 bronze requests are ~20 s of engine work queued ahead of a probe when nothing
+holds them back) and `long` (the first version: 8..40 tokens, ~0.25 s; the probe ~2.6x longer). `--engine-priority` adds
+the variant where the engines run vLLM's priority scheduling and the edge sends each band's
+`priority` (`endpoints[].priority_scheduling`); `--without-headroom` the variant where silver and
+bronze keep no batch slot free for the bands above them (`batch_headroom: 0`, seed 002's full
+work conservation).
 
-    python benchmarks/interference.py [--runs 3]
+    python benchmarks/interference.py [--runs 3] [--lengths similar|long] [--engine-priority]
+        [--without-headroom]
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ from typing import Any
 import aiohttp
 import yaml
 
+from llmgw.config.sections import default_bands
 from llmgw.serving import free_port, free_port_block
 
 READY = r"^llmgw is ready: OpenAI API at (http://\S+/v1) \(Ctrl-C to stop\)$"
@@ -48,12 +57,15 @@ BRONZE_CONCURRENCY = 500
 MAX_NUM_SEQS = 8
 # Engine time per request: itl 10 ms (+0.02 ms per running sequence) per token.
 PROBE_TOKENS = 64  # ~0.65 s
-# Bronze lengths vary (8..40 tokens, ~0.25 s on average), as real requests do: equal lengths
-# would make a batch start and finish in lockstep cohorts, and a probe arriving mid-cohort would
-# wait for the whole cohort. Drawn from a seeded generator: every run sends the same lengths.
-BRONZE_TOKENS = (8, 40)
+# Bronze lengths vary, as real requests do: equal lengths would make a batch start and finish in
+# lockstep cohorts, and a probe arriving mid-cohort would wait for the whole cohort. Drawn from a
+# seeded generator: every run sends the same lengths. `similar` (issue 9's case, the default):
+# 32..96 tokens, a probe's length on average; `long`: 8..40 (~0.25 s), the probe ~2.6x longer.
+BRONZE_LENGTHS = {"similar": (32, 96), "long": (8, 40)}
+BRONZE_TOKENS = BRONZE_LENGTHS["similar"]
 IDLE_PROBES = 20
-LOADED_PROBES = 50
+# p99 of 100 is about the second-worst: one scheduling hiccup of a busy host does not decide it.
+LOADED_PROBES = 100
 PROBE_EVERY = 0.1
 
 
@@ -73,11 +85,20 @@ def cluster_ports() -> tuple[int, Callable[[], int]]:
 
 
 def interference_config(
-    path: Path, *, admission: bool, bronze_ceiling: float | None = None, target_waiting: float = 4
+    path: Path,
+    *,
+    admission: bool,
+    bronze_ceiling: float | None = None,
+    target_waiting: float = 4,
+    engine_priority: bool = False,
+    headroom: int | None = None,
 ) -> Path:
-    """The scenario's cluster config; `bronze_ceiling` replaces bronze's default 0.3."""
+    """The scenario's cluster config; `bronze_ceiling` replaces bronze's default 0.3, `headroom`
+    the batch bands' default batch_headroom (1); `engine_priority`: the engines schedule by
+    priority and the edge sends the band's."""
     engine = {
         "kind": "engine",
+        "scheduling_policy": "priority" if engine_priority else "fcfs",
         "max_num_seqs": MAX_NUM_SEQS,
         "num_gpu_blocks": 8192,
         "block_size": 16,
@@ -86,7 +107,7 @@ def interference_config(
         "itl_base": "10ms",
         "itl_per_running_seq": "0.02ms",
         "output_len_mean": PROBE_TOKENS,
-        "output_len_max": PROBE_TOKENS,
+        "output_len_max": max(PROBE_TOKENS, *BRONZE_LENGTHS["similar"]),
     }
     limits = {
         "max_pinned_sessions": 10_000,
@@ -116,18 +137,20 @@ def interference_config(
                 "provider": "iris",
                 "models": ["sim-model"],
                 "pool": "sim",
+                "priority_scheduling": engine_priority,
                 "simulate": {**engine, "seed": i},
             }
             for i in (1, 2)
         ],
     }
-    if bronze_ceiling is not None:
-        data["admission"]["bands"] = [
-            {"name": "platinum", "priority": 400, "saturation_ceiling": 1.0, "overflow": True},
-            {"name": "gold", "priority": 300, "saturation_ceiling": 0.85, "overflow": True},
-            {"name": "silver", "priority": 200, "saturation_ceiling": 0.6},
-            {"name": "bronze", "priority": 100, "saturation_ceiling": bronze_ceiling},
-        ]
+    if bronze_ceiling is not None or headroom is not None:
+        bands = [band.model_dump() for band in default_bands()]
+        for band in bands:
+            if band["name"] == "bronze" and bronze_ceiling is not None:
+                band["saturation_ceiling"] = bronze_ceiling
+            if not band["interactive"] and headroom is not None:
+                band["batch_headroom"] = headroom
+        data["admission"]["bands"] = bands
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
 
@@ -212,7 +235,12 @@ async def until_flooded(
         await asyncio.sleep(0.1)
 
 
-async def measure(api: str, admission_admin: str, engines: list[str]) -> dict[str, Any]:
+async def measure(
+    api: str,
+    admission_admin: str,
+    engines: list[str],
+    bronze_tokens: tuple[int, int] = BRONZE_TOKENS,
+) -> dict[str, Any]:
     """Idle probes, then probes under a continuous bronze flood; bronze completions counted."""
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=300)
@@ -234,7 +262,7 @@ async def measure(api: str, admission_admin: str, engines: list[str]) -> dict[st
                         "bronze",
                         f"bronze-{worker}",
                         f"tenant-{worker % 20}",
-                        lengths.randint(*BRONZE_TOKENS),
+                        lengths.randint(*bronze_tokens),
                     )
                 except (RuntimeError, aiohttp.ClientError):
                     next(failed)
@@ -322,17 +350,22 @@ def run_once(
     admission: bool,
     bronze_ceiling: float | None = None,
     target_waiting: float = 4,
+    engine_priority: bool = False,
+    bronze_tokens: tuple[int, int] = BRONZE_TOKENS,
+    headroom: int | None = None,
 ) -> dict[str, Any]:
     config = interference_config(
         workdir / f"admission-{admission}.yaml",
         admission=admission,
         bronze_ceiling=bronze_ceiling,
         target_waiting=target_waiting,
+        engine_priority=engine_priority,
+        headroom=headroom,
     )
     cluster = UpCluster(config)
     try:
         api = cluster.api()
-        return asyncio.run(measure(api, *cluster_endpoints(config)))
+        return asyncio.run(measure(api, *cluster_endpoints(config), bronze_tokens))
     finally:
         cluster.stop()
 
@@ -345,7 +378,24 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--runs", type=int, default=3, help="pairs of runs (on, off)")
+    parser.add_argument("--runs", type=int, default=3, help="rounds of every variant")
+    parser.add_argument(
+        "--lengths",
+        choices=sorted(BRONZE_LENGTHS),
+        default="similar",
+        help="bronze lengths: similar to the probes' (default) or ~2.6x shorter",
+    )
+    parser.add_argument(
+        "--engine-priority",
+        action="store_true",
+        help="also run admission on with the engines' priority scheduling",
+    )
+    parser.add_argument(
+        "--without-headroom",
+        action="store_true",
+        help="also run admission on with the batch bands' batch_headroom 0 (seed 002's full "
+        "work conservation), with --engine-priority also with the engines' priority",
+    )
     parser.add_argument(
         "--bronze-ceiling",
         type=float,
@@ -360,41 +410,50 @@ def main() -> int:
     )
     parser.add_argument("--on-only", action="store_true", help="skip the admission-off runs")
     args = parser.parse_args()
+    # (label, admission, engine priority, headroom override), side by side in every round.
+    variants: list[tuple[str, bool, bool, int | None]] = [("admission on", True, False, None)]
+    if args.engine_priority:
+        variants.append(("admission on, engine priority", True, True, None))
+    if args.without_headroom:
+        variants.append(("admission on, headroom 0", True, False, 0))
+        if args.engine_priority:
+            variants.append(("admission on, headroom 0, engine priority", True, True, 0))
+    if not args.on_only:
+        variants.append(("admission off", False, False, None))
     rows: dict[str, dict[str, list[float]]] = {}
+    ratios: dict[str, dict[str, list[float]]] = {}
     with tempfile.TemporaryDirectory(prefix="llmgw-interference-") as tmp:
         for run in range(args.runs):
-            for admission in (True,) if args.on_only else (True, False):
+            for label, admission, engine_priority, headroom in variants:
                 result = run_once(
                     Path(tmp),
                     admission=admission,
                     bronze_ceiling=args.bronze_ceiling,
                     target_waiting=args.target_waiting,
+                    engine_priority=engine_priority,
+                    bronze_tokens=BRONZE_LENGTHS[args.lengths],
+                    headroom=headroom,
                 )
-                print(
-                    f"run {run + 1} admission {'on' if admission else 'off'}: {summary(result)}",
-                    file=sys.stderr,
-                )
+                print(f"run {run + 1} {label}: {summary(result)}", file=sys.stderr)
                 for phase in ("idle", "loaded"):
-                    row = rows.setdefault(f"{phase}, admission {'on' if admission else 'off'}", {})
+                    row = rows.setdefault(f"{phase}, {label}", {})
                     values = [v * 1000 for v in result[phase]]
                     row.setdefault("p50", []).append(statistics.median(values))
                     row.setdefault("p99", []).append(p99(values))
-                ratio = rows.setdefault(f"ratio, admission {'on' if admission else 'off'}", {})
+                ratio = ratios.setdefault(label, {})
                 ratio.setdefault("p99", []).append(p99(result["loaded"]) / p99(result["idle"]))
                 ratio.setdefault("bronze", []).append(result["bronze_done"])
-    print(f"\n{args.runs} runs each; platinum latency in ms, median [min..max] over runs\n")
+    print(
+        f"\n{args.runs} runs each, {args.lengths} lengths; platinum latency in ms, "
+        "median [min..max] over runs\n"
+    )
     print("| phase | p50 | p99 |")
     print("|---|---|---|")
     for name, row in rows.items():
-        if name.startswith("ratio"):
-            continue
         print(f"| {name} | {fmt(row['p50'])} | {fmt(row['p99'])} |")
-    for admission in ("on", "off"):
-        if f"ratio, admission {admission}" not in rows:
-            continue
-        ratio = rows[f"ratio, admission {admission}"]
+    for label, ratio in ratios.items():
         print(
-            f"\nloaded p99 / idle p99, admission {admission}: "
+            f"\nloaded p99 / idle p99, {label}: "
             + ", ".join(f"{r:.2f}x" for r in ratio["p99"])
             + "; bronze completed while probing: "
             + ", ".join(f"{b:.0f}" for b in ratio["bronze"])

@@ -69,6 +69,9 @@ class FailedAttempt(_Message):
     outcome: str  # llmgw.core.outcomes.Outcome value
     status: int | None = None
     retry_after: float | None = None
+    # No connection could be made (refused, no such host, dial timeout): nothing serves there,
+    # so the endpoint's breaker opens at once instead of after `router.failure_threshold`.
+    refused: bool = False
 
 
 class AdmitRequest(_Message):
@@ -165,6 +168,7 @@ class RequestEnded(_Message):
     output_tokens: int = 0
     status: int | None = None
     retry_after: float | None = None
+    refused: bool = False  # as `FailedAttempt.refused`
 
 
 class LeaseRenewal(_Message):

@@ -60,7 +60,7 @@ Dispatch = Callable[[Waiter, GateDecision], Any]
 
 def band_policies(config: Config) -> list[BandPolicy]:
     bands = [
-        BandPolicy(b.name, b.priority, b.saturation_ceiling, b.overflow)
+        BandPolicy(b.name, b.priority, b.saturation_ceiling, b.overflow, b.batch_headroom)
         for b in config.admission.bands
     ]
     return sorted(bands, key=lambda b: -b.priority)

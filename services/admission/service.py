@@ -524,7 +524,9 @@ class AdmissionService:
             return
         self._failures_seen[failed.attempt] = now
         if failed.outcome in UPSTREAM_FAILURES:
-            self.breakers.record(failed.endpoint, False, now, retry_after=failed.retry_after)
+            self.breakers.record(
+                failed.endpoint, False, now, retry_after=failed.retry_after, at_once=failed.refused
+            )
 
     async def on_request_ended(self, msg: Msg) -> None:
         try:
@@ -543,7 +545,11 @@ class AdmissionService:
             return
         if ended.ok or ended.outcome in UPSTREAM_FAILURES:
             self.breakers.record(
-                ended.endpoint, ended.ok, now, retry_after=None if ended.ok else ended.retry_after
+                ended.endpoint,
+                ended.ok,
+                now,
+                retry_after=None if ended.ok else ended.retry_after,
+                at_once=ended.refused,
             )
 
     def _remember_ended(self, lease_id: str, now: float) -> None:

@@ -3,15 +3,19 @@ client.
 
 `Attempts.run` asks admission (one request/reply), relays to the target and answers the client.
 An attempt that fails before anything reached the client in a way another endpoint may not
-(connection refused or reset, a response-header or first-token timeout, a 429 or 5xx, a stream
-that broke before its first byte) is retried up to the model's profile's ``retries``: the retry
-names the failed attempt's lease (`retry_of`: admission releases it and decides the retry in
-one step) and how it failed (`failed`: the breakers learn it before the retry is placed), and
-excludes every endpoint already tried, so it may run on the next provider while the pin stays.
-When admission has nowhere else to send it, the client gets the last upstream failure.
+(connection refused or reset, an answer that is not HTTP, a response-header or first-token
+timeout, a 429 or 5xx, a stream that broke before its first byte) is retried up to the model's
+profile's ``retries``: the retry names the failed attempt's lease (`retry_of`: admission
+releases it and decides the retry in one step, so the retry never finds its own session at the
+per-session limit) and how it failed (`failed`: the breakers learn it before the retry is
+placed; a refused connection opens the endpoint's breaker at once), and excludes every endpoint
+already tried, so it may run on the next provider in priority order (the pin stays, or moves if
+the failures left its provider degraded). When admission has nowhere else to send it, the
+client gets the last upstream failure.
 
-A stream's headers go to the client only with its first chunk (`first_chunk`), so a stream that
-fails before its first byte is retried exactly like a non-streamed request.
+A stream's 200 and headers go to the client only with its first data event (`first_chunk`,
+bounded by the ``first_token`` timeout), so a stream that fails before it (headers then nothing,
+a reset, garbage, the engine's error event) is retried exactly like a non-streamed request.
 
 Every attempt ends exactly once (`_AttemptEnd`): its lease leaves the edge's table and its
 `RequestEnded` (release, sample, usage) is reported, however it ended. A lost lease
@@ -223,6 +227,7 @@ class Attempts:
                 timeouts,
             )
         except UpstreamFailure as failure:
+            ending.refused = failure.refused
             return self._failure(ending, failure.outcome, failure.message, headers)
         except asyncio.CancelledError:
             if hold is None or not (hold.cut_short or hold.lost) or task is None:
@@ -268,6 +273,7 @@ class Attempts:
         try:
             first = await first_chunk(upstream, timeouts, deadline)
         except UpstreamFailure as failure:
+            ending.status = failure.status  # an error event in place of the first token
             return self._failure(ending, failure.outcome, failure.message, headers)
         routed.record.first_token = time.perf_counter()
         usage = StreamUsage(remove=inject_usage)
@@ -330,8 +336,12 @@ class Attempts:
         ending.finish(outcome)
         if response is None:
             response = error_response(outcome, message, headers=headers)
+        # An upstream error is retried for a 429 or 5xx, or when the answer was not HTTP at all
+        # (no status); another 4xx judged the request itself.
         retryable = outcome in _RETRYABLE and (
-            outcome is not Outcome.UPSTREAM_ERROR or ending.status in _RETRYABLE_STATUSES
+            outcome is not Outcome.UPSTREAM_ERROR
+            or ending.status is None
+            or ending.status in _RETRYABLE_STATUSES
         )
         if not retryable:
             return response, outcome
@@ -347,6 +357,7 @@ class Attempts:
                 outcome=outcome.value,
                 status=ending.status,
                 retry_after=ending.retry_after,
+                refused=ending.refused,
             ),
         )
 
@@ -384,6 +395,7 @@ class _AttemptEnd:
         "edge",
         "ended",
         "hold",
+        "refused",
         "reply",
         "retry_after",
         "routed",
@@ -406,6 +418,7 @@ class _AttemptEnd:
         self.upstream_started: float | None = None
         self.status: int | None = None
         self.retry_after: float | None = None
+        self.refused = False  # the endpoint refused the connection (its breaker opens at once)
         self.usage: Usage | None = None
 
     def finish(self, outcome: Outcome, *, sent: bool | None = None) -> None:
@@ -449,6 +462,7 @@ class _AttemptEnd:
                 output_tokens=usage.output_tokens if usage else 0,
                 status=self.status,
                 retry_after=self.retry_after,
+                refused=self.refused,
             )
         )
         self.routed.record.attempt_ended(

@@ -5,9 +5,11 @@ collapses under concurrency; see docs/benchmarks.md). Timeouts are phases,
 not one number (the config's `Timeouts`): dial, response headers, first
 streamed chunk, idle gap between chunks, and total. Each ends the request
 with a clear error. A stream's first chunk is read before anything is sent to
-the client (`first_chunk`), so a stream that fails before its first byte is
-retried like any other request; once the client has its 200, a failure is an
-SSE error event before the close.
+the client (`first_chunk`: up to its first complete data event, which must be a
+server-sent event and not the engine's error), so a stream that fails before its
+first byte (headers then nothing, a reset, garbage, an error event) is retried
+like any other request; once the client has its 200, a failure is an SSE error
+event before the close.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import TYPE_CHECKING
 import aiohttp
 
 from llmgw.core.outcomes import Outcome
+from llmgw.core.sse import StartKind, stream_start
 from llmgw.core.usage import StreamUsage
 from llmgw.services.edge.errors import sse_error_event
 
@@ -38,10 +41,14 @@ _HOP_HEADERS = {"content-type", "retry-after", "x-request-id"}
 class UpstreamFailure(Exception):
     """The upstream call failed before anything reached the client."""
 
-    def __init__(self, outcome: Outcome, message: str) -> None:
+    def __init__(
+        self, outcome: Outcome, message: str, status: int | None = None, *, refused: bool = False
+    ) -> None:
         super().__init__(message)
         self.outcome = outcome
         self.message = message
+        self.status = status  # an error the engine sent inside a 200 stream: its code
+        self.refused = refused  # no connection could be made: nothing serves there
 
 
 def new_session(timeouts: Timeouts) -> aiohttp.ClientSession:
@@ -63,18 +70,31 @@ async def open_upstream(
     headers: dict[str, str],
     timeouts: Timeouts,
 ) -> aiohttp.ClientResponse:
-    """POST and wait for the response headers; raises UpstreamFailure."""
+    """POST and wait for the response headers; raises UpstreamFailure.
+
+    No connection at all (refused, no such host, dial timeout) is UPSTREAM_UNREACHABLE with
+    `refused` set: nothing serves there, the endpoint's breaker opens at once. A connection that
+    broke before the headers (reset, closed) is UPSTREAM_UNREACHABLE too, an ordinary breaker
+    failure (a pooled keep-alive connection the server had just closed looks the same). A
+    response that is not HTTP is UPSTREAM_ERROR without a status. All are retryable."""
     try:
         async with asyncio.timeout(timeouts.response_header):
             return await session.post(url, data=body, headers=headers)
+    except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+        raise UpstreamFailure(
+            Outcome.UPSTREAM_UNREACHABLE,
+            f"The upstream endpoint is unreachable: {exc}",
+            refused=True,
+        ) from None
     except TimeoutError:
         raise UpstreamFailure(
             Outcome.UPSTREAM_TIMEOUT,
             f"The upstream did not send response headers within {timeouts.response_header:g}s.",
         ) from None
-    except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as exc:
+    except aiohttp.ClientConnectionError as exc:
         raise UpstreamFailure(
-            Outcome.UPSTREAM_UNREACHABLE, f"The upstream endpoint is unreachable: {exc}"
+            Outcome.UPSTREAM_UNREACHABLE,
+            f"The upstream connection broke before the response: {exc or type(exc).__name__}",
         ) from None
     except aiohttp.ClientError as exc:
         raise UpstreamFailure(
@@ -110,12 +130,35 @@ def loop_deadline(seconds: float) -> float:
 async def first_chunk(
     response: aiohttp.ClientResponse, timeouts: Timeouts, deadline: float
 ) -> bytes:
-    """The stream's first bytes, within ``first_token`` (and the total deadline); raises
-    UpstreamFailure when they do not come (nothing has reached the client yet: retryable)."""
-    budget = min(timeouts.first_token, deadline - asyncio.get_running_loop().time())
+    """The stream's bytes up to and including its first data event (`llmgw.core.sse`), within
+    ``first_token`` (and the total deadline); raises UpstreamFailure when it does not come, is
+    not a server-sent event or is the engine's error (nothing has reached the client yet:
+    retryable)."""
+    loop = asyncio.get_running_loop()
+    budget = min(timeouts.first_token, deadline - loop.time())
+    received = b""
     try:
         async with asyncio.timeout(max(budget, 0)):
-            chunk = await response.content.readany()
+            while True:
+                chunk = await response.content.readany()
+                if not chunk:
+                    raise UpstreamFailure(
+                        Outcome.UPSTREAM_BROKEN_STREAM,
+                        "The upstream ended the stream before it began.",
+                    )
+                received += chunk
+                verdict = stream_start(received)
+                if verdict.kind is StartKind.STARTED:
+                    return received
+                if verdict.kind is StartKind.ERROR:
+                    raise UpstreamFailure(
+                        Outcome.UPSTREAM_ERROR, verdict.message or "", verdict.status or 502
+                    )
+                if verdict.kind is StartKind.GARBAGE:
+                    raise UpstreamFailure(
+                        Outcome.UPSTREAM_BROKEN_STREAM,
+                        f"The upstream's stream is malformed ({verdict.message}).",
+                    )
     except TimeoutError:
         response.close()
         raise UpstreamFailure(
@@ -126,12 +169,9 @@ async def first_chunk(
         raise UpstreamFailure(
             Outcome.UPSTREAM_BROKEN_STREAM, f"The upstream stream broke before it began: {exc}"
         ) from None
-    if not chunk:
+    except UpstreamFailure:
         response.close()
-        raise UpstreamFailure(
-            Outcome.UPSTREAM_BROKEN_STREAM, "The upstream ended the stream before it began."
-        )
-    return chunk
+        raise
 
 
 class StreamRelay:

@@ -179,6 +179,9 @@ class Band(StrictModel):
     saturation_ceiling: float = Field(gt=0)
     overflow: bool = False
     interactive: bool = False
+    # Batch slots per managed endpoint this band leaves free for the bands above it: it waits
+    # while the pool has no more free slots than that (engines do not preempt for urgency).
+    batch_headroom: int = Field(0, ge=0)
 
 
 def default_bands() -> list[Band]:
@@ -187,8 +190,8 @@ def default_bands() -> list[Band]:
             name="platinum", priority=400, saturation_ceiling=1.00, overflow=True, interactive=True
         ),
         Band(name="gold", priority=300, saturation_ceiling=0.85, overflow=True, interactive=True),
-        Band(name="silver", priority=200, saturation_ceiling=0.60),
-        Band(name="bronze", priority=100, saturation_ceiling=0.30),
+        Band(name="silver", priority=200, saturation_ceiling=0.60, batch_headroom=1),
+        Band(name="bronze", priority=100, saturation_ceiling=0.30, batch_headroom=1),
     ]
 
 

@@ -6,9 +6,11 @@ Per endpoint, three states:
 
 - **closed**: traffic flows; consecutive failures are counted, a success resets the count;
 - **open**: after ``failure_threshold`` consecutive failures, or at once when the endpoint
-  answered 429/503 with Retry-After, no traffic until the cooldown ends: ``cooldown`` (or the
-  Retry-After, if longer) times a jitter in [1, 1 + jitter), so breakers opened together (one
-  bad minute seen by every instance) do not all close in the same instant: no thundering herd;
+  answered 429/503 with Retry-After or refused the connection (``at_once``: nothing serves
+  there, so every request sent before the threshold would fail too), no traffic until the
+  cooldown ends: ``cooldown`` (or the Retry-After, if longer) times a jitter in [1, 1 + jitter),
+  so breakers opened together (one bad minute seen by every instance) do not all close in the
+  same instant: no thundering herd;
 - **half open**: after the cooldown, exactly one request (the probe) may go; its success closes
   the breaker, its failure opens it again for a doubled cooldown (capped at 8x). A probe that
   never reports frees the slot after ``probe_timeout``.
@@ -87,15 +89,29 @@ class BreakerBoard:
         if e is not None and self.state(endpoint, now) is BreakerState.HALF_OPEN:
             e.probe_since = now
 
-    def record(self, endpoint: str, ok: bool, now: float, retry_after: float | None = None) -> None:
-        """A finished request's outcome (from any instance's traffic)."""
+    def record(
+        self,
+        endpoint: str,
+        ok: bool,
+        now: float,
+        retry_after: float | None = None,
+        *,
+        at_once: bool = False,
+    ) -> None:
+        """A finished request's outcome (from any instance's traffic). ``at_once``: a failure
+        that opens the breaker without waiting for the threshold (the connection was refused)."""
         e = self._endpoints.setdefault(endpoint, _Endpoint())
         if ok:
             self._endpoints[endpoint] = _Endpoint()
             return
         half_open = self.state(endpoint, now) is BreakerState.HALF_OPEN
         e.failures += 1
-        if retry_after is None and e.failures < self.settings.failure_threshold and not half_open:
+        if (
+            retry_after is None
+            and not at_once
+            and e.failures < self.settings.failure_threshold
+            and not half_open
+        ):
             return
         if half_open:
             e.backoff = min(e.backoff * 2, MAX_BACKOFF)

@@ -10,7 +10,8 @@ Vocabulary:
 - within a band, tenants take turns (round robin): a tenant with 1,000 queued requests holds one
   place in the rotation, not 1,000;
 - a band *flows* while its pool's saturation, counting grants already made, is at most its
-  ceiling; otherwise it *waits*, and every lower band of that pool waits too (strict priority).
+  ceiling and the pool has more free batch slots than the band's *headroom* keeps for the bands
+  above it; otherwise it *waits*, and every lower band of that pool waits too (strict priority).
   A ceiling of 1.0 means "up to the healthy limit"; above 1, the band waits only past it;
 - an *overflow* band does not wait when its pool is saturated: it runs on an unlimited provider.
 
@@ -57,10 +58,16 @@ class GateDecision(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class BandPolicy:
+    """``headroom``: batch slots per endpoint of the pool that this band leaves free for the
+    bands above it (0: none). Engines do not preempt a running request for a more urgent one
+    (vLLM V1, even under priority scheduling), so a band that fills every batch slot makes the
+    next interactive request wait for one to free."""
+
     name: str
     priority: int
     ceiling: float
     overflow: bool = False
+    headroom: int = 0
 
 
 @dataclass(eq=False, slots=True)
@@ -134,6 +141,17 @@ class PoolView:
             return None
         return min(candidates, key=self.score)
 
+    def free_slots(self) -> int:
+        """Batch slots free over the pool: sum of max(0, capacity - inflight)."""
+        return sum(max(0, self.capacity(e) - self._inflight[e]) for e in self._loads)
+
+    def holds_back(self, band: BandPolicy) -> bool:
+        """Is the pool past what `band` may use: saturation above its ceiling, or no more free
+        batch slots than its headroom keeps for the bands above it?"""
+        if self.saturation() > band.ceiling:
+            return True
+        return band.headroom > 0 and self.free_slots() <= band.headroom * len(self._loads)
+
     def assume_grant(self) -> str:
         endpoint_id = self.least_saturated()
         assert endpoint_id is not None  # the pool is never empty
@@ -148,11 +166,12 @@ def gate(band: BandPolicy, pool: PoolView | None, waiting_at_or_above: int) -> G
     ``waiting_at_or_above``: requests of the same pool already waiting, in any instance, in this
     band or a higher one; they go first (FIFO within the rotation, strict priority across bands).
     ``pool`` None: the model has no healthy managed endpoint, so nothing of ours to protect.
-    Work conservation: with no one ahead and saturation within the ceiling, it never waits.
+    Work conservation: with no one ahead, saturation within the ceiling and free slots beyond
+    the band's headroom, it never waits.
     """
     if pool is None:
         return GateDecision.GRANTED
-    saturated = pool.saturation() > band.ceiling
+    saturated = pool.holds_back(band)
     if saturated and band.overflow:
         return GateDecision.OVERFLOW
     if waiting_at_or_above == 0 and not saturated:
@@ -187,7 +206,7 @@ def plan_dispatch(
             quota[band.name] = mine
             continue
         grants = 0
-        while grants < total and pool.saturation() <= band.ceiling:
+        while grants < total and not pool.holds_back(band):
             pool.assume_grant()
             grants += 1
         if mine and grants:

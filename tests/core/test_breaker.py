@@ -98,3 +98,13 @@ def test_never_more_than_one_probe_at_a_time(events):
 def test_bad_settings():
     with pytest.raises(ValueError):
         BreakerSettings(failure_threshold=0)
+
+
+def test_a_refused_connection_opens_the_breaker_at_once_then_recovers_like_any_other():
+    b = board()
+    b.record("e", False, 0, at_once=True)
+    assert b.state("e", 0) is BreakerState.OPEN and not b.available("e", 9.9)
+    assert b.state("e", 15) is BreakerState.HALF_OPEN and b.available("e", 15)
+    b.take("e", 15)
+    b.record("e", True, 16)
+    assert b.state("e", 16) is BreakerState.CLOSED

@@ -271,3 +271,35 @@ def test_take_matching_removes_only_what_it_wants_and_leaves_the_rest_in_place()
     assert len(queues) == 4 and queues.depth("bronze") == 4
     rest = [queues.take("m", "bronze").request_id for _ in range(4)]
     assert rest == ["r2", "r1", "r4", "r5"]  # t0 first, then turns; each tenant in order
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(1, 10), st.integers(0, 12)), min_size=1, max_size=3),
+    st.lists(st.integers(0, 2), min_size=4, max_size=4),
+    band_counts,
+)
+def test_a_band_never_dispatches_into_its_headroom_and_stops_only_at_a_limit(
+    endpoints, headrooms, waiting
+):
+    """A band with headroom h leaves more than h free batch slots per endpoint before each grant
+    (so at least h after it), and waits only when its ceiling or its headroom stops it."""
+    bands = [
+        BandPolicy(b.name, b.priority, b.ceiling, b.overflow, headroom=h)
+        for b, h in zip(BANDS, headrooms, strict=True)
+    ]
+    caps = [c for c, _ in endpoints]
+    running = [r for _, r in endpoints]
+    plan = plan_dispatch(bands, pool(caps, running), waiting, {})
+    replay = pool(caps, running)
+    reserved = len(caps)
+    for band in bands:
+        quota = plan.get(band.name, 0)
+        for _ in range(quota):
+            assert not replay.holds_back(band)
+            replay.assume_grant()
+        if band.headroom and quota:
+            assert replay.free_slots() >= band.headroom * reserved
+        if quota < waiting.get(band.name, 0):
+            assert replay.holds_back(band), f"{band.name} waited with room left"
+            break

@@ -62,17 +62,20 @@ async def test_an_unreachable_engine_is_retried_elsewhere_then_on_the_next_provi
         retries = gateway.deps.metrics.retries.labels("upstream_unreachable")._value.get()
         assert retries == 1
         await gateway.engines["engine-2"].stop()
-        # Every iris endpoint fails for it: the retry leaves for the next provider, the pin stays.
+        # Every iris endpoint refused a connection (each breaker opened at once): iris is
+        # degraded, and the retry moves the pin to the next provider; nothing reached the client.
         moved = await http.post(gateway.url + CHAT_PATH, json=chat(stream=False))
         assert moved.status_code == 200
         assert moved.headers["x-llmgw-provider"] == "tensorx"
-        assert moved.headers["x-llmgw-route"] == "temporary"
-        # m2 has no other provider: the client gets the upstream's failure, not "no capacity".
+        assert moved.headers["x-llmgw-route"] == "repinned"
+        # m2 has no other provider, and both its endpoints are known to refuse connections:
+        # 503 with Retry-After at once, no upstream tried again.
         response = await http.post(
             gateway.url + CHAT_PATH, json={**chat(stream=False), "model": "m2"}
         )
-    assert response.status_code == 502
-    assert response.json()["error"]["code"] == "upstream_unreachable"
+    assert response.status_code == 503 and "retry-after" in response.headers
+    # engine-1 was skipped (its breaker open) by the m1 request, engine-2 tried once: one retry.
+    assert gateway.deps.metrics.retries.labels("upstream_unreachable")._value.get() == retries + 1
 
 
 async def test_engine_that_dies_mid_stream_ends_with_an_sse_error_event(gateway):

@@ -19,6 +19,7 @@ import nats
 from inproc import Cluster
 
 from llmgw.config import Config, config_from_dict
+from llmgw.config.sections import default_bands
 from llmgw.core.shards import shard_of
 from llmgw.load import EndpointReport, LoadSample, report_key
 from llmgw.services.admission.loadboard import FOREIGN_WINDOW
@@ -45,6 +46,10 @@ EDGE_LIMITS = {
     "max_per_session_in_flight_request_slots": 10,
 }
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+# The default bands without their batch headroom: the rig's tests count what the saturation
+# ceilings let through (reports of full batches with nothing waiting are "room"); the headroom
+# has tests of its own (test_flow_control.py, the test_batch_headroom ones).
+CEILING_BANDS = [{**band.model_dump(), "batch_headroom": 0} for band in default_bands()]
 
 
 def rig_config(
@@ -54,14 +59,18 @@ def rig_config(
     urls: dict[str, str] | None = None,
     limits: dict[str, int] | None = None,
     router: dict[str, Any] | None = None,
+    timeouts: dict[str, Any] | None = None,
+    endpoints: dict[str, dict[str, Any]] | None = None,
     **admission: Any,
 ) -> Config:
     """Managed `iris` (two engines; lease limits only if given) and unlimited `tensorx`, for m1.
 
     ``urls`` maps endpoint ids (engine-1, engine-2, tensorx-1) to real servers where requests
-    are relayed; without them nothing listens (tests that only ask admission).
+    are relayed; without them nothing listens (tests that only ask admission). ``endpoints``:
+    more fields of an endpoint by id (e.g. its priority), ``timeouts``: the timeouts section.
     """
     urls = urls or {}
+    extra = endpoints or {}
     iris_model: dict[str, Any] = {"name": MODEL}
     if limits:
         iris_model["limits"] = limits
@@ -71,7 +80,13 @@ def rig_config(
             "router": {"load_bucket": f"load_{unique_id}", "stale_after": "5s", **(router or {})},
             "pinning": {"bucket": f"routing_{unique_id}"},
             "scoring": {"target_waiting": 4, "kv_ceiling": 0.9},
-            "admission": {"interval": "5ms", "heartbeat": "200ms", "member_ttl": "3s", **admission},
+            "admission": {
+                "interval": "5ms",
+                "heartbeat": "200ms",
+                "member_ttl": "3s",
+                "bands": CEILING_BANDS,
+                **admission,
+            },
             "models": [{"name": MODEL}],
             "providers": [
                 {"id": "iris", "kind": "managed", "priority": 100, "models": [iris_model]},
@@ -83,6 +98,7 @@ def rig_config(
                     "url": urls.get(e, f"http://127.0.0.1:1/{e}"),
                     "provider": "iris",
                     "models": [MODEL],
+                    **extra.get(e, {}),
                 }
                 for e in ENDPOINTS
             ]
@@ -92,8 +108,10 @@ def rig_config(
                     "url": urls.get("tensorx-1", "http://127.0.0.1:1/t"),
                     "provider": "tensorx",
                     "models": [MODEL],
+                    **extra.get("tensorx-1", {}),
                 }
             ],
+            **({"timeouts": timeouts} if timeouts else {}),
         },
         source="<flow rig>",
         env={},
@@ -252,9 +270,20 @@ async def open_rig(
     urls: dict[str, str] | None = None,
     limits: dict[str, int] | None = None,
     router: dict[str, Any] | None = None,
+    timeouts: dict[str, Any] | None = None,
+    endpoints: dict[str, dict[str, Any]] | None = None,
     **admission: Any,
 ) -> Rig:
-    config = rig_config(nats_url, unique_id, urls=urls, limits=limits, router=router, **admission)
+    config = rig_config(
+        nats_url,
+        unique_id,
+        urls=urls,
+        limits=limits,
+        router=router,
+        timeouts=timeouts,
+        endpoints=endpoints,
+        **admission,
+    )
     nc = await nats.connect(nats_url)
     load_kv = await open_load_bucket(nc, config)
     cluster = Cluster(config, nats_url)

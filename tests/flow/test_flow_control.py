@@ -8,6 +8,7 @@ import time
 import pytest
 from rig import ENDPOINTS, admitted, open_rig, until
 
+from llmgw.config.sections import default_bands
 from llmgw.core.outcomes import Refusal
 
 
@@ -191,5 +192,34 @@ async def test_flow_control_off_admits_regardless_of_saturation(nats_url, unique
         await saturate(rig)
         replies = await asyncio.gather(*(rig.ask(band="bronze") for _ in range(5)))
         assert all(admitted(r) and r.target.provider == "iris" for r in replies)
+    finally:
+        await rig.close()
+
+
+async def test_batch_headroom_keeps_a_slot_per_engine_for_the_interactive_bands(
+    nats_url, unique_id
+):
+    """The shipped bands: silver and bronze leave one batch slot per engine free, so the next
+    platinum or gold request finds a slot instead of waiting for one (engines do not preempt)."""
+    rig = await open_rig(nats_url, unique_id, bands=[band.model_dump() for band in default_bands()])
+    try:
+        service = rig.admissions[0]
+        await rig.report_all(running=7, capacity=8)  # one free slot per engine: the headroom
+        batch = [asyncio.create_task(rig.ask(band=b)) for b in ("silver", "bronze", "bronze")]
+        await until(lambda: rig.queued() == 3, what="silver and bronze queued")
+        await ticks(service)
+        assert not any(t.done() for t in batch)  # not saturated, yet held back
+        urgent = [await rig.ask(band="platinum"), await rig.ask(band="gold")]
+        assert all(admitted(r) and r.target.provider == "iris" for r in urgent)
+        assert {r.target.endpoint for r in urgent} == set(ENDPOINTS)  # one free slot each
+
+        await rig.finish_all()
+        await rig.report_all(running=5, capacity=8)  # 6 free: room for 4 beyond the headroom
+        await ticks(service)
+        assert all(t.done() and admitted(t.result()) for t in batch)
+        more = [asyncio.create_task(rig.ask(band="bronze")) for _ in range(2)]
+        await until(lambda: sum(t.done() for t in more) == 1, what="one more bronze grant")
+        await ticks(service)
+        assert sum(t.done() for t in more) == 1  # the second would take the headroom
     finally:
         await rig.close()

@@ -1,12 +1,17 @@
 """Seed 002's exit criterion, end to end: a bronze flood must not hurt platinum's latency.
 
 The scenario lives in benchmarks/interference.py (the benchmark repeats it and reports figures):
-a whole cluster under `llmgw up`, 500 bronze requests running continuously, platinum probes at a
-fixed rate. Both directions are asserted, so the test fails if admission regresses and also if
-the load stops being a real load:
+a whole cluster under `llmgw up` with the shipped defaults, two 8-slot engines, 500 bronze
+requests running continuously, platinum probes of similar length at a fixed rate (issue 9's
+case). Both directions are asserted, so the test fails if admission regresses and also if the
+load stops being a real load:
 
-- admission on: platinum p99 <= 1.5x idle, and bronze really waited in admission's queue;
-- admission off (`admission.enabled: false`): platinum p99 >= 10x idle.
+- admission on, the engines running vLLM's priority scheduling and the edge sending each band's
+  priority (`endpoints[].priority_scheduling`): platinum p99 <= 1.2x idle (the goal; measured
+  1.06-1.09x, docs/benchmarks.md), and bronze really waited in admission's queue. With FIFO
+  engines the shipped batch headroom alone gives 1.07-1.71x: the tail needs the engine's help;
+- admission off (`admission.enabled: false`, FIFO engines): platinum p99 >= 10x idle (measured
+  ~39x).
 """
 
 from __future__ import annotations
@@ -32,8 +37,14 @@ from interference import (
 pytestmark = pytest.mark.e2e
 
 
-def run_cluster(tmp_path: Path, start_up, *, admission: bool) -> dict[str, Any]:
-    config = interference_config(tmp_path / f"admission-{admission}.yaml", admission=admission)
+def run_cluster(
+    tmp_path: Path, start_up, *, admission: bool, engine_priority: bool = False
+) -> dict[str, Any]:
+    config = interference_config(
+        tmp_path / f"admission-{admission}.yaml",
+        admission=admission,
+        engine_priority=engine_priority,
+    )
     up: UpProcess = start_up(config)
     api = up.wait_for(READY, timeout=90).group(1)
     try:
@@ -43,12 +54,12 @@ def run_cluster(tmp_path: Path, start_up, *, admission: bool) -> dict[str, Any]:
 
 
 def test_platinum_latency_holds_under_a_bronze_flood_only_with_admission(tmp_path, start_up):
-    on = run_cluster(tmp_path, start_up, admission=True)
+    on = run_cluster(tmp_path, start_up, admission=True, engine_priority=True)
     print("admission on: " + summary(on))
     assert on["bronze_done"] > 50, "bronze made no progress: the load was not a real load"
     assert on["bronze_queued"] > 100, "bronze was not held back in admission"
     assert on["bronze_failed"] == 0, summary(on)
-    assert p99(on["loaded"]) <= 1.5 * p99(on["idle"]), summary(on)
+    assert p99(on["loaded"]) <= 1.2 * p99(on["idle"]), summary(on)
 
     off = run_cluster(tmp_path, start_up, admission=False)
     print("admission off: " + summary(off))
