@@ -83,7 +83,9 @@ def rig_config(
             "admission": {
                 "interval": "5ms",
                 "heartbeat": "200ms",
-                "member_ttl": "3s",
+                # Nothing here kills an instance, so nothing waits for the TTL; a short one would
+                # fence (and so drop and rejoin) an instance whose heartbeat a loaded host delays.
+                "member_ttl": "10s",
                 "bands": CEILING_BANDS,
                 **admission,
             },
