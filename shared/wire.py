@@ -85,10 +85,11 @@ class AdmitRequest(_Message):
     """
 
     v: Literal[2] = 2
-    id: str
+    id: str  # the attempt's id, unique across edges (its RequestEnded carries the same)
     edge: str
     model: str
     feature: Literal["chat", "completions", "embeddings"]
+    request_id: str | None = None  # the client's x-request-id (or the edge's), for the logs
     shard: int = Field(ge=0)
     stream: bool = False
     session: str | None = None

@@ -249,7 +249,8 @@ class AdmissionService:
             log.warning("malformed admission request: %s", exc.errors()[:1])
             await self._respond(msg.reply, self._refusal("?", Refusal.MALFORMED))
             return
-        request_id.set(request.id)  # on this decision's log records (and its queue wait's)
+        # On this decision's log records (and its queue wait's): the id the client knows.
+        request_id.set(request.request_id or request.id)
         if not self.shards.serves(request.shard) or not self.membership.can_serve():
             await self._respond(msg.reply, self._refusal(request.id, Refusal.NOT_OWNER))
             return

@@ -26,6 +26,7 @@ never a breaker's input, never released.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 from collections.abc import Awaitable, Callable
@@ -117,6 +118,7 @@ class _Failed:
 class Attempts:
     def __init__(self, edge: Edge) -> None:
         self.edge = edge
+        self._ids = itertools.count()
 
     async def run(self, routed: RoutedRequest) -> tuple[Response, Outcome | None]:
         """The client's response and outcome; outcome None: a stream that records its own."""
@@ -124,9 +126,13 @@ class Attempts:
         retries = edge.retries.get(routed.model, 0)
         excluded: list[str] = []
         previous: _Failed | None = None
+        # Attempt ids are this edge's own (unique across edges: the edge id is): a client's
+        # x-request-id, which two clients may well share, travels beside them for the logs.
+        base = f"{edge.edge_id}.{next(self._ids)}"
         for attempt in range(retries + 1):
             admit = AdmitRequest(
-                id=routed.request_id if attempt == 0 else f"{routed.request_id}-{attempt}",
+                id=base if attempt == 0 else f"{base}-{attempt}",
+                request_id=routed.request_id,
                 edge=edge.edge_id,
                 model=routed.model,
                 feature=routed.feature.value,

@@ -67,6 +67,28 @@ async def test_a_client_that_leaves_while_queued_leaves_the_queue(stack):
     assert stack.admissions[0].metrics.cancellations._value.get() == 1
 
 
+async def test_a_client_leaving_does_not_cancel_another_with_the_same_request_id(stack):
+    """x-request-id is the client's: two clients may send the same one. The one that leaves
+    takes only its own request out of the queue."""
+    await saturate(stack)
+    same = {"x-llmgw-band": "bronze", "x-request-id": "shared-id"}
+    async with httpx.AsyncClient(timeout=10) as client:
+        staying = asyncio.create_task(
+            client.post(stack.edge_url + "/v1/chat/completions", json=BODY, headers=same)
+        )
+        await until(lambda: stack.queued() == 1)
+        async with httpx.AsyncClient(timeout=0.3) as impatient:
+            with pytest.raises(httpx.ReadTimeout):
+                await impatient.post(
+                    stack.edge_url + "/v1/chat/completions", json=BODY, headers=same
+                )
+        await until(lambda: stack.queued() == 1, what="only the client that left, gone")
+        await open_headroom(stack)
+        response = await staying
+    assert response.status_code == 200
+    assert response.headers["x-request-id"] == "shared-id"
+
+
 async def until_no_leases(rig, timeout: float = 2.0) -> bool:
     deadline = time.monotonic() + timeout
     while await leases(rig):
