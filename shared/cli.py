@@ -77,6 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=10.0,
         help="seconds between SIGTERM and SIGKILL when stopping",
     )
+    up.add_argument(
+        "--dev-key",
+        default=None,
+        metavar="SECRET",
+        help="the development key's secret (auth.mode keys; default: a new random key per run)",
+    )
     up.set_defaults(target="llmgw.services.up.main:run")
 
     edge = sub.add_parser("edge", help="the OpenAI-compatible HTTP edge")
@@ -113,6 +119,15 @@ def build_parser() -> argparse.ArgumentParser:
     state.add_argument("--json", action="store_true", help="machine-readable output")
     state.add_argument("--pins", action="store_true", help="also list every pin")
     state.set_defaults(target="llmgw.services.state.main:run")
+
+    keys = sub.add_parser(
+        "keys", help="API keys in the live key bucket: create, list, show, update, revoke, seed"
+    )
+    _config_arg(keys)
+    from llmgw.services.keys.options import add_keys_arguments  # argparse only
+
+    add_keys_arguments(keys)
+    keys.set_defaults(target="llmgw.services.keys.main:run")
 
     config = sub.add_parser("config", help="configuration tools")
     config_sub = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")

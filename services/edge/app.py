@@ -30,6 +30,7 @@ from llmgw.core.requests import Feature, InvalidRequest, parse_request
 from llmgw.core.sessions import session_id, tenant_id
 from llmgw.core.shards import shard_of
 from llmgw.services.edge.attempts import _PATHS, Attempts, RoutedRequest
+from llmgw.services.edge.auth import KeyAuth, model_denied
 from llmgw.services.edge.errors import error_body, error_response
 from llmgw.services.edge.metrics import EdgeMetrics
 
@@ -60,6 +61,7 @@ class EdgeDeps:
     metrics: EdgeMetrics
     edge_id: str = field(default_factory=lambda: f"edge-{uuid.uuid4().hex[:8]}")
     rng: random.Random = field(default_factory=random.Random)
+    auth: KeyAuth | None = None  # auth.mode keys (services/edge/auth.py)
 
 
 class Edge:
@@ -73,6 +75,7 @@ class Edge:
         self.reporter = deps.reporter
         self.metrics = deps.metrics
         self.edge_id = deps.edge_id
+        self.auth = deps.auth
         self.max_body = config.router.max_body_bytes
         self.flow_control = config.admission.enabled
         self.shards = config.admission.shards
@@ -120,6 +123,14 @@ class Edge:
             else uuid.uuid4().hex
         )
         ids = {_REQUEST_ID: request_id}
+        caller = None
+        if self.auth is not None:  # before the body is read
+            checked = self.auth.caller(request.headers.get("authorization"), ids)
+            if isinstance(checked, Response):
+                return checked, (
+                    Outcome.INVALID_API_KEY if checked.status_code == 401 else Outcome.RATE_LIMITED
+                )
+            caller, ids = checked, checked.headers
         try:
             raw = await self._read_body(request)
         except BodyTooLarge:
@@ -137,7 +148,7 @@ class Edge:
                 Outcome.BAD_REQUEST, exc.message, param=exc.param, headers=ids
             ), Outcome.BAD_REQUEST
         model = self._canonical.get(parsed.model)
-        if model is None:
+        if model is None or (caller is not None and model_denied(caller, parsed.model, model)):
             return error_response(
                 Outcome.MODEL_NOT_FOUND,
                 f"The model '{parsed.model}' does not exist or you do not have access to it.",
@@ -145,7 +156,9 @@ class Edge:
                 headers=ids,
             ), Outcome.MODEL_NOT_FOUND
         band = request.headers.get(self.band_header)
-        if band is not None and band not in self.bands:
+        if caller is not None and self.auth is not None and not caller.key.band_header:
+            band = self.auth.band(caller, None)  # the header is not this key's to use
+        elif band is not None and band not in self.bands:
             return error_response(
                 Outcome.BAD_REQUEST,
                 f"Unknown priority band '{band}' in the {self.band_header} header; "
@@ -153,6 +166,8 @@ class Edge:
                 param=self.band_header,
                 headers=ids,
             ), Outcome.BAD_REQUEST
+        elif caller is not None and self.auth is not None:
+            band = self.auth.band(caller, band)
         session = session_id(
             feature, model, parsed.body, header_key=request.headers.get(self.session_header)
         )
@@ -170,7 +185,10 @@ class Edge:
             session=session,
             shard=shard,
             band=band,
-            tenant=tenant_id(request.headers.get("authorization"), parsed.user),
+            tenant=caller.key.tenant
+            if caller is not None
+            else tenant_id(request.headers.get("authorization"), parsed.user),
+            key=caller.key.key_id if caller is not None else None,
             headers=ids,
             started=started,
             # Once the body is read, the next ASGI receive() returns only when the client
@@ -181,15 +199,30 @@ class Edge:
 
     # -- non-routed endpoints -------------------------------------------------------------------
 
-    def models_response(self) -> Response:
+    def _visible_models(self, authorization: str | None) -> list[str] | Response:
+        """The model ids the caller may see (all of them with auth.mode none), or a 401."""
+        names = self.config.public_model_ids()
+        if self.auth is None:
+            return names
+        key = self.auth.identify(authorization, {})
+        if isinstance(key, Response):
+            return key
+        return [n for n in names if key.allows_model(n, self._canonical[n])]
+
+    def models_response(self, authorization: str | None = None) -> Response:
+        names = self._visible_models(authorization)
+        if isinstance(names, Response):
+            return names
         data = [
-            {"id": name, "object": "model", "created": 0, "owned_by": "llmgw"}
-            for name in self.config.public_model_ids()
+            {"id": name, "object": "model", "created": 0, "owned_by": "llmgw"} for name in names
         ]
         return JSONResponse({"object": "list", "data": data})
 
-    def model_response(self, model_id: str) -> Response:
-        if model_id not in self.config.public_model_ids():
+    def model_response(self, model_id: str, authorization: str | None = None) -> Response:
+        names = self._visible_models(authorization)
+        if isinstance(names, Response):
+            return names
+        if model_id not in names:
             return error_response(
                 Outcome.MODEL_NOT_FOUND, f"The model '{model_id}' does not exist.", param="model"
             )
@@ -254,10 +287,12 @@ def create_app(config: Config, deps: EdgeDeps) -> HotPathApp:
         app.add_route(path, route(feature), methods=["POST"])
 
     async def list_models(request: Request) -> Response:
-        return edge.models_response()
+        return edge.models_response(request.headers.get("authorization"))
 
     async def get_model(request: Request) -> Response:
-        return edge.model_response(request.path_params["model_id"])
+        return edge.model_response(
+            request.path_params["model_id"], request.headers.get("authorization")
+        )
 
     app.add_route("/v1/models", list_models, methods=["GET"])
     app.add_route("/v1/models/{model_id:path}", get_model, methods=["GET"])

@@ -93,6 +93,7 @@ class RoutedRequest:
     headers: dict[str, str]  # response headers every answer carries (x-request-id, ...)
     started: float
     client_gone: Callable[[], Awaitable[object]] | None
+    key: str | None = None  # the API key's id (auth.mode keys)
 
 
 @dataclass(frozen=True, slots=True)
@@ -409,6 +410,7 @@ class _AttemptEnd:
                 endpoint=target.endpoint,
                 route=self.reply.route,
                 tenant=self.routed.tenant,
+                key=self.routed.key,
                 ended_at=time.time(),
                 latency=time.perf_counter() - self.upstream_started
                 if self.upstream_started is not None

@@ -26,6 +26,7 @@ from llmgw.runtime import (
 from llmgw.services.edge.admin import create_admin_app
 from llmgw.services.edge.admission_client import NatsAdmission
 from llmgw.services.edge.app import EdgeDeps, create_app
+from llmgw.services.edge.auth import TokenCountingReporter, close_key_auth, open_key_auth
 from llmgw.services.edge.leases import EdgeLeases
 from llmgw.services.edge.metrics import EdgeMetrics
 from llmgw.services.edge.reporting import NatsReporter
@@ -41,6 +42,11 @@ def run(args: argparse.Namespace) -> int:
     setup_logging("edge")
     config = load_or_exit(args.config)
     require_nats_server(config, "edge")
+    if config.auth.mode == "none":
+        log.warning(
+            "auth.mode is none: every caller is accepted and may choose its band "
+            "(set auth.mode: keys before exposing this edge; docs/keys.md)"
+        )
     host, port = parse_hostport(args.listen or config.listen)
     admin_host, admin_port = parse_hostport(args.admin_listen or config.admin_listen)
 
@@ -78,17 +84,22 @@ async def open_edge_deps(nc, config, edge_id: str) -> EdgeDeps:  # type: ignore[
         request_timeout=config.nats.request_timeout,
     )
     await leases.start()
+    auth = await open_key_auth(nc, config, edge_id)
+    reporter = NatsReporter(nc)
     return EdgeDeps(
         admission=admission,
         leases=leases,
-        reporter=NatsReporter(nc),
+        reporter=reporter if auth is None else TokenCountingReporter(reporter, auth),
         session=new_session(config.timeouts),
         metrics=EdgeMetrics(),
         edge_id=edge_id,
+        auth=auth,
     )
 
 
 async def close_edge_deps(deps: EdgeDeps) -> None:
+    if deps.auth is not None:
+        await close_key_auth(deps.auth)
     await deps.reporter.drain()  # type: ignore[attr-defined]
     await deps.leases.stop()
     await deps.admission.stop()  # type: ignore[attr-defined]

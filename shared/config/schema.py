@@ -33,6 +33,7 @@ from llmgw.config.catalog import EndpointConfig, Limits, ModelConfig, ProviderCo
 from llmgw.config.common import MASK, SLUG_PATTERN, ConfigWarning, Name, fail
 from llmgw.config.sections import (
     AdmissionConfig,
+    AuthConfig,
     BalancerConfig,
     Band,
     NatsConfig,
@@ -52,6 +53,7 @@ __all__ = [
     "MASK",
     "SLUG_PATTERN",
     "AdmissionConfig",
+    "AuthConfig",
     "BalancerConfig",
     "Band",
     "Config",
@@ -122,6 +124,7 @@ class Config(BaseSettings):
     scoring: ScoringConfig = Field(default_factory=ScoringConfig)
     pinning: PinningConfig = Field(default_factory=PinningConfig)
     balancer: BalancerConfig = Field(default_factory=BalancerConfig)
+    auth: AuthConfig = Field(default_factory=AuthConfig)
     models: list[ModelConfig] = Field(min_length=1)
     providers: list[ProviderConfig] = Field(min_length=1)
     endpoints: list[EndpointConfig] = Field(min_length=1)

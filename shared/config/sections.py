@@ -311,3 +311,22 @@ class BalancerConfig(StrictModel):
                 stacklevel=2,
             )
         return value
+
+
+# --- auth -----------------------------------------------------------------------------------------
+
+
+class AuthConfig(StrictModel):
+    """Who may call the edge (docs/keys.md).
+
+    `none`: every caller is accepted (the bearer token, if any, only names a fairness tenant)
+    and the band header is trusted; services log a warning at start. `keys`: every request needs
+    an API key from the key bucket; the key decides its tenant, models, bands and limits.
+    """
+
+    mode: Literal["none", "keys"] = "none"
+    # The JetStream KV bucket holding API keys (by hash; only `llmgw keys` writes it).
+    bucket: str = Field("llmgw_keys", pattern=r"^[A-Za-z0-9_-]+$")
+    # Edges publish their per-key request and token counts this often; the rpm/tpm tolerance
+    # is what the other edges admit within one interval (docs/keys.md, "Limits").
+    usage_interval: PositiveDuration = 0.1

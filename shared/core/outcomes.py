@@ -28,6 +28,8 @@ class Outcome(enum.StrEnum):
     LEASE_LOST = "lease_lost"  # the lease expired under the request (e.g. the edge was paused)
     QUEUE_FULL = "queue_full"  # flow control: the band's queue was at capacity
     QUEUE_TIMEOUT = "queue_timeout"  # flow control: waited admission.queue_ttl without a grant
+    INVALID_API_KEY = "invalid_api_key"  # auth.mode keys: missing, unknown, revoked, expired
+    RATE_LIMITED = "rate_limited"  # the key's rpm or tpm is used up in the current window
 
 
 class Refusal(enum.StrEnum):
@@ -84,6 +86,9 @@ ERROR_SHAPES: dict[Outcome, ErrorShape] = {
     Outcome.QUEUE_TIMEOUT: ErrorShape(
         503, "service_unavailable", "queue_timeout", retry_after=True
     ),
+    # API keys (docs/keys.md): OpenAI's own status, type and code for each.
+    Outcome.INVALID_API_KEY: ErrorShape(401, "invalid_request_error", "invalid_api_key"),
+    Outcome.RATE_LIMITED: ErrorShape(429, "requests", "rate_limit_exceeded", retry_after=True),
 }
 
 

@@ -1,0 +1,113 @@
+"""Two edges and two admission instances with auth.mode keys; keys made by the real CLI."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest_asyncio
+from inproc import Cluster
+
+from llmgw.services.sim.apps import create_engine_app
+from llmgw.services.sim.params import EngineParams
+from llmgw.serving import RunningServer, start_server
+
+REPO = Path(__file__).parent.parent.parent
+
+
+def _edge_conftest():  # type: ignore[no-untyped-def]
+    """tests/edge/conftest.py, for its gateway config (same engines, models and providers)."""
+    spec = importlib.util.spec_from_file_location(
+        "edge_conftest", Path(__file__).parent.parent / "edge" / "conftest.py"
+    )
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    sys.modules["edge_conftest"] = module
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+gateway_config = _edge_conftest().gateway_config
+
+
+@dataclass
+class KeyedGateway:
+    cluster: Cluster
+    engines: dict[str, RunningServer]
+    nats_url: str
+    bucket: str
+
+    @property
+    def edges(self) -> list[str]:
+        return [e.url for e in self.cluster.edges]
+
+    def keys(self, *args: str) -> Any:
+        """`llmgw keys --json ARGS` against this gateway's bucket, as a separate process."""
+        env = {
+            **os.environ,
+            "LLMGW_NATS__URL": self.nats_url,
+            "LLMGW_AUTH__BUCKET": self.bucket,
+        }
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "llmgw",
+                "keys",
+                "--config",
+                str(REPO / "config/local.yaml"),
+                "--json",
+                *args,
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+
+@pytest_asyncio.fixture
+async def keyed(nats_url: str, unique_id: str) -> AsyncIterator[KeyedGateway]:
+    engines = {}
+    # Slow enough that 50 requests overlap; ground truth counted at the engines.
+    params = EngineParams.zero_delay(itl_base=0.01, max_num_seqs=64)
+    for seed, name in enumerate(("engine-1", "engine-2", "tensorx-1")):
+        engines[name] = await start_server(
+            create_engine_app(params.model_copy(update={"seed": seed}), ["m1", "m2"])
+        )
+    bucket = f"keys_{unique_id}"
+    config = gateway_config(
+        nats_url,
+        {k: v.url for k, v in engines.items()},
+        f"routing_{unique_id}",
+        auth={"mode": "keys", "bucket": bucket, "usage_interval": "50ms"},
+    )
+    cluster = Cluster(config, nats_url)
+    gateway = KeyedGateway(cluster, engines, nats_url, bucket)
+    try:
+        for _ in range(2):
+            await cluster.add_admission(follow_load=False)
+        await cluster.settled()
+        for _ in range(2):
+            await cluster.add_edge()
+        yield gateway
+    finally:
+        await cluster.stop()
+        import nats
+
+        nc = await nats.connect(nats_url)
+        try:
+            await nc.jetstream().delete_key_value(bucket)
+        except Exception:
+            pass
+        await nc.close()
+        for server in engines.values():
+            await server.stop()
