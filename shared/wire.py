@@ -93,6 +93,10 @@ class AdmitRequest(_Message):
     session: str | None = None
     band: str | None = None
     tenant: str | None = None
+    # The API key's id and its max_parallel_requests (auth.mode keys): admission instances share
+    # that limit as a quota (llmgw.core.apikeys.KeyLimits).
+    key: str | None = None
+    key_parallel: int | None = Field(None, ge=1)
     exclude: tuple[str, ...] = ()
     retry_of: str | None = None
     failed: FailedAttempt | None = None

@@ -189,6 +189,7 @@ class Edge:
             if caller is not None
             else tenant_id(request.headers.get("authorization"), parsed.user),
             key=caller.key.key_id if caller is not None else None,
+            key_parallel=caller.key.max_parallel_requests if caller is not None else None,
             headers=ids,
             started=started,
             # Once the body is read, the next ASGI receive() returns only when the client

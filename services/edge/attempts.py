@@ -94,6 +94,7 @@ class RoutedRequest:
     started: float
     client_gone: Callable[[], Awaitable[object]] | None
     key: str | None = None  # the API key's id (auth.mode keys)
+    key_parallel: int | None = None  # its max_parallel_requests
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +129,8 @@ class Attempts:
                 session=routed.session,
                 band=routed.band,
                 tenant=routed.tenant,
+                key=routed.key,
+                key_parallel=routed.key_parallel,
                 exclude=tuple(excluded),
                 retry_of=previous.lease if previous is not None else None,
                 failed=previous.failed if previous is not None else None,

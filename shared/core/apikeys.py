@@ -38,15 +38,18 @@ from llmgw.core.codec import decode_versioned
 __all__ = [
     "API_KEY_PREFIX",
     "API_KEY_VERSION",
+    "KEY_QUOTA_PROVIDER",
     "SECRET_PREFIX",
     "ApiKey",
     "ApiKeyError",
     "Denial",
+    "KeyLimits",
     "RateWindow",
     "authenticate",
     "bearer_token",
     "digest_of",
     "key_id_of",
+    "key_pair",
     "new_secret",
 ]
 
@@ -58,6 +61,9 @@ _DISPLAY_CHARS = len(SECRET_PREFIX) + 6
 _TENANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:@-]{0,63}")
 _LABEL_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _DIGEST = re.compile(r"[0-9a-f]{64}")
+# The "provider" of a key's quota pair (`key_pair`): a token no provider id can be (ids are slugs
+# that start with a letter or digit), so a key's quota book never collides with a provider's.
+KEY_QUOTA_PROVIDER = "_key"
 
 
 class ApiKeyError(ValueError):
@@ -265,3 +271,33 @@ class RateWindow:
     @staticmethod
     def remaining(limit: int, used: int) -> int:
         return max(0, limit - used)
+
+
+def key_pair(key_id: str) -> tuple[str, str]:
+    """The quota pair of a key's `max_parallel_requests`: ("_key", key id)."""
+    return (KEY_QUOTA_PROVIDER, key_id)
+
+
+@dataclass(frozen=True, slots=True)
+class KeyLimits:
+    """A key's `max_parallel_requests` as the limits of its quota pair (`key_pair`), so the
+    admission instances share it exactly as they share a provider's in-flight slots
+    (`llmgw.core.quota`): G = the limit, nothing reserved, no pins."""
+
+    max_parallel_requests: int
+
+    @property
+    def max_global_in_flight_request_slots(self) -> int:
+        return self.max_parallel_requests
+
+    @property
+    def global_in_flight_request_slots_reserved_for_pinned_sessions(self) -> int:
+        return 0
+
+    @property
+    def max_pinned_sessions(self) -> int:
+        return 0
+
+    @property
+    def max_per_session_in_flight_request_slots(self) -> int:
+        return self.max_parallel_requests

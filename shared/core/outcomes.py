@@ -50,6 +50,7 @@ class Refusal(enum.StrEnum):
     QUEUE_TIMEOUT = "queue_timeout"  # flow control: waited admission.queue_ttl
     CANCELLED = "cancelled"  # the edge said its client left while the request was queued
     NOT_OWNER = "not_owner"  # the shard moved: ask its new owner
+    KEY_LIMIT = "key_limit"  # the API key has max_parallel_requests requests in flight
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,4 +104,5 @@ REFUSAL_OUTCOMES: dict[Refusal, Outcome] = {
     Refusal.QUEUE_TIMEOUT: Outcome.QUEUE_TIMEOUT,
     Refusal.CANCELLED: Outcome.CLIENT_DISCONNECTED,
     Refusal.NOT_OWNER: Outcome.ADMISSION_UNAVAILABLE,
+    Refusal.KEY_LIMIT: Outcome.RATE_LIMITED,
 }

@@ -189,7 +189,7 @@ ONE_SLOT = {
 async def test_a_paused_edge_never_frees_a_slot_granted_to_someone_else(
     world, tmp_path, nats_client
 ):
-    config, kv, services, events = world
+    config, _kv, services, events = world
     client, [(cm, lines)] = await open_streams(edge_url(config), ["paused"])
     [paused_leases] = (await leases_of_edges(nats_client, 1)).values()
     [paused_lease] = paused_leases

@@ -18,6 +18,7 @@ from inproc import Cluster
 from llmgw.services.sim.apps import create_engine_app
 from llmgw.services.sim.params import EngineParams
 from llmgw.serving import RunningServer, start_server
+from llmgw.state.checker import AuditLog
 
 REPO = Path(__file__).parent.parent.parent
 
@@ -36,12 +37,33 @@ def _edge_conftest():  # type: ignore[no-untyped-def]
 gateway_config = _edge_conftest().gateway_config
 
 
+class InFlight:
+    """ASGI middleware counting the requests an engine is answering (ground truth)."""
+
+    def __init__(self, app: Any, counter: dict[str, int]) -> None:
+        self.app = app
+        self.counter = counter
+
+    async def __call__(self, scope, receive, send) -> None:  # type: ignore[no-untyped-def]
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        self.counter["now"] += 1
+        self.counter["max"] = max(self.counter["max"], self.counter["now"])
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.counter["now"] -= 1
+
+
 @dataclass
 class KeyedGateway:
     cluster: Cluster
     engines: dict[str, RunningServer]
     nats_url: str
     bucket: str
+    in_flight: dict[str, int]  # at all engines together: now, max
+    audit: AuditLog
 
     @property
     def edges(self) -> list[str]:
@@ -77,12 +99,12 @@ class KeyedGateway:
 @pytest_asyncio.fixture
 async def keyed(nats_url: str, unique_id: str) -> AsyncIterator[KeyedGateway]:
     engines = {}
+    in_flight = {"now": 0, "max": 0}
     # Slow enough that 50 requests overlap; ground truth counted at the engines.
     params = EngineParams.zero_delay(itl_base=0.01, max_num_seqs=64)
     for seed, name in enumerate(("engine-1", "engine-2", "tensorx-1")):
-        engines[name] = await start_server(
-            create_engine_app(params.model_copy(update={"seed": seed}), ["m1", "m2"])
-        )
+        app = create_engine_app(params.model_copy(update={"seed": seed}), ["m1", "m2"])
+        engines[name] = await start_server(InFlight(app, in_flight))
     bucket = f"keys_{unique_id}"
     config = gateway_config(
         nats_url,
@@ -90,12 +112,13 @@ async def keyed(nats_url: str, unique_id: str) -> AsyncIterator[KeyedGateway]:
         f"routing_{unique_id}",
         auth={"mode": "keys", "bucket": bucket, "usage_interval": "50ms"},
     )
-    cluster = Cluster(config, nats_url)
-    gateway = KeyedGateway(cluster, engines, nats_url, bucket)
+    audit = AuditLog()
+    cluster = Cluster(config, nats_url, observer_for=audit.observer)
+    gateway = KeyedGateway(cluster, engines, nats_url, bucket, in_flight, audit)
     try:
         for _ in range(2):
             await cluster.add_admission(follow_load=False)
-        await cluster.settled()
+        await cluster.balanced()
         for _ in range(2):
             await cluster.add_edge()
         yield gateway

@@ -10,6 +10,7 @@ import nats
 import pytest
 
 from llmgw.core.apikeys import RateWindow
+from llmgw.state.checker import check_audit
 from llmgw.wire import ADMISSION_REQUEST_PREFIX, AdmitRequest
 
 CHAT = {"model": "m1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -122,11 +123,14 @@ async def test_revocation_reaches_every_edge_within_a_second_and_spares_running_
         keyed.keys("revoke", created["id"])
         revoked_at = time.monotonic()
         pending = set(keyed.edges)
-        while pending:
+        while pending:  # probing with the cheapest authenticated call: the model list
             for url in list(pending):
-                if (await chat(client, url, secret)).status_code == 401:
+                listed = await client.get(f"{url}/v1/models", headers=bearer(secret))
+                if listed.status_code == 401:
                     pending.discard(url)
             assert time.monotonic() - revoked_at < 1.0, f"still accepted by {pending}"
+        for url in keyed.edges:
+            assert (await chat(client, url, secret)).status_code == 401
         finished = await asyncio.gather(*running)
     assert [r.status_code for r in finished] == [200] * len(running)
 
@@ -176,3 +180,63 @@ async def test_tpm_counts_usage_tokens(keyed, tokens: int) -> None:
             assert response.headers["x-ratelimit-limit-tokens"] == str(tokens)
     assert 429 in statuses
     assert statuses.index(429) >= 1 and all(s == 429 for s in statuses[statuses.index(429) :])
+
+
+async def _burst(keyed, secret: str, n: int = 50) -> list[httpx.Response]:  # type: ignore[no-untyped-def]
+    """`n` requests of one key at once, over both edges and so over both admission instances'
+    shards (every request is its own session: no pin keeps them on one shard)."""
+    async with httpx.AsyncClient(timeout=30) as client:
+        burst = [
+            chat(
+                client,
+                keyed.edges[i % 2],
+                secret,
+                max_tokens=30,
+                messages=[{"role": "user", "content": f"conversation {i}"}],
+            )
+            for i in range(n)
+        ]
+        return list(await asyncio.gather(*burst))
+
+
+def _audit(keyed) -> list:  # type: ignore[no-untyped-def]
+    return check_audit(keyed.audit.events, keyed.cluster.limits, lease_timeout=30.0)
+
+
+async def test_max_parallel_requests_holds_across_both_edges_and_admission_instances(
+    keyed,
+) -> None:
+    created = keyed.keys("create", "--tenant", "team-a", "--max-parallel", "3")
+    other = keyed.keys("create", "--tenant", "team-b")
+    responses = await _burst(keyed, created["secret"])
+    assert keyed.in_flight["now"] == 0
+    async with httpx.AsyncClient(timeout=30) as client:  # another key is not held back
+        assert (await chat(client, keyed.edges[0], other["secret"])).status_code == 200
+    statuses = [r.status_code for r in responses]
+    assert set(statuses) <= {200, 429}
+    assert 1 <= statuses.count(200) < 50
+    limited = next(r for r in responses if r.status_code == 429)
+    assert limited.json()["error"]["code"] == "rate_limit_exceeded"
+    assert int(limited.headers["retry-after"]) >= 1
+    # Ground truth at the engines: never more than 3 of this key's requests at once ...
+    assert keyed.in_flight["max"] <= 3
+    # ... and the instances' own records agree (grants and ends of every ledger, replayed).
+    assert _audit(keyed) == []
+    granted_by = {
+        e.instance
+        for e in keyed.audit.events
+        if e.lease is not None and e.lease.key == created["id"]
+    }
+    assert granted_by == {"admission-0", "admission-1"}  # the limit was shared, not per instance
+
+
+async def test_the_checker_and_the_engines_catch_instances_that_ignore_the_key_limit(
+    keyed,
+) -> None:
+    created = keyed.keys("create", "--tenant", "team-a", "--max-parallel", "3")
+    for admission in keyed.cluster.live_admissions():  # a deliberately broken variant
+        admission.ledger.key_room = lambda key: True
+    responses = await _burst(keyed, created["secret"])
+    assert [r.status_code for r in responses] == [200] * 50
+    assert keyed.in_flight["max"] > 3
+    assert {v.invariant for v in _audit(keyed)} == {"IK"}
