@@ -25,6 +25,7 @@ import sys
 import time
 from typing import Any
 
+import nats
 import yaml
 
 from llmgw import natsconn
@@ -46,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     except KeyNotFound as exc:
         print(f"llmgw keys: {exc.args[0]}", file=sys.stderr)
         return 1
-    except (OSError, TimeoutError) as exc:
+    except (OSError, TimeoutError, nats.errors.Error) as exc:
         print(f"llmgw keys: cannot reach NATS: {exc or type(exc).__name__}", file=sys.stderr)
         return 1
 
@@ -57,8 +58,6 @@ async def _run(config: Config, args: argparse.Namespace) -> int:
         cfg = cfg.model_copy(update={"url": f"nats://127.0.0.1:{cfg.embedded_port}"})
     options: dict[str, Any] = natsconn.connect_options(cfg, "llmgw-keys")
     options.update(max_reconnect_attempts=1, reconnect_time_wait=0.1, error_cb=_quiet)
-    import nats
-
     async with asyncio.timeout(cfg.connect_timeout * 2 + 5):
         nc = await nats.connect(**options)
     try:

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,10 +70,11 @@ class KeyedGateway:
     def edges(self) -> list[str]:
         return [e.url for e in self.cluster.edges]
 
-    def keys(self, *args: str) -> Any:
+    def keys(self, *args: str, env: dict[str, str] | None = None) -> Any:
         """`llmgw keys --json ARGS` against this gateway's bucket, as a separate process."""
         env = {
             **os.environ,
+            **(env or {}),
             "LLMGW_NATS__URL": self.nats_url,
             "LLMGW_AUTH__BUCKET": self.bucket,
         }
@@ -96,8 +98,10 @@ class KeyedGateway:
         return json.loads(done.stdout)
 
 
-@pytest_asyncio.fixture
-async def keyed(nats_url: str, unique_id: str) -> AsyncIterator[KeyedGateway]:
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def keyed_cluster(nats_url: str) -> AsyncIterator[KeyedGateway]:
+    """One cluster per test module (tests use keys of their own); `keyed` resets its records."""
+    unique_id = uuid.uuid4().hex[:12]
     engines = {}
     in_flight = {"now": 0, "max": 0}
     # Slow enough that 50 requests overlap; ground truth counted at the engines.
@@ -134,3 +138,10 @@ async def keyed(nats_url: str, unique_id: str) -> AsyncIterator[KeyedGateway]:
         await nc.close()
         for server in engines.values():
             await server.stop()
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def keyed(keyed_cluster: KeyedGateway) -> AsyncIterator[KeyedGateway]:
+    keyed_cluster.in_flight["max"] = keyed_cluster.in_flight["now"]
+    keyed_cluster.audit.events.clear()
+    yield keyed_cluster

@@ -13,6 +13,9 @@ from llmgw.core.apikeys import RateWindow
 from llmgw.state.checker import check_audit
 from llmgw.wire import ADMISSION_REQUEST_PREFIX, AdmitRequest
 
+# One cluster for the module (conftest: keyed_cluster), so one event loop for it too.
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
 CHAT = {"model": "m1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 
@@ -112,9 +115,9 @@ async def test_revocation_reaches_every_edge_within_a_second_and_spares_running_
     created = keyed.keys("create", "--tenant", "team-a")
     secret = created["secret"]
     async with httpx.AsyncClient(timeout=20) as client:
-        # Requests in flight on both edges when the key is revoked (long answers: 200 tokens).
+        # Requests in flight on both edges when the key is revoked (streams of 100 tokens).
         running = [
-            asyncio.create_task(chat(client, url, secret, max_tokens=200))
+            asyncio.create_task(chat(client, url, secret, max_tokens=100, stream=True))
             for url in keyed.edges
             for _ in range(3)
         ]
@@ -133,6 +136,7 @@ async def test_revocation_reaches_every_edge_within_a_second_and_spares_running_
             assert (await chat(client, url, secret)).status_code == 401
         finished = await asyncio.gather(*running)
     assert [r.status_code for r in finished] == [200] * len(running)
+    assert all(r.text.rstrip().endswith("data: [DONE]") for r in finished)
 
 
 async def test_expired_and_disabled_keys_are_refused(keyed) -> None:
@@ -231,11 +235,11 @@ async def test_max_parallel_requests_holds_across_both_edges_and_admission_insta
 
 
 async def test_the_checker_and_the_engines_catch_instances_that_ignore_the_key_limit(
-    keyed,
+    keyed, monkeypatch
 ) -> None:
     created = keyed.keys("create", "--tenant", "team-a", "--max-parallel", "3")
     for admission in keyed.cluster.live_admissions():  # a deliberately broken variant
-        admission.ledger.key_room = lambda key: True
+        monkeypatch.setattr(admission.ledger, "key_room", lambda key: True)
     responses = await _burst(keyed, created["secret"])
     assert [r.status_code for r in responses] == [200] * 50
     assert keyed.in_flight["max"] > 3
