@@ -12,7 +12,6 @@ The edge depends on ports (`llmgw.contracts`): an `AdmissionClient`, a `LeaseSto
 from __future__ import annotations
 
 import logging
-import os
 import random
 import time
 import uuid
@@ -25,12 +24,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
+from llmgw.config.credentials import provider_keys
 from llmgw.core.outcomes import Outcome
 from llmgw.core.requests import Feature, InvalidRequest, parse_request
 from llmgw.core.sessions import session_id, tenant_id
 from llmgw.core.shards import shard_of
 from llmgw.services.edge.attempts import _PATHS, Attempts, RoutedRequest
-from llmgw.services.edge.auth import KeyAuth, model_denied
+from llmgw.services.edge.auth import KeyAuth
 from llmgw.services.edge.errors import error_body, error_response
 from llmgw.services.edge.metrics import EdgeMetrics
 
@@ -148,7 +148,11 @@ class Edge:
                 Outcome.BAD_REQUEST, exc.message, param=exc.param, headers=ids
             ), Outcome.BAD_REQUEST
         model = self._canonical.get(parsed.model)
-        if model is None or (caller is not None and model_denied(caller, parsed.model, model)):
+        if model is None or (
+            caller is not None
+            and self.auth is not None
+            and self.auth.model_denied(caller, parsed.model, model)
+        ):
             return error_response(
                 Outcome.MODEL_NOT_FOUND,
                 f"The model '{parsed.model}' does not exist or you do not have access to it.",
@@ -231,13 +235,14 @@ class Edge:
 
 
 def _provider_auth_headers(config: Config) -> dict[str, dict[str, str]]:
-    """Upstream headers per provider: JSON, plus a bearer key where one is configured."""
+    """Upstream headers per provider: JSON, plus a bearer key where one is configured
+    (`provider_keys`: CredentialsError when a configured key is missing)."""
+    keys = provider_keys(config)
     headers = {}
     for provider in config.providers:
         h = {"content-type": "application/json"}
-        key = os.environ.get(provider.api_key_env) if provider.api_key_env else None
-        if key:
-            h["authorization"] = f"Bearer {key}"
+        if provider.id in keys:
+            h["authorization"] = f"Bearer {keys[provider.id]}"
         headers[provider.id] = h
     return headers
 

@@ -23,8 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from starlette.responses import Response
 
@@ -50,12 +49,14 @@ _MESSAGES = {
 }
 
 
-@dataclass(frozen=True, slots=True)
-class Caller:
+_MAX_MODEL_DECISIONS = 4096
+
+
+class Caller(NamedTuple):
     """An authenticated request's key, and the headers every answer to it carries."""
 
     key: ApiKey
-    headers: dict[str, str] = field(default_factory=dict)
+    headers: dict[str, str]
 
 
 class KeyAuth:
@@ -71,6 +72,7 @@ class KeyAuth:
         self.limiter = limiter
         self.default_band = default_band
         self._clock = clock
+        self._model_decisions: dict[tuple[tuple[str, ...], str, str], bool] = {}
 
     def identify(self, authorization: str | None, headers: dict[str, str]) -> ApiKey | Response:
         """The request's valid key, or the 401 to answer (carrying `headers`)."""
@@ -103,16 +105,24 @@ class KeyAuth:
             )
         return Caller(key, headers)
 
+    def model_denied(self, caller: Caller, asked: str, canonical: str) -> bool:
+        """`not allows_model`, remembered per (patterns, asked, canonical): globs cost
+        microseconds. A pure function of that triple, so sharing it between keys is safe."""
+        cache_key = (caller.key.models, asked, canonical)
+        allowed = self._model_decisions.get(cache_key)
+        if allowed is None:
+            allowed = caller.key.allows_model(asked, canonical)
+            if len(self._model_decisions) >= _MAX_MODEL_DECISIONS:
+                self._model_decisions.clear()
+            self._model_decisions[cache_key] = allowed
+        return not allowed
+
     def band(self, caller: Caller, header: str | None) -> str:
         return caller.key.band_for(header, self.default_band)
 
     def ended(self, key_id: str | None, tokens: int) -> None:
         if key_id is not None:
             self.limiter.add_tokens(key_id, tokens)
-
-
-def model_denied(caller: Caller, asked: str, canonical: str) -> bool:
-    return not caller.key.allows_model(asked, canonical)
 
 
 class TokenCountingReporter:

@@ -21,7 +21,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from llmgw.core.apikeys import ApiKey, RateWindow
 from llmgw.tasks import cancel_and_wait
@@ -40,9 +40,9 @@ class _Use:
     tokens: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class Verdict:
-    """Whether a request may run, and the x-ratelimit-* headers its response carries."""
+class Verdict(NamedTuple):
+    """Whether a request may run, and the x-ratelimit-* headers its response carries (a tuple:
+    one is made per request)."""
 
     allowed: bool
     headers: dict[str, str]
@@ -69,6 +69,8 @@ class KeyLimiter:
         self._mine: dict[str, _Use] = {}
         self._others: dict[str, dict[str, KeyWindowUse]] = {}  # edge -> key id -> use
         self._dirty = False
+        self._reset_tenths = -1
+        self._reset_formatted = ""
         self._task: asyncio.Task[None] | None = None
         self._sub = None
 
@@ -116,13 +118,16 @@ class KeyLimiter:
         now = self._clock()
         requests, tokens = self.used(key.key_id, now)
         reset = self.window.reset_in(now)
+        reset_text = self._reset_text(reset)
         refused = ""
         if key.rpm is not None and requests >= key.rpm:
             refused = "requests"
         elif key.tpm is not None and tokens >= key.tpm:
             refused = "tokens"
         if not refused:
-            use = self._mine.setdefault(key.key_id, _Use())
+            use = self._mine.get(key.key_id)
+            if use is None:
+                use = self._mine[key.key_id] = _Use()
             use.requests += 1
             requests += 1
             self._dirty = True
@@ -130,12 +135,19 @@ class KeyLimiter:
         if key.rpm is not None:
             headers["x-ratelimit-limit-requests"] = str(key.rpm)
             headers["x-ratelimit-remaining-requests"] = str(max(0, key.rpm - requests))
-            headers["x-ratelimit-reset-requests"] = _duration(reset)
+            headers["x-ratelimit-reset-requests"] = reset_text
         if key.tpm is not None:
             headers["x-ratelimit-limit-tokens"] = str(key.tpm)
             headers["x-ratelimit-remaining-tokens"] = str(max(0, key.tpm - tokens))
-            headers["x-ratelimit-reset-tokens"] = _duration(reset)
+            headers["x-ratelimit-reset-tokens"] = reset_text
         return Verdict(not refused, headers, reset if refused else 0.0, refused)
+
+    def _reset_text(self, reset: float) -> str:
+        """`_duration(reset)`, formatted once per tenth of a second (it is on every response)."""
+        tenths = int(reset * 10)
+        if tenths != self._reset_tenths:
+            self._reset_tenths, self._reset_formatted = tenths, _duration(tenths / 10)
+        return self._reset_formatted
 
     def add_tokens(self, key_id: str, tokens: int) -> None:
         """Tokens of an ended request of `key_id` (from its usage), in the current window."""

@@ -10,10 +10,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import sys
 import uuid
 
 from llmgw import natsconn
 from llmgw.config import parse_hostport
+from llmgw.config.credentials import CredentialsError, provider_keys
 from llmgw.core.keys import safe_token
 from llmgw.runtime import (
     load_or_exit,
@@ -42,6 +44,11 @@ def run(args: argparse.Namespace) -> int:
     setup_logging("edge")
     config = load_or_exit(args.config)
     require_nats_server(config, "edge")
+    try:
+        provider_keys(config)
+    except CredentialsError as exc:
+        print(f"llmgw edge: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     if config.auth.mode == "none":
         log.warning(
             "auth.mode is none: every caller is accepted and may choose its band "

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 import uuid
 from collections.abc import AsyncIterator
@@ -22,6 +22,8 @@ from llmgw.serving import RunningServer, start_server
 from llmgw.state.checker import AuditLog
 
 REPO = Path(__file__).parent.parent.parent
+PROVIDER_KEY_ENV = "KEYS_TEST_TENSORX_KEY"
+PROVIDER_KEY = "sk-third-party-upstream-key-0123456789"
 
 
 def _edge_conftest():  # type: ignore[no-untyped-def]
@@ -65,37 +67,32 @@ class KeyedGateway:
     bucket: str
     in_flight: dict[str, int]  # at all engines together: now, max
     audit: AuditLog
+    provider_key: str = PROVIDER_KEY  # the third party's upstream key (tensorx)
 
     @property
     def edges(self) -> list[str]:
         return [e.url for e in self.cluster.edges]
 
-    def keys(self, *args: str, env: dict[str, str] | None = None) -> Any:
-        """`llmgw keys --json ARGS` against this gateway's bucket, as a separate process."""
+    async def keys(self, *args: str, env: dict[str, str] | None = None) -> Any:
+        """`llmgw keys --json ARGS` against this gateway's bucket, as a separate process (awaited:
+        the gateway's parts share this event loop and keep serving meanwhile)."""
         env = {
             **os.environ,
             **(env or {}),
             "LLMGW_NATS__URL": self.nats_url,
             "LLMGW_AUTH__BUCKET": self.bucket,
         }
-        done = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "llmgw",
-                "keys",
-                "--config",
-                str(REPO / "config/local.yaml"),
-                "--json",
-                *args,
-            ],
+        config = str(REPO / "config/local.yaml")
+        process = await asyncio.create_subprocess_exec(
+            *(sys.executable, "-m", "llmgw", "keys", "--config", config, "--json", *args),
             env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
         )
-        assert done.returncode == 0, done.stderr
-        return json.loads(done.stdout)
+        async with asyncio.timeout(60):
+            out, err = await process.communicate()
+        assert process.returncode == 0, err.decode()
+        return json.loads(out)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -110,12 +107,17 @@ async def keyed_cluster(nats_url: str) -> AsyncIterator[KeyedGateway]:
         app = create_engine_app(params.model_copy(update={"seed": seed}), ["m1", "m2"])
         engines[name] = await start_server(InFlight(app, in_flight))
     bucket = f"keys_{unique_id}"
+    # The third party's upstream key: tests check it never shows anywhere but upstream.
+    os.environ[PROVIDER_KEY_ENV] = PROVIDER_KEY
     config = gateway_config(
         nats_url,
         {k: v.url for k, v in engines.items()},
         f"routing_{unique_id}",
         auth={"mode": "keys", "bucket": bucket, "usage_interval": "50ms"},
     )
+    for provider in config.providers:
+        if provider.id == "tensorx":
+            provider.api_key_env = PROVIDER_KEY_ENV
     audit = AuditLog()
     cluster = Cluster(config, nats_url, observer_for=audit.observer)
     gateway = KeyedGateway(cluster, engines, nats_url, bucket, in_flight, audit)
@@ -138,6 +140,7 @@ async def keyed_cluster(nats_url: str) -> AsyncIterator[KeyedGateway]:
         await nc.close()
         for server in engines.values():
             await server.stop()
+        os.environ.pop(PROVIDER_KEY_ENV, None)
 
 
 @pytest_asyncio.fixture(loop_scope="module")

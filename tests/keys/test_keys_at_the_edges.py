@@ -30,7 +30,7 @@ async def chat(client: httpx.AsyncClient, url: str, secret: str | None, **extra)
 
 
 async def test_unknown_missing_and_malformed_keys_get_401_on_both_edges(keyed) -> None:
-    created = keyed.keys("create", "--tenant", "team-a")
+    created = await keyed.keys("create", "--tenant", "team-a")
     async with httpx.AsyncClient(timeout=10) as client:
         for url in keyed.edges:
             for secret in (None, "sk-llmgw-not-a-key", created["secret"] + "x"):
@@ -45,7 +45,7 @@ async def test_unknown_missing_and_malformed_keys_get_401_on_both_edges(keyed) -
 
 
 async def test_a_model_the_key_may_not_use_is_a_404_like_an_unknown_one(keyed) -> None:
-    created = keyed.keys("create", "--tenant", "team-a", "--models", "m2")
+    created = await keyed.keys("create", "--tenant", "team-a", "--models", "m2")
     async with httpx.AsyncClient(timeout=10) as client:
         url = keyed.edges[0]
         denied = await chat(client, url, created["secret"], model="m1")
@@ -71,8 +71,8 @@ async def _admit_requests(nats_url: str):  # type: ignore[no-untyped-def]
 
 
 async def test_band_header_is_ignored_for_a_key_that_may_not_choose(keyed) -> None:
-    fixed = keyed.keys("create", "--tenant", "batch", "--default-band", "bronze")
-    chooser = keyed.keys(
+    fixed = await keyed.keys("create", "--tenant", "batch", "--default-band", "bronze")
+    chooser = await keyed.keys(
         "create",
         "--tenant",
         "vip",
@@ -112,18 +112,20 @@ async def test_band_header_is_ignored_for_a_key_that_may_not_choose(keyed) -> No
 async def test_revocation_reaches_every_edge_within_a_second_and_spares_running_requests(
     keyed,
 ) -> None:
-    created = keyed.keys("create", "--tenant", "team-a")
+    created = await keyed.keys("create", "--tenant", "team-a")
     secret = created["secret"]
     async with httpx.AsyncClient(timeout=20) as client:
-        # Requests in flight on both edges when the key is revoked (streams of 100 tokens).
+        # Requests in flight on both edges when the key is revoked (streams of 3 s).
         running = [
-            asyncio.create_task(chat(client, url, secret, max_tokens=100, stream=True))
+            asyncio.create_task(chat(client, url, secret, max_tokens=300, stream=True))
             for url in keyed.edges
             for _ in range(3)
         ]
-        await asyncio.sleep(0.3)
-        assert not any(t.done() for t in running)
-        keyed.keys("revoke", created["id"])
+        deadline = time.monotonic() + 10
+        while keyed.in_flight["now"] < len(running):  # all six are at the engines
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        await keyed.keys("revoke", created["id"])
         revoked_at = time.monotonic()
         pending = set(keyed.edges)
         while pending:  # probing with the cheapest authenticated call: the model list
@@ -134,26 +136,27 @@ async def test_revocation_reaches_every_edge_within_a_second_and_spares_running_
             assert time.monotonic() - revoked_at < 1.0, f"still accepted by {pending}"
         for url in keyed.edges:
             assert (await chat(client, url, secret)).status_code == 401
+        assert not all(t.done() for t in running)  # revoked while they ran
         finished = await asyncio.gather(*running)
     assert [r.status_code for r in finished] == [200] * len(running)
     assert all(r.text.rstrip().endswith("data: [DONE]") for r in finished)
 
 
 async def test_expired_and_disabled_keys_are_refused(keyed) -> None:
-    created = keyed.keys("create", "--tenant", "team-a", "--expires", str(time.time() - 1))
-    other = keyed.keys("create", "--tenant", "team-b")
-    keyed.keys("update", other["id"], "--disabled")
+    created = await keyed.keys("create", "--tenant", "team-a", "--expires", str(time.time() - 1))
+    other = await keyed.keys("create", "--tenant", "team-b")
+    await keyed.keys("update", other["id"], "--disabled")
     async with httpx.AsyncClient(timeout=10) as client:
         for secret in (created["secret"], other["secret"]):
             assert (await chat(client, keyed.edges[0], secret)).status_code == 401
-        keyed.keys("update", other["id"], "--enabled")
+        await keyed.keys("update", other["id"], "--enabled")
         deadline = time.monotonic() + 2
         while (await chat(client, keyed.edges[0], other["secret"])).status_code != 200:
             assert time.monotonic() < deadline
 
 
 async def test_rpm_holds_across_both_edges(keyed) -> None:
-    created = keyed.keys("create", "--tenant", "team-a", "--rpm", "10")
+    created = await keyed.keys("create", "--tenant", "team-a", "--rpm", "10")
     window = RateWindow()
     if window.reset_in(time.time()) < 5:  # the run must fit in one 60 s window
         await asyncio.sleep(window.reset_in(time.time()))
@@ -175,7 +178,7 @@ async def test_rpm_holds_across_both_edges(keyed) -> None:
 
 @pytest.mark.parametrize("tokens", [30])
 async def test_tpm_counts_usage_tokens(keyed, tokens: int) -> None:
-    created = keyed.keys("create", "--tenant", "team-a", "--tpm", str(tokens))
+    created = await keyed.keys("create", "--tenant", "team-a", "--tpm", str(tokens))
     async with httpx.AsyncClient(timeout=10) as client:
         statuses = []
         for _ in range(8):
@@ -210,8 +213,8 @@ def _audit(keyed) -> list:  # type: ignore[no-untyped-def]
 async def test_max_parallel_requests_holds_across_both_edges_and_admission_instances(
     keyed,
 ) -> None:
-    created = keyed.keys("create", "--tenant", "team-a", "--max-parallel", "3")
-    other = keyed.keys("create", "--tenant", "team-b")
+    created = await keyed.keys("create", "--tenant", "team-a", "--max-parallel", "3")
+    other = await keyed.keys("create", "--tenant", "team-b")
     responses = await _burst(keyed, created["secret"])
     assert keyed.in_flight["now"] == 0
     async with httpx.AsyncClient(timeout=30) as client:  # another key is not held back
@@ -237,7 +240,7 @@ async def test_max_parallel_requests_holds_across_both_edges_and_admission_insta
 async def test_the_checker_and_the_engines_catch_instances_that_ignore_the_key_limit(
     keyed, monkeypatch
 ) -> None:
-    created = keyed.keys("create", "--tenant", "team-a", "--max-parallel", "3")
+    created = await keyed.keys("create", "--tenant", "team-a", "--max-parallel", "3")
     for admission in keyed.cluster.live_admissions():  # a deliberately broken variant
         monkeypatch.setattr(admission.ledger, "key_room", lambda key: True)
     responses = await _burst(keyed, created["secret"])

@@ -14,13 +14,13 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 
 async def test_the_secret_is_shown_once_and_never_stored(keyed) -> None:
-    created = keyed.keys(
+    created = await keyed.keys(
         "create", "--tenant", "team-a", "--models", "m1,m2*", "--rpm", "60", "--label", "team=a"
     )
     secret = created["secret"]
     assert secret.startswith("sk-llmgw-") and secret.startswith(created["prefix"])
-    listed = [k for k in keyed.keys("list") if k["tenant"] == "team-a"]
-    shown = keyed.keys("show", created["id"][:8])
+    listed = [k for k in await keyed.keys("list") if k["tenant"] == "team-a"]
+    shown = await keyed.keys("show", created["id"][:8])
     for view in (listed, shown):
         text = json.dumps(view)
         assert secret not in text and secret[len(created["prefix"]) :] not in text
@@ -28,7 +28,7 @@ async def test_the_secret_is_shown_once_and_never_stored(keyed) -> None:
     assert entry["id"] == created["id"] and entry["prefix"] == created["prefix"]
     assert shown["models"] == ["m1", "m2*"] and shown["rpm"] == 60
     assert shown["labels"] == {"team": "a"}
-    updated = keyed.keys("update", created["id"], "--rpm", "0", "--tpm", "1000")
+    updated = await keyed.keys("update", created["id"], "--rpm", "0", "--tpm", "1000")
     assert updated["rpm"] is None and updated["tpm"] == 1000
 
 
@@ -44,11 +44,11 @@ async def test_keys_seeded_from_a_file_work_at_every_edge(keyed, tmp_path: Path)
             }
         )
     )
-    [seeded] = keyed.keys("seed", str(seed), env={"TEAM_A_KEY": secret})
+    [seeded] = await keyed.keys("seed", str(seed), env={"TEAM_A_KEY": secret})
     assert seeded["tenant"] == "seeded"
     # Seeding again is an update, not a second key.
-    keyed.keys("seed", str(seed), env={"TEAM_A_KEY": secret})
-    assert [k["id"] for k in keyed.keys("list") if k["tenant"] == "seeded"] == [seeded["id"]]
+    await keyed.keys("seed", str(seed), env={"TEAM_A_KEY": secret})
+    assert [k["id"] for k in await keyed.keys("list") if k["tenant"] == "seeded"] == [seeded["id"]]
     body = {"model": "m2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     async with httpx.AsyncClient(timeout=10) as client:
         for url in keyed.edges:
