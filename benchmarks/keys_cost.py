@@ -15,16 +15,14 @@ mirror of 10,000 keys.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import os
 import statistics
-import sys
 import time
 
-from cluster import cpu_seconds, running_cluster
-from measure import pct
-from overhead import GATEWAY_CPUS, LOADGEN_CPUS, fmt_ms, run_load
+from ab import side_by_side
+from cluster import running_cluster
+from overhead import GATEWAY_CPUS, LOADGEN_CPUS
 
 from llmgw.core.apikeys import ApiKey, digest_of
 from llmgw.services.edge.auth import KeyAuth
@@ -71,13 +69,6 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=400, help="requests per run")
     args = parser.parse_args()
     os.sched_setaffinity(0, LOADGEN_CPUS)
-    concurrencies = (1, 64)
-    variants = ("none", "keys")
-    cells = [(c, v) for c in concurrencies for v in variants]
-    p50 = {k: [] for k in cells}
-    p99 = {k: [] for k in cells}
-    cpu = {k: [] for k in cells}
-    added = {c: [] for c in concurrencies}
     with contextlib.ExitStack() as stack:
         clusters = {
             v: stack.enter_context(
@@ -85,40 +76,9 @@ def main() -> int:
                     GATEWAY_CPUS, LOADGEN_CPUS, auth=v == "keys", key_options=KEY_OPTIONS
                 )
             )
-            for v in variants
+            for v in ("none", "keys")
         }
-        for round_no in range(args.rounds):
-            for c in concurrencies:
-                order = variants if round_no % 2 == 0 else variants[::-1]
-                medians = {}
-                for v in order:
-                    cluster = clusters[v]
-                    before = cpu_seconds(cluster.gateway_pids())
-                    latencies = asyncio.run(
-                        run_load(cluster.edge_url, c, args.requests, False, cluster.api_key)
-                    )
-                    used = cpu_seconds(cluster.gateway_pids()) - before
-                    cpu[(c, v)].append(used / (args.requests + 20))
-                    p50[(c, v)].append(pct(latencies, 0.5))
-                    p99[(c, v)].append(pct(latencies, 0.99))
-                    medians[v] = pct(latencies, 0.5)
-                added[c].append(medians["keys"] - medians["none"])
-            print(f"round {round_no + 1}/{args.rounds} done", file=sys.stderr)
-
-    print(
-        f"\n{args.rounds} interleaved rounds x {args.requests} requests per run, non-streamed; "
-        "values are median [min..max] over rounds, milliseconds\n"
-    )
-    print(
-        "| concurrency | auth.mode | p50 | p99 | gateway CPU / request | added p50 (keys - none) |"
-    )
-    print("|---|---|---|---|---|---|")
-    for c, v in cells:
-        extra = fmt_ms(added[c]) if v == "keys" else ""
-        print(
-            f"| {c} | {v} | {fmt_ms(p50[(c, v)])} | {fmt_ms(p99[(c, v)])} | "
-            f"{fmt_ms(cpu[(c, v)])} | {extra} |"
-        )
+        side_by_side(clusters, (1, 64), args.rounds, args.requests, "auth.mode")
     checks = [check_alone() for _ in range(3)]
     per_check = statistics.median(c[0] for c in checks)
     missing = statistics.median(c[1] for c in checks)
