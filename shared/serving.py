@@ -72,7 +72,8 @@ async def start_server(
         # Longer than clients keep idle connections (httpx: 5 s), so a client
         # never sends a request on a connection the server is just closing.
         timeout_keep_alive=timeout_keep_alive,
-        http="httptools",
+        # An app may name its own HTTP protocol class (the edge: OpenAI-shaped parser errors).
+        http=getattr(app, "http_protocol", "httptools"),
     )
     server = uvicorn.Server(config)
     server.config.setup_event_loop = lambda: None  # type: ignore[method-assign]

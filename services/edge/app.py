@@ -32,6 +32,7 @@ from llmgw.core.shards import shard_of
 from llmgw.services.edge.attempts import _PATHS, Attempts, RoutedRequest
 from llmgw.services.edge.auth import KeyAuth
 from llmgw.services.edge.errors import error_body, error_response
+from llmgw.services.edge.hardening import OpenAIErrorsHttpTools, headers_refused
 from llmgw.services.edge.metrics import EdgeMetrics
 
 if TYPE_CHECKING:
@@ -255,11 +256,21 @@ class HotPathApp:
     still ends in an OpenAI-shaped 500.
     """
 
+    # The HTTP server's own errors (a control character in a header...) as OpenAI JSON.
+    http_protocol = OpenAIErrorsHttpTools
+
     def __init__(self, edge: Edge, app: FastAPI) -> None:
         self.edge = edge
         self.app = app
+        self.max_header_count = edge.config.router.max_header_count
+        self.max_header_bytes = edge.config.router.max_header_bytes
 
     async def __call__(self, scope, receive, send) -> None:  # type: ignore[no-untyped-def]
+        if scope["type"] == "http":
+            refused = headers_refused(scope, self.max_header_count, self.max_header_bytes)
+            if refused is not None:
+                await refused(scope, receive, send)
+                return
         feature = _ROUTES.get(scope.get("path", "")) if scope["type"] == "http" else None
         if feature is None or scope["method"] != "POST":
             await self.app(scope, receive, send)

@@ -28,7 +28,12 @@ from llmgw.runtime import (
 from llmgw.services.edge.admin import create_admin_app
 from llmgw.services.edge.admission_client import NatsAdmission
 from llmgw.services.edge.app import EdgeDeps, create_app
-from llmgw.services.edge.auth import TokenCountingReporter, close_key_auth, open_key_auth
+from llmgw.services.edge.auth import (
+    KeyUsageMetrics,
+    TokenCountingReporter,
+    close_key_auth,
+    open_key_auth,
+)
 from llmgw.services.edge.leases import EdgeLeases
 from llmgw.services.edge.metrics import EdgeMetrics
 from llmgw.services.edge.reporting import NatsReporter
@@ -93,12 +98,15 @@ async def open_edge_deps(nc, config, edge_id: str) -> EdgeDeps:  # type: ignore[
     await leases.start()
     auth = await open_key_auth(nc, config, edge_id)
     reporter = NatsReporter(nc)
+    metrics = EdgeMetrics()
+    if auth is not None:
+        reporter = TokenCountingReporter(reporter, auth, KeyUsageMetrics(metrics.registry))
     return EdgeDeps(
         admission=admission,
         leases=leases,
-        reporter=reporter if auth is None else TokenCountingReporter(reporter, auth),
+        reporter=reporter,
         session=new_session(config.timeouts),
-        metrics=EdgeMetrics(),
+        metrics=metrics,
         edge_id=edge_id,
         auth=auth,
     )

@@ -5,6 +5,7 @@
                       [--expires 30d] [--label k=v] [--disabled]
     llmgw keys list | show ID | update ID [same options] | revoke ID
     llmgw keys seed FILE        # create or update the keys a YAML file lists, with their secrets
+    llmgw keys usage            # requests and tokens per key this minute, from every edge
 
 The secret is printed once, by `create`; the bucket keeps only its SHA-256 digest. `list` shows
 ids and prefixes, never secrets. An ID is the key id `create` printed, or its first 6+ digits.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import secrets
@@ -30,9 +32,10 @@ import yaml
 
 from llmgw import natsconn
 from llmgw.config import Config, parse_duration
-from llmgw.core.apikeys import ApiKey, ApiKeyError, digest_of, new_secret
+from llmgw.core.apikeys import ApiKey, ApiKeyError, RateWindow, digest_of, new_secret
 from llmgw.runtime import load_or_exit
 from llmgw.state.apikeys import KeyBucket, KeyNotFound, open_key_bucket
+from llmgw.wire import KEYS_USAGE_SUBJECT, KeyUsage
 
 __all__ = ["create_key", "key_from_spec", "run"]
 
@@ -62,6 +65,9 @@ async def _run(config: Config, args: argparse.Namespace) -> int:
         nc = await nats.connect(**options)
     try:
         bucket = await open_key_bucket(nc, config)
+        if args.keys_command == "usage":
+            listen = args.listen or max(1.0, 3 * config.auth.usage_interval)
+            return await _usage(nc, bucket, listen, as_json=bool(args.json))
         return await _act(bucket, args, now=time.time())
     finally:
         await nc.close()
@@ -113,6 +119,53 @@ async def _act(bucket: KeyBucket, args: argparse.Namespace, *, now: float) -> in
         print(json.dumps(seeded) if as_json else f"seeded {len(seeded)} keys")
         return 0
     raise ApiKeyError(f"unknown action {command!r}")
+
+
+async def _usage(nc: Any, bucket: KeyBucket, listen: float, *, as_json: bool) -> int:
+    """Every key's requests and tokens in the current rate window, summed over the edges that
+    reported during `listen` seconds (edges report while a key has use this minute)."""
+    latest: dict[str, KeyUsage] = {}
+
+    async def keep(msg: Any) -> None:
+        with contextlib.suppress(ValueError):
+            usage = KeyUsage.model_validate_json(msg.data)
+            latest[usage.edge] = usage
+
+    sub = await nc.subscribe(KEYS_USAGE_SUBJECT, cb=keep)
+    await asyncio.sleep(listen)  # a listening window: the edges publish on their own schedule
+    await sub.unsubscribe()
+    window = RateWindow().index(time.time())
+    totals: dict[str, list[int]] = {}
+    for usage in latest.values():
+        if usage.window != window:
+            continue
+        for key_id, use in usage.keys.items():
+            total = totals.setdefault(key_id, [0, 0])
+            total[0] += use.requests
+            total[1] += use.tokens
+    keys = {k.key_id: k for k in await bucket.list()}
+    rows = [
+        {
+            "id": key_id,
+            "tenant": keys[key_id].tenant if key_id in keys else None,
+            "requests": requests,
+            "rpm": keys[key_id].rpm if key_id in keys else None,
+            "tokens": tokens,
+            "tpm": keys[key_id].tpm if key_id in keys else None,
+        }
+        for key_id, (requests, tokens) in sorted(totals.items())
+    ]
+    if as_json:
+        print(json.dumps({"edges": len(latest), "keys": rows}))
+        return 0
+    print(f"this minute, from {len(latest)} edges (keys with rpm or tpm):")
+    print(f"{'ID':16}  {'TENANT':16}  {'REQUESTS':>10}  {'RPM':>8}  {'TOKENS':>10}  {'TPM':>10}")
+    for row in rows:
+        print(
+            f"{row['id']:16}  {row['tenant'] or '?':16}  {row['requests']:>10}  "
+            f"{row['rpm'] or '-':>8}  {row['tokens']:>10}  {row['tpm'] or '-':>10}"
+        )
+    return 0
 
 
 def create_key(changes: dict[str, Any], *, now: float, secret: str | None = None):  # type: ignore[no-untyped-def]

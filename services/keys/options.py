@@ -23,6 +23,17 @@ def add_keys_arguments(parser: argparse.ArgumentParser) -> None:
     revoke.add_argument("id")
     seed = sub.add_parser("seed", help="create or update the keys listed in a YAML file")
     seed.add_argument("file")
+    usage = sub.add_parser(
+        "usage", help="requests and tokens per key in the current minute, from every edge"
+    )
+    usage.add_argument(
+        "--listen",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="how long to listen to the edges' usage reports (default: 3 x auth.usage_interval, "
+        "at least 1 s)",
+    )
 
 
 def _spec_args(parser: argparse.ArgumentParser, *, creating: bool) -> None:

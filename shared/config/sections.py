@@ -107,6 +107,10 @@ class RouterConfig(StrictModel):
     session_header: Name = "x-session-id"
     inject_usage: bool = True
     max_body_bytes: int = Field(33_554_432, ge=1024)
+    # Request headers the edge accepts: how many, and their total size (names + values); more
+    # is a 431 (OpenAI-shaped), before anything else is looked at.
+    max_header_count: int = Field(100, ge=8)
+    max_header_bytes: int = Field(32_768, ge=1024)
     # The JetStream KV bucket (memory storage) where the scraper keeps each endpoint's latest
     # load report (llmgw.load).
     load_bucket: str = Field("llmgw_load", pattern=r"^[A-Za-z0-9_-]+$")

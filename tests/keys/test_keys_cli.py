@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
+
+from llmgw.core.apikeys import RateWindow
 
 # One cluster for the module (conftest: keyed_cluster), so one event loop for it too.
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -58,3 +62,40 @@ async def test_keys_seeded_from_a_file_work_at_every_edge(keyed, tmp_path: Path)
                 headers={"authorization": f"Bearer {secret}"},
             )
             assert response.status_code == 200
+
+
+async def test_usage_by_key_tenant_and_model(keyed) -> None:
+    created = await keyed.keys("create", "--tenant", "usage-team", "--rpm", "1000")
+    window = RateWindow()
+    if window.reset_in(time.time()) < 5:  # the run must fit in one 60 s window
+        await asyncio.sleep(window.reset_in(time.time()))
+    body = {"model": "small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    async with httpx.AsyncClient(timeout=10) as client:
+        for i in range(4):
+            response = await client.post(
+                f"{keyed.edges[i % 2]}/v1/chat/completions",
+                json=body,
+                headers={"authorization": f"Bearer {created['secret']}"},
+            )
+            assert response.status_code == 200
+    # This minute's use, as every edge reports it.
+    report = await keyed.keys("usage", "--listen", "0.5")
+    [row] = [r for r in report["keys"] if r["id"] == created["id"]]
+    assert row["tenant"] == "usage-team" and row["rpm"] == 1000
+    assert row["requests"] == 4 and row["tokens"] > 0
+    assert report["edges"] == 2
+    # Cumulative use by tenant and model, in the edges' metrics.
+    samples = {
+        (
+            s.labels["tenant"],
+            s.labels["model"],
+            s.labels.get("direction", s.labels.get("outcome")),
+        ): s.value
+        for edge in keyed.cluster.edges
+        for metric in edge.deps.reporter.metrics.requests.collect()
+        + edge.deps.reporter.metrics.tokens.collect()
+        for s in metric.samples
+        if s.name.endswith("_total") and s.labels["tenant"] == "usage-team"
+    }
+    assert samples[("usage-team", "m1", "success")] >= 1
+    assert samples[("usage-team", "m1", "output")] >= 3
