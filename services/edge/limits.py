@@ -3,7 +3,7 @@
 Each edge counts, per API key id, the requests it let in and the tokens their usage reported in
 the current fixed window (`llmgw.core.apikeys.RateWindow`, 60 s aligned to the epoch), and
 publishes its totals (`KeyUsage` on ``llmgw.v1.keys.usage``) every ``auth.usage_interval``
-while it has any. It keeps the latest totals of every other edge for the same window. A request
+when they changed, and every second while the window has any. It keeps the latest totals of every other edge for the same window. A request
 is let in while the sum over all edges is below the key's limit; no round trip on the request
 path (a dict lookup and two additions).
 
@@ -113,7 +113,9 @@ class KeyLimiter:
 
     def admit(self, key: ApiKey) -> Verdict:
         """Count one request of `key` if its rpm and tpm allow it; the headers either way."""
-        if key.rpm is None and key.tpm is None:
+        if key.rpm is None and key.tpm is None:  # counted for `llmgw keys usage`, no headers
+            self._turn(self._clock())
+            self._count(key.key_id)
             return _UNLIMITED
         now = self._clock()
         requests, tokens = self.used(key.key_id, now)
@@ -125,12 +127,8 @@ class KeyLimiter:
         elif key.tpm is not None and tokens >= key.tpm:
             refused = "tokens"
         if not refused:
-            use = self._mine.get(key.key_id)
-            if use is None:
-                use = self._mine[key.key_id] = _Use()
-            use.requests += 1
+            self._count(key.key_id)
             requests += 1
-            self._dirty = True
         headers = {}
         if key.rpm is not None:
             headers["x-ratelimit-limit-requests"] = str(key.rpm)
@@ -149,6 +147,13 @@ class KeyLimiter:
             self._reset_tenths, self._reset_formatted = tenths, _duration(tenths / 10)
         return self._reset_formatted
 
+    def _count(self, key_id: str) -> None:
+        use = self._mine.get(key_id)
+        if use is None:
+            use = self._mine[key_id] = _Use()
+        use.requests += 1
+        self._dirty = True
+
     def add_tokens(self, key_id: str, tokens: int) -> None:
         """Tokens of an ended request of `key_id` (from its usage), in the current window."""
         if tokens <= 0:
@@ -160,11 +165,17 @@ class KeyLimiter:
     # ---- gossip ---------------------------------------------------------------------------------
 
     async def _publish_loop(self) -> None:
+        quiet = 0.0  # seconds since the last publication
         while True:
             await asyncio.sleep(self.interval)
+            quiet += self.interval
             self._turn(self._clock())
-            if not self._dirty or self._nc is None:
+            # On change, and at least every second while this window has use (a listener that
+            # joins late, `llmgw keys usage`, hears every edge's totals within a second).
+            due = self._dirty or (self._mine and quiet >= _REFRESH)
+            if not due or self._nc is None:
                 continue
+            quiet = 0.0
             self._dirty = False
             message = KeyUsage(
                 edge=self.edge_id,
@@ -193,6 +204,7 @@ class KeyLimiter:
 
 
 _UNLIMITED = Verdict(True, {})
+_REFRESH = 1.0  # seconds between publications of unchanged totals
 
 
 def _duration(seconds: float) -> str:

@@ -66,7 +66,7 @@ async def _run(config: Config, args: argparse.Namespace) -> int:
     try:
         bucket = await open_key_bucket(nc, config)
         if args.keys_command == "usage":
-            listen = args.listen or max(1.0, 3 * config.auth.usage_interval)
+            listen = args.listen or max(1.5, 3 * config.auth.usage_interval)
             return await _usage(nc, bucket, listen, as_json=bool(args.json))
         return await _act(bucket, args, now=time.time())
     finally:

@@ -31,8 +31,8 @@ def add_keys_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         metavar="SECONDS",
-        help="how long to listen to the edges' usage reports (default: 3 x auth.usage_interval, "
-        "at least 1 s)",
+        help="how long to listen to the edges' usage reports (default 1.5 s: every edge "
+        "repeats its totals at least every second)",
     )
 
 
