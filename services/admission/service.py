@@ -228,12 +228,14 @@ class AdmissionService:
             log.warning("malformed admission request: %s", exc.errors()[:1])
             await self._respond(msg.reply, self._refusal("?", Refusal.MALFORMED))
             return
+        if request.key is not None and request.key_parallel is not None:
+            # Once per key and instance: a share of the key's limit (one book read and CAS).
+            # Before the ownership check: from that check to the decision nothing may await
+            # (the shard could move meanwhile).
+            await self.quotas.track(key_pair(request.key), KeyLimits(request.key_parallel))
         if not self.shards.serves(request.shard) or not self.membership.can_serve():
             await self._respond(msg.reply, self._refusal(request.id, Refusal.NOT_OWNER))
             return
-        if request.key is not None and request.key_parallel is not None:
-            # Once per key and instance: a share of the key's limit (one book read and CAS).
-            await self.quotas.track(key_pair(request.key), KeyLimits(request.key_parallel))
         try:
             reply = self.begin(request, msg.reply)
         except Exception:
