@@ -73,15 +73,10 @@ def _config(
         "admin_listen": f"127.0.0.1:{admin_port}",
         "nats": {"url": nats_url},
         "router": {"scrape_interval": "500ms"},
-        # Flow control needs the scraper's load reports; without it, it is off. The one band's
-        # ceiling is far above any load here: every request passes through the whole machinery
-        # (gate, reservation, gossip, end notice) and none waits. A zero-delay engine never
-        # shows anything running, so with real ceilings c=32 would count as saturated.
-        "admission": {
-            "enabled": flow,
-            "default_band": "bench",
-            "bands": [{"name": "bench", "priority": 1, "saturation_ceiling": 1000}],
-        },
+        # Flow control needs the scraper's load reports; without it, it is off. With it on, the
+        # shipped default bands and ceilings apply (every request passes through the gate, the
+        # reservation, the gossip and the end notice).
+        "admission": {"enabled": flow},
         "models": [{"name": "bench-model"}],
         "providers": [
             {
@@ -101,7 +96,15 @@ def _config(
             }
         ],
         "endpoints": [
-            {"id": "engine-1", "url": engine_url, "provider": "local", "models": ["bench-model"]}
+            # The simulated engine runs 64 requests at once (its max_num_seqs), as configured
+            # for a real engine.
+            {
+                "id": "engine-1",
+                "url": engine_url,
+                "provider": "local",
+                "models": ["bench-model"],
+                "capacity": 64,
+            }
         ],
     }
 
@@ -138,6 +141,7 @@ def running_cluster(
     engine_cpus: set[int],
     *,
     flow: bool = False,
+    admissions: int = 1,
     auth: bool = False,
     key_options: tuple[str, ...] = (),
 ):
@@ -191,14 +195,16 @@ def running_cluster(
                     env,
                 )
                 wait_ready(cluster.procs["scraper"], "ready")
-            cluster.procs["admission"] = start_process(
-                "admission",
-                [*cli, "admission", "--config", str(config_path)],
-                gateway_cpus,
-                logdir,
-                env,
-            )
-            wait_ready(cluster.procs["admission"], "ready")
+            for index in range(admissions):  # "admission", then "admission-1", ...
+                name = "admission" if index == 0 else f"admission-{index}"
+                cluster.procs[name] = start_process(
+                    name,
+                    [*cli, "admission", "--config", str(config_path)],
+                    gateway_cpus,
+                    logdir,
+                    env,
+                )
+                wait_ready(cluster.procs[name], "ready")
             if auth:
                 made = subprocess.run(
                     [

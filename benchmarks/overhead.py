@@ -1,6 +1,9 @@
 """Added latency and CPU cost of edge + admission versus calling the engine directly.
 
-    python benchmarks/overhead.py [--rounds 5] [--requests 300] [--profile]
+    python benchmarks/overhead.py [--rounds 5] [--requests 300] [--no-flow] [--profile]
+
+The gateway runs the shipped defaults: flow control on (a scraper feeds it), the provider's
+limits configured (pins, slots, reserve, per-session), requests cycling through 256 sessions.
 
 The engine simulator runs at zero delay, so every millisecond measured is
 transport and gateway work. The load generator (aiohttp, this process) and
@@ -131,17 +134,20 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--requests", type=int, default=300, help="requests per run")
     parser.add_argument(
-        "--profile", action="store_true", help="py-spy the edge during an extra c=32 run"
+        "--no-flow", action="store_true", help="flow control off (admission.enabled: false)"
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="py-spy the edge during an extra c=64 run"
     )
     args = parser.parse_args()
     os.sched_setaffinity(0, LOADGEN_CPUS)
-    scenarios = [(1, False), (1, True), (32, False), (32, True)]
+    scenarios = [(1, False), (1, True), (64, False), (64, True)]
     diffs: dict[tuple, dict[str, list[float]]] = {s: {"p50": [], "p99": []} for s in scenarios}
     absolute: dict[tuple, dict[str, list[float]]] = {
         s: {"direct": [], "gateway": []} for s in scenarios
     }
     cpu_per_request: dict[tuple, list[float]] = {s: [] for s in scenarios}
-    with running_cluster(GATEWAY_CPUS, LOADGEN_CPUS) as cluster:
+    with running_cluster(GATEWAY_CPUS, LOADGEN_CPUS, flow=not args.no_flow) as cluster:
         for round_no in range(args.rounds):
             for scenario in scenarios:
                 concurrency, stream = scenario
@@ -166,7 +172,7 @@ def main() -> int:
             out = Path("/tmp/llmgw-edge-profile.txt")
             spy = profile_edge(cluster.procs["edge"].pid, 8, out)
             time.sleep(0.5)
-            asyncio.run(run_load(cluster.edge_url, 32, 4000, False))
+            asyncio.run(run_load(cluster.edge_url, 64, 4000, False))
             spy.wait(30)
             if out.exists():
                 profile = summarize_profile(out, _AREAS)
@@ -189,7 +195,7 @@ def main() -> int:
     if profile:
         print_profile(
             profile,
-            "Where the edge's CPU goes (py-spy samples, c=32 non-streamed, innermost library):",
+            "Where the edge's CPU goes (py-spy samples, c=64 non-streamed, innermost library):",
         )
     return 0
 

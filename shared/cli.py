@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -66,6 +67,14 @@ def build_parser() -> argparse.ArgumentParser:
         "buckets get 3 replicas (overrides nats.embedded_cluster)",
     )
     up.add_argument(
+        "--port-offset",
+        type=int,
+        default=0,
+        metavar="N",
+        help="move every local port (edge, admin, NATS, simulated endpoints) by N: a second "
+        "cluster from the same config",
+    )
+    up.add_argument(
         "--ready-timeout",
         type=float,
         default=60.0,
@@ -118,6 +127,12 @@ def build_parser() -> argparse.ArgumentParser:
     _config_arg(state)
     state.add_argument("--json", action="store_true", help="machine-readable output")
     state.add_argument("--pins", action="store_true", help="also list every pin")
+    state.add_argument(
+        "--session",
+        default=None,
+        metavar="KEY",
+        help="list only the pins of this session key: the session header's value or `user`",
+    )
     state.set_defaults(target="llmgw.services.state.main:run")
 
     keys = sub.add_parser(
@@ -128,6 +143,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_keys_arguments(keys)
     keys.set_defaults(target="llmgw.services.keys.main:run")
+    events = sub.add_parser("events", help="print the events kept in the events stream")
+    _config_arg(events)
+    events.add_argument(
+        "--since", default=None, help="only events from this long ago (10m, 1h); default: all kept"
+    )
+    events.add_argument("--follow", "-f", action="store_true", help="then wait for new ones")
+    events.add_argument(
+        "--subject",
+        default="llmgw.v1.events.>",
+        help="a subject filter (default: llmgw.v1.events.>); a bare 'pin.>' is prefixed",
+    )
+    events.add_argument("--json", action="store_true", help="payloads only, one per line")
+    events.set_defaults(target="llmgw.services.events.main:run")
 
     config = sub.add_parser("config", help="configuration tools")
     config_sub = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
@@ -170,6 +198,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(func(args) or 0)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader went away (`llmgw state --json | head`): not an error worth a traceback.
+        # Point stdout at /dev/null so the interpreter's final flush does not raise again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, as a shell reports it
 
 
 if __name__ == "__main__":

@@ -17,10 +17,16 @@ Subjects (one vocabulary with KV keys and metrics; docs/events.md is the referen
     member.left.<instance>      ... left gracefully
     member.expired.<instance>   the reaper removed a member key that stopped being renewed
     quota.reclaimed.<provider>  the reaper dropped what a long-dead instance still held of a pair
+    endpoint.scraped.<provider> the scraper's report of one endpoint, every round (`report`)
+    endpoint.healthy.<provider> ... whose health verdict became healthy (or its first verdict)
+    endpoint.unhealthy.<provider> ... became unhealthy
+    pool.measured.<provider>    the scraper's report of one pool, after every round (`report`)
 
-Guarantees: core NATS publish, at most once, no replay, no acknowledgement; an event is sent only
-by the instance whose decision or compare-and-swap made the change, so it is never announced
-twice. Publishing never raises on the hot path: failures are logged once per outage and counted.
+Guarantees: core NATS publish, no acknowledgement awaited; the events stream
+(`llmgw.event_stream`, ``events.*`` settings) keeps them for a late subscriber to replay. A
+routing event is sent only by the instance whose decision or compare-and-swap made the change,
+so it is never announced twice. Publishing never raises on the hot path: failures are logged
+once per outage and counted. Every payload on `llmgw.v1.events.>` parses with `parse_event`.
 """
 
 from __future__ import annotations
@@ -35,9 +41,12 @@ from typing import Annotated, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
+from llmgw.load import EndpointReport, PoolReport
+
 __all__ = [
     "ALL_EVENTS_SUBJECT",
     "EVENTS_SUBJECT_PREFIX",
+    "EndpointEvent",
     "Event",
     "EventName",
     "EventPublisher",
@@ -46,9 +55,11 @@ __all__ = [
     "MemberEvent",
     "PinEvent",
     "PinMoved",
+    "PoolMeasured",
     "QuotaReclaimed",
     "RoutingEvent",
     "ShardEvent",
+    "event_id",
     "event_subject",
     "parse_event",
 ]
@@ -73,10 +84,19 @@ class EventName(enum.StrEnum):
     MEMBER_LEFT = "member.left"
     MEMBER_EXPIRED = "member.expired"
     QUOTA_RECLAIMED = "quota.reclaimed"
+    ENDPOINT_SCRAPED = "endpoint.scraped"
+    ENDPOINT_HEALTHY = "endpoint.healthy"
+    ENDPOINT_UNHEALTHY = "endpoint.unhealthy"
+    POOL_MEASURED = "pool.measured"
 
 
 def event_subject(event: EventName | str, token: str) -> str:
     return f"{EVENTS_SUBJECT_PREFIX}.{event}.{token}"
+
+
+def event_id(rng: random.Random | None = None) -> str:
+    """A fresh event id: 16 hex digits."""
+    return f"{(rng or random).getrandbits(64):016x}"
 
 
 class RoutingEvent(BaseModel):
@@ -188,8 +208,41 @@ class QuotaReclaimed(RoutingEvent):
         return self.provider
 
 
+class EndpointEvent(RoutingEvent):
+    """The scraper's report of one endpoint (`llmgw.load.EndpointReport`): every round
+    (`endpoint.scraped`), and when its health verdict changes (`endpoint.healthy` /
+    `endpoint.unhealthy`, also a scraper's first verdict: a repeat is a no-op)."""
+
+    event: Literal[
+        EventName.ENDPOINT_SCRAPED, EventName.ENDPOINT_HEALTHY, EventName.ENDPOINT_UNHEALTHY
+    ]
+    report: EndpointReport
+
+    @property
+    def subject_token(self) -> str:
+        return self.report.provider
+
+
+class PoolMeasured(RoutingEvent):
+    """The scraper's report of one (provider, pool) after a round (`llmgw.load.PoolReport`)."""
+
+    event: Literal[EventName.POOL_MEASURED] = EventName.POOL_MEASURED
+    report: PoolReport
+
+    @property
+    def subject_token(self) -> str:
+        return self.report.provider
+
+
 Event = Annotated[
-    PinEvent | PinMoved | LeaseExpired | ShardEvent | MemberEvent | QuotaReclaimed,
+    PinEvent
+    | PinMoved
+    | LeaseExpired
+    | ShardEvent
+    | MemberEvent
+    | QuotaReclaimed
+    | EndpointEvent
+    | PoolMeasured,
     Field(discriminator="event"),
 ]
 
@@ -237,7 +290,7 @@ class EventPublisher:
 
     def build(self, kind: type[RoutingEvent], **fields: object) -> RoutingEvent:
         return kind(
-            id=f"{self._rng.getrandbits(64):016x}",
+            id=event_id(self._rng),
             at=self._clock(),
             instance=self.instance,
             **fields,  # type: ignore[arg-type]

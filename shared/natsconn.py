@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import ssl
 from typing import TYPE_CHECKING, Any
 
@@ -51,3 +53,43 @@ def connect_options(cfg: NatsConfig, name: str) -> dict[str, Any]:
 async def connect(cfg: NatsConfig, name: str) -> NATS:
     """Connect with the configured servers, credentials and TLS; reconnects forever."""
     return await nats.connect(**connect_options(cfg, name))
+
+
+def embedded_servers(cfg: NatsConfig) -> list[str]:
+    """The servers `llmgw up` starts for an embedded config: node i on embedded_port + i."""
+    if cfg.embedded_port == 0:
+        raise ValueError(
+            "nats.url is 'embedded' with embedded_port 0 (a random port): set "
+            "LLMGW_NATS__URL=nats://HOST:PORT to the URL `llmgw up` printed"
+        )
+    return [f"nats://127.0.0.1:{cfg.embedded_port + i}" for i in range(cfg.embedded_cluster)]
+
+
+async def _quiet(_: Exception) -> None:
+    return None  # a CLI reports one clear error, not nats-py's retry tracebacks
+
+
+async def connect_tool(cfg: NatsConfig, name: str) -> NATS:
+    """A command-line tool's connection: one attempt per server, bounded, quiet. An embedded
+    config reaches the server (or cluster) `llmgw up` started with it on this machine."""
+    if cfg.is_embedded:
+        cfg = cfg.model_copy(update={"url": ",".join(embedded_servers(cfg))})
+    options = connect_options(cfg, name)
+    options.update(max_reconnect_attempts=1, reconnect_time_wait=0.1, error_cb=_quiet)
+    async with asyncio.timeout(cfg.connect_timeout * 2 + 5):
+        return await nats.connect(**options)
+
+
+async def drain_or_close(nc: NATS) -> None:
+    """Drain a connected client (deliver what is pending, then close); close one that is not
+    (draining a reconnecting client raises, and nothing pending could be delivered anyway)."""
+    if nc.is_closed:
+        return
+    try:
+        if nc.is_connected:
+            await nc.drain()
+            return
+    except Exception:  # the connection dropped meanwhile
+        pass
+    with contextlib.suppress(Exception):
+        await nc.close()

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import signal
 import socket
 import sys
 from collections.abc import Awaitable, Callable
 
+from llmgw import logs
 from llmgw.config import ConfigError, load_config
 from llmgw.config.schema import Config
 
@@ -19,14 +19,9 @@ def service_instance(service: str) -> str:
     return f"{service}-{socket.gethostname()}-{os.getpid()}"
 
 
-def setup_logging(service: str) -> None:
-    logging.basicConfig(
-        level=logging.INFO,
-        format=f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    # One line per HTTP call (health probes, scrapes) would drown the service's own log.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+def setup_logging(service: str, config: Config | None = None) -> None:
+    """The service's log: text or JSON on stderr, levels from ``config.log`` (`llmgw.logs`)."""
+    logs.setup_logging(service, config.log if config is not None else None)
 
 
 def load_or_exit(path: str) -> Config:

@@ -74,6 +74,9 @@ async def start_server(
         timeout_keep_alive=timeout_keep_alive,
         # An app may name its own HTTP protocol class (the edge: OpenAI-shaped parser errors).
         http=getattr(app, "http_protocol", "httptools"),
+        # No X-Forwarded-* rewriting layer on every request: nothing here reads the client's
+        # address (a proxy in front keeps its own access log).
+        proxy_headers=False,
     )
     server = uvicorn.Server(config)
     server.config.setup_event_loop = lambda: None  # type: ignore[method-assign]

@@ -150,7 +150,8 @@ class RequestEnded(_Message):
     """
 
     v: Literal[2] = 2
-    id: str
+    id: str  # the attempt: the request id, then "<request id>-<n>" for its n-th retry
+    request_id: str | None = None  # the client's x-request-id (or the edge's), every attempt
     edge: str
     lease: str | None = None
     shard: int | None = None
@@ -178,17 +179,22 @@ class LeaseRenewal(_Message):
 
     Complete by definition: the owner renews these, reports those it does not hold (`lost`),
     and ends the edge's other leases in the shard that are old enough to have been listed.
+    `claims`: leases the edge granted itself while NATS was unreachable (outage mode `local`),
+    offered to the owner, which takes them into its books as far as its quota covers and
+    answers the others in `refused` (the edge offers those again at its next renewal).
     """
 
     v: Literal[2] = 2
     edge: str
     shard: int
     leases: tuple[str, ...]
+    claims: tuple[LeaseRecord, ...] = ()
 
 
 class LeaseRenewalReply(_Message):
     v: Literal[2] = 2
     lost: tuple[str, ...] = ()
+    refused: tuple[str, ...] = ()  # claims the owner did not take
     owner: str | None = None
     edges: int | None = None
 

@@ -85,6 +85,30 @@ class Edge:
         await self.nc.close()
 
 
+async def connect(nats_url: str, name: str) -> Any:
+    """One component's own connection. A comma-separated list (a NATS cluster) is tried in the
+    order given and reconnected forever, as the services do (`llmgw.natsconn`): the first
+    server is the one this component talks to until it fails."""
+    servers = [u.strip() for u in nats_url.split(",") if u.strip()]
+    if len(servers) == 1:
+        return await nats.connect(servers[0], name=name)
+    return await nats.connect(
+        servers,
+        name=name,
+        dont_randomize=True,
+        reconnect_time_wait=0.5,
+        max_reconnect_attempts=-1,
+        connect_timeout=2,
+    )
+
+
+def rotated(nats_url: str, index: int) -> str:
+    """The server list starting at its `index`-th server (spreads components over a cluster)."""
+    servers = nats_url.split(",")
+    k = index % len(servers)
+    return ",".join(servers[k:] + servers[:k])
+
+
 async def start_admission(
     config: Config,
     nats_url: str,
@@ -96,7 +120,7 @@ async def start_admission(
 ) -> Admission:
     """One admission instance as `llmgw admission` runs it (its load board follows the load
     bucket when `follow_load`)."""
-    nc = await nats.connect(nats_url, name=instance)
+    nc = await connect(nats_url, instance)
     health = kwargs.pop("health", None) or HealthBoard()
     board = kwargs.pop("load", None) or LoadBoard(config, health)
     follower = None
@@ -119,10 +143,13 @@ async def start_admission(
     return Admission(service, nc, follower)
 
 
-async def start_edge(config: Config, nats_url: str, *, edge_id: str) -> Edge:
-    """One edge as `llmgw edge` runs it, on a free port."""
-    nc = await nats.connect(nats_url, name=edge_id)
+async def start_edge(config: Config, nats_url: str, *, edge_id: str, tracing: Any = None) -> Edge:
+    """One edge as `llmgw edge` runs it, on a free port (`tracing`: a `llmgw.tracing.Tracing`
+    in place of the config's)."""
+    nc = await connect(nats_url, edge_id)
     deps = await open_edge_deps(nc, config, edge_id)
+    if tracing is not None:
+        deps.tracing = tracing
     app = create_app(config, deps)
     server = await start_server(app)
     return Edge(app, server, deps, nc)
@@ -145,14 +172,16 @@ class Cluster:
     async def add_admission(self, instance: str | None = None, **kwargs: Any) -> Admission:
         name = instance or f"admission-{len(self.admissions)}"
         observer = self.observer_for(name) if self.observer_for is not None else None
+        url = rotated(self.nats_url, len(self.admissions) + len(self.edges))
         admission = await start_admission(
-            self.config, self.nats_url, instance=name, observer=observer, **kwargs
+            self.config, url, instance=name, observer=observer, **kwargs
         )
         self.admissions.append(admission)
         return admission
 
     async def add_edge(self) -> Edge:
-        edge = await start_edge(self.config, self.nats_url, edge_id=f"edge-{len(self.edges)}")
+        url = rotated(self.nats_url, len(self.admissions) + len(self.edges))
+        edge = await start_edge(self.config, url, edge_id=f"edge-{len(self.edges)}")
         self.edges.append(edge)
         return edge
 
@@ -197,7 +226,7 @@ class Cluster:
             with contextlib.suppress(Exception):
                 await admission.stop()
         if delete_buckets:
-            nc = await nats.connect(self.nats_url)
+            nc = await connect(self.nats_url, "cleanup")
             js = nc.jetstream()
             for bucket in (self.config.pinning.bucket, self.config.router.load_bucket):
                 with contextlib.suppress(Exception):

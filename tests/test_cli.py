@@ -34,3 +34,35 @@ def test_config_check_reports_errors_with_exit_code_2(tmp_path):
     )
     assert result.returncode == 2
     assert "router.retires" in result.stderr
+
+
+def test_a_reader_that_leaves_early_ends_the_command_quietly():
+    """`llmgw ... | head -1`: the pipe closes while output is written; no traceback."""
+    script = (
+        "import sys; from llmgw.cli import main\n"
+        "class Gone:\n"
+        "    def write(self, text): raise BrokenPipeError(32, 'Broken pipe')\n"
+        "    def flush(self): pass\n"
+        "    def fileno(self): return sys.__stdout__.fileno()\n"
+        "sys.stdout = Gone()\n"
+        f"sys.exit(main(['config', 'check', {str(ROOT / 'config' / 'local.yaml')!r}]))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 141 and result.stderr == ""
+
+
+def test_a_missing_default_config_says_where_it_looked(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "llmgw", "state"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        f"config/local.yaml: no such file in {tmp_path} (pass --config PATH, or run from the "
+        "repository root)"
+    )

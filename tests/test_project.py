@@ -1,6 +1,9 @@
 """The project's promises about itself: README commands, CI, package layout."""
 
+import os
 import re
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -41,3 +44,30 @@ def test_console_script_and_package_mapping():
 
     assert Path(llmgw.__file__).parent == ROOT / "shared"
     assert Path(llmgw.services.__file__).parent == ROOT / "services"
+
+
+# --- lint, format and types, enforced by the README's test command (so by CI) ---------------
+
+
+def _run(*argv: str, cwd: Path = ROOT, env: dict[str, str] | None = None) -> None:
+    result = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, env=env)
+    assert result.returncode == 0, f"{' '.join(argv)}:\n{result.stdout}{result.stderr}"
+
+
+def test_ruff_lint_is_clean():
+    _run(sys.executable, "-m", "ruff", "check", "--no-cache", ".")
+
+
+def test_ruff_format_is_applied():
+    _run(sys.executable, "-m", "ruff", "format", "--check", "--no-cache", ".")
+
+
+def test_the_pure_core_type_checks_strictly(tmp_path: Path):
+    """mypy --strict (pyproject's [tool.mypy]) on llmgw.core. The repository keeps shared/ as
+    the `llmgw` package, so mypy reads it through a link named llmgw."""
+    (tmp_path / "llmgw").symlink_to(ROOT / "shared", target_is_directory=True)
+    env = {**os.environ, "MYPYPATH": str(tmp_path)}
+    _run(
+        sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"),
+        "--cache-dir", str(tmp_path / "cache"), "-p", "llmgw.core", env=env,
+    )  # fmt: skip

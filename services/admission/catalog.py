@@ -72,8 +72,9 @@ class ProviderCatalog:
                 self._endpoints[(provider.id, model.name)] = config.endpoints_for(
                     provider.id, model.name
                 )
+        # Ring weights follow batch capacity: each replica is home to its share of sessions.
         self._rings = {
-            pair: HashRing({e.id: float(e.weight or 1) for e in endpoints})
+            pair: HashRing({e.id: float(load.floors.get(e.id) or e.weight) for e in endpoints})
             for pair, endpoints in self._endpoints.items()
             if endpoints
         }
@@ -126,7 +127,7 @@ class ProviderCatalog:
         pin_state = (
             None
             if pin is None
-            else PinState(pin.provider, self._ledger.session_full(pin), pin.since)
+            else PinState(pin.provider, self._ledger.session_full(pin), pin.since, pin.endpoint)
         )
         return Snapshot(providers, pin_state, now, self.settings), pin
 
@@ -169,16 +170,19 @@ class ProviderCatalog:
                 )
                 for s in endpoints
             ]
+        room = self._ledger.room(provider, model)
+        evictable = not room.pin and (
+            self._ledger.evictable(provider, model, now, self.min_idle_before_evict) is not None
+        )
         return ProviderState(
             id=provider,
             managed=managed,
             supports=self.supports(provider, model, feature),
             degraded=self.degraded(provider, model, now),
             endpoints=tuple(endpoints),
-            room=self._ledger.room(provider, model),
+            room=room,
             strategy=strategy,
-            evictable=self._ledger.evictable(provider, model, now, self.min_idle_before_evict)
-            is not None,
+            evictable=evictable,
             saturation=sum(saturations) / len(saturations) if saturations else 0.0,
             ring=self._rings.get((provider, model)),
         )

@@ -29,14 +29,15 @@ from llmgw.services.admission.loadboard import LoadBoard, LoadFollower
 from llmgw.services.admission.metrics import AdmissionMetrics
 from llmgw.services.admission.service import AdmissionService
 from llmgw.serving import start_server
-from llmgw.state.setup import open_load_bucket, open_routing_store
+from llmgw.state.setup import open_events_stream, open_load_bucket, open_routing_store
+from llmgw.tracing import open_tracing
 
 log = logging.getLogger("llmgw.admission")
 
 
 def run(args: argparse.Namespace) -> int:
-    setup_logging("admission")
     config = load_or_exit(args.config)
+    setup_logging("admission", config)
     require_nats_server(config, "admission")
     admin_listen = getattr(args, "admin_listen", None)
     admin = parse_hostport(admin_listen) if admin_listen else None
@@ -50,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
         metrics = AdmissionMetrics()
         metrics.watch_load(board, [m.name for m in config.models])
         store = await open_routing_store(nc, config)
+        await open_events_stream(nc, config)
         events = EventPublisher(nc, instance)
         service = AdmissionService(
             config,
@@ -60,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
             load=board,
             metrics=metrics,
             events=events,
+            tracing=open_tracing("admission", config.tracing),
         )
         metrics.watch_breakers(service.breakers, [e.id for e in config.endpoints])
         metrics.watch_ledger(service.ledger, lambda: len(service.shards.serving))
@@ -84,6 +87,6 @@ def run(args: argparse.Namespace) -> int:
             if admin_server is not None:
                 await admin_server.stop()
             await follower.stop()
-            await nc.drain()
+            await natsconn.drain_or_close(nc)
 
     return run_service(main)

@@ -8,9 +8,12 @@
   clock), so it stops deciding before anyone may take its shards or quota (hosts' clocks may
   differ by less than that margin). The TTL is long enough (15 s by default) to ride out a NATS
   stream leader election (4-9 s after a node dies) without fencing: while the bucket has no
-  leader nobody can claim anything anyway, and decisions need no KV write. A heartbeat whose CAS fails means the key was taken away (the reaper
-  removed it after this instance was paused for long): the instance is *lost*; `on_lost` drops
-  everything it held and it joins again under a new id.
+  leader nobody can claim anything anyway, and decisions need no KV write.
+- **Lost**: a heartbeat whose CAS fails (the reaper removed the key after this instance was
+  paused for long), or the first heartbeat after having been fenced (others may have claimed
+  its shards and moved its quota meanwhile; it deletes its old key first): `on_lost` drops
+  everything it held and it joins again under a new id. A fenced instance never resumes
+  deciding with what it held before.
 - **View**: watches of ``member.`` and ``shard.`` keep `members` and `owners` current; every
   change calls `on_change`.
 
@@ -103,8 +106,17 @@ class Membership:
         self._tasks.append(asyncio.create_task(self._beat(), name="heartbeat"))
 
     async def renew_now(self) -> bool:
-        """One heartbeat; False if the member key was taken away (the instance is lost)."""
+        """One heartbeat; False if the instance is lost: its member key was taken away, or it
+        has been fenced (its last renewal is ``fence_after`` old, measured when this one starts
+        and again when it lands). A fenced instance must not pick up where it stopped: others
+        may have claimed its shards and moved its quota meanwhile, so what its ledger holds can
+        no longer be trusted. It deletes its member key (its remaining shards can be claimed at
+        once) and is dropped and joins again under a new id, like a lost one.
+        """
         started = self._monotonic()
+        if started - self._renewed_mono >= self.fence_after:
+            await self._abandon()
+            return False
         now = self._clock()
         revision = await self.store.renew_member(
             MemberValue(self.instance, self._joined_at, now, self.stopping), self._revision
@@ -112,8 +124,15 @@ class Membership:
         if revision is None:
             return False
         self._revision = revision
+        if self._monotonic() - self._renewed_mono >= self.fence_after:
+            await self._abandon()  # it landed after the previous renewal's protection ran out
+            return False
         self._renewed_mono = started
         return True
+
+    async def _abandon(self) -> None:
+        with contextlib.suppress(CasConflict, Exception):
+            await self.store.leave(self.instance, self._revision)
 
     async def _beat(self) -> None:
         while not self._closed:
@@ -128,9 +147,11 @@ class Membership:
                 log.warning("heartbeat failed: %s", exc)
                 continue
             if not renewed:
+                if self.stopping:
+                    return  # leaving anyway: whoever claims its shards adopts what is left
                 log.error(
-                    "member key %s was taken away (this instance was unreachable for longer "
-                    "than admission.member_ttl): dropping everything and joining again",
+                    "member %s is lost (fenced, or its key was taken away: it could not renew "
+                    "it for too long): dropping everything and joining again",
                     self.instance,
                 )
                 self.on_lost()
@@ -212,10 +233,14 @@ class Membership:
         with contextlib.suppress(Exception):
             await self.renew_now()
 
-    async def leave(self) -> None:
+    async def leave(self, *, write: bool = True) -> None:
+        """Stop the heartbeat and watches; delete the member key (unless `write` is False:
+        NATS is unreachable, and the key expires on its own after the TTL)."""
         self.stopping = True
         self._closed = True
         await cancel_and_wait(self._tasks)
         self._tasks.clear()
+        if not write:
+            return
         with contextlib.suppress(CasConflict, Exception):
             await self.store.leave(self.instance, self._revision)

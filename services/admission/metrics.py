@@ -16,6 +16,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from llmgw.telemetry import service_registry
+
 if TYPE_CHECKING:
     from llmgw.core.breaker import BreakerBoard
     from llmgw.core.ledger import Ledger
@@ -28,7 +30,7 @@ _TICK_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0
 
 class AdmissionMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry or CollectorRegistry()
+        self.registry = registry or service_registry("admission")
         r = self.registry
         self.queue_depth = Gauge(
             "llmgw_admission_queue_depth",
@@ -97,8 +99,9 @@ class AdmissionMetrics:
         self.offloads = Counter(
             "llmgw_admission_offloads",
             "Requests sent to an unlimited (third-party) provider, by provider and why: "
-            "overflow (flow control: managed pool saturated), session_limit, global_limit, "
-            "endpoint_failed, degraded, unsupported.",
+            "overflow (flow control: managed pool saturated), no_managed_room (a new pin or an "
+            "unpinned request no managed provider could take), pinned_there (its session's pin "
+            "is there), session_limit, global_limit, endpoint_failed, degraded, unsupported.",
             ["provider", "reason"],
             registry=r,
         )

@@ -26,8 +26,9 @@ import contextlib
 import logging
 import random
 import time
+from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
@@ -37,11 +38,19 @@ from llmgw.core.apikeys import KeyLimits, key_pair
 from llmgw.core.breaker import BreakerBoard, BreakerSettings
 from llmgw.core.flow import GateDecision, Waiter
 from llmgw.core.keys import pin_key
-from llmgw.core.ledger import LeaseKind, LeaseRecord, Ledger, LedgerObserver, PinRecord
+from llmgw.core.ledger import (
+    LeaseKind,
+    LeaseRecord,
+    Ledger,
+    LedgerObserver,
+    PinRecord,
+    ShardState,
+)
 from llmgw.core.outcomes import Refusal
 from llmgw.core.placement import PinAction, Placement, PlacementRequest, Route, place
 from llmgw.core.requests import Feature
 from llmgw.events import EventPublisher, LeaseExpired, PinEvent, PinMoved
+from llmgw.logs import request_id
 from llmgw.services.admission.balancing import UPSTREAM_FAILURES, RateBoard
 from llmgw.services.admission.catalog import ProviderCatalog
 from llmgw.services.admission.flow import FlowControl
@@ -52,6 +61,7 @@ from llmgw.services.admission.metrics import AdmissionMetrics
 from llmgw.services.admission.pins import PinWriter
 from llmgw.services.admission.quotas import QuotaKeeper
 from llmgw.services.admission.shards import ShardKeeper
+from llmgw.services.admission.tracing import DecisionSpans
 from llmgw.tasks import cancel_and_wait
 from llmgw.wire import (
     ADMISSION_HEALTH_SUBJECT,
@@ -80,6 +90,7 @@ if TYPE_CHECKING:
 
     from llmgw.config.schema import Config
     from llmgw.state.store import RoutingStore
+    from llmgw.tracing import Tracing
 
 log = logging.getLogger("llmgw.admission")
 
@@ -104,11 +115,22 @@ _RETRYABLE = frozenset(
     }
 )
 _LOAD_HEARTBEAT = 1.0
+_ENDED_MEMORY_S = 5.0  # longer than a handover takes (its request times out after 2 s)
+_ENDED_MEMORY_MAX = 32_768
 
 
 def limits_from_config(config: Config) -> dict[tuple[str, str], Any]:
     """(provider, model) -> its limits, or None for a pair without configured limits."""
     return {(p.id, m.name): m.limits for p in config.providers for m in p.models}
+
+
+def offload_reason(placement: Placement) -> str:
+    """Why a request runs on an unlimited provider (the `llmgw_admission_offloads` label)."""
+    if placement.reason is not None:
+        return placement.reason  # overflow, session_limit, global_limit, endpoint_failed, ...
+    if placement.route is Route.PINNED:
+        return "pinned_there"  # its session's pin is there (and cannot return home yet)
+    return "no_managed_room"  # a new pin or an unpinned request that no managed provider took
 
 
 def new_token(rng: random.Random) -> str:
@@ -146,8 +168,10 @@ class AdmissionService:
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
+        tracing: Tracing | None = None,
     ) -> None:
         self.config = config
+        self._spans = DecisionSpans(tracing) if tracing is not None else None
         self.nc = nc
         self.store = store
         self._clock = clock
@@ -206,6 +230,9 @@ class AdmissionService:
         self._engine_priority = {b.name: index for index, b in enumerate(ranked)}
         self._fallbacks = {m.name: tuple(m.fallbacks) for m in config.models}
         self._failures_seen: dict[str, float] = {}  # attempt ids the breakers already have
+        # Ends of leases not held here, of shards not served here: one may be on its way here
+        # in a handover that its end overtook (`without_ended`). Oldest first, bounded.
+        self._ended_elsewhere: OrderedDict[str, float] = OrderedDict()
         self._subs: list[Subscription] = []
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loops: list[asyncio.Task[None]] = []
@@ -225,9 +252,11 @@ class AdmissionService:
         try:
             request = AdmitRequest.model_validate_json(msg.data)
         except ValidationError as exc:
+            request_id.set(None)  # not the previous message's (one task runs them all)
             log.warning("malformed admission request: %s", exc.errors()[:1])
             await self._respond(msg.reply, self._refusal("?", Refusal.MALFORMED))
             return
+        request_id.set(request.id)  # on this decision's log records (and its queue wait's)
         if request.key is not None and request.key_parallel is not None:
             # Once per key and instance: a share of the key's limit (one book read and CAS).
             # Before the ownership check: from that check to the decision nothing may await
@@ -236,13 +265,20 @@ class AdmissionService:
         if not self.shards.serves(request.shard) or not self.membership.can_serve():
             await self._respond(msg.reply, self._refusal(request.id, Refusal.NOT_OWNER))
             return
+        traced = self._spans.start(msg.headers, request) if self._spans is not None else None
         try:
-            reply = self.begin(request, msg.reply)
-        except Exception:
-            log.exception("admission failed for request %s", request.id)
-            reply = self._refusal(request.id, Refusal.NO_CAPACITY, "The admission service failed.")
-        if reply is not None:
-            await self._respond(msg.reply, reply)
+            try:
+                reply = self.begin(request, msg.reply)
+            except Exception:
+                log.exception("admission failed for request %s", request.id)
+                reply = self._refusal(
+                    request.id, Refusal.NO_CAPACITY, "The admission service failed."
+                )
+            if reply is not None:
+                await self._respond(msg.reply, reply)
+        finally:
+            if traced is not None:
+                DecisionSpans.detach(traced)
 
     def begin(self, request: AdmitRequest, reply_to: str | None) -> AdmitReply | None:
         """Decide now, or queue (then the answer is sent to `reply_to` later: None)."""
@@ -378,8 +414,8 @@ class AdmissionService:
         self.metrics.placements.labels(outcome.provider, outcome.route.value).inc()
         if outcome.affinity_break is not None:
             self.metrics.affinity_breaks.labels(outcome.provider, outcome.affinity_break).inc()
-        if self.catalog.is_unlimited(outcome.provider) and outcome.reason is not None:
-            self.metrics.offloads.labels(outcome.provider, outcome.reason).inc()
+        if self.catalog.is_unlimited(outcome.provider):
+            self.metrics.offloads.labels(outcome.provider, offload_reason(outcome)).inc()
         return AdmitReply(
             id=request.id,
             status=ReplyStatus.ADMITTED,
@@ -488,6 +524,8 @@ class AdmissionService:
         )
 
     async def _respond(self, reply_to: str | None, reply: AdmitReply) -> None:
+        if self._spans is not None:
+            self._spans.replied(reply)
         if reply_to:
             with contextlib.suppress(Exception):
                 await self.nc.publish(reply_to, reply.model_dump_json(exclude_none=True).encode())
@@ -515,7 +553,9 @@ class AdmissionService:
             return
         now = self._clock()
         if ended.lease is not None:
-            self.ledger.release(ended.lease, now, refresh=ended.refresh and ended.ok)
+            released = self.ledger.release(ended.lease, now, refresh=ended.refresh and ended.ok)
+            if released is None and ended.shard is not None and not self.shards.serves(ended.shard):
+                self._remember_ended(ended.lease, now)
         if not ended.sent:
             return
         self.rates.add(ended)
@@ -526,6 +566,27 @@ class AdmissionService:
                 ended.endpoint, ended.ok, now, retry_after=None if ended.ok else ended.retry_after
             )
 
+    def _remember_ended(self, lease_id: str, now: float) -> None:
+        remembered = self._ended_elsewhere
+        remembered[lease_id] = now
+        while remembered and (
+            len(remembered) > _ENDED_MEMORY_MAX
+            or now - next(iter(remembered.values())) > _ENDED_MEMORY_S
+        ):
+            remembered.popitem(last=False)
+
+    def without_ended(self, state: ShardState) -> ShardState:
+        """`state` less the leases whose end reached this instance before the shard did (the
+        giver had taken them out, the end found them nowhere): taken in, they would stay here
+        until ``lease_timeout`` with nobody to end them (their edge renews them no more)."""
+        remembered = self._ended_elsewhere
+        if not remembered:
+            return state
+        kept = tuple(lease for lease in state.leases if lease.lease_id not in remembered)
+        for lease in state.leases:
+            remembered.pop(lease.lease_id, None)
+        return state if len(kept) == len(state.leases) else replace(state, leases=kept)
+
     async def on_renewal(self, msg: Msg) -> None:
         try:
             renewal = LeaseRenewal.model_validate_json(msg.data)
@@ -533,12 +594,31 @@ class AdmissionService:
             return
         if not self.shards.serves(renewal.shard) or not self.membership.can_serve():
             return  # no answer: the edge tries again (the new owner answers)
+        now = self._clock()
+        refused: list[str] = []
+        if renewal.claims:  # grants the edge made alone during a NATS outage
+            claims = tuple(c for c in renewal.claims if c.shard == renewal.shard)
+            dropped, _ = self.ledger.add_shard(ShardState(renewal.shard, (), claims), now)
+            refused = sorted(lease.lease_id for lease in dropped)
+            refused += sorted(c.lease_id for c in renewal.claims if c.shard != renewal.shard)
+            if refused:
+                log.warning(
+                    "edge %s: %d outage grants do not fit this instance's quota yet",
+                    renewal.edge,
+                    len(refused),
+                )
         lost = self.ledger.renew(
-            renewal.edge, renewal.shard, renewal.leases, self._clock(), settle=self.settle
+            renewal.edge, renewal.shard, renewal.leases, now, settle=self.settle
         )
+        if refused:  # listed too, but not ours: neither lost nor renewed
+            not_taken = set(refused)
+            lost = [lease_id for lease_id in lost if lease_id not in not_taken]
         if msg.reply:
             reply = LeaseRenewalReply(
-                lost=tuple(lost), owner=self.instance, edges=len(self.ledger.edges())
+                lost=tuple(lost),
+                refused=tuple(refused),
+                owner=self.instance,
+                edges=len(self.ledger.edges()),
             )
             with contextlib.suppress(Exception):
                 await self.nc.publish(msg.reply, reply.model_dump_json().encode())
@@ -690,7 +770,10 @@ class AdmissionService:
         await self.nc.flush()
 
     def _lost(self) -> None:
-        """The member key was taken away: drop everything and join again under a new id."""
+        """Fenced, or the member key was taken away: drop everything and join again under a new
+        id (unless stopping: then the shards are left to be claimed)."""
+        if self._stopping:
+            return
         self._spawn(self._rejoin())
 
     async def _rejoin(self) -> None:
@@ -715,8 +798,9 @@ class AdmissionService:
         await self.shards.stop()
         if self.flow is not None:
             await self.flow.stop()
-        await self.pins.drain()
-        await self.quotas.leave()
+        if self.nc.is_connected:  # else nothing lands: the next owners adopt from the bucket
+            await self.pins.drain()
+            await self.quotas.leave()
         await self.quotas.stop()
         for sub in self._subs:
             with contextlib.suppress(Exception):
@@ -724,7 +808,7 @@ class AdmissionService:
         self._subs.clear()
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=5)
-        await self.membership.leave()
+        await self.membership.leave(write=self.nc.is_connected)
 
     def live_peers(self) -> int:
         now = self._clock()

@@ -11,11 +11,14 @@ round (every heartbeat, and at once when members or owners change) `ShardKeeper.
 4. hands over the shards it owns that rendezvous hashing gives to another settled member.
 
 **Handover** (graceful: a rebalance, or `stop`), giver G to receiver R: G stops serving the shard
-(unsubscribes; its queued requests of the shard are answered NOT_OWNER and the edges ask again),
+(drains its subscriptions: requests delivered to it meanwhile, and its queued requests of the
+shard, are answered NOT_OWNER and the edges ask again),
 lets the shard's pin writes land, CASes the shard key to R, takes the shard's pins and leases out
 of its ledger, moves the quota they use to R (one CAS per pair), and sends them to R
 (``llmgw.v1.admission.handover.<R>``). R takes them in and serves the shard. Nothing is lost: a
-lease is in exactly one ledger at every moment but the message's flight, when neither ends it.
+lease is in exactly one ledger at every moment but the message's flight, when neither ends it;
+an edge's end message that arrives during that flight is remembered by R, which leaves the
+ended lease out of what it takes in (`AdmissionService.without_ended`).
 
 **Adoption** (G is gone: a crash, or G released the shard with no member to take it): R claims
 the shard, loads its pins from the bucket, asks every edge for its leases there (a roll call,
@@ -115,12 +118,27 @@ class ShardKeeper:
         self.stopping = True
         if self._task is not None:
             await cancel_and_wait([self._task])
-        with contextlib.suppress(Exception):
-            await self.service.membership.announce_leaving()
-            await self.service.membership.refresh_members()  # hand over only to the living
-            await self.rebalance(max_release=len(self.serving) + 1)
+        nc = self.service.nc
+        if nc.is_connected:
+            with contextlib.suppress(Exception):
+                await self.service.membership.announce_leaving()
+                await self.service.membership.refresh_members()  # hand over only to the living
+                await self.rebalance(max_release=len(self.serving) + 1)
         for shard in list(self.serving):
-            await self._release(shard)
+            if not nc.is_connected:
+                # Nothing can be written: the shard is left to whoever claims it once this
+                # member's key expires, and its leases are adopted by roll call (as after a
+                # crash) instead of waiting out a timeout per shard.
+                await self._stop_serving(shard)
+                self.serving.pop(shard, None)
+                self.leaving.discard(shard)
+                continue
+            try:
+                await self._release(shard)
+            except Exception as exc:
+                log.warning("shard %d not released (%s): left to be claimed", shard, exc)
+                self.serving.pop(shard, None)
+                self.leaving.discard(shard)
 
     async def drop_all(self) -> None:
         for shard in list(self.serving):
@@ -229,6 +247,7 @@ class ShardKeeper:
                         max(value.refreshed_at, now),
                         value.refreshed_at,
                         stored.revision,
+                        uses=2,  # its history is unknown: a conversation, not a one-shot
                     )
                 )
                 service.pins.known(key, stored.revision)
@@ -315,7 +334,7 @@ class ShardKeeper:
             handover = Handover.model_validate_json(msg.data)
         except ValidationError:
             return
-        state = handover.state
+        state = service.without_ended(handover.state)  # ends that overtook the handover
         refused: list[str] = []
         if self.stopping:
             # Handed a shard while stopping (the giver had not seen it yet): take it, then
@@ -362,8 +381,13 @@ class ShardKeeper:
     async def _stop_serving(self, shard: int) -> None:
         self.leaving.add(shard)
         for sub in self.serving.get(shard, ()):
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+            # Drained, not unsubscribed: requests already delivered here are still answered
+            # (NOT_OWNER: their edges ask the new owner) instead of dropped unanswered.
+            try:
+                await asyncio.wait_for(sub.drain(), _HANDOVER_TIMEOUT)
+            except Exception:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
         flow = self.service.flow
         if flow is not None:
             flow.drop(lambda context: context.request.shard == shard, "moved")

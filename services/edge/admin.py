@@ -3,8 +3,8 @@
 - ``/health`` (liveness): 200 while the process runs its event loop; it says whether NATS is
   connected, but a dead NATS does not make the edge dead (restarting it would not help).
 - ``/ready`` (readiness): 200 only while it can serve: NATS connected and an admission
-  instance answered within the last few seconds; 503 otherwise (a load balancer should send
-  traffic elsewhere).
+  instance answered within the last few seconds, and not stopping (``draining`` from SIGTERM
+  on: services/edge/drain.py); 503 otherwise (a load balancer should send traffic elsewhere).
 """
 
 from __future__ import annotations
@@ -39,9 +39,10 @@ def create_admin_app(deps: EdgeDeps, nc: object) -> FastAPI:
         return JSONResponse({"status": "ok", **_status()})
 
     async def ready(request: Request) -> Response:
-        ok = deps.admission.ready()
+        ok = deps.admission.ready() and not deps.drain.draining
+        status = "draining" if deps.drain.draining else "ready" if ok else "not ready"
         return JSONResponse(
-            {"status": "ready" if ok else "not ready", **_status()},
+            {"status": status, **_status()},
             status_code=200 if ok else 503,
         )
 

@@ -9,7 +9,8 @@ per-request timer task) and waits:
   decision. So an admission service that does not answer fails the request within the request
   timeout, never the whole queue budget (invariant I7);
 - "no responders" or NOT_OWNER (the shard is moving between instances) is retried with a short
-  backoff within the request timeout;
+  backoff within the request timeout (counted afresh when a queued request is handed back:
+  its instance stopped and answered NOT_OWNER for everything it had queued);
 - while NATS is unreachable it fails at once (`AdmissionUnavailable(fast=True)`): the declared
   outage mode `reject` answers 503 with Retry-After without waiting.
 
@@ -34,6 +35,7 @@ from typing import TYPE_CHECKING
 from llmgw.contracts import AdmissionUnavailable
 from llmgw.core.outcomes import Refusal
 from llmgw.tasks import cancel_and_wait
+from llmgw.tracing import current_headers
 from llmgw.wire import (
     ADMISSION_CANCEL_SUBJECT,
     ADMISSION_HEALTH_SUBJECT,
@@ -155,7 +157,7 @@ class NatsAdmission:
             pending = _Pending(loop.create_future())
             self._pending[token] = pending
             try:
-                await nc.publish(subject, payload, reply=token)
+                await nc.publish(subject, payload, reply=token, headers=current_headers())
                 msg = await self._wait(pending, deadline)
                 if msg is None:
                     raise AdmissionUnavailable("the admission service did not answer in time")
@@ -164,6 +166,9 @@ class NatsAdmission:
                     left = False
                     if reply.status is ReplyStatus.QUEUED:
                         reply, left = await self._queued(request, pending, client_gone)
+                        # Handed back from a queue (its instance stopped): the new owner gets
+                        # a full request timeout, however long it waited there.
+                        deadline = max(deadline, self._monotonic() + self.request_timeout)
                     if reply.refusal is not Refusal.NOT_OWNER:
                         self._answered_at = self._monotonic()
                         return reply, left

@@ -29,22 +29,24 @@ from llmgw.core.outcomes import Outcome
 from llmgw.core.requests import Feature, InvalidRequest, parse_request
 from llmgw.core.sessions import session_id, tenant_id
 from llmgw.core.shards import shard_of
+from llmgw.logs import REQUEST_ID_HEADER, accept_request_id, request_id
 from llmgw.services.edge.attempts import _PATHS, Attempts, RoutedRequest
 from llmgw.services.edge.auth import KeyAuth
+from llmgw.services.edge.drain import EdgeDrain, with_connection_close
 from llmgw.services.edge.errors import error_body, error_response
 from llmgw.services.edge.hardening import OpenAIErrorsHttpTools, headers_refused
 from llmgw.services.edge.metrics import EdgeMetrics
+from llmgw.services.edge.telemetry import EdgeTelemetry, RequestRecord
 
 if TYPE_CHECKING:
     from llmgw.config.schema import Config, Timeouts
     from llmgw.contracts import AdmissionClient, RequestReporter
     from llmgw.services.edge.leases import EdgeLeases
+    from llmgw.tracing import Tracing
 
 log = logging.getLogger("llmgw.edge")
 
 _ROUTES = {path: Feature(name) for name, path in _PATHS.items()}
-_REQUEST_ID = "x-request-id"
-_MAX_REQUEST_ID = 128
 
 
 class BodyTooLarge(Exception):
@@ -62,7 +64,9 @@ class EdgeDeps:
     metrics: EdgeMetrics
     edge_id: str = field(default_factory=lambda: f"edge-{uuid.uuid4().hex[:8]}")
     rng: random.Random = field(default_factory=random.Random)
+    drain: EdgeDrain = field(default_factory=EdgeDrain)
     auth: KeyAuth | None = None  # auth.mode keys (services/edge/auth.py)
+    tracing: Tracing | None = None  # OpenTelemetry (llmgw.tracing), off by default
 
 
 class Edge:
@@ -75,6 +79,7 @@ class Edge:
         self.leases = deps.leases
         self.reporter = deps.reporter
         self.metrics = deps.metrics
+        self.telemetry = EdgeTelemetry(deps.metrics, config.log, tracing=deps.tracing)
         self.edge_id = deps.edge_id
         self.auth = deps.auth
         self.max_body = config.router.max_body_bytes
@@ -93,6 +98,12 @@ class Edge:
         self.upstream_headers = _provider_auth_headers(config)
         self.attempts = Attempts(self)
 
+    def upstream_headers_for(self, routed: RoutedRequest, provider: str) -> dict[str, str]:
+        """The headers of an upstream call: the provider's, the client's request id, and with
+        tracing the attempt's ``traceparent`` (its upstream span starts here)."""
+        headers = {**self.upstream_headers[provider], REQUEST_ID_HEADER: routed.request_id}
+        return self.telemetry.upstream_headers(routed.record, headers)
+
     def timeouts_for(self, model: str) -> Timeouts:
         return self._timeouts.get(model, self._default_timeouts)
 
@@ -108,22 +119,25 @@ class Edge:
         return bytes(body)
 
     async def handle(self, request: Request, feature: Feature) -> Response:
-        started = time.perf_counter()
-        response, outcome = await self._handle(request, feature, started)
+        record = RequestRecord(
+            accept_request_id(request.headers.get(REQUEST_ID_HEADER)),
+            feature,
+            time.perf_counter(),
+        )
+        # Every record logged while handling it carries its id (one task per request, so the
+        # value needs no reset: the stream body runs in the same task).
+        request_id.set(record.request_id)
+        self.telemetry.began(record, request.headers)
+        response, outcome = await self._handle(request, record)
         if outcome is not None:  # streams record their outcome when they end
-            self.metrics.observe(feature, outcome, time.perf_counter() - started)
+            self.telemetry.ended(record, outcome, response.status_code)
         return response
 
     async def _handle(
-        self, request: Request, feature: Feature, started: float
+        self, request: Request, record: RequestRecord
     ) -> tuple[Response, Outcome | None]:
-        given = request.headers.get(_REQUEST_ID)
-        request_id = (
-            given
-            if given and len(given) <= _MAX_REQUEST_ID and given.isprintable()
-            else uuid.uuid4().hex
-        )
-        ids = {_REQUEST_ID: request_id}
+        feature = record.feature
+        ids = {REQUEST_ID_HEADER: record.request_id}
         caller = None
         if self.auth is not None:  # before the body is read
             checked = self.auth.caller(request.headers.get("authorization"), ids)
@@ -148,6 +162,8 @@ class Edge:
             return error_response(
                 Outcome.BAD_REQUEST, exc.message, param=exc.param, headers=ids
             ), Outcome.BAD_REQUEST
+        record.asked_model = parsed.model
+        record.stream = parsed.stream
         model = self._canonical.get(parsed.model)
         if model is None or (
             caller is not None
@@ -160,10 +176,12 @@ class Edge:
                 param="model",
                 headers=ids,
             ), Outcome.MODEL_NOT_FOUND
+        record.model = model
         band = request.headers.get(self.band_header)
         if caller is not None and self.auth is not None and not caller.key.band_header:
             band = self.auth.band(caller, None)  # the header is not this key's to use
-        elif band is not None and band not in self.bands:
+        record.band = band
+        if band is not None and band not in self.bands:
             return error_response(
                 Outcome.BAD_REQUEST,
                 f"Unknown priority band '{band}' in the {self.band_header} header; "
@@ -171,8 +189,8 @@ class Edge:
                 param=self.band_header,
                 headers=ids,
             ), Outcome.BAD_REQUEST
-        elif caller is not None and self.auth is not None:
-            band = self.auth.band(caller, band)
+        if caller is not None and self.auth is not None:
+            band = record.band = self.auth.band(caller, band)
         session = session_id(
             feature, model, parsed.body, header_key=request.headers.get(self.session_header)
         )
@@ -181,8 +199,13 @@ class Edge:
             if session is not None
             else self.deps.rng.randrange(self.shards)
         )
+        record.tenant = (
+            caller.key.tenant
+            if caller is not None
+            else tenant_id(request.headers.get("authorization"), parsed.user)
+        )
         routed = RoutedRequest(
-            request_id=request_id,
+            request_id=record.request_id,
             feature=feature,
             parsed=parsed,
             raw=raw,
@@ -190,16 +213,15 @@ class Edge:
             session=session,
             shard=shard,
             band=band,
-            tenant=caller.key.tenant
-            if caller is not None
-            else tenant_id(request.headers.get("authorization"), parsed.user),
+            tenant=record.tenant,
             key=caller.key.key_id if caller is not None else None,
             key_parallel=caller.key.max_parallel_requests if caller is not None else None,
             headers=ids,
-            started=started,
+            started=record.started,
             # Once the body is read, the next ASGI receive() returns only when the client
             # disconnects: what a queued request watches.
             client_gone=request.receive if self.flow_control else None,
+            record=record,
         )
         return await self.attempts.run(routed)
 
@@ -271,6 +293,8 @@ class HotPathApp:
             if refused is not None:
                 await refused(scope, receive, send)
                 return
+        if self.edge.deps.drain.draining:  # stopping: no connection is reused after this answer
+            send = with_connection_close(send)
         feature = _ROUTES.get(scope.get("path", "")) if scope["type"] == "http" else None
         if feature is None or scope["method"] != "POST":
             await self.app(scope, receive, send)

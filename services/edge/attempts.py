@@ -21,6 +21,7 @@ never a breaker's input, never released.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Awaitable, Callable
@@ -32,7 +33,8 @@ from starlette.responses import Response, StreamingResponse
 from llmgw.contracts import AdmissionUnavailable
 from llmgw.core.outcomes import REFUSAL_OUTCOMES, Outcome
 from llmgw.core.usage import StreamUsage, Usage, usage_in
-from llmgw.services.edge.errors import error_body, error_response
+from llmgw.services.edge.drain import SHUTDOWN_MESSAGE
+from llmgw.services.edge.errors import error_body, error_response, sse_error_event
 from llmgw.services.edge.upstream import (
     LEASE_LOST_MESSAGE,
     StreamRelay,
@@ -50,6 +52,7 @@ if TYPE_CHECKING:
     from llmgw.core.requests import Feature, ParsedRequest
     from llmgw.services.edge.app import Edge
     from llmgw.services.edge.leases import HeldLease
+    from llmgw.services.edge.telemetry import RequestRecord
 
 # Failures of the endpoint, not of the request: worth another endpoint while nothing was sent.
 _RETRYABLE = frozenset(
@@ -93,6 +96,7 @@ class RoutedRequest:
     headers: dict[str, str]  # response headers every answer carries (x-request-id, ...)
     started: float
     client_gone: Callable[[], Awaitable[object]] | None
+    record: RequestRecord  # metrics and the access line (llmgw.services.edge.telemetry)
     key: str | None = None  # the API key's id (auth.mode keys)
     key_parallel: int | None = None  # its max_parallel_requests
 
@@ -172,6 +176,7 @@ class Attempts:
             previous = result
             excluded.append(result.endpoint)
             edge.metrics.retries.labels(result.outcome.value).inc()
+            routed.record.retries += 1
         assert previous is not None
         return previous.response, previous.outcome
 
@@ -209,12 +214,25 @@ class Attempts:
         timeouts = edge.timeouts_for(routed.model)
         deadline = loop_deadline(timeouts.total)
         ending.upstream_started = time.perf_counter()
+        hold = ending.hold
+        task = asyncio.current_task()
+        if hold is not None and task is not None:
+            hold.on_lost = task.cancel  # until the answer's headers: a cut or loss stops the wait
         try:
             upstream = await open_upstream(
-                edge.deps.session, url, raw, edge.upstream_headers[target.provider], timeouts
+                edge.deps.session,
+                url,
+                raw,
+                edge.upstream_headers_for(routed, target.provider),
+                timeouts,
             )
         except UpstreamFailure as failure:
             return self._failure(ending, failure.outcome, failure.message, headers)
+        except asyncio.CancelledError:
+            if hold is None or not (hold.cut_short or hold.lost) or task is None:
+                raise
+            task.uncancel()
+            return self._failure(ending, Outcome.UPSTREAM_UNREACHABLE, "", headers)
         if ending.hold is not None:
             ending.hold.on_lost = upstream.close  # a lost lease cancels the upstream request
         upstream_headers = {**passthrough_headers(upstream), **headers}
@@ -255,8 +273,8 @@ class Attempts:
             first = await first_chunk(upstream, timeouts, deadline)
         except UpstreamFailure as failure:
             return self._failure(ending, failure.outcome, failure.message, headers)
+        routed.record.first_token = time.perf_counter()
         usage = StreamUsage(remove=inject_usage)
-        hold = ending.hold
         relay = StreamRelay(
             upstream,
             first,
@@ -265,19 +283,24 @@ class Attempts:
             lease_lost=lambda: hold is not None and edge.leases.expired(hold),
             usage=usage,
         )
-        metrics = edge.metrics
-        feature = routed.feature
+        telemetry = edge.telemetry
 
         def end_once() -> None:
             if ending.ended:
                 return
             ending.usage = usage.usage
-            ending.finish(relay.outcome)
-            metrics.observe(feature, relay.outcome, time.perf_counter() - routed.started)
+            outcome = relay.outcome
+            if hold is not None and hold.cut_short and outcome is not Outcome.SUCCESS:
+                outcome = Outcome.SHUTTING_DOWN
+            ending.finish(outcome)
+            telemetry.ended(routed.record, outcome, 200)
 
         async def body_then_finish() -> Any:
             try:
                 async for chunk in relay:
+                    if hold is not None and hold.cut_short:  # the drain deadline closed it
+                        yield sse_error_event(SHUTDOWN_MESSAGE, Outcome.SHUTTING_DOWN.value)
+                        break
                     yield chunk
             finally:
                 end_once()
@@ -301,6 +324,13 @@ class Attempts:
             return error_response(
                 Outcome.LEASE_LOST, LEASE_LOST_MESSAGE, headers=headers
             ), Outcome.LEASE_LOST
+        if (
+            ending.hold is not None and ending.hold.cut_short
+        ):  # the drain deadline, not the endpoint
+            ending.finish(Outcome.SHUTTING_DOWN)
+            return error_response(
+                Outcome.SHUTTING_DOWN, SHUTDOWN_MESSAGE, headers=headers
+            ), Outcome.SHUTTING_DOWN
         ending.finish(outcome)
         if response is None:
             response = error_response(outcome, message, headers=headers)
@@ -401,6 +431,7 @@ class _AttemptEnd:
         edge.reporter.report(
             RequestEnded(
                 id=self.admit.id,
+                request_id=self.routed.request_id,
                 edge=edge.edge_id,
                 lease=lease_id,
                 shard=self.reply.lease.shard if self.reply.lease is not None else None,
@@ -425,9 +456,9 @@ class _AttemptEnd:
                 retry_after=self.retry_after,
             )
         )
-        if usage is not None:
-            edge.metrics.tokens.labels("input").inc(usage.input_tokens)
-            edge.metrics.tokens.labels("output").inc(usage.output_tokens)
+        self.routed.record.attempt_ended(
+            target.provider, target.endpoint, self.reply.route, self.reply.served_model, usage
+        )
 
 
 def _retry_after(value: str | None) -> float | None:

@@ -15,6 +15,13 @@ feeds a breaker, and is never released (its capacity is no longer this edge's).
 
 Roll call: when a shard changes owner without a handover (a crash), the new owner asks every
 edge for its leases there; `on_rollcall` answers with the full records.
+
+Local grants (outage mode `local`, `llmgw.core.outage`): a lease the edge granted itself while
+NATS was unreachable is held *unclaimed*: no owner knows it, so it is never expired by the
+renewal timer. Each renewal round offers the shard's unclaimed leases to its owner (`claims`,
+listed as well); the owner takes them into its books as far as its quota covers, and a taken
+one is renewed like any other from then on; a refused one is offered again next round. Roll-call
+answers include them too. Ending a local grant gives its place in the edge's local budget back.
 """
 
 from __future__ import annotations
@@ -44,25 +51,53 @@ if TYPE_CHECKING:
     from nats.aio.subscription import Subscription
 
     from llmgw.core.ledger import LeaseRecord
+    from llmgw.core.outage import LocalBudget
 
 log = logging.getLogger("llmgw.edge.leases")
+
+LOCAL_LEASE_PREFIX = "local-"  # lease ids an edge gives its own grants in outage mode `local`
+
+
+def is_local_lease(lease_id: str) -> bool:
+    return lease_id.startswith(LOCAL_LEASE_PREFIX)
 
 
 class HeldLease:
     """One request's lease at the edge (`llmgw.contracts.LeaseHold`)."""
 
-    __slots__ = ("_lost", "confirmed_at", "ended", "on_lost", "record")
+    __slots__ = (
+        "_lost",
+        "claimed",
+        "confirmed_at",
+        "cut_short",
+        "ended",
+        "local",
+        "on_lost",
+        "record",
+    )
 
-    def __init__(self, record: LeaseRecord, now: float) -> None:
+    def __init__(self, record: LeaseRecord, now: float, *, local: bool = False) -> None:
         self.record = record
         self.confirmed_at = now  # monotonic time of the grant or the last confirmed renewal
         self.on_lost: Callable[[], None] | None = None
         self._lost = False
         self.ended = False
+        self.cut_short = False  # ended by the edge's drain deadline (`cut`)
+        self.local = local  # granted by this edge alone during a NATS outage
+        self.claimed = not local  # an owner holds it (always, unless a local grant not yet taken)
 
     @property
     def lost(self) -> bool:
         return self._lost
+
+    def cut(self) -> None:
+        """The edge is stopping and its drain deadline passed: end the request now (its
+        upstream call is closed; the request ends as ``shutting_down`` and releases the lease)."""
+        if self._lost or self.ended:
+            return
+        self.cut_short = True
+        if self.on_lost is not None:
+            self.on_lost()
 
     def lose(self) -> None:
         if self._lost or self.ended:
@@ -83,9 +118,11 @@ class EdgeLeases:
         lease_timeout: float,
         request_timeout: float,
         monotonic: Callable[[], float] = time.monotonic,
+        local_budget: LocalBudget | None = None,
     ) -> None:
         self._nc = nc
         self.edge_id = edge_id
+        self.local_budget = local_budget
         self.lease_timeout = lease_timeout
         self.renew_every = lease_timeout / 3
         self.request_timeout = request_timeout
@@ -99,18 +136,32 @@ class EdgeLeases:
     # ---- the request path ---------------------------------------------------------------------
 
     def hold(self, lease: LeaseRecord) -> HeldLease:
-        held = HeldLease(lease, self._monotonic())
+        held = HeldLease(lease, self._monotonic(), local=is_local_lease(lease.lease_id))
         self.held[lease.lease_id] = held
         return held
 
     def end(self, hold: HeldLease) -> None:
+        if hold.ended:
+            return
         hold.ended = True
         self.held.pop(hold.record.lease_id, None)
+        if hold.local and self.local_budget is not None:
+            record = hold.record
+            self.local_budget.give_back(
+                record.provider, record.endpoint or "", record.model, record.session
+            )
+
+    def unclaimed(self) -> int:
+        """Local grants no owner has taken yet."""
+        return sum(1 for hold in self.held.values() if not hold.claimed)
 
     def expired(self, hold: HeldLease) -> bool:
-        """Not confirmed for lease_timeout: as good as lost (checked before any other outcome)."""
+        """Not confirmed for lease_timeout: as good as lost (checked before any other outcome).
+        An unclaimed local grant depends on no owner: it never expires."""
         if hold.lost:
             return True
+        if not hold.claimed:
+            return False
         if self._monotonic() - hold.confirmed_at >= self.lease_timeout:
             self.lost += 1
             hold.lose()
@@ -155,7 +206,10 @@ class EdgeLeases:
     async def _renew(self, shard: int, holds: list[HeldLease]) -> None:
         sent = self._monotonic()
         message = LeaseRenewal(
-            edge=self.edge_id, shard=shard, leases=tuple(h.record.lease_id for h in holds)
+            edge=self.edge_id,
+            shard=shard,
+            leases=tuple(h.record.lease_id for h in holds),
+            claims=tuple(h.record for h in holds if not h.claimed),
         )
         try:
             msg = await self._nc.request(
@@ -169,7 +223,13 @@ class EdgeLeases:
             return
         self.renewals += 1
         lost = set(reply.lost)
+        refused = set(reply.refused)
         for hold in holds:
+            if not hold.claimed:
+                if hold.record.lease_id in refused:
+                    continue  # offered again next round
+                hold.claimed = True
+                log.info("local grant %s taken by %s", hold.record.lease_id, reply.owner)
             if hold.record.lease_id in lost:
                 self.lost += 1
                 log.warning("lease %s was lost; ending its request", hold.record.lease_id)

@@ -11,12 +11,14 @@ import argparse
 import asyncio
 import logging
 import sys
+import time
 import uuid
 
 from llmgw import natsconn
 from llmgw.config import parse_hostport
 from llmgw.config.credentials import CredentialsError, provider_keys
 from llmgw.core.keys import safe_token
+from llmgw.core.outage import LocalBudget
 from llmgw.runtime import (
     load_or_exit,
     require_nats_server,
@@ -36,18 +38,21 @@ from llmgw.services.edge.auth import (
 )
 from llmgw.services.edge.leases import EdgeLeases
 from llmgw.services.edge.metrics import EdgeMetrics
+from llmgw.services.edge.outage import OutageAdmission
 from llmgw.services.edge.reporting import NatsReporter
 from llmgw.services.edge.upstream import new_session
-from llmgw.serving import start_server
+from llmgw.serving import RunningServer, start_server
+from llmgw.tracing import open_tracing
 
 log = logging.getLogger("llmgw.edge")
 
 _FIRST_ANSWER_WAIT = 10.0  # seconds the edge waits for an admission instance before it is ready
+_CUT_GRACE = 2.0  # seconds requests cut at the drain deadline get to end and report
 
 
 def run(args: argparse.Namespace) -> int:
-    setup_logging("edge")
     config = load_or_exit(args.config)
+    setup_logging("edge", config)
     require_nats_server(config, "edge")
     try:
         provider_keys(config)
@@ -67,38 +72,65 @@ def run(args: argparse.Namespace) -> int:
         edge_id = safe_token(f"{service_instance('edge')}-{uuid.uuid4().hex[:6]}")
         deps = await open_edge_deps(nc, config, edge_id)
         app = create_app(config, deps)
-        api = await start_server(app, host, port)
+        router = config.router
+        # uvicorn's own graceful window outlasts the drain: the edge ends what is left itself.
+        api = await start_server(
+            app, host, port, timeout_graceful_shutdown=router.drain_timeout + _CUT_GRACE
+        )
         admin = await start_server(create_admin_app(deps, nc), admin_host, admin_port)
         await wait_for_admission(deps.admission)  # type: ignore[arg-type]
         print(f"llmgw edge ready on {api.url} (admin {admin.url})", flush=True)
         try:
             await wait_for_stop_signal()
+            await drain(deps, api, router.drain_delay, router.drain_timeout)
         finally:
-            # Stop taking requests, let running ones finish (uvicorn's graceful shutdown),
-            # then close what they used.
-            await asyncio.gather(api.stop(timeout=10), admin.stop())
-            await close_edge_deps(deps)
-            await nc.drain()
+            await asyncio.gather(api.stop(timeout=_CUT_GRACE), admin.stop())
+            await close_edge_deps(deps)  # the cut requests' releases are sent before this ends
+            await natsconn.drain_or_close(nc)
 
     return run_service(main)
 
 
+async def drain(deps: EdgeDeps, api: RunningServer, delay: float, timeout: float) -> None:
+    """The graceful stop (services/edge/drain.py): unready for `delay` while still serving,
+    then no new connections and running requests until `timeout`, then cut what is left."""
+    deps.drain.begin()
+    log.info("stopping: /ready is false; serving %.1fs more before draining", delay)
+    await asyncio.sleep(delay)
+    stopping = asyncio.ensure_future(api.stop(timeout=timeout + _CUT_GRACE))
+    done, _ = await asyncio.wait({stopping}, timeout=timeout)
+    if not done:
+        cut = await deps.drain.cut(deps.leases, until=time.monotonic() + _CUT_GRACE)
+        log.warning("drain deadline (%.1fs) passed: ended %d running requests", timeout, cut)
+    await stopping
+
+
 async def open_edge_deps(nc, config, edge_id: str) -> EdgeDeps:  # type: ignore[no-untyped-def]
-    """The edge's ports over one NATS connection, started."""
-    admission = NatsAdmission(
+    """The edge's ports over one NATS connection, started. With `admission.on_nats_outage:
+    local` the admission client decides alone while NATS is unreachable (`OutageAdmission`)."""
+    over_nats = NatsAdmission(
         nc, request_timeout=config.nats.request_timeout, queue_ttl=config.admission.queue_ttl
     )
+    budget = LocalBudget() if config.admission.on_nats_outage == "local" else None
+    admission: NatsAdmission | OutageAdmission = over_nats
+    if budget is not None:
+        admission = OutageAdmission(
+            over_nats, config, edge_id, budget, is_connected=lambda: nc.is_connected
+        )
     await admission.start()
     leases = EdgeLeases(
         nc,
         edge_id,
         lease_timeout=config.pinning.lease_timeout,
         request_timeout=config.nats.request_timeout,
+        local_budget=budget,
     )
     await leases.start()
     auth = await open_key_auth(nc, config, edge_id)
     reporter = NatsReporter(nc)
-    metrics = EdgeMetrics()
+    metrics = EdgeMetrics(
+        tenant_label=config.metrics.tenant_label, max_tenants=config.metrics.max_tenants
+    )
     if auth is not None:
         reporter = TokenCountingReporter(reporter, auth, KeyUsageMetrics(metrics.registry))
     return EdgeDeps(
@@ -108,6 +140,7 @@ async def open_edge_deps(nc, config, edge_id: str) -> EdgeDeps:  # type: ignore[
         session=new_session(config.timeouts),
         metrics=metrics,
         edge_id=edge_id,
+        tracing=open_tracing("edge", config.tracing),
         auth=auth,
     )
 
@@ -119,9 +152,13 @@ async def close_edge_deps(deps: EdgeDeps) -> None:
     await deps.leases.stop()
     await deps.admission.stop()  # type: ignore[attr-defined]
     await deps.session.close()
+    if deps.tracing is not None:
+        deps.tracing.shutdown()  # flushes the exporter
 
 
-async def wait_for_admission(admission: NatsAdmission, timeout: float = _FIRST_ANSWER_WAIT) -> bool:
+async def wait_for_admission(
+    admission: NatsAdmission | OutageAdmission, timeout: float = _FIRST_ANSWER_WAIT
+) -> bool:
     """Until an admission instance answers (True), or `timeout` (False: ready line anyway,
     /ready stays false until one answers)."""
     loop = asyncio.get_running_loop()

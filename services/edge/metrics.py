@@ -1,11 +1,20 @@
-"""The edge's Prometheus metrics, in a registry of its own (never the global one)."""
+"""The edge's Prometheus metrics, in a registry of its own (never the global one).
+
+Request metrics are labelled by model (canonical, from the config), provider and endpoint (from
+the config; ``none`` when the request never reached one): every label value comes from the
+config or a closed enum, so the series are bounded. The tenant is a label only of
+`llmgw_edge_tenant_requests_total`, only with ``metrics.tenant_label``, and for at most
+``metrics.max_tenants`` distinct tenants (the rest count as ``other``).
+"""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from llmgw.core.outcomes import Outcome
-from llmgw.core.requests import Feature
+from llmgw.telemetry import service_registry
+
+NONE = "none"  # the provider/endpoint label of a request that reached no upstream
+OTHER_TENANT = "other"
 
 _LATENCY_BUCKETS = (
     0.001,
@@ -25,51 +34,100 @@ _LATENCY_BUCKETS = (
     60,
     120,
 )
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.25, 0.5, 1)
+_ROUTE = ("model", "provider", "endpoint")
 
 
 class EdgeMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry or CollectorRegistry()
+    def __init__(
+        self,
+        registry: CollectorRegistry | None = None,
+        *,
+        tenant_label: bool = False,
+        max_tenants: int = 100,
+    ) -> None:
+        self.registry = registry or service_registry("edge")
+        r = self.registry
         self.requests = Counter(
             "llmgw_edge_requests",
-            "Requests through the edge by feature and outcome.",
-            ["feature", "outcome"],
-            registry=self.registry,
+            "Requests through the edge by feature, outcome, model, and the provider and endpoint "
+            "of their last attempt.",
+            ["feature", "outcome", *_ROUTE],
+            registry=r,
         )
         self.duration = Histogram(
             "llmgw_edge_request_duration_seconds",
-            "Time from the request's arrival until its response ended.",
-            ["feature"],
+            "End to end: from the request's arrival until its response ended.",
+            ["feature", *_ROUTE],
             buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "llmgw_edge_time_to_first_token_seconds",
+            "Streams: from the request's arrival until its first chunk reached the client.",
+            list(_ROUTE),
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "llmgw_edge_time_per_output_token_seconds",
+            "Streams: time after the first chunk per further output token.",
+            list(_ROUTE),
+            buckets=_TPOT_BUCKETS,
+            registry=r,
         )
         self.admission_duration = Histogram(
             "llmgw_edge_admission_duration_seconds",
-            "Round trip of the admission request over NATS.",
+            "Round trip of the admission request over NATS (queueing in flow control included).",
             buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
-            registry=self.registry,
+            registry=r,
         )
         self.tokens = Counter(
             "llmgw_edge_tokens",
             "Tokens of successful upstream requests, from their usage (direction: input, output).",
-            ["direction"],
-            registry=self.registry,
+            [*_ROUTE, "direction"],
+            registry=r,
         )
-        for direction in ("input", "output"):
-            self.tokens.labels(direction)
         self.retries = Counter(
             "llmgw_edge_retries",
             "Requests retried on another endpoint, by the outcome of the failed attempt.",
             ["outcome"],
-            registry=self.registry,
+            registry=r,
         )
-        # Pre-create every label pair so dashboards see zeros, and the hot
-        # path does a dict lookup instead of labels() parsing.
-        self._requests = {
-            (f, o): self.requests.labels(f.value, o.value) for f in Feature for o in Outcome
-        }
-        self._duration = {f: self.duration.labels(f.value) for f in Feature}
+        self.fallbacks = Counter(
+            "llmgw_edge_fallbacks",
+            "Requests served by a fallback model, by the model asked for and the one that served.",
+            ["model", "served_model"],
+            registry=r,
+        )
+        self.tenant_requests: Counter | None = None
+        self._max_tenants = max_tenants
+        self._tenants: set[str] = set()
+        if tenant_label:
+            self.tenant_requests = Counter(
+                "llmgw_edge_tenant_requests",
+                "Requests by tenant (a hash of the API key or user), model and outcome.",
+                ["tenant", "model", "outcome"],
+                registry=r,
+            )
+        # labels() parses its arguments on every call; the hot path looks children up here.
+        self._children: dict[tuple[object, ...], object] = {}
 
-    def observe(self, feature: Feature, outcome: Outcome, seconds: float) -> None:
-        self._requests[feature, outcome].inc()
-        self._duration[feature].observe(seconds)
+    def child(self, metric: Counter | Histogram, *labels: str):  # type: ignore[no-untyped-def]
+        key = (id(metric), *labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
+
+    def tenant(self, tenant: str | None) -> str:
+        """The label value of `tenant`: itself for the first `max_tenants`, else ``other``."""
+        if tenant is None:
+            return NONE
+        if tenant in self._tenants:
+            return tenant
+        if len(self._tenants) < self._max_tenants:
+            self._tenants.add(tenant)
+            return tenant
+        return OTHER_TENANT

@@ -25,7 +25,7 @@ from llmgw.events import EventPublisher
 from llmgw.runtime import load_or_exit, run_service, setup_logging
 from llmgw.services.reaper.metrics import ReaperMetrics
 from llmgw.services.reaper.service import Reaper
-from llmgw.state.setup import open_routing_store
+from llmgw.state.setup import open_events_stream, open_routing_store
 
 __all__ = ["open_reaper", "run", "serve"]
 
@@ -39,8 +39,8 @@ EMBEDDED_NATS_HELP = (
 
 
 def run(args: argparse.Namespace) -> int:
-    setup_logging("reaper")
     config = load_or_exit(args.config)
+    setup_logging("reaper", config)
     if config.nats.is_embedded:
         print(f"llmgw reaper: {EMBEDDED_NATS_HELP}", file=sys.stderr)
         return 2
@@ -67,6 +67,7 @@ async def open_reaper(
 ) -> Reaper:
     """A Reaper over the configured bucket, publishing on `nc`."""
     store = await open_routing_store(nc, config)
+    await open_events_stream(nc, config)
     return Reaper(
         store,
         EventPublisher(nc, instance, clock=clock),
@@ -119,4 +120,4 @@ async def serve(
     finally:
         if admin_server is not None:
             await admin_server.stop()
-        await nc.drain()
+        await natsconn.drain_or_close(nc)

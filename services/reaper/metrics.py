@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from llmgw.telemetry import service_registry
+
 _PASS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 STEPS = ("remove_dead_members", "reclaim_quota")
 ACTIONS = ("member_expired", "quota_reclaimed")
@@ -11,7 +13,7 @@ ACTIONS = ("member_expired", "quota_reclaimed")
 
 class ReaperMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry or CollectorRegistry()
+        self.registry = registry or service_registry("reaper")
         self.actions = Counter(
             "llmgw_reaper_actions",
             "Changes this reaper made to the routing bucket, by kind (member_expired, "

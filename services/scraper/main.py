@@ -28,7 +28,7 @@ from llmgw.runtime import (
 from llmgw.services.scraper.metrics import ScraperMetrics
 from llmgw.services.scraper.reports import saturation_settings, scrape_targets
 from llmgw.services.scraper.service import Scraper, new_http_client
-from llmgw.state.setup import open_load_bucket
+from llmgw.state.setup import open_events_stream, open_load_bucket
 
 __all__ = ["run", "serve"]
 
@@ -36,8 +36,8 @@ log = logging.getLogger("llmgw.scraper")
 
 
 def run(args: argparse.Namespace) -> int:
-    setup_logging("scraper")
     config = load_or_exit(args.config)
+    setup_logging("scraper", config)
     require_nats_server(config, "scraper")
     admin_listen = getattr(args, "admin_listen", None)
     admin = parse_hostport(admin_listen) if admin_listen else None
@@ -77,6 +77,7 @@ async def serve(
     admin_server = None
     try:
         bucket = await open_load_bucket(nc, config)
+        await open_events_stream(nc, config)
         scraper = Scraper(
             targets,
             client=client,
@@ -117,4 +118,4 @@ async def serve(
         if admin_server is not None:
             await admin_server.stop()
         await client.aclose()
-        await nc.drain()
+        await natsconn.drain_or_close(nc)

@@ -16,6 +16,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 from llmgw.load import EndpointReport, PoolReport
 from llmgw.services.scraper.reports import ScrapeOutcome
+from llmgw.telemetry import service_registry
 
 __all__ = ["PUBLISH_KINDS", "ScraperMetrics"]
 
@@ -27,7 +28,7 @@ AgeSource = Callable[[], Iterable[tuple[str, float | None]]]
 
 class ScraperMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry or CollectorRegistry()
+        self.registry = registry or service_registry("scraper")
         r = self.registry
         self.scrapes = Counter(
             "llmgw_scraper_scrapes",

@@ -34,10 +34,9 @@ from typing import Protocol
 import httpx
 
 from llmgw.core.saturation import EndpointLoad, SaturationSettings
+from llmgw.events import EndpointEvent, PoolMeasured, event_id
 from llmgw.load import (
     EndpointReport,
-    endpoint_event_subject,
-    pool_event_subject,
     report_key,
 )
 from llmgw.services.scraper.metrics import ScraperMetrics
@@ -233,11 +232,12 @@ class Scraper:
             scraper=self.instance,
         ):
             self.metrics.observe_pool(pool)
+            event = PoolMeasured(
+                id=event_id(), at=pool.measured_at, instance=self.instance, report=pool
+            )
             await self._send(
                 "event",
-                lambda p=pool: self._publisher.publish(
-                    pool_event_subject("measured", p.provider), p.to_bytes()
-                ),
+                lambda e=event: self._publisher.publish(e.subject, e.to_bytes()),
             )
         self.metrics.round_duration.observe(self._timer() - started)
         self.last_round_at = self._clock()
@@ -324,18 +324,16 @@ class Scraper:
     async def _publish(self, report: EndpointReport, transition: str | None) -> None:
         payload = report.to_bytes()
         await self._send("kv", lambda: self._bucket.put(report_key(report.endpoint), payload))
-        await self._send(
-            "event",
-            lambda: self._publisher.publish(
-                endpoint_event_subject("scraped", report.provider), payload
-            ),
-        )
-        if transition is not None:
+        for verb in ("scraped", transition) if transition is not None else ("scraped",):
+            event = EndpointEvent(
+                event=f"endpoint.{verb}",
+                id=event_id(),
+                at=report.scraped_at,
+                instance=self.instance,
+                report=report,
+            )
             await self._send(
-                "event",
-                lambda: self._publisher.publish(
-                    endpoint_event_subject(transition, report.provider), payload
-                ),
+                "event", lambda e=event: self._publisher.publish(e.subject, e.to_bytes())
             )
 
     async def _send(self, kind: str, send: Callable[[], Awaitable[object]]) -> bool:

@@ -103,6 +103,7 @@ class SimApp:
             ("POST", "/v1/embeddings"): self._embeddings,
             ("GET", "/v1/models"): self._list_models,
             ("GET", "/health"): self._health,
+            ("GET", "/ready"): self._health,  # an engine that is up can serve
             ("GET", "/metrics"): self._metrics,
             ("GET", "/sim/state"): self._state,
             ("GET", "/sim/faults"): self._get_faults,

@@ -1,9 +1,9 @@
 """`llmgw state`: pins, leases and capacity use, from the live routing bucket and the admission
 instances (leases live in the instances that hold them; each answers a state request).
 
-Read-only: it binds the configured bucket (never creates it) and lists it. It needs a NATS URL:
-with the local config (`nats.url: embedded`) run it as `LLMGW_NATS__URL=<url> llmgw state`, with
-the URL `llmgw up` prints ("llmgw up: edge ..., NATS nats://127.0.0.1:4222").
+Read-only: it binds the configured bucket (never creates it) and lists it. With the local config
+(`nats.url: embedded`) it reaches the server `llmgw up` started with that config on this machine
+(`nats.embedded_port`); elsewhere it uses `nats.url` (or LLMGW_NATS__URL).
 
 Exit codes: 0 printed; 1 NATS unreachable or no bucket; 2 config problem.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import sys
 import time
@@ -23,6 +24,7 @@ from nats.js.errors import NotFoundError
 
 from llmgw import natsconn
 from llmgw.config import Config
+from llmgw.core.sessions import sessions_of_key
 from llmgw.runtime import load_or_exit
 from llmgw.services.admission.service import limits_from_config
 from llmgw.services.state.report import StateReport, build_report, format_report, report_json
@@ -34,12 +36,6 @@ ANSWER_WINDOW = 0.5  # seconds the admission instances have to answer the state 
 
 __all__ = ["BucketMissing", "read_report", "run"]
 
-EMBEDDED_NATS_HELP = (
-    "nats.url is 'embedded', so there is no server address to read from. Start the gateway "
-    "with `llmgw up` (it prints 'NATS nats://HOST:PORT'), then run "
-    "`LLMGW_NATS__URL=nats://HOST:PORT llmgw state`"
-)
-
 
 class BucketMissing(LookupError):
     """The configured routing bucket does not exist on the server."""
@@ -47,11 +43,11 @@ class BucketMissing(LookupError):
 
 def run(args: argparse.Namespace) -> int:
     config = load_or_exit(args.config)
-    if config.nats.is_embedded:
-        print(f"llmgw state: {EMBEDDED_NATS_HELP}", file=sys.stderr)
-        return 2
     try:
         report = asyncio.run(_read(config))
+    except ValueError as exc:  # an embedded config without a fixed port
+        print(f"llmgw state: {exc}", file=sys.stderr)
+        return 2
     except BucketMissing as exc:
         print(f"llmgw state: {exc}", file=sys.stderr)
         return 1
@@ -62,6 +58,13 @@ def run(args: argparse.Namespace) -> int:
         )
         return 1
     with_pins = bool(getattr(args, "pins", False))
+    key = getattr(args, "session", None)
+    if key is not None:  # the pins of one client's session key, hashed as the edge hashes it
+        wanted = sessions_of_key(key, [m.name for m in config.models])
+        report = dataclasses.replace(
+            report, pins=tuple(p for p in report.pins if p.session in wanted)
+        )
+        with_pins = True
     if getattr(args, "json", False):
         print(json.dumps(report_json(report, with_pins=with_pins), indent=2))
     else:
@@ -69,16 +72,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _quiet(_: Exception) -> None:
-    return None  # a CLI reports one clear error, not nats-py's retry tracebacks
-
-
 async def _read(config: Config) -> StateReport:
-    options: dict[str, Any] = natsconn.connect_options(config.nats, "llmgw-state")
-    # One attempt per server: a tool must fail fast rather than wait for a server forever.
-    options.update(max_reconnect_attempts=1, reconnect_time_wait=0.1, error_cb=_quiet)
-    async with asyncio.timeout(config.nats.connect_timeout * 2 + 5):
-        nc = await nats.connect(**options)
+    nc = await natsconn.connect_tool(config.nats, "llmgw-state")
     try:
         return await read_report(nc, config)
     finally:

@@ -27,6 +27,7 @@ from llmgw.nats_embedded import EmbeddedNats, NatsServerError, port_is_free
 from llmgw.runtime import load_or_exit
 from llmgw.services.up.devkey import create_dev_key
 from llmgw.services.up.nats_keeper import NatsKeeper, node_label
+from llmgw.services.up.offset import write_shifted
 from llmgw.services.up.plan import (
     CLUSTER_NAME,
     NatsPlan,
@@ -48,6 +49,18 @@ _ANY_HOSTS = {"", "0.0.0.0", "::"}
 
 def run(args: argparse.Namespace) -> int:
     config_path = str(getattr(args, "config", None) or DEFAULT_CONFIG)
+    offset = int(getattr(args, "port_offset", None) or 0)
+    if not offset:
+        return _run(args, config_path)
+    load_or_exit(config_path)  # the original's errors, under its own name
+    moved = write_shifted(config_path, offset)
+    try:
+        return _run(args, moved)
+    finally:
+        os.unlink(moved)
+
+
+def _run(args: argparse.Namespace, config_path: str) -> int:
     config = load_or_exit(config_path)
     try:
         nats_plan = plan_nats(config, getattr(args, "nats_cluster", None))

@@ -53,7 +53,12 @@ def load_config(path: str | Path | None, env: Mapping[str, str] | None = None) -
     try:
         text = Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise ConfigError(source, ["no such file"]) from None
+        if Path(path).is_absolute():
+            raise ConfigError(source, ["no such file"]) from None
+        raise ConfigError(
+            source,
+            [f"no such file in {Path.cwd()} (pass --config PATH, or run from the repository root)"],
+        ) from None
     except IsADirectoryError:
         raise ConfigError(source, ["is a directory, not a file"]) from None
     except (OSError, UnicodeDecodeError) as exc:

@@ -31,6 +31,7 @@ from pydantic_settings import (
 from llmgw.config.addresses import parse_hostport
 from llmgw.config.catalog import EndpointConfig, Limits, ModelConfig, ProviderConfig, ProviderModel
 from llmgw.config.common import MASK, SLUG_PATTERN, ConfigWarning, Name, fail
+from llmgw.config.observability import EventsConfig, LogConfig, MetricsConfig, TracingConfig
 from llmgw.config.sections import (
     AdmissionConfig,
     AuthConfig,
@@ -59,8 +60,11 @@ __all__ = [
     "Config",
     "ConfigWarning",
     "EndpointConfig",
+    "EventsConfig",
     "Limits",
+    "LogConfig",
     "MappingEnvSource",
+    "MetricsConfig",
     "ModelConfig",
     "NatsConfig",
     "NatsTls",
@@ -73,6 +77,7 @@ __all__ = [
     "ScoringConfig",
     "TimeoutOverrides",
     "Timeouts",
+    "TracingConfig",
     "default_bands",
     "default_profiles",
 ]
@@ -125,6 +130,10 @@ class Config(BaseSettings):
     pinning: PinningConfig = Field(default_factory=PinningConfig)
     balancer: BalancerConfig = Field(default_factory=BalancerConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
+    log: LogConfig = Field(default_factory=LogConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    events: EventsConfig = Field(default_factory=EventsConfig)
+    tracing: TracingConfig = Field(default_factory=TracingConfig)
     models: list[ModelConfig] = Field(min_length=1)
     providers: list[ProviderConfig] = Field(min_length=1)
     endpoints: list[EndpointConfig] = Field(min_length=1)

@@ -111,6 +111,11 @@ class RouterConfig(StrictModel):
     # is a 431 (OpenAI-shaped), before anything else is looked at.
     max_header_count: int = Field(100, ge=8)
     max_header_bytes: int = Field(32_768, ge=1024)
+    # An edge's stop (SIGTERM): /ready is false but requests are still served for drain_delay
+    # (a load balancer notices), then running requests get up to drain_timeout to end before
+    # the edge ends them (services/edge/drain.py).
+    drain_delay: Duration = 2.0
+    drain_timeout: PositiveDuration = 20.0
     # The JetStream KV bucket (memory storage) where the scraper keeps each endpoint's latest
     # load report (llmgw.load).
     load_bucket: str = Field("llmgw_load", pattern=r"^[A-Za-z0-9_-]+$")

@@ -278,26 +278,14 @@ def key_pair(key_id: str) -> tuple[str, str]:
     return (KEY_QUOTA_PROVIDER, key_id)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class KeyLimits:
     """A key's `max_parallel_requests` as the limits of its quota pair (`key_pair`), so the
     admission instances share it exactly as they share a provider's in-flight slots
-    (`llmgw.core.quota`): G = the limit, nothing reserved, no pins."""
+    (`llmgw.core.quota`): G = the limit, nothing reserved, no pins. `KeyLimits(limit)`."""
 
-    max_parallel_requests: int
-
-    @property
-    def max_global_in_flight_request_slots(self) -> int:
-        return self.max_parallel_requests
-
-    @property
-    def global_in_flight_request_slots_reserved_for_pinned_sessions(self) -> int:
-        return 0
-
-    @property
-    def max_pinned_sessions(self) -> int:
-        return 0
-
-    @property
-    def max_per_session_in_flight_request_slots(self) -> int:
-        return self.max_parallel_requests
+    max_global_in_flight_request_slots: int
+    global_in_flight_request_slots_reserved_for_pinned_sessions: int = 0
+    max_pinned_sessions: int = 0
+    # Key leases are never listed in a pin of the key's pair: no per-session bound there.
+    max_per_session_in_flight_request_slots: int = 2**31

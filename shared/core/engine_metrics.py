@@ -288,7 +288,7 @@ def _skip_blanks(line: str, position: int) -> int:
 
 def _parse_label_value(line: str, position: int) -> tuple[str, int]:
     """A quoted label value from just after the opening quote; returns it and the next position."""
-    chars = []
+    chars: list[str] = []
     while position < len(line):
         char = line[position]
         if char == '"':

@@ -37,9 +37,12 @@ import enum
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 from llmgw.core.apikeys import KeyLimits, key_pair
 from llmgw.core.quota import PairLimits, Quota
+
+K = TypeVar("K")
 
 __all__ = [
     "CapacityError",
@@ -96,6 +99,8 @@ class PinRecord:
     stored_refreshed_at: float  # the refreshed_at its stored value carries
     revision: int = 0
     leases: set[str] = field(default_factory=set)
+    uses: int = 0  # leases ever listed in it (1: a one-shot conversation so far)
+    endpoint: str | None = None  # where its last request runs or ran (its prefix cache)
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,13 +277,22 @@ class Ledger:
         return limit is not None and len(pin.leases) >= limit
 
     def evictable(self, provider: str, model: str, now: float, min_idle: float) -> PinRecord | None:
-        """The least recently used pin of the pair without leases, idle >= `min_idle`."""
+        """The least recently used pin of the pair without leases that either served one
+        request only (a one-shot conversation so far) or has been idle >= `min_idle`.
+
+        One-shot traffic therefore never fills a pin table: its pins make room as soon as their
+        request ended. Cost: a scan of the pair's idle pins, oldest first, that stops at the
+        first candidate (the idle ones are oldest, so it stops at once when the oldest pin has
+        been idle long enough).
+        """
         idle = self._idle.get((provider, model))
         if not idle:
             return None
-        key = next(iter(idle))
-        pin = self.pins[key]
-        return pin if now - pin.last_used >= min_idle else None
+        for key in idle:
+            pin = self.pins[key]
+            if pin.uses <= 1 or now - pin.last_used >= min_idle:
+                return pin
+        return None
 
     def endpoint_leases(self, endpoint: str) -> int:
         """Live leases of this instance's requests on `endpoint` (its own exact inflight)."""
@@ -334,6 +348,7 @@ class Ledger:
             now,
             pin.stored_refreshed_at,
             revision=pin.revision,
+            uses=pin.uses,
         )
         self._add_pin(moved, now)
         return moved
@@ -438,6 +453,8 @@ class Ledger:
         self._add_lease(lease)
         if pin is not None:
             self._list(pin, lease_id)
+            if endpoint is not None:
+                pin.endpoint = endpoint
         self.observer.lease_granted(lease, quota, before)
         return lease
 
@@ -457,6 +474,7 @@ class Ledger:
             if idle is not None:
                 idle.pop((pin.model, pin.session), None)
         pin.leases.add(lease_id)
+        pin.uses += 1
 
     def _unlist(self, pin: PinRecord, lease_id: str) -> None:
         pin.leases.discard(lease_id)
@@ -483,15 +501,8 @@ class Ledger:
         use.leases -= 1
         use.unreserved -= lease.unreserved
         self._count_key(lease, -1)
-        for index, key in (
-            (self._shard_leases, lease.shard),
-            (self._edge_leases, (lease.edge, lease.shard)),
-        ):
-            members = index.get(key)  # type: ignore[call-overload]
-            if members is not None:
-                members.discard(lease.lease_id)
-                if not members:
-                    del index[key]  # type: ignore[arg-type]
+        _discard(self._shard_leases, lease.shard, lease.lease_id)
+        _discard(self._edge_leases, (lease.edge, lease.shard), lease.lease_id)
         if lease.endpoint is not None:
             self._count_endpoint(lease.endpoint, -1)
         if lease.session is not None:
@@ -614,8 +625,17 @@ class Ledger:
             before = (use.leases, use.unreserved, use.pins)
             self._add_lease(lease)
             if lease.session is not None:
-                pin = self.pins.get((lease.model, lease.session))
-                if pin is not None and pin.pin_id == lease.pin_id:
-                    self._list(pin, lease.lease_id)
+                held = self.pins.get((lease.model, lease.session))
+                if held is not None and held.pin_id == lease.pin_id:
+                    self._list(held, lease.lease_id)
             self.observer.lease_adopted(lease, quota, before)
         return refused_leases, refused_pins
+
+
+def _discard(index: dict[K, set[str]], key: K, lease_id: str) -> None:
+    """Drop `lease_id` from index[key], and the key once its set is empty."""
+    members = index.get(key)
+    if members is not None:
+        members.discard(lease_id)
+        if not members:
+            del index[key]

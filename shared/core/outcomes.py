@@ -30,6 +30,7 @@ class Outcome(enum.StrEnum):
     QUEUE_TIMEOUT = "queue_timeout"  # flow control: waited admission.queue_ttl without a grant
     INVALID_API_KEY = "invalid_api_key"  # auth.mode keys: missing, unknown, revoked, expired
     RATE_LIMITED = "rate_limited"  # the key's rpm or tpm is used up in the current window
+    SHUTTING_DOWN = "shutting_down"  # the edge stopped and its drain deadline ended the request
 
 
 class Refusal(enum.StrEnum):
@@ -80,6 +81,9 @@ ERROR_SHAPES: dict[Outcome, ErrorShape] = {
     Outcome.UPSTREAM_ERROR: ErrorShape(502, "upstream_error", "upstream_error"),
     Outcome.UPSTREAM_BROKEN_STREAM: ErrorShape(502, "upstream_error", "upstream_broken_stream"),
     Outcome.LEASE_LOST: ErrorShape(503, "service_unavailable", "lease_lost", retry_after=True),
+    Outcome.SHUTTING_DOWN: ErrorShape(
+        503, "service_unavailable", "shutting_down", retry_after=True
+    ),
     # Flow control (docs/architecture.md, "Status codes"): a full queue is back-pressure the
     # client should slow down for (429, what OpenAI clients retry with backoff); a request that
     # waited queue_ttl found the service overloaded (503). Both carry Retry-After.

@@ -12,7 +12,8 @@ Seed 000, step for step (the names in brackets are the seed's):
 - no session: the first usable provider with room runs it once [execute_request_without_pinning];
 - no pin: the first usable provider with pin and request room gets the session's pin
   [execute_not_yet_pinned_request]; a full pin table evicts its least recently used idle pin
-  (`ProviderState.evictable`) instead of refusing;
+  that served one request, or has been idle `min_idle_before_evict` (`ProviderState.evictable`,
+  `llmgw.core.ledger.Ledger.evictable`) instead of refusing;
 - a pin on a provider that no longer serves the model, or is degraded: the pin moves to the next
   usable provider with room [try_repin_to_other_provider_and_retry_execute];
 - a pin whose session or provider is at its in-flight limit: the request runs elsewhere once and
@@ -23,26 +24,38 @@ Beyond the seed:
 
 - *return home*: a session pinned to a lower-priority provider (a third party, or a lower
   managed provider) moves back to a higher-priority managed provider that is usable, has pin
-  and request room, is not busier than ``return_home_saturation``, once the pin has stayed put
+  room (or an evictable pin, see `ProviderState.evictable`) and request room, is not busier than ``return_home_saturation``, once the pin has stayed put
   for ``return_home_after`` seconds (hysteresis: pins do not flap);
 - *failures move across providers*: a retry whose pinned provider has no endpoint left to try
   (they failed for this request) runs once on the next provider while the pin stays;
 - *flow control's overflow*: the managed pool is above the band's ceiling, so the request runs on
   the first usable unlimited provider now; no pin is created or moved;
-- *endpoint choice* (managed providers, strategy "score"): a session's request goes to its
-  replica by consistent hashing with bounded loads (llmgw.core.affinity) within the highest
-  priority tier that is not saturated; a request without a session to the lowest score
-  max(saturation, inflight / capacity). An *interactive* request (its band's flag) never goes to
-  an endpoint without a free batch slot while another usable endpoint of the provider has one:
-  queueing behind a full batch costs more than a prefix-cache miss. Strategy "rate" (unlimited
-  providers): a weighted draw by the rate balancer's weights (computed by the caller, which also
-  caps exploration).
+- *endpoint choice* (managed providers, strategy "score"), within the highest priority tier of
+  endpoints that is not saturated:
+
+  - a session's request goes to its *home replica*: the endpoint its last request ran on (the
+    pin remembers it; its prefix cache holds the conversation), or for a pin whose endpoint is
+    unknown (taken over from a crashed instance) its consistent-hashing home. The home keeps it
+    while it has a free batch slot (leaving would cost the cache and gain nothing), or while it
+    is within the load bound: at most ``session_load_factor`` times its share, by batch
+    capacity, of the tier's load (bounded loads, Mirrokni et al., weighted by capacity).
+    Otherwise it goes to the endpoint with the most room (`AffinityBreak` says why);
+  - work with no cache of its own there (no session, or a session's first request on this
+    provider, e.g. a one-shot conversation) goes to the endpoint with the most room: a free
+    batch slot first, then the lowest score max(saturation, inflight / capacity), ties broken
+    by the session's ring order so that idle endpoints share new sessions;
+  - an *interactive* request (its band's flag) never goes to an endpoint without a free batch
+    slot while another usable endpoint of the provider has one: queueing behind a full batch
+    costs more than a prefix-cache miss.
+
+  Strategy "rate" (unlimited providers): a weighted draw by the rate balancer's weights
+  (computed by the caller, which also caps exploration).
 
 Properties (tests/core/test_placement.py, hypothesis):
 
-- a session's home replica is kept whenever it is usable and has room under the load bound,
-  unless the request is interactive, the home has no free batch slot and another usable
-  endpoint of the provider has one;
+- a session's home replica is kept whenever it has a free batch slot, or has room under the
+  load bound unless the request is interactive and another usable endpoint of the provider has
+  a free slot; work without a cache of its own starts where there is most room;
 - no interactive request is placed on an endpoint without a free batch slot while another usable
   endpoint of the same provider has one;
 - an unlimited provider is chosen only when no managed provider can take the request now (usable,
@@ -53,10 +66,11 @@ Properties (tests/core/test_placement.py, hypothesis):
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from llmgw.core.affinity import HashRing, bounded_load_choice
+from llmgw.core.affinity import HashRing
 from llmgw.core.ledger import LeaseKind, Room
 from llmgw.core.outcomes import Refusal
 
@@ -86,6 +100,7 @@ class Route(enum.StrEnum):
     TEMPORARY = "temporary"  # ran elsewhere this once (limit or failure); the pin stays
     UNPINNED = "unpinned"  # no session (e.g. embeddings)
     OVERFLOW = "overflow"  # flow control: the managed pool was saturated; ran on a third party
+    LOCAL = "local"  # decided by the edge alone while NATS was unreachable (llmgw.core.outage)
 
 
 class PinAction(enum.StrEnum):
@@ -155,11 +170,12 @@ class ProviderState:
 @dataclass(frozen=True, slots=True)
 class PinState:
     """The session's pin: where, whether its session is at its in-flight limit, since when it is
-    where it is."""
+    where it is, and the endpoint its last request ran on (its prefix cache; None: unknown)."""
 
     provider: str
     full: bool
     since: float
+    endpoint: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,7 +258,9 @@ def place(snapshot: Snapshot, request: PlacementRequest) -> Outcome:
         return _temporary(snapshot, request, current.id, Route.TEMPORARY, "session_limit")
     if not current.room.pinned:
         return _temporary(snapshot, request, current.id, Route.TEMPORARY, "global_limit")
-    chosen = _endpoint(current, request.session, request, snapshot.settings)
+    chosen = _endpoint(
+        current, request.session, request, snapshot.settings, pin.endpoint, pinned=True
+    )
     if chosen is None:  # every endpoint failed for this request: elsewhere once
         return _temporary(snapshot, request, current.id, Route.TEMPORARY, "endpoint_failed")
     return Placement(
@@ -328,8 +346,8 @@ def _return_home(
             return None  # only providers ahead of the current one are "home"
         if not provider.managed or provider.saturation > settings.return_home_saturation:
             continue
-        if not can_take_now(provider, LeaseKind.NEW_PIN, new_pin=True) or not provider.room.pin:
-            continue
+        if not can_take_now(provider, LeaseKind.NEW_PIN, new_pin=True):
+            continue  # (pin room, or an evictable pin, and request room)
         chosen = _endpoint(provider, request.session, request, settings)
         if chosen is None:
             continue
@@ -339,6 +357,7 @@ def _return_home(
             Route.RETURNED_HOME,
             LeaseKind.NEW_PIN,
             PinAction.MOVE,
+            evict=not provider.room.pin,
             reason="return_home",
             affinity_break=chosen[1],
         )
@@ -350,6 +369,8 @@ def _endpoint(
     session: str | None,
     request: PlacementRequest,
     settings: PlacementSettings,
+    home: str | None = None,
+    pinned: bool = False,
 ) -> tuple[str, AffinityBreak | None] | None:
     candidates = [e for e in provider.endpoints if e.usable]
     if not candidates:
@@ -358,7 +379,9 @@ def _endpoint(
         return _weighted(candidates, request.draw), None
     if not provider.managed:
         return max(candidates, key=lambda e: e.priority).id, None
-    return _managed_endpoint(provider, candidates, session, request.interactive, settings)
+    return _managed_endpoint(
+        provider, candidates, session, request.interactive, settings, home, pinned
+    )
 
 
 def _weighted(candidates: Sequence[EndpointState], draw: float) -> str:
@@ -375,14 +398,38 @@ def _weighted(candidates: Sequence[EndpointState], draw: float) -> str:
     return next(e.id for e, w in zip(candidates, weights, strict=True) if w > 0)
 
 
+def _bound(endpoint: EndpointState, tier: Sequence[EndpointState], factor: float) -> int:
+    """Bounded loads by capacity: the most requests `endpoint` may hold with this one added,
+    ceil(factor * (tier's load + 1) * its share of the tier's batch slots)."""
+    load = sum(e.inflight for e in tier) + 1
+    slots = sum(e.capacity for e in tier)
+    return math.ceil(factor * load * endpoint.capacity / slots)
+
+
+def _best(endpoints: Sequence[EndpointState], walk: Sequence[str] = ()) -> EndpointState:
+    """Free batch slots first, then the lowest score, then the most free slots, then the
+    session's ring order (so equally idle endpoints share new sessions)."""
+    order = {endpoint: index for index, endpoint in enumerate(walk)}
+    return min(
+        endpoints,
+        key=lambda e: (
+            not e.free_slot,
+            e.score,
+            e.inflight - e.capacity,
+            order.get(e.id, len(order)),
+        ),
+    )
+
+
 def _managed_endpoint(
     provider: ProviderState,
     candidates: list[EndpointState],
     session: str | None,
     interactive: bool,
     settings: PlacementSettings,
+    home_hint: str | None = None,
+    pinned: bool = False,
 ) -> tuple[str, AffinityBreak | None]:
-    by_id = {e.id: e for e in candidates}
     tiers = sorted({e.priority for e in candidates}, reverse=True)
     tier: list[EndpointState] = []
     for priority in tiers:
@@ -391,36 +438,38 @@ def _managed_endpoint(
             break
     if not tier:
         tier = [e for e in candidates if e.priority == tiers[0]]
-    walk: list[str] = []
+    free = [e for e in candidates if e.free_slot]
+    if free:  # the free endpoints of the best tier that has one
+        top = max(e.priority for e in free)
+        free = [e for e in free if e.priority == top]
+    home: str | None = None
+    walk = provider.ring.walk(session) if session is not None and provider.ring else []
+    if session is not None and home_hint in {e.id for e in provider.endpoints}:
+        home = home_hint  # where the session's last request ran: its prefix cache
+    elif pinned and walk:
+        home = walk[0]  # a pin whose endpoint is unknown (adopted)
+    if home is None:
+        # No prefix cache of its own here (no session, or its first request here): the
+        # endpoint with the most room, so new work fills free slots first.
+        return _best(free if interactive and free else tier, walk).id, None
+    in_tier = {e.id: e for e in tier}
+    fits = [e for e in tier if e.inflight + 1 <= _bound(e, tier, settings.session_load_factor)]
+    fitting = {e.id for e in fits}
+    target = in_tier.get(home) if home is not None else None
     brk: AffinityBreak | None = None
-    if session is not None and provider.ring is not None:
-        walk = provider.ring.walk(session)
-        loads = {e.id: e.inflight for e in tier}
-        chosen_id = bounded_load_choice(
-            provider.ring, session, loads, settings.session_load_factor, [e.id for e in tier]
-        )
-        if chosen_id is None or chosen_id not in by_id:
-            chosen = min(tier, key=lambda e: e.score)
-        else:
-            chosen = by_id[chosen_id]
-        ideal = walk[0] if walk else chosen.id
-        if chosen.id != ideal:
-            brk = (
-                AffinityBreak.HOME_OVER_BOUND
-                if ideal in {e.id for e in tier}
-                else AffinityBreak.HOME_UNUSABLE
-            )
+    if target is None:
+        brk = AffinityBreak.HOME_UNUSABLE
+    elif target.free_slot:
+        pass  # a free batch slot at home: staying costs nothing, leaving costs its cache
+    elif target.id not in fitting:
+        brk = AffinityBreak.HOME_OVER_BOUND
+    elif interactive and free:
+        brk = AffinityBreak.HOME_BUSY
+    if brk is None:
+        assert target is not None
+        return target.id, None
+    if interactive and free:
+        pool = free
     else:
-        chosen = min(tier, key=lambda e: e.score)
-    if interactive and not chosen.free_slot:
-        free = [e for e in candidates if e.free_slot]
-        if free:
-            top = max(e.priority for e in free)
-            free = [e for e in free if e.priority == top]
-            if walk:
-                order = {endpoint: index for index, endpoint in enumerate(walk)}
-                chosen = min(free, key=lambda e: order.get(e.id, len(order)))
-                brk = AffinityBreak.HOME_BUSY if chosen.id != walk[0] else brk
-            else:
-                chosen = min(free, key=lambda e: e.score)
-    return chosen.id, brk
+        pool = fits or tier
+    return _best(pool).id, brk

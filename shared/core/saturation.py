@@ -13,8 +13,12 @@ Per endpoint:
 - inflight is the caller's count of requests on the endpoint now: the gateway's own exact
   accounting (grants not yet ended, by every admission instance) plus the engine's foreign load
   (requests the engine reports that the gateway did not send). Only what exceeds the batch
-  capacity is queued: queue = max(engine ``waiting`` (never more than inflight: the reading lags
-  a scrape), inflight - capacity);
+  slots is queued: queue = max(0, inflight - slots). The engine's reading is a scrape old, so
+  its ``waiting`` is not counted as such (a queue that has drained since would stay counted until
+  the next scrape: phantom load); it says how many the engine runs at once: while it reported
+  waiting requests, its slots are min(capacity, running) (it was holding requests back, e.g.
+  for KV blocks), otherwise its capacity. Without a running gauge, queue = max(min(waiting,
+  inflight), inflight - capacity);
 - saturation = max(queue / target_waiting, kv_usage / kv_ceiling), since either alone misleads.
 
 Engines that report only some of the gauges (no KV usage, no waiting count) or none (an
@@ -148,12 +152,18 @@ def endpoint_saturation(
     sample = load.sample if stale else fresh_sample(load, now, settings)
     waiting = sample.waiting if sample is not None and sample.waiting is not None else 0
     kv_usage = sample.kv_usage if sample is not None and sample.kv_usage is not None else 0.0
+    running = sample.running if sample is not None else None
     if inflight is None:
-        running = sample.running if sample is not None and sample.running is not None else 0
-        inflight = running + waiting
+        inflight = (running or 0) + waiting
+        queue = max(waiting, inflight - load.capacity)
+    elif running is not None:
+        # The reading is as old as the scrape, the count is now: the reading only says how many
+        # the engine runs at once (fewer than its slots while it holds requests back, e.g. for
+        # KV blocks), and the count says how many are there to run.
+        slots = min(load.capacity, running) if waiting > 0 else load.capacity
+        queue = max(0, inflight - slots)
     else:
-        waiting = min(waiting, inflight)
-    queue = max(waiting, inflight - load.capacity)
+        queue = max(min(waiting, inflight), inflight - load.capacity)
     saturation = max(queue / settings.target_waiting, kv_usage / settings.kv_ceiling)
     if stale:
         return max(STALE_SATURATION, saturation)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable
 from typing import Any
 
 from llmgw.core.requests import Feature
@@ -83,7 +84,8 @@ def session_id(
     feature_class = _FEATURE_CLASS.get(feature)
     if feature_class is None:
         return None
-    user = body.get("user") if isinstance(body.get("user"), str) else ""
+    raw_user = body.get("user")
+    user = raw_user if isinstance(raw_user, str) else ""
     explicit = header_key or user
     if explicit:
         return _digest("key", explicit, model, feature_class)
@@ -91,6 +93,16 @@ def session_id(
     if prefix is None:
         return None
     return _digest("prefix", user, model, feature_class, prefix)
+
+
+def sessions_of_key(key: str, models: Iterable[str]) -> dict[str, tuple[str, str]]:
+    """Every session id an explicit key (a session header's value, or `user`) maps to, with its
+    (model, feature class): how an operator finds a client's pins by what the client sent."""
+    return {
+        _digest("key", key, model, feature_class): (model, feature_class)
+        for model in models
+        for feature_class in sorted(set(_FEATURE_CLASS.values()))
+    }
 
 
 def tenant_id(authorization: str | None, user: str | None) -> str | None:

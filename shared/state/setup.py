@@ -36,3 +36,10 @@ async def open_load_bucket(nc: NATS, config: Config) -> NatsKV:
         history=LOAD_BUCKET_HISTORY,
         replicas=config.replicas_of(config.router.load_bucket),
     )
+
+
+async def open_events_stream(nc: NATS, config: Config) -> bool:
+    """The events stream over `llmgw.v1.events.>` (created or updated; never fails a start)."""
+    from llmgw.event_stream import ensure_events_stream
+
+    return await ensure_events_stream(nc.jetstream(), config)

@@ -144,7 +144,10 @@ def test_a_sweep_prints_the_knee_and_the_recommendation(capsys, threaded_engine,
     assert code == 0
     result = json.loads(path.read_text())
     assert result["kind"] == "sweep"
-    assert [level["concurrency"] for level in result["levels"]] == [1, 2, 4]
+    # Doubling until throughput stops growing: 1, 2 and 4 at least (4 gains nothing over the
+    # knee); on a noisy machine one more level may be needed to see the plateau.
+    levels = [level["concurrency"] for level in result["levels"]]
+    assert levels[:3] == [1, 2, 4] and levels in ([1, 2, 4], [1, 2, 4, 8]), levels
     rec = result["recommendation"]
     assert rec["knee_concurrency"] == 2 and rec["batch_capacity"] == 2
     assert "Knee at concurrency 2" in out and "2 (knee)" in out

@@ -40,13 +40,14 @@ def write_config(
 
 
 class Service:
-    """`python -m llmgw <command> --config F`, with its output collected line by line."""
+    """`python -m llmgw <command> [--config F] [args]`, its output collected line by line."""
 
-    def __init__(self, command: str, config: Path) -> None:
+    def __init__(self, command: str, config: Path | None, *args: str) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("LLMGW_")}
         env["PYTHONUNBUFFERED"] = "1"
+        options = ["--config", str(config)] if config is not None else []
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "llmgw", command, "--config", str(config)],
+            [sys.executable, "-m", "llmgw", *command.split(), *options, *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

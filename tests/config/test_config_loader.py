@@ -187,6 +187,7 @@ def test_public_api_is_exactly_all():
         "common",
         "durations",
         "loader",
+        "observability",
         "references",
         "schema",
         "sections",

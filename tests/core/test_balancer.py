@@ -129,3 +129,35 @@ def test_settings_are_validated():
         BalancerSettings(window=-1)
     with pytest.raises(ValueError, match="ratio"):
         BalancerSettings(input_to_output_token_ratio=0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    max_exploring=st.integers(1, 4),
+    workers=st.integers(1, 12),
+    seed=st.integers(0, 2**32 - 1),
+    finish=st.lists(st.booleans(), max_size=80),
+)
+def test_an_unexplored_deployment_never_has_more_than_max_exploring_requests_in_flight(
+    max_exploring, workers, seed, finish
+):
+    """Issue 9, observation 11: concurrent picks while an unexplored deployment's first sample
+    is out. Each pick counts as in flight until a drawn `finish` ends one; the unexplored
+    deployment's in-flight count never passes the cap, and the explored ones still get picks."""
+    rng = random.Random(seed)
+    rates = {"fast": [100.0, 110.0, 90.0], "slow": [60.0, 70.0, 65.0], "new": []}
+    inflight = Counter()
+    picks = Counter()
+    steps = iter(finish)
+    for _ in range(workers * 2):
+        chosen = choose(weights(rates, SETTINGS, inflight, max_exploring), rng)
+        inflight[chosen] += 1
+        picks[chosen] += 1
+        assert inflight["new"] <= max_exploring
+        if next(steps, False):  # a request ends, never the exploration (its sample is slow)
+            done = rng.choice([d for d in inflight if inflight[d] and d != "new"] or ["-"])
+            if done != "-":
+                inflight[done] -= 1
+    assert picks["new"] <= max_exploring
+    if workers * 2 > max_exploring:
+        assert picks["fast"] + picks["slow"] >= workers * 2 - max_exploring

@@ -138,9 +138,14 @@ class LedgerMachine(RuleBasedStateMachine):
     @rule(min_idle=st.floats(0, 100))
     def evict(self, min_idle):
         pin = self.ledger.evictable(*LIMITED, self.now, min_idle)
-        if pin is not None:
-            assert not pin.leases and self.now - pin.last_used >= min_idle
+        if pin is not None:  # a one-shot pin goes as soon as it is idle, any other after min_idle
+            assert not pin.leases and (pin.uses <= 1 or self.now - pin.last_used >= min_idle)
             self.ledger.remove_pin(pin, self.now, "evicted")
+        else:  # nothing idle qualifies
+            for key in self.ledger.pins:
+                other = self.ledger.pins[key]
+                if (other.provider, other.model) == LIMITED and not other.leases:
+                    assert other.uses > 1 and self.now - other.last_used < min_idle
 
     @precondition(lambda self: self.ledger.pins)
     @rule(data=st.data(), to=st.sampled_from([LIMITED, OPEN]))

@@ -1,8 +1,10 @@
 """Placement: seed 000 step for step, plus affinity, free batch slots and return home.
 
 Properties (hypothesis, over generated snapshots):
-- a session's home replica is kept whenever it is usable and within the load bound, unless the
-  request is interactive, the home has no free batch slot and another usable endpoint has one;
+- a session's home replica (where its last request ran) is kept whenever it has a free batch
+  slot, or is within the load bound (by capacity) unless the request is interactive and another
+  usable endpoint has a free slot; a request without a cache of its own there starts where there
+  is most room;
 - no interactive request lands on an endpoint without a free batch slot while another usable
   endpoint of the same provider has one;
 - an unlimited provider is chosen only when no managed provider can take the request now (or
@@ -162,34 +164,57 @@ def test_an_unlimited_provider_is_chosen_only_when_no_managed_one_can_take_it(sn
         assert not can_take_now(provider, kind, new_pin=needs_pin), (provider.id, outcome)
 
 
+def capacity_bound(endpoints, chosen, factor):
+    """Bounded loads by capacity, written out: ceil(factor * (load + 1) * share of slots)."""
+    load = sum(e.inflight for e in endpoints) + 1
+    return math.ceil(factor * load * chosen.capacity / sum(e.capacity for e in endpoints))
+
+
 @given(
-    inflights=st.lists(st.integers(0, 12), min_size=2, max_size=5),
-    capacity=st.integers(1, 12),
+    loads=st.lists(st.tuples(st.integers(0, 20), st.integers(1, 16)), min_size=2, max_size=5),
+    home_index=st.integers(0, 4),
     interactive=st.booleans(),
     session=st.text("0123456789abcdef", min_size=32, max_size=32),
     factor=st.sampled_from([1.0, 1.25, 1.5, 2.0]),
 )
 def test_a_session_keeps_its_home_replica_while_it_has_room(
-    inflights, capacity, interactive, session, factor
+    loads, home_index, interactive, session, factor
 ):
-    endpoints = [endpoint(f"e{i}", n, capacity) for i, n in enumerate(inflights)]
+    endpoints = [endpoint(f"e{i}", n, c) for i, (n, c) in enumerate(loads)]
     iris = managed("iris", endpoints)
+    home = endpoints[home_index % len(endpoints)]
     settings = PlacementSettings(session_load_factor=factor)
     outcome = place(
-        snap(iris, pin=PinState("iris", False, NOW), settings=settings),
+        snap(iris, pin=PinState("iris", False, NOW, home.id), settings=settings),
         PlacementRequest(session, interactive),
     )
     assert isinstance(outcome, Placement) and outcome.route is Route.PINNED
-    home = iris.ring.walk(session)[0]
-    load = {e.id: e.inflight for e in endpoints}
-    bound = math.ceil(factor * (sum(load.values()) + 1) / len(endpoints))
-    has_room = load[home] + 1 <= bound
-    home_free = load[home] < capacity
-    someone_free = any(n < capacity for n in load.values())
-    if has_room and (not interactive or home_free or not someone_free):
-        assert outcome.endpoint == home and outcome.affinity_break is None
-    if outcome.endpoint != home:
-        assert outcome.affinity_break is not None
+    has_room = home.inflight + 1 <= capacity_bound(endpoints, home, factor)
+    someone_free = any(e.free_slot for e in endpoints)
+    if home.free_slot or (has_room and (not interactive or not someone_free)):
+        assert outcome.endpoint == home.id and outcome.affinity_break is None
+    else:
+        assert outcome.endpoint != home.id and outcome.affinity_break is not None
+        moved_to = next(e for e in endpoints if e.id == outcome.endpoint)
+        if someone_free:
+            assert moved_to.free_slot  # it leaves its cache only for a batch slot that is free
+
+
+@given(
+    loads=st.lists(st.tuples(st.integers(0, 20), st.integers(1, 16)), min_size=2, max_size=5),
+    interactive=st.booleans(),
+    session=st.one_of(st.none(), st.text("0123456789abcdef", min_size=32, max_size=32)),
+)
+def test_work_without_a_cache_here_starts_where_there_is_most_room(loads, interactive, session):
+    endpoints = [endpoint(f"e{i}", n, c) for i, (n, c) in enumerate(loads)]
+    outcome = place(snap(managed("iris", endpoints)), PlacementRequest(session, interactive))
+    assert isinstance(outcome, Placement) and outcome.affinity_break is None
+    chosen = next(e for e in endpoints if e.id == outcome.endpoint)
+    if any(e.free_slot for e in endpoints):
+        assert chosen.free_slot  # nothing of its own to lose: it never starts in a queue
+        assert chosen.score == min(e.score for e in endpoints if e.free_slot)
+    else:
+        assert chosen.score == min(e.score for e in endpoints)
 
 
 # ---- seed 000, route by route -----------------------------------------------------------------
@@ -325,18 +350,15 @@ def test_nothing_serves_the_model_or_everything_is_full():
 
 
 def test_an_interactive_request_leaves_a_full_home_for_a_free_slot_and_says_why():
-    # Home e1 is full (8 of 8) but within the load bound (ceil(1.25 * 16 / 2) = 10); e2 has one
-    # free slot.
+    # Home e1 (where the session's last request ran) is full (8 of 8) but within the load bound
+    # (ceil(1.25 * 16 / 2) = 10); e2 has one free slot.
     endpoints = [endpoint("e1", 8, 8), endpoint("e2", 7, 8)]
     iris = managed("iris", endpoints)
     session = next(s for s in (f"{i:032x}" for i in range(100)) if iris.ring.walk(s)[0] == "e1")
-    batch = place(
-        snap(iris, pin=PinState("iris", False, NOW)), PlacementRequest(session, interactive=False)
-    )
+    pin = PinState("iris", False, NOW, "e1")
+    batch = place(snap(iris, pin=pin), PlacementRequest(session, interactive=False))
     assert isinstance(batch, Placement) and batch.endpoint == "e1"  # keeps its prefix cache
-    interactive = place(
-        snap(iris, pin=PinState("iris", False, NOW)), PlacementRequest(session, interactive=True)
-    )
+    interactive = place(snap(iris, pin=pin), PlacementRequest(session, interactive=True))
     assert isinstance(interactive, Placement)
     assert interactive.endpoint == "e2" and interactive.affinity_break is AffinityBreak.HOME_BUSY
 

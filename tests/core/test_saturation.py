@@ -48,13 +48,16 @@ def fresh(
     ("load", "inflight", "expected"),
     [
         (fresh(), 0, 0.0),
-        (fresh(running=8, waiting=2), 8, 0.5),  # waiting 2 / target 4
+        (fresh(running=8, waiting=2), 10, 0.5),  # 2 beyond the 8 it runs / target 4
         (fresh(running=8, kv_usage=0.4), 8, 0.5),  # kv 0.4 / ceiling 0.8
         (fresh(running=8, waiting=2, kv_usage=0.72), 8, 0.9),  # the worse of the two
         # router inflight counts running requests too: only what exceeds capacity is queued
         (fresh(running=8), 10, 0.5),
         (fresh(running=8), 16, 2.0),  # burst of grants the engine has not seen yet
-        (fresh(running=8, waiting=3), 9, 0.75),  # engine waiting exceeds inflight excess
+        # the engine held requests back with slots free (KV): it runs 5 at once, 3 of 8 wait
+        (fresh(running=5, waiting=3, capacity=8), 8, 0.75),
+        # the queue the scrape saw has drained since: the count says so (no phantom load)
+        (fresh(running=8, waiting=4), 6, 0.0),
         (fresh(running=2, capacity=8), 8, 0.0),  # capacity is the high-water mark, not last running
         (fresh(), 4, 1.0),  # cold start: nothing learned, all inflight counts as queued
     ],
@@ -65,7 +68,8 @@ def fresh(
         "worse-of-both",
         "inflight-excess",
         "grant-burst",
-        "engine-waiting-wins",
+        "engine-holding-back",
+        "drained-since-the-scrape",
         "learned-capacity",
         "cold-start",
     ],

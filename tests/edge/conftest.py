@@ -17,12 +17,26 @@ from llmgw.services.sim.params import EngineParams
 from llmgw.serving import RunningServer, free_port, start_server
 
 
+class HeaderRecorder:
+    """ASGI middleware around an engine: the headers of every POST it received."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.seen: list[dict[str, str]] = []
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            self.seen.append({k.decode(): v.decode() for k, v in scope["headers"]})
+        await self.app(scope, receive, send)
+
+
 @dataclass
 class Gateway:
     config: Config
     edge: Edge
     admission_handle: Admission | None
     engines: dict[str, RunningServer]
+    received: dict[str, HeaderRecorder]  # per engine: the headers of what it was sent
 
     @property
     def url(self) -> str:
@@ -116,23 +130,31 @@ def engine_params() -> EngineParams:
     return EngineParams.zero_delay()
 
 
+@pytest.fixture
+def tracers() -> tuple[Any, Any]:
+    """The (edge, admission) `llmgw.tracing.Tracing` of `gateway`; none by default."""
+    return None, None
+
+
 @pytest_asyncio.fixture
 async def gateway(
-    nats_url: str, engine_params: EngineParams, unique_id: str
+    nats_url: str, engine_params: EngineParams, unique_id: str, tracers: tuple[Any, Any]
 ) -> AsyncIterator[Gateway]:
     """Edge + one admission instance + two simulated engines and a third 'deployment'."""
-    engines = {}
+    engines, received = {}, {}
     for seed, name in enumerate(("engine-1", "engine-2", "tensorx-1")):
         params = engine_params.model_copy(update={"seed": seed})
-        engines[name] = await start_server(create_engine_app(params, ["m1", "m2"]))
+        received[name] = HeaderRecorder(create_engine_app(params, ["m1", "m2"]))
+        engines[name] = await start_server(received[name])
     config = gateway_config(
         nats_url, {k: v.url for k, v in engines.items()}, f"routing_{unique_id}"
     )
+    edge_tracing, admission_tracing = tracers
     admission = await start_admission(
-        config, nats_url, instance="admission-test", follow_load=False
+        config, nats_url, instance="admission-test", follow_load=False, tracing=admission_tracing
     )
-    edge = await start_edge(config, nats_url, edge_id="edge-test")
-    gw = Gateway(config, edge, admission, engines)
+    edge = await start_edge(config, nats_url, edge_id="edge-test", tracing=edge_tracing)
+    gw = Gateway(config, edge, admission, engines, received)
     try:
         yield gw
     finally:

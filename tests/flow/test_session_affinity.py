@@ -1,16 +1,17 @@
-"""Admission keeps a session on its engine replica (bounded-load consistent hashing), with flow
-control on: the reservation flow control makes is the one placement chose, so it never pushes a
+"""Admission keeps a session on its engine replica (where its last request ran; a new session
+starts where there is most room, ties broken by consistent hashing), with flow control on: the reservation flow control makes is the one placement chose, so it never pushes a
 session off its home."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import Counter
 
 import pytest
 from rig import ENDPOINTS, admitted, open_rig
 
-from llmgw.wire import REQUEST_STATS_SUBJECT, RequestEnded
+from llmgw.wire import REQUEST_STATS_SUBJECT, FailedAttempt, RequestEnded
 
 
 @pytest.fixture(params=[True, False], ids=["flow-control-on", "flow-control-off"])
@@ -75,8 +76,69 @@ async def test_a_busy_replica_sends_its_sessions_next_door(rig):
     session = "a" * 32
     home = await place(rig, session)
     other = next(e for e in ENDPOINTS if e != home)
-    # The home replica runs 7 (not saturated: capacity 8), the other 1: the bound is
-    # ceil(1.25 * (8 + 1) / 2) = 6, so the session spills to the other replica.
-    await rig.report(home, running=7, capacity=8)
+    # The home replica runs all its 8 slots and queues 2 (not saturated), the other runs 1: the
+    # bound is ceil(1.25 * (10 + 1) * 8 / 16) = 7, so the session spills to the other replica.
+    # (With a free slot at home it would stay: leaving costs its prefix cache, gains nothing.)
+    await rig.report(home, running=8, waiting=2, capacity=8)
     await rig.report(other, running=1, capacity=8)
     assert await place(rig, session) == other
+
+
+@contextlib.asynccontextmanager
+async def limited_rig(nats_url, unique_id, *, pins: int, per_session: int):
+    """A rig whose `iris` has limits (10 requests in flight, 2 reserved), idle engines."""
+    limits = {
+        "max_pinned_sessions": pins,
+        "max_global_in_flight_request_slots": 10,
+        "global_in_flight_request_slots_reserved_for_pinned_sessions": 2,
+        "max_per_session_in_flight_request_slots": per_session,
+    }
+    rig = await open_rig(nats_url, unique_id, limits=limits)
+    try:
+        await rig.report_all(running=0, capacity=8)
+        yield rig
+    finally:
+        await rig.close()
+
+
+async def test_a_retry_never_finds_its_own_session_at_the_limit(nats_url, unique_id):
+    """Issue 9, observation 10: the failed attempt's lease is released with the retry's
+    decision (one step), so a session at its in-flight limit retries on its pin, not elsewhere."""
+    async with limited_rig(nats_url, unique_id, pins=10, per_session=1) as rig:
+        session = "c" * 32
+        first = await rig.ask(session=session, band="gold")
+        assert admitted(first) and first.target.provider == "iris"
+        request = rig.request(session=session, band="gold").model_copy(
+            update={
+                "retry_of": first.lease.lease_id,
+                "failed": FailedAttempt(
+                    attempt=first.id,
+                    endpoint=first.target.endpoint,
+                    outcome="upstream_unreachable",
+                ),
+            }
+        )
+        retry, _ = await rig.client.admit(request)
+        assert admitted(retry)
+        assert (retry.target.provider, retry.route) == ("iris", "pinned"), retry
+        assert first.lease.lease_id not in rig.admissions[0].ledger.leases
+
+
+async def test_a_full_pin_table_evicts_a_one_shot_pin_but_keeps_conversations(nats_url, unique_id):
+    """Pins that one-shot traffic cannot exhaust: with the table full, a new session evicts the
+    least recently used pin that served one request; a table of conversations (two requests
+    each, idle less than min_idle_before_evict) sends it to the third party, counted by why."""
+    async with limited_rig(nats_url, unique_id, pins=2, per_session=2) as rig:
+        service = rig.admissions[0]
+        await place(rig, "1" * 32)  # a one-shot conversation so far
+        for _ in range(2):
+            await place(rig, "2" * 32)  # a conversation
+        await place(rig, "3" * 32)  # evicts 1's pin, not 2's
+        pinned = {pin.session for pin in service.ledger.pins.values()}
+        assert pinned == {"2" * 32, "3" * 32}
+        assert service.metrics.pins_evicted.labels("iris")._value.get() == 1
+        await place(rig, "3" * 32)  # now both pins are conversations
+        reply = await rig.ask(session="4" * 32, band="gold")
+        assert admitted(reply) and (reply.target.provider, reply.route) == ("tensorx", "new_pin")
+        offloads = service.metrics.offloads.labels("tensorx", "no_managed_room")._value.get()
+        assert offloads == 1

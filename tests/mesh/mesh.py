@@ -36,13 +36,19 @@ def small_limits(pinned: int = 5, slots: int = 8, reserved: int = 2, per_session
 
 
 def mesh_config(
-    nats_url: str, bucket: str, urls: dict[str, str], limits: dict | None = None, **admission: Any
+    nats_url: str,
+    bucket: str,
+    urls: dict[str, str],
+    limits: dict | None = None,
+    replicas: int = 1,
+    **admission: Any,
 ) -> Config:
-    """Managed providers a and b (one engine each, small limits) and unlimited c."""
+    """Managed providers a and b (one engine each, small limits) and unlimited c; every bucket
+    on `replicas` replicas (3 on a NATS cluster)."""
     limits = limits or small_limits()
     return config_from_dict(
         {
-            "nats": {"url": nats_url, "request_timeout": "2s"},
+            "nats": {"url": nats_url, "request_timeout": "2s", "replicas": replicas},
             "router": {"scrape_interval": "200ms", "load_bucket": f"load_{bucket}"},
             "timeouts": {
                 "dial": "1s",
@@ -170,6 +176,7 @@ async def start_mesh(
     edges: int = 2,
     engine_params: EngineParams | None = None,
     limits: dict | None = None,
+    replicas: int = 1,
     **admission: Any,
 ) -> Mesh:
     params = engine_params or EngineParams.zero_delay(itl_base="2ms", max_num_seqs=64)
@@ -179,7 +186,7 @@ async def start_mesh(
             create_engine_app(params.model_copy(update={"seed": seed}), [MODEL])
         )
     config = mesh_config(
-        nats_url, bucket, {k: v.url for k, v in engines.items()}, limits, **admission
+        nats_url, bucket, {k: v.url for k, v in engines.items()}, limits, replicas, **admission
     )
     audit = AuditLog()
     cluster = Cluster(config, nats_url, observer_for=audit.observer)

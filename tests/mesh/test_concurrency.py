@@ -111,9 +111,9 @@ async def _quiet(mesh: Mesh, timeout: float) -> None:
         await asyncio.sleep(0.1)
 
 
-async def _run(nats_client, nats_url, unique_id, seconds, *, churn=True, tamper=None):
+async def _run(nats_client, nats_url, unique_id, seconds, *, churn=True, tamper=None, **options):
     bucket = f"soak_{unique_id}"
-    mesh = await start_mesh(nats_url, bucket)
+    mesh = await start_mesh(nats_url, bucket, **options)
     await mesh.cluster.balanced()
     if tamper is not None:
         tamper(mesh)
@@ -170,7 +170,7 @@ async def test_limits_pins_and_leases_hold_under_concurrency_churn_and_chaos(
     r = mesh.limits[("a", MODEL)].global_in_flight_request_slots_reserved_for_pinned_sessions
     assert min(lease_peaks["a"], lease_peaks["b"]) >= g - r, lease_peaks
     assert max(pin_peaks["a"], pin_peaks["b"]) >= p, pin_peaks
-    assert len(on_managed) == 3 and sum(on_managed.values()) > 200, on_managed
+    assert len(on_managed) == 3 and sum(on_managed.values()) > 100, on_managed
     assert adopted, "no lease moved between instances (handover or adoption)"
     assert outcomes[200] > 1_000 and outcomes["cancelled"] > 50, (outcomes, chaos_log)
     assert outcomes[503] + outcomes[502] > 0, outcomes

@@ -15,6 +15,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
 from llmgw.config import Config
+from llmgw.events import EndpointEvent, PoolMeasured, parse_event
 from llmgw.load import EndpointReport, PoolReport
 from llmgw.services.scraper.main import serve
 from llmgw.services.scraper.metrics import ScraperMetrics
@@ -78,11 +79,15 @@ class Received:
 
     @property
     def report(self) -> EndpointReport:
-        return EndpointReport.model_validate_json(self.payload)
+        event = parse_event(self.payload)  # one events union for every llmgw.v1.events subject
+        assert isinstance(event, EndpointEvent) and event.subject == self.subject
+        return event.report
 
     @property
     def pool(self) -> PoolReport:
-        return PoolReport.model_validate_json(self.payload)
+        event = parse_event(self.payload)
+        assert isinstance(event, PoolMeasured) and event.subject == self.subject
+        return event.report
 
 
 class EventLog:

@@ -149,16 +149,18 @@ async def test_admin_health_is_503_when_the_loop_stalls_or_nats_is_lost() -> Non
     assert health_window(1.0, 2.0) == 5.0  # a timeout longer than the interval widens it
     connected, lost = _Connection(True), _Connection(False)
 
-    async def health(connection: _Connection) -> httpx.Response:
+    async def health(connection: _Connection, path: str = "/ready") -> httpx.Response:
         app = create_admin_app(scraper.metrics, connection, scraper)
         async with httpx.AsyncClient(
             transport=httpx.ASGITransport(app=app), base_url="http://admin"
         ) as client:
-            return await client.get("/health")
+            return await client.get(path)
 
     not_started = await health(connected)
     assert not_started.status_code == 503
     assert not_started.json()["reason"] == "the scrape loop has not started"
+    live = await health(connected, "/health")  # liveness: answering is enough
+    assert live.status_code == 200 and live.json()["reason"] == "the scrape loop has not started"
 
     scraper.started_at = scraper.last_round_at = clock.now
     clock.now += 4.0

@@ -10,14 +10,18 @@ import os
 import sys
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
+import yaml
 from inproc import start_admission
 from nats.aio.client import Client as NatsClient
 from nats.js.errors import NotFoundError
 from state_cli_helpers import IRIS, LOCAL_CONFIG, MODEL, REPO, TENSORX, session_id, write_config
 
 from llmgw.config import load_config
+from llmgw.core.requests import Feature
+from llmgw.core.sessions import session_id as core_session_id
 from llmgw.core.shards import shard_of
 from llmgw.services.state.main import run
 from llmgw.serving import free_port
@@ -162,10 +166,72 @@ def test_an_unreachable_server_exits_1_quickly(
     assert "cannot read from NATS" in capsys.readouterr().err
 
 
-def test_an_embedded_nats_config_exits_2_explaining_what_to_set(
+async def test_an_embedded_config_reaches_the_server_up_started_on_its_port(
+    tmp_path: Path,
+    nats_url: str,
+    bucket: str,
+    nats_client: NatsClient,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    code = run(argparse.Namespace(config=str(LOCAL_CONFIG), json=False, pins=False))
+    """`nats.url: embedded` (the config `llmgw up` ran with) reads from embedded_port."""
+    config_file = write_config(tmp_path / "c.yaml", nats_url, bucket)
+    data = yaml.safe_load(config_file.read_text())
+    data["nats"] = {"url": "embedded", "embedded_port": urlsplit(nats_url).port}
+    config_file.write_text(yaml.safe_dump(data))
+    await open_routing_bucket(nats_client.jetstream(), bucket)
+    code = await asyncio.to_thread(
+        run, argparse.Namespace(config=str(config_file), json=True, pins=False)
+    )
+    assert code == 0
+    assert json.loads(capsys.readouterr().out)["bucket"] == bucket
+
+
+def test_an_embedded_config_on_a_random_port_exits_2_explaining_what_to_set(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = yaml.safe_load(LOCAL_CONFIG.read_text())
+    data["nats"] = {"url": "embedded", "embedded_port": 0}
+    config_file = tmp_path / "c.yaml"
+    config_file.write_text(yaml.safe_dump(data))
+    code = run(argparse.Namespace(config=str(config_file), json=False, pins=False))
     assert code == 2
     err = capsys.readouterr().err
-    assert "LLMGW_NATS__URL=nats://HOST:PORT llmgw state" in err and "llmgw up" in err
+    assert "LLMGW_NATS__URL=nats://HOST:PORT" in err and "llmgw up" in err
+
+
+async def test_a_session_is_found_by_the_key_the_client_sent(
+    tmp_path: Path,
+    nats_url: str,
+    bucket: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`--session alice`: the pins of the session header value (or `user`) alice, hashed as the
+    edge hashes it; other sessions are left out."""
+    config_file = write_config(tmp_path / "c.yaml", nats_url, bucket)
+    config = load_config(config_file, env={})
+    admission = await start_admission(config, nats_url, instance="admission-k", follow_load=False)
+    try:
+        for key in ("alice", "bob"):
+            session = core_session_id(Feature.CHAT, MODEL, {}, header_key=key)
+            reply = await admission.service.decide(
+                AdmitRequest(
+                    id=f"k-{key}",
+                    edge="edge-x",
+                    model=MODEL,
+                    feature="chat",
+                    session=session,
+                    shard=shard_of(session, config.admission.shards),
+                )
+            )
+            assert reply.status is ReplyStatus.ADMITTED
+        await admission.service.pins.drain()
+        code = await asyncio.to_thread(
+            run, argparse.Namespace(config=str(config_file), json=True, pins=False, session="alice")
+        )
+    finally:
+        await admission.stop()
+    assert code == 0
+    pins = json.loads(capsys.readouterr().out)["pins"]
+    assert [p["session"] for p in pins] == [
+        core_session_id(Feature.CHAT, MODEL, {}, header_key="alice")
+    ]

@@ -313,12 +313,12 @@ def test_every_service_has_a_health_check(compose: dict[str, Any]) -> None:
 def test_llmgw_services_probe_their_own_admin_port(
     compose: dict[str, Any], plan: list[ServiceSpec]
 ) -> None:
-    """The edge's readiness, the others' liveness, each on the admin port it was given."""
+    """Every llmgw service's readiness, on the admin port it was given."""
     for spec in plan:
         if spec.kind not in NATS_CLIENT_KINDS:
             continue
         admin = _admin(spec)
-        path = "/ready" if spec.kind == "edge" else "/health"
+        path = "/ready"
         assert _probe_url(compose["services"][spec.name]) == (
             f"http://127.0.0.1:{admin.port}{path}"
         ), spec.name

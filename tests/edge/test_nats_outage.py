@@ -1,0 +1,246 @@
+"""NATS outage (invariant I7): the declared modes of `admission.on_nats_outage`, on a real
+nats-server that the test stops and starts again, a real admission instance and edge, and an
+engine that counts the requests it runs at once (the ground truth for the local limits).
+
+- `reject` (default): while NATS is down every request is answered 503 with Retry-After at
+  once (never after the admission budget), and the edge is not ready;
+- `local`: the edge serves alone within floor(G / edges) of each pair, refuses beyond it, and
+  when NATS returns hands its grants to the shard's owner, which holds them until they end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest_asyncio
+from inproc import Admission, Edge, start_admission, start_edge
+
+from llmgw.config import Config, config_from_dict
+from llmgw.nats_embedded import EmbeddedNats
+from llmgw.services.edge.leases import is_local_lease
+from llmgw.serving import RunningServer, free_port, start_server
+
+G = 4  # the managed pair's global slots; one edge, so its local share is all of them
+
+
+@dataclass
+class GatedEngine:
+    """An OpenAI-compatible upstream that holds every request until `gate` opens, counting how
+    many it holds at once (`running`, `peak`)."""
+
+    gate: asyncio.Event = field(default_factory=asyncio.Event)
+    running: int = 0
+    peak: int = 0
+    served: int = 0
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        while (await receive()).get("more_body"):
+            pass
+        self.running += 1
+        self.peak = max(self.peak, self.running)
+        try:
+            await self.gate.wait()
+        finally:
+            self.running -= 1
+        self.served += 1
+        body = json.dumps(
+            {
+                "id": "x",
+                "object": "chat.completion",
+                "created": 0,
+                "model": "m1",
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": "ok"},
+                        "finish_reason": "stop",
+                    }
+                ],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+            }
+        ).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"application/json")],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+
+def outage_config(nats_url: str, engine_url: str, mode: str) -> Config:
+    return config_from_dict(
+        {
+            "nats": {"url": nats_url, "request_timeout": "3s"},
+            "pinning": {"lease_timeout": "3s"},
+            # No scraper runs here; what is tested is the edge's side of the outage.
+            "admission": {"enabled": False, "on_nats_outage": mode, "queue_ttl": "5s"},
+            "timeouts": {"first_token": "20s", "idle": "20s", "total": "30s"},
+            "models": [{"name": "m1"}],
+            "providers": [
+                {
+                    "id": "iris",
+                    "kind": "managed",
+                    "models": [
+                        {
+                            "name": "m1",
+                            "limits": {
+                                "max_pinned_sessions": 16,
+                                "max_global_in_flight_request_slots": G,
+                                "global_in_flight_request_slots_reserved_for_pinned_sessions": 0,
+                                "max_per_session_in_flight_request_slots": 2,
+                            },
+                        }
+                    ],
+                }
+            ],
+            "endpoints": [
+                {"id": "engine-1", "url": engine_url, "provider": "iris", "models": ["m1"]}
+            ],
+        },
+        source="<test>",
+        env={},
+    )
+
+
+@dataclass
+class Rig:
+    nats: EmbeddedNats
+    engine: GatedEngine
+    admission: Admission
+    edge: Edge
+
+
+@contextlib.asynccontextmanager
+async def running_rig(mode: str, store: Path) -> AsyncIterator[Rig]:
+    server = EmbeddedNats(port=free_port(), store_dir=store)
+    await server.astart()
+    engine = GatedEngine()
+    upstream: RunningServer = await start_server(engine)
+    config = outage_config(server.url, upstream.url, mode)
+    admission = await start_admission(config, server.url, instance="adm", follow_load=False)
+    edge = await start_edge(config, server.url, edge_id="edge-1")
+    try:
+        yield Rig(server, engine, admission, edge)
+    finally:
+        engine.gate.set()
+        if not server.running:  # stop the services the way they stop in production: connected
+            await server.astart()
+            await until(lambda: edge.nc.is_connected, 15, "reconnected for teardown")
+        await edge.stop()
+        await admission.stop()
+        await upstream.stop()
+        await server.astop()
+
+
+@pytest_asyncio.fixture
+async def reject_rig(tmp_path: Path) -> AsyncIterator[Rig]:
+    async with running_rig("reject", tmp_path / "store") as rig:
+        yield rig
+
+
+@pytest_asyncio.fixture
+async def local_rig(tmp_path: Path) -> AsyncIterator[Rig]:
+    async with running_rig("local", tmp_path / "store") as rig:
+        yield rig
+
+
+async def until(predicate: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout}s: {what}")
+        await asyncio.sleep(0.02)
+
+
+def chat(session: str) -> dict[str, Any]:
+    return {
+        "json": {"model": "m1", "messages": [{"role": "user", "content": "hi"}]},
+        "headers": {"x-session-id": session},
+    }
+
+
+async def stop_nats(rig: Rig) -> None:
+    await rig.nats.astop()
+    await until(lambda: not rig.edge.nc.is_connected, 10, "the edge noticed NATS is gone")
+
+
+async def test_reject_answers_503_with_retry_after_at_once(reject_rig: Rig) -> None:
+    rig = reject_rig
+    rig.engine.gate.set()
+    async with httpx.AsyncClient(base_url=rig.edge.url, timeout=30) as client:
+        assert (await client.post("/v1/chat/completions", **chat("s0"))).status_code == 200
+        await stop_nats(rig)
+        assert not rig.edge.deps.admission.ready()
+        for i in range(5):
+            started = time.monotonic()
+            response = await client.post("/v1/chat/completions", **chat(f"s{i}"))
+            took = time.monotonic() - started
+            assert response.status_code == 503, response.text
+            assert response.headers["retry-after"] == "1"
+            assert response.json()["error"]["code"] == "admission_unavailable"
+            # Answered at once: far below the 3 s request timeout and the 5 s queue budget.
+            assert took < 1.0, took
+    assert rig.engine.served == 1
+
+
+async def test_local_serves_within_the_share_and_the_owner_takes_the_grants_back(
+    local_rig: Rig,
+) -> None:
+    rig = local_rig
+    admission, engine = rig.admission.service, rig.engine
+    async with httpx.AsyncClient(base_url=rig.edge.url, timeout=60) as client:
+        engine.gate.set()
+        assert (await client.post("/v1/chat/completions", **chat("warm"))).status_code == 200
+        engine.gate.clear()
+        await stop_nats(rig)
+        assert rig.edge.deps.admission.ready()  # it can serve: it decides alone
+
+        held = [
+            asyncio.create_task(client.post("/v1/chat/completions", **chat(f"s{i}")))
+            for i in range(G)
+        ]
+        await until(lambda: engine.running == G, 10, f"{G} local grants at the engine")
+        # Beyond the share: refused at once, never sent upstream.
+        extra = await client.post("/v1/chat/completions", **chat("one-too-many"))
+        assert extra.status_code in (429, 503), extra.text
+        assert "cannot reach NATS" in extra.json()["error"]["message"]
+        assert engine.peak == G
+        leases = rig.edge.deps.leases
+        local = [h for h in leases.held.values() if is_local_lease(h.record.lease_id)]
+        assert len(local) == G and leases.unclaimed() == G
+
+        # NATS returns (same port, same store): the owner takes the grants into its books.
+        await rig.nats.astart()
+        await until(lambda: rig.edge.nc.is_connected, 15, "the edge reconnected")
+        ids = {h.record.lease_id for h in local}
+        await until(
+            lambda: ids <= set(admission.ledger.leases) and leases.unclaimed() == 0,
+            15,
+            "the shard's owner holds the edge's local grants",
+        )
+        # While they run, admission counts them: the pair has no room for a fifth request.
+        use = admission.ledger.pair_use(("iris", "m1"))
+        assert use.leases == G
+
+        engine.gate.set()
+        responses = await asyncio.gather(*held)
+        assert [r.status_code for r in responses] == [200] * G
+        assert all(r.headers["x-llmgw-route"] == "local" for r in responses)
+        await until(lambda: not (ids & set(admission.ledger.leases)), 10, "released")
+        assert rig.edge.deps.admission.budget.in_flight() == 0
+        # Back to admission's decisions.
+        after = await client.post("/v1/chat/completions", **chat("after"))
+        assert after.status_code == 200 and after.headers["x-llmgw-route"] != "local"
+    assert engine.peak == G

@@ -1,0 +1,82 @@
+"""Fencing of an admission instance's membership, on both stores (NATS: a real server).
+
+An instance decides only while its last renewal is younger than `fence_after`; once fenced it
+must never resume with what it held (others may have claimed its shards and moved its quota):
+its next heartbeat reports it lost, and its member key is gone so its shards can be claimed.
+"""
+
+from __future__ import annotations
+
+from llmgw.services.admission.membership import Membership
+from llmgw.state.store import RoutingStore
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class SlowStore(RoutingStore):
+    """A store whose renewals land `delay` seconds (of the injected clock) after they start."""
+
+    def __init__(self, kv, clock: Clock) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(kv)
+        self.clock = clock
+        self.delay = 0.0
+
+    async def renew_member(self, member, revision):  # type: ignore[no-untyped-def]
+        result = await super().renew_member(member, revision)
+        self.clock.t += self.delay
+        return result
+
+
+async def joined(kv_store, ttl: float = 15.0) -> tuple[Membership, SlowStore, Clock]:  # type: ignore[no-untyped-def]
+    clock = Clock()
+    store = SlowStore(kv_store, clock)
+    membership = Membership(store, "adm-1", heartbeat=1.0, ttl=ttl, clock=clock, monotonic=clock)
+    await membership.join()
+    return membership, store, clock
+
+
+async def members(store: RoutingStore) -> list[str]:
+    return [stored.value.instance for stored in await store.members()]
+
+
+async def test_heartbeats_within_the_fence_keep_it_serving(kv_store):
+    membership, store, clock = await joined(kv_store)
+    try:
+        for _ in range(5):
+            clock.t += 11.0  # just inside fence_after (15 - 3 = 12)
+            assert await membership.renew_now()
+            assert membership.can_serve()
+        assert await members(store) == ["adm-1"]
+    finally:
+        await membership.leave()
+
+
+async def test_a_fenced_instance_is_lost_and_leaves_its_key(kv_store):
+    membership, store, clock = await joined(kv_store)
+    try:
+        assert membership.fence_after == 12.0
+        clock.t += 12.5  # paused (or cut off from NATS) past the fence
+        assert not membership.can_serve()
+        assert not await membership.renew_now()  # lost: never resumes with what it held
+        assert not membership.can_serve()
+        assert await members(store) == []  # its shards can be claimed at once
+    finally:
+        await membership.leave()
+
+
+async def test_a_renewal_that_lands_after_the_fence_does_not_unfence_it(kv_store):
+    membership, store, clock = await joined(kv_store)
+    try:
+        clock.t += 10.0  # starts inside the fence ...
+        store.delay = 5.0  # ... but lands 15 s after the last renewal: others may have claimed
+        assert not await membership.renew_now()
+        assert not membership.can_serve()
+        assert await members(store) == []
+    finally:
+        await membership.leave()
