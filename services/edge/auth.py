@@ -25,7 +25,6 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
-from prometheus_client import CollectorRegistry, Counter
 from starlette.responses import Response
 
 from llmgw.core.apikeys import ApiKey, Denial, authenticate, bearer_token, digest_of
@@ -126,44 +125,18 @@ class KeyAuth:
             self.limiter.add_tokens(key_id, tokens)
 
 
-class KeyUsageMetrics:
-    """Usage by key tenant and model, in the edge's registry: who uses what."""
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.requests = Counter(
-            "llmgw_edge_key_requests",
-            "Upstream attempts of API-key requests, by the key's tenant, model and outcome.",
-            ["tenant", "model", "outcome"],
-            registry=registry,
-        )
-        self.tokens = Counter(
-            "llmgw_edge_key_tokens",
-            "Tokens of API-key requests from their usage, by tenant, model and direction.",
-            ["tenant", "model", "direction"],
-            registry=registry,
-        )
-
-
 class TokenCountingReporter:
-    """A `RequestReporter` that also counts each keyed request's tokens for its key's tpm, and
-    its usage by tenant and model."""
+    """A `RequestReporter` that also counts each keyed request's tokens for its key's tpm (and
+    `llmgw keys usage`). Usage by tenant in metrics is `llmgw_edge_tenant_requests_total` (with
+    `metrics.tenant_label`), whose tenant is the key's tenant."""
 
-    def __init__(self, inner, auth: KeyAuth, metrics: KeyUsageMetrics) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, inner, auth: KeyAuth) -> None:  # type: ignore[no-untyped-def]
         self.inner = inner
         self.auth = auth
-        self.metrics = metrics
 
     def report(self, message) -> None:  # type: ignore[no-untyped-def]
         if message.key is not None:
             self.auth.ended(message.key, message.input_tokens + message.output_tokens)
-            tenant = message.tenant or ""
-            self.metrics.requests.labels(tenant, message.model, message.outcome).inc()
-            if message.input_tokens:
-                self.metrics.tokens.labels(tenant, message.model, "input").inc(message.input_tokens)
-            if message.output_tokens:
-                self.metrics.tokens.labels(tenant, message.model, "output").inc(
-                    message.output_tokens
-                )
         self.inner.report(message)
 
     async def drain(self, timeout: float = 5.0) -> None:

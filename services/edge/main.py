@@ -31,7 +31,6 @@ from llmgw.services.edge.admin import create_admin_app
 from llmgw.services.edge.admission_client import NatsAdmission
 from llmgw.services.edge.app import EdgeDeps, create_app
 from llmgw.services.edge.auth import (
-    KeyUsageMetrics,
     TokenCountingReporter,
     close_key_auth,
     open_key_auth,
@@ -132,7 +131,7 @@ async def open_edge_deps(nc, config, edge_id: str) -> EdgeDeps:  # type: ignore[
         tenant_label=config.metrics.tenant_label, max_tenants=config.metrics.max_tenants
     )
     if auth is not None:
-        reporter = TokenCountingReporter(reporter, auth, KeyUsageMetrics(metrics.registry))
+        reporter = TokenCountingReporter(reporter, auth)
     return EdgeDeps(
         admission=admission,
         leases=leases,
