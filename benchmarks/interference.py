@@ -42,7 +42,8 @@ import yaml
 
 from llmgw.serving import free_port, free_port_block
 
-READY = r"^llmgw is ready: OpenAI API at (http://\S+/v1) \(Ctrl-C to stop\)$"
+# With auth.mode keys the line also names the development key.
+READY = r"^llmgw is ready: OpenAI API at (http://\S+/v1)(?:, API key \S+)? \(Ctrl-C to stop\)$"
 ADMIN_PORTS = 4  # `llmgw up`: the edge's admin port, then admission, reaper, scraper
 BRONZE_CONCURRENCY = 500
 MAX_NUM_SEQS = 8
@@ -128,6 +129,8 @@ def interference_config(
             {"name": "silver", "priority": 200, "saturation_ceiling": 0.6},
             {"name": "bronze", "priority": 100, "saturation_ceiling": bronze_ceiling},
         ]
+    # Tenants are bearer tokens and bands come from the header here: no API keys.
+    data["auth"] = {"mode": "none"}
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
 
