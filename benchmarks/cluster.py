@@ -7,6 +7,7 @@ through the `llmgw` CLI with a generated config file.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -43,6 +44,7 @@ class Cluster:
     engine_url: str
     procs: dict[str, Proc] = field(default_factory=dict)
     nats: EmbeddedNats | None = None
+    api_key: str | None = None  # with auth: the key every request sends
 
     def gateway_pids(self) -> list[int]:
         """The processes that make up the gateway (not the engine)."""
@@ -62,8 +64,11 @@ def cpu_seconds(pids: list[int]) -> float:
     return total / ticks
 
 
-def _config(nats_url: str, engine_url: str, edge_port: int, admin_port: int, flow: bool) -> dict:
+def _config(
+    nats_url: str, engine_url: str, edge_port: int, admin_port: int, flow: bool, auth: bool
+) -> dict:
     return {
+        "auth": {"mode": "keys" if auth else "none"},
         "listen": f"127.0.0.1:{edge_port}",
         "admin_listen": f"127.0.0.1:{admin_port}",
         "nats": {"url": nats_url},
@@ -132,12 +137,19 @@ def wait_ready(proc: Proc, marker: str, timeout: float = 30) -> None:
 
 @contextmanager
 def running_cluster(
-    gateway_cpus: set[int], engine_cpus: set[int], *, flow: bool = False, admissions: int = 1
+    gateway_cpus: set[int],
+    engine_cpus: set[int],
+    *,
+    flow: bool = False,
+    admissions: int = 1,
+    auth: bool = False,
+    key_options: tuple[str, ...] = (),
 ):
     """Yield a Cluster; everything is stopped afterwards.
 
     ``flow``: admission runs flow control (every request passes an unsaturated queue) and a
-    scraper feeds it; otherwise flow control is off and no scraper runs.
+    scraper feeds it; otherwise flow control is off and no scraper runs. ``auth``: API keys
+    required (auth.mode keys); one key is made with `llmgw keys create` and ``key_options``.
     """
     with tempfile.TemporaryDirectory(prefix="llmgw-bench-") as tmp:
         logdir = Path(tmp)
@@ -148,7 +160,7 @@ def running_cluster(
         engine_url = f"http://127.0.0.1:{engine_port}"
         config_path = logdir / "bench.yaml"
         config_path.write_text(
-            yaml.safe_dump(_config(nats.url, engine_url, edge_port, admin_port, flow))
+            yaml.safe_dump(_config(nats.url, engine_url, edge_port, admin_port, flow, auth))
         )
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         cli = [sys.executable, "-m", "llmgw"]
@@ -193,11 +205,31 @@ def running_cluster(
                     env,
                 )
                 wait_ready(cluster.procs[name], "ready")
+            if auth:
+                made = subprocess.run(
+                    [
+                        *cli,
+                        "keys",
+                        "--config",
+                        str(config_path),
+                        "--json",
+                        "create",
+                        "--tenant",
+                        "bench",
+                        *key_options,
+                    ],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                )
+                cluster.api_key = json.loads(made.stdout)["secret"]
             cluster.procs["edge"] = start_process(
                 "edge", [*cli, "edge", "--config", str(config_path)], gateway_cpus, logdir, env
             )
             wait_ready(cluster.procs["edge"], "ready")
-            httpx.get(cluster.edge_url + "/v1/models").raise_for_status()
+            auth_header = {"authorization": f"Bearer {cluster.api_key}"} if auth else {}
+            httpx.get(cluster.edge_url + "/v1/models", headers=auth_header).raise_for_status()
             yield cluster
         finally:
             for proc in reversed(list(cluster.procs.values())):

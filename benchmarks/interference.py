@@ -51,7 +51,8 @@ import yaml
 from llmgw.config.sections import default_bands
 from llmgw.serving import free_port, free_port_block
 
-READY = r"^llmgw is ready: OpenAI API at (http://\S+/v1) \(Ctrl-C to stop\)$"
+# With auth.mode keys the line also names the development key.
+READY = r"^llmgw is ready: OpenAI API at (http://\S+/v1)(?:, API key \S+)? \(Ctrl-C to stop\)$"
 ADMIN_PORTS = 4  # `llmgw up`: the edge's admin port, then admission, reaper, scraper
 BRONZE_CONCURRENCY = 500
 MAX_NUM_SEQS = 8
@@ -151,6 +152,8 @@ def interference_config(
             if not band["interactive"] and headroom is not None:
                 band["batch_headroom"] = headroom
         data["admission"]["bands"] = bands
+    # Tenants are bearer tokens and bands come from the header here: no API keys.
+    data["auth"] = {"mode": "none"}
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
 

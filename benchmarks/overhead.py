@@ -46,9 +46,18 @@ def bodies(stream: bool) -> list[bytes]:
     ]
 
 
-async def one(session: aiohttp.ClientSession, url: str, payload: bytes, stream: bool) -> float:
+_JSON = {"content-type": "application/json"}
+
+
+async def one(
+    session: aiohttp.ClientSession,
+    url: str,
+    payload: bytes,
+    stream: bool,
+    headers: dict[str, str] = _JSON,
+) -> float:
     started = time.perf_counter()
-    async with session.post(url, data=payload, headers={"content-type": "application/json"}) as r:
+    async with session.post(url, data=payload, headers=headers) as r:
         if stream:
             async for _ in r.content.iter_any():
                 pass
@@ -59,19 +68,22 @@ async def one(session: aiohttp.ClientSession, url: str, payload: bytes, stream: 
     return time.perf_counter() - started
 
 
-async def run_load(base_url: str, concurrency: int, total: int, stream: bool) -> list[float]:
+async def run_load(
+    base_url: str, concurrency: int, total: int, stream: bool, api_key: str | None = None
+) -> list[float]:
     url = base_url + "/v1/chat/completions"
+    headers = {**_JSON, "authorization": f"Bearer {api_key}"} if api_key else _JSON
     payloads = bodies(stream)
     latencies: list[float] = []
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
         for i in range(min(20, total)):  # warm connections
-            await one(session, url, payloads[i % SESSIONS], stream)
+            await one(session, url, payloads[i % SESSIONS], stream, headers)
         queue = iter(range(total))
 
         async def worker() -> None:
             for i in queue:
-                latencies.append(await one(session, url, payloads[i % SESSIONS], stream))
+                latencies.append(await one(session, url, payloads[i % SESSIONS], stream, headers))
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     return latencies

@@ -210,6 +210,7 @@ def placement_config(path: Path, urls: dict[str, str]) -> Path:
         endpoints.append(endpoint)
     assert {e["id"] for e in endpoints} == set(urls), "config/local.yaml's endpoints changed"
     data["endpoints"] = endpoints
+    data["auth"] = {"mode": "none"}  # the scenario's tenants are bearer tokens, not API keys
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
 

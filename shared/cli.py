@@ -86,6 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=10.0,
         help="seconds between SIGTERM and SIGKILL when stopping",
     )
+    up.add_argument(
+        "--dev-key",
+        default=None,
+        metavar="SECRET",
+        help="the development key's secret (auth.mode keys; default: a new random key per run)",
+    )
     up.set_defaults(target="llmgw.services.up.main:run")
 
     edge = sub.add_parser("edge", help="the OpenAI-compatible HTTP edge")
@@ -129,6 +135,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     state.set_defaults(target="llmgw.services.state.main:run")
 
+    keys = sub.add_parser(
+        "keys", help="API keys in the live key bucket: create, list, show, update, revoke, seed"
+    )
+    _config_arg(keys)
+    from llmgw.services.keys.options import add_keys_arguments  # argparse only
+
+    add_keys_arguments(keys)
+    keys.set_defaults(target="llmgw.services.keys.main:run")
     events = sub.add_parser("events", help="print the events kept in the events stream")
     _config_arg(events)
     events.add_argument(

@@ -72,7 +72,8 @@ async def start_server(
         # Longer than clients keep idle connections (httpx: 5 s), so a client
         # never sends a request on a connection the server is just closing.
         timeout_keep_alive=timeout_keep_alive,
-        http="httptools",
+        # An app may name its own HTTP protocol class (the edge: OpenAI-shaped parser errors).
+        http=getattr(app, "http_protocol", "httptools"),
         # No X-Forwarded-* rewriting layer on every request: nothing here reads the client's
         # address (a proxy in front keeps its own access log).
         proxy_headers=False,

@@ -43,6 +43,8 @@ ADMISSION_LOAD_SUBJECT = "llmgw.v1.admission.load"
 # Edge -> anyone: a request ended (its lease's release for the shard owner, the flow-control
 # count, and the rate balancers' and breakers' sample). Public: usage and cost reports read it.
 REQUEST_STATS_SUBJECT = "llmgw.v1.stats.request"
+# Edge -> every edge: its requests and tokens per API key in the current rate window.
+KEYS_USAGE_SUBJECT = "llmgw.v1.keys.usage"
 
 
 def admission_subject(shard: int) -> str:
@@ -95,6 +97,10 @@ class AdmitRequest(_Message):
     session: str | None = None
     band: str | None = None
     tenant: str | None = None
+    # The API key's id and its max_parallel_requests (auth.mode keys): admission instances share
+    # that limit as a quota (llmgw.core.apikeys.KeyLimits).
+    key: str | None = None
+    key_parallel: int | None = Field(None, ge=1)
     exclude: tuple[str, ...] = ()
     retry_of: str | None = None
     failed: FailedAttempt | None = None
@@ -162,6 +168,7 @@ class RequestEnded(_Message):
     endpoint: str
     route: str | None = None
     tenant: str | None = None
+    key: str | None = None  # the API key's id (auth.mode keys), never the key itself
     ended_at: float
     latency: float = 0.0  # seconds from sending upstream to the end; 0 if never sent
     sent: bool = True  # the request reached the upstream (stats are samples only then)
@@ -297,3 +304,21 @@ class FlowLoad(_Message):
     at: float
     full: bool = True
     inflight: dict[str, int]
+
+
+class KeyWindowUse(_Message):
+    """One key's use in one rate window, as counted by one edge."""
+
+    requests: int = Field(0, ge=0)
+    tokens: int = Field(0, ge=0)
+
+
+class KeyUsage(_Message):
+    """Edge -> every edge (KEYS_USAGE_SUBJECT), every `auth.usage_interval` while it has use:
+    its totals per key id in rate window `window` (totals, not deltas: a lost message is
+    repaired by the next one)."""
+
+    v: Literal[2] = 2
+    edge: str
+    window: int
+    keys: dict[str, KeyWindowUse]

@@ -24,16 +24,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from llmgw.core.apikeys import KeyLimits
 from llmgw.core.keys import QUOTA_PREFIX
 from llmgw.core.quota import Quota, QuotaBook, QuotaError, fair_targets, headroom
 from llmgw.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
-    from llmgw.core.ledger import Ledger
+    from llmgw.core.ledger import LeaseRecord, Ledger
     from llmgw.core.quota import PairLimits
     from llmgw.services.admission.membership import Membership
     from llmgw.state.store import RoutingStore, Stored
@@ -71,6 +72,7 @@ class QuotaKeeper:
         # ledger, not yet out of this instance's book entry. Never spendable meanwhile.
         self._outgoing: dict[Pair, tuple[int, int, int]] = {}
         self._writing: dict[Pair, Quota] = {}  # this instance's entry while its write flies
+        self._tracking: dict[Pair, asyncio.Future[None]] = {}  # pairs added at run time
         self.writes = 0
         self.conflicts = 0
 
@@ -88,6 +90,42 @@ class QuotaKeeper:
         await self.adjust()
         self._tasks.append(asyncio.create_task(self._follow(), name="quota-watch"))
         self._tasks.append(asyncio.create_task(self._loop(), name="quota-keeper"))
+
+    async def track(self, pair: Pair, limits: PairLimits) -> None:
+        """Keep a quota of `pair` too, from now on (an API key's max_parallel_requests, first
+        seen in a request or a shard taken in); a changed limit applies at once. The first call
+        for a pair reads its book and takes a first share: the caller waits for that."""
+        if pair in self.limits:
+            if self.limits[pair] != limits:
+                self.limits[pair] = limits
+                self.ledger.limits[pair] = limits
+                self.wake()
+            return
+        pending = self._tracking.get(pair)
+        if pending is None:
+            pending = asyncio.ensure_future(self._start_tracking(pair, limits))
+            self._tracking[pair] = pending
+        await asyncio.shield(pending)
+
+    async def track_keys(self, leases: Iterable[LeaseRecord]) -> None:
+        """Track the API keys whose leases a shard brings in, before their counts move here."""
+        for lease in leases:
+            if lease.key_pair is not None and lease.key_limit is not None:
+                await self.track(lease.key_pair, KeyLimits(lease.key_limit))
+
+    async def _start_tracking(self, pair: Pair, limits: PairLimits) -> None:
+        from llmgw.core.keys import quota_key
+
+        try:
+            self.books[pair] = await self.store.quota_book(*pair)
+            self._by_key[quota_key(*pair)] = pair
+            self.ledger.limits[pair] = limits
+            self.limits[pair] = limits
+            self._sync(pair)
+            async with self._lock:
+                await self._adjust(pair, False)
+        finally:
+            self._tracking.pop(pair, None)
 
     async def stop(self) -> None:
         self._closed = True
@@ -205,7 +243,7 @@ class QuotaKeeper:
 
     async def adjust(self, *, stopping: bool = False) -> None:
         async with self._lock:
-            for pair in self.limits:
+            for pair in list(self.limits):  # track() may add pairs meanwhile
                 await self._adjust(pair, stopping)
 
     async def _adjust(self, pair: Pair, stopping: bool) -> None:
@@ -226,7 +264,12 @@ class QuotaKeeper:
                 return
             entry = Quota(want.g, want.u, want.p, want.wg, want.wu, want.wp, self._clock())
             new_book = book.with_quota(self.me, entry)
-            new_book.check(limits)
+            try:
+                new_book.check(limits)
+            except QuotaError:
+                # A limit lowered under what is held (an API key's): giving back is still safe.
+                if entry.g > mine.g or entry.u > mine.u or entry.p > mine.p:
+                    raise
             # Lowering takes effect here before the write (nothing granted into the part given
             # back while the write is in flight); raising only once the write has landed.
             self._writing[pair] = entry

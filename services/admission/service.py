@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from llmgw.config.schema import Band
+from llmgw.core.apikeys import KeyLimits, key_pair
 from llmgw.core.breaker import BreakerBoard, BreakerSettings
 from llmgw.core.flow import GateDecision, Waiter
 from llmgw.core.keys import pin_key
@@ -105,7 +106,13 @@ _MESSAGES = {
     Refusal.MALFORMED: "malformed admission request",
 }
 _RETRYABLE = frozenset(
-    {Refusal.NO_CAPACITY, Refusal.QUEUE_FULL, Refusal.QUEUE_TIMEOUT, Refusal.NOT_OWNER}
+    {
+        Refusal.NO_CAPACITY,
+        Refusal.QUEUE_FULL,
+        Refusal.QUEUE_TIMEOUT,
+        Refusal.NOT_OWNER,
+        Refusal.KEY_LIMIT,
+    }
 )
 _LOAD_HEARTBEAT = 1.0
 _ENDED_MEMORY_S = 5.0  # longer than a handover takes (its request times out after 2 s)
@@ -251,6 +258,11 @@ class AdmissionService:
             return
         # On this decision's log records (and its queue wait's): the id the client knows.
         request_id.set(request.request_id or request.id)
+        if request.key is not None and request.key_parallel is not None:
+            # Once per key and instance: a share of the key's limit (one book read and CAS).
+            # Before the ownership check: from that check to the decision nothing may await
+            # (the shard could move meanwhile).
+            await self.quotas.track(key_pair(request.key), KeyLimits(request.key_parallel))
         if not self.shards.serves(request.shard) or not self.membership.can_serve():
             await self._respond(msg.reply, self._refusal(request.id, Refusal.NOT_OWNER))
             return
@@ -360,6 +372,13 @@ class AdmissionService:
         """Place the request, take its lease and change its pin: one synchronous step."""
         request = context.request
         now = self._clock()
+        if not self.ledger.key_room(request.key):  # checked and granted in this one step
+            return self._refusal(
+                request.id,
+                Refusal.KEY_LIMIT,
+                f"This API key already has {request.key_parallel} requests in flight, its "
+                "max_parallel_requests.",
+            )
         outcome: Placement | Refusal = Refusal.NO_CAPACITY
         served = request.model
         pin: PinRecord | None = None
@@ -470,6 +489,7 @@ class AdmissionService:
             session=session,
             pin=listed,
             endpoint=placement.endpoint,
+            key=request.key,
         )
 
     def _evict(self, provider: str, model: str, now: float) -> None:

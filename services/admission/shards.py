@@ -264,6 +264,8 @@ class ShardKeeper:
                 t[0] += g
                 t[1] += u
                 t[2] += p
+        for state, _ in states:
+            await service.quotas.track_keys(state.leases)
         for previous, totals in by_previous.items():
             await service.quotas.transfer(
                 previous, me, {pair: (t[0], t[1], t[2]) for pair, t in totals.items()}
@@ -337,6 +339,7 @@ class ShardKeeper:
         if self.stopping:
             # Handed a shard while stopping (the giver had not seen it yet): take it, then
             # release it at once; the next claimant adopts its leases from the edges.
+            await service.quotas.track_keys(state.leases)
             await service.quotas.transfer(handover.source, service.instance, state.counts())
             self.service.ledger.add_shard(state, service._clock())
             self._handed.setdefault(state.shard, asyncio.Event()).set()
@@ -347,6 +350,7 @@ class ShardKeeper:
             await self._release(state.shard)
             return
         if state.shard not in self.serving:
+            await service.quotas.track_keys(state.leases)
             await service.quotas.transfer(handover.source, service.instance, state.counts())
             dropped, unpinned = service.ledger.add_shard(state, service._clock())
             refused = [lease.lease_id for lease in dropped]

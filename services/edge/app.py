@@ -12,7 +12,6 @@ The edge depends on ports (`llmgw.contracts`): an `AdmissionClient`, a `LeaseSto
 from __future__ import annotations
 
 import logging
-import os
 import random
 import time
 import uuid
@@ -25,14 +24,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
+from llmgw.config.credentials import provider_keys
 from llmgw.core.outcomes import Outcome
 from llmgw.core.requests import Feature, InvalidRequest, parse_request
 from llmgw.core.sessions import session_id, tenant_id
 from llmgw.core.shards import shard_of
 from llmgw.logs import REQUEST_ID_HEADER, accept_request_id, request_id
 from llmgw.services.edge.attempts import _PATHS, Attempts, RoutedRequest
+from llmgw.services.edge.auth import KeyAuth
 from llmgw.services.edge.drain import EdgeDrain, with_connection_close
 from llmgw.services.edge.errors import error_body, error_response
+from llmgw.services.edge.hardening import OpenAIErrorsHttpTools, headers_refused
 from llmgw.services.edge.metrics import EdgeMetrics
 from llmgw.services.edge.telemetry import EdgeTelemetry, RequestRecord
 
@@ -63,6 +65,7 @@ class EdgeDeps:
     edge_id: str = field(default_factory=lambda: f"edge-{uuid.uuid4().hex[:8]}")
     rng: random.Random = field(default_factory=random.Random)
     drain: EdgeDrain = field(default_factory=EdgeDrain)
+    auth: KeyAuth | None = None  # auth.mode keys (services/edge/auth.py)
     tracing: Tracing | None = None  # OpenTelemetry (llmgw.tracing), off by default
 
 
@@ -78,6 +81,7 @@ class Edge:
         self.metrics = deps.metrics
         self.telemetry = EdgeTelemetry(deps.metrics, config.log, tracing=deps.tracing)
         self.edge_id = deps.edge_id
+        self.auth = deps.auth
         self.max_body = config.router.max_body_bytes
         self.flow_control = config.admission.enabled
         self.shards = config.admission.shards
@@ -134,6 +138,14 @@ class Edge:
     ) -> tuple[Response, Outcome | None]:
         feature = record.feature
         ids = {REQUEST_ID_HEADER: record.request_id}
+        caller = None
+        if self.auth is not None:  # before the body is read
+            checked = self.auth.caller(request.headers.get("authorization"), ids)
+            if isinstance(checked, Response):
+                return checked, (
+                    Outcome.INVALID_API_KEY if checked.status_code == 401 else Outcome.RATE_LIMITED
+                )
+            caller, ids = checked, checked.headers
         try:
             raw = await self._read_body(request)
         except BodyTooLarge:
@@ -153,7 +165,11 @@ class Edge:
         record.asked_model = parsed.model
         record.stream = parsed.stream
         model = self._canonical.get(parsed.model)
-        if model is None:
+        if model is None or (
+            caller is not None
+            and self.auth is not None
+            and self.auth.model_denied(caller, parsed.model, model)
+        ):
             return error_response(
                 Outcome.MODEL_NOT_FOUND,
                 f"The model '{parsed.model}' does not exist or you do not have access to it.",
@@ -162,6 +178,8 @@ class Edge:
             ), Outcome.MODEL_NOT_FOUND
         record.model = model
         band = request.headers.get(self.band_header)
+        if caller is not None and self.auth is not None and not caller.key.band_header:
+            band = self.auth.band(caller, None)  # the header is not this key's to use
         record.band = band
         if band is not None and band not in self.bands:
             return error_response(
@@ -171,6 +189,8 @@ class Edge:
                 param=self.band_header,
                 headers=ids,
             ), Outcome.BAD_REQUEST
+        if caller is not None and self.auth is not None:
+            band = record.band = self.auth.band(caller, band)
         session = session_id(
             feature, model, parsed.body, header_key=request.headers.get(self.session_header)
         )
@@ -179,7 +199,11 @@ class Edge:
             if session is not None
             else self.deps.rng.randrange(self.shards)
         )
-        record.tenant = tenant_id(request.headers.get("authorization"), parsed.user)
+        record.tenant = (
+            caller.key.tenant
+            if caller is not None
+            else tenant_id(request.headers.get("authorization"), parsed.user)
+        )
         routed = RoutedRequest(
             request_id=record.request_id,
             feature=feature,
@@ -190,6 +214,8 @@ class Edge:
             shard=shard,
             band=band,
             tenant=record.tenant,
+            key=caller.key.key_id if caller is not None else None,
+            key_parallel=caller.key.max_parallel_requests if caller is not None else None,
             headers=ids,
             started=record.started,
             # Once the body is read, the next ASGI receive() returns only when the client
@@ -201,15 +227,30 @@ class Edge:
 
     # -- non-routed endpoints -------------------------------------------------------------------
 
-    def models_response(self) -> Response:
+    def _visible_models(self, authorization: str | None) -> list[str] | Response:
+        """The model ids the caller may see (all of them with auth.mode none), or a 401."""
+        names = self.config.public_model_ids()
+        if self.auth is None:
+            return names
+        key = self.auth.identify(authorization, {})
+        if isinstance(key, Response):
+            return key
+        return [n for n in names if key.allows_model(n, self._canonical[n])]
+
+    def models_response(self, authorization: str | None = None) -> Response:
+        names = self._visible_models(authorization)
+        if isinstance(names, Response):
+            return names
         data = [
-            {"id": name, "object": "model", "created": 0, "owned_by": "llmgw"}
-            for name in self.config.public_model_ids()
+            {"id": name, "object": "model", "created": 0, "owned_by": "llmgw"} for name in names
         ]
         return JSONResponse({"object": "list", "data": data})
 
-    def model_response(self, model_id: str) -> Response:
-        if model_id not in self.config.public_model_ids():
+    def model_response(self, model_id: str, authorization: str | None = None) -> Response:
+        names = self._visible_models(authorization)
+        if isinstance(names, Response):
+            return names
+        if model_id not in names:
             return error_response(
                 Outcome.MODEL_NOT_FOUND, f"The model '{model_id}' does not exist.", param="model"
             )
@@ -217,13 +258,14 @@ class Edge:
 
 
 def _provider_auth_headers(config: Config) -> dict[str, dict[str, str]]:
-    """Upstream headers per provider: JSON, plus a bearer key where one is configured."""
+    """Upstream headers per provider: JSON, plus a bearer key where one is configured
+    (`provider_keys`: CredentialsError when a configured key is missing)."""
+    keys = provider_keys(config)
     headers = {}
     for provider in config.providers:
         h = {"content-type": "application/json"}
-        key = os.environ.get(provider.api_key_env) if provider.api_key_env else None
-        if key:
-            h["authorization"] = f"Bearer {key}"
+        if provider.id in keys:
+            h["authorization"] = f"Bearer {keys[provider.id]}"
         headers[provider.id] = h
     return headers
 
@@ -236,11 +278,21 @@ class HotPathApp:
     still ends in an OpenAI-shaped 500.
     """
 
+    # The HTTP server's own errors (a control character in a header...) as OpenAI JSON.
+    http_protocol = OpenAIErrorsHttpTools
+
     def __init__(self, edge: Edge, app: FastAPI) -> None:
         self.edge = edge
         self.app = app
+        self.max_header_count = edge.config.router.max_header_count
+        self.max_header_bytes = edge.config.router.max_header_bytes
 
     async def __call__(self, scope, receive, send) -> None:  # type: ignore[no-untyped-def]
+        if scope["type"] == "http":
+            refused = headers_refused(scope, self.max_header_count, self.max_header_bytes)
+            if refused is not None:
+                await refused(scope, receive, send)
+                return
         if self.edge.deps.drain.draining:  # stopping: no connection is reused after this answer
             send = with_connection_close(send)
         feature = _ROUTES.get(scope.get("path", "")) if scope["type"] == "http" else None
@@ -276,10 +328,12 @@ def create_app(config: Config, deps: EdgeDeps) -> HotPathApp:
         app.add_route(path, route(feature), methods=["POST"])
 
     async def list_models(request: Request) -> Response:
-        return edge.models_response()
+        return edge.models_response(request.headers.get("authorization"))
 
     async def get_model(request: Request) -> Response:
-        return edge.model_response(request.path_params["model_id"])
+        return edge.model_response(
+            request.path_params["model_id"], request.headers.get("authorization")
+        )
 
     app.add_route("/v1/models", list_models, methods=["GET"])
     app.add_route("/v1/models/{model_id:path}", get_model, methods=["GET"])

@@ -102,6 +102,8 @@ class RoutedRequest:
     started: float
     client_gone: Callable[[], Awaitable[object]] | None
     record: RequestRecord  # metrics and the access line (llmgw.services.edge.telemetry)
+    key: str | None = None  # the API key's id (auth.mode keys)
+    key_parallel: int | None = None  # its max_parallel_requests
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +143,8 @@ class Attempts:
                 session=routed.session,
                 band=routed.band,
                 tenant=routed.tenant,
+                key=routed.key,
+                key_parallel=routed.key_parallel,
                 exclude=tuple(excluded),
                 retry_of=previous.lease if previous is not None else None,
                 failed=previous.failed if previous is not None else None,
@@ -459,6 +463,7 @@ class _AttemptEnd:
                 endpoint=target.endpoint,
                 route=self.reply.route,
                 tenant=self.routed.tenant,
+                key=self.routed.key,
                 ended_at=time.time(),
                 latency=time.perf_counter() - self.upstream_started
                 if self.upstream_started is not None

@@ -10,11 +10,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import sys
 import time
 import uuid
 
 from llmgw import natsconn
 from llmgw.config import parse_hostport
+from llmgw.config.credentials import CredentialsError, provider_keys
 from llmgw.core.keys import safe_token
 from llmgw.core.outage import LocalBudget
 from llmgw.runtime import (
@@ -28,6 +30,11 @@ from llmgw.runtime import (
 from llmgw.services.edge.admin import create_admin_app
 from llmgw.services.edge.admission_client import NatsAdmission
 from llmgw.services.edge.app import EdgeDeps, create_app
+from llmgw.services.edge.auth import (
+    TokenCountingReporter,
+    close_key_auth,
+    open_key_auth,
+)
 from llmgw.services.edge.leases import EdgeLeases
 from llmgw.services.edge.metrics import EdgeMetrics
 from llmgw.services.edge.outage import OutageAdmission
@@ -46,6 +53,16 @@ def run(args: argparse.Namespace) -> int:
     config = load_or_exit(args.config)
     setup_logging("edge", config)
     require_nats_server(config, "edge")
+    try:
+        provider_keys(config)
+    except CredentialsError as exc:
+        print(f"llmgw edge: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if config.auth.mode == "none":
+        log.warning(
+            "auth.mode is none: every caller is accepted and may choose its band "
+            "(set auth.mode: keys before exposing this edge; docs/keys.md)"
+        )
     host, port = parse_hostport(args.listen or config.listen)
     admin_host, admin_port = parse_hostport(args.admin_listen or config.admin_listen)
 
@@ -108,20 +125,28 @@ async def open_edge_deps(nc, config, edge_id: str) -> EdgeDeps:  # type: ignore[
         local_budget=budget,
     )
     await leases.start()
+    auth = await open_key_auth(nc, config, edge_id)
+    reporter = NatsReporter(nc)
+    metrics = EdgeMetrics(
+        tenant_label=config.metrics.tenant_label, max_tenants=config.metrics.max_tenants
+    )
+    if auth is not None:
+        reporter = TokenCountingReporter(reporter, auth)
     return EdgeDeps(
         admission=admission,
         leases=leases,
-        reporter=NatsReporter(nc),
+        reporter=reporter,
         session=new_session(config.timeouts),
-        metrics=EdgeMetrics(
-            tenant_label=config.metrics.tenant_label, max_tenants=config.metrics.max_tenants
-        ),
+        metrics=metrics,
         edge_id=edge_id,
         tracing=open_tracing("edge", config.tracing),
+        auth=auth,
     )
 
 
 async def close_edge_deps(deps: EdgeDeps) -> None:
+    if deps.auth is not None:
+        await close_key_auth(deps.auth)
     await deps.reporter.drain()  # type: ignore[attr-defined]
     await deps.leases.stop()
     await deps.admission.stop()  # type: ignore[attr-defined]

@@ -25,6 +25,7 @@ from llmgw.config import Config
 from llmgw.nats_cluster import EmbeddedNatsCluster
 from llmgw.nats_embedded import EmbeddedNats, NatsServerError, port_is_free
 from llmgw.runtime import load_or_exit
+from llmgw.services.up.devkey import create_dev_key
 from llmgw.services.up.nats_keeper import NatsKeeper, node_label
 from llmgw.services.up.offset import write_shifted
 from llmgw.services.up.plan import (
@@ -90,7 +91,10 @@ def _run(args: argparse.Namespace, config_path: str) -> int:
     if nats is not None:
         env.update(nats_plan.child_env(nats.url))
     try:
-        return asyncio.run(_supervise(specs, env, config, args, nats))
+        dev_key = _dev_key(_as_children_see_it(config, nats_plan), nats, args)
+        if dev_key is None and config.auth.mode == "keys":
+            return 1
+        return asyncio.run(_supervise(specs, env, config, args, nats, dev_key))
     finally:
         if nats is not None:
             # Stop NATS last and let a second Ctrl-C not interrupt it half-way.
@@ -100,6 +104,34 @@ def _run(args: argparse.Namespace, config_path: str) -> int:
                 print("[nats] stopped", flush=True)
             finally:
                 signal.signal(signal.SIGINT, previous)
+
+
+def _as_children_see_it(config: Config, plan: NatsPlan) -> Config:
+    """The config with the bucket replicas the children get (a cluster's), so the key bucket
+    `llmgw up` creates is the one they open."""
+    if not plan.is_cluster:
+        return config
+    nats = config.nats.model_copy(update={"replicas": plan.replicas})
+    return config.model_copy(update={"nats": nats})
+
+
+def _dev_key(
+    config: Config, nats: EmbeddedNats | EmbeddedNatsCluster | None, args: argparse.Namespace
+) -> str | None:
+    """The development key's secret (auth.mode keys), None if it could not be stored."""
+    if config.auth.mode != "keys":
+        print(
+            "llmgw up: warning: auth.mode is none: every caller is accepted and may choose its "
+            "band (docs/keys.md)",
+            flush=True,
+        )
+        return ""
+    url = nats.url if nats is not None else config.nats.url
+    try:
+        return asyncio.run(create_dev_key(config, url, getattr(args, "dev_key", None)))
+    except Exception as exc:
+        print(f"llmgw up: cannot store the development key: {exc}", file=sys.stderr)
+        return None
 
 
 def _start_nats(plan: NatsPlan) -> EmbeddedNats | EmbeddedNatsCluster | None:
@@ -151,6 +183,7 @@ async def _supervise(
     config: Config,
     args: argparse.Namespace,
     nats: EmbeddedNats | EmbeddedNatsCluster | None,
+    dev_key: str = "",
 ) -> int:
     supervisor = ClusterSupervisor(
         specs,
@@ -172,7 +205,10 @@ async def _supervise(
         admin = f"http://{_connectable(config.admin_host)}:{config.admin_port}"
         nats_url = nats.url if nats is not None else config.nats.url
         supervisor.say(f"llmgw up: edge {edge_url}, admin {admin}, NATS {nats_url}")
-        supervisor.say(f"llmgw is ready: OpenAI API at {edge_url}/v1 (Ctrl-C to stop)")
+        key = f", API key {dev_key}" if dev_key else ""
+        supervisor.say(f"llmgw is ready: OpenAI API at {edge_url}/v1{key} (Ctrl-C to stop)")
+        if dev_key:
+            supervisor.say(f"llmgw up: try it with  export OPENAI_API_KEY={dev_key}")
 
     try:
         code = await supervisor.run(on_ready=announce)

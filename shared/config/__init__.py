@@ -13,6 +13,7 @@ from llmgw.config.durations import Duration, PositiveDuration, format_duration, 
 from llmgw.config.loader import ConfigError, config_from_dict, load_config
 from llmgw.config.schema import (
     AdmissionConfig,
+    AuthConfig,
     BalancerConfig,
     Band,
     Config,
@@ -35,6 +36,7 @@ from llmgw.config.schema import (
 
 __all__ = [
     "AdmissionConfig",
+    "AuthConfig",
     "BalancerConfig",
     "Band",
     "Config",

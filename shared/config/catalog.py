@@ -60,7 +60,11 @@ class ProviderConfig(StrictModel):
     id: Slug
     kind: Literal["managed", "unlimited"]
     priority: int = 100
+    # The API key sent upstream (Authorization: Bearer): from this environment variable, or
+    # from this file (a mounted secret; surrounding whitespace dropped). One at most; a
+    # configured one that is missing or empty is an error when the edge starts.
     api_key_env: str | None = None
+    api_key_file: str | None = None
     # How an endpoint of this provider is picked: "score" (least saturated, from scraped engine
     # load) or "rate" (seed 001's rate balancer, learned from every edge's request stats).
     # Default: "score" for managed providers, "rate" for unlimited ones (which expose no load).
@@ -72,6 +76,12 @@ class ProviderConfig(StrictModel):
         if self.strategy is not None:
             return self.strategy
         return "score" if self.kind == "managed" else "rate"
+
+    @model_validator(mode="after")
+    def _one_key_source(self) -> ProviderConfig:
+        if self.api_key_env is not None and self.api_key_file is not None:
+            fail([(("api_key_file",), "set api_key_env or api_key_file, not both")])
+        return self
 
     @model_validator(mode="after")
     def _unique_models(self) -> ProviderConfig:

@@ -34,6 +34,7 @@ from llmgw.config.common import MASK, SLUG_PATTERN, ConfigWarning, Name, fail
 from llmgw.config.observability import EventsConfig, LogConfig, MetricsConfig, TracingConfig
 from llmgw.config.sections import (
     AdmissionConfig,
+    AuthConfig,
     BalancerConfig,
     Band,
     NatsConfig,
@@ -53,6 +54,7 @@ __all__ = [
     "MASK",
     "SLUG_PATTERN",
     "AdmissionConfig",
+    "AuthConfig",
     "BalancerConfig",
     "Band",
     "Config",
@@ -127,6 +129,7 @@ class Config(BaseSettings):
     scoring: ScoringConfig = Field(default_factory=ScoringConfig)
     pinning: PinningConfig = Field(default_factory=PinningConfig)
     balancer: BalancerConfig = Field(default_factory=BalancerConfig)
+    auth: AuthConfig = Field(default_factory=AuthConfig)
     log: LogConfig = Field(default_factory=LogConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     events: EventsConfig = Field(default_factory=EventsConfig)

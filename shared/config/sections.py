@@ -107,6 +107,10 @@ class RouterConfig(StrictModel):
     session_header: Name = "x-session-id"
     inject_usage: bool = True
     max_body_bytes: int = Field(33_554_432, ge=1024)
+    # Request headers the edge accepts: how many, and their total size (names + values); more
+    # is a 431 (OpenAI-shaped), before anything else is looked at.
+    max_header_count: int = Field(100, ge=8)
+    max_header_bytes: int = Field(32_768, ge=1024)
     # An edge's stop (SIGTERM): /ready is false but requests are still served for drain_delay
     # (a load balancer notices), then running requests get up to drain_timeout to end before
     # the edge ends them (services/edge/drain.py).
@@ -319,3 +323,22 @@ class BalancerConfig(StrictModel):
                 stacklevel=2,
             )
         return value
+
+
+# --- auth -----------------------------------------------------------------------------------------
+
+
+class AuthConfig(StrictModel):
+    """Who may call the edge (docs/keys.md).
+
+    `none`: every caller is accepted (the bearer token, if any, only names a fairness tenant)
+    and the band header is trusted; services log a warning at start. `keys`: every request needs
+    an API key from the key bucket; the key decides its tenant, models, bands and limits.
+    """
+
+    mode: Literal["none", "keys"] = "none"
+    # The JetStream KV bucket holding API keys (by hash; only `llmgw keys` writes it).
+    bucket: str = Field("llmgw_keys", pattern=r"^[A-Za-z0-9_-]+$")
+    # Edges publish their per-key request and token counts this often; the rpm/tpm tolerance
+    # is what the other edges admit within one interval (docs/keys.md, "Limits").
+    usage_interval: PositiveDuration = 0.1

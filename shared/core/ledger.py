@@ -21,6 +21,9 @@ Invariants (checked after every operation by the property tests, and across inst
   instance's quota (`Quota`); ``u`` bounds new-pin and temporary leases and pinned leases that
   did not fit the reserve (g - u), so across instances the reserve R holds;
 - per pin of a pair with limits: its listed leases <= S (max_per_session_in_flight_request_slots);
+- per API key with `max_parallel_requests` (`set_key_limit`): its live leases <= g of this
+  instance's quota of the key's pair (`llmgw.core.apikeys.key_pair`), so across instances the
+  key's requests in flight never exceed its limit;
 - one pin per (model, session); a pin listing a lease never expires or is evicted;
 - every lease and pin is indexed under exactly one shard.
 
@@ -36,6 +39,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
+from llmgw.core.apikeys import KeyLimits, key_pair
 from llmgw.core.quota import PairLimits, Quota
 
 K = TypeVar("K")
@@ -115,10 +119,16 @@ class LeaseRecord:
     session: str | None = None
     pin_id: str | None = None
     endpoint: str | None = None
+    key: str | None = None  # the API key's id, when its max_parallel_requests counts this lease
+    key_limit: int | None = None  # that limit when granted (a receiving instance learns it)
 
     @property
     def pair(self) -> Pair:
         return (self.provider, self.model)
+
+    @property
+    def key_pair(self) -> Pair | None:
+        return key_pair(self.key) if self.key is not None else None
 
 
 @dataclass(slots=True)
@@ -154,6 +164,10 @@ class ShardState:
             c = result.setdefault(lease.pair, [0, 0, 0])
             c[0] += 1
             c[1] += lease.unreserved
+            if lease.key_pair is not None:  # a key's quota has no reserve: every unit is u
+                k = result.setdefault(lease.key_pair, [0, 0, 0])
+                k[0] += 1
+                k[1] += 1
         for pin in self.pins:
             result.setdefault((pin.provider, pin.model), [0, 0, 0])[2] += 1
         return {pair: (c[0], c[1], c[2]) for pair, c in result.items()}
@@ -237,6 +251,19 @@ class Ledger:
             unreserved=leases_left and unreserved_left,
             pin=use.pins < quota.p,
         )
+
+    def key_room(self, key: str | None) -> bool:
+        """Whether a lease of API key `key` fits its max_parallel_requests quota here (True for
+        no key, or a key without that limit)."""
+        if key is None:
+            return True
+        pair = key_pair(key)
+        quota = self.pair_quota(pair)
+        return quota is None or self.pair_use(pair).leases < quota.g
+
+    def set_key_limit(self, key: str, limit: int) -> None:
+        """Count leases of `key` against `limit` from now on (its quota comes from the keeper)."""
+        self.limits[key_pair(key)] = KeyLimits(limit)
 
     def pin(self, model: str, session: str) -> PinRecord | None:
         return self.pins.get((model, session))
@@ -378,9 +405,12 @@ class Ledger:
         session: str | None = None,
         pin: PinRecord | None = None,
         endpoint: str | None = None,
+        key: str | None = None,
     ) -> LeaseRecord:
         """A new lease of `kind` on (provider, model), listed in `pin` if given (a pinned or
-        new-pin lease of that pin's pair). CapacityError without room or past the session limit.
+        new-pin lease of that pin's pair), counted against API key `key`'s max_parallel_requests
+        when that key has one here. CapacityError without room, past the session limit or past
+        the key's quota.
         """
         pair = (provider, model)
         if lease_id in self.leases:
@@ -396,6 +426,8 @@ class Ledger:
             if not room.unreserved:
                 raise CapacityError(f"no unreserved room on {provider}/{model}")
             unreserved = quota is not None
+        if not self.key_room(key):
+            raise CapacityError(f"API key {key} is at its quota of parallel requests")
         if pin is not None:
             if (pin.provider, pin.model) != pair:
                 raise CapacityError("a lease listed in a pin must be on the pin's pair")
@@ -414,6 +446,8 @@ class Ledger:
             session,
             pin.pin_id if pin is not None else None,
             endpoint,
+            key if key is not None and key_pair(key) in self.limits else None,
+            self._key_limit(key),
         )
         before = (use.leases, use.unreserved, use.pins)
         self._add_lease(lease)
@@ -423,6 +457,16 @@ class Ledger:
                 pin.endpoint = endpoint
         self.observer.lease_granted(lease, quota, before)
         return lease
+
+    def _key_limit(self, key: str | None) -> int | None:
+        limits = self.limits.get(key_pair(key)) if key is not None else None
+        return limits.max_global_in_flight_request_slots if limits is not None else None
+
+    def _count_key(self, lease: LeaseRecord, delta: int) -> None:
+        if lease.key_pair is not None and lease.key_pair in self.limits:
+            use = self.pair_use(lease.key_pair)
+            use.leases += delta
+            use.unreserved += delta
 
     def _list(self, pin: PinRecord, lease_id: str) -> None:
         if not pin.leases:
@@ -445,6 +489,7 @@ class Ledger:
         use = self.pair_use(lease.pair)
         use.leases += 1
         use.unreserved += lease.unreserved
+        self._count_key(lease, +1)
         self._shard_leases.setdefault(lease.shard, set()).add(lease.lease_id)
         self._edge_leases.setdefault((lease.edge, lease.shard), set()).add(lease.lease_id)
         if lease.endpoint is not None:
@@ -455,6 +500,7 @@ class Ledger:
         use = self.pair_use(lease.pair)
         use.leases -= 1
         use.unreserved -= lease.unreserved
+        self._count_key(lease, -1)
         _discard(self._shard_leases, lease.shard, lease.lease_id)
         _discard(self._edge_leases, (lease.edge, lease.shard), lease.lease_id)
         if lease.endpoint is not None:
@@ -570,9 +616,10 @@ class Ledger:
             pair = lease.pair
             quota = self.pair_quota(pair)
             use = self.pair_use(pair)
-            if quota is not None and (
-                use.leases >= quota.g or (lease.unreserved and use.unreserved >= quota.u)
-            ):
+            if (
+                quota is not None
+                and (use.leases >= quota.g or (lease.unreserved and use.unreserved >= quota.u))
+            ) or not self.key_room(lease.key):
                 refused_leases.append(lease)
                 continue
             before = (use.leases, use.unreserved, use.pins)

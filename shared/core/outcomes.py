@@ -28,6 +28,8 @@ class Outcome(enum.StrEnum):
     LEASE_LOST = "lease_lost"  # the lease expired under the request (e.g. the edge was paused)
     QUEUE_FULL = "queue_full"  # flow control: the band's queue was at capacity
     QUEUE_TIMEOUT = "queue_timeout"  # flow control: waited admission.queue_ttl without a grant
+    INVALID_API_KEY = "invalid_api_key"  # auth.mode keys: missing, unknown, revoked, expired
+    RATE_LIMITED = "rate_limited"  # the key's rpm or tpm is used up in the current window
     SHUTTING_DOWN = "shutting_down"  # the edge stopped and its drain deadline ended the request
 
 
@@ -49,6 +51,7 @@ class Refusal(enum.StrEnum):
     QUEUE_TIMEOUT = "queue_timeout"  # flow control: waited admission.queue_ttl
     CANCELLED = "cancelled"  # the edge said its client left while the request was queued
     NOT_OWNER = "not_owner"  # the shard moved: ask its new owner
+    KEY_LIMIT = "key_limit"  # the API key has max_parallel_requests requests in flight
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +91,9 @@ ERROR_SHAPES: dict[Outcome, ErrorShape] = {
     Outcome.QUEUE_TIMEOUT: ErrorShape(
         503, "service_unavailable", "queue_timeout", retry_after=True
     ),
+    # API keys (docs/keys.md): OpenAI's own status, type and code for each.
+    Outcome.INVALID_API_KEY: ErrorShape(401, "invalid_request_error", "invalid_api_key"),
+    Outcome.RATE_LIMITED: ErrorShape(429, "requests", "rate_limit_exceeded", retry_after=True),
 }
 
 
@@ -102,4 +108,5 @@ REFUSAL_OUTCOMES: dict[Refusal, Outcome] = {
     Refusal.QUEUE_TIMEOUT: Outcome.QUEUE_TIMEOUT,
     Refusal.CANCELLED: Outcome.CLIENT_DISCONNECTED,
     Refusal.NOT_OWNER: Outcome.ADMISSION_UNAVAILABLE,
+    Refusal.KEY_LIMIT: Outcome.RATE_LIMITED,
 }

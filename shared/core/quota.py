@@ -34,6 +34,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+from llmgw.core.codec import decode_versioned
+
 __all__ = [
     "QUOTA_VERSION",
     "PairLimits",
@@ -171,14 +173,7 @@ class QuotaBook:
 
     @classmethod
     def from_json(cls, raw: bytes) -> QuotaBook:
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise QuotaError(f"quota book is not JSON: {exc}") from None
-        if not isinstance(body, dict) or body.get("v") != QUOTA_VERSION:
-            raise QuotaError(
-                f"quota book of unknown version {body.get('v') if isinstance(body, dict) else body!r}"
-            )
+        body = decode_versioned(raw, QUOTA_VERSION, "quota book", QuotaError)
         holders = body.get("holders")
         if not isinstance(holders, dict):
             raise QuotaError("quota book without a holders object")

@@ -21,6 +21,8 @@ by `AuditLog`, a `LedgerObserver`), replayed in time order:
     I2c       live leases listed in one pin > S
     I2d       live pins of a pair > P
     I3        two live pins (different ids) of one (model, session) at once
+    IK        live leases of one API key > its max_parallel_requests (the limit its leases
+              were granted under), across all instances
     quota     an instance granting beyond its own quota (leases >= g, unreserved >= u, pins >= p)
     double    a lease id granted while it is live
 
@@ -251,6 +253,7 @@ def check_audit(
     per_pair: dict[tuple[str, str], set[str]] = defaultdict(set)
     unreserved: dict[tuple[str, str], set[str]] = defaultdict(set)
     per_pin: dict[str, set[str]] = defaultdict(set)
+    per_key: dict[str, set[str]] = defaultdict(set)
     pins: dict[
         tuple[str, str], tuple[str, str, str]
     ] = {}  # (model, session) -> (provider, id, holder)
@@ -267,6 +270,8 @@ def check_audit(
         unreserved[lease.pair].discard(lease_id)
         if lease.pin_id is not None:
             per_pin[lease.pin_id].discard(lease_id)
+        if lease.key is not None:
+            per_key[lease.key].discard(lease_id)
 
     for index, event in enumerate(ordered):
         while expiries and expiries[0][0] <= event.at:
@@ -319,6 +324,18 @@ def check_audit(
                 unreserved[pair].add(lease.lease_id)
             if lease.pin_id is not None and lease.kind.value in ("pinned", "new_pin"):
                 per_pin[lease.pin_id].add(lease.lease_id)
+            if lease.key is not None and lease.key_limit is not None:
+                per_key[lease.key].add(lease.lease_id)
+                if len(per_key[lease.key]) > lease.key_limit:
+                    violations.append(
+                        Violation(
+                            "IK",
+                            lease.lease_id,
+                            index,
+                            f"{len(per_key[lease.key])} live leases of API key {lease.key} > "
+                            f"max_parallel_requests={lease.key_limit}",
+                        )
+                    )
             if lim is not None:
                 g = lim.max_global_in_flight_request_slots
                 r = min(lim.global_in_flight_request_slots_reserved_for_pinned_sessions, g)

@@ -182,6 +182,7 @@ def test_public_api_is_exactly_all():
     submodules = {
         "addresses",
         "catalog",
+        "credentials",
         "check",
         "common",
         "durations",

@@ -15,7 +15,9 @@ from up_harness import UpProcess, process_exists
 
 pytestmark = pytest.mark.e2e
 
-READY = r"^llmgw is ready: OpenAI API at (http://\S+/v1) \(Ctrl-C to stop\)$"
+READY = (
+    r"^llmgw is ready: OpenAI API at (http://\S+/v1), API key (sk-llmgw-\w+) \(Ctrl-C to stop\)$"
+)
 SERVICES = {
     "nats",
     "engine-1",
@@ -29,7 +31,7 @@ SERVICES = {
 }
 
 
-def _chat(api: str) -> httpx.Response:
+def _chat(api: str, key: str) -> httpx.Response:
     return httpx.post(
         f"{api}/chat/completions",
         json={
@@ -37,6 +39,7 @@ def _chat(api: str) -> httpx.Response:
             "messages": [{"role": "user", "content": "hello"}],
             "max_tokens": 8,
         },
+        headers={"authorization": f"Bearer {key}"},
         timeout=30,
     )
 
@@ -51,11 +54,11 @@ def test_up_serves_a_chat_completion_and_stops_cleanly_on_sigterm(
     cluster_config: Path, start_up: Callable[..., UpProcess]
 ) -> None:
     up = start_up(cluster_config)
-    api = up.wait_for(READY, timeout=90).group(1)
+    api, key = up.wait_for(READY, timeout=90).groups()
     pids = up.pids()
     assert set(pids) == SERVICES
 
-    response = _chat(api)
+    response = _chat(api, key)
     assert response.status_code == 200, response.text
     body = response.json()
     assert body["choices"][0]["message"]["content"]
@@ -74,7 +77,7 @@ def test_up_restarts_a_killed_engine_and_keeps_serving(
     cluster_config: Path, start_up: Callable[..., UpProcess]
 ) -> None:
     up = start_up(cluster_config)
-    api = up.wait_for(READY, timeout=90).group(1)
+    api, key = up.wait_for(READY, timeout=90).groups()
     first_pid = up.pids()["engine-1"]
 
     os.kill(first_pid, signal.SIGKILL)
@@ -83,7 +86,7 @@ def test_up_restarts_a_killed_engine_and_keeps_serving(
     second_pid = up.pids()["engine-1"]
     assert second_pid != first_pid and process_exists(second_pid)
 
-    assert _chat(api).status_code == 200
+    assert _chat(api, key).status_code == 200
 
     assert up.stop(signal.SIGINT) == 0  # Ctrl-C behaves like SIGTERM
     assert not [pid for pid in up.all_pids() if process_exists(pid)]
@@ -121,11 +124,14 @@ def test_openai_client_gets_every_api_through_llmgw_up(
     cluster_config: Path, start_up: Callable[..., UpProcess]
 ) -> None:
     """The quickstart promise: the official SDK works against the cluster `llmgw up` starts."""
-    from openai import NotFoundError, OpenAI
+    from openai import AuthenticationError, NotFoundError, OpenAI
 
     up = start_up(cluster_config)
-    api = up.wait_for(READY, timeout=90).group(1)
-    client = OpenAI(base_url=api, api_key="unused", max_retries=0, timeout=30)
+    api, key = up.wait_for(READY, timeout=90).groups()
+    # The development key of the ready line is the one the README exports as OPENAI_API_KEY.
+    with pytest.raises(AuthenticationError):
+        OpenAI(base_url=api, api_key="unused", max_retries=0).models.list()
+    client = OpenAI(base_url=api, api_key=key, max_retries=0, timeout=30)
 
     assert {m.id for m in client.models.list()} == {"llama-3.3-70b", "llama", "qwen2.5-32b", "qwen"}
     reply = client.chat.completions.create(
@@ -151,7 +157,8 @@ def test_openai_client_gets_every_api_through_llmgw_up(
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
 
     # Bad input through the real edge: clear errors with the documented statuses.
-    bad = httpx.post(f"{api}/chat/completions", content=b"{oops", timeout=10)
+    auth = {"authorization": f"Bearer {key}"}
+    bad = httpx.post(f"{api}/chat/completions", content=b"{oops", headers=auth, timeout=10)
     assert bad.status_code == 400 and bad.json()["error"]["message"]
     wrong_type = httpx.post(
         f"{api}/chat/completions",
@@ -160,6 +167,7 @@ def test_openai_client_gets_every_api_through_llmgw_up(
             "messages": [{"role": "user", "content": "x"}],
             "max_tokens": "many",
         },
+        headers=auth,
         timeout=10,
     )
     assert wrong_type.status_code == 400 and wrong_type.json()["error"]["param"] == "max_tokens"

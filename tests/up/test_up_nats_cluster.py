@@ -22,7 +22,9 @@ from llmgw.config import config_from_dict, load_config
 from llmgw.services.up.main import run
 from llmgw.services.up.plan import PlanError, plan_nats
 
-READY = r"^llmgw is ready: OpenAI API at (http://\S+/v1) \(Ctrl-C to stop\)$"
+READY = (
+    r"^llmgw is ready: OpenAI API at (http://\S+/v1), API key (sk-llmgw-\w+) \(Ctrl-C to stop\)$"
+)
 
 
 def _local(**nats_fields: object) -> dict:
@@ -139,14 +141,15 @@ async def _replicas(url: str, stream: str) -> int:
         await client.close()
 
 
-def _chat(api: str) -> httpx.Response:
+def _chat(api: str, key: str) -> httpx.Response:
     body = {"model": "llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-    return httpx.post(f"{api}/chat/completions", json=body, timeout=30)
+    auth = {"authorization": f"Bearer {key}"}
+    return httpx.post(f"{api}/chat/completions", json=body, headers=auth, timeout=30)
 
 
-def _eventually_200(api: str, timeout: float) -> None:
+def _eventually_200(api: str, key: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
-    while (status := _chat(api).status_code) != 200:
+    while (status := _chat(api, key).status_code) != 200:
         assert time.monotonic() < deadline, f"still {status} after {timeout:g}s"
         time.sleep(0.2)  # pacing between probes of a remote condition, not a synchronisation
 
@@ -156,15 +159,16 @@ def test_up_on_a_cluster_serves_survives_a_node_crash_and_stops_every_node(
     cluster_config: Path, start_up: Callable[..., UpProcess]
 ) -> None:
     up = start_up(cluster_config, "--nats-cluster", "3")
-    api = up.wait_for(READY, timeout=90).group(1)
+    api, key = up.wait_for(READY, timeout=90).groups()
     urls = up.wait_for(r"^llmgw up: edge \S+, admin \S+, NATS (\S+)$").group(1)
     assert len(urls.split(",")) == 3
     pids = up.pids()
     assert {"nats-0", "nats-1", "nats-2"} <= set(pids) and "nats" not in pids
-    assert _chat(api).status_code == 200
+    assert _chat(api, key).status_code == 200
     # Every bucket the services created is replicated on the three nodes.
     assert asyncio.run(_replicas(urls, "KV_llmgw_routing")) == 3
     assert asyncio.run(_replicas(urls, "KV_llmgw_load")) == 3
+    assert asyncio.run(_replicas(urls, "KV_llmgw_keys")) == 3
 
     os.kill(pids["nats-1"], signal.SIGKILL)
     up.wait_for(r"^\[nats-1\] exited with code -9; restarting it with its store", timeout=10)
@@ -172,7 +176,7 @@ def test_up_on_a_cluster_serves_survives_a_node_crash_and_stops_every_node(
     assert up.pids()["nats-1"] != pids["nats-1"]
     # If nats-1 led a bucket's stream, admission answers 503 until the survivors elect a new
     # leader (a Raft election timeout, 4-9 s): poll, with a deadline above that.
-    _eventually_200(api, timeout=20)
+    _eventually_200(api, key, timeout=20)
 
     assert up.stop(signal.SIGTERM) == 0
     assert up.lines[-2:] == ["llmgw up: stopped", "[nats] stopped"]  # NATS stops last

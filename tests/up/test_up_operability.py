@@ -23,7 +23,9 @@ from llmgw.events import EndpointEvent, PinEvent, parse_event
 
 pytestmark = pytest.mark.e2e
 
-READY = r"^llmgw is ready: OpenAI API at (http://\S+/v1) \(Ctrl-C to stop\)$"
+READY = (
+    r"^llmgw is ready: OpenAI API at (http://\S+/v1), API key (sk-llmgw-\w+) \(Ctrl-C to stop\)$"
+)
 NATS = r"^llmgw up: edge \S+, admin \S+, NATS (\S+)$"
 ACCESS_FIELDS = {
     "ts",
@@ -80,7 +82,7 @@ def test_access_log_metrics_health_and_replay_through_llmgw_up(
     config = write_cluster_config(tmp_path / "cluster.yaml", log={"format": "json"})
     data = yaml.safe_load(config.read_text())
     up = start_up(config)
-    api = up.wait_for(READY, timeout=90).group(1)
+    api, key = up.wait_for(READY, timeout=90).groups()
     nats_url = up.wait_for(NATS).group(1)
 
     response = httpx.post(
@@ -91,7 +93,11 @@ def test_access_log_metrics_health_and_replay_through_llmgw_up(
             "max_tokens": 8,
             "stream": True,
         },
-        headers={"x-request-id": "op-test-1", "x-session-id": "operator"},
+        headers={
+            "x-request-id": "op-test-1",
+            "x-session-id": "operator",
+            "authorization": f"Bearer {key}",
+        },
         timeout=30,
     )
     assert response.status_code == 200 and response.headers["x-request-id"] == "op-test-1"

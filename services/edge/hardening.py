@@ -1,0 +1,64 @@
+"""Edge hardening: caps on request headers, and OpenAI-shaped errors from the HTTP server itself.
+
+- `headers_refused`: more than `router.max_header_count` headers, or more than
+  `router.max_header_bytes` of them (names and values), is a 431 with an OpenAI error body,
+  decided from the ASGI scope before any route runs (a sum over the header list, ~1 µs);
+- `OpenAIErrorsHttpTools`: uvicorn's httptools protocol, except that a request the parser refuses
+  (a control character in a header, a malformed request line) gets a JSON 400
+  (``invalid_request_error`` / ``malformed_request``) instead of uvicorn's plain-text page.
+  `llmgw.serving.start_server` uses it for any app that names it as ``http_protocol``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.responses import Response
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from llmgw.services.edge.errors import error_body
+
+__all__ = ["OpenAIErrorsHttpTools", "headers_refused"]
+
+_STATUS_431 = 431
+
+
+def headers_refused(scope: dict[str, Any], max_count: int, max_bytes: int) -> Response | None:
+    """The 431 for a request with too many or too large headers, else None."""
+    headers = scope.get("headers") or ()
+    if len(headers) > max_count:
+        message = f"The request has {len(headers)} headers; at most {max_count} are accepted."
+    else:
+        size = sum(len(name) + len(value) for name, value in headers)
+        if size <= max_bytes:
+            return None
+        message = f"The request headers take {size} bytes; at most {max_bytes} are accepted."
+    return Response(
+        error_body(message, "invalid_request_error", "request_headers_too_large"),
+        status_code=_STATUS_431,
+        media_type="application/json",
+        headers={"connection": "close"},
+    )
+
+
+class OpenAIErrorsHttpTools(HttpToolsProtocol):
+    """HttpToolsProtocol whose parser errors are OpenAI-shaped JSON (see the module docstring)."""
+
+    def send_400_response(self, msg: str) -> None:
+        body = error_body(
+            f"The HTTP request is malformed: {msg}", "invalid_request_error", "malformed_request"
+        )
+        content = [STATUS_LINE[400]]
+        for name, value in self.server_state.default_headers:
+            content.extend([name, b": ", value, b"\r\n"])
+        content.extend(
+            [
+                b"content-type: application/json\r\n",
+                b"content-length: " + str(len(body)).encode("ascii") + b"\r\n",
+                b"connection: close\r\n",
+                b"\r\n",
+                body,
+            ]
+        )
+        self.transport.write(b"".join(content))
+        self.transport.close()

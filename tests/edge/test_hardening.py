@@ -1,0 +1,65 @@
+"""Edge hardening: header caps, the HTTP server's own errors as OpenAI JSON, x-request-id kept."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+
+CHAT = {"model": "m1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+async def _raw(url: str, request: bytes) -> tuple[int, dict[str, str], bytes]:
+    """Send bytes no well-behaved client would; the status, headers and body of the answer."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(request)
+    await writer.drain()
+    answer = await asyncio.wait_for(reader.read(), timeout=10)
+    writer.close()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    headers = dict(line.lower().split(": ", 1) for line in lines[1:])
+    return int(lines[0].split()[1]), headers, body
+
+
+async def test_ten_thousand_headers_are_refused_with_an_openai_error(gateway) -> None:
+    many = {f"x-filler-{i}": "1" for i in range(10_000)}
+    async with httpx.AsyncClient(timeout=30) as client:
+        response = await client.post(f"{gateway.url}/v1/chat/completions", json=CHAT, headers=many)
+        assert response.status_code == 431
+        assert response.json()["error"]["code"] == "request_headers_too_large"
+        huge = {"x-huge": "a" * 40_000}
+        response = await client.post(f"{gateway.url}/v1/chat/completions", json=CHAT, headers=huge)
+        assert response.status_code == 431
+        assert (
+            await client.post(f"{gateway.url}/v1/chat/completions", json=CHAT)
+        ).status_code == 200
+
+
+async def test_a_control_character_in_a_header_is_an_openai_shaped_400(gateway) -> None:
+    body = json.dumps(CHAT).encode()
+    request = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: llmgw\r\ncontent-type: application/json\r\n"
+        b"x-bad: a\x01b\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    )
+    status, headers, answer = await _raw(gateway.url, request)
+    assert status == 400
+    assert headers["content-type"] == "application/json"
+    error = json.loads(answer)["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == "malformed_request"
+
+
+async def test_the_clients_request_id_is_kept_and_returned(gateway) -> None:
+    async with httpx.AsyncClient(timeout=10) as client:
+        ok = await client.post(
+            f"{gateway.url}/v1/chat/completions", json=CHAT, headers={"x-request-id": "client-42"}
+        )
+        bad = await client.post(
+            f"{gateway.url}/v1/chat/completions",
+            content=b"{",
+            headers={"x-request-id": "client-43"},
+        )
+    assert ok.status_code == 200 and ok.headers["x-request-id"] == "client-42"
+    assert bad.status_code == 400 and bad.headers["x-request-id"] == "client-43"
