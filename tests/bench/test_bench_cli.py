@@ -139,6 +139,9 @@ def test_a_sweep_prints_the_knee_and_the_recommendation(capsys, threaded_engine,
     code = bench(
         sim.url, "--sweep", "--max-concurrency", "16", "--no-stream", "--output-tokens", "3",
         "--prompt-tokens", "16", "--json", str(path), "--plot", str(tmp_path / "sweep.png"),
+        # Doubling past the 2 batch slots gains nothing; a short level on a busy host can still
+        # show +10-20% by noise, so "flat" here means under +30%.
+        "--knee-threshold", "0.3",
     )  # fmt: skip
     out = capsys.readouterr().out
     assert code == 0

@@ -19,14 +19,16 @@ from up_harness import REPO, write_cluster_config
 sys.path.insert(0, str(REPO / "tests"))
 from misbehaving import MisbehavingServer
 
-READY = r"^llmgw is ready: OpenAI API at (http://\S+/v1) \(Ctrl-C to stop\)$"
+READY = (
+    r"^llmgw is ready: OpenAI API at (http://\S+/v1), API key (sk-llmgw-\w+) \(Ctrl-C to stop\)$"
+)
 
 pytestmark = pytest.mark.e2e
 
 
-async def streams(api: str, count: int) -> list[tuple[str, str]]:
+async def streams(api: str, key: str, count: int) -> list[tuple[str, str]]:
     """(endpoint, text) of `count` streamed chat completions, each its own session."""
-    client = openai.AsyncOpenAI(base_url=api, api_key="k", max_retries=0, timeout=30)
+    client = openai.AsyncOpenAI(base_url=api, api_key=key, max_retries=0, timeout=30)
     results = []
     for n in range(count):
         stream = await client.chat.completions.create(
@@ -56,8 +58,8 @@ def test_a_broken_engine_costs_streaming_clients_nothing(tmp_path: Path, start_u
                     endpoint.pop("simulate")
             config.write_text(yaml.safe_dump(data, sort_keys=False))
             up = start_up(config)
-            api = (await asyncio.to_thread(up.wait_for, READY, 90)).group(1)
-            return await streams(api, 4), bad.requests
+            api, key = (await asyncio.to_thread(up.wait_for, READY, 90)).groups()
+            return await streams(api, key, 4), bad.requests
         finally:
             await bad.stop()
 
