@@ -108,20 +108,7 @@ class MisbehavingServer:
             writer.transport.abort()
             return
         if mode == "echo":
-            answer = json.dumps(
-                {
-                    "id": "echo",
-                    "object": "chat.completion",
-                    "choices": [
-                        {
-                            "index": 0,
-                            "message": {"role": "assistant", "content": "ok"},
-                            "finish_reason": "stop",
-                        }
-                    ],
-                    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
-                }
-            ).encode()
+            answer = chat_completion_body("echo")
             writer.write(
                 b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
                 + f"content-length: {len(answer)}\r\n\r\n".encode()
@@ -137,3 +124,18 @@ class MisbehavingServer:
         await writer.drain()
         if mode in ("garbage", "stall"):
             await reader.read()  # until the client closes its side
+
+
+def chat_completion_body(completion_id: str = "x", model: str | None = None) -> bytes:
+    """A minimal, complete OpenAI chat completion ("ok", one token each way)."""
+    body: dict[str, object] = {
+        "id": completion_id,
+        "object": "chat.completion",
+        "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}
+        ],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+    }
+    if model is not None:
+        body["created"], body["model"] = 0, model
+    return json.dumps(body).encode()

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from typing import Any
 import httpx
 import pytest_asyncio
 from inproc import Admission, Edge, start_admission, start_edge
+from misbehaving import chat_completion_body
 
 from llmgw.config import Config, config_from_dict
 from llmgw.nats_embedded import EmbeddedNats
@@ -53,22 +53,7 @@ class GatedEngine:
         finally:
             self.running -= 1
         self.served += 1
-        body = json.dumps(
-            {
-                "id": "x",
-                "object": "chat.completion",
-                "created": 0,
-                "model": "m1",
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": "ok"},
-                        "finish_reason": "stop",
-                    }
-                ],
-                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
-            }
-        ).encode()
+        body = chat_completion_body(model="m1")
         await send(
             {
                 "type": "http.response.start",
