@@ -26,6 +26,7 @@ from misbehaving import chat_completion_body
 from llmgw.config import Config, config_from_dict
 from llmgw.nats_embedded import EmbeddedNats
 from llmgw.services.edge.leases import is_local_lease
+from llmgw.services.scraper.main import serve as serve_scraper
 from llmgw.serving import RunningServer, free_port, start_server
 
 G = 4  # the managed pair's global slots; one edge, so its local share is all of them
@@ -46,6 +47,11 @@ class GatedEngine:
             return
         while (await receive()).get("more_body"):
             pass
+        if scope["method"] == "GET":  # the scraper: healthy, and no load metrics at all
+            status = 200 if scope["path"] == "/health" else 404
+            await send({"type": "http.response.start", "status": status, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+            return
         self.running += 1
         self.peak = max(self.peak, self.running)
         try:
@@ -69,8 +75,9 @@ def outage_config(nats_url: str, engine_url: str, mode: str) -> Config:
         {
             "nats": {"url": nats_url, "request_timeout": "3s"},
             "pinning": {"lease_timeout": "3s"},
-            # No scraper runs here; what is tested is the edge's side of the outage.
-            "admission": {"enabled": False, "on_nats_outage": mode, "queue_ttl": "5s"},
+            # Flow control on, as shipped: a scraper finds the engine healthy and without load
+            # metrics, so admission runs it on its own count.
+            "admission": {"on_nats_outage": mode, "queue_ttl": "5s"},
             "timeouts": {"first_token": "20s", "idle": "20s", "total": "30s"},
             "models": [{"name": "m1"}],
             "providers": [
@@ -114,7 +121,13 @@ async def running_rig(mode: str, store: Path) -> AsyncIterator[Rig]:
     engine = GatedEngine()
     upstream: RunningServer = await start_server(engine)
     config = outage_config(server.url, upstream.url, mode)
-    admission = await start_admission(config, server.url, instance="adm", follow_load=False)
+    scraped, stop_scraper = asyncio.Event(), asyncio.Event()
+    scraper = asyncio.create_task(
+        serve_scraper(config, stop=stop_scraper, ready=scraped, instance="scraper-outage")
+    )
+    await asyncio.wait_for(scraped.wait(), 10)
+    admission = await start_admission(config, server.url, instance="adm")
+    await until(lambda: admission.service.load.reports >= 1, 10, "a load report at admission")
     edge = await start_edge(config, server.url, edge_id="edge-1")
     try:
         yield Rig(server, engine, admission, edge)
@@ -125,6 +138,8 @@ async def running_rig(mode: str, store: Path) -> AsyncIterator[Rig]:
             await until(lambda: edge.nc.is_connected, 15, "reconnected for teardown")
         await edge.stop()
         await admission.stop()
+        stop_scraper.set()
+        await asyncio.wait_for(scraper, 10)
         await upstream.stop()
         await server.astop()
 

@@ -51,21 +51,11 @@ ACCESS_FIELDS = {
 }
 
 
-def _events(config: Path, nats_url: str, subject: str) -> list[str]:
+def _cli(config: Path, nats_url: str, *args: str) -> str:
     env = {k: v for k, v in os.environ.items() if not k.upper().startswith("LLMGW_")}
     env["LLMGW_NATS__URL"] = nats_url
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "llmgw",
-            "events",
-            "--config",
-            str(config),
-            "--json",
-            "--subject",
-            subject,
-        ],
+        [sys.executable, "-m", "llmgw", args[0], "--config", str(config), *args[1:]],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -73,7 +63,11 @@ def _events(config: Path, nats_url: str, subject: str) -> list[str]:
         timeout=60,
     )
     assert done.returncode == 0, done.stderr
-    return done.stdout.splitlines()
+    return done.stdout
+
+
+def _events(config: Path, nats_url: str, subject: str) -> list[str]:
+    return _cli(config, nats_url, "events", "--json", "--subject", subject).splitlines()
 
 
 def test_access_log_metrics_health_and_replay_through_llmgw_up(
@@ -146,4 +140,9 @@ def test_access_log_metrics_health_and_replay_through_llmgw_up(
         "engine-1",
         "engine-2",
     }
+    # llmgw state, with flow control and the limits on: the session's pin, from the bucket.
+    state = json.loads(_cli(config, nats_url, "state", "--json", "--pins"))
+    iris = {(p["provider"], p["model"]): p for p in state["pairs"]}[("iris", "llama-3.3-70b")]
+    assert iris["pins"] == 1 and iris["pins_stored"] == 1
+    assert [p["provider"] for p in state["pins"]] == ["iris"]
     assert up.stop(signal.SIGTERM) == 0
