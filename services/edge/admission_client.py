@@ -12,7 +12,12 @@ per-request timer task) and waits:
   backoff within the request timeout (counted afresh when a queued request is handed back:
   its instance stopped and answered NOT_OWNER for everything it had queued);
 - while NATS is unreachable it fails at once (`AdmissionUnavailable(fast=True)`): the declared
-  outage mode `reject` answers 503 with Retry-After without waiting.
+  outage mode `reject` answers 503 with Retry-After without waiting. One exception, a cluster's
+  failover: when the connection dropped and its server list has another server to move to, a
+  request waits for the reconnection within its request timeout (`reachable`); a reconnection
+  to a surviving node takes a fraction of a second, so a request that reaches the edge while
+  its node dies is not failed for it. Once such a wait ran out, NATS counts as unreachable and
+  requests fail at once again until the connection is back.
 
 While queued it watches the client: when the client hangs up it tells every admission instance
 to drop the request (``llmgw.v1.admission.cancel``) and still takes the answer (CANCELLED, or a
@@ -57,6 +62,7 @@ _NO_RESPONDERS = "503"
 _BACKOFF = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
 _PROBE_EVERY = 1.0
 _READY_FOR = 3.0  # seconds an answered probe keeps the edge ready
+_RECONNECT_POLL = 0.005  # seconds between looks at a reconnecting connection (nats-py has no event)
 
 
 class _Pending:
@@ -88,6 +94,7 @@ class NatsAdmission:
         self._sub: Subscription | None = None
         self._probe: asyncio.Task[None] | None = None
         self._answered_at = float("-inf")
+        self._unreachable = False  # a failover wait ran out: fail at once until connected again
         self.unanswered = 0  # probes without an answer in a row
 
     async def start(self) -> None:
@@ -128,6 +135,32 @@ class NatsAdmission:
                 await self.probe()
             await asyncio.sleep(_PROBE_EVERY)
 
+    # ---- reaching NATS -------------------------------------------------------------------------
+
+    async def reachable(self, deadline: float | None = None) -> bool:
+        """Whether NATS is connected, waiting until `deadline` (default: one request timeout)
+        for a reconnection that may succeed: the connection is reconnecting and its server list
+        has another server (a cluster's failover). False at once otherwise (one server: an
+        outage), and while an earlier wait ran out without a reconnection."""
+        nc = self._nc
+        if nc.is_connected:
+            self._unreachable = False
+            return True
+        # Reconnecting, or connecting to the next server (nats-py says CONNECTING meanwhile).
+        moving = nc.is_reconnecting or nc.is_connecting
+        if self._unreachable or not (moving and len(nc.servers) > 1):
+            return False
+        if deadline is None:
+            deadline = self._monotonic() + self.request_timeout
+        while self._monotonic() < deadline:
+            await asyncio.sleep(_RECONNECT_POLL)
+            if nc.is_connected:
+                return True
+            if nc.is_closed:
+                return False
+        self._unreachable = True
+        return False
+
     # ---- deciding -----------------------------------------------------------------------------
 
     async def _on_reply(self, msg: Msg) -> None:
@@ -146,12 +179,12 @@ class NatsAdmission:
     ) -> tuple[AdmitReply, bool]:
         """The decision, and whether the client left while the request was queued."""
         nc = self._nc
-        if not nc.is_connected:
+        deadline = self._monotonic() + self.request_timeout
+        if not nc.is_connected and not await self.reachable(deadline):
             raise AdmissionUnavailable("the gateway cannot reach NATS", fast=True)
         payload = request.model_dump_json(exclude_defaults=True).encode()
         subject = admission_subject(request.shard)
         loop = asyncio.get_running_loop()
-        deadline = self._monotonic() + self.request_timeout
         for attempt in itertools.count():
             token = f"{self._prefix}.{next(self._tokens)}"
             pending = _Pending(loop.create_future())
