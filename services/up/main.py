@@ -72,7 +72,10 @@ def _run(args: argparse.Namespace, config_path: str) -> int:
     specs = plan_cluster(config, config_path)
 
     if getattr(args, "dry_run", False):
-        print(format_plan(specs, format_nats_plan(nats_plan)))
+        nats_line = format_nats_plan(nats_plan)
+        if getattr(args, "secure", False):
+            nats_line += "\n" + f"{'':<16} --secure: a NATS user per service role (docs/keys.md)"
+        print(format_plan(specs, nats_line))
         return 0
 
     problems = duplicate_listens(specs) + _busy_ports(specs, nats_plan)

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.e2e
 
 READY = r"^llmgw is ready: OpenAI API at (http://\S+/v1), API key (sk-llmgw-\w+) "
 NATS = r"^llmgw up: edge \S+, admin \S+, NATS (\S+)$"
-NATS_STORE = r"^\[nats(?:-0)?\] nats-server .* store (\S+)\)$"
+NATS_STORE = r"^\[nats(?:-\d+)?\] nats-server .* store (\S+)\)$"
 
 
 def _cli(
@@ -96,3 +96,19 @@ def test_the_gateway_runs_with_a_nats_user_per_role(
 
     assert up.stop() == 0
     assert yaml.safe_load(passwords_file.read_text()) == passwords  # kept for the next start
+
+
+def test_a_secure_nats_cluster_serves_every_role(
+    cluster_config: Path, start_up: Callable[..., UpProcess]
+) -> None:
+    """`--secure --nats-cluster 3`: every node has the users; the roles' grants hold across the
+    cluster (replicated buckets are written through their leaders)."""
+    up = start_up(cluster_config, "--secure", "--nats-cluster", "3")
+    api, dev_key = up.wait_for(READY, timeout=120).groups()
+    stores = [Path(up.wait_for(NATS_STORE, count=i + 1).group(1)) for i in range(3)]
+    assert len(set(stores)) == 3
+    for stream in (False, True):
+        reply = _chat(api, dev_key, stream=stream)
+        assert reply.status_code == 200, reply.text
+    assert [v for store in stores for v in _violations(store / "nats-server.log")] == []
+    assert up.stop() == 0
