@@ -182,6 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="print the nats-server authorization block (one user per service role) for a config",
     )
     nats_auth.add_argument("file", help="path to the YAML config (bucket and stream names)")
+    nats_auth.add_argument(
+        "--helm", action="store_true", help="as values of the official NATS Helm chart"
+    )
     nats_auth.set_defaults(target="llmgw.nats_auth:run")
 
     sim = sub.add_parser("sim", help="simulated engines and third-party providers")
