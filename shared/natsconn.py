@@ -89,13 +89,14 @@ class Refusals:
         )
 
 
-async def connect_tool(cfg: NatsConfig, name: str) -> NATS:
+async def connect_tool(cfg: NatsConfig, name: str, refusals: Refusals | None = None) -> NATS:
     """A command-line tool's connection: one attempt per server, bounded, quiet. An embedded
-    config reaches the server (or cluster) `llmgw up` started with it on this machine."""
+    config reaches the server (or cluster) `llmgw up` started with it on this machine.
+    `refusals` collects the server's permission violations for the tool's error message."""
     if cfg.is_embedded:
         cfg = cfg.model_copy(update={"url": ",".join(embedded_servers(cfg))})
     options = connect_options(cfg, name)
-    refusals = Refusals()
+    refusals = refusals if refusals is not None else Refusals()
     options.update(max_reconnect_attempts=1, reconnect_time_wait=0.1, error_cb=refusals.record)
     try:
         async with asyncio.timeout(cfg.connect_timeout * 2 + 5):

@@ -169,7 +169,7 @@ async def test_only_a_buckets_writers_may_write_it(connect, config: Config, buck
     await _open_buckets(connect, config)
     for role in ROLES:
         client = await connect(role)
-        kv = NatsKV(client.nc.jetstream(timeout=0.5), _bucket(config, bucket))
+        kv = NatsKV(client.nc.jetstream(timeout=0.25), _bucket(config, bucket))
         if role in WRITERS[bucket]:
             assert await kv.put(f"test.{role}", b"x") > 0, role
             assert client.violations == [], (role, client.violations)
@@ -195,12 +195,14 @@ async def test_an_edge_cannot_write_a_pin_or_a_key_but_reads_the_keys(
     assert digest_of(secret) in {k.digest for k in await mirror_side.list()}
     assert edge.violations == []
 
-    routing = NatsKV(edge.nc.jetstream(timeout=0.5), config.pinning.bucket)
+    routing = NatsKV(edge.nc.jetstream(timeout=0.25), config.pinning.bucket)
     with pytest.raises(nats.errors.TimeoutError):
         await routing.put("pin.0123456789abcdef", b"{}")
     assert "pin.0123456789abcdef" in await edge.denied()
+    forged = ApiKey(digest=digest_of("sk-llmgw-" + "cd" * 24), tenant="x")
+    keys_as_edge = NatsKV(edge.nc.jetstream(timeout=0.25), config.auth.bucket)
     with pytest.raises(nats.errors.TimeoutError):
-        await mirror_side.put(ApiKey(digest=digest_of("sk-llmgw-" + "cd" * 24), tenant="x"))
+        await keys_as_edge.create(forged.kv_key, forged.to_json())
     assert f"$kv.{config.auth.bucket}." in (await edge.denied()).lower()
 
 
