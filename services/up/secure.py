@@ -56,6 +56,7 @@ def _load_passwords(path: Path) -> dict[str, str]:
 
 def _write_private(path: Path, text: str) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_CREAT: make it private too
     with os.fdopen(fd, "w", encoding="utf-8") as handle:
         handle.write(text)
 

@@ -73,10 +73,13 @@ def test_the_gateway_runs_with_a_nats_user_per_role(
     for stream in (False, True):
         reply = _chat(api, dev_key, stream=stream)
         assert reply.status_code == 200, reply.text
-    created = _cli(cluster_config, nats_url, "keys", passwords, "keys", "create", "--tenant", "t")
+    created = _cli(
+        cluster_config, nats_url, "keys", passwords, "keys", "create", "--tenant", "t", "--rpm", "2"
+    )
     assert created.returncode == 0, created.stderr
     secret = re.search(r"(sk-llmgw-\w+)", created.stdout).group(1)  # type: ignore[union-attr]
-    assert _chat(api, secret).status_code == 200
+    statuses = [_chat(api, secret).status_code for _ in range(3)]
+    assert statuses == [200, 200, 429]  # the key's limit, on the admission and edge roles
     state = _cli(cluster_config, nats_url, "state", passwords, "state", "--json")
     assert state.returncode == 0, state.stderr
     events = _cli(cluster_config, nats_url, "events", passwords, "events", "--json")
