@@ -8,9 +8,14 @@ is refused.
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import signal
 import stat
 import subprocess
+import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -37,7 +42,9 @@ def _cli(
     return llmgw_cli(config, *args, env=env)
 
 
-def _chat(api: str, key: str, *, stream: bool = False) -> httpx.Response:
+def _chat(
+    api: str, key: str, *, stream: bool = False, session: str = "secure-test"
+) -> httpx.Response:
     body = {
         "model": "llama",
         "messages": [{"role": "user", "content": "hello"}],
@@ -47,9 +54,49 @@ def _chat(api: str, key: str, *, stream: bool = False) -> httpx.Response:
     return httpx.post(
         f"{api}/chat/completions",
         json=body,
-        headers={"authorization": f"Bearer {key}", "x-session-id": "secure-test"},
+        headers={"authorization": f"Bearer {key}", "x-session-id": session},
         timeout=30,
     )
+
+
+def _instances(config: Path, nats_url: str, passwords: dict[str, str]) -> dict[str, int]:
+    """Shards per admission instance, as `llmgw state` (the state role) reports them."""
+    done = _cli(config, nats_url, "state", passwords, "state", "--json")
+    assert done.returncode == 0, done.stderr
+    return {i["instance"]: i["shards"] for i in json.loads(done.stdout)["instances"]}
+
+
+def _second_admission_takes_shards_and_hands_them_back(
+    config: Path, nats_url: str, passwords: dict[str, str], api: str, key: str
+) -> None:
+    """Shard handovers and roll calls between instances and edges, under the roles' grants."""
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("LLMGW_")}
+    env.update(
+        LLMGW_NATS__URL=nats_url,
+        LLMGW_NATS__USER="admission",
+        LLMGW_NATS__PASSWORD=passwords["admission"],
+    )
+    second = subprocess.Popen(
+        [sys.executable, "-m", "llmgw", "admission", "--config", str(config)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # rebalancing is the instances' own pace: poll what state reports
+            shards = _instances(config, nats_url, passwords)
+            if len(shards) == 2 and all(shards.values()):
+                break
+            assert time.monotonic() < deadline, shards
+        for turn in range(8):  # sessions on both instances' shards
+            reply = _chat(api, key, session=f"handover-{turn}")
+            assert reply.status_code == 200, reply.text
+    finally:
+        second.send_signal(signal.SIGTERM)
+        assert second.wait(30) == 0
+    shards = _instances(config, nats_url, passwords)
+    assert list(shards.values()) == [32], shards  # handed back to the one left
 
 
 def _violations(log: Path) -> list[str]:
@@ -84,6 +131,9 @@ def test_the_gateway_runs_with_a_nats_user_per_role(
     assert state.returncode == 0, state.stderr
     events = _cli(cluster_config, nats_url, "events", passwords, "events", "--json")
     assert events.returncode == 0 and '"endpoint.scraped"' in events.stdout, events.stderr
+    _second_admission_takes_shards_and_hands_them_back(
+        cluster_config, nats_url, passwords, api, dev_key
+    )
     assert _violations(log) == []
 
     # Denials: the edge role reads the key bucket but may not write it; no user, no entry.
