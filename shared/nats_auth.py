@@ -7,7 +7,7 @@ docs/keys.md ("NATS permissions") all come from it, so they cannot drift.
 
 Roles (`ROLES`): one per service (`edge`, `admission`, `reaper`, `scraper`) and one per
 operator tool (`keys`: the only writer of the key bucket; `state`: reads the routing bucket;
-`events`: reads the events stream). A service connects as its role with `nats.user` and
+`events`: reads the events stream and the public subjects, events and request stats, live). A service connects as its role with `nats.user` and
 `nats.password` (LLMGW_NATS__USER / LLMGW_NATS__PASSWORD).
 
 How JetStream maps onto subjects (what the table grants):
@@ -176,7 +176,8 @@ def role_permissions(config: Config) -> dict[str, Permissions]:
         ),
         "events": Permissions(
             publish=(*_read_stream(events), f"{_API}.CONSUMER.MSG.NEXT.{events}.*"),
-            subscribe=(INBOX,),
+            # The public subjects, live: a reader of usage and cost (request stats) or events.
+            subscribe=(INBOX, ALL_EVENTS_SUBJECT, REQUEST_STATS_SUBJECT),
         ),
     }
     return {role: table[role] for role in ROLES}

@@ -219,3 +219,20 @@ async def test_a_wrong_password_is_refused(secured: EmbeddedNats) -> None:
         await nats.connect(
             secured.url, user="keys", password="guess", allow_reconnect=False, connect_timeout=2
         )
+
+
+@pytestmark_async
+async def test_the_events_role_taps_the_public_subjects_live(connect) -> None:
+    reader, edge = await connect("events"), await connect("edge")
+    got: asyncio.Queue[bytes] = asyncio.Queue()
+
+    async def keep(msg) -> None:  # type: ignore[no-untyped-def]
+        await got.put(msg.data)
+
+    await reader.nc.subscribe(wire.REQUEST_STATS_SUBJECT, cb=keep)
+    await reader.nc.flush()
+    await edge.nc.publish(wire.REQUEST_STATS_SUBJECT, b"{}")
+    assert await asyncio.wait_for(got.get(), _DENIAL_WAIT) == b"{}"
+    assert reader.violations == [] and edge.violations == []
+    await reader.nc.publish(wire.REQUEST_STATS_SUBJECT, b"{}")  # a reader, not a publisher
+    assert wire.REQUEST_STATS_SUBJECT in await reader.denied()
