@@ -164,7 +164,8 @@ def _prepare_secure(config: Config, plan: NatsPlan, passwords_file: str | None) 
     secure = SecureNats.prepare(_as_children_see_it(config, plan), passwords_file)
     print(
         f"llmgw up: NATS requires a user per service role (--secure); passwords in "
-        f"{secure.passwords_path}",
+        f"{secure.passwords_path}; a tool connects as one, e.g. LLMGW_NATS__USER=keys "
+        "LLMGW_NATS__PASSWORD=<its keys entry> llmgw keys list",
         flush=True,
     )
     return secure
