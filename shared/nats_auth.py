@@ -1,14 +1,16 @@
 """NATS users per service role: who may publish and subscribe to what (least privilege).
 
 One table decides it (`role_permissions`), built from the config's bucket and stream names and
-the subjects of `llmgw.wire` and `llmgw.events`; `llmgw up --secure`, compose's NATS config
-(`llmgw config nats-auth FILE`, checked in as deploy/nats/auth.conf and kept in step by a test) and
-docs/keys.md ("NATS permissions") all come from it, so they cannot drift.
+the subjects of `llmgw.wire` and `llmgw.events`. `llmgw up --secure`, compose's NATS config
+(`llmgw config nats-auth FILE`, checked in as deploy/nats/llmgw-auth.conf), the NATS Helm chart's
+values (`--helm`, deploy/kubernetes/nats-values.yaml) and docs/keys.md ("NATS permissions") all
+come from it, and tests keep the checked-in files verbatim, so they cannot drift.
 
 Roles (`ROLES`): one per service (`edge`, `admission`, `reaper`, `scraper`) and one per
 operator tool (`keys`: the only writer of the key bucket; `state`: reads the routing bucket;
-`events`: reads the events stream and the public subjects, events and request stats, live). A service connects as its role with `nats.user` and
-`nats.password` (LLMGW_NATS__USER / LLMGW_NATS__PASSWORD).
+`events`: reads the events stream, and the public subjects, events and request stats, live).
+A service connects as its role with `nats.user` and `nats.password` (LLMGW_NATS__USER /
+LLMGW_NATS__PASSWORD).
 
 How JetStream maps onto subjects (what the table grants):
 - A KV write is a publish on `$KV.<bucket>.<key>`: only the bucket's writers may publish there.

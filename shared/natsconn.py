@@ -67,8 +67,8 @@ def embedded_servers(cfg: NatsConfig) -> list[str]:
 
 class Refusals:
     """A tool's `error_cb` (`record`): quiet (a CLI reports one clear error, not nats-py's retry
-    tracebacks), but keeps the server's permission violations, so a tool whose
-    request timed out can say it was refused (wrong NATS role) instead of "cannot reach NATS"."""
+    tracebacks), but keeps the server's permission and authorization violations, so a tool whose
+    request timed out can say it was refused (a wrong NATS role) instead of "cannot reach NATS"."""
 
     def __init__(self) -> None:
         self.denied: list[str] = []
