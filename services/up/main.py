@@ -64,6 +64,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace, config_path: str) -> int:
     config = load_or_exit(config_path)
+    if getattr(args, "nats_passwords", None) and not getattr(args, "secure", False):
+        print("llmgw up: --nats-passwords is for --secure (a NATS user per role)", file=sys.stderr)
+        return 2
     try:
         nats_plan = plan_nats(config, getattr(args, "nats_cluster", None))
     except PlanError as exc:

@@ -76,3 +76,12 @@ def test_each_nats_client_gets_its_role_and_the_simulators_nothing(config) -> No
         "edge": "edge",
     }
     assert all(e["LLMGW_NATS__PASSWORD"] == secure.passwords[n] for n, e in env.items())
+
+
+def test_a_passwords_file_without_secure_is_refused(tmp_path: Path) -> None:
+    from llmgw.cli import main
+
+    file = tmp_path / "pw.yaml"
+    args = ["up", "--config", str(REPO / "config" / "local.yaml"), "--nats-passwords", str(file)]
+    assert main([*args, "--dry-run"]) == 2
+    assert not file.exists()
