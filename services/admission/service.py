@@ -636,7 +636,7 @@ class AdmissionService:
         self.load.set_own(endpoint, count, self._clock())
         if self.load.knows(endpoint):
             self._load_changed.add(endpoint)
-            if not self._load_scheduled and len(self.membership.live()) > 1:
+            if not self._load_scheduled and self.membership.has_peers():
                 # Sent at the next loop turn, batching this turn's changes: peers must see a
                 # grant before their next dispatch tick, or each would spend the same headroom.
                 self._load_scheduled = True
