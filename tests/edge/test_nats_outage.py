@@ -14,14 +14,14 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest_asyncio
+from gated import GatedEngine
 from inproc import Admission, Edge, start_admission, start_edge
-from misbehaving import chat_completion_body
 
 from llmgw.config import Config, config_from_dict
 from llmgw.nats_embedded import EmbeddedNats
@@ -30,44 +30,6 @@ from llmgw.services.scraper.main import serve as serve_scraper
 from llmgw.serving import RunningServer, free_port, start_server
 
 G = 4  # the managed pair's global slots; one edge, so its local share is all of them
-
-
-@dataclass
-class GatedEngine:
-    """An OpenAI-compatible upstream that holds every request until `gate` opens, counting how
-    many it holds at once (`running`, `peak`)."""
-
-    gate: asyncio.Event = field(default_factory=asyncio.Event)
-    running: int = 0
-    peak: int = 0
-    served: int = 0
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return
-        while (await receive()).get("more_body"):
-            pass
-        if scope["method"] == "GET":  # the scraper: healthy, and no load metrics at all
-            status = 200 if scope["path"] == "/health" else 404
-            await send({"type": "http.response.start", "status": status, "headers": []})
-            await send({"type": "http.response.body", "body": b""})
-            return
-        self.running += 1
-        self.peak = max(self.peak, self.running)
-        try:
-            await self.gate.wait()
-        finally:
-            self.running -= 1
-        self.served += 1
-        body = chat_completion_body(model="m1")
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [(b"content-type", b"application/json")],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
 
 
 def outage_config(nats_url: str, engine_url: str, mode: str) -> Config:
