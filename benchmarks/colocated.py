@@ -14,32 +14,15 @@ request (edge + admission + nats-server).
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import os
-
-from ab import side_by_side
-from cluster import running_cluster
-from overhead import GATEWAY_CPUS, LOADGEN_CPUS
+from ab import compare
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--requests", type=int, default=400, help="requests per run")
-    args = parser.parse_args()
-    os.sched_setaffinity(0, LOADGEN_CPUS)
-    with contextlib.ExitStack() as stack:
-        clusters = {
-            "separate": stack.enter_context(running_cluster(GATEWAY_CPUS, LOADGEN_CPUS, flow=True)),
-            "colocated": stack.enter_context(
-                running_cluster(GATEWAY_CPUS, LOADGEN_CPUS, flow=True, admissions=0, colocated=True)
-            ),
-        }
-        side_by_side(clusters, (1, 64), args.rounds, args.requests, "admission")
-    return 0
+    variants = {
+        "separate": {"flow": True},
+        "colocated": {"flow": True, "admissions": 0, "colocated": True},
+    }
+    return compare(__doc__ or "", variants, (1, 64), "admission")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ from typing import Any
 
 from misbehaving import chat_completion_body
 
+from llmgw.config import Config, config_from_dict
+
 
 @dataclass
 class GatedEngine:
@@ -46,3 +48,44 @@ class GatedEngine:
             }
         )
         await send({"type": "http.response.body", "body": body})
+
+
+def gated_config(
+    nats_url: str,
+    engine_url: str,
+    *,
+    g: int,
+    admission: dict[str, Any],
+    capacity: int | None = None,
+    **sections: Any,
+) -> Config:
+    """One managed pair (iris/m1: G slots, no reserve, S=2, 64 pins) on one engine at
+    `engine_url`; flow control on as shipped (a scraper finds the engine healthy and without
+    load metrics, so admission runs it on its own count). `sections` replace whole sections."""
+    endpoint: dict[str, Any] = {
+        "id": "engine-1",
+        "url": engine_url,
+        "provider": "iris",
+        "models": ["m1"],
+    }
+    if capacity is not None:
+        endpoint["capacity"] = capacity
+    limits = {
+        "max_pinned_sessions": 64,
+        "max_global_in_flight_request_slots": g,
+        "global_in_flight_request_slots_reserved_for_pinned_sessions": 0,
+        "max_per_session_in_flight_request_slots": 2,
+    }
+    data: dict[str, Any] = {
+        "nats": {"url": nats_url, "request_timeout": "3s"},
+        "pinning": {"lease_timeout": "3s"},
+        "admission": admission,
+        "timeouts": {"first_token": "20s", "idle": "20s", "total": "30s"},
+        "models": [{"name": "m1"}],
+        "providers": [
+            {"id": "iris", "kind": "managed", "models": [{"name": "m1", "limits": limits}]}
+        ],
+        "endpoints": [endpoint],
+        **sections,
+    }
+    return config_from_dict(data, source="<test>", env={})

@@ -16,10 +16,10 @@ from typing import Any
 
 import httpx
 import pytest_asyncio
-from gated import GatedEngine
+from gated import GatedEngine, gated_config
 from inproc import Admission, Edge, connect, start_admission
 
-from llmgw.config import Config, config_from_dict
+from llmgw.config import Config
 from llmgw.core.requests import Feature
 from llmgw.core.sessions import session_id
 from llmgw.core.shards import shard_of
@@ -35,43 +35,14 @@ CHAT = "/v1/chat/completions"
 
 
 def colocated_config(nats_url: str, engine_url: str, bucket: str, g: int, capacity: int) -> Config:
-    return config_from_dict(
-        {
-            "nats": {"url": nats_url, "request_timeout": "3s"},
-            "router": {"load_bucket": f"load_{bucket}"},
-            "pinning": {"bucket": bucket, "lease_timeout": "3s"},
-            "admission": {"colocated": True, "queue_ttl": "10s", "shards": 8},
-            "timeouts": {"first_token": "20s", "idle": "20s", "total": "30s"},
-            "models": [{"name": "m1"}],
-            "providers": [
-                {
-                    "id": "iris",
-                    "kind": "managed",
-                    "models": [
-                        {
-                            "name": "m1",
-                            "limits": {
-                                "max_pinned_sessions": 64,
-                                "max_global_in_flight_request_slots": g,
-                                "global_in_flight_request_slots_reserved_for_pinned_sessions": 0,
-                                "max_per_session_in_flight_request_slots": 2,
-                            },
-                        }
-                    ],
-                }
-            ],
-            "endpoints": [
-                {
-                    "id": "engine-1",
-                    "url": engine_url,
-                    "provider": "iris",
-                    "models": ["m1"],
-                    "capacity": capacity,
-                }
-            ],
-        },
-        source="<test>",
-        env={},
+    return gated_config(
+        nats_url,
+        engine_url,
+        g=g,
+        capacity=capacity,
+        admission={"colocated": True, "queue_ttl": "10s", "shards": 8},
+        pinning={"bucket": bucket, "lease_timeout": "3s"},
+        router={"load_bucket": f"load_{bucket}"},
     )
 
 

@@ -20,10 +20,10 @@ from typing import Any
 
 import httpx
 import pytest_asyncio
-from gated import GatedEngine
+from gated import GatedEngine, gated_config
 from inproc import Admission, Edge, start_admission, start_edge
 
-from llmgw.config import Config, config_from_dict
+from llmgw.config import Config
 from llmgw.nats_embedded import EmbeddedNats
 from llmgw.services.edge.leases import is_local_lease
 from llmgw.services.scraper.main import serve as serve_scraper
@@ -33,38 +33,8 @@ G = 4  # the managed pair's global slots; one edge, so its local share is all of
 
 
 def outage_config(nats_url: str, engine_url: str, mode: str) -> Config:
-    return config_from_dict(
-        {
-            "nats": {"url": nats_url, "request_timeout": "3s"},
-            "pinning": {"lease_timeout": "3s"},
-            # Flow control on, as shipped: a scraper finds the engine healthy and without load
-            # metrics, so admission runs it on its own count.
-            "admission": {"on_nats_outage": mode, "queue_ttl": "5s"},
-            "timeouts": {"first_token": "20s", "idle": "20s", "total": "30s"},
-            "models": [{"name": "m1"}],
-            "providers": [
-                {
-                    "id": "iris",
-                    "kind": "managed",
-                    "models": [
-                        {
-                            "name": "m1",
-                            "limits": {
-                                "max_pinned_sessions": 16,
-                                "max_global_in_flight_request_slots": G,
-                                "global_in_flight_request_slots_reserved_for_pinned_sessions": 0,
-                                "max_per_session_in_flight_request_slots": 2,
-                            },
-                        }
-                    ],
-                }
-            ],
-            "endpoints": [
-                {"id": "engine-1", "url": engine_url, "provider": "iris", "models": ["m1"]}
-            ],
-        },
-        source="<test>",
-        env={},
+    return gated_config(
+        nats_url, engine_url, g=G, admission={"on_nats_outage": mode, "queue_ttl": "5s"}
     )
 
 
