@@ -164,6 +164,12 @@ def _prepare_secure(config: Config, plan: NatsPlan, passwords_file: str | None) 
             f"--secure starts the embedded NATS with one user per role; this config uses "
             f"{plan.url}: give that server the users of `llmgw config nats-auth` (docs/keys.md)"
         )
+    if config.admission.colocated:
+        raise PlanError(
+            "--secure does not run admission.colocated: an edge's own admission instance would "
+            "connect as the edge role, which may not write the routing bucket; turn it off "
+            "(separate admission instances run as their role)"
+        )
     secure = SecureNats.prepare(_as_children_see_it(config, plan), passwords_file)
     print(
         f"llmgw up: NATS requires a user per service role (--secure); passwords in "

@@ -85,3 +85,14 @@ def test_a_passwords_file_without_secure_is_refused(tmp_path: Path) -> None:
     args = ["up", "--config", str(REPO / "config" / "local.yaml"), "--nats-passwords", str(file)]
     assert main([*args, "--dry-run"]) == 2
     assert not file.exists()
+
+
+def test_secure_refuses_a_colocated_admission(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    from llmgw.cli import main
+
+    data = yaml.safe_load((REPO / "config" / "local.yaml").read_text())
+    data["admission"] = {**(data.get("admission") or {}), "colocated": True}
+    config = tmp_path / "colocated.yaml"
+    config.write_text(yaml.safe_dump(data))
+    assert main(["up", "--config", str(config), "--secure"]) == 2
+    assert "admission.colocated" in capsys.readouterr().err
