@@ -316,7 +316,10 @@ class HotPathApp:
             await response(scope, receive, send)
         finally:
             if record is not None:
-                record.sent()
+                try:
+                    record.sent()
+                except Exception:  # the answer is out; what failed after it is only logged
+                    log.exception("unexpected error in the edge after a response")
 
 
 def create_app(config: Config, deps: EdgeDeps) -> HotPathApp:
