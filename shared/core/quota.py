@@ -37,6 +37,7 @@ from typing import Any, Protocol
 from llmgw.core.codec import decode_versioned
 
 __all__ = [
+    "NO_QUOTA",
     "QUOTA_VERSION",
     "PairLimits",
     "Quota",
@@ -96,6 +97,9 @@ class Quota:
         }
 
 
+NO_QUOTA = Quota()  # what an instance holds before it is granted anything
+
+
 @dataclass(frozen=True, slots=True)
 class QuotaBook:
     """Every instance's quota of one pair. Invariant (checked by `check`): Σg <= G,
@@ -108,7 +112,7 @@ class QuotaBook:
     # ---- reading ----------------------------------------------------------------------------
 
     def quota(self, instance: str) -> Quota:
-        return self.holders.get(instance, Quota())
+        return self.holders.get(instance, NO_QUOTA)
 
     def totals(self) -> tuple[int, int, int]:
         """(Σg, Σu, Σp)."""
