@@ -14,6 +14,13 @@ instance accounts it until the edge's end message (`on_request_ended`, the broad
 ``lease_timeout`` without a renewal (`expire`), or the shard moving away with it. A reply that
 never reaches the edge leaves a lease nobody renews: it expires after ``lease_timeout``.
 
+Asked again: an edge asks again for an attempt that got no answer in time (a NATS node may die
+with the ask or the answer in its buffers). An attempt answered here (remembered by its id for
+two request timeouts) gets the same answer again: a grant while its lease lives (nothing once
+it ended), a refusal as it was; an attempt waiting in the queue here is answered QUEUED again
+and its decision goes to the latest ask. So one attempt is decided once by its owner and never
+holds two leases from it.
+
 Several instances: each owns some shards (`ShardKeeper`, by CAS on the shard keys) and a quota
 of each pair's limits (`QuotaKeeper`); they gossip their queues (FlowState) and their live
 leases per endpoint (FlowLoad), so every instance sees the same load.
@@ -117,6 +124,10 @@ _RETRYABLE = frozenset(
 _LOAD_HEARTBEAT = 1.0
 _ENDED_MEMORY_S = 5.0  # longer than a handover takes (its request times out after 2 s)
 _ENDED_MEMORY_MAX = 32_768
+# Refusals not repeated to an ask again: NOT_OWNER (asked again, the shard's owner decides) and
+# MALFORMED (no attempt id to remember).
+_ASKED_ANEW = frozenset({Refusal.NOT_OWNER, Refusal.MALFORMED})
+_ANSWERED_MAX = 65_536  # answers remembered for asks again (they are kept 2 request timeouts)
 
 
 def limits_from_config(config: Config) -> dict[tuple[str, str], Any]:
@@ -233,6 +244,13 @@ class AdmissionService:
         # Ends of leases not held here, of shards not served here: one may be on its way here
         # in a handover that its end overtook (`without_ended`). Oldest first, bounded.
         self._ended_elsewhere: OrderedDict[str, float] = OrderedDict()
+        # Attempts answered here (id -> when, the answer sent, its lease) and attempts waiting in
+        # the queue here: an edge that asks again, its answer lost with a NATS node, gets the
+        # same answer. An edge asks again within a request timeout of the answer it missed.
+        self._answered: OrderedDict[str, tuple[float, bytes, str | None]] = OrderedDict()
+        self._answered_for = 2 * config.nats.request_timeout
+        self._waiting: dict[str, _Request] = {}
+        self.answered_again = 0  # asks of an attempt granted or queued here, answered again
         self._subs: list[Subscription] = []
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loops: list[asyncio.Task[None]] = []
@@ -265,6 +283,9 @@ class AdmissionService:
             await self.quotas.track(key_pair(request.key), KeyLimits(request.key_parallel))
         if not self.shards.serves(request.shard) or not self.membership.can_serve():
             await self._respond(msg.reply, self._refusal(request.id, Refusal.NOT_OWNER))
+            return
+        if request.id in self._waiting or request.id in self._answered:
+            await self._answer_again(request.id, msg.reply)
             return
         traced = self._spans.start(msg.headers, request) if self._spans is not None else None
         try:
@@ -339,8 +360,25 @@ class AdmissionService:
             return started
         context, future = started
         context.reply_to = reply_to
+        self._waiting[request.id] = context
         self._spawn(self._wait_in_queue(context, future))
         return None
+
+    async def _answer_again(self, attempt: str, reply_to: str | None) -> None:
+        """An edge asked again for an attempt answered or queued here (the answer or the ask may
+        have been lost with a NATS node): the same answer, never a second decision or lease. A
+        queued one's decision goes to the latest ask's reply subject; a grant whose lease has
+        ended since is not answered (its edge had the answer)."""
+        self.answered_again += 1
+        context = self._waiting.get(attempt)
+        if context is not None:
+            context.reply_to = reply_to or context.reply_to
+            await self._respond(reply_to, AdmitReply(id=attempt, status=ReplyStatus.QUEUED))
+            return
+        _, answer, lease = self._answered[attempt]
+        if reply_to and (lease is None or lease in self.ledger.leases):
+            with contextlib.suppress(Exception):
+                await self.nc.publish(reply_to, answer)
 
     async def decide(self, request: AdmitRequest) -> AdmitReply:
         """Decide one request in this process, waiting through the queue as an edge would
@@ -405,8 +443,13 @@ class AdmissionService:
 
     async def _wait_in_queue(self, context: _Request, future: asyncio.Future[Any]) -> None:
         request = context.request
-        await self._respond(context.reply_to, AdmitReply(id=request.id, status=ReplyStatus.QUEUED))
-        await self._respond(context.reply_to, self._final(context, await future))
+        try:
+            queued = AdmitReply(id=request.id, status=ReplyStatus.QUEUED)
+            await self._respond(context.reply_to, queued)
+            final = self._final(context, await future)
+            await self._respond(context.reply_to, final)  # the latest ask's (read after the wait)
+        finally:
+            self._waiting.pop(request.id, None)
 
     def _dispatch_waiter(self, waiter: Waiter, decision: GateDecision) -> AdmitReply:
         """The tick let a queued request go: place it now (synchronously, inside the tick)."""
@@ -578,9 +621,21 @@ class AdmissionService:
     async def _respond(self, reply_to: str | None, reply: AdmitReply) -> None:
         if self._spans is not None:
             self._spans.replied(reply)
+        answer = reply.model_dump_json(exclude_none=True).encode()
+        if reply.status is not ReplyStatus.QUEUED and reply.refusal not in _ASKED_ANEW:
+            self._remember_answer(reply, answer)
         if reply_to:
             with contextlib.suppress(Exception):
-                await self.nc.publish(reply_to, reply.model_dump_json(exclude_none=True).encode())
+                await self.nc.publish(reply_to, answer)
+
+    def _remember_answer(self, reply: AdmitReply, answer: bytes) -> None:
+        answered, now = self._answered, self._clock()
+        answered[reply.id] = (now, answer, reply.lease.lease_id if reply.lease else None)
+        while answered and (
+            len(answered) > _ANSWERED_MAX
+            or now - next(iter(answered.values()))[0] > self._answered_for
+        ):
+            answered.popitem(last=False)
 
     def _spawn(self, work: Any) -> None:
         task = asyncio.ensure_future(work)

@@ -11,8 +11,19 @@ per-request timer task) and waits:
 - "no responders" or NOT_OWNER (the shard is moving between instances) is retried with a short
   backoff within the request timeout (counted afresh when a queued request is handed back:
   its instance stopped and answered NOT_OWNER for everything it had queued);
+- an ask without an answer after a quarter of the request timeout is asked again, and a queued
+  request asks again every request timeout: when a NATS node dies, the ask or its answer may
+  die in that node's connection buffers (the edge's or the owner's). Every ask of an attempt
+  carries the same attempt id and reply subject, and admission answers an attempt it decided
+  or queued the same way again (`AdmissionService.on_request`): a lease is never granted twice
+  for one attempt;
 - while NATS is unreachable it fails at once (`AdmissionUnavailable(fast=True)`): the declared
-  outage mode `reject` answers 503 with Retry-After without waiting.
+  outage mode `reject` answers 503 with Retry-After without waiting. One exception, a cluster's
+  failover: when the connection dropped and its server list has another server to move to, a
+  request waits for the reconnection within its request timeout (`reachable`); a reconnection
+  to a surviving node takes a fraction of a second, so a request that reaches the edge while
+  its node dies is not failed for it. Once such a wait ran out, NATS counts as unreachable and
+  requests fail at once again until the connection is back.
 
 While queued it watches the client: when the client hangs up it tells every admission instance
 to drop the request (``llmgw.v1.admission.cancel``) and still takes the answer (CANCELLED, or a
@@ -29,8 +40,9 @@ import contextlib
 import itertools
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from llmgw.contracts import AdmissionUnavailable
 from llmgw.core.outcomes import Refusal
@@ -57,14 +69,41 @@ _NO_RESPONDERS = "503"
 _BACKOFF = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
 _PROBE_EVERY = 1.0
 _READY_FOR = 3.0  # seconds an answered probe keeps the edge ready
+_RECONNECT_POLL = 0.005  # seconds between looks at a reconnecting connection (nats-py has no event)
 
 
 class _Pending:
-    __slots__ = ("early", "future")
+    """The answers to one attempt's asks, in arrival order (every ask shares its reply subject)."""
 
-    def __init__(self, future: asyncio.Future[Msg]) -> None:
-        self.future = future
-        self.early: Msg | None = None  # the decision, when it came before the waiter re-armed
+    __slots__ = ("answers", "waiter")
+
+    def __init__(self) -> None:
+        self.answers: deque[Msg] = deque()
+        self.waiter: asyncio.Future[Msg] | None = None
+
+    def put(self, msg: Msg) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(msg)
+        else:
+            self.answers.append(msg)
+
+    async def next(self, budget: float, also: asyncio.Future[Any] | None = None) -> Msg | None:
+        """The next answer, or None after `budget` seconds or once `also` is done."""
+        if self.answers:
+            return self.answers.popleft()
+        if budget <= 0:
+            return None
+        waiter = self.waiter = asyncio.get_running_loop().create_future()
+        waiting: set[asyncio.Future[Any]] = {waiter} if also is None else {waiter, also}
+        try:
+            await asyncio.wait(waiting, timeout=budget, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self.waiter = None
+        if waiter.done():
+            return waiter.result()
+        waiter.cancel()
+        return None
 
 
 class NatsAdmission:
@@ -81,6 +120,9 @@ class NatsAdmission:
         self._nc = nc
         self.request_timeout = request_timeout
         self.queue_ttl = queue_ttl
+        # An ask without an answer after this long is asked again (the first answer is
+        # immediate: the decision, or QUEUED).
+        self.reask_after = max(request_timeout / 4, 0.05)
         self._monotonic = monotonic
         self._pending: dict[str, _Pending] = {}
         self._tokens = itertools.count()
@@ -88,7 +130,9 @@ class NatsAdmission:
         self._sub: Subscription | None = None
         self._probe: asyncio.Task[None] | None = None
         self._answered_at = float("-inf")
+        self._unreachable = False  # a failover wait ran out: fail at once until connected again
         self.unanswered = 0  # probes without an answer in a row
+        self.asked_again = 0  # asks repeated for want of an answer (the node-loss test reads it)
 
     async def start(self) -> None:
         self._prefix = self._nc.new_inbox()
@@ -128,16 +172,38 @@ class NatsAdmission:
                 await self.probe()
             await asyncio.sleep(_PROBE_EVERY)
 
+    # ---- reaching NATS -------------------------------------------------------------------------
+
+    async def reachable(self, deadline: float | None = None) -> bool:
+        """Whether NATS is connected, waiting until `deadline` (default: one request timeout)
+        for a reconnection that may succeed: the connection is reconnecting and its server list
+        has another server (a cluster's failover). False at once otherwise (one server: an
+        outage), and while an earlier wait ran out without a reconnection."""
+        nc = self._nc
+        if nc.is_connected:
+            self._unreachable = False
+            return True
+        # Reconnecting, or connecting to the next server (nats-py says CONNECTING meanwhile).
+        moving = nc.is_reconnecting or nc.is_connecting
+        if self._unreachable or not (moving and len(nc.servers) > 1):
+            return False
+        if deadline is None:
+            deadline = self._monotonic() + self.request_timeout
+        while self._monotonic() < deadline:
+            await asyncio.sleep(_RECONNECT_POLL)
+            if nc.is_connected:
+                return True
+            if nc.is_closed:
+                return False
+        self._unreachable = True
+        return False
+
     # ---- deciding -----------------------------------------------------------------------------
 
     async def _on_reply(self, msg: Msg) -> None:
         pending = self._pending.get(msg.subject)
-        if pending is None:
-            return
-        if pending.future.done():
-            pending.early = msg
-        else:
-            pending.future.set_result(msg)
+        if pending is not None:
+            pending.put(msg)
 
     async def admit(
         self,
@@ -146,83 +212,108 @@ class NatsAdmission:
     ) -> tuple[AdmitReply, bool]:
         """The decision, and whether the client left while the request was queued."""
         nc = self._nc
-        if not nc.is_connected:
+        deadline = self._monotonic() + self.request_timeout
+        if nc.is_connected:
+            self._unreachable = False
+        elif not await self.reachable(deadline):
             raise AdmissionUnavailable("the gateway cannot reach NATS", fast=True)
         payload = request.model_dump_json(exclude_defaults=True).encode()
         subject = admission_subject(request.shard)
-        loop = asyncio.get_running_loop()
-        deadline = self._monotonic() + self.request_timeout
-        for attempt in itertools.count():
-            token = f"{self._prefix}.{next(self._tokens)}"
-            pending = _Pending(loop.create_future())
-            self._pending[token] = pending
+        # One reply subject for every ask of this attempt: a late answer to an earlier ask is
+        # as good as the latest one (admission answers an attempt it knows the same way).
+        token = f"{self._prefix}.{next(self._tokens)}"
+        pending = _Pending()
+        self._pending[token] = pending
+
+        async def ask() -> None:
             try:
                 await nc.publish(subject, payload, reply=token, headers=current_headers())
-                msg = await self._wait(pending, deadline)
+            except Exception as exc:  # closed, or the reconnect buffer is full
+                raise AdmissionUnavailable("the gateway cannot reach NATS", fast=True) from exc
+
+        try:
+            for attempt in itertools.count():
+                await ask()
+                msg = await pending.next(min(deadline - self._monotonic(), self.reask_after))
+                while msg is None and self._monotonic() < deadline:
+                    # No answer yet: the ask or its answer may have been lost with a NATS node
+                    # (in a dead connection's buffers). Ask again: same attempt, same answer.
+                    self.asked_again += 1
+                    await ask()
+                    msg = await pending.next(min(deadline - self._monotonic(), self.reask_after))
                 if msg is None:
                     raise AdmissionUnavailable("the admission service did not answer in time")
-                if not (msg.headers and msg.headers.get("Status") == _NO_RESPONDERS):
+                if not _no_responders(msg):
                     reply = AdmitReply.model_validate_json(msg.data)
                     left = False
                     if reply.status is ReplyStatus.QUEUED:
-                        reply, left = await self._queued(request, pending, client_gone)
+                        reply, left = await self._queued(request, pending, ask, client_gone)
                         # Handed back from a queue (its instance stopped): the new owner gets
                         # a full request timeout, however long it waited there.
                         deadline = max(deadline, self._monotonic() + self.request_timeout)
                     if reply.refusal is not Refusal.NOT_OWNER:
                         self._answered_at = self._monotonic()
                         return reply, left
-            finally:
-                self._pending.pop(token, None)
-            # Nobody serves the shard right now (it is moving): ask again shortly.
-            pause = _BACKOFF[min(attempt, len(_BACKOFF) - 1)]
-            if self._monotonic() + pause >= deadline:
-                raise AdmissionUnavailable("no admission instance serves this request's shard")
-            await asyncio.sleep(pause)
-        raise AssertionError("unreachable")
-
-    async def _wait(self, pending: _Pending, deadline: float) -> Msg | None:
-        budget = deadline - self._monotonic()
-        if budget <= 0:
-            return None
-        try:
-            async with asyncio.timeout(budget):
-                return await pending.future
-        except TimeoutError:
-            return None
+                # Nobody serves the shard right now (it is moving): ask again shortly.
+                pause = _BACKOFF[min(attempt, len(_BACKOFF) - 1)]
+                if self._monotonic() + pause >= deadline:
+                    raise AdmissionUnavailable("no admission instance serves this request's shard")
+                await asyncio.sleep(pause)
+            raise AssertionError("unreachable")
+        finally:
+            self._pending.pop(token, None)
 
     async def _queued(
         self,
         request: AdmitRequest,
         pending: _Pending,
+        ask: Callable[[], Awaitable[None]],
         client_gone: Callable[[], Awaitable[object]] | None,
     ) -> tuple[AdmitReply, bool]:
-        """Wait for the decision of a queued request, cancelling it if the client leaves."""
-        if pending.early is not None:
-            return AdmitReply.model_validate_json(pending.early.data), False
-        loop = asyncio.get_running_loop()
-        pending.future = loop.create_future()
-        budget = self.queue_ttl + self.request_timeout
+        """Wait for the decision of a queued request, cancelling it if the client leaves. Asks
+        again every request timeout (the decision may have been lost with a NATS node; the
+        owner answers QUEUED again while it still waits, or repeats its decision)."""
+        end = self._monotonic() + self.queue_ttl + self.request_timeout
         watcher = asyncio.ensure_future(client_gone()) if client_gone is not None else None
         try:
-            waiting: set[asyncio.Future[object]] = {pending.future}  # type: ignore[arg-type]
-            if watcher is not None:
-                waiting.add(watcher)
-            done, _ = await asyncio.wait(waiting, timeout=budget, return_when="FIRST_COMPLETED")
-            if pending.future.done():
-                return AdmitReply.model_validate_json(pending.future.result().data), False
-            if watcher is not None and watcher in done:
-                cancel = AdmitCancel(id=request.id).model_dump_json().encode()
-                with contextlib.suppress(Exception):
-                    await self._nc.publish(ADMISSION_CANCEL_SUBJECT, cancel)
-                msg = await self._wait(pending, self._monotonic() + self.request_timeout)
+            while (now := self._monotonic()) < end:
+                msg = await pending.next(min(end - now, self.request_timeout), watcher)
                 if msg is not None:
-                    return AdmitReply.model_validate_json(msg.data), True
-                cancelled = AdmitReply(
-                    id=request.id, status=ReplyStatus.REFUSED, refusal=Refusal.CANCELLED
-                )
-                return cancelled, True
+                    reply = _decision(msg)
+                    if reply is not None:
+                        return reply, False
+                elif watcher is not None and watcher.done():
+                    return await self._cancel(request, pending), True
+                else:
+                    self.asked_again += 1
+                    await ask()
             raise AdmissionUnavailable("the admission service did not answer in time")
         finally:
             if watcher is not None and not watcher.done():
                 watcher.cancel()
+
+    async def _cancel(self, request: AdmitRequest, pending: _Pending) -> AdmitReply:
+        """The client left a queued request: tell every instance, and take the answer (CANCELLED,
+        or a grant that crossed the cancel)."""
+        cancel = AdmitCancel(id=request.id).model_dump_json().encode()
+        with contextlib.suppress(Exception):
+            await self._nc.publish(ADMISSION_CANCEL_SUBJECT, cancel)
+        end = self._monotonic() + self.request_timeout
+        while (msg := await pending.next(end - self._monotonic())) is not None:
+            reply = _decision(msg)
+            if reply is not None:
+                return reply
+        return AdmitReply(id=request.id, status=ReplyStatus.REFUSED, refusal=Refusal.CANCELLED)
+
+
+def _no_responders(msg: Msg) -> bool:
+    return bool(msg.headers and msg.headers.get("Status") == _NO_RESPONDERS)
+
+
+def _decision(msg: Msg) -> AdmitReply | None:
+    """The decision a message carries, None for what a queued request ignores: QUEUED again
+    (the answer to an ask again) and "no responders" (to an ask sent while the owner moved)."""
+    if _no_responders(msg):
+        return None
+    reply = AdmitReply.model_validate_json(msg.data)
+    return None if reply.status is ReplyStatus.QUEUED else reply

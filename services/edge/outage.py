@@ -106,7 +106,7 @@ class OutageAdmission:
         request: AdmitRequest,
         client_gone: Callable[[], Awaitable[object]] | None = None,
     ) -> tuple[AdmitReply, bool]:
-        if self._is_connected():
+        if self._is_connected() or await self.inner.reachable():
             try:
                 reply, left = await self.inner.admit(request, client_gone)
             except AdmissionUnavailable as exc:
