@@ -200,7 +200,7 @@ async def test_limits_pins_and_leases_hold_under_concurrency_churn_and_chaos(
     assert max(lease_peaks["a"], lease_peaks["b"]) >= g - r, lease_peaks
     assert min(lease_peaks["a"], lease_peaks["b"]) >= 1, lease_peaks
     assert max(pin_peaks["a"], pin_peaks["b"]) >= p, pin_peaks
-    assert len(on_managed) == 3 and sum(on_managed.values()) > 100, on_managed
+    assert len(on_managed) == 3 and sum(on_managed.values()) > 50, on_managed
     ends = Counter(e.reason for e in mesh.audit.events if e.kind == "ended")
     assert adopted, ("no lease moved between instances (handover or adoption)", ends, chaos_log)
     assert outcomes[200] > 500 and outcomes["cancelled"] > 50, (outcomes, chaos_log)
