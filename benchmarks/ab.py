@@ -7,13 +7,41 @@ gateway CPU (edge + admission + nats-server) per request, as median [min..max] o
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import contextlib
+import os
 import sys
 from collections.abc import Mapping, Sequence
+from typing import Any
 
-from cluster import Cluster, cpu_seconds
+from cluster import Cluster, cpu_seconds, running_cluster
 from measure import pct
-from overhead import fmt_ms, run_load
+from overhead import GATEWAY_CPUS, LOADGEN_CPUS, fmt_ms, run_load
+
+
+def compare(
+    doc: str,
+    variants: Mapping[str, Mapping[str, Any]],
+    concurrencies: Sequence[int],
+    label: str,
+) -> int:
+    """A benchmark's main: ``--rounds``/``--requests``, one cluster per variant (its
+    `running_cluster` options; the first is the baseline), then `side_by_side`."""
+    parser = argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--requests", type=int, default=400, help="requests per run")
+    args = parser.parse_args()
+    os.sched_setaffinity(0, LOADGEN_CPUS)
+    with contextlib.ExitStack() as stack:
+        clusters = {
+            name: stack.enter_context(running_cluster(GATEWAY_CPUS, LOADGEN_CPUS, **options))
+            for name, options in variants.items()
+        }
+        side_by_side(clusters, concurrencies, args.rounds, args.requests, label)
+    return 0
 
 
 def side_by_side(

@@ -48,7 +48,7 @@ class Cluster:
 
     def gateway_pids(self) -> list[int]:
         """The processes that make up the gateway (not the engine)."""
-        pids = [self.procs["edge"].pid, self.procs["admission"].pid]
+        pids = [p.pid for name, p in self.procs.items() if name.startswith(("edge", "admission"))]
         if self.nats is not None:
             pids.append(self.nats.pid)
         return pids
@@ -65,7 +65,13 @@ def cpu_seconds(pids: list[int]) -> float:
 
 
 def _config(
-    nats_url: str, engine_url: str, edge_port: int, admin_port: int, flow: bool, auth: bool
+    nats_url: str,
+    engine_url: str,
+    edge_port: int,
+    admin_port: int,
+    flow: bool,
+    auth: bool,
+    colocated: bool = False,
 ) -> dict:
     return {
         "auth": {"mode": "keys" if auth else "none"},
@@ -76,7 +82,7 @@ def _config(
         # Flow control needs the scraper's load reports; without it, it is off. With it on, the
         # shipped default bands and ceilings apply (every request passes through the gate, the
         # reservation, the gossip and the end notice).
-        "admission": {"enabled": flow},
+        "admission": {"enabled": flow, "colocated": colocated},
         "models": [{"name": "bench-model"}],
         "providers": [
             {
@@ -142,6 +148,7 @@ def running_cluster(
     *,
     flow: bool = False,
     admissions: int = 1,
+    colocated: bool = False,
     auth: bool = False,
     key_options: tuple[str, ...] = (),
 ):
@@ -150,6 +157,8 @@ def running_cluster(
     ``flow``: admission runs flow control (every request passes an unsaturated queue) and a
     scraper feeds it; otherwise flow control is off and no scraper runs. ``auth``: API keys
     required (auth.mode keys); one key is made with `llmgw keys create` and ``key_options``.
+    ``colocated``: the edge runs its own admission instance (``admission.colocated``); with
+    ``admissions=0`` it owns every shard.
     """
     with tempfile.TemporaryDirectory(prefix="llmgw-bench-") as tmp:
         logdir = Path(tmp)
@@ -160,7 +169,9 @@ def running_cluster(
         engine_url = f"http://127.0.0.1:{engine_port}"
         config_path = logdir / "bench.yaml"
         config_path.write_text(
-            yaml.safe_dump(_config(nats.url, engine_url, edge_port, admin_port, flow, auth))
+            yaml.safe_dump(
+                _config(nats.url, engine_url, edge_port, admin_port, flow, auth, colocated)
+            )
         )
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         cli = [sys.executable, "-m", "llmgw"]

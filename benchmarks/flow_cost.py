@@ -11,30 +11,12 @@ p50/p99 of each, the difference, and gateway CPU (edge + admission) per request.
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import os
-
-from ab import side_by_side
-from cluster import running_cluster
-from overhead import GATEWAY_CPUS, LOADGEN_CPUS
+from ab import compare
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--requests", type=int, default=400, help="requests per run")
-    args = parser.parse_args()
-    os.sched_setaffinity(0, LOADGEN_CPUS)
-    with contextlib.ExitStack() as stack:
-        clusters = {
-            name: stack.enter_context(running_cluster(GATEWAY_CPUS, LOADGEN_CPUS, flow=flow))
-            for name, flow in (("off", False), ("on", True))
-        }
-        side_by_side(clusters, (1, 32), args.rounds, args.requests, "flow control")
-    return 0
+    variants = {"off": {"flow": False}, "on": {"flow": True}}
+    return compare(__doc__ or "", variants, (1, 32), "flow control")
 
 
 if __name__ == "__main__":

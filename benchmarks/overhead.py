@@ -1,6 +1,7 @@
 """Added latency and CPU cost of edge + admission versus calling the engine directly.
 
-    python benchmarks/overhead.py [--rounds 5] [--requests 300] [--no-flow] [--profile]
+    python benchmarks/overhead.py [--rounds 5] [--requests 300] [--no-flow] [--colocated]
+                                  [--profile]
 
 The gateway runs the shipped defaults: flow control on (a scraper feeds it), the provider's
 limits configured (pins, slots, reserve, per-session), requests cycling through 256 sessions.
@@ -137,6 +138,11 @@ def main() -> int:
         "--no-flow", action="store_true", help="flow control off (admission.enabled: false)"
     )
     parser.add_argument(
+        "--colocated",
+        action="store_true",
+        help="the edge runs its own admission instance (admission.colocated) and no other runs",
+    )
+    parser.add_argument(
         "--profile", action="store_true", help="py-spy the edge during an extra c=64 run"
     )
     args = parser.parse_args()
@@ -147,7 +153,8 @@ def main() -> int:
         s: {"direct": [], "gateway": []} for s in scenarios
     }
     cpu_per_request: dict[tuple, list[float]] = {s: [] for s in scenarios}
-    with running_cluster(GATEWAY_CPUS, LOADGEN_CPUS, flow=not args.no_flow) as cluster:
+    topology = {"admissions": 0, "colocated": True} if args.colocated else {}
+    with running_cluster(GATEWAY_CPUS, LOADGEN_CPUS, flow=not args.no_flow, **topology) as cluster:
         for round_no in range(args.rounds):
             for scenario in scenarios:
                 concurrency, stream = scenario

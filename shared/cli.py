@@ -92,6 +92,19 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECRET",
         help="the development key's secret (auth.mode keys; default: a new random key per run)",
     )
+    up.add_argument(
+        "--secure",
+        action="store_true",
+        help="start the embedded NATS with one user per service role and least-privilege "
+        "permissions (docs/keys.md); each service connects as its role",
+    )
+    up.add_argument(
+        "--nats-passwords",
+        default=None,
+        metavar="FILE",
+        help="with --secure: the roles' passwords (YAML role: password), created with random "
+        "ones if missing; default: random per start, in a temporary file",
+    )
     up.set_defaults(target="llmgw.services.up.main:run")
 
     edge = sub.add_parser("edge", help="the OpenAI-compatible HTTP edge")
@@ -164,6 +177,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     check.add_argument("file", help="path to the YAML config")
     check.set_defaults(target="llmgw.config.check:run")
+    nats_auth = config_sub.add_parser(
+        "nats-auth",
+        help="print the nats-server authorization block (one user per service role) for a config",
+    )
+    nats_auth.add_argument("file", help="path to the YAML config (bucket and stream names)")
+    nats_auth.add_argument(
+        "--helm", action="store_true", help="as values of the official NATS Helm chart"
+    )
+    nats_auth.set_defaults(target="llmgw.nats_auth:run")
 
     sim = sub.add_parser("sim", help="simulated engines and third-party providers")
     sim_sub = sim.add_subparsers(dest="sim_command", required=True, metavar="KIND")

@@ -125,6 +125,7 @@ class EmbeddedNatsCluster:
         extra_args: Sequence[str] = (),
         kill_with_parent: bool = False,
         clock: Callable[[], float] = time.monotonic,
+        client_auth: tuple[str, str] | None = None,
     ) -> None:
         if size < MIN_CLUSTER_SIZE:
             raise ValueError(
@@ -140,6 +141,7 @@ class EmbeddedNatsCluster:
         self.min_version = min_version
         self.extra_args = tuple(extra_args)
         self.kill_with_parent = kill_with_parent
+        self.client_auth = client_auth  # (user, password) of JetStream API probes, if needed
         self._clock = clock
         self._given_store_dir = Path(store_dir) if store_dir is not None else None
         self._temp_root: Path | None = None
@@ -299,7 +301,11 @@ class EmbeddedNatsCluster:
             if not node.running:
                 continue
             reply = js_api_request(
-                node.host, node.client_port, f"$JS.API.STREAM.INFO.{stream}", timeout=timeout
+                node.host,
+                node.client_port,
+                f"$JS.API.STREAM.INFO.{stream}",
+                timeout=timeout,
+                auth=self.client_auth,
             )
             if reply is not None and "error" not in reply:
                 return reply
@@ -365,6 +371,7 @@ class EmbeddedNatsCluster:
                 extra_args=args,
                 server_name=name,
                 kill_with_parent=self.kill_with_parent,
+                client_auth=self.client_auth,
             )
             nodes.append(
                 ClusterNode(

@@ -59,6 +59,7 @@ __all__ = [
 MIN_NATS_VERSION: tuple[int, int, int] = (2, 12, 0)
 _BINARY_NAMES = ("nats-server", "nats-server.exe")
 _LOG_TAIL_LINES = 25
+_PROBE_INBOX = b"_INBOX.llmgw_probe"  # under `_INBOX.>`, which every NATS role may subscribe
 
 
 class NatsServerError(RuntimeError):
@@ -167,6 +168,7 @@ class EmbeddedNats:
         log_path: str | Path | None = None,
         server_name: str | None = None,
         kill_with_parent: bool = False,
+        client_auth: tuple[str, str] | None = None,
     ) -> None:
         if not 0 <= port <= 65535:
             raise ValueError(f"port must be within 0..65535, got {port}")
@@ -177,6 +179,9 @@ class EmbeddedNats:
         self.extra_args = tuple(extra_args)
         self.server_name = server_name
         self.kill_with_parent = kill_with_parent
+        # (user, password) the readiness probe connects with, for a server whose config
+        # (`extra_args`: "-c FILE") requires users; the user needs `$JS.API.INFO` and `_INBOX.>`.
+        self.client_auth = client_auth
         self._given_store_dir = Path(store_dir) if store_dir is not None else None
         self._given_log_path = Path(log_path) if log_path is not None else None
         self._runtime_dir: Path | None = None
@@ -368,7 +373,9 @@ class EmbeddedNats:
                 )
             if self._port is None:
                 self._port = self._read_ports_file()
-            if self._port is not None and jetstream_answers(self.host, self._port):
+            if self._port is not None and jetstream_answers(
+                self.host, self._port, auth=self.client_auth
+            ):
                 return
             if time.monotonic() >= deadline:
                 raise NatsStartError(
@@ -408,18 +415,27 @@ class EmbeddedNats:
             self._runtime_dir = None
 
 
-def jetstream_answers(host: str, port: int, timeout: float = 1.0) -> bool:
+def jetstream_answers(
+    host: str, port: int, timeout: float = 1.0, *, auth: tuple[str, str] | None = None
+) -> bool:
     """Whether the server accepts a client and its JetStream API answers `$JS.API.INFO`."""
-    reply = js_api_request(host, port, "$JS.API.INFO", timeout=timeout)
+    reply = js_api_request(host, port, "$JS.API.INFO", timeout=timeout, auth=auth)
     return reply is not None and "error" not in reply
 
 
 def js_api_request(
-    host: str, port: int, subject: str, payload: bytes = b"", timeout: float = 1.0
+    host: str,
+    port: int,
+    subject: str,
+    payload: bytes = b"",
+    timeout: float = 1.0,
+    *,
+    auth: tuple[str, str] | None = None,
 ) -> dict[str, Any] | None:
     """One JetStream API request to the server at host:port; its JSON reply, or None.
 
-    None: no connection, no JetStream, no responder yet (a 503 HMSG), or no reply within
+    `auth`: the (user, password) to connect with. None: no connection, no JetStream, no
+    responder yet (a 503 HMSG), refused (credentials, permissions), or no reply within
     `timeout`. Speaks the text protocol directly so sync callers need no event loop:
     read INFO, send CONNECT + SUB + PUB with a reply inbox, expect a MSG.
     """
@@ -431,13 +447,22 @@ def js_api_request(
                 return None
             if not json.loads(info_line[5:]).get("jetstream"):
                 return None
-            connect = {"verbose": False, "pedantic": False, "headers": True, "no_responders": True}
+            connect: dict[str, Any] = {
+                "verbose": False,
+                "pedantic": False,
+                "headers": True,
+                "no_responders": True,
+            }
+            if auth is not None:
+                connect.update(user=auth[0], **{"pass": auth[1]})
             sock.sendall(
                 b"CONNECT " + json.dumps(connect).encode() + b"\r\n"
-                b"SUB _llmgw_api 1\r\n"
+                b"SUB " + _PROBE_INBOX + b" 1\r\n"
                 b"PUB "
                 + subject.encode()
-                + b" _llmgw_api "
+                + b" "
+                + _PROBE_INBOX
+                + b" "
                 + str(len(payload)).encode()
                 + b"\r\n"
                 + payload

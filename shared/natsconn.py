@@ -65,19 +65,49 @@ def embedded_servers(cfg: NatsConfig) -> list[str]:
     return [f"nats://127.0.0.1:{cfg.embedded_port + i}" for i in range(cfg.embedded_cluster)]
 
 
-async def _quiet(_: Exception) -> None:
-    return None  # a CLI reports one clear error, not nats-py's retry tracebacks
+class Refusals:
+    """A tool's `error_cb` (`record`): quiet (a CLI reports one clear error, not nats-py's retry
+    tracebacks), but keeps the server's permission and authorization violations, so a tool whose
+    request timed out can say it was refused (a wrong NATS role) instead of "cannot reach NATS"."""
+
+    def __init__(self) -> None:
+        self.denied: list[str] = []
+
+    async def record(self, exc: Exception) -> None:
+        """The `error_cb` to pass (nats-py wants a coroutine function, not a callable object)."""
+        text = str(exc).lower()
+        if "permissions violation" in text or "authorization violation" in text:
+            self.denied.append(str(exc).removeprefix("nats: ").strip("'"))
+
+    def explain(self, tool: str) -> str | None:
+        """The line a tool prints for a refusal, None if there was none."""
+        if not self.denied:
+            return None
+        return (
+            f"llmgw {tool}: NATS refused it: {self.denied[-1]} (is nats.user the role this "
+            "tool needs? docs/keys.md, NATS permissions)"
+        )
 
 
-async def connect_tool(cfg: NatsConfig, name: str) -> NATS:
+async def connect_tool(cfg: NatsConfig, name: str, refusals: Refusals | None = None) -> NATS:
     """A command-line tool's connection: one attempt per server, bounded, quiet. An embedded
-    config reaches the server (or cluster) `llmgw up` started with it on this machine."""
+    config reaches the server (or cluster) `llmgw up` started with it on this machine.
+    `refusals` collects the server's permission violations for the tool's error message."""
     if cfg.is_embedded:
         cfg = cfg.model_copy(update={"url": ",".join(embedded_servers(cfg))})
     options = connect_options(cfg, name)
-    options.update(max_reconnect_attempts=1, reconnect_time_wait=0.1, error_cb=_quiet)
-    async with asyncio.timeout(cfg.connect_timeout * 2 + 5):
-        return await nats.connect(**options)
+    refusals = refusals if refusals is not None else Refusals()
+    options.update(max_reconnect_attempts=1, reconnect_time_wait=0.1, error_cb=refusals.record)
+    try:
+        async with asyncio.timeout(cfg.connect_timeout * 2 + 5):
+            return await nats.connect(**options)
+    except (OSError, TimeoutError, nats.errors.Error) as exc:
+        if refusals.denied:  # the server answered: say it refused, not that it is unreachable
+            raise nats.errors.Error(
+                f"NATS refused the connection: {refusals.denied[-1]} (nats.user / nats.password:"
+                " docs/keys.md, NATS permissions)"
+            ) from exc
+        raise
 
 
 async def drain_or_close(nc: NATS) -> None:

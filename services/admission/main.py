@@ -11,10 +11,8 @@ from __future__ import annotations
 import argparse
 import logging
 
-from llmgw import natsconn
 from llmgw.config import parse_hostport
 from llmgw.core.keys import safe_token
-from llmgw.events import EventPublisher, MemberEvent
 from llmgw.runtime import (
     load_or_exit,
     require_nats_server,
@@ -24,13 +22,8 @@ from llmgw.runtime import (
     wait_for_stop_signal,
 )
 from llmgw.services.admission.admin import create_admin_app
-from llmgw.services.admission.health import HealthBoard
-from llmgw.services.admission.loadboard import LoadBoard, LoadFollower
-from llmgw.services.admission.metrics import AdmissionMetrics
-from llmgw.services.admission.service import AdmissionService
+from llmgw.services.admission.compose import open_admission
 from llmgw.serving import start_server
-from llmgw.state.setup import open_events_stream, open_load_bucket, open_routing_store
-from llmgw.tracing import open_tracing
 
 log = logging.getLogger("llmgw.admission")
 
@@ -43,34 +36,12 @@ def run(args: argparse.Namespace) -> int:
     admin = parse_hostport(admin_listen) if admin_listen else None
 
     async def main() -> None:
-        nc = await natsconn.connect(config.nats, name="llmgw-admission")
         instance = safe_token(service_instance("admission"))
-        board = LoadBoard(config, HealthBoard())
-        follower = LoadFollower(board, await open_load_bucket(nc, config))
-        await follower.start()
-        metrics = AdmissionMetrics()
-        metrics.watch_load(board, [m.name for m in config.models])
-        store = await open_routing_store(nc, config)
-        await open_events_stream(nc, config)
-        events = EventPublisher(nc, instance)
-        service = AdmissionService(
-            config,
-            nc,
-            store,
-            instance=instance,
-            health=board.health,
-            load=board,
-            metrics=metrics,
-            events=events,
-            tracing=open_tracing("admission", config.tracing),
-        )
-        metrics.watch_breakers(service.breakers, [e.id for e in config.endpoints])
-        metrics.watch_ledger(service.ledger, lambda: len(service.shards.serving))
-        await service.start()
-        events.emit(MemberEvent, event="member.joined", member=service.instance)
+        running = await open_admission(config, instance, "llmgw-admission")
+        service = running.service
         admin_server = None
         if admin is not None:
-            admin_server = await start_server(create_admin_app(service, nc), *admin)
+            admin_server = await start_server(create_admin_app(service, running.nc), *admin)
         suffix = f", admin {admin_server.url}" if admin_server is not None else ""
         print(
             f"llmgw admission ready ({service.instance}, {len(service.shards.serving)} shards"
@@ -80,13 +51,8 @@ def run(args: argparse.Namespace) -> int:
         try:
             await wait_for_stop_signal()
         finally:
-            await service.stop()
-            await events.publish(
-                events.build(MemberEvent, event="member.left", member=service.instance)
-            )
+            await running.close()
             if admin_server is not None:
                 await admin_server.stop()
-            await follower.stop()
-            await natsconn.drain_or_close(nc)
 
     return run_service(main)

@@ -85,6 +85,12 @@ class Membership:
         )
         return members
 
+    def has_peers(self) -> bool:
+        """Whether another instance is live (cheap when none is known at all)."""
+        if not any(name != self.instance for name in self.members):
+            return False
+        return len(self.live()) > 1
+
     def is_live(self, instance: str | None) -> bool:
         return instance is not None and instance in self.live()
 

@@ -27,7 +27,7 @@ import logging
 import random
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -280,6 +280,57 @@ class AdmissionService:
         finally:
             if traced is not None:
                 DecisionSpans.detach(traced)
+
+    async def admit_here(
+        self,
+        request: AdmitRequest,
+        client_gone: Callable[[], Awaitable[object]] | None = None,
+    ) -> tuple[AdmitReply, bool] | None:
+        """Decide `request` in this process, for an edge that runs this instance beside it
+        (``admission.colocated``): what `on_request` does for a message, without one.
+
+        None when this instance does not serve the request's shard now (or handed it away
+        while the request was queued): the caller asks the shard's owner over NATS. Else the
+        ADMITTED or REFUSED reply and whether the client left while it was queued (then it was
+        cancelled here; a grant that raced the cancel carries a lease the caller ends at once).
+        """
+        request_id.set(request.request_id or request.id)
+        if request.key is not None and request.key_parallel is not None:
+            try:
+                await self.quotas.track(key_pair(request.key), KeyLimits(request.key_parallel))
+            except Exception:  # NATS trouble: let the owner over NATS (or the outage mode) answer
+                log.warning("key quota not tracked here; asking over NATS", exc_info=True)
+                return None
+        # From here to the decision nothing awaits: the shard cannot move in between.
+        if not self.shards.serves(request.shard) or not self.membership.can_serve():
+            return None
+        try:
+            started = self._start(request)
+        except Exception:
+            log.exception("admission failed for request %s", request.id)
+            return self._refusal(
+                request.id, Refusal.NO_CAPACITY, "The admission service failed."
+            ), False
+        if isinstance(started, AdmitReply):
+            return started, False
+        context, future = started
+        watcher = asyncio.ensure_future(client_gone()) if client_gone is not None else None
+        left = False
+        try:
+            if watcher is not None:
+                await asyncio.wait({future, watcher}, return_when=asyncio.FIRST_COMPLETED)
+                if not future.done():  # the client hung up while queued
+                    left = True
+                    if self.flow is not None and self.flow.cancel(request.id):
+                        self.metrics.cancellations.inc()
+            result = await future
+        finally:
+            if watcher is not None and not watcher.done():
+                watcher.cancel()
+        reply = self._final(context, result)
+        if reply.refusal is Refusal.NOT_OWNER:  # the shard moved while it waited
+            return None
+        return reply, left
 
     def begin(self, request: AdmitRequest, reply_to: str | None) -> AdmitReply | None:
         """Decide now, or queue (then the answer is sent to `reply_to` later: None)."""
@@ -636,7 +687,7 @@ class AdmissionService:
         self.load.set_own(endpoint, count, self._clock())
         if self.load.knows(endpoint):
             self._load_changed.add(endpoint)
-            if not self._load_scheduled and len(self.membership.live()) > 1:
+            if not self._load_scheduled and self.membership.has_peers():
                 # Sent at the next loop turn, batching this turn's changes: peers must see a
                 # grant before their next dispatch tick, or each would spend the same headroom.
                 self._load_scheduled = True

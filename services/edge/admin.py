@@ -9,10 +9,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -20,11 +21,16 @@ if TYPE_CHECKING:
     from llmgw.services.edge.app import EdgeDeps
 
 
-def create_admin_app(deps: EdgeDeps, nc: object) -> FastAPI:
+def create_admin_app(
+    deps: EdgeDeps, nc: object, more_registries: Sequence[CollectorRegistry] = ()
+) -> FastAPI:
+    """`more_registries`: other metrics this process exposes (a colocated admission's)."""
     app = FastAPI(title="llmgw edge admin", docs_url=None, redoc_url=None, openapi_url=None)
+    registries = [deps.metrics.registry, *more_registries]
 
     async def metrics(request: Request) -> Response:
-        return Response(generate_latest(deps.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        body = b"".join(generate_latest(r) for r in registries)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     def _status() -> dict[str, object]:
         connected = bool(getattr(nc, "is_connected", False))

@@ -118,7 +118,9 @@ class Edge:
                 raise BodyTooLarge
         return bytes(body)
 
-    async def handle(self, request: Request, feature: Feature) -> Response:
+    async def handle(self, request: Request, feature: Feature) -> tuple[Response, RequestRecord]:
+        """The response, and the record whose `sent` the caller runs once it has sent it (the
+        attempt's end and the access line wait for that: off the client's critical path)."""
         record = RequestRecord(
             accept_request_id(request.headers.get(REQUEST_ID_HEADER)),
             feature,
@@ -130,8 +132,9 @@ class Edge:
         self.telemetry.began(record, request.headers)
         response, outcome = await self._handle(request, record)
         if outcome is not None:  # streams record their outcome when they end
-            self.telemetry.ended(record, outcome, response.status_code)
-        return response
+            status = response.status_code
+            record.when_sent(lambda: self.telemetry.ended(record, outcome, status))
+        return response, record
 
     async def _handle(
         self, request: Request, record: RequestRecord
@@ -299,8 +302,9 @@ class HotPathApp:
         if feature is None or scope["method"] != "POST":
             await self.app(scope, receive, send)
             return
+        record = None
         try:
-            response = await self.edge.handle(Request(scope, receive), feature)
+            response, record = await self.edge.handle(Request(scope, receive), feature)
         except Exception:
             log.exception("unexpected error in the edge")
             response = Response(
@@ -308,7 +312,14 @@ class HotPathApp:
                 status_code=500,
                 media_type="application/json",
             )
-        await response(scope, receive, send)
+        try:
+            await response(scope, receive, send)
+        finally:
+            if record is not None:
+                try:
+                    record.sent()
+                except Exception:  # the answer is out; what failed after it is only logged
+                    log.exception("unexpected error in the edge after a response")
 
 
 def create_app(config: Config, deps: EdgeDeps) -> HotPathApp:
@@ -319,7 +330,9 @@ def create_app(config: Config, deps: EdgeDeps) -> HotPathApp:
 
     def route(feature: Feature):  # type: ignore[no-untyped-def]
         async def endpoint(request: Request) -> Response:
-            return await edge.handle(request, feature)
+            response, record = await edge.handle(request, feature)
+            record.sent()  # not the hot path (HotPathApp answers these routes first)
+            return response
 
         return endpoint
 

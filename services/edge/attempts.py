@@ -278,7 +278,8 @@ class Attempts:
             except UpstreamFailure as failure:
                 return self._failure(ending, failure.outcome, failure.message, headers)
             ending.usage = usage_in(payload)
-            ending.finish(Outcome.SUCCESS)
+            # The lease ends (and RequestEnded is reported) once the answer is on its way.
+            routed.record.when_sent(lambda: ending.finish(Outcome.SUCCESS))
             return Response(payload, status_code=200, headers=upstream_headers), Outcome.SUCCESS
         try:
             first = await first_chunk(upstream, timeouts, deadline)

@@ -147,7 +147,14 @@ async def open_key_auth(nc: NATS, config: Config, edge_id: str) -> KeyAuth | Non
     """The edge's key checks, started (its mirror holds every key), or None for mode none."""
     if config.auth.mode != "keys":
         return None
-    bucket = await open_key_bucket(nc, config)
+    try:
+        bucket = await open_key_bucket(nc, config)
+    except TimeoutError as exc:  # nats' TimeoutError is one too
+        raise RuntimeError(
+            f"cannot open the key bucket {config.auth.bucket!r}: no answer. With a NATS user per "
+            "role (docs/keys.md, NATS permissions) the edge may read it but not create it: seed "
+            "the keys first (`llmgw keys seed`, as the keys role)"
+        ) from exc
     mirror = KeyMirror(bucket.kv, time.time)
     await mirror.start()
     limiter = KeyLimiter(nc, edge_id, interval=config.auth.usage_interval, clock=time.time)

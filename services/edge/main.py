@@ -13,6 +13,7 @@ import logging
 import sys
 import time
 import uuid
+from typing import TYPE_CHECKING
 
 from llmgw import natsconn
 from llmgw.config import parse_hostport
@@ -27,6 +28,7 @@ from llmgw.runtime import (
     setup_logging,
     wait_for_stop_signal,
 )
+from llmgw.services.admission.compose import open_admission
 from llmgw.services.edge.admin import create_admin_app
 from llmgw.services.edge.admission_client import NatsAdmission
 from llmgw.services.edge.app import EdgeDeps, create_app
@@ -35,6 +37,7 @@ from llmgw.services.edge.auth import (
     close_key_auth,
     open_key_auth,
 )
+from llmgw.services.edge.colocated import ColocatedAdmission
 from llmgw.services.edge.leases import EdgeLeases
 from llmgw.services.edge.metrics import EdgeMetrics
 from llmgw.services.edge.outage import OutageAdmission
@@ -42,6 +45,9 @@ from llmgw.services.edge.reporting import NatsReporter
 from llmgw.services.edge.upstream import new_session
 from llmgw.serving import RunningServer, start_server
 from llmgw.tracing import open_tracing
+
+if TYPE_CHECKING:
+    from llmgw.services.admission.service import AdmissionService
 
 log = logging.getLogger("llmgw.edge")
 
@@ -69,14 +75,22 @@ def run(args: argparse.Namespace) -> int:
     async def main() -> None:
         nc = await natsconn.connect(config.nats, name="llmgw-edge")
         edge_id = safe_token(f"{service_instance('edge')}-{uuid.uuid4().hex[:6]}")
-        deps = await open_edge_deps(nc, config, edge_id)
+        colocated = None
+        if config.admission.colocated:  # decides its shards' requests in this process
+            colocated = await open_admission(
+                config, safe_token(f"{edge_id}-admission"), "llmgw-edge-admission"
+            )
+        deps = await open_edge_deps(
+            nc, config, edge_id, colocated=colocated.service if colocated else None
+        )
         app = create_app(config, deps)
         router = config.router
         # uvicorn's own graceful window outlasts the drain: the edge ends what is left itself.
         api = await start_server(
             app, host, port, timeout_graceful_shutdown=router.drain_timeout + _CUT_GRACE
         )
-        admin = await start_server(create_admin_app(deps, nc), admin_host, admin_port)
+        registries = [colocated.metrics.registry] if colocated is not None else []
+        admin = await start_server(create_admin_app(deps, nc, registries), admin_host, admin_port)
         await wait_for_admission(deps.admission)  # type: ignore[arg-type]
         print(f"llmgw edge ready on {api.url} (admin {admin.url})", flush=True)
         try:
@@ -85,6 +99,8 @@ def run(args: argparse.Namespace) -> int:
         finally:
             await asyncio.gather(api.stop(timeout=_CUT_GRACE), admin.stop())
             await close_edge_deps(deps)  # the cut requests' releases are sent before this ends
+            if colocated is not None:  # after the edge's releases: then its shards move
+                await colocated.close()
             await natsconn.drain_or_close(nc)
 
     return run_service(main)
@@ -104,9 +120,13 @@ async def drain(deps: EdgeDeps, api: RunningServer, delay: float, timeout: float
     await stopping
 
 
-async def open_edge_deps(nc, config, edge_id: str) -> EdgeDeps:  # type: ignore[no-untyped-def]
+async def open_edge_deps(  # type: ignore[no-untyped-def]
+    nc, config, edge_id: str, *, colocated: AdmissionService | None = None
+) -> EdgeDeps:
     """The edge's ports over one NATS connection, started. With `admission.on_nats_outage:
-    local` the admission client decides alone while NATS is unreachable (`OutageAdmission`)."""
+    local` the admission client decides alone while NATS is unreachable (`OutageAdmission`);
+    with a `colocated` admission instance it decides its shards' requests in this process
+    (`ColocatedAdmission`)."""
     over_nats = NatsAdmission(
         nc, request_timeout=config.nats.request_timeout, queue_ttl=config.admission.queue_ttl
     )
@@ -116,6 +136,8 @@ async def open_edge_deps(nc, config, edge_id: str) -> EdgeDeps:  # type: ignore[
         admission = OutageAdmission(
             over_nats, config, edge_id, budget, is_connected=lambda: nc.is_connected
         )
+    if colocated is not None:
+        admission = ColocatedAdmission(colocated, admission)  # type: ignore[assignment]
     await admission.start()
     leases = EdgeLeases(
         nc,

@@ -3,7 +3,7 @@
 A `RequestRecord` is made when a request arrives and filled as it goes (the model asked, band,
 tenant by the ingress; provider, endpoint, route, served model, status and usage by each
 attempt; the first chunk's time by a stream). `EdgeTelemetry.ended` is called exactly once per
-request, when its response has ended (for a stream: when its body ended), and writes both:
+request, once its response has been sent (for a stream: when its body ended), and writes both:
 
 - metrics (`EdgeMetrics`): requests, end-to-end duration, TTFT and TPOT for streams, tokens;
 - one access line (logger ``llmgw.access``, fields below); successful requests are sampled at
@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +61,22 @@ class RequestRecord:
     retries: int = 0
     span: Any = None  # llmgw.edge.request, with tracing on
     upstream_span: Any = None  # the current attempt's llmgw.edge.upstream
+    # Work that waits until the response has been sent (the attempt's end, the access line):
+    # off the client's critical path, run in order by `sent`, exactly once.
+    after_sent: list[Callable[[], None]] | None = None
+
+    def when_sent(self, work: Callable[[], None]) -> None:
+        """Run `work` once the response has been sent (or failed to be)."""
+        if self.after_sent is None:
+            self.after_sent = [work]
+        else:
+            self.after_sent.append(work)
+
+    def sent(self) -> None:
+        """The response has been sent, or sending it failed: run the deferred work."""
+        work, self.after_sent = self.after_sent, None
+        for step in work or ():
+            step()
 
     def attempt_ended(
         self,

@@ -52,8 +52,11 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as exc:
             print(f"llmgw events: --since: {exc}", file=sys.stderr)
             return 2
+    refusals = natsconn.Refusals()
     try:
-        return asyncio.run(_print(config, _subject(args.subject), since, args.follow, args.json))
+        return asyncio.run(
+            _print(config, _subject(args.subject), since, args.follow, args.json, refusals)
+        )
     except ValueError as exc:  # an embedded config without a fixed port
         print(f"llmgw events: {exc}", file=sys.stderr)
         return 2
@@ -65,12 +68,16 @@ def run(args: argparse.Namespace) -> int:
         )
         return 1
     except (OSError, TimeoutError, nats.errors.Error) as exc:
-        print(f"llmgw events: cannot read from NATS: {exc or type(exc).__name__}", file=sys.stderr)
+        print(
+            refusals.explain("events")
+            or f"llmgw events: cannot read from NATS: {exc or type(exc).__name__}",
+            file=sys.stderr,
+        )
         return 1
 
 
-async def _print(config, subject: str, since, follow: bool, as_json: bool) -> int:  # type: ignore[no-untyped-def]
-    nc = await natsconn.connect_tool(config.nats, "llmgw-events")
+async def _print(config, subject: str, since, follow: bool, as_json: bool, refusals=None) -> int:  # type: ignore[no-untyped-def]
+    nc = await natsconn.connect_tool(config.nats, "llmgw-events", refusals)
     try:
         js = nc.jetstream()
         await js.stream_info(config.events.stream)  # NotFoundError: a clear message above

@@ -42,8 +42,9 @@ __all__ = ["create_key", "key_from_spec", "run"]
 
 def run(args: argparse.Namespace) -> int:
     config = load_or_exit(args.config)
+    refusals = natsconn.Refusals()
     try:
-        return asyncio.run(_run(config, args))
+        return asyncio.run(_run(config, args, refusals))
     except ApiKeyError as exc:
         print(f"llmgw keys: {exc}", file=sys.stderr)
         return 2
@@ -51,16 +52,20 @@ def run(args: argparse.Namespace) -> int:
         print(f"llmgw keys: {exc.args[0]}", file=sys.stderr)
         return 1
     except (OSError, TimeoutError, nats.errors.Error) as exc:
-        print(f"llmgw keys: cannot reach NATS: {exc or type(exc).__name__}", file=sys.stderr)
+        refused = refusals.explain("keys")
+        print(
+            refused or f"llmgw keys: cannot reach NATS: {exc or type(exc).__name__}",
+            file=sys.stderr,
+        )
         return 1
 
 
-async def _run(config: Config, args: argparse.Namespace) -> int:
+async def _run(config: Config, args: argparse.Namespace, refusals: natsconn.Refusals) -> int:
     cfg = config.nats
     if cfg.is_embedded:
         cfg = cfg.model_copy(update={"url": f"nats://127.0.0.1:{cfg.embedded_port}"})
     options: dict[str, Any] = natsconn.connect_options(cfg, "llmgw-keys")
-    options.update(max_reconnect_attempts=1, reconnect_time_wait=0.1, error_cb=_quiet)
+    options.update(max_reconnect_attempts=1, reconnect_time_wait=0.1, error_cb=refusals.record)
     async with asyncio.timeout(cfg.connect_timeout * 2 + 5):
         nc = await nats.connect(**options)
     try:
@@ -71,10 +76,6 @@ async def _run(config: Config, args: argparse.Namespace) -> int:
         return await _act(bucket, args, now=time.time())
     finally:
         await nc.close()
-
-
-async def _quiet(_: Exception) -> None:
-    return None
 
 
 async def _act(bucket: KeyBucket, args: argparse.Namespace, *, now: float) -> int:

@@ -43,8 +43,9 @@ class BucketMissing(LookupError):
 
 def run(args: argparse.Namespace) -> int:
     config = load_or_exit(args.config)
+    refusals = natsconn.Refusals()
     try:
-        report = asyncio.run(_read(config))
+        report = asyncio.run(_read(config, refusals))
     except ValueError as exc:  # an embedded config without a fixed port
         print(f"llmgw state: {exc}", file=sys.stderr)
         return 2
@@ -53,7 +54,9 @@ def run(args: argparse.Namespace) -> int:
         return 1
     except (OSError, TimeoutError, nats.errors.Error) as exc:
         print(
-            f"llmgw state: cannot read from NATS at {config.nats.url}: {exc or type(exc).__name__}",
+            refusals.explain("state")
+            or f"llmgw state: cannot read from NATS at {config.nats.url}: "
+            f"{exc or type(exc).__name__}",
             file=sys.stderr,
         )
         return 1
@@ -72,8 +75,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _read(config: Config) -> StateReport:
-    nc = await natsconn.connect_tool(config.nats, "llmgw-state")
+async def _read(config: Config, refusals: natsconn.Refusals | None = None) -> StateReport:
+    nc = await natsconn.connect_tool(config.nats, "llmgw-state", refusals)
     try:
         return await read_report(nc, config)
     finally:

@@ -19,6 +19,7 @@ import asyncio
 import os
 import signal
 import sys
+from collections.abc import Mapping
 from urllib.parse import urlsplit
 
 from llmgw.config import Config
@@ -39,6 +40,7 @@ from llmgw.services.up.plan import (
     plan_cluster,
     plan_nats,
 )
+from llmgw.services.up.secure import SecureNats
 from llmgw.services.up.supervisor import ClusterSupervisor
 
 DEFAULT_CONFIG = "config/local.yaml"
@@ -62,6 +64,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace, config_path: str) -> int:
     config = load_or_exit(config_path)
+    if getattr(args, "nats_passwords", None) and not getattr(args, "secure", False):
+        print("llmgw up: --nats-passwords is for --secure (a NATS user per role)", file=sys.stderr)
+        return 2
     try:
         nats_plan = plan_nats(config, getattr(args, "nats_cluster", None))
     except PlanError as exc:
@@ -70,7 +75,10 @@ def _run(args: argparse.Namespace, config_path: str) -> int:
     specs = plan_cluster(config, config_path)
 
     if getattr(args, "dry_run", False):
-        print(format_plan(specs, format_nats_plan(nats_plan)))
+        nats_line = format_nats_plan(nats_plan)
+        if getattr(args, "secure", False):
+            nats_line += "\n" + f"{'':<16} --secure: a NATS user per service role (docs/keys.md)"
+        print(format_plan(specs, nats_line))
         return 0
 
     problems = duplicate_listens(specs) + _busy_ports(specs, nats_plan)
@@ -80,22 +88,37 @@ def _run(args: argparse.Namespace, config_path: str) -> int:
         print("llmgw up: nothing was started", file=sys.stderr)
         return 1
 
+    secure: SecureNats | None = None
+    if getattr(args, "secure", False):
+        try:
+            secure = _prepare_secure(config, nats_plan, getattr(args, "nats_passwords", None))
+        except (PlanError, ValueError, OSError) as exc:
+            print(f"llmgw up: {exc}", file=sys.stderr)
+            return 2
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"  # children's lines (and ready lines) arrive as printed
     nats: EmbeddedNats | EmbeddedNatsCluster | None = None
     try:
-        nats = _start_nats(nats_plan)
+        nats = _start_nats(nats_plan, secure)
     except NatsServerError as exc:
         print(f"llmgw up: cannot start the embedded NATS server: {exc}", file=sys.stderr)
+        if secure is not None:
+            secure.cleanup()
         return 1
     if nats is not None:
         env.update(nats_plan.child_env(nats.url))
     try:
-        dev_key = _dev_key(_as_children_see_it(config, nats_plan), nats, args)
+        children_config = _as_children_see_it(config, nats_plan)
+        if secure is not None:
+            children_config = secure.as_role(children_config, "keys")
+        dev_key = _dev_key(children_config, nats, args)
         if dev_key is None and config.auth.mode == "keys":
             return 1
-        return asyncio.run(_supervise(specs, env, config, args, nats, dev_key))
+        spec_env = secure.spec_env(specs) if secure is not None else None
+        return asyncio.run(_supervise(specs, env, config, args, nats, dev_key, spec_env))
     finally:
+        if secure is not None:
+            secure.cleanup()
         if nats is not None:
             # Stop NATS last and let a second Ctrl-C not interrupt it half-way.
             previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -134,16 +157,45 @@ def _dev_key(
         return None
 
 
-def _start_nats(plan: NatsPlan) -> EmbeddedNats | EmbeddedNatsCluster | None:
+def _prepare_secure(config: Config, plan: NatsPlan, passwords_file: str | None) -> SecureNats:
+    """The users of `--secure`; prints where their passwords are (never the passwords)."""
+    if not plan.embedded:
+        raise PlanError(
+            f"--secure starts the embedded NATS with one user per role; this config uses "
+            f"{plan.url}: give that server the users of `llmgw config nats-auth` (docs/keys.md)"
+        )
+    if config.admission.colocated:
+        raise PlanError(
+            "--secure does not run admission.colocated: an edge's own admission instance would "
+            "connect as the edge role, which may not write the routing bucket; turn it off "
+            "(separate admission instances run as their role)"
+        )
+    secure = SecureNats.prepare(_as_children_see_it(config, plan), passwords_file)
+    print(
+        f"llmgw up: NATS requires a user per service role (--secure); passwords in "
+        f"{secure.passwords_path}; a tool connects as one, e.g. LLMGW_NATS__USER=keys "
+        "LLMGW_NATS__PASSWORD=<its keys entry> llmgw keys list",
+        flush=True,
+    )
+    return secure
+
+
+def _start_nats(
+    plan: NatsPlan, secure: SecureNats | None = None
+) -> EmbeddedNats | EmbeddedNatsCluster | None:
     """Start what `plan` embeds (nothing for external servers) and print where it runs."""
     if not plan.embedded:
         return None
+    extra_args = secure.server_args if secure is not None else ()
+    client_auth = secure.probe_auth if secure is not None else None
     if not plan.is_cluster:
         server = EmbeddedNats(
             port=plan.nodes[0].port,
             store_dir=plan.store_dir,
             server_name=CLUSTER_NAME,
             kill_with_parent=True,
+            extra_args=extra_args,
+            client_auth=client_auth,
         )
         server.start()
         version = ".".join(map(str, server.version or ()))
@@ -159,6 +211,8 @@ def _start_nats(plan: NatsPlan) -> EmbeddedNats | EmbeddedNatsCluster | None:
         store_dir=plan.store_dir,
         name=CLUSTER_NAME,
         kill_with_parent=True,
+        extra_args=extra_args,
+        client_auth=client_auth,
     )
     cluster.start()
     version = ".".join(map(str, cluster.version or ()))
@@ -184,10 +238,12 @@ async def _supervise(
     args: argparse.Namespace,
     nats: EmbeddedNats | EmbeddedNatsCluster | None,
     dev_key: str = "",
+    spec_env: dict[str, Mapping[str, str]] | None = None,
 ) -> int:
     supervisor = ClusterSupervisor(
         specs,
         env,
+        spec_env=spec_env,
         ready_timeout=float(getattr(args, "ready_timeout", None) or DEFAULT_READY_TIMEOUT_S),
         grace=float(getattr(args, "grace", None) or DEFAULT_GRACE_S),
     )

@@ -69,9 +69,12 @@ class ClusterSupervisor:
         policy_factory: Callable[[], RestartPolicy] = RestartPolicy,
         clock: Callable[[], float] = time.monotonic,
         command_prefix: Sequence[str] = (sys.executable, "-m", "llmgw"),
+        spec_env: Mapping[str, Mapping[str, str]] | None = None,
     ) -> None:
         self._children = [_Child(spec, policy_factory()) for spec in specs]
         self._env = dict(env)
+        # Per child (by spec name), over `env`: e.g. its NATS role's credentials (--secure).
+        self._spec_env = {name: dict(extra) for name, extra in (spec_env or {}).items()}
         self._out = out or sys.stdout
         self._ready_timeout = ready_timeout
         self._grace = grace
@@ -174,7 +177,7 @@ class ClusterSupervisor:
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.STDOUT,
-                env=self._env,
+                env={**self._env, **self._spec_env.get(child.name, {})},
                 limit=_LINE_LIMIT,
                 # Own process group: a terminal Ctrl-C reaches only us, so we stop the
                 # children in order; die_with_parent covers our own sudden death.

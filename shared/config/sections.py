@@ -226,6 +226,10 @@ class AdmissionConfig(StrictModel):
     # What an edge does while it cannot reach NATS: `reject` answers 503 with Retry-After at
     # once; `local` serves with conservative local limits (docs/architecture.md, "NATS outage").
     on_nats_outage: Literal["reject", "local"] = "reject"
+    # Each edge also runs an admission instance in its own process: the requests for the shards
+    # that instance owns are decided there, without a NATS round trip (the others go to their
+    # owners over NATS as before). docs/architecture.md, "Colocated admission".
+    colocated: bool = False
 
     @model_validator(mode="after")
     def _check_bands(self) -> AdmissionConfig:

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from llmgw.core.apikeys import KeyLimits, key_pair
-from llmgw.core.quota import PairLimits, Quota
+from llmgw.core.quota import NO_QUOTA, PairLimits, Quota
 
 K = TypeVar("K")
 
@@ -235,7 +235,7 @@ class Ledger:
         """This instance's quota of a pair with limits (zero until granted); None: no limits."""
         if self.limits.get(pair) is None:
             return None
-        return self.quota.get(pair, Quota())
+        return self.quota.get(pair, NO_QUOTA)
 
     def room(self, provider: str, model: str) -> Room:
         pair = (provider, model)

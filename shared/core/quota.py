@@ -44,6 +44,7 @@ from typing import Any, Protocol
 from llmgw.core.codec import decode_versioned
 
 __all__ = [
+    "NO_QUOTA",
     "QUOTA_VERSION",
     "Earmark",
     "PairLimits",
@@ -104,6 +105,9 @@ class Quota:
         }
 
 
+NO_QUOTA = Quota()  # what an instance holds before it is granted anything
+
+
 @dataclass(frozen=True, slots=True)
 class Earmark:
     """Part of `source`'s quota set aside for the receiver of `shard` (a handover)."""
@@ -132,7 +136,7 @@ class QuotaBook:
     # ---- reading ----------------------------------------------------------------------------
 
     def quota(self, instance: str) -> Quota:
-        return self.holders.get(instance, Quota())
+        return self.holders.get(instance, NO_QUOTA)
 
     def totals(self) -> tuple[int, int, int]:
         """(Σg, Σu, Σp)."""

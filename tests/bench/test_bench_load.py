@@ -29,9 +29,11 @@ async def test_streamed_run_counts_match_the_engine_and_ttft_tpot_are_sane(engin
     assert await sim.metric("vllm:prompt_tokens_total") == summary["tokens"]["prompt"]
     for record in records:
         assert record.ok and record.stream and record.output_tokens == 8
-        # The engine emits a token every ITL after a 1 ms prefill: nothing can arrive sooner.
+        # The engine emits a token every ITL after a 1 ms prefill: the whole answer cannot
+        # arrive sooner (a late first token on a busy host shortens the measured TPOT instead).
         assert 0.001 <= record.ttft < record.latency
-        assert record.tpot >= ITL * 0.9
+        assert record.latency >= 0.001 + 7 * ITL * 0.95
+        assert record.tpot > 0
         assert record.first_token + record.tpot * 7 == pytest.approx(record.end)
     assert summary["tpot_s"]["p50"] < ITL * 5  # a few ms of loop jitter at most
     assert summary["throughput"]["output_tokens_per_s"] == pytest.approx(

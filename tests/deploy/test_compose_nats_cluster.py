@@ -5,7 +5,9 @@ Each node's command line is taken from compose.yaml as it is, with only its addr
 container host names become 127.0.0.1, fixed ports become free ones, /data a temporary folder.
 The nodes must then form one JetStream cluster whose members route to each other, pass the
 health check compose gives them, and hold llmgw's routing bucket with the replicas compose gives
-every llmgw service, one replica on each node.
+every llmgw service, one replica on each node. The nodes load compose's NATS users
+(deploy/nats/llmgw-auth.conf, with the passwords compose's environment gives them), and the
+bucket is created as compose's admission service connects: as its role.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import socket
 import subprocess
 import time
@@ -30,6 +33,7 @@ import yaml
 
 from llmgw.config import config_from_dict
 from llmgw.nats_embedded import find_nats_server
+from llmgw.natsconn import connect_options
 from llmgw.state.setup import open_routing_store
 
 REPO = Path(__file__).resolve().parents[2]
@@ -64,8 +68,25 @@ def _free_ports(count: int) -> list[int]:
             sock.close()
 
 
+def _default(value: Any) -> str:
+    """A compose value with `${NAME:-default}` interpolated as compose does with NAME unset."""
+    text = str(value)
+    match = re.fullmatch(r"\$\{(\w+):-(.*)\}", text)
+    return match.group(2) if match else text
+
+
+def _mounts(service: dict[str, Any]) -> dict[str, Path]:
+    """A service's bind mounts of repository files: container path -> the file here."""
+    mounts = {}
+    for volume in service.get("volumes", []):
+        source, target = volume.split(":")[:2]
+        if source.startswith("./"):
+            mounts[target] = REPO / source
+    return mounts
+
+
 def _loopback_command(
-    command: list[str], nodes: dict[str, Node], me: Node, store: Path
+    command: list[str], nodes: dict[str, Node], me: Node, store: Path, mounts: dict[str, Path]
 ) -> list[str]:
     """compose's command for `me` with every address moved onto loopback."""
     args = list(command)
@@ -85,6 +106,9 @@ def _loopback_command(
             args[index + 1] = str(me.monitor_port)
         elif arg in ("-sd", "--store_dir"):
             args[index + 1] = str(store)
+        elif arg in ("-c", "--config"):
+            assert value in mounts, f"{me.name}: {value} is not a file compose mounts"
+            args[index + 1] = str(mounts[value])
         elif arg in ("-p", "--port", "-a", "--addr"):
             raise AssertionError(f"{me.name}: {arg} is set in compose.yaml; adapt this test")
     return [*args, "-a", "127.0.0.1", "-p", str(me.client_port)]
@@ -114,10 +138,12 @@ def cluster(tmp_path: Path) -> Iterator[dict[str, Node]]:
         for name, node in nodes.items():
             store = tmp_path / name
             store.mkdir()
-            command = _loopback_command(compose["services"][name]["command"], nodes, node, store)
+            service = compose["services"][name]
+            command = _loopback_command(service["command"], nodes, node, store, _mounts(service))
+            env = {k: _default(v) for k, v in service.get("environment", {}).items()}
             log = (tmp_path / f"{name}.log").open("wb")
             node.process = subprocess.Popen(
-                [str(binary), *command], stdout=log, stderr=subprocess.STDOUT
+                [str(binary), *command], stdout=log, stderr=subprocess.STDOUT, env=env
             )
         yield nodes
     finally:
@@ -164,9 +190,9 @@ async def test_compose_nats_nodes_form_a_cluster_that_holds_a_replicated_bucket(
         )
         assert node.process is not None and node.process.poll() is None
 
-    # The edge's environment from compose.yaml, on the loopback ports.
+    # Admission's environment from compose.yaml (its NATS user too), on the loopback ports.
     compose = _compose()
-    env = {k: str(v) for k, v in compose["services"]["edge"]["environment"].items()}
+    env = {k: _default(v) for k, v in compose["services"]["admission"]["environment"].items()}
     servers = [urlsplit(s).hostname for s in env["LLMGW_NATS__URL"].split(",")]
     env["LLMGW_NATS__URL"] = ",".join(
         f"nats://127.0.0.1:{cluster[host].client_port}" for host in servers
@@ -175,7 +201,7 @@ async def test_compose_nats_nodes_form_a_cluster_that_holds_a_replicated_bucket(
     config = config_from_dict(raw, source="compose.yaml", env=env)
     assert config.replicas_of(config.pinning.bucket) == len(NATS_NODES)
 
-    nc = await nats.connect(servers=config.nats.servers, connect_timeout=5)
+    nc = await nats.connect(**connect_options(config.nats, "compose-test"))
     try:
         deadline = time.monotonic() + START_WITHIN
         while True:  # JetStream answers once the nodes have elected a metadata leader
@@ -191,6 +217,8 @@ async def test_compose_nats_nodes_form_a_cluster_that_holds_a_replicated_bucket(
         assert info.cluster is not None
         members = {info.cluster.leader} | {peer.name for peer in info.cluster.replicas or []}
         assert members == set(NATS_NODES)
+        with pytest.raises(nats.errors.Error):  # the nodes loaded the users: none, no entry
+            await nats.connect(servers=config.nats.servers[:1], allow_reconnect=False)
     finally:
         with contextlib.suppress(Exception):
             await nc.close()

@@ -25,6 +25,8 @@ import yaml
 
 from llmgw.cli import build_parser
 from llmgw.config import Config, config_from_dict, parse_hostport
+from llmgw.nats_auth import NATS_USERS_SECRET, ROLES, SERVICE_ROLES, render_helm_values
+from llmgw.services.keys.main import key_from_spec
 
 REPO = Path(__file__).resolve().parents[2]
 KUBERNETES = REPO / "deploy" / "kubernetes"
@@ -41,6 +43,8 @@ WORKLOADS = {
 }
 NATS_CHART_URL = "nats://nats:4222"  # the NATS Helm chart's client Service, release "nats"
 NATS_CHART_NODES = 3  # --set config.cluster.replicas=3
+NATS_VALUES = KUBERNETES / "nats-values.yaml"  # the chart's values: its users (llmgw.nats_auth)
+KEYS_JOB = "llmgw-keys-seed"
 
 
 # --- reading the base as kustomize does -------------------------------------------------------
@@ -89,6 +93,11 @@ def _one(resources: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any
     return found[name]
 
 
+def _workloads(resources: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Every Deployment and Job: what runs an llmgw pod."""
+    return {**_of_kind(resources, "Deployment"), **_of_kind(resources, "Job")}
+
+
 def _container(deployment: dict[str, Any]) -> dict[str, Any]:
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     return container
@@ -133,6 +142,9 @@ def test_the_base_has_what_an_llmgw_deployment_needs(resources: list[dict[str, A
             ("PodDisruptionBudget", "llmgw-admission"),
             ("ConfigMap", "llmgw-config"),
             ("Secret", "llmgw-provider-keys"),
+            ("Secret", "llmgw-nats-users"),
+            ("Secret", "llmgw-api-keys"),
+            ("Job", "llmgw-keys-seed"),
             ("ServiceAccount", "llmgw"),
         ]
     )
@@ -312,7 +324,7 @@ def test_every_secret_and_config_map_reference_exists(resources: list[dict[str, 
     def keys(resource: dict[str, Any]) -> set[str]:
         return set(resource.get("data", {})) | set(resource.get("stringData", {}))
 
-    for name, deployment in _of_kind(resources, "Deployment").items():
+    for name, deployment in _workloads(resources).items():
         pod = deployment["spec"]["template"]["spec"]
         container = _container(deployment)
         for var in container.get("env", []):
@@ -409,7 +421,7 @@ def _image_user() -> int:
 
 
 def test_pods_run_as_the_image_user_on_a_read_only_root(resources: list[dict[str, Any]]) -> None:
-    for name, deployment in _of_kind(resources, "Deployment").items():
+    for name, deployment in _workloads(resources).items():
         pod = deployment["spec"]["template"]["spec"]
         assert pod["securityContext"]["runAsNonRoot"] is True, name
         assert pod["securityContext"]["runAsUser"] == _image_user(), name
@@ -436,7 +448,7 @@ def _quantity(value: str | int) -> float:
 def test_every_container_requests_and_limits_cpu_and_memory(
     resources: list[dict[str, Any]],
 ) -> None:
-    for name, deployment in _of_kind(resources, "Deployment").items():
+    for name, deployment in _workloads(resources).items():
         limits = _container(deployment)["resources"]
         for resource in ("cpu", "memory"):
             request = _quantity(limits["requests"][resource])
@@ -453,6 +465,71 @@ def test_termination_grace_outlasts_the_pre_stop_pause(resources: list[dict[str,
         # After the pause the service still needs time: the edge drains its requests (seconds).
         assert grace >= pause + 20, name
     assert "lifecycle" in _container(_one(resources, "Deployment", "llmgw-edge"))
+
+
+# --- keys and NATS users ----------------------------------------------------------------------
+
+
+def _secret_ref(container: dict[str, Any], variable: str) -> tuple[str, str]:
+    (var,) = [v for v in container.get("env", []) if v["name"] == variable]
+    ref = var["valueFrom"]["secretKeyRef"]
+    return ref["name"], ref["key"]
+
+
+def _plain_env(container: dict[str, Any]) -> dict[str, str]:
+    return {v["name"]: v["value"] for v in container.get("env", []) if "value" in v}
+
+
+def test_every_workload_connects_to_nats_as_its_role(resources: list[dict[str, Any]]) -> None:
+    roles = {name: SERVICE_ROLES[command] for name, (command, _) in WORKLOADS.items()}
+    roles[KEYS_JOB] = "keys"
+    assert sorted(roles) == sorted(_workloads(resources))
+    for name, role in roles.items():
+        container = _container(_workloads(resources)[name])
+        assert _plain_env(container)["LLMGW_NATS__USER"] == role, name
+        assert _secret_ref(container, "LLMGW_NATS__PASSWORD") == (NATS_USERS_SECRET, role), name
+    placeholder = _one(resources, "Secret", NATS_USERS_SECRET)["stringData"]
+    assert sorted(placeholder) == sorted(ROLES)
+
+
+def test_the_base_requires_keys_and_a_job_seeds_them(resources: list[dict[str, Any]]) -> None:
+    job = _one(resources, "Job", KEYS_JOB)
+    config = _config_of(resources, job)
+    assert config.auth.mode == "keys"
+    container = _container(job)
+    args = build_parser().parse_args(container["args"])
+    assert (args.command, args.keys_command) == ("keys", "seed")
+    assert job["spec"]["template"]["spec"]["restartPolicy"] == "OnFailure"
+    assert job["spec"]["ttlSecondsAfterFinished"] > 0  # so a later apply can create it anew
+    # The seed file is a mounted Secret's key, and every entry in it is a valid key spec.
+    path = Path(args.file)
+    (mount,) = [m for m in container["volumeMounts"] if Path(m["mountPath"]) == path.parent]
+    volumes = {v["name"]: v for v in job["spec"]["template"]["spec"]["volumes"]}
+    secret = _one(resources, "Secret", volumes[mount["name"]]["secret"]["secretName"])
+    entries = yaml.safe_load(secret["stringData"][path.name])["keys"]
+    assert entries
+    for entry in entries:
+        key_from_spec(entry, now=0.0)  # raises ApiKeyError naming the bad field
+
+
+def test_the_nats_chart_values_are_generated_from_the_permissions_table(
+    resources: list[dict[str, Any]],
+) -> None:
+    config = _config_of(resources, _one(resources, "Deployment", "llmgw-edge"))
+    assert NATS_VALUES.read_text() == render_helm_values(config), (
+        "regenerate: llmgw config nats-auth --helm deploy/kubernetes/base/llmgw.yaml > "
+        "deploy/kubernetes/nats-values.yaml"
+    )
+    values = yaml.safe_load(NATS_VALUES.read_text())
+    assert values["config"]["cluster"]["replicas"] == NATS_CHART_NODES
+    users = values["config"]["merge"]["authorization"]["users"]
+    assert [u["user"] for u in users] == list(ROLES)
+    placeholder = _one(resources, "Secret", NATS_USERS_SECRET)["stringData"]
+    for user in users:  # each password is the variable the chart's env gives from the Secret
+        variable = re.fullmatch(r"<< \$(\w+) >>", user["password"]).group(1)  # type: ignore[union-attr]
+        ref = values["container"]["env"][variable]["valueFrom"]["secretKeyRef"]
+        assert ref == {"name": NATS_USERS_SECRET, "key": user["user"]}
+        assert ref["key"] in placeholder
 
 
 # --- the example overlay ----------------------------------------------------------------------

@@ -14,16 +14,16 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest_asyncio
+from gated import GatedEngine, gated_config
 from inproc import Admission, Edge, start_admission, start_edge
-from misbehaving import chat_completion_body
 
-from llmgw.config import Config, config_from_dict
+from llmgw.config import Config
 from llmgw.nats_embedded import EmbeddedNats
 from llmgw.services.edge.leases import is_local_lease
 from llmgw.services.scraper.main import serve as serve_scraper
@@ -32,77 +32,9 @@ from llmgw.serving import RunningServer, free_port, start_server
 G = 4  # the managed pair's global slots; one edge, so its local share is all of them
 
 
-@dataclass
-class GatedEngine:
-    """An OpenAI-compatible upstream that holds every request until `gate` opens, counting how
-    many it holds at once (`running`, `peak`)."""
-
-    gate: asyncio.Event = field(default_factory=asyncio.Event)
-    running: int = 0
-    peak: int = 0
-    served: int = 0
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return
-        while (await receive()).get("more_body"):
-            pass
-        if scope["method"] == "GET":  # the scraper: healthy, and no load metrics at all
-            status = 200 if scope["path"] == "/health" else 404
-            await send({"type": "http.response.start", "status": status, "headers": []})
-            await send({"type": "http.response.body", "body": b""})
-            return
-        self.running += 1
-        self.peak = max(self.peak, self.running)
-        try:
-            await self.gate.wait()
-        finally:
-            self.running -= 1
-        self.served += 1
-        body = chat_completion_body(model="m1")
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [(b"content-type", b"application/json")],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
-
-
 def outage_config(nats_url: str, engine_url: str, mode: str) -> Config:
-    return config_from_dict(
-        {
-            "nats": {"url": nats_url, "request_timeout": "3s"},
-            "pinning": {"lease_timeout": "3s"},
-            # Flow control on, as shipped: a scraper finds the engine healthy and without load
-            # metrics, so admission runs it on its own count.
-            "admission": {"on_nats_outage": mode, "queue_ttl": "5s"},
-            "timeouts": {"first_token": "20s", "idle": "20s", "total": "30s"},
-            "models": [{"name": "m1"}],
-            "providers": [
-                {
-                    "id": "iris",
-                    "kind": "managed",
-                    "models": [
-                        {
-                            "name": "m1",
-                            "limits": {
-                                "max_pinned_sessions": 16,
-                                "max_global_in_flight_request_slots": G,
-                                "global_in_flight_request_slots_reserved_for_pinned_sessions": 0,
-                                "max_per_session_in_flight_request_slots": 2,
-                            },
-                        }
-                    ],
-                }
-            ],
-            "endpoints": [
-                {"id": "engine-1", "url": engine_url, "provider": "iris", "models": ["m1"]}
-            ],
-        },
-        source="<test>",
-        env={},
+    return gated_config(
+        nats_url, engine_url, g=G, admission={"on_nats_outage": mode, "queue_ttl": "5s"}
     )
 
 

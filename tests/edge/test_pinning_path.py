@@ -136,6 +136,18 @@ async def test_client_disconnect_mid_stream_releases_the_lease(gateway):
     await eventually(lambda: _no_leases(gateway))
 
 
+async def test_client_gone_before_a_whole_answer_still_ends_its_attempt(gateway):
+    """A non-streamed attempt ends once its answer has been sent (off the client's critical
+    path), and also when sending it fails: the client left while the engine was working."""
+    async with httpx.AsyncClient() as http:
+        with pytest.raises(httpx.ReadTimeout):
+            await http.post(
+                gateway.url + CHAT_PATH, json=turn(max_tokens=100), timeout=httpx.Timeout(0.2)
+            )
+        assert len(live_leases(gateway)) == 1  # the engine is still answering
+    await eventually(lambda: _no_leases(gateway), timeout=15)
+
+
 async def test_a_lost_lease_ends_the_stream_with_an_error_event(gateway):
     """The owner no longer holds the lease (it expired there: the edge was cut off or paused
     past lease_timeout): the next renewal says so, and the stream ends as lease_lost."""

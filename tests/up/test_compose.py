@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from llmgw.config import config_from_dict, load_config
+from llmgw.nats_auth import ROLES, SERVICE_ROLES, password_variable, render_server_config
 from llmgw.services.up.plan import ListenAddress, ServiceSpec, plan_cluster
 
 REPO = Path(__file__).resolve().parents[2]
@@ -29,6 +30,12 @@ NATS_NODES = ("nats-1", "nats-2", "nats-3")
 OBSERVABILITY = ("prometheus", "grafana")
 # Services that connect to NATS (the simulators do not).
 NATS_CLIENT_KINDS = ("admission", "reaper", "scraper", "edge")
+# One-shot jobs built from the image (not in `llmgw up`'s plan: it does their work itself).
+ONE_SHOTS = ("keys-seed",)
+# The NATS role each NATS client of compose connects as (llmgw.nats_auth).
+COMPOSE_ROLES = {**SERVICE_ROLES, "keys-seed": "keys"}
+NATS_AUTH_CONF = "deploy/nats/llmgw-auth.conf"
+NATS_AUTH_IN_CONTAINER = "/etc/nats/llmgw-auth.conf"
 # Overrides a compose command may add after the plan's arguments (containers listen everywhere).
 ALLOWED_EXTRA_ARGS = (["--host", "0.0.0.0"],)
 
@@ -101,7 +108,8 @@ def _nats_client_addresses(compose: dict[str, Any]) -> set[tuple[str, int]]:
 def test_compose_has_one_service_per_planned_process(
     compose: dict[str, Any], plan: list[ServiceSpec]
 ) -> None:
-    assert sorted(_llmgw_services(compose)) == sorted(spec.name for spec in plan)
+    services = set(_llmgw_services(compose)) - set(ONE_SHOTS)
+    assert sorted(services) == sorted(spec.name for spec in plan)
 
 
 def test_every_service_is_llmgw_nats_or_observability(compose: dict[str, Any]) -> None:
@@ -306,6 +314,8 @@ def test_buckets_are_replicated_on_every_node(compose: dict[str, Any]) -> None:
 
 def test_every_service_has_a_health_check(compose: dict[str, Any]) -> None:
     for name, service in compose["services"].items():
+        if name in ONE_SHOTS:  # it runs to its end: its dependants wait for that instead
+            continue
         test = service.get("healthcheck", {}).get("test")
         assert test and test[0] == "CMD", name
 
@@ -328,6 +338,64 @@ def test_edge_starts_after_admission_is_healthy(compose: dict[str, Any]) -> None
     assert compose["services"]["edge"]["depends_on"]["admission"] == {
         "condition": "service_healthy"
     }
+
+
+# --- security: API keys seeded, a NATS user per role -------------------------------------------
+
+
+def test_the_nats_config_is_generated_from_the_permissions_table() -> None:
+    """deploy/nats/llmgw-auth.conf is `llmgw config nats-auth config/compose.yaml`, verbatim."""
+    config = load_config(REPO / "config" / "compose.yaml", env={})
+    assert (REPO / NATS_AUTH_CONF).read_text() == render_server_config(config), (
+        f"regenerate: llmgw config nats-auth config/compose.yaml > {NATS_AUTH_CONF}"
+    )
+
+
+def test_every_nats_node_loads_the_users_and_has_every_password(compose: dict[str, Any]) -> None:
+    for name in NATS_NODES:
+        service = compose["services"][name]
+        assert _flags(service["command"])["-c"] == NATS_AUTH_IN_CONTAINER, name
+        assert f"./{NATS_AUTH_CONF}:{NATS_AUTH_IN_CONTAINER}:ro" in service["volumes"], name
+        assert set(service["environment"]) == {password_variable(role) for role in ROLES}, name
+
+
+def _interpolated(value: str) -> str:
+    """The variable a compose value `${NAME:-default}` reads (the value itself if none)."""
+    return value.removeprefix("${").split(":-")[0].rstrip("}") if value.startswith("${") else ""
+
+
+def test_every_nats_client_connects_as_its_role(compose: dict[str, Any]) -> None:
+    nodes = compose["services"][NATS_NODES[0]]["environment"]
+    for name, role in COMPOSE_ROLES.items():
+        env = compose["services"][name]["environment"]
+        assert env["LLMGW_NATS__USER"] == role, name
+        variable = _interpolated(env["LLMGW_NATS__PASSWORD"])
+        assert variable == password_variable(role), name
+        assert nodes[variable] == env["LLMGW_NATS__PASSWORD"], name  # the same default as well
+    for name, service in _llmgw_services(compose).items():
+        if name not in COMPOSE_ROLES:  # the simulators use no NATS
+            assert "LLMGW_NATS__USER" not in service["environment"], name
+
+
+def test_keys_are_seeded_from_the_file_before_the_edge_starts(compose: dict[str, Any]) -> None:
+    seed = compose["services"]["keys-seed"]
+    assert seed["restart"] == "no"
+    command = seed["command"]
+    assert command[:4] == ["keys", "--config", COMPOSE_CONFIG_IN_CONTAINER, "seed"]
+    keys_file = (
+        REPO / "config" / Path(command[4]).relative_to(Path(COMPOSE_CONFIG_IN_CONTAINER).parent)
+    )
+    entries = yaml.safe_load(keys_file.read_text())["keys"]
+    assert entries
+    for entry in entries:  # secrets from the environment only, and compose passes each one
+        assert "secret" not in entry and entry["secret_env"] in seed["environment"]
+    for node in NATS_NODES:
+        assert seed["depends_on"][node] == {"condition": "service_healthy"}
+    assert compose["services"]["edge"]["depends_on"]["keys-seed"] == {
+        "condition": "service_completed_successfully"
+    }
+    config = load_config(REPO / "config" / "compose.yaml", env={})
+    assert config.auth.mode == "keys"
 
 
 # --- the observability profile ----------------------------------------------------------------

@@ -5,11 +5,8 @@ port, and events a late reader replays with `llmgw events`."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,7 +14,7 @@ import httpx
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
-from up_harness import REPO, UpProcess, write_cluster_config
+from up_harness import UpProcess, llmgw_cli, write_cluster_config
 
 from llmgw.events import EndpointEvent, PinEvent, parse_event
 
@@ -52,16 +49,7 @@ ACCESS_FIELDS = {
 
 
 def _cli(config: Path, nats_url: str, *args: str) -> str:
-    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("LLMGW_")}
-    env["LLMGW_NATS__URL"] = nats_url
-    done = subprocess.run(
-        [sys.executable, "-m", "llmgw", args[0], "--config", str(config), *args[1:]],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = llmgw_cli(config, *args, env={"LLMGW_NATS__URL": nats_url})
     assert done.returncode == 0, done.stderr
     return done.stdout
 

@@ -55,6 +55,23 @@ def write_cluster_config(path: Path, **overrides: Any) -> Path:
     return path
 
 
+def llmgw_cli(
+    config: Path, command: str, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """`llmgw COMMAND --config CONFIG ARGS` run to its end, with no LLMGW_ variable of ours
+    but those in `env`."""
+    full = {k: v for k, v in os.environ.items() if not k.upper().startswith("LLMGW_")}
+    full.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "llmgw", command, "--config", str(config), *args],
+        cwd=REPO,
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
 class UpProcess:
     """`python -m llmgw up` as a subprocess; its output is collected line by line."""
 

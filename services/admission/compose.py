@@ -1,0 +1,70 @@
+"""One admission instance composed from the config: what `llmgw admission` runs, and what an
+edge runs beside itself with ``admission.colocated`` (services/edge/colocated.py).
+
+`open_admission` starts it on its own NATS connection (joined, holding its quotas, serving its
+shards); `RunningAdmission.close` hands its shards over, leaves and closes the connection.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from llmgw import natsconn
+from llmgw.events import EventPublisher, MemberEvent
+from llmgw.services.admission.health import HealthBoard
+from llmgw.services.admission.loadboard import LoadBoard, LoadFollower
+from llmgw.services.admission.metrics import AdmissionMetrics
+from llmgw.services.admission.service import AdmissionService
+from llmgw.state.setup import open_events_stream, open_load_bucket, open_routing_store
+from llmgw.tracing import open_tracing
+
+if TYPE_CHECKING:
+    from llmgw.config import Config
+
+
+@dataclass
+class RunningAdmission:
+    service: AdmissionService
+    metrics: AdmissionMetrics
+    nc: Any
+    follower: LoadFollower
+    events: EventPublisher
+
+    async def close(self) -> None:
+        """Hand every shard over (or release it), say goodbye, close the connection."""
+        await self.service.stop()
+        await self.events.publish(
+            self.events.build(MemberEvent, event="member.left", member=self.service.instance)
+        )
+        await self.follower.stop()
+        await natsconn.drain_or_close(self.nc)
+
+
+async def open_admission(config: Config, instance: str, connection_name: str) -> RunningAdmission:
+    """Start one admission instance named `instance` on a connection of its own."""
+    nc = await natsconn.connect(config.nats, name=connection_name)
+    board = LoadBoard(config, HealthBoard())
+    follower = LoadFollower(board, await open_load_bucket(nc, config))
+    await follower.start()
+    metrics = AdmissionMetrics()
+    metrics.watch_load(board, [m.name for m in config.models])
+    store = await open_routing_store(nc, config)
+    await open_events_stream(nc, config)
+    events = EventPublisher(nc, instance)
+    service = AdmissionService(
+        config,
+        nc,
+        store,
+        instance=instance,
+        health=board.health,
+        load=board,
+        metrics=metrics,
+        events=events,
+        tracing=open_tracing("admission", config.tracing),
+    )
+    metrics.watch_breakers(service.breakers, [e.id for e in config.endpoints])
+    metrics.watch_ledger(service.ledger, lambda: len(service.shards.serving))
+    await service.start()
+    events.emit(MemberEvent, event="member.joined", member=service.instance)
+    return RunningAdmission(service, metrics, nc, follower, events)

@@ -1,0 +1,203 @@
+"""Colocated admission (`admission.colocated`): each edge runs an admission instance in its own
+process and decides the requests of that instance's shards by a direct call, the others over
+NATS. Real parts: a nats-server, a scraper (flow control is on, as shipped), two edges with
+their instances on uvicorn, and an engine that counts what it runs at once (the ground truth
+for the pair's global limit G across both edges).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest_asyncio
+from gated import GatedEngine, gated_config
+from inproc import Admission, Edge, connect, start_admission
+
+from llmgw.config import Config
+from llmgw.core.requests import Feature
+from llmgw.core.sessions import session_id
+from llmgw.core.shards import shard_of
+from llmgw.services.edge.app import create_app
+from llmgw.services.edge.colocated import ColocatedAdmission
+from llmgw.services.edge.main import open_edge_deps
+from llmgw.services.scraper.main import serve as serve_scraper
+from llmgw.serving import start_server
+
+G = 3  # the pair's global slots in the first test, split between the two instances' quotas
+ENGINE_SLOTS = 2  # the engine's batch capacity in the second: flow control queues beyond it
+CHAT = "/v1/chat/completions"
+
+
+def colocated_config(nats_url: str, engine_url: str, bucket: str, g: int, capacity: int) -> Config:
+    return gated_config(
+        nats_url,
+        engine_url,
+        g=g,
+        capacity=capacity,
+        admission={"colocated": True, "queue_ttl": "10s", "shards": 8},
+        pinning={"bucket": bucket, "lease_timeout": "3s"},
+        router={"load_bucket": f"load_{bucket}"},
+    )
+
+
+@dataclass
+class ColocatedEdge:
+    edge: Edge
+    instance: Admission
+
+    @property
+    def client(self) -> ColocatedAdmission:
+        return self.edge.deps.admission
+
+    def owns(self, session: str, shards: int) -> bool:
+        return self.instance.service.shards.serves(shard_of(session, shards))
+
+
+async def start_colocated_edge(config: Config, nats_url: str, name: str) -> ColocatedEdge:
+    """An edge as `llmgw edge` composes it with admission.colocated: its instance first."""
+    instance = await start_admission(config, nats_url, instance=f"{name}-admission")
+    nc = await connect(nats_url, name)
+    deps = await open_edge_deps(nc, config, name, colocated=instance.service)
+    app = create_app(config, deps)
+    return ColocatedEdge(Edge(app, await start_server(app), deps, nc), instance)
+
+
+@dataclass
+class Rig:
+    config: Config
+    engine: GatedEngine
+    edges: list[ColocatedEdge]
+
+
+@contextlib.asynccontextmanager
+async def running_rig(nats_url: str, bucket: str, g: int, capacity: int) -> AsyncIterator[Rig]:
+    engine = GatedEngine()
+    upstream = await start_server(engine)
+    config = colocated_config(nats_url, upstream.url, bucket, g, capacity)
+    scraped, stop_scraper = asyncio.Event(), asyncio.Event()
+    scraper = asyncio.create_task(
+        serve_scraper(config, stop=stop_scraper, ready=scraped, instance="scraper-coloc")
+    )
+    await asyncio.wait_for(scraped.wait(), 10)
+    edges = [await start_colocated_edge(config, nats_url, f"edge-{i}") for i in range(2)]
+    try:
+        shards = config.admission.shards
+
+        def split() -> bool:
+            serving = [e.instance.service.shards.serving for e in edges]
+            return all(serving) and sum(len(s) for s in serving) == shards
+
+        await until(split, 15, "both instances serving a share of the shards")
+        await until(
+            lambda: all(e.instance.service.load.reports >= 1 for e in edges), 10, "load reports"
+        )
+        yield Rig(config, engine, edges)
+    finally:
+        engine.gate.set()
+        for e in edges:
+            await e.edge.stop()  # the edge first: its releases reach the owners
+            await e.instance.stop()
+        stop_scraper.set()
+        await asyncio.wait_for(scraper, 10)
+        await upstream.stop()
+
+
+@pytest_asyncio.fixture
+async def rig(nats_url: str, unique_id: str) -> AsyncIterator[Rig]:
+    async with running_rig(nats_url, f"coloc_{unique_id}", G, capacity=64) as rig:
+        yield rig
+
+
+@pytest_asyncio.fixture
+async def queueing_rig(nats_url: str, unique_id: str) -> AsyncIterator[Rig]:
+    async with running_rig(nats_url, f"colocq_{unique_id}", 64, capacity=ENGINE_SLOTS) as rig:
+        yield rig
+
+
+async def until(predicate: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"never: {what}"
+        await asyncio.sleep(0.02)
+
+
+def chat(user: str) -> dict[str, Any]:
+    return {"model": "m1", "messages": [{"role": "user", "content": "hi"}], "user": user}
+
+
+def session_of(user: str) -> str:
+    session = session_id(Feature.CHAT, "m1", chat(user))
+    assert session is not None
+    return session
+
+
+def leases(rig: Rig) -> int:
+    return sum(
+        len(e.instance.service.ledger.leases) + len(e.edge.deps.leases.held) for e in rig.edges
+    )
+
+
+async def test_each_edge_decides_its_own_shards_in_process_and_g_holds_across_both(rig: Rig):
+    shards = rig.config.admission.shards
+    users = [f"user-{i}" for i in range(16)]
+    async with httpx.AsyncClient(timeout=30) as http:
+        # Every request goes through edge 0 or 1 alternately, whoever owns its shard.
+        tasks = [
+            asyncio.create_task(http.post(rig.edges[i % 2].edge.url + CHAT, json=chat(u)))
+            for i, u in enumerate(users)
+        ]
+        await until(lambda: rig.engine.running == G, 10, "G requests running")
+        await asyncio.sleep(0.3)  # the others queue; none may reach the engine
+        assert rig.engine.running == G
+        rig.engine.gate.set()
+        answers = await asyncio.gather(*tasks)
+    # Beyond G: queued, or refused where an instance's quota share was spent (never run).
+    statuses = [a.status_code for a in answers]
+    assert set(statuses) <= {200, 503}, [a.text for a in answers if a.status_code != 200][:2]
+    assert all(a.json()["error"]["code"] == "no_capacity" for a in answers if a.status_code != 200)
+    assert rig.engine.peak <= G and rig.engine.served == statuses.count(200) >= G
+    for index, e in enumerate(rig.edges):
+        sent = [u for i, u in enumerate(users) if i % 2 == index]
+        own = [u for u in sent if e.owns(session_of(u), shards)]
+        assert own and len(own) < len(sent)  # both kinds went through this edge
+        assert e.client.decided_here == len(own)  # own shards here, the rest over NATS
+    await until(lambda: leases(rig) == 0, 10, "every lease ended")
+
+
+async def test_a_queued_request_whose_client_leaves_is_cancelled_in_process(queueing_rig: Rig):
+    rig = queueing_rig
+    shards = rig.config.admission.shards
+    edge = rig.edges[0]
+    flow = edge.instance.service.flow
+    assert flow is not None
+    own = iter(u for u in (f"queued-{i}" for i in range(256)) if edge.owns(session_of(u), shards))
+    async with httpx.AsyncClient(timeout=30) as http:
+        holders = []
+        while not len(flow.queues):  # until the engine is busy enough for gold to wait
+            assert len(holders) < 4 * ENGINE_SLOTS, "nothing ever queued"
+            holders.append(
+                asyncio.create_task(http.post(edge.edge.url + CHAT, json=chat(next(own))))
+            )
+            await until(lambda: rig.engine.running + len(flow.queues) == len(holders), 10, "placed")
+        cancelled = edge.instance.service.metrics.cancellations
+        before = _value(cancelled)
+        with contextlib.suppress(httpx.ReadTimeout):
+            await http.post(edge.edge.url + CHAT, json=chat(next(own)), timeout=1.0)
+        await until(lambda: _value(cancelled) == before + 1, 10, "the queued request cancelled")
+        assert len(flow.queues) == 1  # only the holder that waits
+        rig.engine.gate.set()
+        done = await asyncio.gather(*holders)
+    assert [d.status_code for d in done] == [200] * len(holders)
+    assert rig.engine.served == len(holders)  # the cancelled one never ran
+    assert edge.client.decided_here == len(holders) + 1
+    await until(lambda: leases(rig) == 0, 10, "every lease ended")
+
+
+def _value(counter: Any) -> float:
+    return sum(s.value for m in counter.collect() for s in m.samples if s.name.endswith("_total"))
