@@ -58,6 +58,8 @@ class Admission:
             task.cancel()
         if service.shards._task is not None:
             service.shards._task.cancel()
+        for task in service.shards._reclaims:
+            task.cancel()
         for task in service.membership._tasks:
             task.cancel()
         for task in service.quotas._tasks:

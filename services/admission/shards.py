@@ -88,6 +88,7 @@ class ShardKeeper:
         self._lock = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
         self._started = asyncio.Event()  # quotas read: handovers can be taken in
+        self._reclaims: set[asyncio.Task[None]] = set()  # unanswered handovers' earmarks
         self.stopping = False
         self.adopted_leases = 0
         self.refused_leases = 0
@@ -126,8 +127,8 @@ class ShardKeeper:
         """Hand every shard to another member; with none left, release them (the next
         instance to start adopts their leases from the edges)."""
         self.stopping = True
-        if self._task is not None:
-            await cancel_and_wait([self._task])
+        # Leaving: unanswered handovers' earmarks stay for their receivers (or the reaper).
+        await cancel_and_wait([t for t in (self._task, *self._reclaims) if t is not None])
         nc = self.service.nc
         if nc.is_connected:
             with contextlib.suppress(Exception):
@@ -522,7 +523,9 @@ class ShardKeeper:
             await asyncio.sleep(self.service.config.admission.member_ttl)
             await self.service.quotas.reclaim(shard)
 
-        self.service._spawn(reclaim())
+        task = asyncio.create_task(reclaim(), name=f"reclaim-{shard}")
+        self._reclaims.add(task)
+        task.add_done_callback(self._reclaims.discard)
 
     async def _drop(self, shard: int) -> None:
         await self._stop_serving(shard)
