@@ -811,18 +811,13 @@ class AdmissionService:
     async def start(self) -> None:
         await self.store.ensure_layout(self.config.admission.shards)
         self.membership.on_lost = self._lost
-        # Listening for handovers before the member key says it exists: a member that others
-        # hand shards to must answer (it takes them in once its quotas are read).
-        self._subs.append(
-            await self.nc.subscribe(handover_subject(self.instance), cb=self.shards.on_handover)
-        )
-        await self.nc.flush()
         await self.membership.join()
         for subject, handler in (
             (ADMISSION_HEALTH_SUBJECT, self._on_health),
             (ADMISSION_STATE_SUBJECT, self._on_state),
             (REQUEST_STATS_SUBJECT, self.on_request_ended),
             (ADMISSION_LOAD_SUBJECT, self.on_load),
+            (handover_subject(self.instance), self.shards.on_handover),
         ):
             self._subs.append(await self.nc.subscribe(subject, cb=handler))
         await self.quotas.start()
