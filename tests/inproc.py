@@ -32,6 +32,7 @@ class Admission:
     nc: Any
     follower: LoadFollower | None = None
     stopped: bool = False
+    name: str = ""  # as started (its audit trail's name), though it may rejoin under another id
 
     async def stop(self) -> None:
         if self.stopped:
@@ -57,6 +58,8 @@ class Admission:
             task.cancel()
         if service.shards._task is not None:
             service.shards._task.cancel()
+        for task in service.shards._reclaims:
+            task.cancel()
         for task in service.membership._tasks:
             task.cancel()
         for task in service.quotas._tasks:
@@ -140,7 +143,7 @@ async def start_admission(
         **kwargs,
     )
     await service.start()
-    return Admission(service, nc, follower)
+    return Admission(service, nc, follower, name=instance)
 
 
 async def start_edge(config: Config, nats_url: str, *, edge_id: str, tracing: Any = None) -> Edge:
@@ -164,6 +167,7 @@ class Cluster:
     admissions: list[Admission] = field(default_factory=list)
     edges: list[Edge] = field(default_factory=list)
     observer_for: Any = None  # instance -> LedgerObserver (an AuditLog's), or None
+    on_stopped: Any = None  # instance -> None, once an admission instance has stopped
 
     @property
     def limits(self) -> dict:
@@ -223,8 +227,12 @@ class Cluster:
             with contextlib.suppress(Exception):
                 await edge.stop()
         for admission in self.admissions:
+            if admission.stopped:
+                continue
             with contextlib.suppress(Exception):
                 await admission.stop()
+            if self.on_stopped is not None:
+                self.on_stopped(admission.name)
         if delete_buckets:
             nc = await connect(self.nats_url, "cleanup")
             js = nc.jetstream()

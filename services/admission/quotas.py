@@ -13,10 +13,13 @@ this instance (`Ledger.set_quota`), never more: a lower entry applies before its
 (nothing is granted into what is being given back), a higher one only once it has landed, and
 on every change another instance makes (a transfer to this instance, for example).
 
-Adoption and handover move counts between instances in one CAS (`transfer`), made by the
-receiver just before it takes the shard's leases and pins in. The giver sets them aside first
-(`hold_out`: removed from its ledger, still in its entry, not spendable) until the receiver has
-moved them (`settle`).
+Adoption and handover move counts between instances in one CAS per pair (`transfer`), made by
+the receiver just before it takes the shard's leases and pins in. A handover's giver sets them
+aside first (`hold_out`: removed from its ledger, still in its entry, not spendable), then
+earmarks them in the book (`earmark`); the receiver moves exactly the earmark, or the giver
+takes it back (`reclaim`) when it no longer expects the receiver to. Which of the two happened
+is whatever the book says, so no timing makes the same count spendable at both; the giver
+spends an earmark again only once its book shows it is back (`llmgw.core.quota.QuotaBook.take`).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from llmgw.core.apikeys import KeyLimits
 from llmgw.core.keys import QUOTA_PREFIX
@@ -69,8 +72,9 @@ class QuotaKeeper:
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
         # Use on its way to another instance (a shard being handed over): already out of the
-        # ledger, not yet out of this instance's book entry. Never spendable meanwhile.
-        self._outgoing: dict[Pair, tuple[int, int, int]] = {}
+        # ledger, its earmark not yet in the book (by shard, then pair). Never spendable; once
+        # earmarked, the book's earmark stands for it (`_out`).
+        self._pending: dict[int, dict[Pair, tuple[int, int, int]]] = {}
         self._writing: dict[Pair, Quota] = {}  # this instance's entry while its write flies
         self._tracking: dict[Pair, asyncio.Future[None]] = {}  # pairs added at run time
         self.writes = 0
@@ -144,33 +148,84 @@ class QuotaKeeper:
         if lowering is not None:
             g = min(quota.g, lowering.g)
             quota = Quota(g, min(g, quota.u, lowering.u), min(quota.p, lowering.p))
-        out = self._outgoing.get(pair)
-        if out is not None:
-            g = max(0, quota.g - out[0])
-            quota = Quota(g, min(g, max(0, quota.u - out[1])), max(0, quota.p - out[2]))
+        og, ou, op = self._out(pair)
+        if (og, ou, op) != (0, 0, 0):
+            g = max(0, quota.g - og)
+            quota = Quota(g, min(g, max(0, quota.u - ou)), max(0, quota.p - op))
         self.ledger.set_quota(pair, quota)
 
-    def hold_out(self, counts: Mapping[Pair, tuple[int, int, int]]) -> None:
-        """Before a shard leaves the ledger: its use stays unspendable here until its receiver
-        has moved the quota to itself (`settle` then), else a grant could slip into the gap."""
-        for pair, (g, u, p) in counts.items():
-            if pair not in self.limits:
-                continue
-            og, ou, op = self._outgoing.get(pair, (0, 0, 0))
-            self._outgoing[pair] = (og + g, ou + u, op + p)
+    def _out(self, pair: Pair) -> tuple[int, int, int]:
+        """What of this instance's entry is on its way out: its earmarks in the book, and held
+        out use whose earmark is not written yet."""
+        book = self.books[pair].value
+        g, u, p = book.earmarked(self.me)
+        for shard, counts in self._pending.items():
+            held = counts.get(pair)
+            if held is not None and (self.me, shard) not in book.handing:
+                g, u, p = g + held[0], u + held[1], p + held[2]
+        return g, u, p
+
+    def hold_out(self, shard: int, counts: Mapping[Pair, tuple[int, int, int]]) -> None:
+        """Before a shard leaves the ledger: its use stays unspendable here (else a grant could
+        slip into the gap) until it is earmarked, and then until the book shows the earmark
+        taken by the receiver or back (`reclaim`)."""
+        held = {pair: c for pair, c in counts.items() if pair in self.limits and any(c)}
+        if held:
+            self._pending[shard] = held
+        for pair in held:
             self._sync(pair)
 
-    def settle(self, counts: Mapping[Pair, tuple[int, int, int]]) -> None:
-        """What `hold_out` set aside has arrived (the receiver moved its quota) or never will."""
-        for pair, (g, u, p) in counts.items():
-            og, ou, op = self._outgoing.get(pair, (0, 0, 0))
-            left = (max(0, og - g), max(0, ou - u), max(0, op - p))
-            if left == (0, 0, 0):
-                self._outgoing.pop(pair, None)
-            else:
-                self._outgoing[pair] = left
-            if pair in self.books:
+    async def earmark(self, shard: int) -> None:
+        """Write the earmarks of what `hold_out` set aside for `shard` (one CAS per pair)."""
+        async with self._lock:
+            for pair, counts in list(self._pending.get(shard, {}).items()):
+                if await self._cas(pair, lambda b, c=counts: (b.earmark(self.me, shard, *c), c)):
+                    del self._pending[shard][pair]  # the book's earmark stands for it now
+                    self._sync(pair)
+                # else left held out (never spendable) until `reclaim`
+            if not self._pending.get(shard, True):
+                del self._pending[shard]
+
+    async def reclaim(self, shard: int) -> None:
+        """Take back what is still earmarked for `shard` (its receiver did not take it, and is
+        no longer expected to); whatever it took is gone from the book already."""
+
+        def unmark(book: QuotaBook) -> tuple[QuotaBook, bool] | None:
+            if (self.me, shard) not in book.handing:
+                return None
+            return book.unmark(self.me, shard), True
+
+        async with self._lock:
+            self._pending.pop(shard, None)
+            for pair in list(self.books):
+                await self._cas(pair, unmark)
                 self._sync(pair)
+        self.wake()
+
+    async def _cas(
+        self, pair: Pair, change: Callable[[QuotaBook], tuple[QuotaBook, Any] | None]
+    ) -> Any:
+        """Apply `change` to the pair's book by CAS, re-reading on a conflict; returns what
+        `change` returned beside the new book, or None if it declined (or every try lost)."""
+        from llmgw.state.store import Stored
+
+        for _ in range(_MAX_CAS):
+            stored = self.books[pair]
+            changed = change(stored.value)
+            if changed is None:
+                return None
+            revision = await self.store.write_quota_book(changed[0], stored.revision)
+            if revision is not None:
+                self.books[pair] = Stored(changed[0], revision)
+                return changed[1]
+            self.conflicts += 1
+            self.books[pair] = await self.store.quota_book(*pair)
+            self._sync(pair)
+        return None
+
+    def forget_handovers(self) -> None:
+        """Joined again under a new id: the old id's earmarks are its receivers' to take."""
+        self._pending.clear()
 
     async def _follow(self) -> None:
         from llmgw.state.store import Stored
@@ -217,7 +272,7 @@ class QuotaKeeper:
         """Where this instance's entry should go now (pure given the book, use and members)."""
         limits = self.limits[pair]
         use = self.ledger.pair_use(pair)
-        og, ou, op = self._outgoing.get(pair, (0, 0, 0))
+        og, ou, op = self._out(pair)
         use = _Use(use.leases + og, use.unreserved + ou, use.pins + op)
         live = sorted(self.membership.live())
         members = max(1, len(live))
@@ -292,44 +347,49 @@ class QuotaKeeper:
     # ---- transfers ----------------------------------------------------------------------------
 
     async def transfer(
-        self, source: str, target: str, counts: Mapping[Pair, tuple[int, int, int]]
-    ) -> dict[Pair, tuple[int, int, int]]:
-        """Move (leases, unreserved, pins) of each pair from `source` to `target`; returns what
-        moved (at most what `source` held). The receiver of a shard calls it, in the same
-        step as it takes the shard's state in (handover or adoption)."""
-        moved: dict[Pair, tuple[int, int, int]] = {}
-        async with self._lock:
-            for pair, (g, u, p) in counts.items():
-                if pair not in self.limits:
-                    continue
-                await self._transfer_one(pair, source, target, (g, u, p), moved)
-                self._sync(pair)
-        return moved
-
-    async def _transfer_one(
         self,
-        pair: Pair,
         source: str,
         target: str,
-        counts: tuple[int, int, int],
-        moved: dict[Pair, tuple[int, int, int]],
-    ) -> None:
-        from llmgw.state.store import Stored
+        counts: Mapping[Pair, tuple[int, int, int]],
+        *,
+        shard: int,
+        plain: bool,
+    ) -> dict[Pair, tuple[int, int, int]]:
+        """Take `shard`'s quota from `source` to `target`; returns what moved (at most what
+        `source` held). The receiver of a shard calls it, in the same step as it takes the
+        shard's state in (handover or adoption). Where `source` earmarked the shard, exactly
+        the earmark moves. Elsewhere `counts` move only if `plain` (`source` is dead: nobody
+        spends its entry); from a live source without an earmark nothing moves (it took the
+        earmark back, and spends it), and the receiver takes in what its own quota covers."""
 
-        g, u, p = counts
-        for _ in range(_MAX_CAS):
-            stored = self.books[pair]
-            have = stored.value.quota(source)
+        def take(book: QuotaBook) -> tuple[QuotaBook, tuple[int, int, int]] | None:
+            if (source, shard) not in book.handing:
+                return None
+            return book.take(source, shard, target, self._clock())
+
+        def plain_move(book: QuotaBook, g: int, u: int, p: int) -> tuple[QuotaBook, Any]:
+            have = book.quota(source)
             step = (min(g, have.g), min(u, have.u, g), min(p, have.p))
-            new_book = stored.value.transfer(source, target, *step, at=self._clock())
-            revision = await self.store.write_quota_book(new_book, stored.revision)
-            if revision is not None:
-                self.books[pair] = Stored(new_book, revision)
-                moved[pair] = step
-                return
-            self.conflicts += 1
-            self.books[pair] = await self.store.quota_book(*pair)
-            self._sync(pair)
+            return book.transfer(source, target, *step, at=self._clock()), step
+
+        moved: dict[Pair, tuple[int, int, int]] = {}
+        async with self._lock:
+            for pair in list(self.books):
+                if pair not in self.limits:
+                    continue
+                # Rare (handovers and adoptions): read the book, the watch may lag the earmark.
+                fresh = await self.store.quota_book(*pair)
+                if fresh.revision > self.books[pair].revision:
+                    self.books[pair] = fresh
+                step = None
+                if (source, shard) in self.books[pair].value.handing:
+                    step = await self._cas(pair, take)  # None: taken back meanwhile
+                elif plain and pair in counts:
+                    step = await self._cas(pair, lambda b, c=counts[pair]: plain_move(b, *c))
+                if step is not None:
+                    moved[pair] = step
+                self._sync(pair)
+        return moved
 
     async def leave(self) -> None:
         """Stopping: give back everything not in use (the entry stays if something is)."""

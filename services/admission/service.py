@@ -892,6 +892,7 @@ class AdmissionService:
     async def _rejoin(self) -> None:
         old = self.instance
         await self.shards.drop_all()
+        self.quotas.forget_handovers()
         for sub in list(self._subs):
             if sub.subject == handover_subject(old):
                 with contextlib.suppress(Exception):

@@ -14,17 +14,23 @@ round (every heartbeat, and at once when members or owners change) `ShardKeeper.
 (drains its subscriptions: requests delivered to it meanwhile, and its queued requests of the
 shard, are answered NOT_OWNER and the edges ask again),
 lets the shard's pin writes land, CASes the shard key to R, takes the shard's pins and leases out
-of its ledger, moves the quota they use to R (one CAS per pair), and sends them to R
-(``llmgw.v1.admission.handover.<R>``). R takes them in and serves the shard. Nothing is lost: a
+of its ledger, earmarks the quota they use in the quota books (held out of its own spending
+meanwhile), and sends them to R (``llmgw.v1.admission.handover.<R>``). R moves the earmarked
+quota to itself (one CAS per pair), takes them in and serves the shard. Nothing is lost: a
 lease is in exactly one ledger at every moment but the message's flight, when neither ends it;
 an edge's end message that arrives during that flight is remembered by R, which leaves the
-ended lease out of what it takes in (`AdmissionService.without_ended`).
+ended lease out of what it takes in (`AdmissionService.without_ended`). G takes an earmark back
+once R has answered (what R took is gone from it by then) or, without an answer, after
+``member_ttl`` (by then R has taken it, or adopted the shard without it); which of the two got
+it is decided by the book's CAS, not by that timing (docs/adr/0002, "Handover and adoption").
 
-**Adoption** (G is gone: a crash, or G released the shard with no member to take it): R claims
-the shard, loads its pins from the bucket, asks every edge for its leases there (a roll call,
-answers collected for ``admission.rollcall_window``), moves their quota from G to itself, and
-serves. A lease no edge announced in time is not adopted; its edge learns at its next renewal
-that the lease is lost and ends the request.
+**Adoption** (G is gone: a crash, or G released the shard with no member to take it; or G's
+handover did not arrive in time): R claims the shard, loads its pins from the bucket, asks every
+edge for its leases there (a roll call, answers collected for ``admission.rollcall_window``),
+moves their quota from G to itself (G's earmark for the shard if there is one; without one,
+the counts, but only from a G that is no longer live), and serves. A lease no edge announced in
+time is not adopted; its edge learns at its next renewal that the lease is lost and ends the
+request.
 
 While a shard has no subscriber (between the giver's unsubscribe and the receiver's
 subscribe), edges' requests for it find no responders and are retried with a short backoff.
@@ -75,10 +81,14 @@ class ShardKeeper:
         self.serving: dict[int, list[Subscription]] = {}
         self.leaving: set[int] = set()
         self._taking: set[int] = set()
+        # Shards being taken in (a handover or an adoption), set when done: one at a time.
+        self._receiving: dict[int, asyncio.Event] = {}
         self._handed: dict[int, asyncio.Event] = {}
         self._wake = asyncio.Event()
         self._lock = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
+        self._started = asyncio.Event()  # quotas read: handovers can be taken in
+        self._reclaims: set[asyncio.Task[None]] = set()  # unanswered handovers' earmarks
         self.stopping = False
         self.adopted_leases = 0
         self.refused_leases = 0
@@ -93,6 +103,7 @@ class ShardKeeper:
 
     async def start(self) -> None:
         self.service.membership.on_change = self.wake
+        self._started.set()
         await self.rebalance()
         self._task = asyncio.create_task(self._loop(), name="shard-keeper")
 
@@ -116,8 +127,8 @@ class ShardKeeper:
         """Hand every shard to another member; with none left, release them (the next
         instance to start adopts their leases from the edges)."""
         self.stopping = True
-        if self._task is not None:
-            await cancel_and_wait([self._task])
+        # Leaving: unanswered handovers' earmarks stay for their receivers (or the reaper).
+        await cancel_and_wait([t for t in (self._task, *self._reclaims) if t is not None])
         nc = self.service.nc
         if nc.is_connected:
             with contextlib.suppress(Exception):
@@ -225,6 +236,20 @@ class ShardKeeper:
                 self._taking.discard(shard)
 
     async def _adopt(self, shards: list[tuple[int, str | None]]) -> None:
+        # A handover of one of them may be in progress: the first to start takes the shard in.
+        shards = [(k, p) for k, p in shards if k not in self._receiving and k not in self.serving]
+        if not shards:
+            return
+        done = asyncio.Event()
+        self._receiving.update((k, done) for k, _ in shards)
+        try:
+            await self._adopt_shards(shards)
+        finally:
+            for k, _ in shards:
+                self._receiving.pop(k, None)
+            done.set()
+
+    async def _adopt_shards(self, shards: list[tuple[int, str | None]]) -> None:
         service = self.service
         me = service.instance
         now = service._clock()
@@ -254,21 +279,17 @@ class ShardKeeper:
             states.append(
                 (ShardState(shard, tuple(pins), tuple(announced.get(shard, ()))), previous)
             )
-        by_previous: dict[str, dict[tuple[str, str], list[int]]] = {}
+        for state, _ in states:
+            await service.quotas.track_keys(state.leases)
         for state, previous in states:
             if previous is None or previous == me:
                 continue
-            totals = by_previous.setdefault(previous, {})
-            for pair, (g, u, p) in state.counts().items():
-                t = totals.setdefault(pair, [0, 0, 0])
-                t[0] += g
-                t[1] += u
-                t[2] += p
-        for state, _ in states:
-            await service.quotas.track_keys(state.leases)
-        for previous, totals in by_previous.items():
             await service.quotas.transfer(
-                previous, me, {pair: (t[0], t[1], t[2]) for pair, t in totals.items()}
+                previous,
+                me,
+                state.counts(),
+                shard=state.shard,
+                plain=not service.membership.is_live(previous),
             )
         adopted = refused = pins_in = 0
         now = service._clock()  # the roll call and the transfers took a while
@@ -334,32 +355,54 @@ class ShardKeeper:
             handover = Handover.model_validate_json(msg.data)
         except ValidationError:
             return
+        await self._started.wait()  # joined a moment ago: its quotas are being read
         state = service.without_ended(handover.state)  # ends that overtook the handover
+        shard = state.shard
         refused: list[str] = []
-        if self.stopping:
+        if shard in self._receiving or shard in self.serving:
+            # Adopted meanwhile (the handover came late): that adoption takes the earmark, or
+            # finds none and takes in what its own quota covers. Answered once it is done.
+            adopting = self._receiving.get(shard)
+            if adopting is not None:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(_HANDOVER_TIMEOUT):
+                        await adopting.wait()
+        elif self.stopping:
             # Handed a shard while stopping (the giver had not seen it yet): take it, then
             # release it at once; the next claimant adopts its leases from the edges.
-            await service.quotas.track_keys(state.leases)
-            await service.quotas.transfer(handover.source, service.instance, state.counts())
-            self.service.ledger.add_shard(state, service._clock())
-            self._handed.setdefault(state.shard, asyncio.Event()).set()
+            self._receiving[shard] = asyncio.Event()
+            try:
+                await service.quotas.track_keys(state.leases)
+                await service.quotas.transfer(
+                    handover.source, service.instance, state.counts(), shard=shard, plain=False
+                )
+                self.service.ledger.add_shard(state, service._clock())
+            finally:
+                self._receiving.pop(shard).set()
+            self._handed.setdefault(shard, asyncio.Event()).set()
             if msg.reply:
                 reply = HandoverReply(accepted=True)
                 with contextlib.suppress(Exception):
                     await service.nc.publish(msg.reply, reply.model_dump_json().encode())
-            await self._release(state.shard)
+            await self._release(shard)
             return
-        if state.shard not in self.serving:
-            await service.quotas.track_keys(state.leases)
-            await service.quotas.transfer(handover.source, service.instance, state.counts())
-            dropped, unpinned = service.ledger.add_shard(state, service._clock())
-            refused = [lease.lease_id for lease in dropped]
-            for pin in state.pins:
-                service.pins.known(pin.key, pin.revision)
-            for pin in unpinned:
-                service.pins.delete(pin)
-            await self._subscribe(state.shard)
-        self._handed.setdefault(state.shard, asyncio.Event()).set()
+        else:
+            self._receiving[shard] = asyncio.Event()
+            try:
+                await service.quotas.track_keys(state.leases)
+                await service.quotas.transfer(
+                    handover.source, service.instance, state.counts(), shard=shard, plain=False
+                )
+                dropped, unpinned = service.ledger.add_shard(state, service._clock())
+                refused = [lease.lease_id for lease in dropped]
+                for pin in state.pins:
+                    service.pins.known(pin.key, pin.revision)
+                for pin in unpinned:
+                    service.pins.delete(pin)
+                await self._subscribe(shard)
+            finally:
+                self._receiving.pop(shard).set()
+        self._handed.setdefault(shard, asyncio.Event()).set()
         if msg.reply:
             reply = HandoverReply(accepted=True, refused=tuple(refused))
             with contextlib.suppress(Exception):
@@ -410,10 +453,9 @@ class ShardKeeper:
         membership.owners[shard] = value
         membership.owner_revisions[shard] = revision
         # The receiver moves the shard's quota from this instance's entry to its own as it
-        # takes the state in; until then that use is set aside here, never spendable twice.
-        counts = service.ledger.shard_state(shard).counts()
-        service.quotas.hold_out(counts)
-        state = service.ledger.take_shard(shard, service._clock(), EndReason.MOVED)
+        # takes the state in: that use is set aside here and earmarked for it in the books
+        # first, and spendable here again only if the books give the earmark back.
+        state = await self._give_up(shard, EndReason.MOVED)
         try:
             reply = await service.nc.request(
                 handover_subject(target),
@@ -423,11 +465,12 @@ class ShardKeeper:
             answer = HandoverReply.model_validate_json(reply.data)
             if answer.refused:
                 log.warning("shard %d: %s refused %d leases", shard, target, len(answer.refused))
-            service.quotas.settle(counts)
+            # It has taken what it takes (a late adoption of its own takes the earmark first,
+            # or finds it back here): the rest is this instance's again.
+            await service.quotas.reclaim(shard)
         except Exception as exc:  # the receiver adopts by roll call instead
             log.warning("shard %d: handover to %s not confirmed (%s)", shard, target, exc)
-            # It may still be taking the handover in: settle once it surely has, or never will.
-            asyncio.get_running_loop().call_later(_HANDOVER_TIMEOUT, service.quotas.settle, counts)
+            self._reclaim_later(shard)
         self.serving.pop(shard, None)
         self.leaving.discard(shard)
         service.events.emit(
@@ -442,17 +485,47 @@ class ShardKeeper:
         service.quotas.wake()
 
     async def _release(self, shard: int) -> None:
-        """Stopping with nobody to take the shard: write it ownerless, keep its quota (the next
-        owner moves it from this instance's entry when it adopts the leases)."""
+        """Stopping with nobody to take the shard: write it ownerless, earmark its quota (the
+        next owner takes the earmark from this instance's entry when it adopts the shard)."""
         service = self.service
         membership = service.membership
         await self._stop_serving(shard)
         await service.pins.drain([p.key for p in service.ledger.shard_state(shard).pins])
         value = ShardValue(None, service._clock(), service.instance)
         await service.store.set_shard(shard, value, membership.owner_revisions.get(shard))
+        # Out of this (stopping) ledger, as in a handover: the next owner adopts the pins from
+        # the bucket and the leases from the edges, and takes the earmark.
+        await self._give_up(shard, EndReason.MOVED)
         for sub in self.serving.pop(shard, ()):
             del sub
         self.leaving.discard(shard)
+
+    async def _give_up(self, shard: int, reason: EndReason) -> ShardState:
+        """Take the shard out of the ledger, its use held out and earmarked for its next owner."""
+        service = self.service
+        service.quotas.hold_out(shard, service.ledger.shard_state(shard).counts())
+        state = service.ledger.take_shard(shard, service._clock(), reason)
+        try:
+            await service.quotas.earmark(shard)
+        except Exception as exc:  # held out (unspendable) until reclaimed
+            log.warning("shard %d: its quota could not be earmarked (%s)", shard, exc)
+        return state
+
+    def _reclaim_later(self, shard: int) -> None:
+        """Take back an unanswered handover's earmark once its receiver has surely taken it, or
+        taken the shard in without it: ``member_ttl`` (a timing for liveness, not for safety:
+        the book decides who got it)."""
+
+        if self.stopping:
+            return  # leaving: the earmark stays for the receiver (or the reaper, with the entry)
+
+        async def reclaim() -> None:
+            await asyncio.sleep(self.service.config.admission.member_ttl)
+            await self.service.quotas.reclaim(shard)
+
+        task = asyncio.create_task(reclaim(), name=f"reclaim-{shard}")
+        self._reclaims.add(task)
+        task.add_done_callback(self._reclaims.discard)
 
     async def _drop(self, shard: int) -> None:
         await self._stop_serving(shard)

@@ -82,7 +82,7 @@ class KeyLimiter:
 
     async def stop(self) -> None:
         if self._task is not None:
-            await cancel_and_wait(self._task)
+            await cancel_and_wait([self._task])
             self._task = None
         if self._sub is not None:
             sub, self._sub = self._sub, None

@@ -23,6 +23,13 @@ quota change never takes capacity away from a granted lease. A dead instance's q
 the book until the instances that adopted its leases and pins move those counts to themselves
 (`transfer`), and what is left is dropped after a grace period (`drop`).
 
+A live instance handing a shard over *earmarks* the quota the shard uses (`earmark`: a note in
+the book, ``handing``, naming the giver, the shard and the counts; the counts stay in the
+giver's entry). The receiver moves exactly the earmark to itself (`take`), or the giver takes
+it back (`unmark`) once it no longer expects the receiver to; both are CAS writes of this one
+value, so exactly one of them happens, whatever the timing: the giver never spends what the
+receiver has taken, and nobody takes what the giver has taken back.
+
 Pure: values in, values out, no clock or I/O.
 """
 
@@ -39,6 +46,7 @@ from llmgw.core.codec import decode_versioned
 __all__ = [
     "NO_QUOTA",
     "QUOTA_VERSION",
+    "Earmark",
     "PairLimits",
     "Quota",
     "QuotaBook",
@@ -101,13 +109,29 @@ NO_QUOTA = Quota()  # what an instance holds before it is granted anything
 
 
 @dataclass(frozen=True, slots=True)
+class Earmark:
+    """Part of `source`'s quota set aside for the receiver of `shard` (a handover)."""
+
+    source: str
+    shard: int
+    g: int
+    u: int
+    p: int
+
+    def as_json(self) -> dict[str, Any]:
+        return {"source": self.source, "shard": self.shard, "g": self.g, "u": self.u, "p": self.p}
+
+
+@dataclass(frozen=True, slots=True)
 class QuotaBook:
     """Every instance's quota of one pair. Invariant (checked by `check`): Σg <= G,
-    Σu <= G - R, Σp <= P for the pair's limits."""
+    Σu <= G - R, Σp <= P for the pair's limits. ``handing``: earmarks of handovers in flight,
+    by (source, shard); their counts are part of their source's entry, not extra."""
 
     provider: str
     model: str
     holders: Mapping[str, Quota] = field(default_factory=dict)
+    handing: Mapping[tuple[str, int], Earmark] = field(default_factory=dict)
 
     # ---- reading ----------------------------------------------------------------------------
 
@@ -147,7 +171,40 @@ class QuotaBook:
 
     def drop(self, instance: str) -> QuotaBook:
         holders = {i: q for i, q in self.holders.items() if i != instance}
-        return replace(self, holders=holders)
+        handing = {k: e for k, e in self.handing.items() if e.source != instance}
+        return replace(self, holders=holders, handing=handing)
+
+    # ---- handovers --------------------------------------------------------------------------
+
+    def earmarked(self, source: str) -> tuple[int, int, int]:
+        """Σ (g, u, p) of `source`'s earmarks: its entry, less these, is what it may spend."""
+        marks = [e for e in self.handing.values() if e.source == source]
+        return sum(e.g for e in marks), sum(e.u for e in marks), sum(e.p for e in marks)
+
+    def earmark(self, source: str, shard: int, g: int, u: int, p: int) -> QuotaBook:
+        """Set (g, u, p) of `source`'s entry aside for `shard`'s receiver (replacing an older
+        earmark of that shard). Totals do not change."""
+        handing = dict(self.handing)
+        handing[(source, shard)] = Earmark(source, shard, g, u, p)
+        return replace(self, handing=handing)
+
+    def unmark(self, source: str, shard: int) -> QuotaBook:
+        """The giver takes its earmark back (nobody will take it now). Totals do not change."""
+        handing = {k: e for k, e in self.handing.items() if k != (source, shard)}
+        return replace(self, handing=handing)
+
+    def take(
+        self, source: str, shard: int, target: str, at: float
+    ) -> tuple[QuotaBook, tuple[int, int, int]]:
+        """The receiver of `shard` moves `source`'s earmark for it to itself (at most what
+        `source` holds) and removes the earmark; without one, nothing moves."""
+        mark = self.handing.get((source, shard))
+        if mark is None:
+            return self, (0, 0, 0)
+        book = self.unmark(source, shard)
+        have = book.quota(source)
+        step = (min(mark.g, have.g), min(mark.u, have.u, mark.g), min(mark.p, have.p))
+        return book.transfer(source, target, *step, at=at), step
 
     def transfer(self, source: str, target: str, g: int, u: int, p: int, at: float) -> QuotaBook:
         """Move (g, u, p) of `source`'s quota to `target` (an adopter of its leases and pins).
@@ -167,12 +224,14 @@ class QuotaBook:
     # ---- codec ------------------------------------------------------------------------------
 
     def to_json(self) -> bytes:
-        body = {
+        body: dict[str, Any] = {
             "v": QUOTA_VERSION,
             "provider": self.provider,
             "model": self.model,
             "holders": {i: q.as_json() for i, q in sorted(self.holders.items())},
         }
+        if self.handing:
+            body["handing"] = [e.as_json() for _, e in sorted(self.handing.items())]
         return json.dumps(body, separators=(",", ":")).encode()
 
     @classmethod
@@ -191,7 +250,17 @@ class QuotaBook:
             }
         except (TypeError, AttributeError) as exc:
             raise QuotaError(f"quota book holder does not decode: {exc}") from None
-        return cls(str(body.get("provider", "")), str(body.get("model", "")), decoded)
+        marks = body.get("handing", [])
+        try:
+            handing = {
+                (str(m["source"]), int(m["shard"])): Earmark(
+                    str(m["source"]), int(m["shard"]), int(m["g"]), int(m["u"]), int(m["p"])
+                )
+                for m in marks
+            }
+        except (TypeError, KeyError, ValueError) as exc:
+            raise QuotaError(f"quota book earmark does not decode: {exc}") from None
+        return cls(str(body.get("provider", "")), str(body.get("model", "")), decoded, handing)
 
 
 def _total(limits: PairLimits) -> int:

@@ -148,7 +148,7 @@ class KeyMirror:
 
     async def stop(self) -> None:
         if self._task is not None:
-            await cancel_and_wait(self._task)
+            await cancel_and_wait([self._task])
             self._task = None
 
     async def _follow(self) -> None:

@@ -31,7 +31,9 @@ still live, never counted twice). An instance that *crashed* (`AuditLog.crash`) 
 its leases stay live until adopted, or until ``lease_timeout`` after the crash (by then their
 edges have been told they are lost, or could not renew them, and ended their requests). Its pins
 stop counting against P at the crash (nobody routes with a pin that only the bucket holds) and
-count again when the shard's next owner adopts them; for I3 they are not live at all.
+count again when the shard's next owner adopts them; for I3 they are not live at all. An
+instance that *stopped* (`AuditLog.stopped`) decides nothing more either: whatever its ledger
+still held (a shard it could not hand over or release) is treated as a crashed instance's.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from __future__ import annotations
 import heapq
 import json
 import threading
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -71,9 +73,13 @@ class Violation:
     key: str
     revision: int  # the KV revision (history) or the audit event's index (audit)
     message: str
+    # What led to it (audit: the pins or leases counted, who held them, the events around it):
+    # enough to tell a real breach from a recording gap without rerunning.
+    context: str = ""
 
     def __str__(self) -> str:
-        return f"[{self.invariant}] #{self.revision}, {self.key}: {self.message}"
+        text = f"[{self.invariant}] #{self.revision}, {self.key}: {self.message}"
+        return f"{text}\n{self.context}" if self.context else text
 
 
 # ---- the bucket's history -----------------------------------------------------------------------
@@ -152,6 +158,22 @@ class AuditEvent:
     quota: Quota | None = None
     use: tuple[int, int, int] | None = None  # (leases, unreserved, pins) before the grant
     reason: str | None = None
+    shard: int | None = None
+
+    def describe(self) -> str:
+        """One line for a violation's context."""
+        text = f"#{self.seq} t={self.at:.3f} {self.instance} {self.kind}"
+        if self.pin is not None:
+            text += f" pin {self.pin[0]}/{self.pin[2]} id={self.pin[3]}"
+        if self.lease is not None:
+            text += f" lease {self.lease.lease_id} on {self.lease.provider}"
+        if self.shard is not None:
+            text += f" shard {self.shard}"
+        if self.quota is not None and self.use is not None:
+            text += f" (quota g={self.quota.g} u={self.quota.u} p={self.quota.p}, use {self.use})"
+        if self.reason is not None:
+            text += f" ({self.reason})"
+        return text
 
 
 class _InstanceObserver(LedgerObserver):
@@ -179,6 +201,7 @@ class _InstanceObserver(LedgerObserver):
             pin=(pin.provider, pin.model, pin.session, pin.pin_id),
             quota=quota,
             use=(0, 0, before),
+            shard=pin.shard,
         )
 
     def pin_removed(self, pin: PinRecord, at: float, reason: str) -> None:
@@ -187,6 +210,7 @@ class _InstanceObserver(LedgerObserver):
             "pin_removed",
             pin=(pin.provider, pin.model, pin.session, pin.pin_id),
             reason=reason,
+            shard=pin.shard,
         )
 
 
@@ -224,6 +248,10 @@ class AuditLog:
     def crash(self, instance: str) -> None:
         self.add(instance, "crashed")
 
+    def stopped(self, instance: str) -> None:
+        """It stopped gracefully (context for a violation's report; nothing ends by it)."""
+        self.add(instance, "stopped")
+
     def to_json(self) -> str:
         return json.dumps(
             [
@@ -260,6 +288,23 @@ def check_audit(
     pins_per_pair: dict[tuple[str, str], set[tuple[str, str]]] = defaultdict(set)
     crashed: dict[str, float] = {}
     expiries: list[tuple[float, str]] = []  # (time, lease id): crashed holders' leases
+    # For the reports only: each live pin's adding event, each pair's last pin events, and
+    # the instances' crashes and stops.
+    pin_events: dict[tuple[str, str], deque[AuditEvent]] = defaultdict(lambda: deque(maxlen=40))
+    added_by: dict[tuple[str, str], AuditEvent] = {}
+    lifecycle: list[AuditEvent] = []
+
+    def pin_context(pair: tuple[str, str]) -> str:
+        lines = [f"  live pins on {pair[0]}/{pair[1]}:"]
+        for skey in sorted(pins_per_pair[pair]):
+            added = added_by.get(skey)
+            holder = pins[skey][2]
+            state = " (crashed)" if holder in crashed else ""
+            lines.append(f"    {skey[1]}: {added.describe() if added else '?'}{state}")
+        lines.append("  instances: " + (", ".join(e.describe() for e in lifecycle) or "-"))
+        lines.append("  last pin events of the pair:")
+        lines.extend(f"    {e.describe()}" for e in pin_events[pair])
+        return "\n".join(lines)
 
     def end(lease_id: str) -> None:
         holder_lease = live.pop(lease_id, None)
@@ -280,7 +325,8 @@ def check_audit(
             if holder is not None and holder[0] in crashed:
                 end(lease_id)
         where = event.instance
-        if event.kind == "crashed":
+        if event.kind in ("crashed", "stopped"):
+            lifecycle.append(event)
             crashed[event.instance] = event.at
             for lease_id, (holder, _) in live.items():
                 if holder == event.instance:
@@ -386,6 +432,15 @@ def check_audit(
                         f"{model}/{session}",
                         index,
                         f"pin {pin_id} added by {where} while pin {current[1]} lives at {current[2]}",
+                        f"  the live pin: {added_by[skey].describe()}\n"
+                        + "  instances: "
+                        + (", ".join(e.describe() for e in lifecycle) or "-")
+                        + "\n"
+                        + "\n".join(
+                            f"    {e.describe()}"
+                            for e in pin_events[(current[0], model)]
+                            if e.pin is not None and e.pin[2] == session
+                        ),
                     )
                 )
             if event.quota is not None and event.use is not None and event.use[2] >= event.quota.p:
@@ -402,6 +457,8 @@ def check_audit(
                 pins_per_pair[(current[0], model)].discard(skey)
             pins[skey] = (provider, pin_id, where)
             pins_per_pair[(provider, model)].add(skey)
+            added_by[skey] = event
+            pin_events[(provider, model)].append(event)
             lim = limits.get((provider, model))
             if lim is not None and len(pins_per_pair[(provider, model)]) > lim.max_pinned_sessions:
                 violations.append(
@@ -411,12 +468,14 @@ def check_audit(
                         index,
                         f"{len(pins_per_pair[(provider, model)])} live pins on {provider}/{model} "
                         f"> P={lim.max_pinned_sessions}",
+                        pin_context((provider, model)),
                     )
                 )
         elif event.kind == "pin_removed":
             assert event.pin is not None
             provider, model, session, pin_id = event.pin
             skey = (model, session)
+            pin_events[(provider, model)].append(event)
             current = pins.get(skey)
             if current is not None and current[1] == pin_id and current[2] == where:
                 del pins[skey]

@@ -137,3 +137,48 @@ def test_only_dead_holders_with_old_entries_are_reclaimable():
         },
     )
     assert reclaimable(book, {"live": object()}, now=100.0, grace=10.0) == ["dead-old"]
+
+
+@given(
+    giver=st.tuples(st.integers(0, 20), st.integers(0, 20), st.integers(0, 20)),
+    mark=st.tuples(st.integers(0, 20), st.integers(0, 20), st.integers(0, 20)),
+    giver_first=st.booleans(),
+)
+def test_an_earmark_is_taken_by_the_receiver_or_given_back_never_both(giver, mark, giver_first):
+    """Whichever CAS lands first wins; the other changes nothing: the giver's spendable quota
+    (its entry less its earmarks) plus the receiver's never exceeds what both held before."""
+    g, u, p = giver
+    u = min(u, g)
+    mg, mp = min(mark[0], g), min(mark[2], p)
+    mu = min(mark[1], u, mg)
+    book = QuotaBook("iris", "m", {"giver": Quota(g, u, p), "receiver": Quota(1, 1, 1)})
+    marked = book.earmark("giver", 7, mg, mu, mp)
+    assert marked.totals() == book.totals()
+    assert marked.earmarked("giver") == (mg, mu, mp)
+    assert QuotaBook.from_json(marked.to_json()) == marked
+
+    def take(b: QuotaBook) -> QuotaBook:
+        return b.take("giver", 7, "receiver", at=1.0)[0]
+
+    def give_back(b: QuotaBook) -> QuotaBook:
+        return b.unmark("giver", 7)
+
+    first, second = (give_back, take) if giver_first else (take, give_back)
+    after = second(first(marked))
+    assert after.totals() == book.totals() and not after.handing
+    spendable = [
+        after.quota("giver").g - after.earmarked("giver")[0] + after.quota("receiver").g,
+        after.quota("giver").p - after.earmarked("giver")[2] + after.quota("receiver").p,
+    ]
+    assert spendable == [g + 1, p + 1]  # nothing counted twice, nothing lost
+    if giver_first:  # given back: the receiver got nothing
+        assert after.quota("receiver") == Quota(1, 1, 1)
+    else:  # taken: exactly the earmark moved
+        assert (after.quota("receiver").g, after.quota("receiver").p) == (1 + mg, 1 + mp)
+        assert after.quota("giver").g == g - mg
+
+
+def test_dropping_a_holder_drops_its_earmarks():
+    book = _book({"dead": (3, 2, 2), "alive": (1, 1, 1)}).earmark("dead", 3, 1, 1, 1)
+    assert book.drop("dead").handing == {}
+    assert book.earmark("alive", 4, 1, 0, 0).drop("dead").earmarked("alive") == (1, 0, 0)

@@ -274,8 +274,10 @@ async def open_rig(
     router: dict[str, Any] | None = None,
     timeouts: dict[str, Any] | None = None,
     endpoints: dict[str, dict[str, Any]] | None = None,
+    observer_for: Any = None,
     **admission: Any,
 ) -> Rig:
+    """``observer_for``: instance -> LedgerObserver (an AuditLog's), for the checker."""
     config = rig_config(
         nats_url,
         unique_id,
@@ -288,7 +290,7 @@ async def open_rig(
     )
     nc = await nats.connect(nats_url)
     load_kv = await open_load_bucket(nc, config)
-    cluster = Cluster(config, nats_url)
+    cluster = Cluster(config, nats_url, observer_for=observer_for)
     for _ in range(instances):
         await cluster.add_admission()
     await cluster.settled()

@@ -10,16 +10,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from inproc import Cluster
+from inproc import Cluster, connect
 
 from llmgw.config import Config, config_from_dict
+from llmgw.core.apikeys import ApiKey
+from llmgw.services.keys.main import create_key
 from llmgw.services.scraper.main import serve as serve_scraper
 from llmgw.services.sim.apps import create_engine_app
 from llmgw.services.sim.params import EngineParams
 from llmgw.serving import RunningServer, start_server
+from llmgw.state.apikeys import open_key_bucket
 from llmgw.state.checker import AuditLog
 
 MODEL = "chat-model"
@@ -41,13 +45,15 @@ def mesh_config(
     urls: dict[str, str],
     limits: dict | None = None,
     replicas: int = 1,
+    auth: dict | None = None,
     **admission: Any,
 ) -> Config:
     """Managed providers a and b (one engine each, small limits) and unlimited c; every bucket
-    on `replicas` replicas (3 on a NATS cluster)."""
+    on `replicas` replicas (3 on a NATS cluster); `auth`: the auth section (none without)."""
     limits = limits or small_limits()
     return config_from_dict(
         {
+            **({"auth": auth} if auth else {}),
             "nats": {"url": nats_url, "request_timeout": "2s", "replicas": replicas},
             "router": {"scrape_interval": "200ms", "load_bucket": f"load_{bucket}"},
             "timeouts": {
@@ -117,6 +123,8 @@ class Mesh:
     cluster: Cluster
     engines: dict[str, RunningServer]
     audit: AuditLog
+    # auth.mode keys: (secret, key) of every key created in the key bucket, in order.
+    keys: list[tuple[str, ApiKey]] = field(default_factory=list)
     _scraper_stop: asyncio.Event = field(default_factory=asyncio.Event)
     _scraper: asyncio.Task[None] | None = None
 
@@ -143,7 +151,7 @@ class Mesh:
     async def kill_admission(self, index: int) -> str:
         """SIGKILL-like: it vanishes without handing anything over."""
         handle = [a for a in self.cluster.admissions if not a.stopped][index]
-        name = handle.service.instance
+        name = handle.name  # the audit trail's name, though it may have rejoined under another
         self.audit.crash(name)
         await handle.kill()
         return name
@@ -152,7 +160,8 @@ class Mesh:
         """SIGTERM-like: it hands its shards over and leaves."""
         handle = [a for a in self.cluster.admissions if not a.stopped][index]
         await handle.stop()
-        return handle.service.instance
+        self.audit.stopped(handle.name)
+        return handle.name
 
     async def drain_edges(self) -> None:
         for edge in self.edges:
@@ -164,6 +173,11 @@ class Mesh:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._scraper, 10)
         await self.cluster.stop()
+        if self.keys:
+            nc = await connect(self.cluster.nats_url, "cleanup-keys")
+            with contextlib.suppress(Exception):
+                await nc.jetstream().delete_key_value(self.config.auth.bucket)
+            await nc.close()
         for server in self.engines.values():
             await server.stop()
 
@@ -177,19 +191,29 @@ async def start_mesh(
     engine_params: EngineParams | None = None,
     limits: dict | None = None,
     replicas: int = 1,
+    keys: list[dict[str, Any]] | None = None,
     **admission: Any,
 ) -> Mesh:
+    """`keys`: run with auth.mode keys, these keys (ApiKey fields, e.g. tenant and
+    max_parallel_requests) created in the key bucket as `llmgw keys create` does."""
     params = engine_params or EngineParams.zero_delay(itl_base="2ms", max_num_seqs=64)
     engines = {}
     for seed, name in enumerate("abc"):
         engines[name] = await start_server(
             create_engine_app(params.model_copy(update={"seed": seed}), [MODEL])
         )
+    auth = {"mode": "keys", "bucket": f"keys_{bucket}"} if keys is not None else None
     config = mesh_config(
-        nats_url, bucket, {k: v.url for k, v in engines.items()}, limits, replicas, **admission
+        nats_url,
+        bucket,
+        {k: v.url for k, v in engines.items()},
+        limits,
+        replicas,
+        auth,
+        **admission,
     )
     audit = AuditLog()
-    cluster = Cluster(config, nats_url, observer_for=audit.observer)
+    cluster = Cluster(config, nats_url, observer_for=audit.observer, on_stopped=audit.stopped)
     mesh = Mesh(config, cluster, engines, audit)
     ready = asyncio.Event()
     mesh._scraper = asyncio.create_task(
@@ -204,6 +228,25 @@ async def start_mesh(
     while not all(a.load.reports >= 2 for a in cluster.live_admissions()):
         assert loop.time() < deadline, "the scraper's reports never reached admission"
         await asyncio.sleep(0.02)
+    if keys is not None:
+        mesh.keys = await create_keys(config, nats_url, keys)
     for _ in range(edges):
         await cluster.add_edge()
     return mesh
+
+
+async def create_keys(
+    config: Config, nats_url: str, specs: list[dict[str, Any]]
+) -> list[tuple[str, ApiKey]]:
+    """Create keys in the key bucket with the CLI's own code (`llmgw keys create`)."""
+    nc = await connect(nats_url, "keys-cli")
+    try:
+        bucket = await open_key_bucket(nc, config)
+        created = []
+        for spec in specs:
+            secret, key = create_key(spec, now=time.time())
+            await bucket.create(key)
+            created.append((secret, key))
+        return created
+    finally:
+        await nc.close()
