@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import signal
 import socket
@@ -51,6 +52,21 @@ async def wait_for_stop_signal() -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+
+
+# Generation-0 collections after this many net allocations (CPython's default, 700, is more
+# than one collection per request on the edge), and fewer full ones (docs/benchmarks.md, "Gateway
+# overhead", measures the difference).
+_GC_THRESHOLDS = (20_000, 20, 1_000)
+
+
+def tune_gc() -> None:
+    """Called once a service serves: freeze what startup allocated (modules, config, schemas: never garbage, and no longer
+    scanned by every full collection) and collect less often. Cyclic garbage is still
+    collected; a service's heap grows by at most a few young generations' worth."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*_GC_THRESHOLDS)
 
 
 def run_service(main: Callable[[], Awaitable[None]]) -> int:

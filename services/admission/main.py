@@ -19,6 +19,7 @@ from llmgw.runtime import (
     run_service,
     service_instance,
     setup_logging,
+    tune_gc,
     wait_for_stop_signal,
 )
 from llmgw.services.admission.admin import create_admin_app
@@ -48,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
             f"{suffix})",
             flush=True,
         )
+        tune_gc()
         try:
             await wait_for_stop_signal()
         finally:

@@ -26,6 +26,7 @@ from llmgw.runtime import (
     run_service,
     service_instance,
     setup_logging,
+    tune_gc,
     wait_for_stop_signal,
 )
 from llmgw.services.admission.compose import open_admission
@@ -93,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
         admin = await start_server(create_admin_app(deps, nc, registries), admin_host, admin_port)
         await wait_for_admission(deps.admission)  # type: ignore[arg-type]
         print(f"llmgw edge ready on {api.url} (admin {admin.url})", flush=True)
+        tune_gc()
         try:
             await wait_for_stop_signal()
             await drain(deps, api, router.drain_delay, router.drain_timeout)
