@@ -14,15 +14,10 @@ mirror of 10,000 keys.
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import os
 import statistics
 import time
 
-from ab import side_by_side
-from cluster import running_cluster
-from overhead import GATEWAY_CPUS, LOADGEN_CPUS
+from ab import compare
 
 from llmgw.core.apikeys import ApiKey, digest_of
 from llmgw.services.edge.auth import KeyAuth
@@ -62,23 +57,8 @@ def check_alone(calls: int = 200_000) -> tuple[float, float]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--requests", type=int, default=400, help="requests per run")
-    args = parser.parse_args()
-    os.sched_setaffinity(0, LOADGEN_CPUS)
-    with contextlib.ExitStack() as stack:
-        clusters = {
-            v: stack.enter_context(
-                running_cluster(
-                    GATEWAY_CPUS, LOADGEN_CPUS, auth=v == "keys", key_options=KEY_OPTIONS
-                )
-            )
-            for v in ("none", "keys")
-        }
-        side_by_side(clusters, (1, 64), args.rounds, args.requests, "auth.mode")
+    variants = {v: {"auth": v == "keys", "key_options": KEY_OPTIONS} for v in ("none", "keys")}
+    compare(__doc__ or "", variants, (1, 64), "auth.mode")
     checks = [check_alone() for _ in range(3)]
     per_check = statistics.median(c[0] for c in checks)
     missing = statistics.median(c[1] for c in checks)

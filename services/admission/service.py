@@ -274,14 +274,7 @@ class AdmissionService:
             log.warning("malformed admission request: %s", exc.errors()[:1])
             await self._respond(msg.reply, self._refusal("?", Refusal.MALFORMED))
             return
-        # On this decision's log records (and its queue wait's): the id the client knows.
-        request_id.set(request.request_id or request.id)
-        if request.key is not None and request.key_parallel is not None:
-            # Once per key and instance: a share of the key's limit (one book read and CAS).
-            # Before the ownership check: from that check to the decision nothing may await
-            # (the shard could move meanwhile).
-            await self.quotas.track(key_pair(request.key), KeyLimits(request.key_parallel))
-        if not self.shards.serves(request.shard) or not self.membership.can_serve():
+        if not await self._may_decide(request):
             await self._respond(msg.reply, self._refusal(request.id, Refusal.NOT_OWNER))
             return
         if request.id in self._waiting or request.id in self._answered:
@@ -289,13 +282,7 @@ class AdmissionService:
             return
         traced = self._spans.start(msg.headers, request) if self._spans is not None else None
         try:
-            try:
-                reply = self.begin(request, msg.reply)
-            except Exception:
-                log.exception("admission failed for request %s", request.id)
-                reply = self._refusal(
-                    request.id, Refusal.NO_CAPACITY, "The admission service failed."
-                )
+            reply = self.begin(request, msg.reply)
             if reply is not None:
                 await self._respond(msg.reply, reply)
         finally:
@@ -315,23 +302,13 @@ class AdmissionService:
         ADMITTED or REFUSED reply and whether the client left while it was queued (then it was
         cancelled here; a grant that raced the cancel carries a lease the caller ends at once).
         """
-        request_id.set(request.request_id or request.id)
-        if request.key is not None and request.key_parallel is not None:
-            try:
-                await self.quotas.track(key_pair(request.key), KeyLimits(request.key_parallel))
-            except Exception:  # NATS trouble: let the owner over NATS (or the outage mode) answer
-                log.warning("key quota not tracked here; asking over NATS", exc_info=True)
-                return None
-        # From here to the decision nothing awaits: the shard cannot move in between.
-        if not self.shards.serves(request.shard) or not self.membership.can_serve():
-            return None
         try:
-            started = self._start(request)
-        except Exception:
-            log.exception("admission failed for request %s", request.id)
-            return self._refusal(
-                request.id, Refusal.NO_CAPACITY, "The admission service failed."
-            ), False
+            if not await self._may_decide(request):
+                return None
+        except Exception:  # NATS trouble: let the owner over NATS (or the outage mode) answer
+            log.warning("key quota not tracked here; asking over NATS", exc_info=True)
+            return None
+        started = self._started(request)
         if isinstance(started, AdmitReply):
             return started, False
         context, future = started
@@ -353,9 +330,28 @@ class AdmissionService:
             return None
         return reply, left
 
+    async def _may_decide(self, request: AdmitRequest) -> bool:
+        """Whether this instance decides `request` now: it owns the request's shard and is not
+        fenced. First, once per key and instance, a share of the key's limit is taken (one book
+        read and CAS); after the ownership check nothing may await until the decision (the shard
+        could move meanwhile)."""
+        # On this decision's log records (and its queue wait's): the id the client knows.
+        request_id.set(request.request_id or request.id)
+        if request.key is not None and request.key_parallel is not None:
+            await self.quotas.track(key_pair(request.key), KeyLimits(request.key_parallel))
+        return self.shards.serves(request.shard) and self.membership.can_serve()
+
+    def _started(self, request: AdmitRequest) -> AdmitReply | tuple[_Request, asyncio.Future[Any]]:
+        """`_start`, with a failure of the service itself answered as a refusal."""
+        try:
+            return self._start(request)
+        except Exception:
+            log.exception("admission failed for request %s", request.id)
+            return self._refusal(request.id, Refusal.NO_CAPACITY, "The admission service failed.")
+
     def begin(self, request: AdmitRequest, reply_to: str | None) -> AdmitReply | None:
         """Decide now, or queue (then the answer is sent to `reply_to` later: None)."""
-        started = self._start(request)
+        started = self._started(request)
         if isinstance(started, AdmitReply):
             return started
         context, future = started
