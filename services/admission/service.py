@@ -237,6 +237,8 @@ class AdmissionService:
             else None
         )
         self._bands = {b.name: b for b in admission.bands}
+        self.colocated_edge: str | None = None  # `serve_edge`
+        self._own_edge_marker: bytes | None = None
         ranked = sorted(admission.bands, key=lambda b: -b.priority)
         self._engine_priority = {b.name: index for index, b in enumerate(ranked)}
         self._fallbacks = {m.name: tuple(m.fallbacks) for m in config.models}
@@ -652,20 +654,45 @@ class AdmissionService:
             )
 
     async def on_request_ended(self, msg: Msg) -> None:
+        if self._own_edge_marker is not None and self._own_edge_marker in msg.data:
+            return  # the colocated edge's own end: applied already (`ended_here`)
         try:
             ended = RequestEnded.model_validate_json(msg.data)
         except ValidationError:
             return
+        if ended.edge != self.colocated_edge:
+            self._apply_ended(ended)
+
+    def serve_edge(self, edge: str) -> None:
+        """This instance runs in edge `edge`'s process (``admission.colocated``): that edge hands
+        its ends to `ended_here` and this instance ignores their copies on NATS. The marker is
+        the bytes that the edge's compact JSON holds for its `edge` field; no other field's
+        string can hold them (quotes inside strings are escaped)."""
+        self.colocated_edge = edge
+        self._own_edge_marker = f'"edge":"{edge}"'.encode()
+
+    def ended_here(self, ended: RequestEnded) -> bool:
+        """The colocated edge's end, applied in process; True if no other instance needs it
+        soon: its lease (if any) was this instance's, so what is left for the others on NATS
+        (balancer sample, breaker evidence) may wait a few milliseconds."""
+        return self._apply_ended(ended)
+
+    def _apply_ended(self, ended: RequestEnded) -> bool:
+        """Release the end's lease here if it is this instance's, then feed the balancer and
+        the breakers; True if its lease (or none) was settled here."""
         now = self._clock()
+        settled = True
         if ended.lease is not None:
             released = self.ledger.release(ended.lease, now, refresh=ended.refresh and ended.ok)
-            if released is None and ended.shard is not None and not self.shards.serves(ended.shard):
-                self._remember_ended(ended.lease, now)
+            if released is None:
+                settled = False
+                if ended.shard is not None and not self.shards.serves(ended.shard):
+                    self._remember_ended(ended.lease, now)
         if not ended.sent:
-            return
+            return settled
         self.rates.add(ended)
         if ended.id in self._failures_seen:
-            return
+            return settled
         if ended.ok or ended.outcome in UPSTREAM_FAILURES:
             self.breakers.record(
                 ended.endpoint,
@@ -674,6 +701,7 @@ class AdmissionService:
                 retry_after=None if ended.ok else ended.retry_after,
                 at_once=ended.refused,
             )
+        return settled
 
     def _remember_ended(self, lease_id: str, now: float) -> None:
         remembered = self._ended_elsewhere

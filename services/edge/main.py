@@ -139,6 +139,7 @@ async def open_edge_deps(  # type: ignore[no-untyped-def]
             over_nats, config, edge_id, budget, is_connected=lambda: nc.is_connected
         )
     if colocated is not None:
+        colocated.serve_edge(edge_id)  # its ends are handed over in process (NatsReporter)
         admission = ColocatedAdmission(colocated, admission)  # type: ignore[assignment]
     await admission.start()
     leases = EdgeLeases(
@@ -150,7 +151,7 @@ async def open_edge_deps(  # type: ignore[no-untyped-def]
     )
     await leases.start()
     auth = await open_key_auth(nc, config, edge_id)
-    reporter = NatsReporter(nc)
+    reporter = NatsReporter(nc, local=colocated.ended_here if colocated is not None else None)
     metrics = EdgeMetrics(
         tenant_label=config.metrics.tenant_label, max_tenants=config.metrics.max_tenants
     )

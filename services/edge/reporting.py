@@ -3,7 +3,16 @@
 One `RequestEnded` per attempt on ``llmgw.v1.stats.request``: the lease's release for the shard
 owner, the rate balancers' sample and the breakers' evidence for every admission instance, and
 usage for anyone who reports on it. Published off the request path: messages queue here and one
-background flush per event-loop turn hands them all to the NATS client (no task per request).
+background flush hands them all to the NATS client (no task per request).
+
+With a colocated admission instance (``admission.colocated``) each end is first applied in
+process (`local`, `AdmissionService.ended_here`): a lease of that instance is released before
+the next request is read, and the instance ignores the copy that comes back over NATS. An end
+that settled everything here leaves for the others (their samples and evidence) within `hold`
+seconds, batched with the ends of that window: at low rates that saves nats-server and this
+process a wake-up per request. An end whose lease another instance holds goes at the next
+event-loop turn, as without a colocated instance.
+
 Best effort by design: a lost message costs one renewal interval of a lease (the owner ends it
 when the edge's next lease list leaves it out) and one balancer sample.
 """
@@ -12,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from llmgw.wire import REQUEST_STATS_SUBJECT
@@ -23,24 +33,56 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("llmgw.edge.reporting")
 
+HOLD = 0.005  # seconds an end settled in process may wait to share one flush
+
 
 class NatsReporter:
     """`llmgw.contracts.RequestReporter` over core NATS publish."""
 
-    def __init__(self, nc: NATS) -> None:
+    def __init__(
+        self,
+        nc: NATS,
+        local: Callable[[RequestEnded], bool] | None = None,
+        hold: float = HOLD,
+    ) -> None:
         self._nc = nc
+        self._local = local
+        self._hold = hold
         self._queued: list[bytes] = []
         self._flushing: asyncio.Task[None] | None = None
+        self._wake: asyncio.Future[None] | None = None  # set: flush without waiting `hold`
         self.sent = 0
         self.failures = 0
 
     def report(self, message: RequestEnded) -> None:
+        urgent = True
+        if self._local is not None:
+            try:
+                urgent = not self._local(message)
+            except Exception:  # the NATS copy still reaches every instance
+                log.exception("request end not applied in process")
         self._queued.append(message.model_dump_json(exclude_defaults=True).encode())
         if self._flushing is None or self._flushing.done():
-            self._flushing = asyncio.ensure_future(self._flush())
+            self._flushing = asyncio.ensure_future(self._flush(urgent))
+        elif urgent:
+            self._now()
 
-    async def _flush(self) -> None:
-        await asyncio.sleep(0)  # let this turn's other ends join the batch
+    def _now(self) -> None:
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
+
+    async def _flush(self, urgent: bool) -> None:
+        if urgent:
+            await asyncio.sleep(0)  # let this turn's other ends join the batch
+        else:
+            loop = asyncio.get_running_loop()
+            self._wake = loop.create_future()
+            timer = loop.call_later(self._hold, self._now)
+            try:
+                await self._wake
+            finally:
+                timer.cancel()
+                self._wake = None
         while self._queued:
             batch, self._queued = self._queued, []
             for payload in batch:
@@ -52,5 +94,6 @@ class NatsReporter:
                     log.debug("request stats not published: %s", exc)
 
     async def drain(self, timeout: float = 5.0) -> None:
+        self._now()
         if self._flushing is not None and not self._flushing.done():
             await asyncio.wait([self._flushing], timeout=timeout)

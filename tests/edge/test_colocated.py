@@ -28,6 +28,7 @@ from llmgw.services.edge.colocated import ColocatedAdmission
 from llmgw.services.edge.main import open_edge_deps
 from llmgw.services.scraper.main import serve as serve_scraper
 from llmgw.serving import start_server
+from llmgw.wire import REQUEST_STATS_SUBJECT, RequestEnded
 
 G = 3  # the pair's global slots in the first test, split between the two instances' quotas
 ENGINE_SLOTS = 2  # the engine's batch capacity in the second: flow control queues beyond it
@@ -168,6 +169,43 @@ async def test_each_edge_decides_its_own_shards_in_process_and_g_holds_across_bo
         assert own and len(own) < len(sent)  # both kinds went through this edge
         assert e.client.decided_here == len(own)  # own shards here, the rest over NATS
     await until(lambda: leases(rig) == 0, 10, "every lease ended")
+
+
+async def test_ends_are_applied_in_process_once_and_still_reach_the_other_instance(rig: Rig):
+    """Edge 0 hands its ends to its own instance in process and publishes them for the
+    others: its instance applies each exactly once (the NATS copy is ignored), edge 1's
+    instance gets every one over NATS, and every lease ends."""
+    shards = rig.config.admission.shards
+    edge, other = rig.edges
+    users = [f"ends-{i}" for i in range(12)]
+    own = [u for u in users if edge.owns(session_of(u), shards)]
+    assert own and len(own) < len(users)  # leases of both instances end at this edge
+    before = [e.instance.service.rates.samples for e in rig.edges]
+    rig.engine.gate.set()
+    async with httpx.AsyncClient(timeout=30) as http:
+        for user in users:  # one at a time: no request is refused for G
+            answer = await http.post(edge.edge.url + CHAT, json=chat(user))
+            assert answer.status_code == 200, answer.text
+    await until(lambda: leases(rig) == 0, 10, "every lease ended")
+    n = len(users)
+    await until(
+        lambda: other.instance.service.rates.samples == before[1] + n, 10, "the NATS copies"
+    )
+    # A marker end from another edge, published after the ends on edge 0's connection: once
+    # edge 0's instance has it, any copy of edge 0's own ends has been through it too.
+    marker = RequestEnded(
+        id="marker",
+        edge="elsewhere",
+        ok=True,
+        outcome="success",
+        model="m1",
+        provider="iris",
+        endpoint="engine-1",
+        ended_at=time.time(),
+    )
+    await edge.edge.nc.publish(REQUEST_STATS_SUBJECT, marker.model_dump_json().encode())
+    await until(lambda: edge.instance.service.rates.samples >= before[0] + n + 1, 10, "the marker")
+    assert edge.instance.service.rates.samples == before[0] + n + 1  # each end once, no echo
 
 
 async def test_a_queued_request_whose_client_leaves_is_cancelled_in_process(queueing_rig: Rig):
