@@ -7,7 +7,9 @@ are `llmgw.core.flow`'s; this adapter owns the asyncio side:
   pool is within its band's ceiling (work conservation: an unsaturated pool costs one
   synchronous check, no tick, no wait), OVERFLOW when the pool is above the ceiling of a band
   that overflows, QUEUE_FULL, or a future that the tick resolves;
-- the tick runs every ``admission.interval``: expires, then dispatches each pool's queues by
+- the tick runs every ``admission.interval`` while a request waits here (with nothing queued it
+  runs once a second, `IDLE_TICK`, and a request queued wakes it at once): expires, then
+  dispatches each pool's queues by
   `plan_dispatch`. Each dispatched waiter is handed to ``dispatch`` *synchronously, inside the
   tick*: the service places it and counts it on its endpoint before the next waiter is
   considered, so the tick never grants on a load that does not include its own grants. The
@@ -54,6 +56,7 @@ log = logging.getLogger("llmgw.admission.flow")
 STATE_HEARTBEAT = 1.0  # seconds between FlowState messages while anything waits
 STATE_FORGET_AFTER = 3.0  # a peer's state older than this is dropped (the peer is gone)
 CANCEL_MEMORY = 5.0  # seconds a cancel for a request not (yet) queued here is remembered
+IDLE_TICK = 1.0  # seconds between ticks while nothing waits here (housekeeping only)
 
 Dispatch = Callable[[Waiter, GateDecision], Any]
 
@@ -108,6 +111,7 @@ class FlowControl:
         self._published_at = 0.0
         self._subs: list[Subscription] = []
         self._tick_task: asyncio.Task[None] | None = None
+        self._idle: asyncio.Future[None] | None = None  # the tick's wait while nothing waits
         self._publishing: set[asyncio.Future[None]] = set()
         self.ticks = 0  # dispatch rounds run so far
         for band in self.bands:  # every band's series exists from the start, at 0
@@ -164,6 +168,8 @@ class FlowControl:
         )
         if not self.queues.offer(waiter):
             return GateDecision.QUEUE_FULL
+        if self._idle is not None and not self._idle.done():
+            self._idle.set_result(None)  # the tick runs at once, then every interval
         self._metrics.queue_depth.labels(band.name).inc()
         future.add_done_callback(lambda f, w=waiter: self._abandoned(f, w))
         return future
@@ -269,7 +275,21 @@ class FlowControl:
             except Exception:
                 log.exception("flow-control tick failed")
             self._metrics.tick_duration.observe(time.perf_counter() - started)
-            await asyncio.sleep(self.interval)
+            if len(self.queues):
+                await asyncio.sleep(self.interval)
+            else:
+                await self._idle_wait()
+
+    async def _idle_wait(self) -> None:
+        """Until a request is queued here, or `IDLE_TICK` (expiring cancels, gossip)."""
+        loop = asyncio.get_running_loop()
+        self._idle = idle = loop.create_future()
+        timer = loop.call_later(IDLE_TICK, lambda: idle.done() or idle.set_result(None))
+        try:
+            await idle
+        finally:
+            timer.cancel()
+            self._idle = None
 
     # ---- gossip -----------------------------------------------------------------------------
 

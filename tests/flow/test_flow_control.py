@@ -36,9 +36,17 @@ async def open_headroom(rig) -> None:
 
 
 async def ticks(service, n: int = 5) -> None:
-    """Let `n` dispatch rounds run (what a round could have dispatched, it has)."""
+    """Let `n` dispatch rounds run (what a round could have dispatched, it has). With nothing
+    queued the tick idles (nothing to dispatch): then as long as `n` rounds would take."""
     start = service.flow.ticks
-    await until(lambda: service.flow.ticks >= start + n, what="dispatch rounds")
+    idle_until = time.monotonic() + n * service.flow.interval
+    await until(
+        lambda: (
+            service.flow.ticks >= start + n
+            or (not service.flow.queues and time.monotonic() >= idle_until)
+        ),
+        what="dispatch rounds",
+    )
 
 
 async def test_nothing_waits_when_the_pool_is_not_saturated(rig):
