@@ -231,3 +231,18 @@ async def test_batch_headroom_keeps_a_slot_per_engine_for_the_interactive_bands(
         assert sum(t.done() for t in more) == 1  # the second would take the headroom
     finally:
         await rig.close()
+
+
+async def test_the_tick_idles_while_nothing_waits_and_a_queued_request_wakes_it(rig):
+    service = rig.admissions[0]
+    await rig.report_all(running=0, capacity=8)
+    assert admitted(await rig.ask(band="gold"))  # granted at arrival: nothing queued
+    start = service.flow.ticks
+    await asyncio.sleep(0.5)  # 50 rounds at the 10 ms interval, were it not idle
+    assert service.flow.ticks - start <= 1  # at most the once-a-second housekeeping round
+    await saturate(rig)
+    silver = asyncio.create_task(rig.ask(band="silver"))
+    await until(lambda: service.flow.ticks > start + 1, what="a round for the queued request")
+    assert not silver.done() and rig.queued() == 1
+    await open_headroom(rig)
+    assert admitted(await silver)
