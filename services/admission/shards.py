@@ -293,13 +293,14 @@ class ShardKeeper:
             )
         adopted = refused = pins_in = 0
         now = service._clock()  # the roll call and the transfers took a while
-        for state, _ in states:
-            dropped, unpinned = service.ledger.add_shard(state, now)
+        for state, _ in states:  # all in one step, with the quota moved in for them
+            dropped, unpinned = service.quotas.take_in(state, now)
             adopted += len(state.leases) - len(dropped)
             refused += len(dropped)
             pins_in += len(state.pins) - len(unpinned)
             for pin in unpinned:  # no pin quota left: the session pins again
                 service.pins.delete(pin)
+        for state, _ in states:
             await self._subscribe(state.shard)
         self.adopted_leases += adopted
         self.refused_leases += refused
@@ -376,7 +377,7 @@ class ShardKeeper:
                 await service.quotas.transfer(
                     handover.source, service.instance, state.counts(), shard=shard, plain=False
                 )
-                self.service.ledger.add_shard(state, service._clock())
+                service.quotas.take_in(state, service._clock())
             finally:
                 self._receiving.pop(shard).set()
             self._handed.setdefault(shard, asyncio.Event()).set()
@@ -393,8 +394,10 @@ class ShardKeeper:
                 await service.quotas.transfer(
                     handover.source, service.instance, state.counts(), shard=shard, plain=False
                 )
-                dropped, unpinned = service.ledger.add_shard(state, service._clock())
+                dropped, unpinned = service.quotas.take_in(state, service._clock())
                 refused = [lease.lease_id for lease in dropped]
+                self.adopted_leases += len(state.leases) - len(dropped)
+                self.refused_leases += len(dropped)
                 for pin in state.pins:
                     service.pins.known(pin.key, pin.revision)
                 for pin in unpinned:
