@@ -21,7 +21,9 @@ does not listen yet, is sent again within the handover timeout). R moves the ear
 quota to itself (one CAS per pair), takes them in and serves the shard. Nothing is lost: a
 lease is in exactly one ledger at every moment but the message's flight, when neither ends it;
 an edge's end message that arrives during that flight is remembered by R, which leaves the
-ended lease out of what it takes in (`AdmissionService.without_ended`). G takes an earmark back
+ended lease out of what it takes in (`AdmissionService.without_ended`). The leases' recent grants
+travel with them, so R answers an edge that asks again for one of those attempts with the same
+grant (`AdmissionService.answers_for`), never a second lease. G takes an earmark back
 once R has answered (what R took is gone from it by then) or, without an answer, after
 ``member_ttl`` (by then R has taken it, or adopted the shard without it); which of the two got
 it is decided by the book's CAS, not by that timing (docs/adr/0002, "Handover and adoption").
@@ -372,6 +374,7 @@ class ShardKeeper:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(_HANDOVER_TIMEOUT):
                         await adopting.wait()
+            service.remember_answers(handover.answers)
         elif self.stopping:
             # Handed a shard while stopping (the giver had not seen it yet): take it, then
             # release it at once; the next claimant adopts its leases from the edges.
@@ -402,6 +405,7 @@ class ShardKeeper:
                 refused = [lease.lease_id for lease in dropped]
                 self.adopted_leases += len(state.leases) - len(dropped)
                 self.refused_leases += len(dropped)
+                service.remember_answers(handover.answers)
                 for pin in state.pins:
                     service.pins.known(pin.key, pin.revision)
                 for pin in unpinned:
@@ -470,7 +474,8 @@ class ShardKeeper:
         membership.owners[shard] = value
         membership.owner_revisions[shard] = revision
         try:
-            reply = await self._send_handover(target, Handover(source=me, state=state))
+            handover = Handover(source=me, state=state, answers=service.answers_for(state))
+            reply = await self._send_handover(target, handover)
             answer = HandoverReply.model_validate_json(reply.data)
             if answer.refused:
                 log.warning("shard %d: %s refused %d leases", shard, target, len(answer.refused))

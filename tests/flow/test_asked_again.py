@@ -54,6 +54,31 @@ async def test_a_grant_whose_answer_was_lost_is_answered_again_with_the_same_lea
     assert len(service.ledger.leases) == 2
 
 
+async def test_a_grant_asked_again_after_its_shard_moved_gets_the_same_lease_from_the_new_owner(
+    nats_url, unique_id
+):
+    """The answer is lost, the shard is handed over with the lease (a graceful stop), and the
+    ask again reaches the new owner: it answers with the grant it took in, no second lease."""
+    rig = await open_rig(nats_url, unique_id, 2)
+    try:
+        await rig.report_all(running=0, capacity=8)
+        handle, other = rig.cluster.admissions
+        giver, receiver = handle.service, other.service
+        request = rig.request(band="gold", shard=min(giver.shards.serving))
+        await lose_the_answer(rig, request)
+        await until(lambda: len(giver.ledger.leases) == 1, what="the first ask granted")
+        (granted,) = giver.ledger.leases
+        await handle.stop()  # every shard to the receiver, with the lease
+        assert list(receiver.ledger.leases) == [granted]
+
+        reply, _ = await rig.client.admit(request)
+        assert admitted(reply) and reply.lease is not None
+        assert reply.lease.lease_id == granted
+        assert list(receiver.ledger.leases) == [granted]  # one attempt, one lease
+    finally:
+        await rig.close()
+
+
 async def test_a_refusal_asked_again_is_the_same_refusal_even_once_there_is_room(rig):
     await rig.report_all(running=0, capacity=8)
     service = rig.admissions[0]
