@@ -202,10 +202,8 @@ async def test_limits_pins_and_leases_hold_under_concurrency_churn_and_chaos(
     assert max(pin_peaks["a"], pin_peaks["b"]) >= p, pin_peaks
     assert len(on_managed) == 3 and sum(on_managed.values()) > 50, on_managed
     ends = Counter(e.reason for e in mesh.audit.events if e.kind == "ended")
-    # Leases moved between instances: adopted by a new owner, or at least handed away with a
-    # shard (once in a CI run a receiver refused all 4 it was handed; the checker's invariants
-    # hold either way, and the edges end a refused lease as lease_lost).
-    assert adopted or ends["moved"], (
+    # Leases moved between instances: adopted by a new owner (handover or adoption).
+    assert adopted, (
         "no lease moved between instances (handover or adoption)",
         ends,
         chaos_log,
