@@ -421,13 +421,18 @@ class QuotaKeeper:
         `transfer` moved in for them spendable, in one step: until then no other request could
         take it (which would leave the shard's own leases without room: refused, their
         requests lost) and the keeper never gives it back. Returns what did not fit."""
-        moved = self._incoming.pop(state.shard, {})
+        self.end_incoming(state.shard)
+        return self.ledger.add_shard(state, now)
+
+    def end_incoming(self, shard: int) -> None:
+        """What moved in for `shard` is this instance's to spend from now on: it is taken in
+        (`take_in`), or taking it in failed (then called in a ``finally``; a no-op after
+        `take_in`), so the quota is never left set aside for nothing."""
+        moved = self._incoming.pop(shard, {})
         for pair in moved:
             self._sync(pair)
-        taken = self.ledger.add_shard(state, now)
         if moved:
             self.wake()
-        return taken
 
     async def leave(self) -> None:
         """Stopping: give back everything not in use (the entry stays if something is)."""

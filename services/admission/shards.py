@@ -252,6 +252,7 @@ class ShardKeeper:
             await self._adopt_shards(shards)
         finally:
             for k, _ in shards:
+                self.service.quotas.end_incoming(k)
                 self._receiving.pop(k, None)
             done.set()
 
@@ -386,6 +387,7 @@ class ShardKeeper:
                 )
                 service.quotas.take_in(state, service._clock())
             finally:
+                service.quotas.end_incoming(shard)
                 self._receiving.pop(shard).set()
             self._handed.setdefault(shard, asyncio.Event()).set()
             if msg.reply:
@@ -412,6 +414,7 @@ class ShardKeeper:
                     service.pins.delete(pin)
                 await self._subscribe(shard)
             finally:
+                service.quotas.end_incoming(shard)
                 self._receiving.pop(shard).set()
         self._handed.setdefault(shard, asyncio.Event()).set()
         if msg.reply:
