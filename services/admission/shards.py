@@ -301,6 +301,9 @@ class ShardKeeper:
         adopted = refused = pins_in = 0
         now = service._clock()  # the roll call and the transfers took a while
         for state, _ in states:  # all in one step, with the quota moved in for them
+            # Less the leases whose end came after their edge answered the roll call: taken in,
+            # they would stay here until lease_timeout with nobody to end them.
+            state = service.without_ended(state)
             dropped, unpinned = service.quotas.take_in(state, now)
             adopted += len(state.leases) - len(dropped)
             refused += len(dropped)
