@@ -393,6 +393,9 @@ class QuotaKeeper:
             for pair in list(self.books):
                 if pair not in self.limits:
                     continue
+                if pair not in counts and (source, shard) not in self.books[pair].value.handing:
+                    continue  # nothing of the shard's on it (what the giver earmarked there for
+                    # leases that ended meanwhile, it takes back once answered)
                 # Rare (handovers and adoptions): read the book, the watch may lag the earmark.
                 fresh = await self.store.quota_book(*pair)
                 if fresh.revision > self.books[pair].revision:
