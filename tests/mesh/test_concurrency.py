@@ -59,12 +59,13 @@ async def _client(
         if rng.random() < 0.1:  # no session at all: a temporary lease on the first with room
             url, body, cancel = edge.url + "/v1/embeddings", {"model": MODEL, "input": "x"}, False
         elif session % len(KEYS) == len(KEYS) - 1:  # long streams (a key without limits):
-            # some lease is in flight in most shards at any moment, so handovers move leases
+            # some lease is in flight in most shards at any moment, and outlasts a handover's
+            # flight on a loaded host, so handovers move leases
             url = edge.url + "/v1/chat/completions"
             body = {
                 "model": MODEL,
                 "messages": [{"role": "user", "content": f"hello {session}"}],
-                "max_tokens": rng.randint(150, 250),
+                "max_tokens": rng.randint(300, 500),
                 "stream": True,
             }
             cancel = False
