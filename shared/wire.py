@@ -219,11 +219,13 @@ class RollCallAnswer(_Message):
 
 
 class Handover(_Message):
-    """The old owner -> the new owner of a shard: its pins and leases, quota already moved."""
+    """The old owner -> the new owner of a shard: its pins and leases, their quota earmarked, and
+    the recent grants of those leases (the new owner answers an ask again of one the same way)."""
 
     v: Literal[2] = 2
     source: str
     state: ShardState
+    answers: tuple[AdmitReply, ...] = ()
 
 
 class HandoverReply(_Message):

@@ -101,6 +101,9 @@ class Membership:
         self._joined_at = now
         self._revision = await self.store.join(MemberValue(self.instance, now, now))
         self._renewed_mono = self._monotonic()
+        # Beating from the moment the key exists: the fence counts from here, and reading the
+        # view below (two listings) may take a while on a loaded host.
+        self._tasks.append(asyncio.create_task(self._beat(), name="heartbeat"))
         # The current view first (a list), then the watches keep it current: the first plan
         # sees every owner, and a watch's replay of what was listed changes nothing.
         for stored in await self.store.members():
@@ -109,7 +112,6 @@ class Membership:
         await self.refresh_owners()
         self._tasks.append(asyncio.create_task(self._follow(MEMBER_PREFIX), name="members"))
         self._tasks.append(asyncio.create_task(self._follow(SHARD_PREFIX), name="shards"))
-        self._tasks.append(asyncio.create_task(self._beat(), name="heartbeat"))
 
     async def renew_now(self) -> bool:
         """One heartbeat; False if the instance is lost: its member key was taken away, or it
@@ -157,8 +159,10 @@ class Membership:
                     return  # leaving anyway: whoever claims its shards adopts what is left
                 log.error(
                     "member %s is lost (fenced, or its key was taken away: it could not renew "
-                    "it for too long): dropping everything and joining again",
+                    "it for too long; last renewed %.1f s ago): dropping everything and joining "
+                    "again",
                     self.instance,
+                    self._monotonic() - self._renewed_mono,
                 )
                 self.on_lost()
                 return

@@ -20,6 +20,11 @@ earmarks them in the book (`earmark`); the receiver moves exactly the earmark, o
 takes it back (`reclaim`) when it no longer expects the receiver to. Which of the two happened
 is whatever the book says, so no timing makes the same count spendable at both; the giver
 spends an earmark again only once its book shows it is back (`llmgw.core.quota.QuotaBook.take`).
+At the receiver, what `transfer` moves in is set aside for the shard (unspendable, never given
+back) until `take_in` adds the shard's leases and pins to the ledger in the same step as it
+makes that quota spendable: the receiver goes on deciding its own shards meanwhile (a transfer
+of several pairs awaits the store between them), and a grant into that quota would leave the
+handed leases without room (refused: their requests lost in a graceful handover).
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from llmgw.core.quota import Quota, QuotaBook, QuotaError, fair_targets, headroo
 from llmgw.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
-    from llmgw.core.ledger import LeaseRecord, Ledger
+    from llmgw.core.ledger import LeaseRecord, Ledger, PinRecord, ShardState
     from llmgw.core.quota import PairLimits
     from llmgw.services.admission.membership import Membership
     from llmgw.state.store import RoutingStore, Stored
@@ -73,8 +78,13 @@ class QuotaKeeper:
         self._closed = False
         # Use on its way to another instance (a shard being handed over): already out of the
         # ledger, its earmark not yet in the book (by shard, then pair). Never spendable; once
-        # earmarked, the book's earmark stands for it (`_out`).
+        # earmarked, the book's earmark stands for it (`_aside`).
         self._pending: dict[int, dict[Pair, tuple[int, int, int]]] = {}
+        # Quota moved (or being moved) to this instance for a shard it is taking in, by shard,
+        # then pair: never spendable, never given back, until `take_in` adds the shard's
+        # leases and pins to the ledger in the same step as it makes the quota theirs. With a
+        # source: an earmark being taken, counted once the book no longer shows it.
+        self._incoming: dict[int, dict[Pair, _Incoming]] = {}
         self._writing: dict[Pair, Quota] = {}  # this instance's entry while its write flies
         self._tracking: dict[Pair, asyncio.Future[None]] = {}  # pairs added at run time
         self.writes = 0
@@ -148,21 +158,26 @@ class QuotaKeeper:
         if lowering is not None:
             g = min(quota.g, lowering.g)
             quota = Quota(g, min(g, quota.u, lowering.u), min(quota.p, lowering.p))
-        og, ou, op = self._out(pair)
+        og, ou, op = self._aside(pair)
         if (og, ou, op) != (0, 0, 0):
             g = max(0, quota.g - og)
             quota = Quota(g, min(g, max(0, quota.u - ou)), max(0, quota.p - op))
         self.ledger.set_quota(pair, quota)
 
-    def _out(self, pair: Pair) -> tuple[int, int, int]:
-        """What of this instance's entry is on its way out: its earmarks in the book, and held
-        out use whose earmark is not written yet."""
+    def _aside(self, pair: Pair) -> tuple[int, int, int]:
+        """What of this instance's entry it may not spend (and counts as used): what is on its
+        way out (its earmarks in the book, held out use whose earmark is not written yet) and
+        what is on its way in (moved here for a shard not taken in yet)."""
         book = self.books[pair].value
         g, u, p = book.earmarked(self.me)
         for shard, counts in self._pending.items():
             held = counts.get(pair)
             if held is not None and (self.me, shard) not in book.handing:
                 g, u, p = g + held[0], u + held[1], p + held[2]
+        for shard, moving in self._incoming.items():
+            held = moving.get(pair)
+            if held is not None and (held.source, shard) not in book.handing:
+                g, u, p = g + held.g, u + held.u, p + held.p
         return g, u, p
 
     def hold_out(self, shard: int, counts: Mapping[Pair, tuple[int, int, int]]) -> None:
@@ -272,7 +287,7 @@ class QuotaKeeper:
         """Where this instance's entry should go now (pure given the book, use and members)."""
         limits = self.limits[pair]
         use = self.ledger.pair_use(pair)
-        og, ou, op = self._out(pair)
+        og, ou, op = self._aside(pair)
         use = _Use(use.leases + og, use.unreserved + ou, use.pins + op)
         live = sorted(self.membership.live())
         members = max(1, len(live))
@@ -360,7 +375,8 @@ class QuotaKeeper:
         shard's state in (handover or adoption). Where `source` earmarked the shard, exactly
         the earmark moves. Elsewhere `counts` move only if `plain` (`source` is dead: nobody
         spends its entry); from a live source without an earmark nothing moves (it took the
-        earmark back, and spends it), and the receiver takes in what its own quota covers."""
+        earmark back, and spends it), and the receiver takes in what its own quota covers.
+        What moves stays set aside for the shard until `take_in`."""
 
         def take(book: QuotaBook) -> tuple[QuotaBook, tuple[int, int, int]] | None:
             if (source, shard) not in book.handing:
@@ -377,24 +393,64 @@ class QuotaKeeper:
             for pair in list(self.books):
                 if pair not in self.limits:
                     continue
+                if pair not in counts and (source, shard) not in self.books[pair].value.handing:
+                    continue  # nothing of the shard's on it (what the giver earmarked there for
+                    # leases that ended meanwhile, it takes back once answered)
                 # Rare (handovers and adoptions): read the book, the watch may lag the earmark.
                 fresh = await self.store.quota_book(*pair)
                 if fresh.revision > self.books[pair].revision:
                     self.books[pair] = fresh
+                # Set aside for the shard from the moment the book may show it here (the
+                # watch can deliver the new book before the write's answer) until `take_in`.
                 step = None
-                if (source, shard) in self.books[pair].value.handing:
+                mark = self.books[pair].value.handing.get((source, shard))
+                incoming = self._incoming.setdefault(shard, {})
+                if mark is not None:
+                    incoming[pair] = _Incoming(mark.g, mark.u, mark.p, source)
                     step = await self._cas(pair, take)  # None: taken back meanwhile
                 elif plain and pair in counts:
+                    incoming[pair] = _Incoming(*counts[pair])
                     step = await self._cas(pair, lambda b, c=counts[pair]: plain_move(b, *c))
                 if step is not None:
                     moved[pair] = step
+                    incoming[pair] = _Incoming(*step)
+                else:
+                    incoming.pop(pair, None)
                 self._sync(pair)
         return moved
+
+    def take_in(self, state: ShardState, now: float) -> tuple[list[LeaseRecord], list[PinRecord]]:
+        """Add a shard's pins and leases to the ledger (`Ledger.add_shard`) and make the quota
+        `transfer` moved in for them spendable, in one step: until then no other request could
+        take it (which would leave the shard's own leases without room: refused, their
+        requests lost) and the keeper never gives it back. Returns what did not fit."""
+        self.end_incoming(state.shard)
+        return self.ledger.add_shard(state, now)
+
+    def end_incoming(self, shard: int) -> None:
+        """What moved in for `shard` is this instance's to spend from now on: it is taken in
+        (`take_in`), or taking it in failed (then called in a ``finally``; a no-op after
+        `take_in`), so the quota is never left set aside for nothing."""
+        moved = self._incoming.pop(shard, {})
+        for pair in moved:
+            self._sync(pair)
+        if moved:
+            self.wake()
 
     async def leave(self) -> None:
         """Stopping: give back everything not in use (the entry stays if something is)."""
         with contextlib.suppress(Exception):
             await self.adjust(stopping=True)
+
+
+@dataclass(frozen=True, slots=True)
+class _Incoming:
+    """Quota moving in for a shard; ``source``: the giver whose earmark is being taken."""
+
+    g: int
+    u: int
+    p: int
+    source: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,8 @@ with the ask or the answer in its buffers). An attempt answered here (remembered
 two request timeouts) gets the same answer again: a grant while its lease lives (nothing once
 it ended), a refusal as it was; an attempt waiting in the queue here is answered QUEUED again
 and its decision goes to the latest ask. So one attempt is decided once by its owner and never
-holds two leases from it.
+holds two leases from it. A shard's answered grants move with it in a handover, so its new
+owner answers an ask again of them the same way too.
 
 Several instances: each owns some shards (`ShardKeeper`, by CAS on the shard keys) and a quota
 of each pair's limits (`QuotaKeeper`); they gossip their queues (FlowState) and their live
@@ -634,6 +635,22 @@ class AdmissionService:
             or now - next(iter(answered.values()))[0] > self._answered_for
         ):
             answered.popitem(last=False)
+
+    def answers_for(self, state: ShardState) -> tuple[AdmitReply, ...]:
+        """The grants answered here whose leases move with `state` (a handover): the new owner
+        answers an ask again of those attempts with the same grant, never a second lease."""
+        moving = {lease.lease_id for lease in state.leases}
+        return tuple(
+            AdmitReply.model_validate_json(answer)
+            for _, answer, lease in self._answered.values()
+            if lease in moving
+        )
+
+    def remember_answers(self, answers: tuple[AdmitReply, ...]) -> None:
+        """Answers of a handover's attempts whose leases were taken in here (`answers_for`)."""
+        for reply in answers:
+            if reply.lease is not None and reply.lease.lease_id in self.ledger.leases:
+                self._remember_answer(reply, reply.model_dump_json(exclude_none=True).encode())
 
     def _spawn(self, work: Any) -> None:
         task = asyncio.ensure_future(work)

@@ -13,13 +13,17 @@ round (every heartbeat, and at once when members or owners change) `ShardKeeper.
 **Handover** (graceful: a rebalance, or `stop`), giver G to receiver R: G stops serving the shard
 (drains its subscriptions: requests delivered to it meanwhile, and its queued requests of the
 shard, are answered NOT_OWNER and the edges ask again),
-lets the shard's pin writes land, CASes the shard key to R, takes the shard's pins and leases out
-of its ledger, earmarks the quota they use in the quota books (held out of its own spending
-meanwhile), and sends them to R (``llmgw.v1.admission.handover.<R>``). R moves the earmarked
+lets the shard's pin writes land, takes the shard's pins and leases out of its ledger, earmarks
+the quota they use in the quota books (held out of its own spending meanwhile), CASes the shard
+key to R (so R, however it takes the shard in, finds the earmark there), and sends them to R
+(``llmgw.v1.admission.handover.<R>``; "no responders", a receiver that joined a moment ago and
+does not listen yet, is sent again within the handover timeout). R moves the earmarked
 quota to itself (one CAS per pair), takes them in and serves the shard. Nothing is lost: a
 lease is in exactly one ledger at every moment but the message's flight, when neither ends it;
 an edge's end message that arrives during that flight is remembered by R, which leaves the
-ended lease out of what it takes in (`AdmissionService.without_ended`). G takes an earmark back
+ended lease out of what it takes in (`AdmissionService.without_ended`). The leases' recent grants
+travel with them, so R answers an edge that asks again for one of those attempts with the same
+grant (`AdmissionService.answers_for`), never a second lease. G takes an earmark back
 once R has answered (what R took is gone from it by then) or, without an answer, after
 ``member_ttl`` (by then R has taken it, or adopted the shard without it); which of the two got
 it is decided by the book's CAS, not by that timing (docs/adr/0002, "Handover and adoption").
@@ -44,6 +48,7 @@ import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from nats.errors import NoRespondersError
 from pydantic import ValidationError
 
 from llmgw.core.keys import ShardValue
@@ -73,6 +78,7 @@ log = logging.getLogger("llmgw.admission.shards")
 _MAX_RELEASE_PER_ROUND = 8
 _HANDOVER_WAIT = 1.0  # seconds a new owner waits for the old one's handover before a roll call
 _HANDOVER_TIMEOUT = 2.0
+_NO_RESPONDERS_PAUSE = 0.05  # before a handover that found no responders is sent again
 
 
 class ShardKeeper:
@@ -246,6 +252,7 @@ class ShardKeeper:
             await self._adopt_shards(shards)
         finally:
             for k, _ in shards:
+                self.service.quotas.end_incoming(k)
                 self._receiving.pop(k, None)
             done.set()
 
@@ -293,13 +300,17 @@ class ShardKeeper:
             )
         adopted = refused = pins_in = 0
         now = service._clock()  # the roll call and the transfers took a while
-        for state, _ in states:
-            dropped, unpinned = service.ledger.add_shard(state, now)
+        for state, _ in states:  # all in one step, with the quota moved in for them
+            # Less the leases whose end came after their edge answered the roll call: taken in,
+            # they would stay here until lease_timeout with nobody to end them.
+            state = service.without_ended(state)
+            dropped, unpinned = service.quotas.take_in(state, now)
             adopted += len(state.leases) - len(dropped)
             refused += len(dropped)
             pins_in += len(state.pins) - len(unpinned)
             for pin in unpinned:  # no pin quota left: the session pins again
                 service.pins.delete(pin)
+        for state, _ in states:
             await self._subscribe(state.shard)
         self.adopted_leases += adopted
         self.refused_leases += refused
@@ -367,6 +378,7 @@ class ShardKeeper:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(_HANDOVER_TIMEOUT):
                         await adopting.wait()
+            service.remember_answers(handover.answers)
         elif self.stopping:
             # Handed a shard while stopping (the giver had not seen it yet): take it, then
             # release it at once; the next claimant adopts its leases from the edges.
@@ -376,8 +388,9 @@ class ShardKeeper:
                 await service.quotas.transfer(
                     handover.source, service.instance, state.counts(), shard=shard, plain=False
                 )
-                self.service.ledger.add_shard(state, service._clock())
+                service.quotas.take_in(state, service._clock())
             finally:
+                service.quotas.end_incoming(shard)
                 self._receiving.pop(shard).set()
             self._handed.setdefault(shard, asyncio.Event()).set()
             if msg.reply:
@@ -393,14 +406,18 @@ class ShardKeeper:
                 await service.quotas.transfer(
                     handover.source, service.instance, state.counts(), shard=shard, plain=False
                 )
-                dropped, unpinned = service.ledger.add_shard(state, service._clock())
+                dropped, unpinned = service.quotas.take_in(state, service._clock())
                 refused = [lease.lease_id for lease in dropped]
+                self.adopted_leases += len(state.leases) - len(dropped)
+                self.refused_leases += len(dropped)
+                service.remember_answers(handover.answers)
                 for pin in state.pins:
                     service.pins.known(pin.key, pin.revision)
                 for pin in unpinned:
                     service.pins.delete(pin)
                 await self._subscribe(shard)
             finally:
+                service.quotas.end_incoming(shard)
                 self._receiving.pop(shard).set()
         self._handed.setdefault(shard, asyncio.Event()).set()
         if msg.reply:
@@ -442,26 +459,29 @@ class ShardKeeper:
         await self._stop_serving(shard)
         keys = [p.key for p in service.ledger.shard_state(shard).pins]
         await service.pins.drain(keys)
+        # The receiver moves the shard's quota from this instance's entry to its own as it
+        # takes the state in: that use is set aside here and earmarked for it in the books
+        # first, and spendable here again only if the books give the earmark back. First,
+        # before the shard key names the receiver: however late this handover reaches it
+        # (it may adopt the shard by roll call meanwhile), the earmark is there to take.
+        state = await self._give_up(shard, EndReason.MOVED)
         value = ShardValue(target, service._clock(), me)
         revision = await service.store.set_shard(
             shard, value, membership.owner_revisions.get(shard)
         )
         if revision is None:
+            # Claimed meanwhile (this instance was taken for dead): its claimant adopts the
+            # leases by roll call and takes the earmark; what it leaves comes back here.
             log.warning("shard %d changed hands during its handover: dropping it", shard)
-            await self._forget(shard, EndReason.DROPPED)
+            self.serving.pop(shard, None)
+            self.leaving.discard(shard)
+            self._reclaim_later(shard)
             return
         membership.owners[shard] = value
         membership.owner_revisions[shard] = revision
-        # The receiver moves the shard's quota from this instance's entry to its own as it
-        # takes the state in: that use is set aside here and earmarked for it in the books
-        # first, and spendable here again only if the books give the earmark back.
-        state = await self._give_up(shard, EndReason.MOVED)
         try:
-            reply = await service.nc.request(
-                handover_subject(target),
-                Handover(source=me, state=state).model_dump_json().encode(),
-                timeout=_HANDOVER_TIMEOUT,
-            )
+            handover = Handover(source=me, state=state, answers=service.answers_for(state))
+            reply = await self._send_handover(target, handover)
             answer = HandoverReply.model_validate_json(reply.data)
             if answer.refused:
                 log.warning("shard %d: %s refused %d leases", shard, target, len(answer.refused))
@@ -484,6 +504,24 @@ class ShardKeeper:
         )
         service.quotas.wake()
 
+    async def _send_handover(self, target: str, handover: Handover) -> Msg:
+        """The handover request, within ``_HANDOVER_TIMEOUT``. "No responders" is asked again
+        shortly: a receiver that joined a moment ago may not listen yet, and without the message
+        it would adopt the shard by roll call, losing the leases no edge announced in time."""
+        nc = self.service.nc
+        payload = handover.model_dump_json().encode()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + _HANDOVER_TIMEOUT
+        while True:
+            try:
+                return await nc.request(
+                    handover_subject(target), payload, timeout=deadline - loop.time()
+                )
+            except NoRespondersError:
+                if loop.time() + _NO_RESPONDERS_PAUSE >= deadline:
+                    raise
+                await asyncio.sleep(_NO_RESPONDERS_PAUSE)
+
     async def _release(self, shard: int) -> None:
         """Stopping with nobody to take the shard: write it ownerless, earmark its quota (the
         next owner takes the earmark from this instance's entry when it adopts the shard)."""
@@ -491,11 +529,12 @@ class ShardKeeper:
         membership = service.membership
         await self._stop_serving(shard)
         await service.pins.drain([p.key for p in service.ledger.shard_state(shard).pins])
+        # Out of this (stopping) ledger, as in a handover, and earmarked before the shard key
+        # says it is free: the next owner adopts the pins from the bucket and the leases from
+        # the edges, and takes the earmark.
+        await self._give_up(shard, EndReason.MOVED)
         value = ShardValue(None, service._clock(), service.instance)
         await service.store.set_shard(shard, value, membership.owner_revisions.get(shard))
-        # Out of this (stopping) ledger, as in a handover: the next owner adopts the pins from
-        # the bucket and the leases from the edges, and takes the earmark.
-        await self._give_up(shard, EndReason.MOVED)
         for sub in self.serving.pop(shard, ()):
             del sub
         self.leaving.discard(shard)

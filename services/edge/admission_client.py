@@ -15,8 +15,10 @@ per-request timer task) and waits:
   request asks again every request timeout: when a NATS node dies, the ask or its answer may
   die in that node's connection buffers (the edge's or the owner's). Every ask of an attempt
   carries the same attempt id and reply subject, and admission answers an attempt it decided
-  or queued the same way again (`AdmissionService.on_request`): a lease is never granted twice
-  for one attempt;
+  or queued the same way again (`AdmissionService.on_request`), as does the new owner of a
+  shard handed over with the grant: one attempt is not granted twice. A grant that still
+  comes after the attempt has its answer (a new owner that adopted the shard by roll call and
+  decided an ask again anew, or a grant after the timeout) is ended at once (`_stray`);
 - while NATS is unreachable it fails at once (`AdmissionUnavailable(fast=True)`): the declared
   outage mode `reject` answers 503 with Retry-After without waiting. One exception, a cluster's
   failover: when the connection dropped and its server list has another server to move to, a
@@ -40,21 +42,23 @@ import contextlib
 import itertools
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from llmgw.contracts import AdmissionUnavailable
-from llmgw.core.outcomes import Refusal
+from llmgw.core.outcomes import Outcome, Refusal
 from llmgw.tasks import cancel_and_wait
 from llmgw.tracing import current_headers
 from llmgw.wire import (
     ADMISSION_CANCEL_SUBJECT,
     ADMISSION_HEALTH_SUBJECT,
+    REQUEST_STATS_SUBJECT,
     AdmitCancel,
     AdmitReply,
     AdmitRequest,
     ReplyStatus,
+    RequestEnded,
     admission_subject,
 )
 
@@ -133,6 +137,10 @@ class NatsAdmission:
         self._unreachable = False  # a failover wait ran out: fail at once until connected again
         self.unanswered = 0  # probes without an answer in a row
         self.asked_again = 0  # asks repeated for want of an answer (the node-loss test reads it)
+        # Reply subjects of attempts that have their answer (or timed out), for one more request
+        # timeout: a grant arriving there is a stray (`_stray`), ended at once.
+        self._finished: OrderedDict[str, tuple[float, AdmitRequest, str | None]] = OrderedDict()
+        self.strays = 0
 
     async def start(self) -> None:
         self._prefix = self._nc.new_inbox()
@@ -204,6 +212,8 @@ class NatsAdmission:
         pending = self._pending.get(msg.subject)
         if pending is not None:
             pending.put(msg)
+        elif msg.subject in self._finished:
+            await self._stray(msg)
 
     async def admit(
         self,
@@ -224,6 +234,8 @@ class NatsAdmission:
         token = f"{self._prefix}.{next(self._tokens)}"
         pending = _Pending()
         self._pending[token] = pending
+
+        taken: str | None = None  # the lease of the grant returned
 
         async def ask() -> None:
             try:
@@ -253,6 +265,7 @@ class NatsAdmission:
                         deadline = max(deadline, self._monotonic() + self.request_timeout)
                     if reply.refusal is not Refusal.NOT_OWNER:
                         self._answered_at = self._monotonic()
+                        taken = reply.lease.lease_id if reply.lease is not None else None
                         return reply, left
                 # Nobody serves the shard right now (it is moving): ask again shortly.
                 pause = _BACKOFF[min(attempt, len(_BACKOFF) - 1)]
@@ -262,6 +275,49 @@ class NatsAdmission:
             raise AssertionError("unreachable")
         finally:
             self._pending.pop(token, None)
+            self._finish(token, request, taken)
+            for msg in pending.answers:  # answers that came after the one taken
+                await self._stray(msg)
+
+    def _finish(self, token: str, request: AdmitRequest, taken: str | None) -> None:
+        now = self._monotonic()
+        finished = self._finished
+        finished[token] = (now + self.request_timeout, request, taken)
+        while finished and next(iter(finished.values()))[0] < now:
+            finished.popitem(last=False)
+
+    async def _stray(self, msg: Msg) -> None:
+        """An answer to an attempt that has its answer (or gave up): a grant of another lease
+        (asked again, a new owner that adopted the shard by roll call decided anew; or it
+        came after the timeout) is ended at once, so the owner does not hold it until a renewal leaves it out.
+        Asks of one attempt answered by one owner all carry its one lease: not strays."""
+        _, request, taken = self._finished[msg.subject]
+        if _no_responders(msg):
+            return
+        try:
+            reply = AdmitReply.model_validate_json(msg.data)
+        except ValueError:
+            return
+        lease = reply.lease
+        if reply.status is not ReplyStatus.ADMITTED or lease is None or lease.lease_id == taken:
+            return
+        self.strays += 1
+        ended = RequestEnded(
+            id=request.id,
+            request_id=request.request_id,
+            edge=request.edge,
+            lease=lease.lease_id,
+            shard=lease.shard,
+            ok=False,
+            outcome=Outcome.ADMISSION_UNAVAILABLE.value,  # never used: the attempt was over
+            model=request.model,
+            provider=lease.provider,
+            endpoint=lease.endpoint or "?",
+            ended_at=time.time(),
+            sent=False,
+        )
+        with contextlib.suppress(Exception):
+            await self._nc.publish(REQUEST_STATS_SUBJECT, ended.model_dump_json().encode())
 
     async def _queued(
         self,

@@ -17,9 +17,18 @@ import pytest
 from rig import admitted, open_rig, until
 from test_flow_control import open_headroom, saturate
 
+from llmgw.core.ledger import LeaseKind, LeaseRecord
 from llmgw.core.outcomes import Refusal
 from llmgw.services.edge.admission_client import NatsAdmission
-from llmgw.wire import AdmitReply, AdmitRequest, ReplyStatus, admission_subject
+from llmgw.wire import (
+    REQUEST_STATS_SUBJECT,
+    AdmitReply,
+    AdmitRequest,
+    ReplyStatus,
+    RequestEnded,
+    Target,
+    admission_subject,
+)
 
 
 @pytest.fixture
@@ -52,6 +61,31 @@ async def test_a_grant_whose_answer_was_lost_is_answered_again_with_the_same_lea
     other, _ = await rig.client.admit(rig.request(band="gold", session="s1"))
     assert admitted(other) and other.lease.lease_id != granted
     assert len(service.ledger.leases) == 2
+
+
+async def test_a_grant_asked_again_after_its_shard_moved_gets_the_same_lease_from_the_new_owner(
+    nats_url, unique_id
+):
+    """The answer is lost, the shard is handed over with the lease (a graceful stop), and the
+    ask again reaches the new owner: it answers with the grant it took in, no second lease."""
+    rig = await open_rig(nats_url, unique_id, 2)
+    try:
+        await rig.report_all(running=0, capacity=8)
+        handle, other = rig.cluster.admissions
+        giver, receiver = handle.service, other.service
+        request = rig.request(band="gold", shard=min(giver.shards.serving))
+        await lose_the_answer(rig, request)
+        await until(lambda: len(giver.ledger.leases) == 1, what="the first ask granted")
+        (granted,) = giver.ledger.leases
+        await handle.stop()  # every shard to the receiver, with the lease
+        assert list(receiver.ledger.leases) == [granted]
+
+        reply, _ = await rig.client.admit(request)
+        assert admitted(reply) and reply.lease is not None
+        assert reply.lease.lease_id == granted
+        assert list(receiver.ledger.leases) == [granted]  # one attempt, one lease
+    finally:
+        await rig.close()
 
 
 async def test_a_refusal_asked_again_is_the_same_refusal_even_once_there_is_room(rig):
@@ -135,3 +169,54 @@ async def test_the_edge_asks_again_when_an_ask_gets_no_answer(nats_url):
     assert reply.refusal is Refusal.NO_CAPACITY  # the decision, past both QUEUED
     assert len(asks) == 2 and asks[0] == asks[1]  # same attempt, same reply subject
     assert client.reask_after <= took < client.request_timeout, took
+
+
+async def test_a_second_grant_of_an_answered_attempt_is_ended_at_once(nats_url):
+    """Two owners (the shard moved between an ask and its ask again, and the new owner adopted
+    it by roll call, without the old owner's answers) grant one attempt two leases: the edge
+    takes the first and ends the other at once, so nobody holds it until a renewal leaves it
+    out."""
+    nc = await nats.connect(nats_url)
+    ends: list[RequestEnded] = []
+
+    async def on_end(msg) -> None:
+        ends.append(RequestEnded.model_validate_json(msg.data))
+
+    def grant(attempt: str, lease_id: str) -> bytes:
+        lease = LeaseRecord(lease_id, "p", "m", LeaseKind.TEMPORARY, True, 7, "edge-9", 0.0, 0.0)
+        target = Target(
+            provider="p", provider_kind="managed", endpoint="e", url="u", upstream_model="m"
+        )
+        reply = AdmitReply(id=attempt, status=ReplyStatus.ADMITTED, target=target, lease=lease)
+        return reply.model_dump_json().encode()
+
+    async def owners(msg) -> None:  # the old owner's grant, then the new owner's
+        request = AdmitRequest.model_validate_json(msg.data)
+        await nc.publish(msg.reply, grant(request.id, "lease-old"))
+        await nc.publish(msg.reply, grant(request.id, "lease-new"))
+
+    request = AdmitRequest(id="edge-9.2", edge="edge-9", model="m", feature="chat", shard=7)
+    subs = [
+        await nc.subscribe(admission_subject(request.shard), cb=owners),
+        await nc.subscribe(REQUEST_STATS_SUBJECT, cb=on_end),
+    ]
+    client = NatsAdmission(nc, request_timeout=2.0, queue_ttl=1.0)
+    await client.start()
+    try:
+        reply, _ = await client.admit(request)
+        await until(lambda: len(ends) == 1, what="the stray grant ended")
+    finally:
+        await client.stop()
+        for sub in subs:
+            await sub.unsubscribe()
+        await nc.close()
+    assert reply.lease.lease_id == "lease-old"
+    (end,) = ends
+    assert (end.id, end.lease, end.shard, end.sent, end.ok) == (
+        "edge-9.2",
+        "lease-new",
+        7,
+        False,
+        False,
+    )
+    assert client.strays == 1

@@ -59,12 +59,13 @@ async def _client(
         if rng.random() < 0.1:  # no session at all: a temporary lease on the first with room
             url, body, cancel = edge.url + "/v1/embeddings", {"model": MODEL, "input": "x"}, False
         elif session % len(KEYS) == len(KEYS) - 1:  # long streams (a key without limits):
-            # some lease is in flight in most shards at any moment, so handovers move leases
+            # some lease is in flight in most shards at any moment, and outlasts a handover's
+            # flight on a loaded host, so handovers move leases
             url = edge.url + "/v1/chat/completions"
             body = {
                 "model": MODEL,
                 "messages": [{"role": "user", "content": f"hello {session}"}],
-                "max_tokens": rng.randint(150, 250),
+                "max_tokens": rng.randint(300, 500),
                 "stream": True,
             }
             cancel = False
@@ -202,10 +203,8 @@ async def test_limits_pins_and_leases_hold_under_concurrency_churn_and_chaos(
     assert max(pin_peaks["a"], pin_peaks["b"]) >= p, pin_peaks
     assert len(on_managed) == 3 and sum(on_managed.values()) > 50, on_managed
     ends = Counter(e.reason for e in mesh.audit.events if e.kind == "ended")
-    # Leases moved between instances: adopted by a new owner, or at least handed away with a
-    # shard (once in a CI run a receiver refused all 4 it was handed; the checker's invariants
-    # hold either way, and the edges end a refused lease as lease_lost).
-    assert adopted or ends["moved"], (
+    # Leases moved between instances: adopted by a new owner (handover or adoption).
+    assert adopted, (
         "no lease moved between instances (handover or adoption)",
         ends,
         chaos_log,
