@@ -5,7 +5,10 @@ release itself travels in the request's `RequestEnded` message, which the shard'
 While held, every ``lease_timeout / 3`` the edge sends each shard's owner *one* message listing
 all its live leases there (`LeaseRenewal`): the owner renews them, answers which it does not hold
 (lost), and ends the edge's unlisted ones (so a lost end message costs one interval, not a
-leak). A batch that gets no answer is tried again at the next interval.
+leak). The edge lists a shard for ``lease_timeout`` after its last lease there ended (an empty
+list, then): a lost end message there is ended as well, though the edge holds nothing else in
+that shard (later the owner has expired it anyway). A batch that gets no answer is tried again
+at the next interval.
 
 A lease is **lost** when its owner says so, or when it was not renewed for ``lease_timeout``
 (this process was paused, or cut off from NATS, that long: the owner has expired it and may have
@@ -132,12 +135,16 @@ class EdgeLeases:
         self._sub: Subscription | None = None
         self.renewals = 0
         self.lost = 0
+        # When the edge last held a lease in each shard (monotonic): `renew_all` lists a shard
+        # until lease_timeout after that.
+        self._held_in: dict[int, float] = {}
 
     # ---- the request path ---------------------------------------------------------------------
 
     def hold(self, lease: LeaseRecord) -> HeldLease:
         held = HeldLease(lease, self._monotonic(), local=is_local_lease(lease.lease_id))
         self.held[lease.lease_id] = held
+        self._held_in[lease.shard] = held.confirmed_at
         return held
 
     def end(self, hold: HeldLease) -> None:
@@ -196,10 +203,13 @@ class EdgeLeases:
         """One renewal round: expire what was not confirmed in time, renew the rest by shard."""
         for hold in list(self.held.values()):
             self.expired(hold)  # a paused edge finds out here first
-        by_shard: dict[int, list[HeldLease]] = {}
+        now = self._monotonic()
+        self._held_in = {s: t for s, t in self._held_in.items() if now - t < self.lease_timeout}
+        by_shard: dict[int, list[HeldLease]] = {shard: [] for shard in self._held_in}
         for hold in self.held.values():
             if not hold.lost:
                 by_shard.setdefault(hold.record.shard, []).append(hold)
+                self._held_in[hold.record.shard] = now
         if by_shard:
             await asyncio.gather(*(self._renew(s, holds) for s, holds in by_shard.items()))
 

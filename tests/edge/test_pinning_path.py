@@ -166,3 +166,30 @@ async def test_a_lost_lease_ends_the_stream_with_an_error_event(gateway):
     assert json.loads(events[-1])["error"]["code"] == "lease_lost"
     assert "[DONE]" not in events
     assert not gateway.deps.leases.held
+
+
+async def test_a_lost_end_is_ended_by_a_renewal_though_the_edge_holds_nothing_else(gateway):
+    """The end message of the edge's only lease in a shard is lost: its renewal rounds still
+    list that shard (empty), and the owner ends the lease it kept as unlisted, instead of
+    holding it until lease_timeout."""
+    reporter = gateway.deps.reporter
+    expired = gateway.admission.metrics.leases_expired
+    expired_before = sum(s.value for m in expired.collect() for s in m.samples)
+    lost = []
+    reporter.report = lost.append  # the end message goes nowhere
+    try:
+        async with httpx.AsyncClient() as http:
+            r = await http.post(gateway.url + CHAT_PATH, json=turn())
+        assert r.status_code == 200
+    finally:
+        del reporter.report
+    assert len(lost) == 1 and not gateway.deps.leases.held
+    [orphan] = live_leases(gateway)
+    assert orphan.lease_id == lost[0].lease
+
+    async def ended_by_a_renewal() -> bool:
+        await gateway.deps.leases.renew_all()  # a round (the owner ends only settled leases)
+        return not live_leases(gateway)
+
+    await eventually(ended_by_a_renewal)
+    assert sum(s.value for m in expired.collect() for s in m.samples) == expired_before
