@@ -189,11 +189,24 @@ async def one(
     return time.perf_counter() - started
 
 
-async def probes(session: aiohttp.ClientSession, api: str, count: int) -> list[float]:
-    """Platinum probes at a fixed rate (open loop), each its own session."""
+async def probes(
+    session: aiohttp.ClientSession, api: str, count: int, cap: float | None = None
+) -> list[float]:
+    """Platinum probes at a fixed rate (open loop), each its own session. With `cap`, a probe
+    still running after `cap` seconds is abandoned and counts as `cap`: a lower bound on its
+    latency, so a percentile of the result is a lower bound on the true one."""
+
+    async def probe(n: int) -> float:
+        if cap is None:
+            return await one(session, api, "platinum", f"probe-{n}")
+        try:
+            return await asyncio.wait_for(one(session, api, "platinum", f"probe-{n}"), cap)
+        except TimeoutError:
+            return cap
+
     tasks = []
     for n in range(count):
-        tasks.append(asyncio.create_task(one(session, api, "platinum", f"probe-{n}")))
+        tasks.append(asyncio.create_task(probe(n)))
         await asyncio.sleep(PROBE_EVERY)
     return list(await asyncio.gather(*tasks))
 
@@ -243,8 +256,11 @@ async def measure(
     admission_admin: str,
     engines: list[str],
     bronze_tokens: tuple[int, int] = BRONZE_TOKENS,
+    cap_factor: float | None = None,
 ) -> dict[str, Any]:
-    """Idle probes, then probes under a continuous bronze flood; bronze completions counted."""
+    """Idle probes, then probes under a continuous bronze flood; bronze completions counted.
+    With `cap_factor`, a loaded probe counts as at most `cap_factor` x the idle p99 (`probes`):
+    enough to show that the loaded p99 is at least that, without waiting for the whole queue."""
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=300)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
@@ -274,7 +290,8 @@ async def measure(
 
         workers = [asyncio.create_task(bronze_worker(w)) for w in range(BRONZE_CONCURRENCY)]
         await until_flooded(session, engines, admission_admin)
-        loaded = await probes(session, api, LOADED_PROBES)
+        cap = None if cap_factor is None else cap_factor * p99(idle)
+        loaded = await probes(session, api, LOADED_PROBES, cap)
         queued = await bronze_queue_depth(session, admission_admin)
         stop.set()
         bronze_done = next(done)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +25,12 @@ from llmgw.services.edge.app import HotPathApp, create_app
 from llmgw.services.edge.main import close_edge_deps, open_edge_deps
 from llmgw.serving import RunningServer, start_server
 from llmgw.state.setup import open_load_bucket, open_routing_store
+
+
+async def stop_servers(servers: Iterable[RunningServer]) -> None:
+    """Stop uvicorn servers together: each stop waits for uvicorn's 0.1 s tick and its 0.1 s
+    shutdown pause, so one after another a fixture's engines add ~0.2 s each to every test."""
+    await asyncio.gather(*(server.stop() for server in servers))
 
 
 @dataclass

@@ -35,6 +35,7 @@ from llmgw.services.up.plan import (
     PlanError,
     ServiceSpec,
     duplicate_listens,
+    edge_env,
     format_nats_plan,
     format_plan,
     plan_cluster,
@@ -114,7 +115,8 @@ def _run(args: argparse.Namespace, config_path: str) -> int:
         dev_key = _dev_key(children_config, nats, args)
         if dev_key is None and config.auth.mode == "keys":
             return 1
-        spec_env = secure.spec_env(specs) if secure is not None else None
+        spec_env = dict(secure.spec_env(specs)) if secure is not None else {}
+        spec_env["edge"] = {**spec_env.get("edge", {}), **edge_env(config)}
         return asyncio.run(_supervise(specs, env, config, args, nats, dev_key, spec_env))
     finally:
         if secure is not None:

@@ -225,6 +225,18 @@ def plan_cluster(config: Config, config_path: str) -> list[ServiceSpec]:
     return specs
 
 
+def edge_env(config: Config) -> dict[str, str]:
+    """The edge's own environment under `llmgw up`: ``router.drain_delay`` 0 unless it is set.
+
+    The delay keeps a stopping edge serving while a load balancer notices it is unready; `llmgw
+    up` has no load balancer in front of its one edge and stops it only to stop the whole
+    cluster, so the wait would only hold up Ctrl-C. A delay that the config (or the environment)
+    sets is kept. Running requests still drain (``router.drain_timeout``)."""
+    if "drain_delay" in config.router.model_fields_set:
+        return {}
+    return {"LLMGW_ROUTER__DRAIN_DELAY": "0s"}
+
+
 def url_in_line(line: str) -> str | None:
     """The first http(s) URL in a ready line ("llmgw edge ready on http://...")."""
     match = _URL_IN_LINE.search(line)

@@ -37,8 +37,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from scipy.stats import norm
-
 __all__ = [
     "BalancerSettings",
     "RateSample",
@@ -134,7 +132,9 @@ def _probability_above(rates: Sequence[float], sla: float) -> float:
     sigma = math.sqrt(math.fsum((x - mu) ** 2 for x in rates) / len(rates))
     if sigma <= 1e-12 * max(1.0, abs(mu)):  # no spread: a point mass, P(X > sla), never NaN
         return 1.0 if mu > sla else 0.0
-    return float(norm.sf(sla, loc=mu, scale=sigma))
+    # The normal survival function, P(X > sla) for X ~ N(mu, sigma): math, not scipy, whose
+    # import alone costs a second or more at every service's start.
+    return 0.5 * math.erfc((sla - mu) / (sigma * math.sqrt(2.0)))
 
 
 def _percentile(values: list[float], q: float) -> float:

@@ -16,6 +16,7 @@ import httpx
 import pytest
 import pytest_asyncio
 from bench_helpers import MODEL, Engine, StartEngine
+from inproc import stop_servers
 
 from llmgw.services.sim.apps import create_engine_app
 from llmgw.services.sim.params import EngineParams
@@ -36,8 +37,7 @@ async def engine() -> AsyncIterator[StartEngine]:
     try:
         yield _start
     finally:
-        for server in servers:
-            await server.stop()
+        await stop_servers(servers)
 
 
 class ThreadedEngine:

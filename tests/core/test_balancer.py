@@ -7,7 +7,7 @@ import random
 from collections import Counter
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from llmgw.core.balancer import (
@@ -15,6 +15,7 @@ from llmgw.core.balancer import (
     BalancerSettings,
     RateSample,
     RateWindows,
+    _probability_above,
     choose,
     effective_rate,
     weights,
@@ -103,6 +104,22 @@ def test_a_degraded_deployment_is_dropped_and_found_again_after_it_recovers():
     # median SLA adapts within about half a window).
     assert share(10, 15) < 0.5
     assert share(30, 40) > 0.6  # back as the favourite once healthy again
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.floats(min_value=0, max_value=1e6), min_size=2, max_size=8),
+    st.floats(min_value=0, max_value=1e6),
+)
+def test_the_weight_is_the_normal_fits_survival_function(rates, sla):
+    """The seed's weight, P(rate > SLA) under a normal fit, against scipy's own norm.sf."""
+    from scipy.stats import norm
+
+    mu = math.fsum(rates) / len(rates)
+    sigma = math.sqrt(math.fsum((x - mu) ** 2 for x in rates) / len(rates))
+    assume(sigma > 1e-12 * max(1.0, abs(mu)))
+    expected = float(norm.sf(sla, loc=mu, scale=sigma))
+    assert _probability_above(rates, sla) == pytest.approx(expected, rel=1e-9, abs=1e-300)
 
 
 @settings(max_examples=300, deadline=None)

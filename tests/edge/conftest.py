@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
-from inproc import Admission, Edge, start_admission, start_edge
+from inproc import Admission, Edge, start_admission, start_edge, stop_servers
 
 from llmgw.config import Config, config_from_dict
 from llmgw.services.admission.service import AdmissionService
@@ -166,8 +166,7 @@ async def gateway(
         nc = await nats.connect(nats_url)
         await nc.jetstream().delete_key_value(config.pinning.bucket)
         await nc.close()
-        for server in engines.values():
-            await server.stop()
+        await stop_servers(engines.values())
 
 
 def unused_url() -> str:

@@ -6,7 +6,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 import pytest
-from inproc import start_edge
+from inproc import start_edge, stop_servers
 from rig import EDGE_LIMITS, open_rig
 
 from llmgw.services.sim.apps import create_engine_app
@@ -41,5 +41,4 @@ async def stack(nats_url, unique_id, request):
     finally:
         await edge.stop()
         await rig.close()
-        for server in engines.values():
-            await server.stop()
+        await stop_servers(engines.values())

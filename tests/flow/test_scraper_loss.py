@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import time
 
+from inproc import stop_servers
 from rig import ENDPOINTS, admitted, open_rig, until
 
 from llmgw.services.scraper.main import serve
@@ -70,5 +71,4 @@ async def test_admission_stays_safe_when_the_scraper_dies(nats_url, unique_id):
         with contextlib.suppress(asyncio.CancelledError):
             await scraper
         await rig.close()
-        for server in engines.values():
-            await server.stop()
+        await stop_servers(engines.values())

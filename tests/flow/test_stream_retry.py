@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from inproc import Edge, start_edge
+from inproc import Edge, start_edge, stop_servers
 from misbehaving import MisbehavingServer
 from rig import BODY, EDGE_LIMITS, MODEL, Rig, open_rig
 
@@ -85,8 +85,7 @@ async def open_stack(
 async def close_stack(stack: Stack) -> None:
     await stack.edge.stop()
     await stack.rig.close()
-    for server in stack.engines.values():
-        await server.stop()
+    await stop_servers(stack.engines.values())
     await stack.bad.stop()
 
 

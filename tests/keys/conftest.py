@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest_asyncio
-from inproc import Cluster
+from inproc import Cluster, stop_servers
 
 from llmgw.services.sim.apps import create_engine_app
 from llmgw.services.sim.params import EngineParams
@@ -138,8 +138,7 @@ async def keyed_cluster(nats_url: str) -> AsyncIterator[KeyedGateway]:
         except Exception:
             pass
         await nc.close()
-        for server in engines.values():
-            await server.stop()
+        await stop_servers(engines.values())
         os.environ.pop(PROVIDER_KEY_ENV, None)
 
 

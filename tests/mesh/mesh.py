@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from inproc import Cluster, connect
+from inproc import Cluster, connect, stop_servers
 
 from llmgw.config import Config, config_from_dict
 from llmgw.core.apikeys import ApiKey
@@ -178,8 +178,7 @@ class Mesh:
             with contextlib.suppress(Exception):
                 await nc.jetstream().delete_key_value(self.config.auth.bucket)
             await nc.close()
-        for server in self.engines.values():
-            await server.stop()
+        await stop_servers(self.engines.values())
 
 
 async def start_mesh(

@@ -69,8 +69,9 @@ async def test_sigterm_unready_first_then_drains_then_ends_the_rest_and_releases
         await until(lambda: _held(nats_client, 2), timeout=10)
         assert (await http.get(edge.admin + "/ready")).status_code == 200
 
-        edge.service.process.terminate()
+        # Before the signal: the edge may start its drain clock before this process runs again.
         signalled = time.monotonic()
+        edge.service.process.terminate()
 
         async def unready() -> bool:
             r = await http.get(edge.admin + "/ready")

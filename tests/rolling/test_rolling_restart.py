@@ -63,8 +63,7 @@ async def test_every_service_kind_restarts_in_turn_under_load_with_no_failed_req
     for service in [s for kinds in gateway.services.values() for s in kinds]:
         await asyncio.to_thread(service.wait_ready)
     await until(lambda: _both_serve(nats_client), timeout=20)
-    await gateway.started("edge")
-    await gateway.started("edge")
+    await asyncio.gather(gateway.started("edge"), gateway.started("edge"))
 
     results = Results()
     stop = asyncio.Event()

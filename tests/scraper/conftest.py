@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 
 import nats
 import pytest_asyncio
+from inproc import stop_servers
 from nats.aio.client import Client as NatsClient
 from nats.js.errors import NotFoundError
 from scraper_helpers import Connect, EventLog, LoadGenerator, StartEngine
@@ -54,8 +55,7 @@ async def start_engine() -> AsyncIterator[StartEngine]:
         return server
 
     yield start
-    for server in servers:
-        await server.stop()
+    await stop_servers(servers)
 
 
 @pytest_asyncio.fixture

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import httpx
 import pytest
 import pytest_asyncio
+from inproc import stop_servers
 from nats.aio.client import Client as NatsClient
 from scraper_helpers import (
     MODEL,
@@ -69,8 +70,7 @@ async def start_static() -> AsyncIterator[StartStatic]:
         return server
 
     yield start
-    for server in servers:
-        await server.stop()
+    await stop_servers(servers)
 
 
 async def test_reports_land_in_the_bucket_with_the_capacity_learned_under_load(

@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 
 import httpx
 import pytest_asyncio
+from inproc import stop_servers
 from sim_helpers import Serve
 
 from llmgw.serving import RunningServer, start_server
@@ -29,5 +30,4 @@ async def serve() -> AsyncIterator[Serve]:
     finally:
         for client in clients:
             await client.aclose()
-        for server in servers:
-            await server.stop()
+        await stop_servers(servers)

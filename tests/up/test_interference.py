@@ -17,6 +17,7 @@ load stops being a real load:
 from __future__ import annotations
 
 import asyncio
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,12 @@ pytestmark = pytest.mark.e2e
 
 
 def run_cluster(
-    tmp_path: Path, start_up, *, admission: bool, engine_priority: bool = False
+    tmp_path: Path,
+    start_up,
+    *,
+    admission: bool,
+    engine_priority: bool = False,
+    cap_factor: float | None = None,
 ) -> dict[str, Any]:
     config = interference_config(
         tmp_path / f"admission-{admission}.yaml",
@@ -48,8 +54,13 @@ def run_cluster(
     up: UpProcess = start_up(config)
     api = up.wait_for(READY, timeout=90).group(1)
     try:
-        return asyncio.run(measure(api, *cluster_endpoints(config)))
+        return asyncio.run(measure(api, *cluster_endpoints(config), cap_factor=cap_factor))
     finally:
+        # Ctrl-C twice: this test is about latency, not stopping (tests/up/test_up_e2e.py). A
+        # graceful stop would wait for the flood's abandoned requests still at the engines (up
+        # to llmgw up's grace); the second signal kills what is left, NATS still stops cleanly.
+        up.process.send_signal(signal.SIGTERM)
+        up.wait_for(r"^\[edge\] stopping", timeout=10)
         up.stop()
 
 
@@ -61,7 +72,11 @@ def test_platinum_latency_holds_under_a_bronze_flood_only_with_admission(tmp_pat
     assert on["bronze_failed"] == 0, summary(on)
     assert p99(on["loaded"]) <= 1.2 * p99(on["idle"]), summary(on)
 
-    off = run_cluster(tmp_path, start_up, admission=False)
+    # A probe counts as at most 11x the idle p99 (a lower bound on its latency: ~7 s instead of
+    # the ~22 s it waits behind the flood). The p99 of those is never above the true p99, so a
+    # pass is never a false pass; it is the true p99 capped while the second-worst probe
+    # reaches the cap (measured: all of them wait ~20 s).
+    off = run_cluster(tmp_path, start_up, admission=False, cap_factor=11)
     print("admission off: " + summary(off))
     assert p99(off["loaded"]) >= 10 * p99(off["idle"]), summary(off)
     assert off["bronze_queued"] == 0 and off["bronze_failed"] == 0, summary(off)

@@ -71,6 +71,8 @@ def test_up_serves_a_chat_completion_and_stops_cleanly_on_sigterm(
     assert order[0] == "edge"
     assert set(order[1:4]) == {"admission", "reaper", "scraper"}  # one tier, stopped together
     assert set(order[4:]) == {"engine-1", "engine-2", "tensorx-east", "tensorx-west"}
+    # No load balancer in front of `llmgw up`'s edge to wait for: it drains at once.
+    assert any("serving 0.0s more before draining" in line for line in up.lines)
 
 
 def test_up_restarts_a_killed_engine_and_keeps_serving(

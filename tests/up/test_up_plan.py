@@ -13,7 +13,13 @@ from up_harness import LOCAL_CONFIG, UpProcess
 
 from llmgw.config import config_from_dict, load_config
 from llmgw.services.up.main import run
-from llmgw.services.up.plan import ListenAddress, ServiceSpec, duplicate_listens, plan_cluster
+from llmgw.services.up.plan import (
+    ListenAddress,
+    ServiceSpec,
+    duplicate_listens,
+    edge_env,
+    plan_cluster,
+)
 
 
 def test_plans_simulators_then_admission_then_edge_for_the_local_config() -> None:
@@ -52,6 +58,15 @@ def test_plans_simulators_then_admission_then_edge_for_the_local_config() -> Non
     assert by_name["edge"].argv == ("edge", "--config", "config/local.yaml")
     assert [str(a) for a in by_name["edge"].listens] == ["127.0.0.1:8080", "127.0.0.1:9090"]
     assert [str(a) for a in by_name["engine-2"].listens] == ["127.0.0.1:8102"]
+
+
+def test_the_edge_drains_at_once_unless_the_config_or_the_environment_sets_a_delay() -> None:
+    assert edge_env(load_config(LOCAL_CONFIG, env={})) == {"LLMGW_ROUTER__DRAIN_DELAY": "0s"}
+    data = yaml.safe_load(LOCAL_CONFIG.read_text())
+    data.setdefault("router", {})["drain_delay"] = "2s"
+    assert edge_env(config_from_dict(data, source="test", env={})) == {}
+    env = {"LLMGW_ROUTER__DRAIN_DELAY": "5s"}
+    assert edge_env(load_config(LOCAL_CONFIG, env=env)) == {}
 
 
 def test_endpoints_without_simulate_are_not_started() -> None:
