@@ -262,8 +262,17 @@ class LoadFollower:
             self._on_report(report)
 
     async def start(self) -> None:
-        for entry in await self._kv.list(REPORT_KEY_PREFIX):
-            self._apply(entry.value)
+        """Read the reports there are, then follow. A read that times out (JetStream not ready
+        yet on a fresh cluster) does not fail the start: the watch replays the last report of
+        every endpoint first, and retries until the bucket answers; until then the board knows
+        no load (as for engines that publish no metrics)."""
+        try:
+            entries = await self._kv.list(REPORT_KEY_PREFIX)
+        except TimeoutError:
+            log.warning("the load bucket did not answer in time; following it as it comes up")
+        else:
+            for entry in entries:
+                self._apply(entry.value)
         self._task = asyncio.create_task(self._follow(), name="load-follower")
 
     async def _follow(self) -> None:

@@ -6,11 +6,20 @@ scraper saw; the engine's numbers only add what the gateway did not send.
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 from rig import MODEL, rig_config
 
-from llmgw.load import EndpointReport, LoadSample
+from llmgw.load import EndpointReport, LoadSample, report_key
 from llmgw.services.admission.health import HealthBoard
-from llmgw.services.admission.loadboard import FOREIGN_WINDOW, PEER_FORGET_AFTER, LoadBoard
+from llmgw.services.admission.loadboard import (
+    FOREIGN_WINDOW,
+    PEER_FORGET_AFTER,
+    LoadBoard,
+    LoadFollower,
+)
+from llmgw.state.memory_kv import MemoryKV
 
 T = 1_000_000.0
 
@@ -103,3 +112,45 @@ def test_an_engine_without_load_metrics_is_fresh_and_scored_by_the_gateways_coun
     b.set_own("engine-1", capacity + 2, T + 1)
     assert b.saturation("engine-1", T + 1) == 2 / 4  # 2 queued over target_waiting 4
     assert b.metrics_mode("engine-1") == "none"
+
+
+class SlowToStartKV(MemoryKV):
+    """A bucket whose first read times out (JetStream not ready yet on a fresh cluster)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lists = 0
+
+    async def list(self, prefix: str):  # type: ignore[no-untyped-def]
+        self.lists += 1
+        if self.lists == 1:
+            raise TimeoutError
+        return await super().list(prefix)
+
+
+async def test_a_load_bucket_that_does_not_answer_at_start_is_followed_once_it_does():
+    kv = SlowToStartKV()
+    sample = LoadSample(dialect="vllm", running=3, waiting=0, kv_usage=0.1)
+    stored = EndpointReport(
+        endpoint="engine-1",
+        provider="iris",
+        pool="p",
+        models=(MODEL,),
+        healthy=True,
+        sample=sample,
+        capacity=8,
+        scraped_at=time.time(),
+        scraper="test",
+    )
+    await kv.put(report_key("engine-1"), stored.to_bytes())
+    b = board()
+    follower = LoadFollower(b, kv)
+    await follower.start()  # the read timed out: the start goes on
+    try:
+        deadline = time.monotonic() + 5
+        while not b.knows("engine-1"):  # the watch replays the stored report
+            assert time.monotonic() < deadline, "the report never reached the board"
+            await asyncio.sleep(0.01)
+        assert b.capacity("engine-1") == 8
+    finally:
+        await follower.stop()
