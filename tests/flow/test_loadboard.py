@@ -39,18 +39,20 @@ def report(
     sample = None
     if running is not None or waiting is not None or kv is not None:
         sample = LoadSample(dialect="vllm", running=running, waiting=waiting, kv_usage=kv)
-    board.apply(
-        EndpointReport(
-            endpoint="engine-1",
-            provider="iris",
-            pool="p",
-            models=(MODEL,),
-            healthy=True,
-            sample=sample,
-            capacity=0,
-            scraped_at=at,
-            scraper="test",
-        )
+    board.apply(engine_report(at, sample))
+
+
+def engine_report(at: float, sample: LoadSample | None, capacity: int = 0) -> EndpointReport:
+    return EndpointReport(
+        endpoint="engine-1",
+        provider="iris",
+        pool="p",
+        models=(MODEL,),
+        healthy=True,
+        sample=sample,
+        capacity=capacity,
+        scraped_at=at,
+        scraper="test",
     )
 
 
@@ -131,17 +133,7 @@ class SlowToStartKV(MemoryKV):
 async def test_a_load_bucket_that_does_not_answer_at_start_is_followed_once_it_does():
     kv = SlowToStartKV()
     sample = LoadSample(dialect="vllm", running=3, waiting=0, kv_usage=0.1)
-    stored = EndpointReport(
-        endpoint="engine-1",
-        provider="iris",
-        pool="p",
-        models=(MODEL,),
-        healthy=True,
-        sample=sample,
-        capacity=8,
-        scraped_at=time.time(),
-        scraper="test",
-    )
+    stored = engine_report(time.time(), sample, capacity=8)
     await kv.put(report_key("engine-1"), stored.to_bytes())
     b = board()
     follower = LoadFollower(b, kv)
