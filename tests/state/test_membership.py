@@ -7,6 +7,9 @@ its next heartbeat reports it lost, and its member key is gone so its shards can
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 from llmgw.services.admission.membership import Membership
 from llmgw.state.store import RoutingStore
 
@@ -79,4 +82,47 @@ async def test_a_renewal_that_lands_after_the_fence_does_not_unfence_it(kv_store
         assert not membership.can_serve()
         assert await members(store) == []
     finally:
+        await membership.leave()
+
+
+class SlowListing(RoutingStore):
+    """A store whose member listing waits for `go` (a loaded host's slow join)."""
+
+    def __init__(self, kv) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(kv)
+        self.go = asyncio.Event()
+
+    async def members(self):  # type: ignore[no-untyped-def]
+        await self.go.wait()
+        return await super().members()
+
+
+async def test_a_joining_instance_beats_while_it_lists_the_members(kv_store):
+    """The heartbeat starts once the member key exists, not after the view is read: a listing
+    slower than the fence neither lets the key go stale nor fences the newcomer."""
+    store, plain = SlowListing(kv_store), RoutingStore(kv_store)
+    membership = Membership(store, "adm-1", heartbeat=0.1, ttl=1.0)  # fence_after 0.5 s
+    join = asyncio.create_task(membership.join())
+    try:
+        renewals: list[float] = []
+        started = time.monotonic()
+        deadline = started + 3.0
+        # Two renewals seen in the bucket, and the listing held past the fence.
+        while len(renewals) < 3 or time.monotonic() - started < 1.2 * membership.fence_after:
+            assert time.monotonic() < deadline, (
+                f"member key writes seen (the first: its creation): {renewals}"
+            )
+            stored = await plain.members()
+            if stored and (not renewals or stored[0].value.renewed_at > renewals[-1]):
+                renewals.append(stored[0].value.renewed_at)
+            await asyncio.sleep(0.005)
+        assert not join.done()  # still listing
+        assert membership.can_serve()
+        store.go.set()
+        await join
+        assert membership.can_serve()
+        assert await members(plain) == ["adm-1"]
+    finally:
+        store.go.set()
+        await join
         await membership.leave()
