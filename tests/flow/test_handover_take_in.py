@@ -20,7 +20,7 @@ import pytest
 from nats.errors import TimeoutError as NatsTimeoutError
 from rig import MODEL, open_rig, until
 
-from llmgw.core.apikeys import key_pair
+from llmgw.core.apikeys import KeyLimits, key_pair
 from llmgw.core.shards import shard_of
 from llmgw.services.admission.quotas import QuotaKeeper
 from llmgw.state.checker import AuditLog, check_audit
@@ -79,7 +79,7 @@ async def rig(nats_url, unique_id):
     await rig.close()
 
 
-async def _ask(rig, shard: int, session: str, key: str | None = None) -> AdmitReply:  # type: ignore[no-untyped-def]
+async def _ask(rig, shard: int, session: str | None, key: str | None = None) -> AdmitReply:  # type: ignore[no-untyped-def]
     """The first answer to one ask (ADMITTED, REFUSED, or QUEUED when it waits)."""
     request = rig.request(session=session, shard=shard)
     if key is not None:
@@ -100,11 +100,12 @@ def _sessions_of(shards: set[int], count: int, n: int, prefix: str) -> list[tupl
     return found
 
 
-async def _handed(rig, moving: int) -> list[str]:  # type: ignore[no-untyped-def]
-    """Two leases of the giver in shard `moving`, with an API key (a second pair to move)."""
+async def _handed(rig, moving: int, *, pinned: bool = True) -> list[str]:  # type: ignore[no-untyped-def]
+    """Two leases of the giver in shard `moving`, with an API key (a second pair to move); with
+    their sessions pinned unless not `pinned`."""
     leases = []
     for shard, session in _sessions_of({moving}, rig.config.admission.shards, 2, "handed"):
-        reply = await _ask(rig, shard, session, key=KEY)
+        reply = await _ask(rig, shard, session if pinned else None, key=KEY)
         assert reply.status is ReplyStatus.ADMITTED and reply.target.provider == "iris", reply
         leases.append(reply.lease.lease_id)
     return leases
@@ -158,38 +159,57 @@ async def test_a_receiver_never_spends_the_quota_moved_in_for_a_shard_before_tak
     assert violations == [], "\n".join(str(v) for v in violations[:3])
 
 
-async def test_a_take_in_that_fails_leaves_the_quota_moved_in_for_it_spendable(rig, monkeypatch):
+@pytest.mark.parametrize("path", ["handover", "adoption"])
+async def test_a_take_in_that_fails_leaves_the_quota_moved_in_for_it_spendable(
+    rig, monkeypatch, path
+):
     """The receiver's transfer fails after the managed pair's earmark has moved to it (a store
     error on the second pair): that quota must not stay set aside for a shard it never took in.
-    Its adoption of the shard (which would take in what it can, and end the set-aside too) is
-    held meanwhile, so only the failed handover's own clean-up can make the quota spendable."""
+    `handover`: the handover's transfer fails, and the receiver's adoption of the shard (which
+    would end the set-aside too) is held meanwhile. `adoption`: the handover never arrives (its
+    message is lost) and the adoption's transfer takes the earmark, then fails."""
     await rig.report_all(running=0, capacity=16)
     handle_giver, handle_receiver = rig.cluster.admissions
     giver, receiver = handle_giver.service, handle_receiver.service
     moving = min(giver.shards.serving)
-    await _handed(rig, moving)
+    # No pins: an adoption's retry then has nothing of the managed pair to move (it would
+    # overwrite what the failed one set aside).
+    await _handed(rig, moving, pinned=False)
+    # The key is known at the receiver (a request of its own had it): its book is read in a
+    # transfer of `moving` whichever way the shard comes in.
+    await receiver.quotas.track(key_pair(KEY), KeyLimits(KEY_LIMIT))
 
-    failures: list[int] = []
-    healed = asyncio.Event()
+    healed, failed = asyncio.Event(), asyncio.Event()
 
     async def fail() -> None:
         if not healed.is_set():
-            failures.append(moving)
+            failed.set()
             raise NatsTimeoutError  # the routing bucket did not answer
 
     _during_transfer(monkeypatch, receiver.quotas, moving, fail)
-    adopt, adopting = receiver.shards._adopt, asyncio.Event()
+    adopt, send = receiver.shards._adopt, giver.shards._send_handover
+    adopting = asyncio.Event()
 
     async def held(shards):  # type: ignore[no-untyped-def]
         if any(shard == moving for shard, _ in shards):
             await adopting.wait()
         return await adopt(shards)
 
-    monkeypatch.setattr(receiver.shards, "_adopt", held)
+    async def lost(target, handover):  # type: ignore[no-untyped-def]
+        if handover.state.shard != moving:
+            return await send(target, handover)
+        async with asyncio.timeout(10):
+            await failed.wait()  # the receiver adopted the shard meanwhile, and that failed
+        raise NatsTimeoutError
+
+    if path == "handover":
+        monkeypatch.setattr(receiver.shards, "_adopt", held)
+    else:
+        monkeypatch.setattr(giver.shards, "_send_handover", lost)
     pair = ("iris", MODEL)
     try:
-        await handle_giver.stop()  # every shard to the receiver; `moving`'s handover fails
-        assert failures, "the receiver's transfer of the moved shard did not fail"
+        await handle_giver.stop()  # every shard to the receiver; `moving` is not taken in
+        assert failed.is_set(), "the receiver's transfer of the moved shard did not fail"
         book = (await receiver.store.quota_book(*pair)).value
         assert (giver.instance, moving) not in book.handing  # its earmark moved, then it failed
         # Alone now: the whole limit is the receiver's to spend, none held for the failed shard.
