@@ -238,8 +238,7 @@ class AdmissionService:
             else None
         )
         self._bands = {b.name: b for b in admission.bands}
-        self.colocated_edge: str | None = None  # `serve_edge`
-        self._own_edge_marker: bytes | None = None
+        self._own_edge_marker: bytes | None = None  # `serve_edge`
         ranked = sorted(admission.bands, key=lambda b: -b.priority)
         self._engine_priority = {b.name: index for index, b in enumerate(ranked)}
         self._fallbacks = {m.name: tuple(m.fallbacks) for m in config.models}
@@ -677,26 +676,20 @@ class AdmissionService:
             ended = RequestEnded.model_validate_json(msg.data)
         except ValidationError:
             return
-        if ended.edge != self.colocated_edge:
-            self._apply_ended(ended)
+        self.ended_here(ended)
 
     def serve_edge(self, edge: str) -> None:
         """This instance runs in edge `edge`'s process (``admission.colocated``): that edge hands
         its ends to `ended_here` and this instance ignores their copies on NATS. The marker is
         the bytes that the edge's compact JSON holds for its `edge` field; no other field's
         string can hold them (quotes inside strings are escaped)."""
-        self.colocated_edge = edge
         self._own_edge_marker = f'"edge":"{edge}"'.encode()
 
     def ended_here(self, ended: RequestEnded) -> bool:
-        """The colocated edge's end, applied in process; True if no other instance needs it
-        soon: its lease (if any) was this instance's, so what is left for the others on NATS
-        (balancer sample, breaker evidence) may wait a few milliseconds."""
-        return self._apply_ended(ended)
-
-    def _apply_ended(self, ended: RequestEnded) -> bool:
-        """Release the end's lease here if it is this instance's, then feed the balancer and
-        the breakers; True if its lease (or none) was settled here."""
+        """Apply an end: release its lease here if it is this instance's, then feed the balancer
+        and the breakers. True if its lease (or none) was settled here: for the colocated edge
+        (which calls this in process), what is left for the others on NATS (balancer sample,
+        breaker evidence) may then wait a few milliseconds."""
         now = self._clock()
         settled = True
         if ended.lease is not None:
