@@ -48,6 +48,7 @@ __all__ = ["BucketConfigMismatch", "NatsKV", "open_routing_bucket"]
 
 _WRONG_LAST_SEQUENCE = (10071, 10164)  # JSStreamWrongLastSequence(Constant)Err
 _STREAM_NAME_IN_USE = 10058  # stream exists with a different configuration
+_LEADER_WAIT = 10.0  # seconds a new replicated bucket may take to elect its leader
 _EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
 _KV_OPERATION = "KV-Operation"
 _MARKER_REASON = "Nats-Marker-Reason"  # server-placed TTL/limit markers (server >= 2.11)
@@ -328,7 +329,23 @@ async def open_routing_bucket(
         # Read back whatever exists now (ours or a racing instance's) and check it.
         info = await js.stream_info(stream)
     _check_bucket(name, info, storage=storage_type, replicas=replicas, history=history)
+    if replicas > 1:
+        info = await _with_leader(js, stream, info)
     return NatsKV(js, name, direct=bool(info.config.allow_direct))
+
+
+async def _with_leader(
+    js: JetStreamContext, stream: str, info: StreamInfo, wait: float = _LEADER_WAIT
+) -> StreamInfo:
+    """A replicated bucket just created on a fresh cluster has no leader for a moment: writes
+    then get no response from the stream. Wait (up to `wait` seconds) until it has one."""
+    deadline = asyncio.get_running_loop().time() + wait
+    while (info.cluster is None or not info.cluster.leader) and (
+        asyncio.get_running_loop().time() < deadline
+    ):
+        await asyncio.sleep(0.1)
+        info = await js.stream_info(stream)
+    return info
 
 
 def _check_bucket(
