@@ -6,11 +6,13 @@
 - `OpenAIErrorsHttpTools`: uvicorn's httptools protocol, except that a request the parser refuses
   (a control character in a header, a malformed request line) gets a JSON 400
   (``invalid_request_error`` / ``malformed_request``) instead of uvicorn's plain-text page.
-  `llmgw.serving.start_server` uses it for any app that names it as ``http_protocol``.
+  `llmgw.serving.start_server` uses it for any app that names it as ``http_protocol``. It also
+  sends each response's head together with its first body bytes (`HeadWithBody`).
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from starlette.responses import Response
@@ -18,7 +20,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from llmgw.services.edge.errors import error_body
 
-__all__ = ["OpenAIErrorsHttpTools", "headers_refused"]
+__all__ = ["HeadWithBody", "OpenAIErrorsHttpTools", "headers_refused"]
 
 _STATUS_431 = 431
 
@@ -41,8 +43,55 @@ def headers_refused(scope: dict[str, Any], max_count: int, max_bytes: int) -> Re
     )
 
 
+class HeadWithBody:
+    """One response's transport (uvicorn's cycle writes through it): the response head (status
+    line and headers, the cycle's first write but for a ``100 Continue``) is held until the first
+    body bytes and sent with them in one write, so the client gets one segment and wakes once,
+    not twice; the edge makes one send call. A head whose body does not follow in the same loop
+    turn (a HEAD request, a stream that has nothing yet) goes at the next turn, alone.
+
+    Invariant: bytes reach the socket in the order written; nothing is held past one loop turn
+    or past `close`."""
+
+    __slots__ = ("_held", "_started", "_transport")
+
+    def __init__(self, transport: Any) -> None:
+        self._transport = transport
+        self._held: bytes | None = None
+        self._started = False  # the head was written (held or sent)
+
+    def write(self, data: bytes) -> None:
+        if self._held is not None:
+            data, self._held = self._held + data, None
+        elif not self._started and not data.startswith(b"HTTP/1.1 100 "):
+            self._started = True
+            self._held = data
+            asyncio.get_running_loop().call_soon(self._send_held)
+            return
+        self._transport.write(data)
+
+    def _send_held(self) -> None:
+        if self._held is not None:
+            held, self._held = self._held, None
+            self._transport.write(held)
+
+    def close(self) -> None:
+        self._send_held()
+        self._transport.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
 class OpenAIErrorsHttpTools(HttpToolsProtocol):
-    """HttpToolsProtocol whose parser errors are OpenAI-shaped JSON (see the module docstring)."""
+    """HttpToolsProtocol whose parser errors are OpenAI-shaped JSON, and whose responses go out
+    head and body in one write (`HeadWithBody`; see the module docstring)."""
+
+    def on_headers_complete(self) -> None:
+        super().on_headers_complete()
+        cycle = self.cycle  # the new request's (its ASGI task has not run yet)
+        if cycle is not None and not isinstance(cycle.transport, HeadWithBody):
+            cycle.transport = HeadWithBody(self.transport)
 
     def send_400_response(self, msg: str) -> None:
         body = error_body(
