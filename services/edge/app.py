@@ -30,7 +30,7 @@ from llmgw.core.requests import Feature, InvalidRequest, parse_request
 from llmgw.core.sessions import session_id, tenant_id
 from llmgw.core.shards import shard_of
 from llmgw.logs import REQUEST_ID_HEADER, accept_request_id, request_id
-from llmgw.services.edge.attempts import _PATHS, Attempts, RoutedRequest
+from llmgw.services.edge.attempts import _PATHS, Answer, Attempts, RoutedRequest
 from llmgw.services.edge.auth import KeyAuth
 from llmgw.services.edge.drain import EdgeDrain, with_connection_close
 from llmgw.services.edge.errors import error_body, error_response
@@ -118,7 +118,7 @@ class Edge:
                 raise BodyTooLarge
         return bytes(body)
 
-    async def handle(self, request: Request, feature: Feature) -> tuple[Response, RequestRecord]:
+    async def handle(self, request: Request, feature: Feature) -> tuple[Answer, RequestRecord]:
         """The response, and the record whose `sent` the caller runs once it has sent it (the
         attempt's end and the access line wait for that: off the client's critical path)."""
         record = RequestRecord(
@@ -138,7 +138,7 @@ class Edge:
 
     async def _handle(
         self, request: Request, record: RequestRecord
-    ) -> tuple[Response, Outcome | None]:
+    ) -> tuple[Answer, Outcome | None]:
         feature = record.feature
         ids = {REQUEST_ID_HEADER: record.request_id}
         caller = None

@@ -33,13 +33,14 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from llmgw.contracts import AdmissionUnavailable
 from llmgw.core.outcomes import REFUSAL_OUTCOMES, Outcome
 from llmgw.core.usage import StreamUsage, Usage, usage_in
 from llmgw.services.edge.drain import SHUTDOWN_MESSAGE
 from llmgw.services.edge.errors import error_body, error_response, sse_error_event
+from llmgw.services.edge.streamed import StreamedAnswer
 from llmgw.services.edge.upstream import (
     LEASE_LOST_MESSAGE,
     StreamRelay,
@@ -58,6 +59,8 @@ if TYPE_CHECKING:
     from llmgw.services.edge.app import Edge
     from llmgw.services.edge.leases import HeldLease
     from llmgw.services.edge.telemetry import RequestRecord
+
+Answer = Response | StreamedAnswer  # what the client gets: a whole response or a stream
 
 # Failures of the endpoint, not of the request: worth another endpoint while nothing was sent.
 _RETRYABLE = frozenset(
@@ -122,7 +125,7 @@ class Attempts:
         self.edge = edge
         self._ids = itertools.count()
 
-    async def run(self, routed: RoutedRequest) -> tuple[Response, Outcome | None]:
+    async def run(self, routed: RoutedRequest) -> tuple[Answer, Outcome | None]:
         """The client's response and outcome; outcome None: a stream that records its own."""
         edge = self.edge
         retries = edge.retries.get(routed.model, 0)
@@ -192,7 +195,7 @@ class Attempts:
 
     async def _attempt(
         self, routed: RoutedRequest, reply: AdmitReply, ending: _AttemptEnd
-    ) -> tuple[Response, Outcome | None] | _Failed:
+    ) -> tuple[Answer, Outcome | None] | _Failed:
         edge = self.edge
         target = reply.target
         assert target is not None
@@ -320,7 +323,9 @@ class Attempts:
 
         upstream_headers.setdefault("content-type", "text/event-stream")
         upstream_headers["cache-control"] = "no-cache"
-        return _EndingStream(body_then_finish(), end_once, upstream, headers=upstream_headers), None
+        return StreamedAnswer(
+            body_then_finish(), end_once, upstream, headers=upstream_headers
+        ), None
 
     def _failure(
         self,
@@ -371,29 +376,6 @@ class Attempts:
                 refused=ending.refused,
             ),
         )
-
-
-class _EndingStream(StreamingResponse):
-    """A streamed response that ends its attempt even if its body never starts.
-
-    When the client is gone before the first byte, Starlette fails on sending the headers and
-    never starts the body generator, whose `finally` would end it; this runs the same ending
-    (and closes the upstream) regardless.
-    """
-
-    def __init__(
-        self, body: Any, on_end: Callable[[], None], upstream: Any, *, headers: dict[str, str]
-    ) -> None:
-        super().__init__(body, status_code=200, headers=headers)
-        self._on_end = on_end
-        self._upstream = upstream
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._on_end()
-            self._upstream.close()
 
 
 class _AttemptEnd:

@@ -124,7 +124,20 @@ async def test_per_session_limit_sends_extra_requests_to_a_temporary_fallback(ga
     assert current.pin_id == pin.pin_id and current.provider == "iris"
 
 
+def _requests_ended_as(gateway, outcome):
+    """The edge's requests counted with `outcome`, over every label set."""
+    return sum(
+        sample.value
+        for metric in gateway.deps.metrics.registry.collect()
+        for sample in metric.samples
+        if sample.name == "llmgw_edge_requests_total" and sample.labels["outcome"] == outcome
+    )
+
+
 async def test_client_disconnect_mid_stream_releases_the_lease(gateway):
+    """The client hangs up while the engine is still streaming (200 tokens at 20 ms: 4 s): the
+    edge stops relaying at once, ends the attempt as client_disconnected and releases its lease,
+    long before the stream would have ended."""
     async with httpx.AsyncClient() as http:
         async with http.stream(
             "POST", gateway.url + CHAT_PATH, json=turn(max_tokens=200, stream=True)
@@ -133,7 +146,13 @@ async def test_client_disconnect_mid_stream_releases_the_lease(gateway):
             assert (await anext(lines)).startswith("data: ")  # streaming, lease held
             assert len(live_leases(gateway)) == 1
         # Leaving the block closes the connection mid-stream.
-    await eventually(lambda: _no_leases(gateway))
+    await eventually(lambda: _no_leases(gateway), timeout=1.5)
+
+    async def counted():
+        return _requests_ended_as(gateway, "client_disconnected") == 1
+
+    await eventually(counted, timeout=1.5)
+    assert _requests_ended_as(gateway, "success") == 0
 
 
 async def test_client_gone_before_a_whole_answer_still_ends_its_attempt(gateway):
