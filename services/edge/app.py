@@ -6,7 +6,7 @@ and streams the answer back. Bad input is rejected before anything is sent to NA
 no admission decision and no lease.
 
 The edge depends on ports (`llmgw.contracts`): an `AdmissionClient`, a `LeaseStore` and a
-`RequestReporter`, plus the pooled upstream HTTP session and its metrics (`EdgeDeps`).
+`RequestReporter`, plus the pool of upstream HTTP connections and its metrics (`EdgeDeps`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import aiohttp
 from fastapi import FastAPI
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect, Request
@@ -41,6 +40,7 @@ from llmgw.services.edge.telemetry import EdgeTelemetry, RequestRecord
 if TYPE_CHECKING:
     from llmgw.config.schema import Config, Timeouts
     from llmgw.contracts import AdmissionClient, RequestReporter
+    from llmgw.services.edge.http_client import UpstreamPool
     from llmgw.services.edge.leases import EdgeLeases
     from llmgw.tracing import Tracing
 
@@ -60,7 +60,7 @@ class EdgeDeps:
     admission: AdmissionClient
     leases: EdgeLeases
     reporter: RequestReporter
-    session: aiohttp.ClientSession
+    upstream: UpstreamPool  # keep-alive connections to the engines and APIs
     metrics: EdgeMetrics
     edge_id: str = field(default_factory=lambda: f"edge-{uuid.uuid4().hex[:8]}")
     rng: random.Random = field(default_factory=random.Random)

@@ -233,7 +233,7 @@ class Attempts:
             hold.on_lost = task.cancel  # until the answer's headers: a cut or loss stops the wait
         try:
             upstream = await open_upstream(
-                edge.deps.session,
+                edge.deps.upstream,
                 url,
                 raw,
                 edge.upstream_headers_for(routed, target.provider),

@@ -43,7 +43,7 @@ from llmgw.services.edge.leases import EdgeLeases
 from llmgw.services.edge.metrics import EdgeMetrics
 from llmgw.services.edge.outage import OutageAdmission
 from llmgw.services.edge.reporting import NatsReporter
-from llmgw.services.edge.upstream import new_session
+from llmgw.services.edge.upstream import new_pool
 from llmgw.serving import RunningServer, start_server
 from llmgw.tracing import open_tracing
 
@@ -161,7 +161,7 @@ async def open_edge_deps(  # type: ignore[no-untyped-def]
         admission=admission,
         leases=leases,
         reporter=reporter,
-        session=new_session(config.timeouts),
+        upstream=new_pool(config.timeouts),
         metrics=metrics,
         edge_id=edge_id,
         tracing=open_tracing("edge", config.tracing),
@@ -175,7 +175,7 @@ async def close_edge_deps(deps: EdgeDeps) -> None:
     await deps.reporter.drain()  # type: ignore[attr-defined]
     await deps.leases.stop()
     await deps.admission.stop()  # type: ignore[attr-defined]
-    await deps.session.close()
+    await deps.upstream.close()
     if deps.tracing is not None:
         deps.tracing.shutdown()  # flushes the exporter
 

@@ -1,7 +1,8 @@
 """Relaying one admitted request to its upstream endpoint.
 
-One pooled aiohttp session per edge process (httpx's default transport
-collapses under concurrency; see docs/benchmarks.md). Timeouts are phases,
+One pool of keep-alive connections per edge process (`llmgw.services.edge.http_client`: a lean
+HTTP/1.1 client; httpx's default transport collapses under concurrency and aiohttp costs ~2.5x
+the CPU, see docs/benchmarks.md). Timeouts are phases,
 not one number (the config's `Timeouts`): dial, response headers, first
 streamed chunk, idle gap between chunks, and total. Each ends the request
 with a clear error. A stream's first chunk is read before anything is sent to
@@ -20,12 +21,16 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
-import aiohttp
-
 from llmgw.core.outcomes import Outcome
 from llmgw.core.sse import StartKind, stream_start
 from llmgw.core.usage import StreamUsage
 from llmgw.services.edge.errors import sse_error_event
+from llmgw.services.edge.http_client import (
+    UpstreamBrokenError,
+    UpstreamConnectError,
+    UpstreamPool,
+    UpstreamResponse,
+)
 
 if TYPE_CHECKING:
     from llmgw.config.schema import Timeouts
@@ -51,25 +56,18 @@ class UpstreamFailure(Exception):
         self.refused = refused  # no connection could be made: nothing serves there
 
 
-def new_session(timeouts: Timeouts) -> aiohttp.ClientSession:
-    """The edge's one upstream session: pooled keep-alive connections, no cookie jar."""
-    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30, ttl_dns_cache=60)
-    return aiohttp.ClientSession(
-        connector=connector,
-        cookie_jar=aiohttp.DummyCookieJar(),
-        auto_decompress=False,
-        timeout=aiohttp.ClientTimeout(total=None, sock_connect=timeouts.dial),
-        skip_auto_headers=("User-Agent",),
-    )
+def new_pool(timeouts: Timeouts) -> UpstreamPool:
+    """The edge's one upstream pool: keep-alive connections, dialled within ``timeouts.dial``."""
+    return UpstreamPool(dial=timeouts.dial, keepalive=30.0)
 
 
 async def open_upstream(
-    session: aiohttp.ClientSession,
+    pool: UpstreamPool,
     url: str,
     body: bytes,
     headers: dict[str, str],
     timeouts: Timeouts,
-) -> aiohttp.ClientResponse:
+) -> UpstreamResponse:
     """POST and wait for the response headers; raises UpstreamFailure.
 
     No connection at all (refused, no such host, dial timeout) is UPSTREAM_UNREACHABLE with
@@ -79,8 +77,8 @@ async def open_upstream(
     response that is not HTTP is UPSTREAM_ERROR without a status. All are retryable."""
     try:
         async with asyncio.timeout(timeouts.response_header):
-            return await session.post(url, data=body, headers=headers)
-    except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+            return await pool.post(url, body, headers)
+    except UpstreamConnectError as exc:
         raise UpstreamFailure(
             Outcome.UPSTREAM_UNREACHABLE,
             f"The upstream endpoint is unreachable: {exc}",
@@ -91,22 +89,22 @@ async def open_upstream(
             Outcome.UPSTREAM_TIMEOUT,
             f"The upstream did not send response headers within {timeouts.response_header:g}s.",
         ) from None
-    except aiohttp.ClientConnectionError as exc:
+    except UpstreamBrokenError as exc:
+        if exc.not_http:
+            raise UpstreamFailure(
+                Outcome.UPSTREAM_ERROR, f"The upstream request failed: {exc}"
+            ) from None
         raise UpstreamFailure(
             Outcome.UPSTREAM_UNREACHABLE,
-            f"The upstream connection broke before the response: {exc or type(exc).__name__}",
-        ) from None
-    except aiohttp.ClientError as exc:
-        raise UpstreamFailure(
-            Outcome.UPSTREAM_ERROR, f"The upstream request failed: {exc}"
+            f"The upstream connection broke before the response: {exc}",
         ) from None
 
 
-def passthrough_headers(response: aiohttp.ClientResponse) -> dict[str, str]:
-    return {k.lower(): v for k, v in response.headers.items() if k.lower() in _HOP_HEADERS}
+def passthrough_headers(response: UpstreamResponse) -> dict[str, str]:
+    return {k: v for k, v in response.headers.items() if k in _HOP_HEADERS}
 
 
-async def read_body(response: aiohttp.ClientResponse, deadline: float) -> bytes:
+async def read_body(response: UpstreamResponse, deadline: float) -> bytes:
     """The whole (non-streamed) body, bounded by the total deadline."""
     try:
         async with asyncio.timeout_at(deadline):
@@ -115,7 +113,7 @@ async def read_body(response: aiohttp.ClientResponse, deadline: float) -> bytes:
         raise UpstreamFailure(
             Outcome.UPSTREAM_TIMEOUT, "The upstream did not finish the response in time."
         ) from None
-    except aiohttp.ClientError as exc:
+    except UpstreamBrokenError as exc:
         raise UpstreamFailure(
             Outcome.UPSTREAM_BROKEN_STREAM, f"The upstream connection broke: {exc}"
         ) from None
@@ -127,9 +125,7 @@ def loop_deadline(seconds: float) -> float:
     return asyncio.get_running_loop().time() + seconds
 
 
-async def first_chunk(
-    response: aiohttp.ClientResponse, timeouts: Timeouts, deadline: float
-) -> bytes:
+async def first_chunk(response: UpstreamResponse, timeouts: Timeouts, deadline: float) -> bytes:
     """The stream's bytes up to and including its first data event (`llmgw.core.sse`), within
     ``first_token`` (and the total deadline); raises UpstreamFailure when it does not come, is
     not a server-sent event or is the engine's error (nothing has reached the client yet:
@@ -140,7 +136,7 @@ async def first_chunk(
     try:
         async with asyncio.timeout(max(budget, 0)):
             while True:
-                chunk = await response.content.readany()
+                chunk = await response.readany()
                 if not chunk:
                     raise UpstreamFailure(
                         Outcome.UPSTREAM_BROKEN_STREAM,
@@ -164,7 +160,7 @@ async def first_chunk(
         raise UpstreamFailure(
             Outcome.UPSTREAM_TIMEOUT, f"The upstream sent no first token within {budget:g}s."
         ) from None
-    except aiohttp.ClientError as exc:
+    except UpstreamBrokenError as exc:
         response.close()
         raise UpstreamFailure(
             Outcome.UPSTREAM_BROKEN_STREAM, f"The upstream stream broke before it began: {exc}"
@@ -185,7 +181,7 @@ class StreamRelay:
 
     def __init__(
         self,
-        response: aiohttp.ClientResponse,
+        response: UpstreamResponse,
         first: bytes,
         timeouts: Timeouts,
         deadline: float,
@@ -206,7 +202,7 @@ class StreamRelay:
         return sse_error_event(LEASE_LOST_MESSAGE, "lease_lost")
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
-        content = self._response.content
+        response = self._response
         tail = b""
         chunk: bytes | None = self._first
         self.first_chunk_at = time.perf_counter()
@@ -218,7 +214,7 @@ class StreamRelay:
                     )
                     try:
                         async with asyncio.timeout(max(budget, 0)):
-                            chunk = await content.readany()
+                            chunk = await response.readany()
                     except TimeoutError:
                         if self._lease_lost():
                             yield self._lost()
@@ -230,7 +226,7 @@ class StreamRelay:
                             "upstream_timeout",
                         )
                         return
-                    except aiohttp.ClientError as exc:
+                    except UpstreamBrokenError as exc:
                         if self._lease_lost():
                             yield self._lost()
                             return

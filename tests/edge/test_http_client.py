@@ -1,0 +1,199 @@
+"""The edge's upstream HTTP/1.1 client against real sockets: keep-alive, framing, failures."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+import pytest_asyncio
+
+from llmgw.services.edge.http_client import (
+    UpstreamBrokenError,
+    UpstreamConnectError,
+    UpstreamPool,
+)
+from llmgw.serving import free_port
+
+Answer = Callable[[bytes], bytes | None]  # request bytes -> raw answer (None: reset)
+
+
+class RawServer:
+    """Answers each request on a connection with `answer(request)`; counts connections."""
+
+    def __init__(self, answer: Answer, *, close_after: bool = False) -> None:
+        self.answer = answer
+        self.close_after = close_after
+        self.connections = 0
+        self.requests: list[bytes] = []
+        self.server: asyncio.Server | None = None
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(
+                    int(line.split(b":")[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length:")
+                )
+                request = head + await reader.readexactly(length)
+                self.requests.append(request)
+                answer = self.answer(request)
+                if answer is None:  # reset
+                    writer.transport.abort()
+                    return
+                writer.write(answer)
+                await writer.drain()
+                if self.close_after:
+                    writer.close()
+                    return
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/v1/x"
+
+
+@pytest_asyncio.fixture
+async def serve() -> AsyncIterator[Callable[..., RawServer]]:
+    servers: list[RawServer] = []
+
+    async def start(answer: Answer, **options: bool) -> RawServer:
+        raw = RawServer(answer, **options)
+        raw.server = await asyncio.start_server(raw._serve, "127.0.0.1", 0)
+        servers.append(raw)
+        return raw
+
+    yield start
+    for raw in servers:
+        assert raw.server is not None
+        raw.server.close()
+
+
+def fixed(body: bytes, *extra: bytes) -> bytes:
+    return b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n%s\r\n%s" % (
+        len(body),
+        b"".join(line + b"\r\n" for line in extra),
+        body,
+    )
+
+
+def chunked(*parts: bytes) -> bytes:
+    body = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in parts) + b"0\r\n\r\n"
+    return b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + body
+
+
+async def test_one_connection_serves_request_after_request(serve):
+    raw = await serve(lambda request: fixed(b'{"ok":1}', b"Retry-After: 3"))
+    pool = UpstreamPool(dial=1)
+    for _ in range(3):
+        response = await pool.post(raw.url, b'{"a":1}', {"content-type": "application/json"})
+        assert response.status == 200 and response.headers["retry-after"] == "3"
+        assert await response.read() == b'{"ok":1}'
+        response.release()
+    assert raw.connections == 1
+    request = raw.requests[0]
+    assert request.startswith(b"POST /v1/x HTTP/1.1\r\nhost: 127.0.0.1:")
+    assert b"content-type: application/json\r\n" in request and request.endswith(b'{"a":1}')
+    assert b"accept-encoding" not in request.lower()  # bodies pass through as they are
+    await pool.close()
+
+
+async def test_chunked_bodies_arrive_as_they_come_and_end_with_an_empty_read(serve):
+    raw = await serve(lambda request: chunked(b"data: 1\n\n", b"data: [DONE]\n\n"))
+    pool = UpstreamPool(dial=1)
+    response = await pool.post(raw.url, b"{}", {})
+    received = b""
+    while chunk := await response.readany():
+        received += chunk
+    assert received == b"data: 1\n\ndata: [DONE]\n\n"
+    assert await response.readany() == b""
+    response.release()
+    again = await pool.post(raw.url, b"{}", {})
+    assert await again.read() == received
+    assert raw.connections == 1
+
+
+async def test_a_body_without_length_ends_with_the_connection_which_is_not_reused(serve):
+    raw = await serve(
+        lambda request: b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n\r\nuntil close",
+        close_after=True,
+    )
+    pool = UpstreamPool(dial=1)
+    for _ in range(2):
+        response = await pool.post(raw.url, b"{}", {})
+        assert await response.read() == b"until close"
+        response.release()
+    assert raw.connections == 2
+
+
+async def test_connection_close_and_unread_bodies_are_not_reused(serve):
+    raw = await serve(lambda request: fixed(b"x" * 10, b"connection: close"), close_after=True)
+    pool = UpstreamPool(dial=1)
+    response = await pool.post(raw.url, b"{}", {})
+    assert await response.read() == b"x" * 10
+    response.release()
+    other = await serve(lambda request: fixed(b"y" * 5_000_000))
+    unread = await pool.post(other.url, b"{}", {})
+    unread.release()  # released before its body was in: closed, not pooled
+    again = await pool.post(other.url, b"{}", {})
+    assert len(await again.read()) == 5_000_000
+    assert other.connections == 2
+
+
+async def test_a_server_that_closed_an_idle_connection_costs_a_new_dial_not_an_error(serve):
+    raw = await serve(lambda request: fixed(b"ok"), close_after=True)
+    pool = UpstreamPool(dial=1)
+    first = await pool.post(raw.url, b"{}", {})
+    assert await first.read() == b"ok"
+    first.release()  # pooled: no connection: close header came
+    await asyncio.sleep(0.05)  # the server's close reaches the client
+    second = await pool.post(raw.url, b"{}", {})
+    assert await second.read() == b"ok"
+    assert raw.connections == 2
+
+
+async def test_a_large_body_arrives_whole_through_paused_reads(serve):
+    body = bytes(range(256)) * 8192  # 2 MiB, past the read high-water mark
+    raw = await serve(lambda request: fixed(body))
+    pool = UpstreamPool(dial=1)
+    response = await pool.post(raw.url, b"{}", {})
+    assert await response.read() == body
+    response.release()
+
+
+async def test_refused_garbage_and_reset_are_told_apart(serve):
+    pool = UpstreamPool(dial=1)
+    with pytest.raises(UpstreamConnectError):
+        await pool.post(f"http://127.0.0.1:{free_port()}/v1/x", b"{}", {})
+    garbage = await serve(lambda request: b"SSH-2.0-OpenSSH_9.6\r\n\r\n")
+    with pytest.raises(UpstreamBrokenError) as not_http:
+        await pool.post(garbage.url, b"{}", {})
+    assert not_http.value.not_http
+    reset = await serve(lambda request: None)
+    with pytest.raises(UpstreamBrokenError) as broke:
+        await pool.post(reset.url, b"{}", {})
+    assert not broke.value.not_http
+
+
+async def test_a_body_cut_short_is_an_error_not_an_end(serve):
+    raw = await serve(
+        lambda request: b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\npartial", close_after=True
+    )
+    pool = UpstreamPool(dial=1)
+    response = await pool.post(raw.url, b"{}", {})
+    with pytest.raises(UpstreamBrokenError):
+        await response.read()
+    response.close()
+
+
+async def test_a_header_value_with_a_line_break_is_refused_before_anything_is_sent(serve):
+    raw = await serve(lambda request: fixed(b"ok"))
+    pool = UpstreamPool(dial=1)
+    with pytest.raises(ValueError):
+        await pool.post(raw.url, b"{}", {"x-request-id": "a\r\nx-evil: 1"})
+    assert raw.connections == 0
