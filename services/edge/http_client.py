@@ -148,6 +148,9 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     def _fail(self, error: UpstreamBrokenError) -> None:
+        """The response being read ends with `error` (its head and body waiters get it)."""
+        if self.complete or self.error is not None:
+            return
         self.error = error
         if not self.head.done():
             self.head.set_exception(error)
@@ -189,7 +192,10 @@ class _Connection(asyncio.Protocol):
         )
 
     def close(self) -> None:
+        """Close the connection; a response still being read ends with an error (not as if
+        its body had ended with the connection)."""
         self.closed = True
+        self._fail(UpstreamBrokenError("the connection was closed by the gateway"))
         if self.transport is not None:
             self.transport.close()
 

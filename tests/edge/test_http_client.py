@@ -197,3 +197,16 @@ async def test_a_header_value_with_a_line_break_is_refused_before_anything_is_se
     with pytest.raises(ValueError):
         await pool.post(raw.url, b"{}", {"x-request-id": "a\r\nx-evil: 1"})
     assert raw.connections == 0
+
+
+async def test_closing_a_response_mid_body_fails_its_reader_even_without_length(serve):
+    """A body framed by the connection's end, closed by the gateway (a lost lease closes the
+    upstream): its waiting reader gets an error, not an end that would look complete."""
+    raw = await serve(lambda request: b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\n")
+    pool = UpstreamPool(dial=1)
+    response = await pool.post(raw.url, b"{}", {})
+    reader = asyncio.ensure_future(response.readany())
+    await asyncio.sleep(0.01)  # waiting for the rest of the body
+    response.close()
+    with pytest.raises(UpstreamBrokenError):
+        await reader
