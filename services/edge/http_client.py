@@ -246,12 +246,14 @@ class UpstreamResponse:
 class UpstreamPool:
     """Keep-alive connections per (scheme, host, port); see the module docstring."""
 
-    def __init__(self, *, dial: float, keepalive: float = 30.0) -> None:
+    def __init__(
+        self, *, dial: float, keepalive: float = 30.0, tls: ssl.SSLContext | None = None
+    ) -> None:
         self._dial = dial
         self._keepalive = keepalive
         self._idle: dict[Any, list[_Connection]] = {}
         self._targets: dict[str, tuple[Any, bytes]] = {}  # url -> (pool key, request line head)
-        self._tls: ssl.SSLContext | None = None
+        self._tls = tls  # for https: the system's trust store unless given
         self._closed = False
 
     def _target(self, url: str) -> tuple[Any, bytes]:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 import pytest
 import pytest_asyncio
@@ -210,3 +212,23 @@ async def test_closing_a_response_mid_body_fails_its_reader_even_without_length(
     response.close()
     with pytest.raises(UpstreamBrokenError):
         await reader
+
+
+async def test_https_upstreams_are_verified_and_kept_alive(serve):
+    """TLS with the server's certificate checked (a test certificate for 127.0.0.1, trusted by
+    this pool only); a pool that does not trust it refuses to connect."""
+    data = Path(__file__).parent / "data"
+    server_side = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_side.load_cert_chain(data / "localhost.crt", data / "localhost.key")
+    raw = RawServer(lambda request: fixed(b"secret"))
+    raw.server = await asyncio.start_server(raw._serve, "127.0.0.1", 0, ssl=server_side)
+    url = raw.url.replace("http://", "https://")
+    trusting = UpstreamPool(dial=2, tls=ssl.create_default_context(cafile=data / "localhost.crt"))
+    for _ in range(2):
+        response = await trusting.post(url, b"{}", {})
+        assert await response.read() == b"secret"
+        response.release()
+    assert raw.connections == 1
+    with pytest.raises(UpstreamConnectError):
+        await UpstreamPool(dial=2).post(url, b"{}", {})  # the system's trust store
+    raw.server.close()
