@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from llmgw.telemetry import service_registry
+from llmgw.telemetry import LabelledChildren, service_registry
 
 if TYPE_CHECKING:
     from llmgw.core.breaker import BreakerBoard
@@ -32,6 +32,8 @@ class AdmissionMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or service_registry("admission")
         r = self.registry
+        # The decision path's children (`child(metric, *values)`), without labels()'s parsing.
+        self.child = LabelledChildren()
         self.queue_depth = Gauge(
             "llmgw_admission_queue_depth",
             "Requests waiting in this instance's queue, by band.",

@@ -420,7 +420,7 @@ class AdmissionService:
         )
         if isinstance(decision, asyncio.Future):
             return context, decision
-        self.metrics.flow_decisions.labels(band.name, decision.value).inc()
+        self.metrics.child(self.metrics.flow_decisions, band.name, decision.value).inc()
         if decision is GateDecision.GRANTED:
             return self._finish(context, self.place(context, overflow=False))
         if decision is GateDecision.OVERFLOW:
@@ -436,7 +436,7 @@ class AdmissionService:
             GateDecision.EXPIRED: Refusal.QUEUE_TIMEOUT,
             GateDecision.CANCELLED: Refusal.CANCELLED,
         }.get(result, Refusal.NOT_OWNER)
-        self.metrics.flow_decisions.labels(context.band.name, str(refusal)).inc()
+        self.metrics.child(self.metrics.flow_decisions, context.band.name, str(refusal)).inc()
         return self._refusal(context.request.id, refusal, band=context.band.name)
 
     async def _wait_in_queue(self, context: _Request, future: asyncio.Future[Any]) -> None:
@@ -452,7 +452,7 @@ class AdmissionService:
     def _dispatch_waiter(self, waiter: Waiter, decision: GateDecision) -> AdmitReply:
         """The tick let a queued request go: place it now (synchronously, inside the tick)."""
         context: _Request = waiter.token.context
-        self.metrics.flow_decisions.labels(context.band.name, decision.value).inc()
+        self.metrics.child(self.metrics.flow_decisions, context.band.name, decision.value).inc()
         overflow = decision is GateDecision.OVERFLOW
         return self._finish(context, self.place(context, overflow=overflow))
 
@@ -500,15 +500,19 @@ class AdmissionService:
                 f"No provider can take a '{request.model}' request right now.",
             )
         if served != request.model:
-            self.metrics.fallbacks.labels(request.model, served).inc()
+            self.metrics.child(self.metrics.fallbacks, request.model, served).inc()
         lease = self._apply(request, outcome, served, pin, now)
         endpoint = self.catalog.endpoint_config(outcome.endpoint)
         self.breakers.take(endpoint.id, now)  # half open: this request is the probe
-        self.metrics.placements.labels(outcome.provider, outcome.route.value).inc()
+        self.metrics.child(self.metrics.placements, outcome.provider, outcome.route.value).inc()
         if outcome.affinity_break is not None:
-            self.metrics.affinity_breaks.labels(outcome.provider, outcome.affinity_break).inc()
+            self.metrics.child(
+                self.metrics.affinity_breaks, outcome.provider, outcome.affinity_break
+            ).inc()
         if self.catalog.is_unlimited(outcome.provider):
-            self.metrics.offloads.labels(outcome.provider, offload_reason(outcome)).inc()
+            self.metrics.child(
+                self.metrics.offloads, outcome.provider, offload_reason(outcome)
+            ).inc()
         return AdmitReply(
             id=request.id,
             status=ReplyStatus.ADMITTED,
@@ -607,7 +611,7 @@ class AdmissionService:
     def _refusal(
         self, request_id: str, refusal: Refusal, message: str | None = None, *, band: str = ""
     ) -> AdmitReply:
-        self.metrics.rejections.labels(refusal.value).inc()
+        self.metrics.child(self.metrics.rejections, refusal.value).inc()
         return AdmitReply(
             id=request_id,
             status=ReplyStatus.REFUSED,

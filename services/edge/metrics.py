@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from llmgw.telemetry import service_registry
+from llmgw.telemetry import LabelledChildren, service_registry
 
 NONE = "none"  # the provider/endpoint label of a request that reached no upstream
 OTHER_TENANT = "other"
@@ -112,14 +112,7 @@ class EdgeMetrics:
                 registry=r,
             )
         # labels() parses its arguments on every call; the hot path looks children up here.
-        self._children: dict[tuple[object, ...], object] = {}
-
-    def child(self, metric: Counter | Histogram, *labels: str):  # type: ignore[no-untyped-def]
-        key = (id(metric), *labels)
-        found = self._children.get(key)
-        if found is None:
-            found = self._children[key] = metric.labels(*labels)
-        return found
+        self.child = LabelledChildren()
 
     def tenant(self, tenant: str | None) -> str:
         """The label value of `tenant`: itself for the first `max_tenants`, else ``other``."""
