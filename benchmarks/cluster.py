@@ -151,8 +151,12 @@ def running_cluster(
     colocated: bool = False,
     auth: bool = False,
     key_options: tuple[str, ...] = (),
+    python: str | None = None,
 ):
     """Yield a Cluster; everything is stopped afterwards.
+
+    ``python``: the interpreter whose installed llmgw runs the services (another code tree's
+    virtualenv, to compare two versions side by side: benchmarks/code_ab.py); this one's else.
 
     ``flow``: admission runs flow control (every request passes an unsaturated queue) and a
     scraper feeds it; otherwise flow control is off and no scraper runs. ``auth``: API keys
@@ -174,7 +178,7 @@ def running_cluster(
             )
         )
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        cli = [sys.executable, "-m", "llmgw"]
+        cli = [python or sys.executable, "-m", "llmgw"]
         cluster = Cluster(
             edge_url=f"http://127.0.0.1:{edge_port}", engine_url=engine_url, nats=nats
         )

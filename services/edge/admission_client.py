@@ -93,21 +93,27 @@ class _Pending:
             self.answers.append(msg)
 
     async def next(self, budget: float, also: asyncio.Future[Any] | None = None) -> Msg | None:
-        """The next answer, or None after `budget` seconds or once `also` is done."""
+        """The next answer, or None after `budget` seconds or once `also` is done (one timer
+        and one future: this wait is on every request's path)."""
         if self.answers:
             return self.answers.popleft()
         if budget <= 0:
             return None
-        waiter = self.waiter = asyncio.get_running_loop().create_future()
-        waiting: set[asyncio.Future[Any]] = {waiter} if also is None else {waiter, also}
+        loop = asyncio.get_running_loop()
+        waiter = self.waiter = loop.create_future()
+        timer = loop.call_later(budget, _give_up, waiter)
+        if also is not None:
+            also.add_done_callback(lambda _: _give_up(waiter))
         try:
-            await asyncio.wait(waiting, timeout=budget, return_when=asyncio.FIRST_COMPLETED)
+            return await waiter
         finally:
             self.waiter = None
-        if waiter.done():
-            return waiter.result()
-        waiter.cancel()
-        return None
+            timer.cancel()
+
+
+def _give_up(waiter: asyncio.Future[Msg | None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 class NatsAdmission:
