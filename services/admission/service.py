@@ -513,10 +513,11 @@ class AdmissionService:
             self.metrics.child(
                 self.metrics.offloads, outcome.provider, offload_reason(outcome)
             ).inc()
-        return AdmitReply(
+        # The decision's own values (model_construct: no re-validation on the decision path).
+        return AdmitReply.model_construct(
             id=request.id,
             status=ReplyStatus.ADMITTED,
-            target=Target(
+            target=Target.model_construct(
                 provider=outcome.provider,
                 provider_kind=self.catalog.kind(outcome.provider).value,
                 endpoint=endpoint.id,

@@ -135,7 +135,8 @@ class Attempts:
         # x-request-id, which two clients may well share, travels beside them for the logs.
         base = f"{edge.edge_id}.{next(self._ids)}"
         for attempt in range(retries + 1):
-            admit = AdmitRequest(
+            # Built from values checked already (model_construct: no re-validation per request).
+            admit = AdmitRequest.model_construct(
                 id=base if attempt == 0 else f"{base}-{attempt}",
                 request_id=routed.request_id,
                 edge=edge.edge_id,
@@ -431,7 +432,7 @@ class _AttemptEnd:
         usage = self.usage if ok else None
         reached = self.upstream_started is not None if sent is None else sent
         edge.reporter.report(
-            RequestEnded(
+            RequestEnded.model_construct(  # this edge's own values: no re-validation
                 id=self.admit.id,
                 request_id=self.routed.request_id,
                 edge=edge.edge_id,
