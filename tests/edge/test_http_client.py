@@ -214,9 +214,10 @@ async def test_closing_a_response_mid_body_fails_its_reader_even_without_length(
         await reader
 
 
-async def test_https_upstreams_are_verified_and_kept_alive(serve):
+async def test_https_upstreams_are_verified_and_kept_alive(serve, monkeypatch):
     """TLS with the server's certificate checked (a test certificate for 127.0.0.1, trusted by
-    this pool only); a pool that does not trust it refuses to connect."""
+    this pool only); a pool that does not trust it refuses to connect; SSL_CERT_FILE (the
+    documented way to name an internal CA) makes the default pool trust it."""
     data = Path(__file__).parent / "data"
     server_side = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     server_side.load_cert_chain(data / "localhost.crt", data / "localhost.key")
@@ -231,4 +232,7 @@ async def test_https_upstreams_are_verified_and_kept_alive(serve):
     assert raw.connections == 1
     with pytest.raises(UpstreamConnectError):
         await UpstreamPool(dial=2).post(url, b"{}", {})  # the system's trust store
+    monkeypatch.setenv("SSL_CERT_FILE", str(data / "localhost.crt"))
+    response = await UpstreamPool(dial=2).post(url, b"{}", {})
+    assert await response.read() == b"secret"
     raw.server.close()
