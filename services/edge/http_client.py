@@ -148,15 +148,17 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     def _fail(self, error: UpstreamBrokenError) -> None:
-        """The response being read ends with `error` (its head and body waiters get it)."""
-        if self.complete or self.error is not None:
-            return
-        self.error = error
-        if not self.head.done():
-            self.head.set_exception(error)
-            self.head.exception()  # retrieved: nobody may be waiting any more
-        self._wake()
-        self.close()
+        """The connection is done for: a response still being read ends with `error` (its head
+        and body waiters get it); an idle one (a stray byte from its server) is just closed."""
+        if not self.complete and self.error is None:
+            self.error = error
+            if not self.head.done():
+                self.head.set_exception(error)
+                self.head.exception()  # retrieved: nobody may be waiting any more
+            self._wake()
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
 
     def _wake(self) -> None:
         waiter = self._waiter
@@ -194,10 +196,7 @@ class _Connection(asyncio.Protocol):
     def close(self) -> None:
         """Close the connection; a response still being read ends with an error (not as if
         its body had ended with the connection)."""
-        self.closed = True
         self._fail(UpstreamBrokenError("the connection was closed by the gateway"))
-        if self.transport is not None:
-            self.transport.close()
 
 
 class UpstreamResponse:
@@ -265,10 +264,9 @@ class UpstreamPool:
             tls = parts.scheme == "https"
             port = parts.port or (443 if tls else 80)
             path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-            default_port = port == (443 if tls else 80)
-            host = parts.hostname if default_port else f"{parts.hostname}:{port}"
-            if ":" in parts.hostname and not default_port:  # IPv6 literal
-                host = f"[{parts.hostname}]:{port}"
+            host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname  # IPv6
+            if port != (443 if tls else 80):
+                host = f"{host}:{port}"
             head = f"POST {path} HTTP/1.1\r\nhost: {host}\r\n".encode("latin-1")
             target = self._targets[url] = ((tls, parts.hostname, port), head)
         return target

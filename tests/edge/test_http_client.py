@@ -236,3 +236,38 @@ async def test_https_upstreams_are_verified_and_kept_alive(serve, monkeypatch):
     response = await UpstreamPool(dial=2).post(url, b"{}", {})
     assert await response.read() == b"secret"
     raw.server.close()
+
+
+async def test_garbage_on_an_idle_connection_closes_it_and_the_next_request_dials(serve):
+    """Bytes that are not HTTP arriving while a connection sits in the pool: it is closed, not
+    handed to the next request with its parser broken."""
+    raw = await serve(lambda request: fixed(b"ok") + b"\x00garbage after the answer\r\n\r\n")
+    pool = UpstreamPool(dial=1)
+    first = await pool.post(raw.url, b"{}", {})
+    assert await first.read() == b"ok"
+    first.release()
+    await asyncio.sleep(0.05)
+    second = await pool.post(raw.url, b"{}", {})
+    assert await second.read() == b"ok"
+    assert raw.connections == 2
+
+
+async def test_ipv6_upstreams_get_a_bracketed_host_header():
+    try:
+        server = await asyncio.start_server(_answer_once, "::1", 0)
+    except OSError:
+        pytest.skip("this machine has no IPv6 loopback")
+    port = server.sockets[0].getsockname()[1]
+    pool = UpstreamPool(dial=1)
+    response = await pool.post(f"http://[::1]:{port}/v1/x", b"{}", {})
+    assert await response.read() == f"host: [::1]:{port}".encode()
+    server.close()
+
+
+async def _answer_once(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Answers with the request's host header line."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    host = next(line for line in head.split(b"\r\n") if line.lower().startswith(b"host:"))
+    writer.write(fixed(host))
+    await writer.drain()
+    writer.close()
