@@ -21,6 +21,12 @@ Errors: `UpstreamConnectError` when no connection could be made (refused, no suc
 timeout); `UpstreamBrokenError` when the connection broke or the answer was not HTTP (``not_http``).
 Timeouts are the caller's (`asyncio.timeout` around the awaits).
 
+A kept-alive connection that its server closed as it was reused (an idle timeout racing the
+reuse: the connection broke before any byte of an answer) is replaced by a new one and the
+request sent once more; a server's end of file is noted at once, so a closed connection is not
+handed out. Bytes that arrive when no answer is awaited (a second response after the answer,
+anything while idle) close the connection.
+
 Invariant: a connection serves one request at a time and goes back to the pool only after its
 response was read to the end with keep-alive on both sides; any other end closes it.
 """
@@ -71,8 +77,11 @@ class _Connection(asyncio.Protocol):
         self._reset()
 
     def _reset(self) -> None:
+        if getattr(self, "_paused", False) and self.transport is not None and not self.closed:
+            self.transport.resume_reading()  # paused at the last body's high-water mark
         loop = asyncio.get_running_loop()
         self.head: asyncio.Future[None] = loop.create_future()
+        self.got_bytes = False  # anything of this response arrived
         self.status = 0
         self.headers: dict[str, str] = {}
         self._body: deque[bytes] = deque()
@@ -90,12 +99,17 @@ class _Connection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
+        self.got_bytes = True
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self._fail(UpstreamBrokenError("the upstream switched protocols", not_http=True))
         except httptools.HttpParserError as exc:
             self._fail(UpstreamBrokenError(f"not an HTTP response ({exc})", not_http=True))
+
+    def eof_received(self) -> bool:
+        self.closed = True  # at once: the pool must not hand it out in the meantime
+        return False
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -109,6 +123,10 @@ class _Connection(asyncio.Protocol):
 
     # -- httptools callbacks --
 
+    def on_message_begin(self) -> None:
+        if self.complete:  # a message nobody asked for (idle, or after the answer): not HTTP
+            raise UpstreamBrokenError("the upstream sent a response nobody asked for")
+
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
@@ -119,7 +137,9 @@ class _Connection(asyncio.Protocol):
             return
         self._until_close = (
             "content-length" not in self.headers
-            and "chunked" not in self.headers.get("transfer-encoding", "").lower()
+            # chunked framing only when chunked is the last coding (RFC 9112 6.3), as llhttp reads it
+            and self.headers.get("transfer-encoding", "").rsplit(",", 1)[-1].strip().lower()
+            != "chunked"
             and self.status >= 200
             and self.status not in (204, 304)
         )
@@ -183,6 +203,9 @@ class _Connection(asyncio.Protocol):
             self._paused = False
             self.transport.resume_reading()
         return data
+
+    def transport_closing(self) -> bool:
+        return self.transport is None or self.transport.is_closing()
 
     def reusable(self) -> bool:
         return (
@@ -254,6 +277,7 @@ class UpstreamPool:
         self._targets: dict[str, tuple[Any, bytes]] = {}  # url -> (pool key, request line head)
         self._tls = tls  # for https: the system's trust store unless given
         self._closed = False
+        self.redials = 0  # requests sent again after a kept-alive connection was found closed
 
     def _target(self, url: str) -> tuple[Any, bytes]:
         target = self._targets.get(url)
@@ -281,7 +305,21 @@ class UpstreamPool:
         lines.append(b"content-length: %d\r\n\r\n" % len(body))
         lines.append(body)
         request = b"".join(lines)
-        connection = self._idle_connection(key) or await self._dial_new(key)
+        connection = self._idle_connection(key)
+        if connection is None:
+            return await self._send(key, await self._dial_new(key), request)
+        try:
+            return await self._send(key, connection, request)
+        except UpstreamBrokenError as exc:
+            # A kept-alive connection its server closed as the request went out (an idle
+            # timeout racing the reuse): nothing of an answer came, the request was not read.
+            # Once more on a new connection; any other failure is the endpoint's.
+            if exc.not_http or connection.got_bytes:
+                raise
+            self.redials += 1
+            return await self._send(key, await self._dial_new(key), request)
+
+    async def _send(self, key: Any, connection: _Connection, request: bytes) -> UpstreamResponse:
         assert connection.transport is not None
         connection.transport.write(request)
         try:
@@ -298,7 +336,8 @@ class UpstreamPool:
         now = time.monotonic()
         while idle:
             connection = idle.pop()
-            if not connection.closed and now - connection.idle_since < self._keepalive:
+            usable = not connection.closed and not connection.transport_closing()
+            if usable and now - connection.idle_since < self._keepalive:
                 connection._reset()
                 return connection
             connection.close()

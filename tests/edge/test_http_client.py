@@ -120,9 +120,14 @@ async def test_chunked_bodies_arrive_as_they_come_and_end_with_an_empty_read(ser
     assert raw.connections == 1
 
 
-async def test_a_body_without_length_ends_with_the_connection_which_is_not_reused(serve):
+@pytest.mark.parametrize(
+    "framing",
+    [b"content-type: text/plain", b"transfer-encoding: chunked, gzip"],  # chunked not last
+    ids=["no-length", "chunked-not-last"],
+)
+async def test_a_body_without_length_ends_with_the_connection_which_is_not_reused(serve, framing):
     raw = await serve(
-        lambda request: b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n\r\nuntil close",
+        lambda request: b"HTTP/1.1 200 OK\r\n%s\r\n\r\nuntil close" % framing,
         close_after=True,
     )
     pool = UpstreamPool(dial=1)
@@ -271,3 +276,53 @@ async def _answer_once(reader: asyncio.StreamReader, writer: asyncio.StreamWrite
     writer.write(fixed(host))
     await writer.drain()
     writer.close()
+
+
+async def test_a_response_nobody_asked_for_neither_joins_the_answer_nor_the_next(serve):
+    """A server that sends a second, valid response after the answer: the answer's body stays
+    its own, and the connection is not reused (the stray would be the next request's answer)."""
+    raw = await serve(lambda request: fixed(b"hello") + fixed(b"WORLD"))
+    pool = UpstreamPool(dial=1)
+    for _ in range(2):
+        response = await pool.post(raw.url, b"{}", {})
+        await asyncio.sleep(0.02)  # the stray has arrived too
+        assert await response.read() == b"hello"
+        response.release()
+    assert raw.connections == 2
+
+
+async def test_a_connection_paused_at_the_end_of_a_large_body_reads_again_when_reused(serve):
+    body = b"x" * 300_000  # its last read passes the high-water mark as the message completes
+    raw = await serve(lambda request: fixed(body))
+    pool = UpstreamPool(dial=1)
+    first = await pool.post(raw.url, b"{}", {})
+    await asyncio.sleep(0.05)  # all of it is in; reading paused
+    first.release()  # complete: back to the pool, its body unread
+    async with asyncio.timeout(2):
+        second = await pool.post(raw.url, b"{}", {})
+        assert await second.read() == body
+    assert raw.connections == 1
+
+
+async def test_a_kept_alive_connection_closed_as_it_is_reused_is_replaced_once(serve):
+    """The server closes the connection instead of answering its second request (an idle
+    timeout racing the reuse): the request goes once more on a new connection. A new
+    connection that breaks the same way is the endpoint's failure."""
+    answered = []
+
+    def answer(request: bytes) -> bytes | None:
+        answered.append(request)
+        return None if len(answered) == 2 else fixed(b"ok")
+
+    raw = await serve(answer)
+    pool = UpstreamPool(dial=1)
+    first = await pool.post(raw.url, b"{}", {})
+    assert await first.read() == b"ok"
+    first.release()
+    second = await pool.post(raw.url, b"{}", {})
+    assert await second.read() == b"ok"
+    assert (pool.redials, raw.connections, len(answered)) == (1, 2, 3)
+    never = await serve(lambda request: None)
+    with pytest.raises(UpstreamBrokenError):
+        await pool.post(never.url, b"{}", {})  # a fresh connection: no second try
+    assert pool.redials == 1
