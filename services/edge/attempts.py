@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -61,6 +62,8 @@ if TYPE_CHECKING:
     from llmgw.services.edge.telemetry import RequestRecord
 
 Answer = Response | StreamedAnswer  # what the client gets: a whole response or a stream
+
+log = logging.getLogger("llmgw.edge")
 
 # Failures of the endpoint, not of the request: worth another endpoint while nothing was sent.
 _RETRYABLE = frozenset(
@@ -184,7 +187,18 @@ class Attempts:
             if client_left:  # a grant that crossed the cancel: give it back now
                 ending.finish(Outcome.CLIENT_DISCONNECTED, sent=False)
                 return Response(status_code=499), Outcome.CLIENT_DISCONNECTED
-            result = await self._attempt(routed, reply, ending)
+            try:
+                result = await self._attempt(routed, reply, ending)
+            except Exception:
+                # The gateway itself failed (a bug): the attempt still ends, so its lease is
+                # released and nothing stays held for a request that is over.
+                log.exception("unexpected error in attempt %s", admit.id)
+                ending.finish(Outcome.INTERNAL_ERROR)
+                return error_response(
+                    Outcome.INTERNAL_ERROR,
+                    "The gateway failed unexpectedly.",
+                    headers=routed.headers,
+                ), Outcome.INTERNAL_ERROR
             if not isinstance(result, _Failed):
                 return result
             previous = result

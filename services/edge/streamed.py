@@ -61,17 +61,18 @@ class StreamedAnswer:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             self._finished = True
         except asyncio.CancelledError:
-            if not self._client_left:
-                raise
-            task.uncancel()  # the client hung up: this response is over, nothing else is
+            if not self._client_left or task.uncancel() > 0:
+                raise  # not (only) the client's hang-up: someone else cancels this task too
         finally:
             self._finished = True
             watcher.cancel()
             try:
                 await _closed(self._body)
             finally:
-                self._on_end()
-                self._upstream.close()
+                try:
+                    self._on_end()
+                finally:
+                    self._upstream.close()
 
     def _left(self, watcher: asyncio.Future[None], task: asyncio.Task[Any]) -> None:
         if watcher.cancelled() or watcher.exception() is not None or self._finished:

@@ -31,6 +31,7 @@ class Outcome(enum.StrEnum):
     INVALID_API_KEY = "invalid_api_key"  # auth.mode keys: missing, unknown, revoked, expired
     RATE_LIMITED = "rate_limited"  # the key's rpm or tpm is used up in the current window
     SHUTTING_DOWN = "shutting_down"  # the edge stopped and its drain deadline ended the request
+    INTERNAL_ERROR = "internal_error"  # the gateway itself failed (a bug, logged with its trace)
 
 
 class Refusal(enum.StrEnum):
@@ -84,6 +85,7 @@ ERROR_SHAPES: dict[Outcome, ErrorShape] = {
     Outcome.SHUTTING_DOWN: ErrorShape(
         503, "service_unavailable", "shutting_down", retry_after=True
     ),
+    Outcome.INTERNAL_ERROR: ErrorShape(500, "server_error", "internal_error"),
     # Flow control (docs/architecture.md, "Status codes"): a full queue is back-pressure the
     # client should slow down for (429, what OpenAI clients retry with backoff); a request that
     # waited queue_ttl found the service overloaded (503). Both carry Retry-After.

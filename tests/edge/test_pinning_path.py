@@ -212,3 +212,23 @@ async def test_a_lost_end_is_ended_by_a_renewal_though_the_edge_holds_nothing_el
 
     await eventually(ended_by_a_renewal)
     assert sum(s.value for m in expired.collect() for s in m.samples) == expired_before
+
+
+async def test_a_failure_of_the_gateway_itself_ends_the_attempt_and_releases_its_lease(gateway):
+    """A bug between the grant and the answer (here the upstream client raising what it never
+    should): the client gets an OpenAI-shaped 500, the request counts as internal_error, and the
+    lease is released instead of being renewed for a request that is over."""
+    pool = gateway.deps.upstream
+
+    async def broken(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    pool.post = broken
+    async with httpx.AsyncClient(timeout=20) as http:
+        r = await http.post(gateway.url + CHAT_PATH, json=turn())
+    assert r.status_code == 500
+    assert r.json()["error"]["code"] == "internal_error"
+    assert r.headers["x-request-id"]
+    await eventually(lambda: _no_leases(gateway), timeout=2)
+    assert not gateway.deps.leases.held
+    assert _requests_ended_as(gateway, "internal_error") == 1
