@@ -32,7 +32,7 @@ from llmgw.logs import REQUEST_ID_HEADER, accept_request_id, request_id
 from llmgw.services.edge.attempts import _PATHS, Answer, Attempts, RoutedRequest
 from llmgw.services.edge.auth import KeyAuth
 from llmgw.services.edge.drain import EdgeDrain, with_connection_close
-from llmgw.services.edge.errors import error_body, error_response
+from llmgw.services.edge.errors import INTERNAL_ERROR_MESSAGE, error_body, error_response
 from llmgw.services.edge.hardening import OpenAIErrorsHttpTools, headers_refused
 from llmgw.services.edge.metrics import EdgeMetrics
 from llmgw.services.edge.telemetry import EdgeTelemetry, RequestRecord
@@ -307,11 +307,7 @@ class HotPathApp:
             response, record = await self.edge.handle(Request(scope, receive), feature)
         except Exception:
             log.exception("unexpected error in the edge")
-            response = Response(
-                error_body("The gateway failed unexpectedly.", "server_error", "internal_error"),
-                status_code=500,
-                media_type="application/json",
-            )
+            response = error_response(Outcome.INTERNAL_ERROR, INTERNAL_ERROR_MESSAGE)
         try:
             await response(scope, receive, send)
         finally:

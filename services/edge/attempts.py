@@ -40,7 +40,12 @@ from llmgw.contracts import AdmissionUnavailable
 from llmgw.core.outcomes import REFUSAL_OUTCOMES, Outcome
 from llmgw.core.usage import StreamUsage, Usage, usage_in
 from llmgw.services.edge.drain import SHUTDOWN_MESSAGE
-from llmgw.services.edge.errors import error_body, error_response, sse_error_event
+from llmgw.services.edge.errors import (
+    INTERNAL_ERROR_MESSAGE,
+    error_body,
+    error_response,
+    sse_error_event,
+)
 from llmgw.services.edge.streamed import StreamedAnswer
 from llmgw.services.edge.upstream import (
     LEASE_LOST_MESSAGE,
@@ -196,7 +201,7 @@ class Attempts:
                 ending.finish(Outcome.INTERNAL_ERROR)
                 return error_response(
                     Outcome.INTERNAL_ERROR,
-                    "The gateway failed unexpectedly.",
+                    INTERNAL_ERROR_MESSAGE,
                     headers=routed.headers,
                 ), Outcome.INTERNAL_ERROR
             if not isinstance(result, _Failed):

@@ -16,6 +16,9 @@ def error_body(message: str, type_: str, code: str, param: str | None = None) ->
     ).encode()
 
 
+INTERNAL_ERROR_MESSAGE = "The gateway failed unexpectedly."
+
+
 def error_response(
     outcome: Outcome,
     message: str,

@@ -74,10 +74,11 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self.idle_since = 0.0
         self._parser = httptools.HttpResponseParser(self)
+        self._paused = False
         self._reset()
 
     def _reset(self) -> None:
-        if getattr(self, "_paused", False) and self.transport is not None and not self.closed:
+        if self._paused and self.transport is not None and not self.closed:
             self.transport.resume_reading()  # paused at the last body's high-water mark
         loop = asyncio.get_running_loop()
         self.head: asyncio.Future[None] = loop.create_future()

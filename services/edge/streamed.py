@@ -59,7 +59,6 @@ class StreamedAnswer:
             async for chunk in self._body:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
-            self._finished = True
         except asyncio.CancelledError:
             if not self._client_left or task.uncancel() > 0:
                 raise  # not (only) the client's hang-up: someone else cancels this task too

@@ -76,6 +76,14 @@ async def serve() -> AsyncIterator[Callable[..., RawServer]]:
         raw.server.close()
 
 
+async def until(condition: Callable[[], bool], timeout: float = 2.0) -> None:
+    """Wait for an observable condition of the client (set by its socket callbacks)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition never held"
+        await asyncio.sleep(0.002)
+
+
 def fixed(body: bytes, *extra: bytes) -> bytes:
     return b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n%s\r\n%s" % (
         len(body),
@@ -158,7 +166,7 @@ async def test_a_server_that_closed_an_idle_connection_costs_a_new_dial_not_an_e
     first = await pool.post(raw.url, b"{}", {})
     assert await first.read() == b"ok"
     first.release()  # pooled: no connection: close header came
-    await asyncio.sleep(0.05)  # the server's close reaches the client
+    await until(lambda: first._connection.closed)  # the server's close reached the client
     second = await pool.post(raw.url, b"{}", {})
     assert await second.read() == b"ok"
     assert raw.connections == 2
@@ -213,7 +221,7 @@ async def test_closing_a_response_mid_body_fails_its_reader_even_without_length(
     pool = UpstreamPool(dial=1)
     response = await pool.post(raw.url, b"{}", {})
     reader = asyncio.ensure_future(response.readany())
-    await asyncio.sleep(0.01)  # waiting for the rest of the body
+    await until(lambda: response._connection._waiter is not None)  # waiting for more body
     response.close()
     with pytest.raises(UpstreamBrokenError):
         await reader
@@ -251,7 +259,7 @@ async def test_garbage_on_an_idle_connection_closes_it_and_the_next_request_dial
     first = await pool.post(raw.url, b"{}", {})
     assert await first.read() == b"ok"
     first.release()
-    await asyncio.sleep(0.05)
+    await until(lambda: first._connection.closed)  # the garbage arrived and closed it
     second = await pool.post(raw.url, b"{}", {})
     assert await second.read() == b"ok"
     assert raw.connections == 2
@@ -285,7 +293,7 @@ async def test_a_response_nobody_asked_for_neither_joins_the_answer_nor_the_next
     pool = UpstreamPool(dial=1)
     for _ in range(2):
         response = await pool.post(raw.url, b"{}", {})
-        await asyncio.sleep(0.02)  # the stray has arrived too
+        await until(lambda r=response: r._connection.closed)  # the stray came and closed it
         assert await response.read() == b"hello"
         response.release()
     assert raw.connections == 2
@@ -296,7 +304,8 @@ async def test_a_connection_paused_at_the_end_of_a_large_body_reads_again_when_r
     raw = await serve(lambda request: fixed(body))
     pool = UpstreamPool(dial=1)
     first = await pool.post(raw.url, b"{}", {})
-    await asyncio.sleep(0.05)  # all of it is in; reading paused
+    await until(lambda: first._connection.complete)  # all of it is in; reading paused
+    assert first._connection._paused
     first.release()  # complete: back to the pool, its body unread
     async with asyncio.timeout(2):
         second = await pool.post(raw.url, b"{}", {})
