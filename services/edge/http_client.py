@@ -69,9 +69,10 @@ class UpstreamBrokenError(Exception):
 class _Connection(asyncio.Protocol):
     """One keep-alive connection and the response it is reading (httptools callbacks)."""
 
-    def __init__(self) -> None:
+    def __init__(self, high_water: int = _HIGH_WATER) -> None:
         self.transport: asyncio.Transport | None = None
         self.closed = False
+        self._high_water = high_water
         self.idle_since = 0.0
         self._parser = httptools.HttpResponseParser(self)
         self._paused = False
@@ -150,7 +151,7 @@ class _Connection(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         self._body.append(body)
         self._buffered += len(body)
-        if self._buffered > _HIGH_WATER and not self._paused and self.transport is not None:
+        if self._buffered > self._high_water and not self._paused and self.transport is not None:
             self._paused = True
             self.transport.pause_reading()
         self._wake()
@@ -270,9 +271,15 @@ class UpstreamPool:
     """Keep-alive connections per (scheme, host, port); see the module docstring."""
 
     def __init__(
-        self, *, dial: float, keepalive: float = 30.0, tls: ssl.SSLContext | None = None
+        self,
+        *,
+        dial: float,
+        keepalive: float = 30.0,
+        tls: ssl.SSLContext | None = None,
+        read_high_water: int = _HIGH_WATER,
     ) -> None:
         self._dial = dial
+        self._high_water = read_high_water  # buffered body bytes at which reading pauses
         self._keepalive = keepalive
         self._idle: dict[Any, list[_Connection]] = {}
         self._targets: dict[str, tuple[Any, bytes]] = {}  # url -> (pool key, request line head)
@@ -355,7 +362,11 @@ class UpstreamPool:
         try:
             async with asyncio.timeout(self._dial):
                 _, connection = await loop.create_connection(
-                    _Connection, host, port, ssl=context, server_hostname=host if tls else None
+                    lambda: _Connection(self._high_water),
+                    host,
+                    port,
+                    ssl=context,
+                    server_hostname=host if tls else None,
                 )
         except TimeoutError:
             raise UpstreamConnectError(
