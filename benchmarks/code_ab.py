@@ -1,16 +1,16 @@
 """Two versions of llmgw side by side: the overhead benchmark's topology, interleaved.
 
     python benchmarks/code_ab.py --before OLD/.venv/bin/python [--after .venv/bin/python]
-        [--colocated] [--rounds 9] [--requests 400]
+        [--separate] [--rounds 9] [--requests 400]
 
 Each interpreter runs the services from the llmgw it has installed (e.g. a worktree of an
 earlier commit with its own virtualenv), one cluster each, as benchmarks/overhead.py starts it
-(shipped defaults: flow control and a scraper on, the provider's limits; `--colocated`: the
-edge's own admission instance and no other). Every round measures the engine directly, then both
-clusters (alternating which goes first) for each scenario: concurrency 1 non-streamed and
-streamed, concurrency 64 non-streamed. "Added p50" is the gateway's p50 minus the direct p50 of
-that round; "gateway CPU" is user + system time of edge, admission and nats-server per request.
-Values: median [min..max] over rounds, milliseconds.
+(shipped defaults: flow control and a scraper on, the provider's limits, the edge's own
+admission instance and no other; `--separate`: admission in a process of its own). Every round
+measures the engine directly, then both clusters (alternating which goes first) for each
+scenario: concurrency 1 non-streamed and streamed, concurrency 64 non-streamed. "Added p50" is
+the gateway's p50 minus the direct p50 of that round; "gateway CPU" is user + system time of
+edge, admission and nats-server per request. Values: median [min..max] over rounds, milliseconds.
 """
 
 from __future__ import annotations
@@ -34,12 +34,12 @@ def main() -> int:
     )
     parser.add_argument("--before", required=True, help="the baseline's python")
     parser.add_argument("--after", default=sys.executable, help="the variant's python")
-    parser.add_argument("--colocated", action="store_true")
+    parser.add_argument("--separate", action="store_true", help="admission in its own process")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--requests", type=int, default=400)
     args = parser.parse_args()
     os.sched_setaffinity(0, LOADGEN_CPUS)
-    topology = {"admissions": 0, "colocated": True} if args.colocated else {}
+    topology = {} if args.separate else {"admissions": 0, "colocated": True}
     trees = {"before": args.before, "after": args.after}
     added: dict = {(t, s): [] for t in trees for s in SCENARIOS}
     cpu: dict = {(t, s): [] for t in trees for s in SCENARIOS}
@@ -68,7 +68,7 @@ def main() -> int:
             print(f"round {round_no + 1}/{args.rounds} done", file=sys.stderr, flush=True)
     print(
         f"\n{args.rounds} interleaved rounds x {args.requests} requests per run; "
-        f"{'colocated admission' if args.colocated else 'shipped defaults'}\n"
+        f"{'separate admission process' if args.separate else 'shipped defaults'}\n"
     )
     print("| concurrency | streamed | code | added p50 | gateway CPU / request |")
     print("|---|---|---|---|---|")

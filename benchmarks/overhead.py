@@ -1,10 +1,13 @@
 """Added latency and CPU cost of edge + admission versus calling the engine directly.
 
-    python benchmarks/overhead.py [--rounds 5] [--requests 300] [--no-flow] [--colocated]
+    python benchmarks/overhead.py [--rounds 5] [--requests 300] [--no-flow] [--separate]
                                   [--profile]
 
 The gateway runs the shipped defaults: flow control on (a scraper feeds it), the provider's
-limits configured (pins, slots, reserve, per-session), requests cycling through 256 sessions.
+limits configured (pins, slots, reserve, per-session), requests cycling through 256 sessions,
+and the topology of `llmgw up`: the edge decides admission in its own process
+(admission.colocated, config/local.yaml) and no other admission instance runs. `--separate`
+runs admission as a process of its own instead (compose, Kubernetes, `llmgw up --secure`).
 
 The engine simulator runs at zero delay, so every millisecond measured is
 transport and gateway work. The load generator (aiohttp, this process) and
@@ -138,9 +141,9 @@ def main() -> int:
         "--no-flow", action="store_true", help="flow control off (admission.enabled: false)"
     )
     parser.add_argument(
-        "--colocated",
+        "--separate",
         action="store_true",
-        help="the edge runs its own admission instance (admission.colocated) and no other runs",
+        help="admission in a process of its own (admission.colocated off), as `--secure` runs it",
     )
     parser.add_argument(
         "--profile", action="store_true", help="py-spy the edge during an extra c=64 run"
@@ -153,7 +156,7 @@ def main() -> int:
         s: {"direct": [], "gateway": []} for s in scenarios
     }
     cpu_per_request: dict[tuple, list[float]] = {s: [] for s in scenarios}
-    topology = {"admissions": 0, "colocated": True} if args.colocated else {}
+    topology = {} if args.separate else {"admissions": 0, "colocated": True}
     with running_cluster(GATEWAY_CPUS, LOADGEN_CPUS, flow=not args.no_flow, **topology) as cluster:
         for round_no in range(args.rounds):
             for scenario in scenarios:
@@ -185,7 +188,8 @@ def main() -> int:
                 profile = summarize_profile(out, _AREAS)
 
     print(
-        f"\n{args.rounds} interleaved rounds x {args.requests} requests per run; "
+        f"\n{'admission in a separate process' if args.separate else 'shipped defaults'}, "
+        f"{args.rounds} interleaved rounds x {args.requests} requests per run; "
         "values are median [min..max] over rounds, milliseconds\n"
     )
     print(

@@ -73,6 +73,8 @@ def _run(args: argparse.Namespace, config_path: str) -> int:
     except PlanError as exc:
         print(f"llmgw up: {exc}", file=sys.stderr)
         return 2
+    if getattr(args, "secure", False) and config.admission.colocated:
+        config = _separate_admission(config)
     specs = plan_cluster(config, config_path)
 
     if getattr(args, "dry_run", False):
@@ -117,6 +119,8 @@ def _run(args: argparse.Namespace, config_path: str) -> int:
             return 1
         spec_env = dict(secure.spec_env(specs)) if secure is not None else {}
         spec_env["edge"] = {**spec_env.get("edge", {}), **edge_env(config)}
+        if secure is not None:  # the config file says colocated; the edge must not decide here
+            spec_env["edge"]["LLMGW_ADMISSION__COLOCATED"] = "false"
         return asyncio.run(_supervise(specs, env, config, args, nats, dev_key, spec_env))
     finally:
         if secure is not None:
@@ -129,6 +133,18 @@ def _run(args: argparse.Namespace, config_path: str) -> int:
                 print("[nats] stopped", flush=True)
             finally:
                 signal.signal(signal.SIGINT, previous)
+
+
+def _separate_admission(config: Config) -> Config:
+    """`--secure` runs admission as a process of its own role: an edge's own instance would
+    connect as the edge role, which may not write the routing bucket (docs/keys.md)."""
+    print(
+        "llmgw up: --secure runs admission as a separate process (its own NATS user); "
+        "admission.colocated is off for this run",
+        flush=True,
+    )
+    admission = config.admission.model_copy(update={"colocated": False})
+    return config.model_copy(update={"admission": admission})
 
 
 def _as_children_see_it(config: Config, plan: NatsPlan) -> Config:
@@ -165,12 +181,6 @@ def _prepare_secure(config: Config, plan: NatsPlan, passwords_file: str | None) 
         raise PlanError(
             f"--secure starts the embedded NATS with one user per role; this config uses "
             f"{plan.url}: give that server the users of `llmgw config nats-auth` (docs/keys.md)"
-        )
-    if config.admission.colocated:
-        raise PlanError(
-            "--secure does not run admission.colocated: an edge's own admission instance would "
-            "connect as the edge role, which may not write the routing bucket; turn it off "
-            "(separate admission instances run as their role)"
         )
     secure = SecureNats.prepare(_as_children_see_it(config, plan), passwords_file)
     print(

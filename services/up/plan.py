@@ -188,7 +188,11 @@ def format_nats_plan(plan: NatsPlan) -> str:
 
 
 def plan_cluster(config: Config, config_path: str) -> list[ServiceSpec]:
-    """The child processes for `config`, in start order; every child reads `config_path`."""
+    """The child processes for `config`, in start order; every child reads `config_path`.
+
+    With ``admission.colocated`` no separate admission process runs: the one edge's own
+    instance owns every shard, so every decision is made in the edge's process. The admin
+    ports keep their offsets from the edge's (admission +1, reaper +2, scraper +3)."""
     specs: list[ServiceSpec] = []
     for endpoint in config.endpoints:
         simulate = getattr(endpoint, "simulate", None)
@@ -204,6 +208,8 @@ def plan_cluster(config: Config, config_path: str) -> list[ServiceSpec]:
             )
         )
     for offset, kind in enumerate(("admission", "reaper", "scraper"), start=1):
+        if kind == "admission" and config.admission.colocated:
+            continue  # the edge is the admission instance (it owns every shard)
         argv: tuple[str, ...] = (kind, "--config", config_path)
         listens: tuple[ListenAddress, ...] = ()
         if config.admin_port:  # admin ports follow the edge's: admission +1, reaper +2, scraper +3

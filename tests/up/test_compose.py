@@ -177,14 +177,22 @@ def _without_addresses(raw: dict[str, Any]) -> dict[str, Any]:
     return data
 
 
-def test_compose_config_differs_from_local_only_in_addresses() -> None:
+def test_compose_config_differs_from_local_only_in_addresses_and_separate_admission() -> None:
+    """Compose runs admission in containers of its own (a NATS user per role), as `llmgw up
+    --secure` does; `llmgw up` runs it in the edge."""
     local = yaml.safe_load((REPO / "config" / "local.yaml").read_text())
     in_compose = yaml.safe_load((REPO / "config" / "compose.yaml").read_text())
+    assert local["admission"] == {"colocated": True}
+    assert in_compose["admission"] == {"colocated": False}
+    local["admission"]["colocated"] = False
     assert _without_addresses(in_compose) == _without_addresses(local)
 
 
-def test_local_and_compose_plans_start_the_same_processes(plan: list[ServiceSpec]) -> None:
-    local = plan_cluster(load_config(REPO / "config" / "local.yaml", env={}), "c.yaml")
+def test_compose_starts_the_processes_of_llmgw_up_secure(plan: list[ServiceSpec]) -> None:
+    as_secure = load_config(
+        REPO / "config" / "local.yaml", env={"LLMGW_ADMISSION__COLOCATED": "false"}
+    )
+    local = plan_cluster(as_secure, "c.yaml")
     assert [(s.name, s.kind) for s in local] == [(s.name, s.kind) for s in plan]
 
 

@@ -24,8 +24,7 @@ SERVICES = {
     "engine-2",
     "tensorx-east",
     "tensorx-west",
-    "admission",
-    "reaper",
+    "reaper",  # no admission process: the edge runs admission (admission.colocated)
     "scraper",
     "edge",
 }
@@ -69,8 +68,8 @@ def test_up_serves_a_chat_completion_and_stops_cleanly_on_sigterm(
     assert not [name for name, pid in pids.items() if process_exists(pid)]
     order = _stop_order(up)
     assert order[0] == "edge"
-    assert set(order[1:4]) == {"admission", "reaper", "scraper"}  # one tier, stopped together
-    assert set(order[4:]) == {"engine-1", "engine-2", "tensorx-east", "tensorx-west"}
+    assert set(order[1:3]) == {"reaper", "scraper"}  # one tier, stopped together
+    assert set(order[3:]) == {"engine-1", "engine-2", "tensorx-east", "tensorx-west"}
     # No load balancer in front of `llmgw up`'s edge to wait for: it drains at once.
     assert any("serving 0.0s more before draining" in line for line in up.lines)
 

@@ -52,5 +52,5 @@ def test_dry_run_plans_the_moved_cluster_and_leaves_no_file() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "127.0.0.1:5222" in done.stdout and "127.0.0.1:9080 (edge `listen`)" in done.stdout
-    assert "127.0.0.1:10091 (admission admin)" in done.stdout
+    assert "127.0.0.1:10092 (reaper admin)" in done.stdout  # admission runs in the edge
     assert set(temp.glob("llmgw-up-offset*")) == before

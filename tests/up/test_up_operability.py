@@ -113,7 +113,9 @@ def test_access_log_metrics_health_and_replay_through_llmgw_up(
     ]
     assert "_created" not in metrics
 
-    ports = {"edge": admin, "admission": admin + 1, "reaper": admin + 2, "scraper": admin + 3}
+    # Admission runs in the edge (admission.colocated): its metrics are on the edge's port.
+    assert "llmgw_admission_decision_seconds_count" in metrics
+    ports = {"edge": admin, "reaper": admin + 2, "scraper": admin + 3}
     ports |= {e["id"]: int(e["url"].rsplit(":", 1)[1]) for e in data["endpoints"]}
     for name, port in ports.items():
         for path in ("/health", "/ready"):

@@ -22,14 +22,15 @@ from llmgw.services.up.plan import (
 )
 
 
-def test_plans_simulators_then_admission_then_edge_for_the_local_config() -> None:
+def test_plans_simulators_then_services_then_the_edge_for_the_local_config() -> None:
+    """The local config colocates admission: the edge is the admission instance, and no
+    separate admission process runs (the admin ports keep their offsets)."""
     plan = plan_cluster(load_config(LOCAL_CONFIG, env={}), "config/local.yaml")
     assert [(s.name, s.kind, s.tier) for s in plan] == [
         ("engine-1", "sim-engine", 0),
         ("engine-2", "sim-engine", 0),
         ("tensorx-east", "sim-provider", 0),
         ("tensorx-west", "sim-provider", 0),
-        ("admission", "admission", 1),
         ("reaper", "reaper", 1),
         ("scraper", "scraper", 1),
         ("edge", "edge", 2),
@@ -44,8 +45,8 @@ def test_plans_simulators_then_admission_then_edge_for_the_local_config() -> Non
         "engine-1",
     )
     assert by_name["tensorx-west"].argv[:2] == ("sim", "provider")
-    # Admin ports follow the edge's 9090: admission, reaper, scraper.
-    for offset, name in enumerate(("admission", "reaper", "scraper"), start=1):
+    # Admin ports follow the edge's 9090: (admission), reaper, scraper.
+    for offset, name in ((2, "reaper"), (3, "scraper")):
         address = f"127.0.0.1:{9090 + offset}"
         assert by_name[name].argv == (
             name,
@@ -58,6 +59,19 @@ def test_plans_simulators_then_admission_then_edge_for_the_local_config() -> Non
     assert by_name["edge"].argv == ("edge", "--config", "config/local.yaml")
     assert [str(a) for a in by_name["edge"].listens] == ["127.0.0.1:8080", "127.0.0.1:9090"]
     assert [str(a) for a in by_name["engine-2"].listens] == ["127.0.0.1:8102"]
+
+
+def test_a_separate_admission_process_runs_unless_admission_is_colocated() -> None:
+    data = yaml.safe_load(LOCAL_CONFIG.read_text())
+    data["admission"]["colocated"] = False
+    plan = plan_cluster(config_from_dict(data, source="<test>", env={}), "c.yaml")
+    assert [(s.name, s.tier) for s in plan if s.tier == 1] == [
+        ("admission", 1),
+        ("reaper", 1),
+        ("scraper", 1),
+    ]
+    admission = next(s for s in plan if s.kind == "admission")
+    assert admission.argv == ("admission", "--config", "c.yaml", "--admin-listen", "127.0.0.1:9091")
 
 
 def test_the_edge_drains_at_once_unless_the_config_or_the_environment_sets_a_delay() -> None:
@@ -78,7 +92,6 @@ def test_endpoints_without_simulate_are_not_started() -> None:
     assert [s.name for s in plan] == [
         "engine-1",
         "engine-2",
-        "admission",
         "reaper",
         "scraper",
         "edge",

@@ -18,7 +18,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture
 def config():  # type: ignore[no-untyped-def]
-    return load_config(REPO / "config" / "local.yaml", env={})
+    """The local config as `--secure` runs it: admission in a process of its own role."""
+    return load_config(REPO / "config" / "local.yaml", env={"LLMGW_ADMISSION__COLOCATED": "false"})
 
 
 def test_a_passwords_file_is_completed_and_kept(config, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -87,12 +88,22 @@ def test_a_passwords_file_without_secure_is_refused(tmp_path: Path) -> None:
     assert not file.exists()
 
 
-def test_secure_refuses_a_colocated_admission(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+def test_secure_runs_admission_as_its_own_process_when_the_config_colocates_it(
+    capsys,  # type: ignore[no-untyped-def]
+) -> None:
+    """An edge's own instance would connect as the edge role, which may not write the routing
+    bucket: under --secure the plan has a separate admission process (the edge is told not to
+    colocate; tests/up/test_up_secure.py runs it)."""
     from llmgw.cli import main
 
-    data = yaml.safe_load((REPO / "config" / "local.yaml").read_text())
-    data["admission"] = {**(data.get("admission") or {}), "colocated": True}
-    config = tmp_path / "colocated.yaml"
-    config.write_text(yaml.safe_dump(data))
-    assert main(["up", "--config", str(config), "--secure"]) == 2
-    assert "admission.colocated" in capsys.readouterr().err
+    config = REPO / "config" / "local.yaml"  # admission.colocated: true
+    assert main(["up", "--config", str(config), "--dry-run"]) == 0
+    assert "admission" not in _planned_services(capsys.readouterr().out)
+    assert main(["up", "--config", str(config), "--secure", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "admission.colocated is off for this run" in out
+    assert "admission" in _planned_services(out)
+
+
+def _planned_services(dry_run: str) -> list[str]:
+    return [line.split()[0] for line in dry_run.splitlines() if line[:1].isalnum()]
