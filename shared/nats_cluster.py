@@ -64,6 +64,9 @@ _LOG_TAIL_LINES = 8
 _SIGNALLED_EXIT_TIMEOUT = 10.0  # seconds a signalled node may take to exit before SIGKILL
 
 
+_PORT_ATTEMPTS = 3  # starts on freshly picked ports when one was taken meanwhile
+
+
 @dataclass(eq=False)
 class ClusterNode:
     """One node of the cluster: fixed identity (index, name, ports, store) and its server."""
@@ -177,15 +180,33 @@ class EmbeddedNatsCluster:
     # -- lifecycle ------------------------------------------------------------------------
 
     def start(self, timeout: float = 30.0) -> EmbeddedNatsCluster:
-        """Start every node and wait for the cluster to be ready (module invariants)."""
-        self.spawn()
-        self._wait_started(timeout)
-        return self
+        """Start every node and wait for the cluster to be ready (module invariants).
+
+        Ports this cluster picked itself were free when picked; another process may bind one
+        before the node does. Such a start is stopped and made again on newly picked ports
+        (`_PORT_ATTEMPTS` in all); a port the caller asked for is not replaced."""
+        for attempt in range(_PORT_ATTEMPTS):
+            try:
+                self.spawn()
+                self._wait_started(timeout)
+                return self
+            except NatsPortInUse:
+                if self.requested_port or attempt == _PORT_ATTEMPTS - 1:
+                    raise
+        raise AssertionError("unreachable")
 
     async def astart(self, ready_within: float = 30.0) -> EmbeddedNatsCluster:
-        self.spawn()
-        await asyncio.to_thread(self._wait_started, ready_within)
-        return self
+        """`start` from async code: the nodes are spawned from this thread (their parent-death
+        signal follows the thread that spawned them), the wait runs in another."""
+        for attempt in range(_PORT_ATTEMPTS):
+            try:
+                self.spawn()
+                await asyncio.to_thread(self._wait_started, ready_within)
+                return self
+            except NatsPortInUse:
+                if self.requested_port or attempt == _PORT_ATTEMPTS - 1:
+                    raise
+        raise AssertionError("unreachable")
 
     def spawn(self) -> None:
         """Lay out the nodes and spawn every process without waiting (see `start`)."""

@@ -270,3 +270,33 @@ def test_a_node_that_cannot_start_fails_the_start_with_its_log_and_leaves_nothin
 def test_fewer_than_three_nodes_is_refused() -> None:
     with pytest.raises(ValueError, match="at least 3 servers"):
         EmbeddedNatsCluster(2)
+
+
+async def test_a_port_taken_between_its_pick_and_the_nodes_start_is_picked_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The ports a cluster picks were free a moment ago; another process may bind one first
+    (seen in CI as NatsPortInUse). The start is made again on newly picked ports."""
+    import socket
+
+    import llmgw.nats_cluster as nats_cluster
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        real = nats_cluster._distinct_free_ports
+        picked: list[list[int]] = []
+
+        def pick(host: str, count: int, avoid: set[int] | None = None) -> list[int]:
+            ports = real(host, count, avoid)
+            if not picked:  # the first layout's client ports: one was taken meanwhile
+                ports[0] = busy
+            picked.append(ports)
+            return ports
+
+        monkeypatch.setattr(nats_cluster, "_distinct_free_ports", pick)
+        async with EmbeddedNatsCluster(kill_with_parent=True) as started:
+            assert busy not in {n.client_port for n in started.nodes}
+            assert len(started.nodes) == 3 and started.meta_leader() in (0, 1, 2)
+        assert len(picked) == 4  # client and cluster ports, twice
