@@ -63,12 +63,19 @@ def side_by_side(
             medians = {}
             for v in variants if round_no % 2 == 0 else variants[::-1]:
                 cluster = clusters[v]
-                before = cpu_seconds(cluster.gateway_pids())
+                marks: list[float] = []
                 latencies = asyncio.run(
-                    run_load(cluster.edge_url, c, requests, False, cluster.api_key)
+                    run_load(
+                        cluster.edge_url,
+                        c,
+                        requests,
+                        False,
+                        cluster.api_key,
+                        warmed=lambda k=cluster, m=marks: m.append(cpu_seconds(k.gateway_pids())),
+                    )
                 )
-                used = cpu_seconds(cluster.gateway_pids()) - before
-                cpu[(c, v)].append(used / (requests + 20))
+                used = cpu_seconds(cluster.gateway_pids()) - marks[0]
+                cpu[(c, v)].append(used / requests)  # the measured requests, after the warm-up
                 p50[(c, v)].append(pct(latencies, 0.5))
                 p99[(c, v)].append(pct(latencies, 0.99))
                 medians[v] = pct(latencies, 0.5)

@@ -10,7 +10,8 @@ admission instance and no other; `--separate`: admission in a process of its own
 measures the engine directly, then both clusters (alternating which goes first) for each
 scenario: concurrency 1 non-streamed and streamed, concurrency 64 non-streamed. "Added p50" is
 the gateway's p50 minus the direct p50 of that round; "gateway CPU" is user + system time of
-edge, admission and nats-server per request. Values: median [min..max] over rounds, milliseconds.
+edge, admission and nats-server per measured request (after the warm-up). Values: median
+[min..max] over rounds, milliseconds.
 """
 
 from __future__ import annotations
@@ -57,13 +58,21 @@ def main() -> int:
                 direct = asyncio.run(run_load(engine, concurrency, args.requests, stream))
                 for name in order:
                     cluster = clusters[name]
-                    before = cpu_seconds(cluster.gateway_pids())
+                    marks: list[float] = []
                     latencies = asyncio.run(
-                        run_load(cluster.edge_url, concurrency, args.requests, stream)
+                        run_load(
+                            cluster.edge_url,
+                            concurrency,
+                            args.requests,
+                            stream,
+                            warmed=lambda c=cluster, m=marks: m.append(
+                                cpu_seconds(c.gateway_pids())
+                            ),
+                        )
                     )
-                    used = cpu_seconds(cluster.gateway_pids()) - before
+                    used = cpu_seconds(cluster.gateway_pids()) - marks[0]
                     key = (name, (concurrency, stream))
-                    cpu[key].append(used / (args.requests + 20))
+                    cpu[key].append(used / args.requests)  # the measured requests
                     added[key].append(pct(latencies, 0.5) - pct(direct, 0.5))
             print(f"round {round_no + 1}/{args.rounds} done", file=sys.stderr, flush=True)
     print(
