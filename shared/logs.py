@@ -74,10 +74,11 @@ class JsonFormatter(logging.Formatter):
     def __init__(self, service: str) -> None:
         super().__init__()
         self.service = service
+        self._seconds = _Seconds("%Y-%m-%dT%H:%M:%S", time.gmtime)
 
     def format(self, record: logging.LogRecord) -> str:
         line: dict[str, Any] = {
-            "ts": _iso(record.created),
+            "ts": f"{self._seconds(record.created)}.{int(record.msecs):03d}Z",
             "level": record.levelname.lower(),
             "service": self.service,
             "logger": record.name,
@@ -99,6 +100,11 @@ class TextFormatter(logging.Formatter):
 
     def __init__(self, service: str) -> None:
         super().__init__(f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s")
+        self._seconds = _Seconds("%Y-%m-%d %H:%M:%S", self.converter)
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        """logging's default, `2026-12-02 01:43:17,287` (local time)."""
+        return f"{self._seconds(record.created)},{int(record.msecs):03d}"
 
     def format(self, record: logging.LogRecord) -> str:
         text = super().format(record)
@@ -140,9 +146,19 @@ def setup_logging(service: str, config: LogConfig | None = None, stream: Any = N
         access.setLevel(logging.NOTSET if config.access_log else logging.WARNING)
 
 
-def _iso(created: float) -> str:
-    seconds = int(created)
-    return (
-        time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds))
-        + f".{int((created - seconds) * 1000):03d}Z"
-    )
+class _Seconds:
+    """A record time's date and seconds as `strftime(fmt)` gives them, formatted once per
+    second (the edge logs a line per request)."""
+
+    def __init__(self, fmt: str, converter: Any) -> None:
+        self.fmt = fmt
+        self.converter = converter
+        self._second = -1
+        self._text = ""
+
+    def __call__(self, created: float) -> str:
+        second = int(created)
+        if second != self._second:
+            self._text = time.strftime(self.fmt, self.converter(second))
+            self._second = second
+        return self._text

@@ -6,6 +6,7 @@ import asyncio
 import io
 import json
 import logging
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -70,3 +71,21 @@ def test_text_lines_and_the_access_switch(restore_logging: None) -> None:
 def test_a_client_request_id_is_kept_only_when_sane(given: str, kept: bool) -> None:
     got = accept_request_id(given)
     assert (got == given) is kept and 0 < len(got) <= 128
+
+
+@pytest.mark.parametrize(
+    "created",
+    [1796175755.0, 1796175755.287, 1796175755.9999, 1796175756.001, 1796175816.5, 1796262155.25],
+)
+def test_record_times_read_as_logging_and_utc_iso_give_them(created: float) -> None:
+    """Both formatters format a second's date and time once; every record still gets its own
+    time, the same as logging's default (text, local) and ISO 8601 in UTC (json)."""
+    from llmgw.logs import JsonFormatter, TextFormatter
+
+    text, structured, reference = TextFormatter("edge"), JsonFormatter("edge"), logging.Formatter()
+    for at in (created - 1.5, created, created + 0.0004, created + 1.0):  # cached and not
+        record = logging.LogRecord("llmgw.x", logging.INFO, "", 0, "m", None, None)
+        record.created, record.msecs = at, int((at - int(at)) * 1000) + 0.0
+        assert text.formatTime(record) == reference.formatTime(record)
+        iso = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(at)) + f".{int(record.msecs):03d}Z"
+        assert json.loads(structured.format(record))["ts"] == iso

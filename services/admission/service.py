@@ -238,6 +238,7 @@ class AdmissionService:
             else None
         )
         self._bands = {b.name: b for b in admission.bands}
+        self._models = frozenset(m.name for m in config.models)  # canonical names (wire values)
         self._own_edge_marker: bytes | None = None  # `serve_edge`
         ranked = sorted(admission.bands, key=lambda b: -b.priority)
         self._engine_priority = {b.name: index for index, b in enumerate(ranked)}
@@ -391,7 +392,7 @@ class AdmissionService:
         started = time.perf_counter()
         now = self._clock()
         model = request.model
-        if self.config.resolve_model(model) != model:
+        if model not in self._models:
             return self._refusal(
                 request.id, Refusal.UNKNOWN_MODEL, f"The model '{model}' does not exist."
             )
