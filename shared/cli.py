@@ -111,6 +111,18 @@ def build_parser() -> argparse.ArgumentParser:
     _config_arg(edge)
     edge.add_argument("--listen", default=None, help="override `listen` (host:port)")
     edge.add_argument("--admin-listen", default=None, help="override `admin_listen` (host:port)")
+    edge.add_argument(
+        "--admission-instance",
+        default=None,
+        help="with admission.colocated: the name of the edge's admission instance (llmgw up)",
+    )
+    edge.add_argument(
+        "--supersedes",
+        default=None,
+        metavar="INSTANCE",
+        help="with admission.colocated: an admission instance whose process has exited (llmgw "
+        "up restarting the edge); its shards are taken over at once instead of after member_ttl",
+    )
     edge.set_defaults(target="llmgw.services.edge.main:run")
 
     admission = sub.add_parser("admission", help="the admission service (NATS queue group)")

@@ -7,6 +7,7 @@ shards); `RunningAdmission.close` hands its shards over, leaves and closes the c
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +22,9 @@ from llmgw.tracing import open_tracing
 
 if TYPE_CHECKING:
     from llmgw.config import Config
+
+
+log = logging.getLogger("llmgw.admission")
 
 
 @dataclass
@@ -41,8 +45,16 @@ class RunningAdmission:
         await natsconn.drain_or_close(self.nc)
 
 
-async def open_admission(config: Config, instance: str, connection_name: str) -> RunningAdmission:
-    """Start one admission instance named `instance` on a connection of its own."""
+async def open_admission(
+    config: Config, instance: str, connection_name: str, *, supersedes: str | None = None
+) -> RunningAdmission:
+    """Start one admission instance named `instance` on a connection of its own.
+
+    `supersedes`: an instance known to be dead (its process exited: `llmgw up` restarting an
+    edge that ran admission in process). Its member key is removed before this one joins, as
+    the reaper would once its TTL had passed, so its shards are adopted at once instead of
+    after ``admission.member_ttl``. Only a supervisor that saw the process end may say so: a
+    live instance whose key is removed keeps deciding until its next heartbeat fails."""
     nc = await natsconn.connect(config.nats, name=connection_name)
     board = LoadBoard(config, HealthBoard())
     follower = LoadFollower(board, await open_load_bucket(nc, config))
@@ -50,6 +62,8 @@ async def open_admission(config: Config, instance: str, connection_name: str) ->
     metrics = AdmissionMetrics()
     metrics.watch_load(board, [m.name for m in config.models])
     store = await open_routing_store(nc, config)
+    if supersedes is not None:
+        await remove_exited_member(store, supersedes)
     await open_events_stream(nc, config)
     events = EventPublisher(nc, instance)
     service = AdmissionService(
@@ -68,3 +82,15 @@ async def open_admission(config: Config, instance: str, connection_name: str) ->
     await service.start()
     events.emit(MemberEvent, event="member.joined", member=service.instance)
     return RunningAdmission(service, metrics, nc, follower, events)
+
+
+async def remove_exited_member(store: Any, instance: str) -> bool:
+    """Delete `instance`'s member key (the process that held it has exited); False when it
+    has none (it left gracefully, or the reaper removed it)."""
+    for stored in await store.members():
+        if stored.value.instance == instance:
+            removed = bool(await store.remove_member(instance, stored.revision))
+            if removed:
+                log.info("removed the member key of %s: its process exited", instance)
+            return removed
+    return False

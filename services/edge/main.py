@@ -78,8 +78,12 @@ def run(args: argparse.Namespace) -> int:
         edge_id = safe_token(f"{service_instance('edge')}-{uuid.uuid4().hex[:6]}")
         colocated = None
         if config.admission.colocated:  # decides its shards' requests in this process
+            instance = getattr(args, "admission_instance", None) or f"{edge_id}-admission"
             colocated = await open_admission(
-                config, safe_token(f"{edge_id}-admission"), "llmgw-edge-admission"
+                config,
+                safe_token(instance),
+                "llmgw-edge-admission",
+                supersedes=getattr(args, "supersedes", None),
             )
         deps = await open_edge_deps(
             nc, config, edge_id, colocated=colocated.service if colocated else None

@@ -72,6 +72,9 @@ class ServiceSpec:
     argv: tuple[str, ...]
     kind: ServiceKind
     listens: tuple[ListenAddress, ...] = field(default=())
+    # An edge that runs admission in process (admission.colocated): its instance's name
+    # without the supervisor's per-start suffix (services/up/supervisor.py, `incarnation_args`).
+    admission_instance: str | None = None
 
     def is_ready_line(self, line: str) -> bool:
         return READY_PATTERNS[self.kind].search(line) is not None
@@ -226,6 +229,7 @@ def plan_cluster(config: Config, config_path: str) -> list[ServiceSpec]:
                 ListenAddress(config.listen_host, config.listen_port, "edge `listen`"),
                 ListenAddress(config.admin_host, config.admin_port, "edge `admin_listen`"),
             ),
+            admission_instance="up-edge" if config.admission.colocated else None,
         )
     )
     return specs

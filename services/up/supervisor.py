@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import secrets
 import signal
 import sys
 import time
@@ -41,6 +42,7 @@ class _Child:
     ready_url: str | None = None
     pump: asyncio.Task[None] | None = None
     keeper: asyncio.Task[None] | None = None
+    spawns: int = 0  # processes started for this child so far
 
     @property
     def name(self) -> str:
@@ -85,6 +87,21 @@ class ClusterSupervisor:
         self._failure = asyncio.Event()
         self._failure_reason = ""
         self._stopping = False
+        self._run = secrets.token_hex(3)  # tells this start's instance names from an earlier's
+
+    def incarnation_args(self, child: _Child) -> list[str]:
+        """Arguments of the child's next process beyond its spec's. An edge with admission in
+        process gets its instance's name, and from its second process on the name of the one
+        before, which has exited (this supervisor waited for it and killed its process group):
+        the new instance takes its shards over at once (`--supersedes`), instead of waiting
+        ``admission.member_ttl`` for its key to expire."""
+        base = child.spec.admission_instance
+        if base is None:
+            return []
+        args = ["--admission-instance", f"{base}-{self._run}-{child.spawns}"]
+        if child.spawns > 0:
+            args += ["--supersedes", f"{base}-{self._run}-{child.spawns - 1}"]
+        return args
 
     # -- control --------------------------------------------------------------------------
 
@@ -170,7 +187,8 @@ class ClusterSupervisor:
     async def _spawn(self, child: _Child) -> None:
         child.ready = asyncio.Event()
         child.ready_url = None
-        argv = [*self._command_prefix, *child.spec.argv]
+        argv = [*self._command_prefix, *child.spec.argv, *self.incarnation_args(child)]
+        child.spawns += 1
         try:
             child.process = await asyncio.create_subprocess_exec(
                 *argv,

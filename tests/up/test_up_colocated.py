@@ -5,6 +5,10 @@ beside separate ones)."""
 
 from __future__ import annotations
 
+import os
+import re
+import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,15 +35,7 @@ def test_llmgw_up_decides_every_request_in_the_edge_with_no_admission_process(
         metrics = http.get(f"http://127.0.0.1:{admin}/metrics").text
         assert _sample(metrics, "shards") == 32  # the edge's instance owns every shard
         for n in range(sent):
-            response = http.post(
-                f"{api}/chat/completions",
-                json={
-                    "model": "llama",
-                    "messages": [{"role": "user", "content": "hello"}],
-                    "max_tokens": 4,
-                    "user": f"colocated-{n}",
-                },
-            )
+            response = _chat(http, api, f"colocated-{n}")
             assert response.status_code == 200, response.text
         metrics = http.get(f"http://127.0.0.1:{admin}/metrics").text
     assert _sample(metrics, "decision_seconds_count") == sent  # all decided in the edge
@@ -51,4 +47,38 @@ def _sample(metrics: str, name: str) -> float:
         for f in text_string_to_metric_families(metrics)
         for s in f.samples
         if s.name == f"llmgw_admission_{name}"
+    )
+
+
+def test_a_killed_edge_is_restarted_and_decides_again_at_once(
+    tmp_path: Path, start_up: Callable[..., UpProcess]
+) -> None:
+    """The edge's process holds the only admission instance. Killed, it takes its instance
+    along; the supervisor, having seen it exit, starts the next edge as its successor, which
+    takes the shards over at once rather than after `admission.member_ttl` (15 s, when the old
+    instance's key would have expired)."""
+    config = write_cluster_config(tmp_path / "cluster.yaml")
+    up = start_up(config)
+    api, key = up.wait_for(READY, timeout=90).groups()
+    with httpx.Client(timeout=30, headers={"authorization": f"Bearer {key}"}) as http:
+        assert _chat(http, api, "before").status_code == 200
+        os.kill(up.pids()["edge"], signal.SIGKILL)
+        killed = time.monotonic()
+        up.wait_for(r"^\[edge\] ready again$", timeout=30)
+        statuses = [_chat(http, api, f"after-{n}").status_code for n in range(16)]
+        answered = time.monotonic() - killed
+    assert answered < 10, answered  # well before member_ttl: the test means something
+    assert statuses == [200] * 16, statuses  # every shard has an owner again
+    assert re.search(r"removed the member key of up-edge-\w+-0: its process exited", up.output())
+
+
+def _chat(http: httpx.Client, api: str, session: str) -> httpx.Response:
+    return http.post(
+        f"{api}/chat/completions",
+        json={
+            "model": "llama",
+            "messages": [{"role": "user", "content": "hello"}],
+            "max_tokens": 4,
+            "user": session,
+        },
     )

@@ -57,6 +57,7 @@ def test_plans_simulators_then_services_then_the_edge_for_the_local_config() -> 
         )
         assert [str(a) for a in by_name[name].listens] == [address]
     assert by_name["edge"].argv == ("edge", "--config", "config/local.yaml")
+    assert by_name["edge"].admission_instance == "up-edge"  # named per start by the supervisor
     assert [str(a) for a in by_name["edge"].listens] == ["127.0.0.1:8080", "127.0.0.1:9090"]
     assert [str(a) for a in by_name["engine-2"].listens] == ["127.0.0.1:8102"]
 
@@ -72,6 +73,7 @@ def test_a_separate_admission_process_runs_unless_admission_is_colocated() -> No
     ]
     admission = next(s for s in plan if s.kind == "admission")
     assert admission.argv == ("admission", "--config", "c.yaml", "--admin-listen", "127.0.0.1:9091")
+    assert next(s for s in plan if s.kind == "edge").admission_instance is None
 
 
 def test_the_edge_drains_at_once_unless_the_config_or_the_environment_sets_a_delay() -> None:
