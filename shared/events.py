@@ -15,7 +15,8 @@ Subjects (one vocabulary with KV keys and metrics; docs/events.md is the referen
     shard.handed.<instance>     an admission instance handed a shard over to <instance>
     member.joined.<instance>    an admission instance joined
     member.left.<instance>      ... left gracefully
-    member.expired.<instance>   the reaper removed a member key that stopped being renewed
+    member.expired.<instance>   the reaper removed a member key that stopped being renewed (or
+                                the successor of an exited process removed it: llmgw up)
     quota.reclaimed.<provider>  the reaper dropped what a long-dead instance still held of a pair
     endpoint.scraped.<provider> the scraper's report of one endpoint, every round (`report`)
     endpoint.healthy.<provider> ... whose health verdict became healthy (or its first verdict)

@@ -62,10 +62,10 @@ async def open_admission(
     metrics = AdmissionMetrics()
     metrics.watch_load(board, [m.name for m in config.models])
     store = await open_routing_store(nc, config)
-    if supersedes is not None:
-        await remove_exited_member(store, supersedes)
     await open_events_stream(nc, config)
     events = EventPublisher(nc, instance)
+    if supersedes is not None and await remove_exited_member(store, supersedes):
+        events.emit(MemberEvent, event="member.expired", member=supersedes)
     service = AdmissionService(
         config,
         nc,

@@ -5,6 +5,7 @@ beside separate ones)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -16,7 +17,7 @@ import httpx
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
-from test_up_operability import READY
+from test_up_operability import NATS, READY, _events
 from up_harness import UpProcess, write_cluster_config
 
 pytestmark = pytest.mark.e2e
@@ -69,7 +70,10 @@ def test_a_killed_edge_is_restarted_and_decides_again_at_once(
         answered = time.monotonic() - killed
     assert answered < 10, answered  # well before member_ttl: the test means something
     assert statuses == [200] * 16, statuses  # every shard has an owner again
-    assert re.search(r"removed the member key of up-edge-\w+-0: its process exited", up.output())
+    gone = re.search(r"removed the member key of (up-edge-\w+-0): its process exited", up.output())
+    assert gone is not None
+    expired = _events(config, up.wait_for(NATS).group(1), "member.expired.>")
+    assert [json.loads(e)["member"] for e in expired] == [gone.group(1)]  # announced, once
 
 
 def _chat(http: httpx.Client, api: str, session: str) -> httpx.Response:
