@@ -85,12 +85,14 @@ async def open_admission(
 
 
 async def remove_exited_member(store: Any, instance: str) -> bool:
-    """Delete `instance`'s member key (the process that held it has exited); False when it
-    has none (it left gracefully, or the reaper removed it)."""
+    """Delete the member key of `instance` (the process that held it has exited), or of what
+    it had become by joining again under a new id (``<instance>-r<token>``, after a fence);
+    False when there is none (it left gracefully, or the reaper removed it)."""
+    removed = False
     for stored in await store.members():
-        if stored.value.instance == instance:
-            removed = bool(await store.remove_member(instance, stored.revision))
-            if removed:
-                log.info("removed the member key of %s: its process exited", instance)
-            return removed
-    return False
+        name = stored.value.instance
+        if name == instance or name.startswith(f"{instance}-r"):
+            if await store.remove_member(name, stored.revision):
+                log.info("removed the member key of %s: its process exited", name)
+                removed = True
+    return removed

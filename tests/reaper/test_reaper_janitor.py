@@ -77,3 +77,17 @@ async def test_two_reapers_make_each_change_once(
     assert sorted(removed) == [f"admission-dead-{n}" for n in range(5)]  # each once
     events = await event_log.sync(first.events._nc, second.events._nc)
     assert len([e for e in events if e.event == EventName.MEMBER_EXPIRED]) == 5
+
+
+async def test_a_successor_removes_its_exited_predecessors_keys_at_once_and_no_other(store):
+    """`llmgw up` names the instance of an edge process that exited (its supervisor saw it
+    end): the successor removes that member key without waiting for its TTL, and the key of
+    what it had become by joining again (`<name>-r<token>`), but no other instance's."""
+    from llmgw.services.admission.compose import remove_exited_member
+
+    for name in ("up-edge-1a2b3c-0", "up-edge-1a2b3c-0-rf00d12", "up-edge-1a2b3c-00", "other"):
+        await store.join(MemberValue(name, NOW, NOW))  # all freshly renewed
+    assert await remove_exited_member(store, "up-edge-1a2b3c-0")
+    remaining = {m.value.instance for m in await store.members()}
+    assert remaining == {"up-edge-1a2b3c-00", "other"}
+    assert not await remove_exited_member(store, "up-edge-1a2b3c-0")  # nothing left to remove
