@@ -28,6 +28,7 @@ in the event loop's thread and only wait in a worker thread.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import shutil
 import signal
@@ -185,28 +186,33 @@ class EmbeddedNatsCluster:
         Ports this cluster picked itself were free when picked; another process may bind one
         before the node does. Such a start is stopped and made again on newly picked ports
         (`_PORT_ATTEMPTS` in all); a port the caller asked for is not replaced."""
-        for attempt in range(_PORT_ATTEMPTS):
+        for attempt in itertools.count(1):
             try:
                 self.spawn()
                 self._wait_started(timeout)
                 return self
             except NatsPortInUse:
-                if self.requested_port or attempt == _PORT_ATTEMPTS - 1:
+                if not self._may_pick_again(attempt):
                     raise
-        raise AssertionError("unreachable")
+        raise AssertionError("itertools.count ends")
 
     async def astart(self, ready_within: float = 30.0) -> EmbeddedNatsCluster:
         """`start` from async code: the nodes are spawned from this thread (their parent-death
         signal follows the thread that spawned them), the wait runs in another."""
-        for attempt in range(_PORT_ATTEMPTS):
+        for attempt in itertools.count(1):
             try:
                 self.spawn()
                 await asyncio.to_thread(self._wait_started, ready_within)
                 return self
             except NatsPortInUse:
-                if self.requested_port or attempt == _PORT_ATTEMPTS - 1:
+                if not self._may_pick_again(attempt):
                     raise
-        raise AssertionError("unreachable")
+        raise AssertionError("itertools.count ends")
+
+    def _may_pick_again(self, attempts: int) -> bool:
+        """After `attempts` starts that found a port taken: whether to start again on newly
+        picked ports (never when the caller asked for the ports)."""
+        return not self.requested_port and attempts < _PORT_ATTEMPTS
 
     def spawn(self) -> None:
         """Lay out the nodes and spawn every process without waiting (see `start`)."""

@@ -22,6 +22,7 @@ from llmgw.tracing import open_tracing
 
 if TYPE_CHECKING:
     from llmgw.config import Config
+    from llmgw.state.store import RoutingStore
 
 
 log = logging.getLogger("llmgw.admission")
@@ -84,7 +85,7 @@ async def open_admission(
     return RunningAdmission(service, metrics, nc, follower, events)
 
 
-async def remove_exited_member(store: Any, instance: str) -> bool:
+async def remove_exited_member(store: RoutingStore, instance: str) -> bool:
     """Delete the member key of `instance` (the process that held it has exited), or of what
     it had become by joining again under a new id (``<instance>-r<token>``, after a fence);
     False when there is none (it left gracefully, or the reaper removed it)."""
