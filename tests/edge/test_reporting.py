@@ -9,6 +9,8 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import nats.errors
+import pytest
 import pytest_asyncio
 from inproc import connect
 
@@ -32,11 +34,18 @@ def ended(attempt: str, lease: str | None) -> RequestEnded:
     )
 
 
-async def received(sub: Any, count: int, timeout: float = 5.0) -> list[str]:
-    return [
-        RequestEnded.model_validate_json((await sub.next_msg(timeout)).data).id
-        for _ in range(count)
-    ]
+async def received(
+    sub: Any, count: int, timeout: float = 5.0, reporter: NatsReporter | None = None
+) -> list[str]:
+    """The ids of the next `count` ends on `sub`; on a timeout, what `reporter` says it sent."""
+    ids = []
+    for _ in range(count):
+        try:
+            ids.append(RequestEnded.model_validate_json((await sub.next_msg(timeout)).data).id)
+        except nats.errors.TimeoutError:
+            state = f"sent {reporter.sent}, failed {reporter.failures}" if reporter else ""
+            pytest.fail(f"received {ids} of {count} ends within {timeout}s; reporter: {state}")
+    return ids
 
 
 @pytest_asyncio.fixture
@@ -81,4 +90,4 @@ async def test_without_a_colocated_instance_every_end_goes_at_once(wired: tuple[
     reporter = NatsReporter(nc, hold=LONG_HOLD)
     reporter.report(ended("b1", "lease-1"))
     reporter.report(ended("b2", None))
-    assert await received(sub, 2) == ["b1", "b2"]
+    assert await received(sub, 2, reporter=reporter) == ["b1", "b2"]
