@@ -35,17 +35,35 @@ def ended(attempt: str, lease: str | None) -> RequestEnded:
 
 
 async def received(
-    sub: Any, count: int, timeout: float = 5.0, reporter: NatsReporter | None = None
+    sub: Any, count: int, timeout: float = 15.0, reporter: NatsReporter | None = None
 ) -> list[str]:
-    """The ids of the next `count` ends on `sub`; on a timeout, what `reporter` says it sent."""
+    """The ids of the next `count` ends on `sub`, each within `timeout` (half of LONG_HOLD: an
+    end that arrives was not held); on a timeout, what both connections say they moved."""
     ids = []
     for _ in range(count):
         try:
             ids.append(RequestEnded.model_validate_json((await sub.next_msg(timeout)).data).id)
         except nats.errors.TimeoutError:
-            state = f"sent {reporter.sent}, failed {reporter.failures}" if reporter else ""
-            pytest.fail(f"received {ids} of {count} ends within {timeout}s; reporter: {state}")
+            pytest.fail(
+                f"received {ids} of {count} ends within {timeout}s; {_state(sub, reporter)}"
+            )
     return ids
+
+
+def _state(sub: Any, reporter: NatsReporter | None) -> str:
+    listener = sub._conn
+    state = (
+        f"listener connected {listener.is_connected}, in_msgs {listener.stats['in_msgs']}, "
+        f"pending {sub.pending_msgs}"
+    )
+    if reporter is not None:
+        nc = reporter._nc
+        state += (
+            f"; reporter sent {reporter.sent}, failed {reporter.failures}, connected "
+            f"{nc.is_connected}, out_msgs {nc.stats['out_msgs']}, unflushed bytes "
+            f"{nc._pending_data_size}"
+        )
+    return state
 
 
 @pytest_asyncio.fixture
@@ -77,12 +95,13 @@ async def test_held_ends_leave_with_an_urgent_one_or_at_drain(wired: tuple[Any, 
     assert applied == ["a1", "a2"]  # in process at once
     assert sub.pending_msgs == 0 and reporter.sent == 0  # held: nothing waits for them
     reporter.report(ended("a3", "elsewhere-1"))  # the owner is another instance
-    assert await received(sub, 3) == ["a1", "a2", "a3"]  # it goes now, with the held ones
+    # it goes now, with the held ones
+    assert await received(sub, 3, reporter=reporter) == ["a1", "a2", "a3"]
     reporter.report(ended("a4", "here-2"))
     await asyncio.sleep(0)
     assert reporter.sent == 3
     await reporter.drain()
-    assert await received(sub, 1) == ["a4"] and reporter.sent == 4
+    assert await received(sub, 1, reporter=reporter) == ["a4"] and reporter.sent == 4
 
 
 async def test_without_a_colocated_instance_every_end_goes_at_once(wired: tuple[Any, Any]):
