@@ -13,7 +13,8 @@ stats are.
 from __future__ import annotations
 
 import enum
-from typing import Literal
+import functools
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -61,6 +62,64 @@ def handover_subject(instance: str) -> str:
 
 class _Message(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+M = TypeVar("M", bound=_Message)
+
+
+def trusted(cls: type[M], **values: Any) -> M:
+    """`cls.model_construct(**values)` at a fraction of its cost, for the hot path's own,
+    already checked values (no validation): the same fields in the same order (so the same
+    JSON), defaults and `model_fields_set`.
+
+    model_construct walks every field's aliases and defaults per call (6-9 us for one of a
+    request's messages here); this copies a template of the defaults made once per class.
+    `values` must name fields only (model_construct would drop others; tests/test_wire.py
+    holds the two equal)."""
+    template, required = _template(cls)
+    fields = template.copy()
+    fields.update(values)
+    for name in required:
+        if fields[name] is _MISSING:  # as model_construct: a required field left out is absent
+            del fields[name]
+    message = cls.__new__(cls)
+    _set = object.__setattr__
+    _set(message, "__dict__", fields)
+    _set(message, "__pydantic_fields_set__", set(values))
+    _set(message, "__pydantic_extra__", None)
+    _set(message, "__pydantic_private__", None)
+    return message
+
+
+_MISSING = object()
+
+
+@functools.cache
+def _template(cls: type[_Message]) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """Every field of `cls` in order with its default (`_MISSING` if required), and the
+    required ones' names; TypeError for a class `trusted` cannot build as model_construct
+    would (an alias, a default factory, a mutable default or a post-init hook)."""
+    template: dict[str, Any] = {}
+    required = []
+    for name, field in cls.__pydantic_fields__.items():
+        if field.alias not in (None, name) or field.validation_alias not in (None, name):
+            raise TypeError(f"{cls.__name__}.{name} has an alias: use model_construct")
+        if field.default_factory is not None:
+            raise TypeError(f"{cls.__name__}.{name} has a default factory: use model_construct")
+        if field.is_required():
+            template[name] = _MISSING
+            required.append(name)
+            continue
+        try:
+            hash(field.default)
+        except TypeError:
+            raise TypeError(
+                f"{cls.__name__}.{name} has a mutable default: use model_construct"
+            ) from None
+        template[name] = field.default
+    if cls.__pydantic_post_init__:
+        raise TypeError(f"{cls.__name__} has a post-init hook: use model_construct")
+    return template, tuple(required)
 
 
 class FailedAttempt(_Message):

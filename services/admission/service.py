@@ -89,6 +89,7 @@ from llmgw.wire import (
     StateReply,
     Target,
     handover_subject,
+    trusted,
 )
 
 if TYPE_CHECKING:
@@ -514,11 +515,13 @@ class AdmissionService:
             self.metrics.child(
                 self.metrics.offloads, outcome.provider, offload_reason(outcome)
             ).inc()
-        # The decision's own values (model_construct: no re-validation on the decision path).
-        return AdmitReply.model_construct(
+        # The decision's own values (`trusted`: no re-validation on the decision path).
+        return trusted(
+            AdmitReply,
             id=request.id,
             status=ReplyStatus.ADMITTED,
-            target=Target.model_construct(
+            target=trusted(
+                Target,
                 provider=outcome.provider,
                 provider_kind=self.catalog.kind(outcome.provider).value,
                 endpoint=endpoint.id,

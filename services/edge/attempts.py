@@ -58,7 +58,15 @@ from llmgw.services.edge.upstream import (
     passthrough_headers,
     read_body,
 )
-from llmgw.wire import AdmitReply, AdmitRequest, FailedAttempt, ReplyStatus, RequestEnded, Target
+from llmgw.wire import (
+    AdmitReply,
+    AdmitRequest,
+    FailedAttempt,
+    ReplyStatus,
+    RequestEnded,
+    Target,
+    trusted,
+)
 
 if TYPE_CHECKING:
     from llmgw.core.requests import Feature, ParsedRequest
@@ -143,8 +151,9 @@ class Attempts:
         # x-request-id, which two clients may well share, travels beside them for the logs.
         base = f"{edge.edge_id}.{next(self._ids)}"
         for attempt in range(retries + 1):
-            # Built from values checked already (model_construct: no re-validation per request).
-            admit = AdmitRequest.model_construct(
+            # Built from values checked already (`trusted`: no re-validation per request).
+            admit = trusted(
+                AdmitRequest,
                 id=base if attempt == 0 else f"{base}-{attempt}",
                 request_id=routed.request_id,
                 edge=edge.edge_id,
@@ -451,7 +460,8 @@ class _AttemptEnd:
         usage = self.usage if ok else None
         reached = self.upstream_started is not None if sent is None else sent
         edge.reporter.report(
-            RequestEnded.model_construct(  # this edge's own values: no re-validation
+            trusted(  # this edge's own values: no re-validation
+                RequestEnded,
                 id=self.admit.id,
                 request_id=self.routed.request_id,
                 edge=edge.edge_id,
