@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 from llmgw.config.observability import LogConfig
-from llmgw.logs import accept_request_id, log_fields, request_id, setup_logging
+from llmgw.logs import AccessLog, accept_request_id, log_fields, request_id, setup_logging
 
 
 @pytest.fixture
@@ -89,3 +89,72 @@ def test_record_times_read_as_logging_and_utc_iso_give_them(created: float) -> N
         assert text.formatTime(record) == reference.formatTime(record)
         iso = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(at)) + f".{int(record.msecs):03d}Z"
         assert json.loads(structured.format(record))["ts"] == iso
+
+
+ACCESS_FIELDS = {"request_id": "r-1", "model": "m1", "status": 200, "route": None, "ms": 1.5}
+
+
+def _without_time(line: str, fmt: str) -> object:
+    if fmt == "json":
+        parsed = json.loads(line)
+        assert parsed.pop("ts").endswith("Z")
+        return parsed
+    return line.split(" ", 2)[2]  # after the date and the time
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_the_access_log_writes_the_line_a_record_would(restore_logging: None, fmt: str) -> None:
+    """As a service runs (only the service's handler): the access line is written without a
+    record, and it is the line `log_fields` writes, in order with the records around it."""
+    out = io.StringIO()
+    setup_logging("edge", LogConfig(format=fmt), out)
+    access = AccessLog(logging.getLogger("llmgw.access"))
+    assert access._direct_handler() is logging.getLogger().handlers[0]
+    request_id.set("from-the-context")
+    logging.getLogger("llmgw.edge").info("before")
+    access.write("request", ACCESS_FIELDS)
+    log_fields(logging.getLogger("llmgw.access"), "request", ACCESS_FIELDS)
+    access.write("request", {"status": 499})  # no request id field: the context's
+    log_fields(logging.getLogger("llmgw.access"), "request", {"status": 499})
+    logging.getLogger("llmgw.edge").info("after")
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 6
+    assert _without_time(lines[1], fmt) == _without_time(lines[2], fmt)
+    assert _without_time(lines[3], fmt) == _without_time(lines[4], fmt)
+    first, last = _without_time(lines[0], fmt), _without_time(lines[5], fmt)
+    if fmt == "json":
+        assert [first["msg"], last["msg"]] == ["before", "after"]  # type: ignore[index]
+        assert json.loads(lines[1])["request_id"] == "r-1" and "route" in json.loads(lines[1])
+        assert json.loads(lines[3])["request_id"] == "from-the-context"
+    else:
+        assert first.endswith("before request_id=from-the-context")  # type: ignore[union-attr]
+        assert lines[1].endswith("llmgw.access: request request_id=r-1 model=m1 status=200 ms=1.5")
+        assert lines[3].endswith("llmgw.access: request request_id=from-the-context status=499")
+    request_id.set(None)
+
+
+def test_the_access_log_goes_through_logging_when_anything_else_listens(
+    restore_logging: None,
+) -> None:
+    """A handler on the access logger (a test's, an embedding application's) gets the line as a
+    record, and so does the service's handler; the access switch and levels still apply."""
+    out = io.StringIO()
+    setup_logging("edge", LogConfig(), out)
+    logger = logging.getLogger("llmgw.access")
+    access = AccessLog(logger)
+    seen: list[logging.LogRecord] = []
+    listener = logging.Handler()
+    listener.emit = seen.append  # type: ignore[method-assign]
+    logger.addHandler(listener)
+    try:
+        assert access._direct_handler() is None
+        access.write("request", {"status": 200})
+    finally:
+        logger.removeHandler(listener)
+    assert [r.getMessage() for r in seen] == ["request"]
+    assert out.getvalue().rstrip().endswith("llmgw.access: request status=200")
+    setup_logging("edge", LogConfig(access_log=False), out)
+    access.write("request", {"status": 201})
+    setup_logging("edge", LogConfig(levels={"llmgw.access": "warning"}), out)
+    access.write("request", {"status": 202})
+    assert "status=201" not in out.getvalue() and "status=202" not in out.getvalue()

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from llmgw.core.outcomes import Outcome
-from llmgw.logs import log_fields
+from llmgw.logs import AccessLog
 from llmgw.services.edge.metrics import NONE
 from llmgw.tracing import headers_of, otel_context, trace
 
@@ -115,6 +115,7 @@ class EdgeTelemetry:
         self.sample = log.access_sample if log is not None else 1.0
         self.access = log.access_log if log is not None else True
         self._rng = rng or random.Random()
+        self._access_log = AccessLog(access_log)
 
     def began(self, record: RequestRecord, headers: Mapping[str, str]) -> None:
         """With tracing: the request's span (child of the client's ``traceparent``), made the
@@ -164,8 +165,7 @@ class EdgeTelemetry:
             outcome is Outcome.SUCCESS and self.sample < 1.0 and self._rng.random() >= self.sample
         ):
             return
-        log_fields(
-            access_log,
+        self._access_log.write(
             "request",
             {
                 "request_id": record.request_id,
