@@ -21,6 +21,7 @@ import logging
 import random
 import sys
 import time
+from collections.abc import Callable
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
@@ -70,16 +71,19 @@ class _RequestIdFilter(logging.Filter):
         return True
 
 
-class JsonFormatter(logging.Formatter):
-    """One JSON object per line: ts, level, service, logger, msg, request_id, fields, exc."""
+class _LineFormatter(logging.Formatter):
+    """A record's parts, handed to the subclass's `line(created, msecs, level, logger, message,
+    rid, fields, below)`, which `AccessLog` calls without a record (`below`: a traceback)."""
 
-    def __init__(self, service: str) -> None:
-        super().__init__()
-        self.service = service
-        self._seconds = _Seconds("%Y-%m-%dT%H:%M:%S", time.gmtime)
+    line: Callable[..., str]
 
     def format(self, record: logging.LogRecord) -> str:
-        exc = self.formatException(record.exc_info) if record.exc_info else None
+        if record.exc_info and not record.exc_text:
+            record.exc_text = self.formatException(record.exc_info)
+        below = record.exc_text or None
+        if record.stack_info:
+            stack = self.formatStack(record.stack_info)
+            below = f"{below}\n{stack}" if below else stack
         return self.line(
             record.created,
             record.msecs,
@@ -88,8 +92,17 @@ class JsonFormatter(logging.Formatter):
             record.getMessage(),
             getattr(record, "request_id", None),
             getattr(record, _FIELDS, None),
-            exc,
+            below,
         )
+
+
+class JsonFormatter(_LineFormatter):
+    """One JSON object per line: ts, level, service, logger, msg, request_id, fields, exc."""
+
+    def __init__(self, service: str) -> None:
+        super().__init__()
+        self.service = service
+        self._seconds = _Seconds("%Y-%m-%dT%H:%M:%S", time.gmtime)
 
     def line(
         self,
@@ -100,9 +113,8 @@ class JsonFormatter(logging.Formatter):
         message: str,
         rid: str | None,
         fields: dict[str, Any] | None,
-        exc: str | None = None,
+        below: str | None = None,
     ) -> str:
-        """The line of one record (`format`'s, and `AccessLog`'s without a record)."""
         line: dict[str, Any] = {
             "ts": f"{self._seconds(created)}.{int(msecs):03d}Z",
             "level": level.lower(),
@@ -114,12 +126,12 @@ class JsonFormatter(logging.Formatter):
             line["request_id"] = rid
         if fields:
             line.update(fields)
-        if exc is not None:
-            line["exc"] = exc
+        if below is not None:
+            line["exc"] = below
         return json.dumps(line, default=repr, separators=(",", ":"))
 
 
-class TextFormatter(logging.Formatter):
+class TextFormatter(_LineFormatter):
     """`<time> <service> <LEVEL> <logger>: <message> [request_id=...] [key=value ...]`, then
     the traceback of an exception on the lines below."""
 
@@ -132,24 +144,6 @@ class TextFormatter(logging.Formatter):
         """logging's default, `2026-12-02 01:43:17,287` (local time)."""
         return f"{self._seconds(record.created)},{int(record.msecs):03d}"
 
-    def format(self, record: logging.LogRecord) -> str:
-        text = self.line(
-            record.created,
-            record.msecs,
-            record.levelname,
-            record.name,
-            record.getMessage(),
-            getattr(record, "request_id", None),
-            getattr(record, _FIELDS, None),
-        )
-        if record.exc_info and not record.exc_text:
-            record.exc_text = self.formatException(record.exc_info)
-        if record.exc_text:
-            text = f"{text}\n{record.exc_text}"
-        if record.stack_info:
-            text = f"{text}\n{self.formatStack(record.stack_info)}"
-        return text
-
     def line(
         self,
         created: float,
@@ -159,8 +153,8 @@ class TextFormatter(logging.Formatter):
         message: str,
         rid: str | None,
         fields: dict[str, Any] | None,
+        below: str | None = None,
     ) -> str:
-        """The first line of one record (`format`'s, and `AccessLog`'s without a record)."""
         text = (
             f"{self._seconds(created)},{int(msecs):03d} {self.service} {level} {logger}: {message}"
         )
@@ -171,7 +165,9 @@ class TextFormatter(logging.Formatter):
         )
         if rid is not None and not (fields and fields.get("request_id")):
             extra.insert(0, f"request_id={rid}")
-        return f"{text} {' '.join(extra)}" if extra else text
+        if extra:
+            text = f"{text} {' '.join(extra)}"
+        return f"{text}\n{below}" if below is not None else text
 
 
 class _ServiceHandler(logging.StreamHandler):  # type: ignore[type-arg]
@@ -228,7 +224,7 @@ class AccessLog:
         handler = handlers[0]
         if type(handler) is not _ServiceHandler or handler.level > logging.INFO:
             return None
-        if not isinstance(handler.formatter, (TextFormatter, JsonFormatter)):
+        if not isinstance(handler.formatter, _LineFormatter):
             return None
         node: logging.Logger | None = self._logger
         while node is not None and node is not root:

@@ -12,7 +12,14 @@ from collections.abc import Iterator
 import pytest
 
 from llmgw.config.observability import LogConfig
-from llmgw.logs import AccessLog, accept_request_id, log_fields, request_id, setup_logging
+from llmgw.logs import (
+    _FIELDS,
+    AccessLog,
+    accept_request_id,
+    log_fields,
+    request_id,
+    setup_logging,
+)
 
 
 @pytest.fixture
@@ -158,3 +165,21 @@ def test_the_access_log_goes_through_logging_when_anything_else_listens(
     setup_logging("edge", LogConfig(levels={"llmgw.access": "warning"}), out)
     access.write("request", {"status": 202})
     assert "status=201" not in out.getvalue() and "status=202" not in out.getvalue()
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_a_traceback_follows_the_record_and_its_fields(restore_logging: None, fmt: str) -> None:
+    out = io.StringIO()
+    setup_logging("edge", LogConfig(format=fmt), out)
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        logging.getLogger("llmgw.edge").exception("failed", extra={_FIELDS: {"status": 500}})
+    if fmt == "json":
+        [line] = out.getvalue().splitlines()
+        parsed = json.loads(line)
+        assert parsed["status"] == 500 and parsed["exc"].endswith("ValueError: boom")
+    else:
+        first, *rest = out.getvalue().rstrip().splitlines()
+        assert first.endswith("llmgw.edge: failed status=500")
+        assert rest[0].startswith("Traceback") and rest[-1] == "ValueError: boom"
