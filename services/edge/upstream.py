@@ -30,6 +30,7 @@ from llmgw.services.edge.http_client import (
     UpstreamConnectError,
     UpstreamPool,
     UpstreamResponse,
+    UpstreamTimeout,
 )
 
 if TYPE_CHECKING:
@@ -76,15 +77,14 @@ async def open_upstream(
     failure (a pooled keep-alive connection the server had just closed looks the same). A
     response that is not HTTP is UPSTREAM_ERROR without a status. All are retryable."""
     try:
-        async with asyncio.timeout(timeouts.response_header):
-            return await pool.post(url, body, headers)
+        return await pool.post(url, body, headers, within=timeouts.response_header)
     except UpstreamConnectError as exc:
         raise UpstreamFailure(
             Outcome.UPSTREAM_UNREACHABLE,
             f"The upstream endpoint is unreachable: {exc}",
             refused=True,
         ) from None
-    except TimeoutError:
+    except UpstreamTimeout:
         raise UpstreamFailure(
             Outcome.UPSTREAM_TIMEOUT,
             f"The upstream did not send response headers within {timeouts.response_header:g}s.",
@@ -107,9 +107,8 @@ def passthrough_headers(response: UpstreamResponse) -> dict[str, str]:
 async def read_body(response: UpstreamResponse, deadline: float) -> bytes:
     """The whole (non-streamed) body, bounded by the total deadline."""
     try:
-        async with asyncio.timeout_at(deadline):
-            return await response.read()
-    except TimeoutError:
+        return await response.read(deadline)
+    except UpstreamTimeout:
         raise UpstreamFailure(
             Outcome.UPSTREAM_TIMEOUT, "The upstream did not finish the response in time."
         ) from None
@@ -130,32 +129,32 @@ async def first_chunk(response: UpstreamResponse, timeouts: Timeouts, deadline: 
     ``first_token`` (and the total deadline); raises UpstreamFailure when it does not come, is
     not a server-sent event or is the engine's error (nothing has reached the client yet:
     retryable)."""
-    loop = asyncio.get_running_loop()
-    budget = min(timeouts.first_token, deadline - loop.time())
+    now = asyncio.get_running_loop().time()
+    budget = min(timeouts.first_token, deadline - now)
+    until = now + max(budget, 0)
     received = b""
     try:
-        async with asyncio.timeout(max(budget, 0)):
-            while True:
-                chunk = await response.readany()
-                if not chunk:
-                    raise UpstreamFailure(
-                        Outcome.UPSTREAM_BROKEN_STREAM,
-                        "The upstream ended the stream before it began.",
-                    )
-                received += chunk
-                verdict = stream_start(received)
-                if verdict.kind is StartKind.STARTED:
-                    return received
-                if verdict.kind is StartKind.ERROR:
-                    raise UpstreamFailure(
-                        Outcome.UPSTREAM_ERROR, verdict.message or "", verdict.status or 502
-                    )
-                if verdict.kind is StartKind.GARBAGE:
-                    raise UpstreamFailure(
-                        Outcome.UPSTREAM_BROKEN_STREAM,
-                        f"The upstream's stream is malformed ({verdict.message}).",
-                    )
-    except TimeoutError:
+        while True:
+            chunk = await response.readany(until)
+            if not chunk:
+                raise UpstreamFailure(
+                    Outcome.UPSTREAM_BROKEN_STREAM,
+                    "The upstream ended the stream before it began.",
+                )
+            received += chunk
+            verdict = stream_start(received)
+            if verdict.kind is StartKind.STARTED:
+                return received
+            if verdict.kind is StartKind.ERROR:
+                raise UpstreamFailure(
+                    Outcome.UPSTREAM_ERROR, verdict.message or "", verdict.status or 502
+                )
+            if verdict.kind is StartKind.GARBAGE:
+                raise UpstreamFailure(
+                    Outcome.UPSTREAM_BROKEN_STREAM,
+                    f"The upstream's stream is malformed ({verdict.message}).",
+                )
+    except UpstreamTimeout:
         response.close()
         raise UpstreamFailure(
             Outcome.UPSTREAM_TIMEOUT, f"The upstream sent no first token within {budget:g}s."
@@ -209,13 +208,11 @@ class StreamRelay:
         try:
             while True:
                 if chunk is None:
-                    budget = min(
-                        self._timeouts.idle, self._deadline - asyncio.get_running_loop().time()
-                    )
+                    now = asyncio.get_running_loop().time()
+                    budget = min(self._timeouts.idle, self._deadline - now)
                     try:
-                        async with asyncio.timeout(max(budget, 0)):
-                            chunk = await response.readany()
-                    except TimeoutError:
+                        chunk = await response.readany(now + max(budget, 0))
+                    except UpstreamTimeout:
                         if self._lease_lost():
                             yield self._lost()
                             return

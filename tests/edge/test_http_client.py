@@ -14,6 +14,7 @@ from llmgw.services.edge.http_client import (
     UpstreamBrokenError,
     UpstreamConnectError,
     UpstreamPool,
+    UpstreamTimeout,
 )
 from llmgw.serving import free_port
 
@@ -338,3 +339,38 @@ async def test_a_kept_alive_connection_closed_as_it_is_reused_is_replaced_once(s
     with pytest.raises(UpstreamBrokenError):
         await pool.post(never.url, b"{}", {})  # a fresh connection: no second try
     assert pool.redials == 1
+
+
+async def test_a_head_that_does_not_come_within_its_time_ends_the_wait_and_the_connection(serve):
+    raw = await serve(lambda request: b"")  # reads the request, never answers
+    pool = UpstreamPool(dial=1)
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    with pytest.raises(UpstreamTimeout):
+        await pool.post(raw.url, b"{}", {}, within=0.2)
+    assert 0.2 <= loop.time() - began < 1.5
+    assert pool._idle == {}  # closed, never back in the pool
+    await until(lambda: raw.connections == 1 and len(raw.requests) == 1)
+
+
+async def test_a_body_that_stalls_ends_at_its_deadline_and_what_came_is_read_at_once(serve):
+    stalled = b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nabc"  # 7 bytes never come
+    raw = await serve(lambda request: stalled if b"stall" in request else fixed(b"whole"))
+    pool = UpstreamPool(dial=1)
+    loop = asyncio.get_running_loop()
+    response = await pool.post(raw.url, b"stall", {}, within=1)
+    began = loop.time()
+    assert await response.readany(began - 1) == b"abc"  # arrived: no wait, so no deadline
+    with pytest.raises(UpstreamTimeout):
+        await response.readany(began + 0.2)
+    assert 0.2 <= loop.time() - began < 1.5
+    response.close()
+    whole = await pool.post(raw.url, b"{}", {}, within=1)
+    await until(lambda: whole._connection.complete)
+    assert await whole.read(loop.time() - 1) == b"whole"  # all in: a passed deadline is moot
+    whole.release()
+    again = await pool.post(raw.url, b"stall", {}, within=1)
+    with pytest.raises(UpstreamTimeout):
+        await again.read(loop.time() + 0.2)
+    again.close()
+    await pool.close()

@@ -99,6 +99,20 @@ async def test_engine_stalling_after_headers_hits_the_first_token_timeout(gatewa
     assert elapsed < limits.first_token + limits.idle + 2
 
 
+async def test_headers_that_do_not_come_in_time_are_retried_on_another_engine(gateway):
+    await set_faults(
+        gateway.engines["engine-1"].url, slow_headers="3s"
+    )  # beyond response_header (2s)
+    started = time.monotonic()
+    async with httpx.AsyncClient(timeout=20) as http:
+        response = await http.post(gateway.url + CHAT_PATH, json=chat(stream=False))
+    elapsed = time.monotonic() - started
+    assert response.status_code == 200 and response.headers["x-llmgw-endpoint"] == "engine-2"
+    limits = gateway.config.timeouts
+    assert limits.response_header <= elapsed < limits.response_header + 2
+    assert gateway.deps.metrics.retries.labels("upstream_timeout")._value.get() == 1
+
+
 async def test_a_429_is_retried_on_another_engine(gateway):
     await set_faults(gateway.engines["engine-1"].url, rate_limit_rate=1.0, retry_after=7)
     async with httpx.AsyncClient() as http:
