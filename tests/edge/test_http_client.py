@@ -342,15 +342,18 @@ async def test_a_kept_alive_connection_closed_as_it_is_reused_is_replaced_once(s
 
 
 async def test_a_head_that_does_not_come_within_its_time_ends_the_wait_and_the_connection(serve):
-    raw = await serve(lambda request: b"")  # reads the request, never answers
+    raw = await serve(lambda request: b"" if b"hang" in request else fixed(b"ok"))  # b"": silence
     pool = UpstreamPool(dial=1)
     loop = asyncio.get_running_loop()
     began = loop.time()
     with pytest.raises(UpstreamTimeout):
-        await pool.post(raw.url, b"{}", {}, within=0.2)
+        await pool.post(raw.url, b"hang", {}, within=0.2)
     assert 0.2 <= loop.time() - began < 1.5
-    assert pool._idle == {}  # closed, never back in the pool
-    await until(lambda: raw.connections == 1 and len(raw.requests) == 1)
+    response = await pool.post(raw.url, b"{}", {}, within=1)
+    assert await response.read() == b"ok"
+    assert raw.connections == 2  # the timed-out connection was closed, not reused
+    response.release()
+    await pool.close()
 
 
 async def test_a_body_that_stalls_ends_at_its_deadline_and_what_came_is_read_at_once(serve):
