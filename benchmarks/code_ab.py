@@ -23,7 +23,7 @@ import os
 import sys
 
 from cluster import cpu_seconds, running_cluster
-from measure import pct
+from measure import pct, reference_speed
 from overhead import GATEWAY_CPUS, LOADGEN_CPUS, fmt_ms, run_load
 
 SCENARIOS = ((1, False), (1, True), (64, False))
@@ -44,6 +44,7 @@ def main() -> int:
     trees = {"before": args.before, "after": args.after}
     added: dict = {(t, s): [] for t in trees for s in SCENARIOS}
     cpu: dict = {(t, s): [] for t in trees for s in SCENARIOS}
+    speed_before = reference_speed()
     with contextlib.ExitStack() as stack:
         clusters = {
             name: stack.enter_context(
@@ -77,7 +78,9 @@ def main() -> int:
             print(f"round {round_no + 1}/{args.rounds} done", file=sys.stderr, flush=True)
     print(
         f"\n{args.rounds} interleaved rounds x {args.requests} requests per run; "
-        f"{'separate admission process' if args.separate else 'shipped defaults'}\n"
+        f"{'separate admission process' if args.separate else 'shipped defaults'}; machine "
+        f"reference {speed_before:.2f} us before, {reference_speed():.2f} after "
+        "(measure.reference_speed)\n"
     )
     print("| concurrency | streamed | code | added p50 | gateway CPU / request |")
     print("|---|---|---|---|---|")

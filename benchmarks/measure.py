@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
+import time
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,6 +17,20 @@ def pct(values: list[float], q: float) -> float:
     """The q-quantile (0..1) of `values`, nearest rank."""
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def reference_speed(repeat: int = 5) -> float:
+    """Microseconds this machine takes now for a fixed piece of pure-Python work (build and
+    encode a small request-like dict), the best of `repeat` tries. The reference machine's speed
+    varies by up to ~1.5x within an hour (shared cores); printed with a benchmark's figures, it
+    tells a fast moment's figures from a slow one's (lower: faster)."""
+    best = float("inf")
+    for _ in range(repeat):
+        began = time.process_time()
+        for i in range(20_000):
+            json.dumps({"id": i, "model": "m", "messages": [{"role": "user", "content": "hi"}]})
+        best = min(best, (time.process_time() - began) / 20_000 * 1e6)
+    return best
 
 
 def py_spy() -> str:

@@ -35,7 +35,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cluster import cpu_seconds, running_cluster
-from measure import pct, print_profile, py_spy, summarize_profile
+from measure import pct, print_profile, py_spy, reference_speed, summarize_profile
 
 LOADGEN_CPUS = {0}
 GATEWAY_CPUS = {1}
@@ -179,6 +179,7 @@ def main() -> int:
     cpu_per_request: dict[tuple, list[float]] = {s: [] for s in scenarios}
     cpu_with_setup: dict[tuple, list[float]] = {s: [] for s in scenarios}  # incl. the warm-up
     topology = {} if args.separate else {"admissions": 0, "colocated": True}
+    speed_before = reference_speed()
     with running_cluster(GATEWAY_CPUS, LOADGEN_CPUS, flow=not args.no_flow, **topology) as cluster:
         for round_no in range(args.rounds):
             for scenario in scenarios:
@@ -226,7 +227,8 @@ def main() -> int:
     print(
         f"\n{'admission in a separate process' if args.separate else 'shipped defaults'}, "
         f"{args.rounds} interleaved rounds x {args.requests} requests per run; "
-        "values are median [min..max] over rounds, milliseconds\n"
+        "values are median [min..max] over rounds, milliseconds; machine reference "
+        f"{speed_before:.2f} us before, {reference_speed():.2f} after (measure.reference_speed)\n"
     )
     print(
         "| concurrency | streamed | direct p50 | gateway p50 | added p50 | added p99 "
