@@ -71,10 +71,10 @@ def side_by_side(
                         requests,
                         False,
                         cluster.api_key,
-                        warmed=lambda k=cluster, m=marks: m.append(cpu_seconds(k.gateway_pids())),
+                        mark=lambda k=cluster, m=marks: m.append(cpu_seconds(k.gateway_pids())),
                     )
                 )
-                used = cpu_seconds(cluster.gateway_pids()) - marks[0]
+                used = marks[1] - marks[0]
                 cpu[(c, v)].append(used / requests)  # the measured requests, after the warm-up
                 p50[(c, v)].append(pct(latencies, 0.5))
                 p99[(c, v)].append(pct(latencies, 0.99))

@@ -66,12 +66,10 @@ def main() -> int:
                             concurrency,
                             args.requests,
                             stream,
-                            warmed=lambda c=cluster, m=marks: m.append(
-                                cpu_seconds(c.gateway_pids())
-                            ),
+                            mark=lambda c=cluster, m=marks: m.append(cpu_seconds(c.gateway_pids())),
                         )
                     )
-                    used = cpu_seconds(cluster.gateway_pids()) - marks[0]
+                    used = marks[1] - marks[0]
                     key = (name, (concurrency, stream))
                     cpu[key].append(used / args.requests)  # the measured requests
                     added[key].append(pct(latencies, 0.5) - pct(direct, 0.5))

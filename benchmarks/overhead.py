@@ -84,11 +84,12 @@ async def run_load(
     total: int,
     stream: bool,
     api_key: str | None = None,
-    warmed: Callable[[], None] | None = None,
+    mark: Callable[[], None] | None = None,
 ) -> list[float]:
     """`total` requests at `concurrency`, after a warm-up (not measured) that opens every
-    connection the run uses: clients of a gateway keep theirs alive. `warmed` is called
-    between the warm-up and the measured requests."""
+    connection the run uses: clients of a gateway keep theirs alive. `mark` is called when the
+    warm-up is done and when the measured requests are, before the connections close (what
+    lies between the two calls is what a run measures)."""
     url = base_url + "/v1/chat/completions"
     headers = {**_JSON, "authorization": f"Bearer {api_key}"} if api_key else _JSON
     payloads = bodies(stream)
@@ -102,8 +103,8 @@ async def run_load(
                 *(one(session, url, payloads[i % SESSIONS], stream, headers)
                   for i in range(concurrency))
             )  # fmt: skip
-        if warmed is not None:
-            warmed()
+        if mark is not None:
+            mark()
         queue = iter(range(total))
 
         async def worker() -> None:
@@ -111,6 +112,8 @@ async def run_load(
                 latencies.append(await one(session, url, payloads[i % SESSIONS], stream, headers))
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
+        if mark is not None:
+            mark()
     return latencies
 
 
@@ -195,17 +198,17 @@ def main() -> int:
                             concurrency,
                             args.requests,
                             stream,
-                            warmed=lambda marks=marks: marks.append(
+                            mark=lambda marks=marks: marks.append(
                                 cpu_seconds(cluster.gateway_pids())
                             ),
                         )
                     )
-                    if target == "gateway":
+                    if target == "gateway":  # marks: start, warmed, measured, connections closed
                         marks.append(cpu_seconds(cluster.gateway_pids()))
                         cpu_per_request[scenario].append((marks[2] - marks[1]) / args.requests)
                         warm = WARMUP + (concurrency if concurrency > 1 else 0)
                         cpu_with_setup[scenario].append(
-                            (marks[2] - marks[0]) / (args.requests + warm)
+                            (marks[3] - marks[0]) / (args.requests + warm)
                         )
                 for q, key in ((0.5, "p50"), (0.99, "p99")):
                     diffs[scenario][key].append(
