@@ -236,21 +236,26 @@ class EmbeddedNats:
         await asyncio.to_thread(self.wait_ready, ready_within)
         return self
 
+    async def arestart(self, ready_within: float = 10.0) -> EmbeddedNats:
+        """Start again on the port it had and with its store (its own or the temporary one,
+        which only `stop` removes), so its clients reconnect to the URL they know and JetStream
+        finds its streams. A running server is stopped first (gracefully), an exited one reaped."""
+        port = self._port
+        process, self.process = self.process, None
+        if process is not None:
+            await asyncio.to_thread(_end, process, 5.0)
+        self._port = None
+        self._ports = {}
+        if port is not None:
+            self.requested_port = port  # the port it picked, if it picked one
+        return await self.astart(ready_within)
+
     def stop(self, timeout: float = 5.0) -> int | None:
         """SIGTERM, wait up to `timeout`, then SIGKILL; remove temp dirs. Returns the exit code."""
         code: int | None = None
         process, self.process = self.process, None
         if process is not None:
-            if process.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    process.terminate()
-                try:
-                    process.wait(timeout)
-                except subprocess.TimeoutExpired:
-                    with contextlib.suppress(ProcessLookupError):
-                        process.kill()
-                    process.wait()
-            code = process.returncode
+            code = _end(process, timeout)
         self._port = None
         self._ports = {}
         self._remove_runtime_dir()
@@ -309,7 +314,8 @@ class EmbeddedNats:
         if self.requested_port and not port_is_free(self.host, self.requested_port):
             raise NatsPortInUse(self._port_in_use_message())
 
-        self._runtime_dir = Path(tempfile.mkdtemp(prefix="llmgw-nats-"))
+        if self._runtime_dir is None:  # kept by `arestart`: its store may be in it
+            self._runtime_dir = Path(tempfile.mkdtemp(prefix="llmgw-nats-"))
         self.store_dir = self._given_store_dir or self._runtime_dir / "store"
         self.store_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = self._given_log_path or self.store_dir / "nats-server.log"
@@ -413,6 +419,20 @@ class EmbeddedNats:
         if self._runtime_dir is not None:
             shutil.rmtree(self._runtime_dir, ignore_errors=True)
             self._runtime_dir = None
+
+
+def _end(process: subprocess.Popen[bytes], timeout: float) -> int | None:
+    """SIGTERM a running process, SIGKILL it after `timeout`; reap it; its exit code."""
+    if process.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            process.terminate()
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+            process.wait()
+    return process.returncode
 
 
 def jetstream_answers(

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+import signal
 import socket
 from pathlib import Path
 
@@ -135,6 +137,37 @@ async def test_a_given_store_dir_is_kept_and_survives_a_restart(tmp_path: Path) 
         kv = await client.jetstream().key_value("durable")
         assert (await kv.get("k")).value == b"kept"
         await client.close()
+
+
+async def test_a_killed_server_restarts_on_its_port_with_its_store_and_clients_reconnect() -> None:
+    """What `llmgw up` does when its single server dies: `arestart` brings it back on the
+    port it picked, with the temporary store it had, and a client's reconnect finds its data."""
+    server = EmbeddedNats()
+    await server.astart()
+    try:
+        url, store = server.url, server.store_dir
+        reconnected = asyncio.Event()
+
+        async def on_reconnect() -> None:
+            reconnected.set()
+
+        client = await nats.connect(
+            url, reconnect_time_wait=0.1, max_reconnect_attempts=-1, reconnected_cb=on_reconnect
+        )
+        kv = await client.jetstream().create_key_value(bucket="kept")
+        await kv.put("pin", b"p1")
+        old = server.pid
+        os.kill(old, signal.SIGKILL)
+        await asyncio.to_thread(server.process.wait)  # type: ignore[union-attr]
+        assert not server.running
+        await server.arestart()
+        assert server.url == url and server.store_dir == store and server.pid != old
+        await asyncio.wait_for(reconnected.wait(), 10)
+        assert (await kv.get("pin")).value == b"p1"
+        await client.close()
+    finally:
+        server.stop()
+    assert store is not None and not store.exists()  # stop still removes the temporary store
 
 
 def test_server_log_goes_to_a_file_not_to_our_output(capfd: pytest.CaptureFixture[str]) -> None:
