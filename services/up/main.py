@@ -6,7 +6,7 @@ simulators of every endpoint with a `simulate` block, the admission service and
 the edge, each as a child process (`python -m llmgw ...`) reading the same config.
 Children get the server list through `LLMGW_NATS__URL` (and, with a cluster, the
 bucket replicas through `LLMGW_NATS__REPLICAS`). NATS stops last. A cluster node
-that exits is restarted with its store (`nats_keeper.py`); a single server is not.
+that exits is restarted with its store (`nats_keeper.py`), and so is a single server.
 
 Exit codes: 0 after Ctrl-C/SIGTERM, 1 when the cluster cannot start or a child
 (or a NATS node) crash-loops (see `restart.py`), 2 for config errors.
@@ -27,7 +27,7 @@ from llmgw.nats_cluster import EmbeddedNatsCluster
 from llmgw.nats_embedded import EmbeddedNats, NatsServerError, port_is_free
 from llmgw.runtime import load_or_exit
 from llmgw.services.up.devkey import create_dev_key
-from llmgw.services.up.nats_keeper import NatsKeeper, node_label
+from llmgw.services.up.nats_keeper import NatsKeeper, OneServer, node_label
 from llmgw.services.up.offset import write_shifted
 from llmgw.services.up.plan import (
     CLUSTER_NAME,
@@ -263,9 +263,10 @@ async def _supervise(
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, supervisor.request_stop)
     keeper: asyncio.Task[None] | None = None
-    if isinstance(nats, EmbeddedNatsCluster):
+    if nats is not None:  # a server or node that exits is started again with its store
+        kept = OneServer(nats) if isinstance(nats, EmbeddedNats) else nats
         keeper = asyncio.create_task(
-            NatsKeeper(nats, say=supervisor.say, on_give_up=supervisor.fail).run()
+            NatsKeeper(kept, say=supervisor.say, on_give_up=supervisor.fail).run()
         )
 
     def announce() -> None:

@@ -1,4 +1,4 @@
-"""Keeps the nodes of `llmgw up`'s embedded NATS cluster running.
+"""Keeps `llmgw up`'s embedded NATS server, or the nodes of its embedded cluster, running.
 
 Policy (the same as for the services, `restart.py`): a node that exits is reported and started
 again with its own store, name and ports after the policy's backoff, so it rejoins the cluster
@@ -6,8 +6,10 @@ and catches up from its peers; the other nodes keep serving meanwhile (a 3-node 
 its quorum with one node down). A node that exits `max_exits` times within the window is broken:
 the keeper calls `on_give_up` and `llmgw up` stops with exit code 1.
 
-Only a cluster is kept: a single embedded server has no peer to catch up from and nothing
-would serve while it restarts, so `llmgw up` leaves it alone, as it always did.
+A single server (`OneServer`) is kept the same way: started again on its port with its store,
+so the services' connections reconnect to the URL they have and the buckets are as they were
+(pins, leases, members). Nothing serves NATS while it is down: the edge answers as
+`admission.on_nats_outage` says (503 with Retry-After by default) until it is back.
 
 Ownership: the cluster (its processes and stores) belongs to `llmgw up`'s main function, which
 stops it after the services; the keeper only restarts nodes, one at a time, from the event
@@ -22,7 +24,7 @@ import time
 from collections.abc import Callable
 
 from llmgw.nats_cluster import EmbeddedNatsCluster
-from llmgw.nats_embedded import NatsServerError
+from llmgw.nats_embedded import EmbeddedNats, NatsServerError
 from llmgw.services.up.restart import RestartPolicy
 
 DEFAULT_POLL_INTERVAL_S = 0.25
@@ -34,12 +36,41 @@ def node_label(index: int) -> str:
     return f"nats-{index}"
 
 
+class OneServer:
+    """A single embedded server as `NatsKeeper` sees a cluster: one node, labelled "nats"."""
+
+    index = 0
+
+    def __init__(self, server: EmbeddedNats) -> None:
+        self.server = server
+
+    @property
+    def nodes(self) -> tuple[OneServer]:
+        return (self,)
+
+    @property
+    def running(self) -> bool:
+        return self.server.running
+
+    @property
+    def pid(self) -> int:
+        return self.server.pid
+
+    @staticmethod
+    def label(index: int) -> str:
+        return "nats"
+
+    async def arestart(self, index: int, timeout: float) -> OneServer:
+        await self.server.arestart(timeout)
+        return self
+
+
 class NatsKeeper:
     """Polls the nodes of `cluster`; restarts one that exited, per `RestartPolicy`."""
 
     def __init__(
         self,
-        cluster: EmbeddedNatsCluster,
+        cluster: EmbeddedNatsCluster | OneServer,
         *,
         say: Callable[[str], None],
         on_give_up: Callable[[str], None],
@@ -67,7 +98,8 @@ class NatsKeeper:
 
     async def _recover(self, index: int) -> bool:
         """Restart node `index` until it is ready again; False once the policy gives up."""
-        label = node_label(index)
+        cluster = self._cluster
+        label = cluster.label(index) if isinstance(cluster, OneServer) else node_label(index)
         policy = self._policies[index]
         process = self._cluster.nodes[index].server.process
         what = f"exited with code {process.poll() if process is not None else None}"
@@ -92,5 +124,6 @@ class NatsKeeper:
                 what = f"did not come back ({str(exc).splitlines()[0]})"
                 continue
             self.restarts += 1
-            self._say(f"[{label}] ready again (pid {node.pid}), rejoined the cluster")
+            joined = "with its store" if isinstance(cluster, OneServer) else "rejoined the cluster"
+            self._say(f"[{label}] ready again (pid {node.pid}), {joined}")
             return True

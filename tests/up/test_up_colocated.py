@@ -76,6 +76,34 @@ def test_a_killed_edge_is_restarted_and_decides_again_at_once(
     assert [json.loads(e)["member"] for e in expired] == [gone.group(1)]  # announced, once
 
 
+def test_a_killed_nats_server_is_restarted_with_its_store_and_serving_resumes(
+    tmp_path: Path, start_up: Callable[..., UpProcess]
+) -> None:
+    """`llmgw up`'s single embedded server is kept as its services are: SIGKILLed, it is
+    started again on its port with its store; the services reconnect and the edge serves again
+    (meanwhile it answers 503 with Retry-After, `admission.on_nats_outage: reject`)."""
+    config = write_cluster_config(tmp_path / "cluster.yaml")
+    up = start_up(config)
+    api, key = up.wait_for(READY, timeout=90).groups()
+    with httpx.Client(timeout=30, headers={"authorization": f"Bearer {key}"}) as http:
+        assert _chat(http, api, "before").status_code == 200
+        old = up.pids()["nats"]
+        os.kill(old, signal.SIGKILL)
+        killed = time.monotonic()
+        up.wait_for(r"^\[nats\] ready again \(pid \d+\), with its store$", timeout=30)
+        assert up.pids()["nats"] != old
+        statuses = []
+        while time.monotonic() - killed < 30:
+            statuses.append(_chat(http, api, f"after-{len(statuses)}").status_code)
+            if statuses[-1] == 200:
+                break
+            assert statuses[-1] == 503, statuses  # the declared outage answer, nothing else
+            time.sleep(0.2)
+        assert statuses[-1] == 200, statuses
+        assert [_chat(http, api, f"then-{n}").status_code for n in range(8)] == [200] * 8
+    assert up.process.poll() is None  # nothing gave up
+
+
 def _chat(http: httpx.Client, api: str, session: str) -> httpx.Response:
     return http.post(
         f"{api}/chat/completions",
