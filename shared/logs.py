@@ -142,7 +142,10 @@ class TextFormatter(_LineFormatter):
 
     def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
         """logging's default, `2026-12-02 01:43:17,287` (local time)."""
-        return f"{self._seconds(record.created)},{int(record.msecs):03d}"
+        return self._stamp(record.created, record.msecs)
+
+    def _stamp(self, created: float, msecs: float) -> str:
+        return f"{self._seconds(created)},{int(msecs):03d}"
 
     def line(
         self,
@@ -155,9 +158,7 @@ class TextFormatter(_LineFormatter):
         fields: dict[str, Any] | None,
         below: str | None = None,
     ) -> str:
-        text = (
-            f"{self._seconds(created)},{int(msecs):03d} {self.service} {level} {logger}: {message}"
-        )
+        text = f"{self._stamp(created, msecs)} {self.service} {level} {logger}: {message}"
         extra = (
             [f"{key}={value}" for key, value in fields.items() if value is not None]
             if fields

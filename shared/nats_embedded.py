@@ -241,25 +241,35 @@ class EmbeddedNats:
         which only `stop` removes), so its clients reconnect to the URL they know and JetStream
         finds its streams. A running server is stopped first (gracefully), an exited one reaped."""
         port = self._port
-        process, self.process = self.process, None
-        if process is not None:
-            await asyncio.to_thread(_end, process, 5.0)
-        self._port = None
-        self._ports = {}
+        await asyncio.to_thread(self._reap, 5.0)
         if port is not None:
             self.requested_port = port  # the port it picked, if it picked one
         return await self.astart(ready_within)
 
     def stop(self, timeout: float = 5.0) -> int | None:
         """SIGTERM, wait up to `timeout`, then SIGKILL; remove temp dirs. Returns the exit code."""
-        code: int | None = None
-        process, self.process = self.process, None
-        if process is not None:
-            code = _end(process, timeout)
-        self._port = None
-        self._ports = {}
+        code = self._reap(timeout)
         self._remove_runtime_dir()
         return code
+
+    def _reap(self, timeout: float) -> int | None:
+        """End the process (SIGTERM, SIGKILL after `timeout`) if it runs, reap it and forget its
+        ports; the runtime dir (and a temporary store in it) stays. Its exit code."""
+        process, self.process = self.process, None
+        self._port = None
+        self._ports = {}
+        if process is None:
+            return None
+        if process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                process.terminate()
+            try:
+                process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    process.kill()
+                process.wait()
+        return process.returncode
 
     async def astop(self, grace: float = 5.0) -> int | None:
         return await asyncio.to_thread(self.stop, grace)
@@ -419,20 +429,6 @@ class EmbeddedNats:
         if self._runtime_dir is not None:
             shutil.rmtree(self._runtime_dir, ignore_errors=True)
             self._runtime_dir = None
-
-
-def _end(process: subprocess.Popen[bytes], timeout: float) -> int | None:
-    """SIGTERM a running process, SIGKILL it after `timeout`; reap it; its exit code."""
-    if process.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            process.terminate()
-        try:
-            process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                process.kill()
-            process.wait()
-    return process.returncode
 
 
 def jetstream_answers(

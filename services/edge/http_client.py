@@ -202,15 +202,11 @@ class _Connection(asyncio.Protocol):
                 raise self.error
             if self.complete:
                 return b""
-            loop = asyncio.get_running_loop()
-            self._waiter = waiter = loop.create_future()
-            timer = None if deadline is None else loop.call_at(deadline, _time_out, waiter)
+            self._waiter = asyncio.get_running_loop().create_future()
             try:
-                await waiter
+                await _by(self._waiter, deadline)
             finally:
                 self._waiter = None
-                if timer is not None:
-                    timer.cancel()
         data = b"".join(self._body) if len(self._body) > 1 else self._body[0]
         self._body.clear()
         self._buffered = 0
@@ -352,20 +348,11 @@ class UpstreamPool:
     ) -> UpstreamResponse:
         assert connection.transport is not None
         connection.transport.write(request)
-        head = connection.head
-        timer = (
-            None
-            if deadline is None or head.done()
-            else asyncio.get_running_loop().call_at(deadline, _time_out, head)
-        )
         try:
-            await head
+            await _by(connection.head, deadline)
         except BaseException:
             connection.close()
             raise
-        finally:
-            if timer is not None:
-                timer.cancel()
         return UpstreamResponse(self, key, connection)
 
     def _idle_connection(self, key: Any) -> _Connection | None:
@@ -428,7 +415,19 @@ def _deadline(within: float | None) -> float | None:
     return None if within is None else asyncio.get_running_loop().time() + within
 
 
+async def _by(waiter: asyncio.Future[None], deadline: float | None) -> None:
+    """Await `waiter`; at `deadline` (loop time; None: never) it ends with UpstreamTimeout,
+    unless what it waits for came first. One loop timer, none for a waiter done already."""
+    if deadline is None or waiter.done():
+        await waiter
+        return
+    timer = asyncio.get_running_loop().call_at(deadline, _time_out, waiter)
+    try:
+        await waiter
+    finally:
+        timer.cancel()
+
+
 def _time_out(waiter: asyncio.Future[None]) -> None:
-    """A deadline's timer: the wait ends with UpstreamTimeout (unless what it waited for came)."""
     if not waiter.done():
         waiter.set_exception(UpstreamTimeout("the deadline passed"))

@@ -264,10 +264,19 @@ async def _supervise(
         loop.add_signal_handler(sig, supervisor.request_stop)
     keeper: asyncio.Task[None] | None = None
     if nats is not None:  # a server or node that exits is started again with its store
-        kept = OneServer(nats) if isinstance(nats, EmbeddedNats) else nats
-        keeper = asyncio.create_task(
-            NatsKeeper(kept, say=supervisor.say, on_give_up=supervisor.fail).run()
+        say, fail = supervisor.say, supervisor.fail
+        kept = (
+            NatsKeeper(nats, say=say, on_give_up=fail)
+            if isinstance(nats, EmbeddedNatsCluster)
+            else NatsKeeper(
+                OneServer(nats),
+                say=say,
+                on_give_up=fail,
+                label=lambda _: "nats",
+                back="with its store",
+            )
         )
+        keeper = asyncio.create_task(kept.run())
 
     def announce() -> None:
         edge_url = _connectable_url(supervisor.ready_url("edge") or _edge_url_from_config(config))

@@ -37,7 +37,8 @@ def node_label(index: int) -> str:
 
 
 class OneServer:
-    """A single embedded server as `NatsKeeper` sees a cluster: one node, labelled "nats"."""
+    """A single embedded server as `NatsKeeper` sees a cluster: one node (`llmgw up` labels
+    it "nats": `NatsKeeper(OneServer(server), label=..., back=...)`)."""
 
     index = 0
 
@@ -56,17 +57,14 @@ class OneServer:
     def pid(self) -> int:
         return self.server.pid
 
-    @staticmethod
-    def label(index: int) -> str:
-        return "nats"
-
     async def arestart(self, index: int, timeout: float) -> OneServer:
         await self.server.arestart(timeout)
         return self
 
 
 class NatsKeeper:
-    """Polls the nodes of `cluster`; restarts one that exited, per `RestartPolicy`."""
+    """Polls the nodes of `cluster`; restarts one that exited, per `RestartPolicy`. `label`
+    names a node in the lines it says, `back` how a node that is ready again stands."""
 
     def __init__(
         self,
@@ -78,8 +76,12 @@ class NatsKeeper:
         clock: Callable[[], float] = time.monotonic,
         poll_interval: float = DEFAULT_POLL_INTERVAL_S,
         restart_timeout: float = DEFAULT_RESTART_TIMEOUT_S,
+        label: Callable[[int], str] = node_label,
+        back: str = "rejoined the cluster",
     ) -> None:
         self._cluster = cluster
+        self._label = label
+        self._back = back
         self._say = say
         self._on_give_up = on_give_up
         self._policies = [policy_factory() for _ in cluster.nodes]
@@ -98,8 +100,7 @@ class NatsKeeper:
 
     async def _recover(self, index: int) -> bool:
         """Restart node `index` until it is ready again; False once the policy gives up."""
-        cluster = self._cluster
-        label = cluster.label(index) if isinstance(cluster, OneServer) else node_label(index)
+        label = self._label(index)
         policy = self._policies[index]
         process = self._cluster.nodes[index].server.process
         what = f"exited with code {process.poll() if process is not None else None}"
@@ -124,6 +125,5 @@ class NatsKeeper:
                 what = f"did not come back ({str(exc).splitlines()[0]})"
                 continue
             self.restarts += 1
-            joined = "with its store" if isinstance(cluster, OneServer) else "rejoined the cluster"
-            self._say(f"[{label}] ready again (pid {node.pid}), {joined}")
+            self._say(f"[{label}] ready again (pid {node.pid}), {self._back}")
             return True
