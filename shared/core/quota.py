@@ -53,6 +53,8 @@ __all__ = [
     "QuotaError",
     "fair_targets",
     "headroom",
+    "idle",
+    "lendable",
     "max_min_share",
     "reclaimable",
 ]
@@ -221,6 +223,19 @@ class QuotaBook:
         moved = replace(got, g=got.g + g, u=got.u + u, p=got.p + p, at=at)
         return self.with_quota(source, left).with_quota(target, moved)
 
+    def lend(self, source: str, target: str, g: int, u: int, p: int, at: float) -> QuotaBook:
+        """Move exactly (g, u, p) of live `source`'s quota to live `target` (a loan asked for
+        on the request path, `lendable`). Totals never change, so a valid book stays valid;
+        unlike `transfer`, both keep their wants. Raises QuotaError if `source` does not hold
+        that much or would be left with u > g."""
+        have = self.quota(source)
+        if g > have.g or u > have.u or p > have.p or min(g, u, p) < 0:
+            raise QuotaError(f"{source} cannot lend g={g} u={u} p={p} from {have}")
+        left = replace(have, g=have.g - g, u=have.u - u, p=have.p - p)  # checks u <= g
+        got = self.quota(target)
+        moved = replace(got, g=got.g + g, u=got.u + u, p=got.p + p, at=at)
+        return self.with_quota(source, left).with_quota(target, moved)
+
     # ---- codec ------------------------------------------------------------------------------
 
     def to_json(self) -> bytes:
@@ -275,13 +290,18 @@ def _unreserved(limits: PairLimits) -> int:
     return limits.max_global_in_flight_request_slots - reserved
 
 
-def max_min_share(capacity: int, wants: Mapping[str, int]) -> dict[str, int]:
-    """Split `capacity` among `wants` by max-min fairness, then share what is left equally.
+def max_min_share(
+    capacity: int, wants: Mapping[str, int], *, spread: bool = True
+) -> dict[str, int]:
+    """Split `capacity` among `wants` by max-min fairness, then (with `spread`) share what is
+    left equally.
 
     Nobody gets more than it wants until everybody has what it wants; what no one wants is
-    split evenly (remainders to the lexicographically first ids), so a lone instance holds the
-    whole limit and never has to ask on the request path. Integers; Σ result == capacity
-    whenever wants is non-empty. Deterministic: every instance computes the same split.
+    split evenly (remainders to the lexicographically first ids) with `spread`, so a lone
+    instance holds the whole limit and never has to ask on the request path; without it, what
+    no one wants is left to nobody (several instances: it stays free in the book, where any of
+    them takes it by one CAS when its share runs short). Integers; with `spread`, Σ result ==
+    capacity whenever wants is non-empty. Deterministic: every instance computes the same split.
     """
     if capacity < 0:
         raise ValueError(f"capacity must be >= 0, got {capacity}")
@@ -303,7 +323,7 @@ def max_min_share(capacity: int, wants: Mapping[str, int]) -> dict[str, int]:
             share[i] += give
             left -= give
         pending = [i for i in pending if share[i] < wants[i]]
-    if left > 0:  # nobody wants more: the rest is split evenly
+    if left > 0 and spread:  # nobody wants more: the rest is split evenly
         each, extra = divmod(left, len(ids))
         for index, i in enumerate(ids):
             share[i] += each + (1 if index < extra else 0)
@@ -314,15 +334,19 @@ def fair_targets(book: QuotaBook, limits: PairLimits, live: Sequence[str]) -> di
     """The quota each live instance should hold, from everybody's wants in `book`.
 
     Targets for g and p are `max_min_share` of G and P over the live instances' wants; u is
-    the max-min share of G - R, capped by the instance's g target. Instances not in `live` get
-    nothing (their quota is adopted or dropped, not rebalanced).
+    the max-min share of G - R, capped by the instance's g target. A lone instance's target is
+    the whole limit; several get what they want (their use plus headroom) as far as the limit
+    goes, and the rest stays free in the book for whichever runs short first (`QuotaBook.free`,
+    taken on the request path: `llmgw.services.admission.quotas.QuotaKeeper.borrow`). Instances
+    not in `live` get nothing (their quota is adopted or dropped, not rebalanced).
     """
     wants_g = {i: book.quota(i).wg for i in live}
     wants_u = {i: book.quota(i).wu for i in live}
     wants_p = {i: book.quota(i).wp for i in live}
-    g = max_min_share(_total(limits), wants_g)
-    u = max_min_share(_unreserved(limits), wants_u)
-    p = max_min_share(limits.max_pinned_sessions, wants_p)
+    spread = len(live) <= 1
+    g = max_min_share(_total(limits), wants_g, spread=spread)
+    u = max_min_share(_unreserved(limits), wants_u, spread=spread)
+    p = max_min_share(limits.max_pinned_sessions, wants_p, spread=spread)
     return {i: Quota(g[i], min(u[i], g[i]), p[i]) for i in live}
 
 
@@ -331,6 +355,40 @@ def headroom(limit: int, members: int) -> int:
     if limit <= 0:
         return 0
     return max(1, math.ceil(limit / max(1, members) / 10))
+
+
+def lendable(
+    entry: Quota, spendable: Quota, used: tuple[int, int, int], ask: tuple[int, int, int]
+) -> tuple[int, int, int]:
+    """What an instance can lend now of what `ask` (leases, unreserved, pins) asks for: never
+    what it uses, never what it may not spend (``spendable``: its entry less what is set aside,
+    as its ledger sees it), and never so much that its `entry` would be left with u > g (then
+    more u goes with the g than was asked, as far as it does not use that u).
+
+    Returns (g, u, p) with 0 <= each <= `entry`'s, u <= g, and after lending: spendable.g - g
+    >= leases used, spendable.u - u >= unreserved used, spendable.p - p >= pins used.
+    """
+    leases, unreserved, pins = used
+    ask_g, ask_u, ask_p = (max(0, a) for a in ask)
+    p = max(0, min(ask_p, spendable.p - pins, entry.p))
+    cap_u = max(0, min(spendable.u - unreserved, entry.u))
+    g = max(0, min(max(ask_g, ask_u), spendable.g - leases, entry.g))
+    while g > 0 and entry.u - (entry.g - g) > cap_u:  # u that must go with g, beyond what is idle
+        g -= 1
+    u = min(cap_u, g, max(ask_u, entry.u - (entry.g - g)))
+    return g, max(0, u), p
+
+
+def idle(entry: Quota, slack: tuple[int, int, int]) -> tuple[int, int, int]:
+    """How much of a peer's quota is probably idle, from its book entry alone: what it holds
+    beyond what it wants less its headroom (`slack`: the headroom it asks for). A guess (its
+    wants are as old as its last write); the peer itself decides what it lends (`lendable`)."""
+    hg, hu, hp = slack
+    return (
+        max(0, entry.g - max(0, entry.wg - hg)),
+        max(0, entry.u - max(0, entry.wu - hu)),
+        max(0, entry.p - max(0, entry.wp - hp)),
+    )
 
 
 def reclaimable(book: QuotaBook, live: Mapping[str, object], now: float, grace: float) -> list[str]:

@@ -14,6 +14,8 @@ from llmgw.core.quota import (
     QuotaError,
     fair_targets,
     headroom,
+    idle,
+    lendable,
     max_min_share,
     reclaimable,
 )
@@ -182,3 +184,74 @@ def test_dropping_a_holder_drops_its_earmarks():
     book = _book({"dead": (3, 2, 2), "alive": (1, 1, 1)}).earmark("dead", 3, 1, 1, 1)
     assert book.drop("dead").handing == {}
     assert book.earmark("alive", 4, 1, 0, 0).drop("dead").earmarked("alive") == (1, 0, 0)
+
+
+def test_without_spreading_what_nobody_wants_stays_free():
+    assert max_min_share(64, {"a": 3, "b": 5}, spread=False) == {"a": 3, "b": 5}
+    assert max_min_share(10, {"a": 100, "b": 4}, spread=False) == {"a": 6, "b": 4}
+
+
+@given(capacity=st.integers(0, 500), wants=wants)
+def test_unspread_shares_are_the_spread_ones_up_to_each_want(capacity, wants):
+    spread = max_min_share(capacity, wants)
+    kept = max_min_share(capacity, wants, spread=False)
+    assert all(kept[i] == min(spread[i], wants[i]) for i in wants)
+    assert sum(kept.values()) <= capacity
+
+
+def test_several_instances_leave_the_unwanted_rest_free_and_a_lone_one_holds_it_all():
+    limits = Limits(200, 24, 6)
+    book = QuotaBook("iris", "m", {i: Quota(0, 0, 0, 3, 2, 4) for i in ("a", "b")})
+    targets = fair_targets(book, limits, ["a", "b"])
+    assert targets["a"] == Quota(3, 2, 4) and targets["b"] == Quota(3, 2, 4)
+    assert fair_targets(book, limits, ["a"])["a"] == Quota(24, 18, 200)
+
+
+quotas = st.builds(
+    lambda g, u, p: Quota(g, min(u, g), p),
+    st.integers(0, 30),
+    st.integers(0, 30),
+    st.integers(0, 30),
+)
+counts = st.tuples(st.integers(0, 30), st.integers(0, 30), st.integers(0, 30))
+
+
+@given(entry=quotas, aside=counts, used=counts, ask=counts)
+def test_a_loan_never_takes_what_the_lender_uses_or_breaks_its_entry(entry, aside, used, ask):
+    # What the lender may spend: its entry less what is set aside (as `_sync` shows it).
+    g = max(0, entry.g - aside[0])
+    spendable = Quota(g, min(g, max(0, entry.u - aside[1])), max(0, entry.p - aside[2]))
+    # It never uses more than it may spend (the ledger's grant rule).
+    used = (
+        min(used[0], spendable.g),
+        min(used[1], used[0], spendable.g, spendable.u),
+        min(used[2], spendable.p),
+    )
+    lent = lendable(entry, spendable, used, ask)
+    lg, lu, lp = lent
+    assert 0 <= lu <= lg <= entry.g and 0 <= lp <= entry.p
+    assert spendable.g - lg >= used[0]
+    assert spendable.u - lu >= used[1]
+    assert spendable.p - lp >= used[2]
+    assert lg <= max(ask[0], ask[1]) and lp <= ask[2]
+    book = QuotaBook("iris", "m", {"lender": entry, "borrower": Quota(1, 1, 1, 5, 4, 3)})
+    after = book.lend("lender", "borrower", *lent, at=7.0)
+    assert after.totals() == book.totals()  # a valid book stays valid
+    left, got = after.quota("lender"), after.quota("borrower")
+    assert left.u <= left.g and got.u <= got.g
+    assert (left.wg, left.wu, left.wp) == (entry.wg, entry.wu, entry.wp)  # wants kept
+    assert (got.g, got.u, got.p) == (1 + lg, 1 + lu, 1 + lp)
+
+
+def test_a_loan_of_more_than_is_held_is_refused():
+    book = QuotaBook("iris", "m", {"lender": Quota(2, 1, 0)})
+    with pytest.raises(QuotaError, match="cannot lend"):
+        book.lend("lender", "borrower", 3, 0, 0, at=1.0)
+    with pytest.raises(QuotaError, match="exceeds the lease quota"):
+        book.lend("lender", "borrower", 2, 0, 0, at=1.0)  # it would keep u=1 with g=0
+
+
+def test_a_peers_idle_quota_is_what_it_holds_beyond_its_wants_less_headroom():
+    # Holds 10, wants 6 = use 4 + headroom 2: 6 idle (its headroom included).
+    assert idle(Quota(10, 8, 5, 6, 4, 5), (2, 2, 1)) == (6, 6, 1)
+    assert idle(Quota(3, 3, 0, 9, 9, 0), (2, 2, 1)) == (0, 0, 0)  # wants more than it holds
