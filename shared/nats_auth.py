@@ -44,6 +44,7 @@ from llmgw.wire import (
     ADMISSION_HEALTH_SUBJECT,
     ADMISSION_LEASES_PREFIX,
     ADMISSION_LOAD_SUBJECT,
+    ADMISSION_LOAN_PREFIX,
     ADMISSION_REQUEST_PREFIX,
     ADMISSION_ROLLCALL_SUBJECT,
     ADMISSION_STATE_SUBJECT,
@@ -140,6 +141,7 @@ def role_permissions(config: Config) -> dict[str, Permissions]:
             publish=(
                 INBOX,  # decisions, renewals' and handovers' answers, health and state
                 f"{ADMISSION_HANDOVER_PREFIX}*",
+                f"{ADMISSION_LOAN_PREFIX}*",
                 ADMISSION_ROLLCALL_SUBJECT,
                 ADMISSION_FLOW_SUBJECT,
                 ADMISSION_LOAD_SUBJECT,
@@ -154,6 +156,7 @@ def role_permissions(config: Config) -> dict[str, Permissions]:
                 f"{ADMISSION_REQUEST_PREFIX}*",
                 f"{ADMISSION_LEASES_PREFIX}*",
                 f"{ADMISSION_HANDOVER_PREFIX}*",
+                f"{ADMISSION_LOAN_PREFIX}*",
                 ADMISSION_HEALTH_SUBJECT,
                 ADMISSION_STATE_SUBJECT,
                 ADMISSION_CANCEL_SUBJECT,

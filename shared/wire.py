@@ -31,6 +31,8 @@ ADMISSION_REQUEST_PREFIX = "llmgw.v1.admission.request."
 ADMISSION_LEASES_PREFIX = "llmgw.v1.admission.leases."
 # Admission instance -> one instance (request/reply): a shard handed over with its state.
 ADMISSION_HANDOVER_PREFIX = "llmgw.v1.admission.handover."
+# Admission instance -> one instance (request/reply): lend me quota of a pair you hold idle.
+ADMISSION_LOAN_PREFIX = "llmgw.v1.admission.loan."
 # A new shard owner -> every edge (request, many replies): which leases do you hold in these shards?
 ADMISSION_ROLLCALL_SUBJECT = "llmgw.v1.admission.rollcall"
 # Request/reply, every instance answers: liveness, and what it holds (`llmgw state`).
@@ -58,6 +60,10 @@ def leases_subject(shard: int) -> str:
 
 def handover_subject(instance: str) -> str:
     return f"{ADMISSION_HANDOVER_PREFIX}{instance}"
+
+
+def loan_subject(instance: str) -> str:
+    return f"{ADMISSION_LOAN_PREFIX}{instance}"
 
 
 class _Message(BaseModel):
@@ -291,6 +297,31 @@ class HandoverReply(_Message):
     v: Literal[2] = 2
     accepted: bool
     refused: tuple[str, ...] = ()  # lease ids the new owner could not cover
+
+
+class QuotaLoanAsk(_Message):
+    """An admission instance -> a peer (`loan_subject`): a request of the borrower's needs room
+    on a pair that its own quota lacks; lend what you hold idle (leases ``g``, of which
+    unreserved ``u``, pins ``p``), by moving it to the borrower in the pair's quota book."""
+
+    v: Literal[1] = 1
+    borrower: str
+    provider: str
+    model: str
+    g: int = Field(0, ge=0)
+    u: int = Field(0, ge=0)
+    p: int = Field(0, ge=0)
+
+
+class QuotaLoan(_Message):
+    """The answer: what moved to the borrower, and the book's revision that shows it (0:
+    nothing moved)."""
+
+    v: Literal[1] = 1
+    g: int = 0
+    u: int = 0
+    p: int = 0
+    revision: int = 0
 
 
 class HealthReply(_Message):

@@ -14,6 +14,7 @@ from inproc import start_admission
 from prometheus_client import CollectorRegistry
 
 from llmgw.config import Config
+from llmgw.services.admission.compose import watch_service
 from llmgw.services.admission.metrics import AdmissionMetrics
 from llmgw.services.edge.metrics import EdgeMetrics
 from llmgw.services.reaper.metrics import ReaperMetrics
@@ -69,8 +70,7 @@ async def exported_families(config: Config, nats_url: str) -> list[Family]:
         service = admission.service
         metrics = AdmissionMetrics()
         metrics.watch_load(service.load, [m.name for m in config.models])
-        metrics.watch_breakers(service.breakers, [e.id for e in config.endpoints])
-        metrics.watch_ledger(service.ledger, lambda: len(service.shards.serving))
+        watch_service(metrics, service)
         families += families_of("admission", metrics.registry)
     finally:
         await admission.stop()

@@ -78,11 +78,17 @@ async def open_admission(
         events=events,
         tracing=open_tracing("admission", config.tracing),
     )
-    metrics.watch_breakers(service.breakers, [e.id for e in config.endpoints])
-    metrics.watch_ledger(service.ledger, lambda: len(service.shards.serving))
+    watch_service(metrics, service)
     await service.start()
     events.emit(MemberEvent, event="member.joined", member=service.instance)
     return RunningAdmission(service, metrics, nc, follower, events)
+
+
+def watch_service(metrics: AdmissionMetrics, service: AdmissionService) -> None:
+    """Export what `service` holds: breakers, ledger (leases, pins, quotas), loans."""
+    metrics.watch_breakers(service.breakers, [e.id for e in service.config.endpoints])
+    metrics.watch_ledger(service.ledger, lambda: len(service.shards.serving))
+    metrics.watch_quotas(service.quotas)
 
 
 async def remove_exited_member(store: RoutingStore, instance: str) -> bool:

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from llmgw.telemetry import LabelledChildren, service_registry
@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from llmgw.core.breaker import BreakerBoard
     from llmgw.core.ledger import Ledger
     from llmgw.services.admission.loadboard import LoadBoard
+    from llmgw.services.admission.quotas import QuotaKeeper
 
 _WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _DECISION_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5, 30)
@@ -136,6 +137,11 @@ class AdmissionMetrics:
         """Export leases, pins and quotas per pair, and the shards served."""
         self.registry.register(_LedgerCollector(ledger, shards))
 
+    def watch_quotas(self, keeper: QuotaKeeper) -> None:
+        """Export the quota keeper's loans: rounds borrowed by where room came from, and loans
+        made to peers."""
+        self.registry.register(_LoanCollector(keeper))
+
     def watch_breakers(
         self,
         breakers: BreakerBoard,
@@ -215,6 +221,30 @@ class _LoadCollector(Collector):
             capacity.add_metric([endpoint], self._board.capacity(endpoint))
         yield inflight
         yield capacity
+
+
+class _LoanCollector(Collector):
+    def __init__(self, keeper: QuotaKeeper) -> None:
+        self._keeper = keeper
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        rounds = CounterMetricFamily(
+            "llmgw_admission_quota_loans",
+            "Borrowing rounds of this instance (requests its own quota share could not take "
+            "while the limit could), by where the room came from: free (what no instance held), "
+            "lent (a peer's idle quota), none (nothing to borrow: placed as without; also a "
+            "request held back when nothing seemed to be had, without a round).",
+            labels=["source"],
+        )
+        for source, count in sorted(self._keeper.loans.items()):
+            rounds.add_metric([source], float(count))
+        yield rounds
+        lent = CounterMetricFamily(
+            "llmgw_admission_quota_lent",
+            "Loans this instance made of its idle quota to peers that asked.",
+        )
+        lent.add_metric([], float(self._keeper.lent))
+        yield lent
 
 
 class _LedgerCollector(Collector):

@@ -32,13 +32,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from llmgw.core.apikeys import KeyLimits
 from llmgw.core.keys import QUOTA_PREFIX
-from llmgw.core.quota import Quota, QuotaBook, QuotaError, fair_targets, headroom
+from llmgw.core.quota import (
+    Quota,
+    QuotaBook,
+    QuotaError,
+    fair_targets,
+    headroom,
+    idle,
+    lendable,
+)
 from llmgw.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
@@ -50,7 +59,15 @@ if TYPE_CHECKING:
 log = logging.getLogger("llmgw.admission.quotas")
 
 Pair = tuple[str, str]
+Counts = tuple[int, int, int]  # (leases, unreserved leases, pins) of one pair
+T = TypeVar("T")
 _MAX_CAS = 20
+_MAX_LENDERS = 3  # peers asked in one borrowing round, most idle first
+_DRY_FOR = 0.25  # seconds a peer that lent nothing is not asked again for the pair
+_LEND_LOCK_WAIT = 0.1  # a lender busy longer (a handover's transfer) lends nothing
+# Asks a peer for a loan: (peer, pair, counts asked) -> (counts lent, the book's revision with
+# the loan), or None when the peer did not answer.
+AskLoan = Callable[[str, Pair, Counts], Awaitable[tuple[Counts, int] | None]]
 
 
 class QuotaKeeper:
@@ -87,8 +104,19 @@ class QuotaKeeper:
         self._incoming: dict[int, dict[Pair, _Incoming]] = {}
         self._writing: dict[Pair, Quota] = {}  # this instance's entry while its write flies
         self._tracking: dict[Pair, asyncio.Future[None]] = {}  # pairs added at run time
+        # Loans (`borrow`): the round of each pair that requests can still join, the round
+        # running, what the next round is to ask for, and what the running round is getting for
+        # its waiters (never given back by `adjust` until they are placed).
+        self.ask_loan: AskLoan | None = None  # set by the service (a NATS request to the peer)
+        self._joinable: dict[Pair, _Round[Any]] = {}
+        self._running: dict[Pair, asyncio.Task[None]] = {}
+        self._borrowing: dict[Pair, Counts] = {}
+        self._dry: dict[tuple[Pair, str], float] = {}  # (pair, peer) -> not asked until
+        self._monotonic = time.monotonic
         self.writes = 0
         self.conflicts = 0
+        self.loans = {"free": 0, "lent": 0, "none": 0}  # borrowing rounds, by where room came from
+        self.lent = 0  # loans this instance made to peers
 
     @property
     def me(self) -> str:
@@ -288,7 +316,8 @@ class QuotaKeeper:
         limits = self.limits[pair]
         use = self.ledger.pair_use(pair)
         og, ou, op = self._aside(pair)
-        use = _Use(use.leases + og, use.unreserved + ou, use.pins + op)
+        bg, bu, bp = self._borrowing.get(pair, (0, 0, 0))  # room a loan got for its waiters
+        use = _Use(use.leases + og + bg, use.unreserved + ou + bu, use.pins + op + bp)
         live = sorted(self.membership.live())
         members = max(1, len(live))
         total = limits.max_global_in_flight_request_slots
@@ -437,10 +466,232 @@ class QuotaKeeper:
         if moved:
             self.wake()
 
+    # ---- loans: room for a request that this instance's share cannot take ----------------------
+
+    def spare(self, pair: Pair) -> Counts | None:
+        """How much more of `pair` this instance could probably get on the request path: what
+        nobody holds, plus what live peers seem to hold idle (`llmgw.core.quota.idle`; peers
+        that just lent nothing are left out for a moment). None: nothing, or not a kept pair."""
+        limits = self.limits.get(pair)
+        stored = self.books.get(pair)
+        if limits is None or stored is None:
+            return None
+        book = stored.value
+        g, u, p = book.free(limits)
+        if self.ask_loan is not None:
+            now = self._monotonic()
+            slack = self._slack(pair)
+            for peer in self.membership.live():
+                if peer == self.me or self._dry.get((pair, peer), 0.0) > now:
+                    continue
+                ig, iu, ip = idle(book.quota(peer), slack)
+                g, u, p = g + ig, u + iu, p + ip
+        if g <= 0 and u <= 0 and p <= 0:
+            return None
+        return max(0, g), max(0, u), max(0, p)
+
+    def _slack(self, pair: Pair) -> Counts:
+        """The headroom every instance asks for beyond its use (`desired`), per count."""
+        limits = self.limits[pair]
+        members = max(1, len(self.membership.live()))
+        total = limits.max_global_in_flight_request_slots
+        reserved = min(limits.global_in_flight_request_slots_reserved_for_pinned_sessions, total)
+        return (
+            headroom(total, members),
+            headroom(total - reserved, members),
+            headroom(limits.max_pinned_sessions, members),
+        )
+
+    async def borrow(self, pair: Pair, need: Counts, then: Callable[[], T]) -> T:
+        """Get `need` more of `pair` for a request this instance's share cannot take, then call
+        `then` (which places it) in the same event-loop turn as the last of it lands.
+
+        Requests of a pair that need room together share one round: first what nobody holds
+        (one CAS raising this instance's entry, with headroom), then loans from the peers that
+        seem to hold most idle (each moves its own idle quota to this instance in one CAS of
+        the book, `lend`). Never over-admits: a loan is a CAS of the book that keeps every sum,
+        the lender lowers its own grants before it writes, and this instance raises its grants
+        only once the book shows the loan. `then` runs even if nothing came (the request then
+        goes where placement sends it)."""
+        waiter: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        joinable = self._joinable.get(pair)
+        if joinable is None:
+            joinable = self._joinable[pair] = _Round()
+            previous = self._running.get(pair)
+            self._running[pair] = asyncio.create_task(
+                self._round(pair, joinable, previous), name="quota-loan"
+            )
+        joinable.add(need, waiter, then)
+        return await waiter
+
+    async def _round(
+        self, pair: Pair, round_: _Round[Any], previous: asyncio.Task[None] | None
+    ) -> None:
+        try:
+            if previous is not None:
+                with contextlib.suppress(BaseException):
+                    await previous
+            if self._joinable.get(pair) is round_:
+                del self._joinable[pair]  # requests from now on join the next round
+            self._borrowing[pair] = round_.need
+            try:
+                source = await self._get_room(pair, round_.need)
+                self.loans[source] += 1
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.warning("borrowing quota of %s failed", pair, exc_info=True)
+            round_.settle()  # places every waiter now, in this turn
+        finally:
+            self._borrowing.pop(pair, None)
+            round_.settle()
+            if self._running.get(pair) is asyncio.current_task():
+                del self._running[pair]
+
+    async def _get_room(self, pair: Pair, need: Counts) -> str:
+        """Get up to `need` more of `pair`: from what nobody holds, then from peers. Returns
+        where room came from ("free", "lent", or "none")."""
+        source = "none"
+        limits = self.limits[pair]
+        slack = self._slack(pair)
+
+        def take_free(book: QuotaBook) -> tuple[QuotaBook, Counts] | None:
+            free_g, free_u, free_p = book.free(limits)
+            mine = book.quota(self.me)
+            g = max(0, min(free_g, need[0] + slack[0])) if need[0] else 0
+            u = max(0, min(free_u, need[1] + slack[1], mine.g + g - mine.u)) if need[1] else 0
+            p = max(0, min(free_p, need[2] + slack[2])) if need[2] else 0
+            if g == 0 and u == 0 and p == 0:
+                return None  # nothing that helps is free
+            use = self.ledger.pair_use(pair)
+            entry = Quota(
+                mine.g + g,
+                mine.u + u,
+                mine.p + p,
+                max(mine.wg, min(limits.max_global_in_flight_request_slots, use.leases + g)),
+                max(mine.wu, use.unreserved + u),
+                max(mine.wp, min(limits.max_pinned_sessions, use.pins + p)),
+                self._clock(),
+            )
+            return book.with_quota(self.me, entry), (g, u, p)
+
+        # Raising its own entry needs no lock (only lowering does: `_writing`); a write of the
+        # keeper's in flight meanwhile makes one of the two CASes fail and read again.
+        got = await self._cas(pair, take_free)
+        self._sync(pair)
+        left = need
+        if got is not None:
+            source = "free"
+            left = (max(0, need[0] - got[0]), max(0, need[1] - got[1]), max(0, need[2] - got[2]))
+        if not any(left) or self.ask_loan is None:
+            return source
+        now = self._monotonic()
+        book = self.books[pair].value
+        peers = [
+            (idle(book.quota(peer), slack), peer)
+            for peer in self.membership.live()
+            if peer != self.me and self._dry.get((pair, peer), 0.0) <= now
+        ]
+        peers = [
+            (i, peer) for i, peer in peers if any(a and b for a, b in zip(i, left, strict=True))
+        ]
+        peers.sort(key=lambda item: (-item[0][0], -item[0][2], item[1]))
+        for _, peer in peers[:_MAX_LENDERS]:
+            answer = await self.ask_loan(peer, pair, left)
+            lent = answer[0] if answer is not None else (0, 0, 0)
+            if not any(lent):
+                self._dry[(pair, peer)] = self._monotonic() + _DRY_FOR
+                continue
+            assert answer is not None
+            await self._catch_up(pair, answer[1])
+            source = "lent"
+            left = (max(0, left[0] - lent[0]), max(0, left[1] - lent[1]), max(0, left[2] - lent[2]))
+            if not any(left):
+                break
+        return source
+
+    async def _catch_up(self, pair: Pair, revision: int) -> None:
+        """Read the pair's book if the copy here is older than `revision` (a loan that landed)."""
+        if self.books[pair].revision >= revision:
+            return
+        fresh = await self.store.quota_book(*pair)
+        if fresh.revision > self.books[pair].revision:
+            self.books[pair] = fresh
+            self._sync(pair)
+
+    async def lend(self, borrower: str, pair: Pair, ask: Counts) -> tuple[Counts, int]:
+        """A live peer asks for room this instance holds idle: move what it can spare (never
+        what it uses or has set aside, `llmgw.core.quota.lendable`) to the peer, in one CAS of
+        the book. Lowered here before the write is sent (nothing is granted into what is lent),
+        as `adjust` does. Returns what moved and the book's revision (0: nothing moved)."""
+        if pair not in self.limits or pair not in self.books or borrower == self.me:
+            return (0, 0, 0), 0
+        if borrower not in self.membership.live():
+            return (0, 0, 0), 0
+        from llmgw.state.store import Stored
+
+        try:  # the keeper may be busy with a handover's transfer: then lend nothing
+            await asyncio.wait_for(self._lock.acquire(), _LEND_LOCK_WAIT)
+        except TimeoutError:
+            return (0, 0, 0), 0
+        try:
+            for _ in range(_MAX_CAS):
+                stored = self.books[pair]
+                entry = stored.value.quota(self.me)
+                spendable = self.ledger.pair_quota(pair) or Quota()
+                use = self.ledger.pair_use(pair)
+                g, u, p = lendable(entry, spendable, (use.leases, use.unreserved, use.pins), ask)
+                if g == 0 and u == 0 and p == 0:
+                    return (0, 0, 0), 0
+                book = stored.value.lend(self.me, borrower, g, u, p, at=self._clock())
+                self._writing[pair] = book.quota(self.me)
+                self._sync(pair)
+                try:
+                    revision = await self.store.write_quota_book(book, stored.revision)
+                finally:
+                    del self._writing[pair]
+                if revision is not None:
+                    self.books[pair] = Stored(book, revision)
+                    self._sync(pair)
+                    self.writes += 1
+                    self.lent += 1
+                    self.wake()
+                    return (g, u, p), revision
+                self.conflicts += 1
+                self.books[pair] = await self.store.quota_book(*pair)
+                self._sync(pair)
+        finally:
+            self._lock.release()
+        return (0, 0, 0), 0
+
     async def leave(self) -> None:
         """Stopping: give back everything not in use (the entry stays if something is)."""
         with contextlib.suppress(Exception):
             await self.adjust(stopping=True)
+
+
+@dataclass(slots=True)
+class _Round(Generic[T]):
+    """One borrowing round of a pair: what its requests need together, and how to place each
+    (`QuotaKeeper.borrow`)."""
+
+    need: Counts = (0, 0, 0)
+    waiters: list[tuple[asyncio.Future[T], Callable[[], T]]] = field(default_factory=list)
+
+    def add(self, need: Counts, waiter: asyncio.Future[T], then: Callable[[], T]) -> None:
+        self.need = (self.need[0] + need[0], self.need[1] + need[1], self.need[2] + need[2])
+        self.waiters.append((waiter, then))
+
+    def settle(self) -> None:
+        """Place every waiter, one after another in this turn (no await between)."""
+        waiters, self.waiters = self.waiters, []
+        for waiter, then in waiters:
+            if waiter.done():
+                continue
+            try:
+                waiter.set_result(then())
+            except Exception as exc:
+                waiter.set_exception(exc)
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,7 +35,7 @@ import logging
 import random
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -55,7 +55,14 @@ from llmgw.core.ledger import (
     ShardState,
 )
 from llmgw.core.outcomes import Refusal
-from llmgw.core.placement import PinAction, Placement, PlacementRequest, Route, place
+from llmgw.core.placement import (
+    PinAction,
+    Placement,
+    PlacementRequest,
+    Route,
+    Snapshot,
+    place,
+)
 from llmgw.core.requests import Feature
 from llmgw.events import EventPublisher, LeaseExpired, PinEvent, PinMoved
 from llmgw.logs import request_id
@@ -84,11 +91,14 @@ from llmgw.wire import (
     LeaseRenewal,
     LeaseRenewalReply,
     PairHolding,
+    QuotaLoan,
+    QuotaLoanAsk,
     ReplyStatus,
     RequestEnded,
     StateReply,
     Target,
     handover_subject,
+    loan_subject,
     trusted,
 )
 
@@ -146,6 +156,19 @@ def offload_reason(placement: Placement) -> str:
     return "no_managed_room"  # a new pin or an unpinned request that no managed provider took
 
 
+def _held_back(snapshot: Snapshot, outcome: Placement | Refusal) -> bool:
+    """Whether a managed provider ahead of where the request goes (or every provider, for a
+    refusal) lacked room here: only then could a loan of quota change the placement."""
+    chosen = outcome.provider if isinstance(outcome, Placement) else None
+    for state in snapshot.providers:
+        if state.id == chosen:
+            return False
+        room = state.room
+        if state.managed and state.usable and not (room.pinned and room.unreserved and room.pin):
+            return True
+    return False
+
+
 def new_token(rng: random.Random) -> str:
     """A fresh 64-bit id (pins, leases): 16 hex digits, a safe key token."""
     return f"{rng.getrandbits(64):016x}"
@@ -160,6 +183,18 @@ class _Request:
     band: Band
     reply_to: str | None
     started: float
+    borrowing: bool = False  # waiting for a loan of quota (`_Loan`), not in a queue
+
+
+@dataclass(frozen=True, slots=True)
+class _Loan:
+    """Placement would send the request elsewhere (a third party, a temporary fallback, a
+    refusal) only because this instance's share of `pair` is used up, while the pair's limits
+    have room: borrow `need` (leases, unreserved, pins) first, then place it again."""
+
+    pair: tuple[str, str]
+    need: tuple[int, int, int]
+    overflow: bool = False
 
 
 class AdmissionService:
@@ -263,6 +298,8 @@ class AdmissionService:
         self._load_changed: set[str] = set()
         self._load_sent_at = 0.0
         self.settle = min(2.0, pinning.lease_timeout / 3)
+        # A peer's loan is one request/reply and one CAS: a peer that takes longer is skipped.
+        self._loan_timeout = min(0.5, config.nats.request_timeout / 4)
 
     @property
     def instance(self) -> str:
@@ -329,7 +366,7 @@ class AdmissionService:
         finally:
             if watcher is not None and not watcher.done():
                 watcher.cancel()
-        reply = self._final(context, result)
+        reply = await self._outcome(context, result)
         if reply.refusal is Refusal.NOT_OWNER:  # the shard moved while it waited
             return None
         return reply, left
@@ -387,7 +424,7 @@ class AdmissionService:
         if isinstance(started, AdmitReply):
             return started
         context, future = started
-        return self._final(context, await future)
+        return await self._outcome(context, await future)
 
     def _start(self, request: AdmitRequest) -> AdmitReply | tuple[_Request, asyncio.Future[Any]]:
         started = time.perf_counter()
@@ -408,7 +445,7 @@ class AdmissionService:
             )
         context = _Request(request, Feature(request.feature), band, None, started)
         if self.flow is None:
-            return self._finish(context, self.place(context, overflow=False))
+            return self._placed(context, overflow=False)
         policy = self.flow.band(band.name)
         assert policy is not None
         can_overflow = band.overflow and self.catalog.can_overflow(model, context.feature, now)
@@ -424,11 +461,55 @@ class AdmissionService:
             return context, decision
         self.metrics.child(self.metrics.flow_decisions, band.name, decision.value).inc()
         if decision is GateDecision.GRANTED:
-            return self._finish(context, self.place(context, overflow=False))
+            return self._placed(context, overflow=False)
         if decision is GateDecision.OVERFLOW:
-            return self._finish(context, self.place(context, overflow=True))
+            return self._placed(context, overflow=True)
         refusal = Refusal.CANCELLED if decision is GateDecision.CANCELLED else Refusal.QUEUE_FULL
         return self._refusal(request.id, refusal, band=band.name)
+
+    def _placed(
+        self, context: _Request, *, overflow: bool
+    ) -> AdmitReply | tuple[_Request, asyncio.Future[Any]]:
+        """Place now, or (a loan of quota would keep the request on our engines) wait for the
+        loan in a task and place then."""
+        placed = self._place_or_borrow(context, overflow=overflow)
+        if isinstance(placed, AdmitReply):
+            return self._finish(context, placed)
+        context.borrowing = True
+        return context, asyncio.ensure_future(self._after_loan(context, placed))
+
+    async def _after_loan(self, context: _Request, loan: _Loan) -> AdmitReply:
+        """Borrow `loan.need`, then place the request in the turn the loan lands (placement
+        decides again: the loan may have brought nothing, or others may have used it). A
+        request may need a loan of each of its pairs (its API key's, then a provider's): one
+        each at most."""
+        request = context.request
+        tried = {loan.pair}
+
+        def place_now() -> AdmitReply | _Loan:
+            if not (self.shards.serves(request.shard) and self.membership.can_serve()):
+                return self._refusal(request.id, Refusal.NOT_OWNER)
+            placed = self._place(context, overflow=loan.overflow, loans=True, tried=tried)
+            return self._finish(context, placed) if isinstance(placed, AdmitReply) else placed
+
+        result: AdmitReply | _Loan = loan
+        while isinstance(result, _Loan):
+            tried.add(result.pair)
+            try:
+                result = await self.quotas.borrow(result.pair, result.need, place_now)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.warning("borrowing for request %s failed", request.id, exc_info=True)
+                return self._finish(context, self.place(context, overflow=loan.overflow))
+        return result
+
+    async def _outcome(self, context: _Request, result: Any) -> AdmitReply:
+        """The answer for a request that waited (queue or loan), from what it resolved to; a
+        queued request dispatched into a loan waits for the loan here."""
+        if isinstance(result, _Loan):
+            result = await self._after_loan(context, result)
+        return self._final(context, result)
 
     def _final(self, context: _Request, result: Any) -> AdmitReply:
         """The answer for a queued request, from what its queue future resolved to."""
@@ -444,29 +525,56 @@ class AdmissionService:
     async def _wait_in_queue(self, context: _Request, future: asyncio.Future[Any]) -> None:
         request = context.request
         try:
-            queued = AdmitReply(id=request.id, status=ReplyStatus.QUEUED)
-            await self._respond(context.reply_to, queued)
-            final = self._final(context, await future)
+            if not context.borrowing:  # a loan takes a round trip or two: no QUEUED for it
+                queued = AdmitReply(id=request.id, status=ReplyStatus.QUEUED)
+                await self._respond(context.reply_to, queued)
+            final = await self._outcome(context, await future)
             await self._respond(context.reply_to, final)  # the latest ask's (read after the wait)
         finally:
             self._waiting.pop(request.id, None)
 
-    def _dispatch_waiter(self, waiter: Waiter, decision: GateDecision) -> AdmitReply:
-        """The tick let a queued request go: place it now (synchronously, inside the tick)."""
+    def _dispatch_waiter(self, waiter: Waiter, decision: GateDecision) -> AdmitReply | _Loan:
+        """The tick let a queued request go: place it now (synchronously, inside the tick), or
+        say which loan it waits for first (`_outcome`)."""
         context: _Request = waiter.token.context
         self.metrics.child(self.metrics.flow_decisions, context.band.name, decision.value).inc()
-        overflow = decision is GateDecision.OVERFLOW
-        return self._finish(context, self.place(context, overflow=overflow))
+        placed = self._place_or_borrow(context, overflow=decision is GateDecision.OVERFLOW)
+        return self._finish(context, placed) if isinstance(placed, AdmitReply) else placed
 
     def _finish(self, context: _Request, reply: AdmitReply) -> AdmitReply:
         self.metrics.decision_duration.observe(time.perf_counter() - context.started)
         return reply
 
+    def _place_or_borrow(self, context: _Request, *, overflow: bool) -> AdmitReply | _Loan:
+        """`place`, unless this instance's share of a limit is all that keeps the request off
+        the provider a lone instance holding the whole limit would run it on: then the loan
+        it needs first."""
+        return self._place(context, overflow=overflow, loans=True)
+
     def place(self, context: _Request, *, overflow: bool) -> AdmitReply:
         """Place the request, take its lease and change its pin: one synchronous step."""
+        placed = self._place(context, overflow=overflow, loans=False)
+        assert isinstance(placed, AdmitReply)
+        return placed
+
+    def _place(
+        self,
+        context: _Request,
+        *,
+        overflow: bool,
+        loans: bool,
+        tried: Collection[tuple[str, str]] = (),
+    ) -> AdmitReply | _Loan:
+        """`place`; with `loans`, a request that only this instance's share of a limit keeps
+        from its place gets the `_Loan` it needs instead (nothing taken or changed), once per
+        pair (`tried`: borrowed for already)."""
         request = context.request
         now = self._clock()
         if not self.ledger.key_room(request.key):  # checked and granted in this one step
+            if loans and request.key is not None:
+                pair = key_pair(request.key)
+                if pair not in tried and self.quotas.spare(pair) is not None:
+                    return _Loan(pair, (1, 1, 0), overflow)
             return self._refusal(
                 request.id,
                 Refusal.KEY_LIMIT,
@@ -480,12 +588,14 @@ class AdmissionService:
             snapshot, pin = self.catalog.snapshot(
                 candidate, context.feature, request.session, request.exclude, now
             )
-            outcome = place(
-                snapshot,
-                PlacementRequest(
-                    request.session, context.band.interactive, overflow, self._rng.random()
-                ),
+            asked = PlacementRequest(
+                request.session, context.band.interactive, overflow, self._rng.random()
             )
+            outcome = place(snapshot, asked)
+            if loans and not overflow and _held_back(snapshot, outcome):
+                loan = self._loan_for(snapshot, asked, outcome, candidate)
+                if loan is not None and loan.pair not in tried:
+                    return loan
             if isinstance(outcome, Placement):
                 served = candidate
                 break
@@ -537,6 +647,44 @@ class AdmissionService:
             refresh=outcome.refresh_pin_on_success,
             owner=self.instance,
         )
+
+    def _loan_for(
+        self, snapshot: Snapshot, asked: PlacementRequest, outcome: Any, model: str
+    ) -> _Loan | None:
+        """The loan that would let the request run where a lone instance would run it: the
+        placement over the same snapshot with every managed pair's room as if this instance
+        held what it could borrow (`QuotaKeeper.spare`). None when that changes nothing."""
+        spares = {}
+        providers = []
+        for state in snapshot.providers:
+            spare = self.quotas.spare((state.id, model)) if state.managed else None
+            if spare is not None:
+                spares[state.id] = spare
+                room = self.ledger.room(state.id, model, spare)
+                state = replace(state, room=room)
+            providers.append(state)
+        if not spares:
+            self.quotas.loans["none"] += 1  # held back, and nothing seems to be had
+            return None
+        ideal = place(replace(snapshot, providers=tuple(providers)), asked)
+        if (
+            not isinstance(ideal, Placement)
+            or ideal.provider not in spares
+            or (
+                isinstance(outcome, Placement)
+                and (outcome.provider, outcome.route) == (ideal.provider, ideal.route)
+            )
+        ):
+            return None
+        room = self.ledger.room(ideal.provider, model)
+        kind = ideal.lease_kind
+        need_u = 0 if kind is LeaseKind.PINNED or room.unreserved else 1
+        need_g = 0 if (room.pinned if kind is LeaseKind.PINNED else room.unreserved) else 1
+        needs_pin = ideal.pin_action is not PinAction.NONE and not room.pin
+        need = (max(need_g, need_u), need_u, 1 if needs_pin else 0)
+        if need == (0, 0, 0):
+            return None
+        return _Loan((ideal.provider, model), need, asked.overflow)
 
     def _apply(
         self,
@@ -904,6 +1052,44 @@ class AdmissionService:
         )
         await self.nc.publish(msg.reply, reply.model_dump_json().encode())
 
+    # ---- loans of quota between instances --------------------------------------------------
+
+    async def _ask_loan(
+        self, peer: str, pair: tuple[str, str], need: tuple[int, int, int]
+    ) -> tuple[tuple[int, int, int], int] | None:
+        """Ask `peer` to lend quota of `pair` (`QuotaKeeper.borrow`'s transport)."""
+        ask = QuotaLoanAsk(
+            borrower=self.instance, provider=pair[0], model=pair[1], g=need[0], u=need[1], p=need[2]
+        )
+        try:
+            msg = await self.nc.request(
+                loan_subject(peer), ask.model_dump_json().encode(), timeout=self._loan_timeout
+            )
+            loan = QuotaLoan.model_validate_json(msg.data)
+        except Exception:  # no responders, a timeout, NATS trouble: place without it
+            log.debug("no loan from %s for %s", peer, pair, exc_info=True)
+            return None
+        return (loan.g, loan.u, loan.p), loan.revision
+
+    async def _on_loan_ask(self, msg: Msg) -> None:
+        try:
+            ask = QuotaLoanAsk.model_validate_json(msg.data)
+        except ValidationError:
+            log.warning("malformed quota loan request")
+            return
+        lent, revision = (0, 0, 0), 0
+        if self.membership.can_serve():
+            try:
+                lent, revision = await self.quotas.lend(
+                    ask.borrower, (ask.provider, ask.model), (ask.g, ask.u, ask.p)
+                )
+            except Exception:
+                log.warning("lending quota of %s failed", (ask.provider, ask.model), exc_info=True)
+        if msg.reply:
+            answer = QuotaLoan(g=lent[0], u=lent[1], p=lent[2], revision=revision)
+            with contextlib.suppress(Exception):
+                await self.nc.publish(msg.reply, answer.model_dump_json().encode())
+
     # ---- lifetime -----------------------------------------------------------------------------
 
     async def start(self) -> None:
@@ -916,8 +1102,10 @@ class AdmissionService:
             (REQUEST_STATS_SUBJECT, self.on_request_ended),
             (ADMISSION_LOAD_SUBJECT, self.on_load),
             (handover_subject(self.instance), self.shards.on_handover),
+            (loan_subject(self.instance), self._on_loan_ask),
         ):
             self._subs.append(await self.nc.subscribe(subject, cb=handler))
+        self.quotas.ask_loan = self._ask_loan
         await self.quotas.start()
         if self.flow is not None:
             await self.flow.start()
@@ -937,7 +1125,7 @@ class AdmissionService:
         await self.shards.drop_all()
         self.quotas.forget_handovers()
         for sub in list(self._subs):
-            if sub.subject == handover_subject(old):
+            if sub.subject in (handover_subject(old), loan_subject(old)):
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()
                 self._subs.remove(sub)
@@ -946,6 +1134,7 @@ class AdmissionService:
         self._subs.append(
             await self.nc.subscribe(handover_subject(new), cb=self.shards.on_handover)
         )
+        self._subs.append(await self.nc.subscribe(loan_subject(new), cb=self._on_loan_ask))
         await self.quotas.adjust()
 
     async def stop(self) -> None:

@@ -237,11 +237,16 @@ class Ledger:
             return None
         return self.quota.get(pair, NO_QUOTA)
 
-    def room(self, provider: str, model: str) -> Room:
+    def room(self, provider: str, model: str, extra: tuple[int, int, int] | None = None) -> Room:
+        """What the pair can take here now; with `extra` (g, u, p): if this instance held that
+        much more quota (what a loan could bring, `QuotaKeeper.spare`)."""
         pair = (provider, model)
         quota = self.pair_quota(pair)
         if quota is None:
             return Room(True, True, True)
+        if extra is not None:
+            g = quota.g + extra[0]
+            quota = Quota(g, min(g, quota.u + extra[1]), quota.p + extra[2])
         use = self.pair_use(pair)
         leases_left = use.leases < quota.g
         reserve_left = (use.leases - use.unreserved) < (quota.g - quota.u)

@@ -1,0 +1,109 @@
+"""Several admission instances are as generous as one: a share used up is borrowed, not offloaded.
+
+Each instance grants within its own quota of a pair (ADR 0002). When its share cannot take a
+request that the pair's limits could, the instance borrows first (what nobody holds, by CAS of
+the book, or what a peer holds idle, lent by that peer in one CAS) and places the request in
+the turn the loan lands. A lone instance holding the whole limit is the reference: with two
+instances the same requests must land on the managed provider, the reserve for pinned sessions
+must serve every pinned session whatever instance owns it, and the audit checker must find no
+grant beyond a quota or a limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from rig import MODEL, admitted, open_rig, until
+
+from llmgw.core.shards import shard_of
+from llmgw.state.checker import AuditLog, check_audit
+
+PAIR = ("iris", MODEL)
+G, R = 8, 2
+LIMITS = {
+    "max_pinned_sessions": 50,
+    "max_global_in_flight_request_slots": G,
+    "global_in_flight_request_slots_reserved_for_pinned_sessions": R,
+    "max_per_session_in_flight_request_slots": 4,
+}
+
+
+@pytest.fixture
+async def rig2(nats_url, unique_id):
+    audit = AuditLog()
+    rig = await open_rig(nats_url, unique_id, 2, limits=LIMITS, observer_for=audit.observer)
+    rig.audit = audit  # type: ignore[attr-defined]
+    await rig.report_all(running=0, capacity=32)  # idle engines: flow control lets all through
+    yield rig
+    await rig.close()
+
+
+def _sessions_at(rig, service, n: int, prefix: str) -> list[str]:  # type: ignore[no-untyped-def]
+    """`n` session ids whose shards `service` serves."""
+    shards = rig.config.admission.shards
+    found, i = [], 0
+    while len(found) < n:
+        session = f"{prefix}-{i}"
+        if service.shards.serves(shard_of(session, shards)):
+            found.append(session)
+        i += 1
+    return found
+
+
+def _checked(rig) -> None:  # type: ignore[no-untyped-def]
+    violations = check_audit(rig.audit.events, rig.cluster.limits, lease_timeout=30.0)
+    assert violations == [], "\n".join(str(v) for v in violations[:3])
+
+
+async def test_one_instance_takes_the_whole_unreserved_limit_when_the_other_is_idle(rig2):
+    rig = rig2
+    a, b = rig.admissions
+    await until(lambda: b.quotas.books[PAIR].value.quota(b.instance).u > 0, what="b's share")
+    shard = rig.shard_of_instance(a)
+    # Sessionless requests at one instance: a lone instance would run G - R of them on iris.
+    replies = [await rig.ask(shard=shard) for _ in range(G - R)]
+    assert all(admitted(r) for r in replies)
+    assert [r.target.provider for r in replies] == ["iris"] * (G - R), [
+        r.target.provider for r in replies
+    ]
+    assert a.quotas.loans["free"] + a.quotas.loans["lent"] >= 1
+    # The unreserved limit is reached across the pair: the next one goes to the third party.
+    extra = await rig.ask(shard=shard)
+    assert admitted(extra) and extra.target.provider == "tensorx"
+    total = sum(s.ledger.pair_use(PAIR).unreserved for s in rig.admissions)
+    assert total == G - R
+    _checked(rig)
+
+
+async def test_concurrent_requests_at_one_instance_share_a_round_of_loans(rig2):
+    rig = rig2
+    a, _ = rig.admissions
+    shard = rig.shard_of_instance(a)
+    replies = await asyncio.gather(*(rig.ask(shard=shard) for _ in range(G - R)))
+    providers = [r.target.provider for r in replies if admitted(r)]
+    assert providers == ["iris"] * (G - R), providers
+    _checked(rig)
+
+
+async def test_the_reserve_serves_pinned_sessions_whatever_instance_owns_them(rig2):
+    rig = rig2
+    a, b = rig.admissions
+    # R + 1 sessions pinned at `a` (their first turns, then ended), more than a's share of R.
+    sessions = _sessions_at(rig, a, R + 1, "pinned")
+    for session in sessions:
+        first = await rig.ask(session=session)
+        assert admitted(first) and first.target.provider == "iris"
+    await rig.finish_all()
+    # The unreserved part is used up at `b` (sessionless requests), so pinned turns need R.
+    shard_b = rig.shard_of_instance(b)
+    fill = [await rig.ask(shard=shard_b) for _ in range(G - R)]
+    assert [r.target.provider for r in fill] == ["iris"] * (G - R)
+    # Every pinned turn at `a` runs on its pin while the reserve and leases allow: R of them.
+    turns = [await rig.ask(session=session) for session in sessions]
+    routes = [(r.target.provider, r.route) for r in turns]
+    assert routes[:R] == [("iris", "pinned")] * R, routes
+    assert routes[R] == ("tensorx", "temporary"), routes  # G leases live: a lone one would too
+    live = sum(s.ledger.pair_use(PAIR).leases for s in rig.admissions)
+    assert live == G
+    _checked(rig)
