@@ -55,8 +55,8 @@ async def wait_for_stop_signal() -> None:
 
 
 # Generation-0 collections after this many net allocations (CPython's default, 700, is more
-# than one collection per request on the edge), and fewer full ones (docs/benchmarks.md, "Gateway
-# overhead", measures the difference).
+# than one collection per request on the edge), and fewer full ones (docs/benchmarks.md,
+# "Per-request trims", its history, measures the difference).
 _GC_THRESHOLDS = (20_000, 20, 1_000)
 
 
