@@ -108,6 +108,9 @@ class QuotaKeeper:
         # running, what the next round is to ask for, and what the running round is getting for
         # its waiters (never given back by `adjust` until they are placed).
         self.ask_loan: AskLoan | None = None  # set by the service (a NATS request to the peer)
+        # Evicts up to n idle pins of a pair (as a new pin would), returns how many: a lender
+        # asked for pins it holds for idle sessions frees them as a lone instance would.
+        self.evict_idle: Callable[[Pair, int], int] | None = None
         self._joinable: dict[Pair, _Round[Any]] = {}
         self._running: dict[Pair, asyncio.Task[None]] = {}
         self._borrowing: dict[Pair, Counts] = {}
@@ -484,8 +487,11 @@ class QuotaKeeper:
             for peer in self.membership.live():
                 if peer == self.me or self._dry.get((pair, peer), 0.0) > now:
                     continue
-                ig, iu, ip = idle(book.quota(peer), slack)
-                g, u, p = g + ig, u + iu, p + ip
+                entry = book.quota(peer)
+                ig, iu, ip = idle(entry, slack)
+                # Pins held for idle sessions are the peer's to evict and lend, as a lone
+                # instance would evict them for a new session: count its pins when none is idle.
+                g, u, p = g + ig, u + iu, p + (ip or entry.p)
         if g <= 0 and u <= 0 and p <= 0:
             return None
         return max(0, g), max(0, u), max(0, p)
@@ -592,6 +598,9 @@ class QuotaKeeper:
             for peer in self.membership.live()
             if peer != self.me and self._dry.get((pair, peer), 0.0) <= now
         ]
+        peers = [  # pins: a peer holding any may evict idle ones to lend them (`lend`)
+            ((i[0], i[1], i[2] or book.quota(peer).p), peer) for i, peer in peers
+        ]
         peers = [
             (i, peer) for i, peer in peers if any(a and b for a, b in zip(i, left, strict=True))
         ]
@@ -641,6 +650,11 @@ class QuotaKeeper:
                 spendable = self.ledger.pair_quota(pair) or Quota()
                 use = self.ledger.pair_use(pair)
                 g, u, p = lendable(entry, spendable, (use.leases, use.unreserved, use.pins), ask)
+                if p < ask[2] and self.evict_idle is not None and self.evict_idle(pair, ask[2] - p):
+                    use = self.ledger.pair_use(pair)  # fewer pins held now: lend what they had
+                    g, u, p = lendable(
+                        entry, spendable, (use.leases, use.unreserved, use.pins), ask
+                    )
                 if g == 0 and u == 0 and p == 0:
                     return (0, 0, 0), 0
                 book = stored.value.lend(self.me, borrower, g, u, p, at=self._clock())

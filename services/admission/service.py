@@ -742,13 +742,20 @@ class AdmissionService:
         )
 
     def _evict(self, provider: str, model: str, now: float) -> None:
-        victim = self.ledger.evictable(provider, model, now, self.catalog.min_idle_before_evict)
-        if victim is None:  # placement saw one: nothing changed in between (same turn)
+        if not self._evict_one(provider, model, now):
+            # placement saw one: nothing changed in between (same turn)
             raise RuntimeError("no pin to evict")
+
+    def _evict_one(self, provider: str, model: str, now: float) -> bool:
+        """Evict the pair's least recently used evictable pin, if it has one."""
+        victim = self.ledger.evictable(provider, model, now, self.catalog.min_idle_before_evict)
+        if victim is None:
+            return False
         self.ledger.remove_pin(victim, now, "evicted")
         self.pins.delete(victim)
         self.metrics.pins_evicted.labels(provider).inc()
         self._pin_event(PinEvent, victim, "pin.evicted")
+        return True
 
     def _pin_event(self, kind: type[PinEvent], pin: PinRecord, event: str) -> None:
         self.events.emit(
@@ -1071,6 +1078,15 @@ class AdmissionService:
             return None
         return (loan.g, loan.u, loan.p), loan.revision
 
+    def _evict_for_loan(self, pair: tuple[str, str], count: int) -> int:
+        """Evict up to `count` idle pins of `pair` (those a new pin here would evict) so that
+        their pin quota can be lent to a peer; returns how many went."""
+        now = self._clock()
+        evicted = 0
+        while evicted < count and self._evict_one(*pair, now):
+            evicted += 1
+        return evicted
+
     async def _on_loan_ask(self, msg: Msg) -> None:
         try:
             ask = QuotaLoanAsk.model_validate_json(msg.data)
@@ -1106,6 +1122,7 @@ class AdmissionService:
         ):
             self._subs.append(await self.nc.subscribe(subject, cb=handler))
         self.quotas.ask_loan = self._ask_loan
+        self.quotas.evict_idle = self._evict_for_loan
         await self.quotas.start()
         if self.flow is not None:
             await self.flow.start()

@@ -107,3 +107,31 @@ async def test_the_reserve_serves_pinned_sessions_whatever_instance_owns_them(ri
     live = sum(s.ledger.pair_use(PAIR).leases for s in rig.admissions)
     assert live == G
     _checked(rig)
+
+
+@pytest.fixture
+async def rig_pins(nats_url, unique_id):
+    audit = AuditLog()
+    limits = {**LIMITS, "max_pinned_sessions": 4}
+    rig = await open_rig(nats_url, unique_id, 2, limits=limits, observer_for=audit.observer)
+    rig.audit = audit  # type: ignore[attr-defined]
+    await rig.report_all(running=0, capacity=32)
+    yield rig
+    await rig.close()
+
+
+async def test_a_full_pin_table_at_a_peer_lends_its_idle_pins_as_a_lone_instance_evicts(rig_pins):
+    rig = rig_pins
+    a, b = rig.admissions
+    # Every pin of the pair is held at `b` by one-shot sessions (served once, now idle).
+    for session in _sessions_at(rig, b, 4, "one-shot"):
+        reply = await rig.ask(session=session)
+        assert admitted(reply) and reply.target.provider == "iris", reply
+    await rig.finish_all()
+    assert b.ledger.pair_use(PAIR).pins == 4
+    # A new session at `a`: a lone instance would evict an idle pin and pin it on iris.
+    (session,) = _sessions_at(rig, a, 1, "new")
+    reply = await rig.ask(session=session)
+    assert (reply.target.provider, reply.route) == ("iris", "new_pin"), reply
+    assert b.ledger.pair_use(PAIR).pins == 3 and a.ledger.pair_use(PAIR).pins == 1
+    _checked(rig)
