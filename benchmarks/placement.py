@@ -32,15 +32,30 @@ Measures (each phase on its own; figures in docs/benchmarks.md, "Placement"):
 - **return home**: a session pinned on the third party during an engine outage, then served on
   while the engines are healthy again: when its pin comes back (pinning.return_home_after, 30 s).
 
-    python benchmarks/placement.py [--seconds 60] [--runs 1]
+Limits as a platform team sets them (``--limits capacity``, the default): the managed pair's
+``max_global_in_flight_request_slots`` G is the engines' batch slots (24), 6 of them reserved for
+pinned sessions, so the limits bind. A request sent to a third party is *avoidable* when the
+engines' own running + waiting count (read at that instant) was below G - R for a new session
+(routes new_pin, unpinned, overflow) or below G for a pinned session's temporary fallback: a lone
+admission instance holding the whole limit would have kept it. ``--limits local`` keeps
+config/local.yaml's limits (G = 64: they never bind here).
+
+Several admission instances (``--admission-instances N``): `llmgw up`'s edge runs one, and N - 1
+more run as `llmgw admission` processes joined to the same NATS; the sessions' shards split
+between them, and so does each limit (ADR 0002's quotas).
+
+    python benchmarks/placement.py [--seconds 60] [--runs 1] [--admission-instances N]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -51,6 +66,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import nats
 import yaml
 
 from llmgw.services.sim.apps import create_engine_app, create_provider_app
@@ -59,6 +75,7 @@ from llmgw.services.sim.engine_runtime import EngineBackend
 from llmgw.services.sim.params import EngineParams, ProviderParams
 from llmgw.services.sim.tokenizer import hash_token_blocks, render_chat, token_ids
 from llmgw.serving import RunningServer, start_server
+from llmgw.wire import ADMISSION_HEALTH_SUBJECT, HealthReply
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from interference import UpCluster, cluster_ports
@@ -74,6 +91,13 @@ TURNS = (5, 10)
 THINK_TIME = 0.5  # mean seconds between a chat's reply and its next turn (exponential)
 BANDS = {"platinum": 0.1, "gold": 0.5, "silver": 0.2, "bronze": 0.2}
 INTERACTIVE = {"platinum", "gold"}
+CAPACITY_LIMITS = {  # --limits capacity: G = the engines' batch slots
+    "max_pinned_sessions": 200,
+    "max_global_in_flight_request_slots": sum(ENGINES.values()),
+    "global_in_flight_request_slots_reserved_for_pinned_sessions": 6,
+    "max_per_session_in_flight_request_slots": 4,
+}
+NEW_SESSION_ROUTES = {"new_pin", "unpinned", "overflow"}
 OPENING_WORDS = 60  # ~120 tokens of a conversation's first message
 FOLLOW_UP_WORDS = 15
 _WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima".split()
@@ -125,6 +149,7 @@ class Arrival:
     managed: bool
     waited: bool = False  # an engine: it could not start at once
     free_elsewhere: bool = False  # another engine (any, for a third party) had a free slot
+    engines_busy: int = 0  # a third party: the engines' running + waiting at that instant
 
 
 class SimFarm:
@@ -160,6 +185,14 @@ class SimFarm:
         state = backend.state()  # advances the engine to now
         return state["waiting"] == 0 and state["running"] < backend.params.max_num_seqs
 
+    def _busy(self) -> int:
+        """Requests the engines run or hold waiting now."""
+        total = 0
+        for backend in self.engines.values():
+            state = backend.state()
+            total += state["running"] + state["waiting"]
+        return total
+
     def _hook(self, endpoint: str, backend: Any, *, managed: bool) -> None:
         original = backend.start
 
@@ -172,6 +205,7 @@ class SimFarm:
                 arrival.free_elsewhere = arrival.waited and any(self._free(b) for b in others)
             else:
                 arrival.free_elsewhere = any(self._free(b) for b in others)
+                arrival.engines_busy = self._busy()
             self.arrivals[prompt_key(prompt)] = arrival
             return generation
 
@@ -194,13 +228,21 @@ class SimFarm:
         self._thread.join(10)
 
 
-def placement_config(path: Path, urls: dict[str, str]) -> Path:
-    """config/local.yaml on free ports, its endpoints pointing at the farm (no `simulate`)."""
+def placement_config(
+    path: Path, urls: dict[str, str], *, limits: str = "capacity", nats_port: int = 0
+) -> Path:
+    """config/local.yaml on free ports, its endpoints pointing at the farm (no `simulate`);
+    with `limits` "capacity", the managed pair's limits are the engines' capacity."""
     data = yaml.safe_load(LOCAL_CONFIG.read_text())
     admin, port = cluster_ports()
     data["listen"] = f"127.0.0.1:{port()}"
     data["admin_listen"] = f"127.0.0.1:{admin}"
-    data["nats"] = {"url": "embedded", "embedded_port": 0}
+    data["nats"] = {"url": "embedded", "embedded_port": nats_port}
+    if limits == "capacity":
+        for provider in data["providers"]:
+            for model in provider["models"]:
+                if provider["id"] == "iris" and model["name"] == MODEL:
+                    model["limits"] = dict(CAPACITY_LIMITS)
     endpoints = []
     for endpoint in data["endpoints"]:
         endpoint.pop("simulate", None)
@@ -363,11 +405,22 @@ def share(part: int, whole: int) -> float:
     return part / whole if whole else 0.0
 
 
-def mix_figures(phase: Phase, arrivals: dict[int, Arrival]) -> dict[str, Any]:
+def mix_figures(
+    phase: Phase, arrivals: dict[int, Arrival], limits: tuple[int, int]
+) -> dict[str, Any]:
+    """``limits``: the managed pair's (G, R), for the avoidable offloads."""
     done = [s for s in phase.sent if s.status == 200]
     seen = [(s, arrivals[s.key]) for s in done if s.key in arrivals]
     third = [(s, a) for s, a in seen if not a.managed]
     third_free = [s for s, a in third if a.free_elsewhere]
+    total, reserved = limits
+    avoidable_new = [
+        s for s, a in third if s.route in NEW_SESSION_ROUTES and a.engines_busy < total - reserved
+    ]
+    avoidable_pinned = [s for s, a in third if s.route == "temporary" and a.engines_busy < total]
+    avoidable_routes: dict[str, int] = {}
+    for sent in avoidable_new:
+        avoidable_routes[sent.route] = avoidable_routes.get(sent.route, 0) + 1
     interactive = [(s, a) for s, a in seen if s.band in INTERACTIVE]
     waited_free = [s for s, a in interactive if a.managed and a.waited and a.free_elsewhere]
     ran = {(s.conversation, s.turn): s.endpoint for s in done}
@@ -383,6 +436,11 @@ def mix_figures(phase: Phase, arrivals: dict[int, Arrival]) -> dict[str, Any]:
         "third_party_while_free": share(len(third_free), len(done)),
         "third_party_while_free_n": len(third_free),
         "third_party_routes": sorted({s.route for s in third_free}),
+        "avoidable_new_session": share(len(avoidable_new), len(done)),
+        "avoidable_new_session_n": len(avoidable_new),
+        "avoidable_pinned_fallback": share(len(avoidable_pinned), len(done)),
+        "avoidable_pinned_fallback_n": len(avoidable_pinned),
+        "avoidable_routes": avoidable_routes,
         "turns_on_replica": share(len(on_replica), len(later)),
         "turns_on_first_replica": share(len(on_first), len(later)),
         "later_turns": len(later),
@@ -492,7 +550,12 @@ def http_session() -> aiohttp.ClientSession:
 
 
 async def scenario(
-    api: str, farm: SimFarm, seconds: float, loads: Iterable[float], think: float = THINK_TIME
+    api: str,
+    farm: SimFarm,
+    seconds: float,
+    loads: Iterable[float],
+    think: float = THINK_TIME,
+    limits: tuple[int, int] = (64, 16),
 ) -> dict[str, Any]:
     """Every measure on one fresh cluster, in an order that leaves each its conditions: the
     cold start first, then the outage that pins a session away (it returns home at the end,
@@ -509,7 +572,7 @@ async def scenario(
             phase = await client.mix(load * capacity, seconds, think)
             results[f"mix_{round(load * 100)}"] = {
                 "rate": load * capacity,
-                **mix_figures(phase, farm.arrivals),
+                **mix_figures(phase, farm.arrivals, limits),
             }
         results["return_home"] = {
             "before_return_home_after": [early.provider, early.route],
@@ -519,19 +582,135 @@ async def scenario(
 
 
 def run_once(
-    workdir: Path, seconds: float, loads: Iterable[float], think: float = THINK_TIME
+    workdir: Path,
+    seconds: float,
+    loads: Iterable[float],
+    think: float = THINK_TIME,
+    *,
+    instances: int = 1,
+    limits: str = "capacity",
 ) -> dict[str, Any]:
-    """A fresh cluster: the farm, `llmgw up` in front of it, the scenario, then both stopped."""
+    """A fresh cluster: the farm, `llmgw up` in front of it (and `instances` - 1 more admission
+    processes), the scenario, then all of it stopped."""
     farm = SimFarm()
     urls = farm.start()
+    _, port = cluster_ports()
+    nats_port = port()
+    config = placement_config(workdir / "placement.yaml", urls, limits=limits, nats_port=nats_port)
+    data = yaml.safe_load(config.read_text())
+    pair = next(
+        m.get("limits") or {}
+        for p in data["providers"]
+        if p["id"] == "iris"
+        for m in p["models"]
+        if m["name"] == MODEL
+    )
+    pair_limits = (
+        pair.get("max_global_in_flight_request_slots", 0),
+        pair.get("global_in_flight_request_slots_reserved_for_pinned_sessions", 0),
+    )
+    extra: list[subprocess.Popen[bytes]] = []
+    admins = [data["admin_listen"]]
     try:
-        cluster = UpCluster(placement_config(workdir / "placement.yaml", urls))
+        cluster = UpCluster(config)
         try:
-            return asyncio.run(scenario(cluster.api(), farm, seconds, loads, think))
+            api = cluster.api()
+            if instances > 1:
+                joined = workdir / "admission.yaml"
+                data["nats"] = {"url": f"nats://127.0.0.1:{nats_port}"}
+                joined.write_text(yaml.safe_dump(data, sort_keys=False))
+                for _ in range(instances - 1):
+                    admins.append(f"127.0.0.1:{port()}")
+                    extra.append(start_admission(joined, admins[-1]))
+                asyncio.run(until_serving(f"nats://127.0.0.1:{nats_port}", instances))
+            result = asyncio.run(scenario(api, farm, seconds, loads, think, pair_limits))
+            result["admission_instances"] = instances
+            result["quota_loans"] = asyncio.run(loan_counts(admins))
+            return result
         finally:
+            for process in extra:
+                stop_process(process)
             cluster.stop()
     finally:
         farm.stop()
+
+
+async def loan_counts(admins: list[str]) -> dict[str, float]:
+    """llmgw_admission_quota_loans_total by source and quota_lent_total, summed over the
+    admission instances' admin ports (the edge's holds its colocated instance's)."""
+    totals: dict[str, float] = {}
+    async with http_session() as http:
+        for admin in admins:
+            try:
+                async with http.get(f"http://{admin}/metrics") as response:
+                    text = await response.text()
+            except aiohttp.ClientError:
+                continue
+            for line in text.splitlines():
+                if line.startswith(
+                    ("llmgw_admission_quota_loans_total", "llmgw_admission_quota_lent_total")
+                ):
+                    name, value = line.rsplit(" ", 1)
+                    key = name.removeprefix("llmgw_admission_quota_").replace('{source="', ":")
+                    key = key.rstrip('"}')
+                    totals[key] = totals.get(key, 0.0) + float(value)
+    return totals
+
+
+def start_admission(config: Path, admin: str) -> subprocess.Popen[bytes]:
+    """One more admission instance, `llmgw admission --config`, as a process of its own."""
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("LLMGW_")}
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "llmgw",
+            "admission",
+            "--config",
+            str(config),
+            "--admin-listen",
+            admin,
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+
+
+def stop_process(process: subprocess.Popen[bytes]) -> None:
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+
+
+async def until_serving(url: str, instances: int, timeout: float = 60) -> None:
+    """Until `instances` admission instances answer health, each serving some shards."""
+    nc = await nats.connect(url)
+    try:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            answers: dict[str, int] = {}
+            inbox = nc.new_inbox()
+            sub = await nc.subscribe(inbox)
+            await nc.publish(ADMISSION_HEALTH_SUBJECT, b"{}", reply=inbox)
+            end = time.monotonic() + 0.5
+            while (left := end - time.monotonic()) > 0:
+                try:
+                    msg = await sub.next_msg(timeout=left)
+                except Exception:
+                    break
+                health = HealthReply.model_validate_json(msg.data)
+                answers[health.instance] = health.shards
+            await sub.unsubscribe()
+            if len(answers) >= instances and all(answers.values()):
+                return
+            await asyncio.sleep(0.5)
+        raise RuntimeError(f"{instances} admission instances never all served shards")
+    finally:
+        await nc.close()
 
 
 def percent(value: float) -> str:
@@ -547,6 +726,11 @@ def summary(results: dict[str, Any]) -> str:
                 f"{figures['failed']} failed): third party while an engine had a free slot "
                 f"{percent(figures['third_party_while_free'])} "
                 f"({figures['third_party_while_free_n']} of {figures['third_party']} sent there); "
+                f"avoidable: new sessions {percent(figures['avoidable_new_session'])} "
+                f"({figures['avoidable_new_session_n']}), pinned fallbacks "
+                f"{percent(figures['avoidable_pinned_fallback'])} "
+                f"({figures['avoidable_pinned_fallback_n']}, routes "
+                f"{figures['avoidable_routes']}); "
                 f"turns on the session's replica {percent(figures['turns_on_replica'])} "
                 f"(of {figures['later_turns']}; on its first turn's "
                 f"{percent(figures['turns_on_first_replica'])}); prefix hits vs ideal "
@@ -569,18 +753,39 @@ def main() -> int:
     parser.add_argument(
         "--loads", type=float, nargs="+", default=[0.5, 0.9], help="shares of managed capacity"
     )
+    parser.add_argument(
+        "--admission-instances",
+        type=int,
+        default=1,
+        help="admission instances: the edge's, and N - 1 `llmgw admission` processes",
+    )
+    parser.add_argument(
+        "--limits",
+        choices=["capacity", "local"],
+        default="capacity",
+        help="the managed pair's limits: the engines' capacity (G = 24, R = 6; default) or "
+        "config/local.yaml's",
+    )
     args = parser.parse_args()
     print(f"managed capacity: {managed_capacity():.1f} requests/s", file=sys.stderr)
     runs = []
     with tempfile.TemporaryDirectory(prefix="llmgw-placement-") as tmp:
         for run in range(args.runs):
-            result = run_once(Path(tmp), args.seconds, args.loads)
+            result = run_once(
+                Path(tmp),
+                args.seconds,
+                args.loads,
+                instances=args.admission_instances,
+                limits=args.limits,
+            )
             print(f"run {run + 1}:\n{summary(result)}", file=sys.stderr)
             runs.append(result)
     if args.runs > 1:
         for name in runs[0]:
             if name.startswith("mix_"):
                 for key in (
+                    "avoidable_new_session",
+                    "avoidable_pinned_fallback",
                     "third_party_while_free",
                     "turns_on_replica",
                     "prefix_vs_ideal",

@@ -34,7 +34,9 @@ THINK = 0.2  # seconds between a chat's turns (the benchmark: 0.5)
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict[str, Any]:
-    found = run_once(tmp_path_factory.mktemp("placement"), SECONDS, (0.5, 0.9), THINK)
+    found = run_once(
+        tmp_path_factory.mktemp("placement"), SECONDS, (0.5, 0.9), THINK, limits="local"
+    )
     print(found)
     return found
 
