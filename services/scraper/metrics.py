@@ -128,10 +128,17 @@ class ScraperMetrics:
         self.capacity.labels(endpoint).set(report.capacity)
         if report.saturation is not None:
             self.saturation.labels(endpoint).set(report.saturation)
-        if report.sample is not None:  # the last reading stays; scrape age says how old it is
-            self.running.labels(endpoint).set(report.sample.running)
-            self.waiting.labels(endpoint).set(report.sample.waiting)
-            self.kv_usage.labels(endpoint).set(report.sample.kv_usage)
+        sample = report.sample
+        if sample is not None:  # the last reading stays; scrape age says how old it is
+            for gauge, value in (
+                (self.running, sample.running),
+                (self.waiting, sample.waiting),
+                (self.kv_usage, sample.kv_usage),
+            ):
+                if value is None:  # not reported by this engine: no series, not a stale one
+                    gauge.remove(endpoint)
+                else:
+                    gauge.labels(endpoint).set(value)
 
     def observe_pool(self, report: PoolReport) -> None:
         self.pool_saturation.labels(report.provider, report.pool).set(report.saturation)

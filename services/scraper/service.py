@@ -275,8 +275,11 @@ class Scraper:
         self._loads[target.endpoint] = load
         previous = self._healthy.get(target.endpoint)
         self._healthy[target.endpoint] = report.healthy
-        self.metrics.observe_scrape(report, outcome, duration)
-        self._log_outcome(report, outcome)
+        try:  # accounting only: a fault here must not keep the report from being published
+            self.metrics.observe_scrape(report, outcome, duration)
+            self._log_outcome(report, outcome)
+        except Exception:
+            _log.exception("recording the scrape of %s failed", target.endpoint)
         await self._publish(report, health_event_verb(previous, report.healthy))
         return report
 

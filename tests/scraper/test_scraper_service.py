@@ -207,6 +207,43 @@ async def test_malformed_metrics_are_a_metrics_error_and_sglang_metrics_are_read
     assert scrapes("sglang", "ok") >= 1 and scrapes("sglang", "metrics_error") == 0
 
 
+PARTIAL = (
+    'vllm:num_requests_running{model_name="m1"} 2\nvllm:num_requests_waiting{model_name="m1"} 1\n'
+)
+
+
+async def test_metrics_without_kv_usage_are_reported_every_round_and_never_raise(
+    nats_url: str,
+    load_bucket: str,
+    unique_id: str,
+    nats_client: NatsClient,
+    start_static: StartStatic,
+    events: EventLog,
+) -> None:
+    """A vLLM-like engine without ``vllm:kv_cache_usage_perc``: its reports keep coming, fresh,
+    partial, and its scraper metrics show what it reports and nothing it does not."""
+    partial = await start_static(PARTIAL)
+    config = make_config(nats_url, load_bucket, unique_id, {"partial": partial.url})
+    metrics = ScraperMetrics()
+    async with running_scraper(config, instance="scraper-one", metrics=metrics):
+        await events.wait_until(lambda log: len(log.reports("partial")) >= 3)
+    reports = events.reports("partial")
+    assert all(r.metrics == "partial" and r.metrics_error is None for r in reports)
+    first = reports[0]
+    assert first.sample is not None and first.sample.kv_usage is None
+    assert (first.sample.running, first.sample.waiting) == (2, 1)
+    kv = await open_load_bucket(nats_client, load_bucket)
+    assert (await stored_report(kv, "partial")).metrics == "partial"
+
+    def value(name: str, **labels: str) -> float | None:
+        return metrics.registry.get_sample_value(name, {"endpoint": "partial", **labels})
+
+    assert value("llmgw_scraper_scrapes_total", result="ok") >= 3
+    assert value("llmgw_scraper_engine_running") == 2
+    assert value("llmgw_scraper_engine_waiting") == 1
+    assert value("llmgw_scraper_engine_kv_usage") is None  # not reported: no series
+
+
 async def test_two_scrapers_leave_consistent_reports_and_a_new_one_adopts_known_capacity(
     nats_url: str,
     load_bucket: str,
