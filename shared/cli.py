@@ -203,6 +203,15 @@ def build_parser() -> argparse.ArgumentParser:
     sim_sub = sim.add_subparsers(dest="sim_command", required=True, metavar="KIND")
     engine = sim_sub.add_parser("engine", help="a vLLM-like engine (batching, KV and prefix cache)")
     _sim_args(engine)
+    from llmgw.services.sim.params import METRICS_DIALECTS  # pydantic only, no server
+
+    engine.add_argument(
+        "--metrics-dialect",
+        choices=METRICS_DIALECTS,
+        default=None,
+        help="whose metric names GET /metrics speaks (default vllm, or the endpoint's "
+        "simulate block); same as --set metrics_dialect=...",
+    )
     engine.set_defaults(target="llmgw.services.sim.main:run_engine")
     provider = sim_sub.add_parser(
         "provider", help="a third-party-API-like server (drifting rate, 429s)"

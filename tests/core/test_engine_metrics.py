@@ -446,10 +446,11 @@ def test_label_values_round_trip_through_escaping(labels: dict[str, str], value:
     assert parse_exposition(line) == [Series("ns:metric", labels, value)]
 
 
-def simulated_engine_metrics(submitted: int) -> tuple[str, EngineModel]:
+def simulated_engine_metrics(submitted: int, dialect: str = "vllm") -> tuple[str, EngineModel]:
     """The metrics text our simulator serves, for an engine with ``submitted`` requests queued."""
     params = EngineParams.model_validate(
         dict(
+            metrics_dialect=dialect,
             max_num_seqs=3,
             num_gpu_blocks=64,
             block_size=4,
@@ -489,3 +490,29 @@ def test_reads_the_names_our_simulator_emits(submitted: int) -> None:
     )
     if submitted == 5:  # the case is a real load: a full batch and a queue behind it
         assert (sample.running, sample.waiting) == (3, 2) and sample.kv_usage > 0
+
+
+@pytest.mark.parametrize(
+    ("dialect", "expected", "kv", "cache_info"),
+    [
+        ("vllm-legacy", EngineDialect.VLLM, True, True),
+        ("sglang", EngineDialect.SGLANG, True, False),
+        ("llamacpp", EngineDialect.LLAMACPP, False, False),
+        ("tgi", EngineDialect.TGI, False, False),
+        ("partial", EngineDialect.VLLM, False, False),
+    ],
+)
+def test_reads_every_dialect_our_simulator_speaks(
+    dialect: str, expected: EngineDialect, kv: bool, cache_info: bool
+) -> None:
+    text, model = simulated_engine_metrics(5, dialect)
+    sample = parse_engine_metrics(text)
+    assert sample == EngineSample(
+        dialect=expected,
+        running=len(model.running),
+        waiting=len(model.waiting),
+        kv_usage=model.kv.usage if kv else None,
+        block_size=4 if cache_info else None,
+        num_gpu_blocks=64 if cache_info else None,
+    )
+    assert (sample.running, sample.waiting) == (3, 2)
