@@ -37,6 +37,7 @@ from llmgw.state.store import RoutingStore
 from llmgw.wire import ADMISSION_STATE_SUBJECT, StateReply
 
 ANSWER_WINDOW = 0.5  # seconds the admission instances have to answer the state request
+LOAD_READ_TIMEOUT = 2.0  # seconds for the (optional) read of the load bucket
 
 __all__ = ["BucketMissing", "read_report", "run"]
 
@@ -124,16 +125,20 @@ async def read_report(nc: NATS, config: Config, *, now: float | None = None) -> 
 
 
 async def _endpoint_reports(js: Any, config: Config) -> tuple[str | None, list[EndpointReport]]:
-    """The scraper's latest report of each endpoint in the load bucket (bucket name None when
-    there is no such bucket: no scraper has run); reports that do not parse are skipped."""
+    """The scraper's latest report of each endpoint in the load bucket, best effort: (None, [])
+    when there is no such bucket (no scraper has run) or it cannot be read within
+    `LOAD_READ_TIMEOUT` (e.g. a NATS user without read access to it); reports that do not parse
+    are skipped. The routing bucket's state is printed either way."""
     name = config.router.load_bucket
     try:
-        info = await js.stream_info(f"KV_{name}")
-    except NotFoundError:
+        async with asyncio.timeout(LOAD_READ_TIMEOUT):
+            info = await js.stream_info(f"KV_{name}")
+            kv = NatsKV(js, name, direct=bool(info.config.allow_direct))
+            entries = await kv.list(REPORT_KEY_PREFIX)
+    except (NotFoundError, TimeoutError, nats.errors.Error):
         return None, []
-    kv = NatsKV(js, name, direct=bool(info.config.allow_direct))
     reports = []
-    for entry in await kv.list(REPORT_KEY_PREFIX):
+    for entry in entries:
         try:
             reports.append(EndpointReport.model_validate_json(entry.value))
         except ValueError:

@@ -346,7 +346,11 @@ def _maybe(value: float | None, fmt: str = "{}") -> str:
 def _endpoint_lines(report: StateReport) -> list[str]:
     """Each managed endpoint by the scraper's latest report (dialect "-": no load gauges)."""
     if report.load_bucket is None:
-        return ["", "endpoints: no load bucket (start `llmgw scraper`, or `llmgw up`)"]
+        return [
+            "",
+            "endpoints: no load bucket read (none yet: start `llmgw scraper`, or `llmgw up`; "
+            "or this NATS user may not read it)",
+        ]
     lines = ["", f"endpoints (scraper reports in {report.load_bucket}):"]
     if not report.endpoints:
         return [*lines, "  none reported yet"]

@@ -296,7 +296,7 @@ async def test_endpoints_show_the_scrapers_reports_with_each_engines_dialect(
         return run(build_parser().parse_args(["state", "--config", str(config_file), *argv]))
 
     assert await asyncio.to_thread(state) == 0
-    assert "endpoints: no load bucket (start `llmgw scraper`, or `llmgw up`)" in (
+    assert "endpoints: no load bucket read (none yet: start `llmgw scraper`" in (
         capsys.readouterr().out
     )
     load_kv = await open_load_bucket(nats_client, config)
