@@ -25,6 +25,18 @@ def _config_arg(parser: argparse.ArgumentParser, *, required: bool = False) -> N
     )
 
 
+def _port_offset_arg(parser: argparse.ArgumentParser) -> None:
+    """For the tools that dial the cluster: find one `llmgw up --port-offset N` started."""
+    parser.add_argument(
+        "--port-offset",
+        type=int,
+        default=0,
+        metavar="N",
+        help="the cluster was started with `llmgw up --port-offset N`: its embedded NATS port "
+        "is nats.embedded_port + N",
+    )
+
+
 def _sim_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--config", "-c", default=None, help="take the endpoint's `simulate` block from this config"
@@ -150,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     state = sub.add_parser("state", help="pins, leases and capacity use, read from the live bucket")
     _config_arg(state)
+    _port_offset_arg(state)
     state.add_argument("--json", action="store_true", help="machine-readable output")
     state.add_argument("--pins", action="store_true", help="also list every pin")
     state.add_argument(
@@ -164,12 +177,14 @@ def build_parser() -> argparse.ArgumentParser:
         "keys", help="API keys in the live key bucket: create, list, show, update, revoke, seed"
     )
     _config_arg(keys)
+    _port_offset_arg(keys)
     from llmgw.services.keys.options import add_keys_arguments  # argparse only
 
     add_keys_arguments(keys)
     keys.set_defaults(target="llmgw.services.keys.main:run")
     events = sub.add_parser("events", help="print the events kept in the events stream")
     _config_arg(events)
+    _port_offset_arg(events)
     events.add_argument(
         "--since", default=None, help="only events from this long ago (10m, 1h); default: all kept"
     )
@@ -203,6 +218,15 @@ def build_parser() -> argparse.ArgumentParser:
     sim_sub = sim.add_subparsers(dest="sim_command", required=True, metavar="KIND")
     engine = sim_sub.add_parser("engine", help="a vLLM-like engine (batching, KV and prefix cache)")
     _sim_args(engine)
+    from llmgw.services.sim.params import METRICS_DIALECTS  # pydantic only, no server
+
+    engine.add_argument(
+        "--metrics-dialect",
+        choices=METRICS_DIALECTS,
+        default=None,
+        help="whose metric names GET /metrics speaks (default vllm, or the endpoint's "
+        "simulate block); same as --set metrics_dialect=...",
+    )
     engine.set_defaults(target="llmgw.services.sim.main:run_engine")
     provider = sim_sub.add_parser(
         "provider", help="a third-party-API-like server (drifting rate, 429s)"

@@ -7,7 +7,7 @@ values (`--helm`, deploy/kubernetes/nats-values.yaml) and docs/keys.md ("NATS pe
 come from it, and tests keep the checked-in files verbatim, so they cannot drift.
 
 Roles (`ROLES`): one per service (`edge`, `admission`, `reaper`, `scraper`) and one per
-operator tool (`keys`: the only writer of the key bucket; `state`: reads the routing bucket;
+operator tool (`keys`: the only writer of the key bucket; `state`: reads the routing and load buckets;
 `events`: reads the events stream, and the public subjects, events and request stats, live).
 A service connects as its role with `nats.user` and `nats.password` (LLMGW_NATS__USER /
 LLMGW_NATS__PASSWORD).
@@ -176,7 +176,13 @@ def role_permissions(config: Config) -> dict[str, Permissions]:
         "keys": Permissions(publish=(*_own_bucket(keys),), subscribe=(INBOX, KEYS_USAGE_SUBJECT)),
         "state": Permissions(
             # $JS.API.INFO: account usage (read only); `llmgw up` probes readiness with it.
-            publish=(ADMISSION_STATE_SUBJECT, f"{_API}.INFO", *_read_bucket(routing)),
+            # Reads the load bucket too: each endpoint's latest scraper report (its dialect).
+            publish=(
+                ADMISSION_STATE_SUBJECT,
+                f"{_API}.INFO",
+                *_read_bucket(routing),
+                *_read_bucket(load),
+            ),
             subscribe=(INBOX,),
         ),
         "events": Permissions(

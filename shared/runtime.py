@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import gc
 import os
@@ -32,6 +33,21 @@ def load_or_exit(path: str) -> Config:
     except ConfigError as exc:
         print(str(exc), file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def load_tool_config(args: argparse.Namespace) -> Config:
+    """The config of a command-line tool that dials the cluster (`llmgw state`, `keys`,
+    `events`), or exit 2. With ``--port-offset N`` an embedded config's NATS port moves by N, as
+    `llmgw up --port-offset N` moved it for the cluster it started (the same rule as
+    `llmgw.services.up.offset.shift_ports`: only `nats.url: embedded` on a fixed port moves; an
+    explicit `nats.url` is used as it is)."""
+    config = load_or_exit(args.config)
+    offset = int(getattr(args, "port_offset", None) or 0)
+    nats = config.nats
+    if offset and nats.is_embedded and nats.embedded_port != 0:
+        moved = nats.model_copy(update={"embedded_port": nats.embedded_port + offset})
+        config = config.model_copy(update={"nats": moved})
+    return config
 
 
 def require_nats_server(config: Config, service: str) -> None:

@@ -26,7 +26,7 @@ from llmgw import natsconn
 from llmgw.config.durations import parse_duration
 from llmgw.event_stream import StoredEvent, read_events
 from llmgw.events import EVENTS_SUBJECT_PREFIX
-from llmgw.runtime import load_or_exit
+from llmgw.runtime import load_tool_config
 
 __all__ = ["format_event", "run"]
 
@@ -44,7 +44,7 @@ def format_event(event: StoredEvent, as_json: bool) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    config = load_or_exit(args.config)
+    config = load_tool_config(args)
     since = None
     if args.since is not None:
         try:

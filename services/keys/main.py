@@ -33,7 +33,7 @@ import yaml
 from llmgw import natsconn
 from llmgw.config import Config, parse_duration
 from llmgw.core.apikeys import ApiKey, ApiKeyError, RateWindow, digest_of, new_secret
-from llmgw.runtime import load_or_exit
+from llmgw.runtime import load_tool_config
 from llmgw.state.apikeys import KeyBucket, KeyNotFound, open_key_bucket
 from llmgw.wire import KEYS_USAGE_SUBJECT, KeyUsage
 
@@ -41,7 +41,7 @@ __all__ = ["create_key", "key_from_spec", "run"]
 
 
 def run(args: argparse.Namespace) -> int:
-    config = load_or_exit(args.config)
+    config = load_tool_config(args)
     refusals = natsconn.Refusals()
     try:
         return asyncio.run(_run(config, args, refusals))

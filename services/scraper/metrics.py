@@ -1,7 +1,9 @@
 """The scraper's Prometheus metrics, in a registry of its own (never the global one).
 
 Per endpoint (label ``endpoint``): scrapes by result, scrape duration, scrape age, health,
-saturation, learned capacity and the engine's own running / waiting / KV usage. Per pool
+saturation, learned capacity, the engine's metrics dialect and how much of it it shows, and the
+engine's own running / waiting / KV usage (a gauge the engine does not report has no series).
+Per pool
 (labels ``provider``, ``pool``): saturation. Endpoints are a config-bounded set, so the labels
 stay low-cardinality.
 """
@@ -91,6 +93,14 @@ class ScraperMetrics:
             ["endpoint"],
             registry=r,
         )
+        self.engine_info = Gauge(
+            "llmgw_scraper_engine_info",
+            "1 for the metrics dialect (vllm, sglang, llamacpp, tgi; none: no load gauges) and "
+            "coverage (full, partial, none) of the endpoint's last successful /metrics read.",
+            ["endpoint", "dialect", "metrics"],
+            registry=r,
+        )
+        self._info: dict[str, tuple[str, str]] = {}
         self.pool_saturation = Gauge(
             "llmgw_scraper_pool_saturation",
             "Mean endpoint saturation of a provider's pool.",
@@ -128,10 +138,33 @@ class ScraperMetrics:
         self.capacity.labels(endpoint).set(report.capacity)
         if report.saturation is not None:
             self.saturation.labels(endpoint).set(report.saturation)
-        if report.sample is not None:  # the last reading stays; scrape age says how old it is
-            self.running.labels(endpoint).set(report.sample.running)
-            self.waiting.labels(endpoint).set(report.sample.waiting)
-            self.kv_usage.labels(endpoint).set(report.sample.kv_usage)
+        self._observe_info(report)
+        sample = report.sample
+        if sample is not None:  # the last reading stays; scrape age says how old it is
+            for gauge, value in (
+                (self.running, sample.running),
+                (self.waiting, sample.waiting),
+                (self.kv_usage, sample.kv_usage),
+            ):
+                if value is None:  # not reported by this engine: no series, not a stale one
+                    gauge.remove(endpoint)
+                else:
+                    gauge.labels(endpoint).set(value)
+
+    def _observe_info(self, report: EndpointReport) -> None:
+        """One ``llmgw_scraper_engine_info`` series per endpoint: its latest successful read (a
+        read that failed leaves the last one)."""
+        if report.metrics not in ("full", "partial", "none"):
+            return
+        dialect = report.sample.dialect.value if report.sample is not None else "none"
+        labels = (dialect, report.metrics)
+        previous = self._info.get(report.endpoint)
+        if previous == labels:
+            return
+        if previous is not None:
+            self.engine_info.remove(report.endpoint, *previous)
+        self.engine_info.labels(report.endpoint, *labels).set(1)
+        self._info[report.endpoint] = labels
 
     def observe_pool(self, report: PoolReport) -> None:
         self.pool_saturation.labels(report.provider, report.pool).set(report.saturation)
@@ -158,6 +191,7 @@ class _AgeCollector:
     def _family() -> GaugeMetricFamily:
         return GaugeMetricFamily(
             "llmgw_scraper_scrape_age_seconds",
-            "Seconds since the endpoint's metrics were last read successfully (+Inf: never).",
+            "Seconds since the endpoint's /metrics was last read successfully, whatever it "
+            "held (all, some or none of the load gauges, or a 404); +Inf: never.",
             labels=["endpoint"],
         )

@@ -29,12 +29,14 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ERROR_TEXT_LIMIT",
+    "NO_METRICS_STATUSES",
     "Fetched",
     "ScrapeOutcome",
     "ScrapeTarget",
     "build_report",
     "classify",
     "engine_inflight",
+    "failed_report",
     "health_event_verb",
     "health_verdict",
     "known_capacities",
@@ -46,6 +48,9 @@ __all__ = [
 
 # Error texts travel in every report of a failing endpoint: keep them short.
 ERROR_TEXT_LIMIT = 300
+# Answers to GET /metrics that mean "this server has none": 404, and 501 (llama.cpp's
+# "This server does not support metrics endpoint. Start it with `--metrics`").
+NO_METRICS_STATUSES = frozenset({404, 501})
 
 
 class ScrapeOutcome(enum.StrEnum):
@@ -129,13 +134,13 @@ def read_sample(metrics: Fetched) -> tuple[EngineSample | None, str, str | None]
     """The engine's load from a ``/metrics`` answer: (sample, mode, error).
 
     mode "full" or "partial" (some gauges missing) with a sample; "none" without one (no
-    ``/metrics`` (404), or no load gauges in it: not an error, the gateway's own accounting
-    carries the endpoint); "error" when it could not be read (no answer, another status, a
-    malformed exposition).
+    ``/metrics``: 404, or llama.cpp's 501 when started without ``--metrics``; or no load gauges
+    in it: not an error, the gateway's own accounting carries the endpoint); "error" when it
+    could not be read (no answer, another status, a malformed exposition).
     """
     if metrics.status is None:
         return None, "error", _short(metrics.error or "no answer")
-    if metrics.status == 404:
+    if metrics.status in NO_METRICS_STATUSES:
         return None, "none", None
     if metrics.status != 200:
         return None, "error", f"HTTP {metrics.status}"
@@ -211,6 +216,33 @@ def build_report(
         scraper=scraper,
     )
     return report, load, classify(health, metrics, healthy=healthy, mode=mode)
+
+
+def failed_report(
+    target: ScrapeTarget,
+    health: Fetched,
+    load: EndpointLoad,
+    error: str,
+    *,
+    scraped_at: float,
+    now: float,
+    settings: SaturationSettings,
+    scraper: str,
+) -> tuple[EndpointReport, EndpointLoad, ScrapeOutcome]:
+    """The report of a scrape whose metrics the scraper itself failed to process (`build_report`
+    raised: a bug): as for metrics that could not be read. The endpoint's health is still its
+    ``/health`` verdict, and the metrics count as an error (no sample: the gateway's own
+    accounting), so a fault on this side never makes a healthy engine look saturated."""
+    return build_report(
+        target,
+        health,
+        Fetched(error=error),
+        load,
+        scraped_at=scraped_at,
+        now=now,
+        settings=settings,
+        scraper=scraper,
+    )
 
 
 def health_event_verb(previous: bool | None, healthy: bool) -> str | None:

@@ -14,7 +14,11 @@ wait for the slowest, at most ``timeout``). Per endpoint and round:
 After every endpoint: one `PoolReport` per (provider, pool) on `pool_event_subject`.
 
 Failures: an endpoint that cannot be scraped still gets its report (healthy False, or sample
-None; stale endpoints score at least 1.0): nothing is ever dropped. A bucket write or publish
+None; stale endpoints score at least 1.0): nothing is ever dropped. Metrics that cannot be read
+(an HTTP error, a timeout, a malformed exposition, or a fault in the scraper's own processing of
+them) are a report with ``metrics: error`` and no sample: counted under ``result=
+"metrics_error"``, logged when the outcome changes, and scored on the gateway's own accounting
+(never as saturated) while ``/health`` says the engine is healthy. A bucket write or publish
 that fails is counted (``llmgw_scraper_publish_failures_total``) and logged once per outage; it
 never stops the loop. Rounds run at a fixed rate (``interval`` from one start to the next); a
 round that overruns starts the next one at once, without bursts to catch up.
@@ -45,6 +49,7 @@ from llmgw.services.scraper.reports import (
     ScrapeOutcome,
     ScrapeTarget,
     build_report,
+    failed_report,
     health_event_verb,
     pool_reports,
 )
@@ -129,6 +134,7 @@ class Scraper:
         self._clock = clock
         self._timer = timer
         self._loads: dict[str, EndpointLoad] = {}
+        self._read_at: dict[str, float] = {}  # when each endpoint's /metrics was last read
         self._healthy: dict[str, bool] = {}
         self._outcomes: dict[str, ScrapeOutcome] = {}
         self._failing: set[str] = set()  # publish kinds in an outage (logged once each)
@@ -145,11 +151,12 @@ class Scraper:
         return self._loads.get(endpoint, EndpointLoad(self._floors.get(endpoint, 0)))
 
     def scrape_ages(self) -> Iterable[tuple[str, float | None]]:
-        """Seconds since each endpoint's metrics were last read (None: never)."""
+        """Seconds since each endpoint's ``/metrics`` was last read successfully, whatever it
+        held (all, some or none of the load gauges, or a 404); None: never."""
         now = self._clock()
         for target in self.targets:
-            sampled_at = self.load(target.endpoint).sampled_at
-            yield target.endpoint, None if sampled_at is None else max(0.0, now - sampled_at)
+            read_at = self._read_at.get(target.endpoint)
+            yield target.endpoint, None if read_at is None else max(0.0, now - read_at)
 
     def health_problem(self) -> str | None:
         """Why the loop is not keeping up (None when it is): for the admin port's /health."""
@@ -262,21 +269,35 @@ class Scraper:
             self._get(target.url + "/health"), self._get(target.url + "/metrics")
         )
         duration = self._timer() - started
-        report, load, outcome = build_report(
-            target,
-            health,
-            metrics,
-            self.load(target.endpoint),
-            scraped_at=scraped_at,
-            now=self._clock(),
-            settings=self.settings,
-            scraper=self.instance,
-        )
+        context = {
+            "scraped_at": scraped_at,
+            "now": self._clock(),
+            "settings": self.settings,
+            "scraper": self.instance,
+        }
+        try:
+            report, load, outcome = build_report(
+                target, health, metrics, self.load(target.endpoint), **context
+            )
+        except Exception as exc:  # a bug here must not leave a healthy engine unreported
+            _log.exception("reading the scrape of %s failed", target.endpoint)
+            report, load, outcome = failed_report(
+                target,
+                health,
+                self.load(target.endpoint),
+                f"scraper error: {type(exc).__name__}: {exc}",
+                **context,
+            )
         self._loads[target.endpoint] = load
+        if report.metrics in ("full", "partial", "none"):  # /metrics answered and was read
+            self._read_at[target.endpoint] = scraped_at
         previous = self._healthy.get(target.endpoint)
         self._healthy[target.endpoint] = report.healthy
-        self.metrics.observe_scrape(report, outcome, duration)
-        self._log_outcome(report, outcome)
+        try:  # accounting only: a fault here must not keep the report from being published
+            self.metrics.observe_scrape(report, outcome, duration)
+            self._log_outcome(report, outcome)
+        except Exception:
+            _log.exception("recording the scrape of %s failed", target.endpoint)
         await self._publish(report, health_event_verb(previous, report.healthy))
         return report
 

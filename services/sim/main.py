@@ -2,7 +2,7 @@
 
 Parameters come from, in increasing precedence: the kind's defaults, the ``simulate`` block of
 ``--endpoint`` in ``--config`` (with the endpoint url's host/port and model names), then
-``--host/--port/--model/--seed`` and ``--set key=value``.
+``--set key=value``, then ``--host/--port/--model/--seed`` and (engines) ``--metrics-dialect``.
 """
 
 from __future__ import annotations
@@ -66,7 +66,9 @@ def resolve_settings(args: argparse.Namespace, kind: str) -> SimSettings:
         if config_path is None or endpoint_id is None:
             raise UsageError("--config and --endpoint go together")
         params, host, port, models = _from_config(config_path, endpoint_id, kind, params)
-    extra = {} if getattr(args, "seed", None) is None else {"seed": args.seed}
+    extra: dict[str, object] = {} if getattr(args, "seed", None) is None else {"seed": args.seed}
+    if getattr(args, "metrics_dialect", None) is not None:
+        extra["metrics_dialect"] = args.metrics_dialect
     try:
         params = apply_overrides(params, getattr(args, "set", None) or [], extra)
     except ValueError as exc:

@@ -11,17 +11,19 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
-from typing import Annotated, Any, Literal, Self, TypeVar
+from typing import Annotated, Any, Literal, Self, TypeVar, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from llmgw.config.durations import Duration
 
 __all__ = [
+    "METRICS_DIALECTS",
     "DriftPoint",
     "Duration",
     "EngineParams",
     "FaultKnobs",
+    "MetricsDialect",
     "ProviderParams",
     "apply_overrides",
 ]
@@ -86,8 +88,13 @@ class _GenerationParams(FaultKnobs):
         return self
 
 
+MetricsDialect = Literal["vllm", "vllm-legacy", "sglang", "llamacpp", "tgi", "partial"]
+METRICS_DIALECTS: tuple[str, ...] = get_args(MetricsDialect)
+
+
 class EngineParams(_GenerationParams):
-    """A vLLM-like engine: continuous batching, a paged KV cache with prefix caching, vLLM metrics.
+    """A vLLM-like engine: continuous batching, a paged KV cache with prefix caching, and the
+    Prometheus metrics of the engine named by `metrics_dialect` (vLLM's by default).
 
     Timing: TTFT = queue wait + prefill_base + prefill_per_token * uncached prompt tokens;
     inter-token latency = itl_base + itl_per_running_seq * running sequences.
@@ -98,6 +105,12 @@ class EngineParams(_GenerationParams):
     """vLLM's ``--scheduling-policy``: the order of the waiting queue. ``fcfs``: arrival order, and
     a request with a non-zero ``priority`` is refused with 400; ``priority``: by the request's
     ``priority`` (lower first, default 0), then arrival."""
+    metrics_dialect: MetricsDialect = "vllm"
+    """Whose metric names ``GET /metrics`` speaks: ``vllm`` (current vLLM), ``vllm-legacy``
+    (vLLM's V0 engine: ``gpu_cache_usage_perc``, ``num_requests_swapped``), ``sglang``,
+    ``llamacpp`` (llama-server with ``--metrics``: no KV gauge), ``tgi`` (no KV gauge), or
+    ``partial`` (vLLM's running and waiting only). The values always come from the model's
+    own batch, queue and KV cache."""
     max_num_seqs: int = Field(default=64, ge=1)
     num_gpu_blocks: int = Field(default=4096, ge=1)
     block_size: int = Field(default=16, ge=1)

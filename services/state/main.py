@@ -1,9 +1,12 @@
 """`llmgw state`: pins, leases and capacity use, from the live routing bucket and the admission
 instances (leases live in the instances that hold them; each answers a state request).
 
-Read-only: it binds the configured bucket (never creates it) and lists it. With the local config
-(`nats.url: embedded`) it reaches the server `llmgw up` started with that config on this machine
-(`nats.embedded_port`); elsewhere it uses `nats.url` (or LLMGW_NATS__URL).
+Read-only: it binds the configured buckets (never creates them) and lists them: the routing
+bucket, and the load bucket for each managed endpoint's latest scraper report (health, metrics
+dialect, load). With the local config (`nats.url: embedded`) it reaches the server `llmgw up`
+started with that config on this machine (`nats.embedded_port`, moved by `--port-offset N` for a
+cluster started with `llmgw up --port-offset N`); elsewhere it uses `nats.url` (or
+LLMGW_NATS__URL).
 
 Exit codes: 0 printed; 1 NATS unreachable or no bucket; 2 config problem.
 """
@@ -25,7 +28,8 @@ from nats.js.errors import NotFoundError
 from llmgw import natsconn
 from llmgw.config import Config
 from llmgw.core.sessions import sessions_of_key
-from llmgw.runtime import load_or_exit
+from llmgw.load import REPORT_KEY_PREFIX, EndpointReport
+from llmgw.runtime import load_tool_config
 from llmgw.services.admission.service import limits_from_config
 from llmgw.services.state.report import StateReport, build_report, format_report, report_json
 from llmgw.state.nats_kv import NatsKV
@@ -33,6 +37,7 @@ from llmgw.state.store import RoutingStore
 from llmgw.wire import ADMISSION_STATE_SUBJECT, StateReply
 
 ANSWER_WINDOW = 0.5  # seconds the admission instances have to answer the state request
+LOAD_READ_TIMEOUT = 2.0  # seconds for the (optional) read of the load bucket
 
 __all__ = ["BucketMissing", "read_report", "run"]
 
@@ -42,7 +47,7 @@ class BucketMissing(LookupError):
 
 
 def run(args: argparse.Namespace) -> int:
-    config = load_or_exit(args.config)
+    config = load_tool_config(args)
     refusals = natsconn.Refusals()
     try:
         report = asyncio.run(_read(config, refusals))
@@ -96,6 +101,7 @@ async def read_report(nc: NATS, config: Config, *, now: float | None = None) -> 
         ) from None
     store = RoutingStore(NatsKV(js, pinning.bucket, direct=bool(info.config.allow_direct)))
     replies = await _ask_instances(nc)
+    load_bucket, endpoints = await _endpoint_reports(js, config)
     pins = await store.all_pins()
     books = await store.quota_books()
     members = await store.members()
@@ -113,7 +119,31 @@ async def read_report(nc: NATS, config: Config, *, now: float | None = None) -> 
         member_ttl=config.admission.member_ttl,
         lease_timeout=pinning.lease_timeout,
         pin_inactivity_timeout=pinning.pin_inactivity_timeout,
+        endpoints=endpoints,
+        load_bucket=load_bucket,
     )
+
+
+async def _endpoint_reports(js: Any, config: Config) -> tuple[str | None, list[EndpointReport]]:
+    """The scraper's latest report of each endpoint in the load bucket, best effort: (None, [])
+    when there is no such bucket (no scraper has run) or it cannot be read within
+    `LOAD_READ_TIMEOUT` (e.g. a NATS user without read access to it); reports that do not parse
+    are skipped. The routing bucket's state is printed either way."""
+    name = config.router.load_bucket
+    try:
+        async with asyncio.timeout(LOAD_READ_TIMEOUT):
+            info = await js.stream_info(f"KV_{name}")
+            kv = NatsKV(js, name, direct=bool(info.config.allow_direct))
+            entries = await kv.list(REPORT_KEY_PREFIX)
+    except (NotFoundError, TimeoutError, nats.errors.Error):
+        return None, []
+    reports = []
+    for entry in entries:
+        try:
+            reports.append(EndpointReport.model_validate_json(entry.value))
+        except ValueError:
+            continue
+    return name, reports
 
 
 async def _ask_instances(nc: NATS) -> list[StateReply]:

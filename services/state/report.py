@@ -1,8 +1,9 @@
 """What `llmgw state` shows (pure: no I/O), from one read of the routing bucket and the answers
 of the live admission instances.
 
-Input: the stored pins, the quota books, the member and shard keys, and each admission
-instance's `StateReply` (its live leases and pins per pair and its quota). Leases live only in
+Input: the stored pins, the quota books, the member and shard keys, each admission instance's
+`StateReply` (its live leases and pins per pair and its quota), and the scraper's latest report
+of each managed endpoint (its load bucket): health, the engine's metrics dialect and load. Leases live only in
 the instances that hold them (docs/adr/0002-*), so the lease counts are theirs: an instance that
 did not answer is listed as silent and its leases are missing from the totals. A snapshot of a
 moving system, not a transaction.
@@ -18,9 +19,11 @@ from typing import Any
 from llmgw.config.durations import format_duration
 from llmgw.core.keys import MemberValue, PinValue, ShardValue
 from llmgw.core.quota import PairLimits, QuotaBook
+from llmgw.load import EndpointReport
 from llmgw.wire import StateReply
 
 __all__ = [
+    "EndpointState",
     "InstanceReport",
     "PairReport",
     "PinReport",
@@ -74,6 +77,28 @@ class InstanceReport:
 
 
 @dataclass(frozen=True, slots=True)
+class EndpointState:
+    """A managed endpoint by the scraper's latest report. ``dialect`` is the engine's metrics
+    dialect (vllm, sglang, llamacpp, tgi; None: no load gauges, or unreadable), ``metrics``
+    how much of it it shows (full, partial, none, error); a gauge it does not report is None."""
+
+    endpoint: str
+    provider: str
+    pool: str
+    healthy: bool
+    dialect: str | None
+    metrics: str | None
+    running: int | None
+    waiting: int | None
+    kv_usage: float | None
+    capacity: int
+    saturation: float | None
+    age: float  # seconds since the scrape the report is of
+    scraper: str
+    metrics_error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class StateReport:
     bucket: str
     at: float
@@ -85,6 +110,8 @@ class StateReport:
     instances: tuple[InstanceReport, ...]
     pins: tuple[PinReport, ...]
     leases_by_kind: Mapping[str, int] = field(default_factory=dict)
+    endpoints: tuple[EndpointState, ...] = ()
+    load_bucket: str | None = None  # None: not read (no such bucket)
 
 
 def build_report(
@@ -101,6 +128,8 @@ def build_report(
     member_ttl: float,
     lease_timeout: float,
     pin_inactivity_timeout: float,
+    endpoints: Iterable[EndpointReport] = (),
+    load_bucket: str | None = None,
 ) -> StateReport:
     pairs: dict[tuple[str, str], dict[str, Any]] = {pm: {} for pm in limits}
     pin_reports = []
@@ -197,6 +226,28 @@ def build_report(
         tuple(sorted(instances, key=lambda i: i.instance)),
         tuple(pin_reports),
         kinds,
+        tuple(_endpoint_state(r, now) for r in sorted(endpoints, key=lambda r: r.endpoint)),
+        load_bucket,
+    )
+
+
+def _endpoint_state(report: EndpointReport, now: float) -> EndpointState:
+    sample = report.sample
+    return EndpointState(
+        endpoint=report.endpoint,
+        provider=report.provider,
+        pool=report.pool,
+        healthy=report.healthy,
+        dialect=sample.dialect.value if sample is not None else None,
+        metrics=report.metrics,
+        running=sample.running if sample is not None else None,
+        waiting=sample.waiting if sample is not None else None,
+        kv_usage=sample.kv_usage if sample is not None else None,
+        capacity=report.capacity,
+        saturation=report.saturation,
+        age=max(0.0, now - report.scraped_at),
+        scraper=report.scraper,
+        metrics_error=report.metrics_error,
     )
 
 
@@ -267,6 +318,7 @@ def format_report(report: StateReport, *, with_pins: bool) -> str:
         )
     else:
         lines.append("  none (start `llmgw admission`, or `llmgw up`)")
+    lines += _endpoint_lines(report)
     if with_pins:
         lines += ["", f"pins ({len(report.pins)}):"]
     if with_pins and report.pins:
@@ -285,3 +337,51 @@ def format_report(report: StateReport, *, with_pins: bool) -> str:
             ],
         )
     return "\n".join(lines)
+
+
+def _maybe(value: float | None, fmt: str = "{}") -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def _endpoint_lines(report: StateReport) -> list[str]:
+    """Each managed endpoint by the scraper's latest report (dialect "-": no load gauges)."""
+    if report.load_bucket is None:
+        return [
+            "",
+            "endpoints: no load bucket read (none yet: start `llmgw scraper`, or `llmgw up`; "
+            "or this NATS user may not read it)",
+        ]
+    lines = ["", f"endpoints (scraper reports in {report.load_bucket}):"]
+    if not report.endpoints:
+        return [*lines, "  none reported yet"]
+    return lines + _table(
+        [
+            "endpoint",
+            "provider",
+            "healthy",
+            "dialect",
+            "metrics",
+            "running",
+            "waiting",
+            "kv",
+            "capacity",
+            "saturation",
+            "age",
+        ],
+        [
+            [
+                e.endpoint,
+                e.provider,
+                "yes" if e.healthy else "no",
+                e.dialect or "-",
+                e.metrics or "-",
+                _maybe(e.running),
+                _maybe(e.waiting),
+                _maybe(e.kv_usage, "{:.0%}"),
+                str(e.capacity),
+                _maybe(e.saturation, "{:.2f}"),
+                f"{e.age:.1f}s",
+            ]
+            for e in report.endpoints
+        ],
+    )

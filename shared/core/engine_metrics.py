@@ -3,17 +3,31 @@
 Pure: takes the body of an engine's ``/metrics`` response as text and returns an `EngineSample`.
 Fetching it is the scraper's job.
 
-Two dialects are understood, told apart by metric names:
+Four dialects are understood, told apart by metric names (each is what that engine's own source
+registers; the versions are where the names were read):
 
-- vLLM: ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``
-  (older engines: ``vllm:gpu_cache_usage_perc``), optionally ``vllm:cache_config_info`` whose
-  ``block_size`` and ``num_gpu_blocks`` labels describe the KV cache;
-- SGLang: ``sglang:num_running_reqs``, ``sglang:num_queue_reqs``, ``sglang:token_usage``.
+- vLLM (``vllm/v1/metrics/loggers.py``): ``vllm:num_requests_running``,
+  ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``, optionally
+  ``vllm:cache_config_info`` whose ``block_size`` and ``num_gpu_blocks`` labels describe the KV
+  cache. Older vLLM (the V0 engine, ``vllm/engine/metrics.py``, and V1 before its KV gauge was
+  renamed) calls KV usage ``vllm:gpu_cache_usage_perc``, and V0 also exposes
+  ``vllm:num_requests_swapped``: requests preempted to CPU memory, which wait to run again and
+  are counted as waiting;
+- SGLang (``python/sglang/srt/metrics/collector.py``): ``sglang:num_running_reqs``,
+  ``sglang:num_queue_reqs``, ``sglang:token_usage`` (the fraction of KV token slots in use);
+- llama.cpp's ``llama-server`` (``tools/server``, formerly ``examples/server``, with
+  ``--metrics``): ``llamacpp:requests_processing`` (busy slots), ``llamacpp:requests_deferred``
+  (tasks waiting for a slot); builds of 2024 also had ``llamacpp:kv_cache_usage_ratio`` (used KV
+  cells / context size), later builds have no KV gauge;
+- Text Generation Inference (``router/src``): ``tgi_batch_current_size`` (requests in the running
+  batch), ``tgi_queue_size`` (requests waiting); TGI has no KV usage gauge, and, like any engine
+  exporting through Rust's ``metrics`` crate, exposes a gauge only once it has been set (a fresh
+  TGI may expose none yet).
 
 Engines expose all of these, some, or none: a gauge that is missing is None in the sample, and
 an exposition without any is no sample at all (the gateway then counts that engine's load
-itself). When both dialects are present, the one with more gauges wins, vLLM on a tie (it is the
-contract our simulator speaks).
+itself). When several dialects are present, the one with more gauges wins, in the order above on
+a tie (vLLM first: it is the contract our simulator speaks by default).
 
 Aggregation over label sets (one engine may label series by model name, or by data-parallel rank):
 request counts are summed; KV usage, a fraction of one cache, takes the maximum, because summing
@@ -59,8 +73,12 @@ class MetricsFormatError(ValueError):
 
 
 class EngineDialect(enum.StrEnum):
+    """The engine family whose metric names an exposition uses (the ``dialect`` label)."""
+
     VLLM = "vllm"
     SGLANG = "sglang"
+    LLAMACPP = "llamacpp"
+    TGI = "tgi"
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,8 +138,9 @@ class _Dialect:
     dialect: EngineDialect
     running: str
     waiting: str
-    kv_usage: tuple[str, ...]  # first present name wins
-    cache_info: str | None
+    kv_usage: tuple[str, ...]  # first present name wins; () when the engine has none
+    cache_info: str | None = None
+    also_waiting: tuple[str, ...] = ()  # added to waiting when present
 
 
 _DIALECTS = (
@@ -131,13 +150,25 @@ _DIALECTS = (
         waiting="vllm:num_requests_waiting",
         kv_usage=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
         cache_info="vllm:cache_config_info",
+        also_waiting=("vllm:num_requests_swapped",),
     ),
     _Dialect(
         EngineDialect.SGLANG,
         running="sglang:num_running_reqs",
         waiting="sglang:num_queue_reqs",
         kv_usage=("sglang:token_usage",),
-        cache_info=None,
+    ),
+    _Dialect(
+        EngineDialect.LLAMACPP,
+        running="llamacpp:requests_processing",
+        waiting="llamacpp:requests_deferred",
+        kv_usage=("llamacpp:kv_cache_usage_ratio",),
+    ),
+    _Dialect(
+        EngineDialect.TGI,
+        running="tgi_batch_current_size",
+        waiting="tgi_queue_size",
+        kv_usage=(),
     ),
 )
 
@@ -146,9 +177,9 @@ def parse_engine_metrics(text: str) -> EngineSample | None:
     """Read running, waiting and KV usage of one engine from its ``/metrics`` text.
 
     Engines expose all, some or none of these: the dialect with the most of them present wins
-    (vLLM on a tie), and what it lacks is None in the sample. None when the exposition has no
-    load gauge of either dialect (an OpenAI-compatible server without engine metrics): the
-    gateway then runs that endpoint on its own accounting. Raises `MetricsFormatError` when the
+    (the first in the module's list on a tie), and what it lacks is None in the sample. None
+    when the exposition has no load gauge of any dialect (an OpenAI-compatible server without
+    engine metrics): the gateway then runs that endpoint on its own accounting. Raises `MetricsFormatError` when the
     text is malformed or a value is out of range.
     """
     by_name: dict[str, list[Series]] = {}
@@ -208,10 +239,19 @@ def _sample(dialect: _Dialect, by_name: Mapping[str, list[Series]]) -> EngineSam
     return EngineSample(
         dialect=dialect.dialect,
         running=_count(by_name, dialect.running) if dialect.running in by_name else None,
-        waiting=_count(by_name, dialect.waiting) if dialect.waiting in by_name else None,
+        waiting=_waiting(dialect, by_name),
         kv_usage=usage,
         block_size=block_size,
         num_gpu_blocks=num_gpu_blocks,
+    )
+
+
+def _waiting(dialect: _Dialect, by_name: Mapping[str, list[Series]]) -> int | None:
+    """The waiting gauge, plus the gauges that also wait (only when the gauge itself is there)."""
+    if dialect.waiting not in by_name:
+        return None
+    return _count(by_name, dialect.waiting) + sum(
+        _count(by_name, name) for name in dialect.also_waiting if name in by_name
     )
 
 

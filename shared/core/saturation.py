@@ -24,15 +24,18 @@ Per endpoint:
 Engines that report only some of the gauges (no KV usage, no waiting count) or none (an
 OpenAI-compatible server without engine metrics) are scored on what there is: a missing gauge
 counts 0, and inflight against capacity carries the rest. Such an endpoint is never stale
-because of its metrics.
+because of its metrics. Neither is one whose metrics cannot be read (a timeout, an HTTP error, a
+malformed exposition) while it is reported on: a report without a sample drops the reading held
+(`update`), so from that report on the endpoint is scored as one without engine metrics, on the
+gateway's own accounting against its capacity (learned capacity is kept), never as saturated.
 
 Staleness: an endpoint with no report at all for ``stale_after`` (the scraper is not reaching it,
 or not running) is scored down, never dropped (if the whole pool went stale there would be
 nowhere left to send anything). It counts as saturated: max(`STALE_SATURATION`, what its last
 reading and current inflight give). With 1.0 the bands whose ceiling is below 1 wait, a band
 with a ceiling above 1 still flows, and staleness never makes an endpoint look better than its
-last reading. An endpoint that is reported on but whose metrics stopped being readable does not
-keep an old reading: a sample older than ``stale_after`` is then not used (its gauges count 0).
+last reading. Staleness is about reports, not metrics: it means nobody is watching the
+endpoint, not that the engine's metrics are missing.
 
 Pool saturation is the mean over the pool's endpoints (as the Gateway API Inference Extension
 does): the scheduler routes around a single hot endpoint, so one busy endpoint should not hold
@@ -109,14 +112,19 @@ class EndpointLoad:
 def update(load: EndpointLoad, sample: EngineSample | None, now: float) -> EndpointLoad:
     """The load after a report made at ``now`` (with the engine's sample, if it had one).
 
-    A report older than the one held (a late scrape reply) still teaches capacity, since the
-    running count it saw was real, but does not replace the newer sample.
+    A report older than the latest one (a late scrape reply, another scraper's) still teaches
+    capacity, since the running count it saw was real, but changes nothing else. A report
+    without a sample (no load gauges, or metrics that could not be read) drops the sample held:
+    the engine's last reading is no evidence of its load now, and the endpoint falls back to the
+    gateway's own accounting. Capacity is kept.
     """
     running = sample.running if sample is not None and sample.running is not None else 0
     capacity = max(load.capacity, running)
-    reported_at = now if load.reported_at is None else max(load.reported_at, now)
-    if sample is None or (load.sampled_at is not None and now < load.sampled_at):
-        return EndpointLoad(capacity, load.sample, load.sampled_at, reported_at)
+    if load.reported_at is not None and now < load.reported_at:
+        return EndpointLoad(capacity, load.sample, load.sampled_at, load.reported_at)
+    reported_at = now
+    if sample is None:
+        return EndpointLoad(capacity, None, None, reported_at)
     return EndpointLoad(capacity, sample, now, reported_at)
 
 

@@ -22,6 +22,7 @@ from llmgw.services.scraper.reports import (
     ScrapeTarget,
     build_report,
     classify,
+    failed_report,
     health_event_verb,
     health_verdict,
     known_capacities,
@@ -99,9 +100,17 @@ def test_a_vllm_exposition_gives_the_engines_load() -> None:
         ),
         (Fetched(error="no answer within 1s", timed_out=True), "error", "no answer within 1s"),
         (Fetched(status=404, body="not found"), "none", None),  # no /metrics: not an error
+        (Fetched(status=501, body="Start it with `--metrics`"), "none", None),  # llama.cpp
         (Fetched(status=200, body="up 1\n"), "none", None),  # no load gauges: not an error
     ],
-    ids=["http-error", "malformed", "timeout", "no-metrics-route", "not-an-engine"],
+    ids=[
+        "http-error",
+        "malformed",
+        "timeout",
+        "no-metrics-route",
+        "llamacpp-without-metrics",
+        "not-an-engine",
+    ],
 )
 def test_metrics_without_a_sample_say_why(metrics: Fetched, mode: str, error_part) -> None:
     sample, got_mode, error = read_sample(metrics)
@@ -177,20 +186,41 @@ def test_saturation_is_the_worse_of_queue_and_kv() -> None:
     assert report.saturation == pytest.approx(0.9)  # kv 0.72 / 0.8 beats queue 1 / 4
 
 
-def test_failed_metrics_keep_the_last_sample_in_the_load_but_not_in_the_report() -> None:
-    _, load, _ = report_at(EndpointLoad(), vllm_metrics(3, 0, 0.1), 100.0)
+def test_failed_metrics_drop_the_last_reading_but_keep_the_capacity() -> None:
+    """A metrics read that fails is no evidence of load: the endpoint answered, so it is
+    reported fresh, on the gateway's own accounting, never as saturated."""
+    _, load, _ = report_at(EndpointLoad(), vllm_metrics(3, 5, 0.95), 100.0)
+    assert load.sample is not None
     report, after, outcome = report_at(load, Fetched(status=500), 105.0)
     assert outcome is ScrapeOutcome.METRICS_ERROR
     assert report.sample is None and report.metrics_error == "HTTP 500"
-    # Capacity and the last reading survive; the endpoint answered, so it is reported fresh.
-    assert (after.capacity, after.sample, after.sampled_at) == (
-        load.capacity,
-        load.sample,
-        load.sampled_at,
+    assert report.healthy and report.metrics == "error"
+    assert (after.capacity, after.sample, after.sampled_at, after.reported_at) == (
+        3,
+        None,
+        None,
+        105.0,
     )
-    assert after.reported_at == 105.0
     assert report.capacity == 3
-    assert report.saturation is not None and report.saturation < 1  # 5 s old: still fresh
+    assert report.saturation == 0.0  # not the last reading's 0.95 / 0.8
+
+
+def test_a_fault_in_reading_a_scrape_reports_a_metrics_error_not_saturation() -> None:
+    _, load, _ = report_at(EndpointLoad(), vllm_metrics(3, 5, 0.95), 100.0)
+    report, after, outcome = failed_report(
+        TARGET,
+        OK_HEALTH,
+        load,
+        "scraper error: KeyError: 'x'",
+        scraped_at=105.0,
+        now=105.0,
+        settings=SETTINGS,
+        scraper="s1",
+    )
+    assert outcome is ScrapeOutcome.METRICS_ERROR
+    assert report.healthy and report.metrics == "error" and report.sample is None
+    assert report.metrics_error == "scraper error: KeyError: 'x'"
+    assert report.saturation == 0.0 and after.capacity == 3 and after.reported_at == 105.0
 
 
 def test_an_endpoint_unread_for_stale_after_scores_saturated_but_is_still_reported() -> None:

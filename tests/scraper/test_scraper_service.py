@@ -33,7 +33,7 @@ from llmgw.services.scraper.service import Scraper, new_http_client
 from llmgw.serving import RunningServer, free_port, start_server
 from llmgw.state import NatsKV, open_routing_bucket
 
-StartStatic = Callable[[str], Awaitable[RunningServer]]
+StartStatic = Callable[..., Awaitable[RunningServer]]
 
 
 def make_config(nats_url: str, bucket: str, provider: str, endpoints: dict[str, str]) -> Config:
@@ -54,12 +54,13 @@ async def stored_report(kv: NatsKV, endpoint: str) -> EndpointReport:
 
 @pytest_asyncio.fixture
 async def start_static() -> AsyncIterator[StartStatic]:
-    """Factory of fake engines: /health answers 200, /metrics answers the given text."""
+    """Factory of fake engines: /health answers 200, /metrics answers the given text (with the
+    given status, 200 unless told)."""
     servers: list[RunningServer] = []
 
-    async def start(metrics_text: str) -> RunningServer:
+    async def start(metrics_text: str, status: int = 200) -> RunningServer:
         async def metrics(request: Request) -> PlainTextResponse:
-            return PlainTextResponse(metrics_text)
+            return PlainTextResponse(metrics_text, status_code=status)
 
         async def health(request: Request) -> PlainTextResponse:
             return PlainTextResponse("ok")
@@ -205,6 +206,143 @@ async def test_malformed_metrics_are_a_metrics_error_and_sglang_metrics_are_read
 
     assert scrapes("garbled", "metrics_error") >= 1 and scrapes("garbled", "ok") == 0
     assert scrapes("sglang", "ok") >= 1 and scrapes("sglang", "metrics_error") == 0
+
+
+PARTIAL = (
+    'vllm:num_requests_running{model_name="m1"} 2\nvllm:num_requests_waiting{model_name="m1"} 1\n'
+)
+
+
+async def test_metrics_without_kv_usage_are_reported_every_round_and_never_raise(
+    nats_url: str,
+    load_bucket: str,
+    unique_id: str,
+    nats_client: NatsClient,
+    start_static: StartStatic,
+    events: EventLog,
+) -> None:
+    """A vLLM-like engine without ``vllm:kv_cache_usage_perc``: its reports keep coming, fresh,
+    partial, and its scraper metrics show what it reports and nothing it does not."""
+    partial = await start_static(PARTIAL)
+    config = make_config(nats_url, load_bucket, unique_id, {"partial": partial.url})
+    metrics = ScraperMetrics()
+    async with running_scraper(config, instance="scraper-one", metrics=metrics):
+        await events.wait_until(lambda log: len(log.reports("partial")) >= 3)
+    reports = events.reports("partial")
+    assert all(r.metrics == "partial" and r.metrics_error is None for r in reports)
+    first = reports[0]
+    assert first.sample is not None and first.sample.kv_usage is None
+    assert (first.sample.running, first.sample.waiting) == (2, 1)
+    kv = await open_load_bucket(nats_client, load_bucket)
+    assert (await stored_report(kv, "partial")).metrics == "partial"
+
+    def value(name: str, **labels: str) -> float | None:
+        return metrics.registry.get_sample_value(name, {"endpoint": "partial", **labels})
+
+    assert value("llmgw_scraper_scrapes_total", result="ok") >= 3
+    assert value("llmgw_scraper_engine_running") == 2
+    assert value("llmgw_scraper_engine_waiting") == 1
+    assert value("llmgw_scraper_engine_kv_usage") is None  # not reported: no series
+
+
+LLAMACPP = (
+    "# HELP llamacpp:requests_processing Number of requests processing.\n"
+    "# TYPE llamacpp:requests_processing gauge\nllamacpp:requests_processing 3\n"
+    "# HELP llamacpp:requests_deferred Number of requests deferred.\n"
+    "# TYPE llamacpp:requests_deferred gauge\nllamacpp:requests_deferred 1\n"
+)
+
+
+async def test_scrape_age_and_dialect_follow_the_last_successful_read_whatever_it_held(
+    nats_url: str,
+    load_bucket: str,
+    unique_id: str,
+    start_static: StartStatic,
+    events: EventLog,
+) -> None:
+    """Scrape age is the age of the last successful ``/metrics`` read, load gauges or not: an
+    endpoint that answers without engine metrics is fresh, one whose metrics fail is +Inf
+    (never read) though it is reported every round, healthy, and scored 0, not saturated."""
+    endpoints = {
+        "plain": await start_static("process_cpu_seconds_total 1.5\n"),
+        "no-route": await start_static("not found", status=404),
+        "failing": await start_static("oops", status=500),
+        "llama": await start_static(LLAMACPP),
+        "vllm": await start_static(PARTIAL),
+    }
+    config = make_config(
+        nats_url, load_bucket, unique_id, {name: s.url for name, s in endpoints.items()}
+    )
+    metrics = ScraperMetrics()
+    async with running_scraper(config, instance="scraper-one", metrics=metrics):
+        await events.wait_until(lambda log: all(len(log.reports(e)) >= 2 for e in endpoints))
+
+        def sample(name: str, **labels: str) -> float | None:
+            return metrics.registry.get_sample_value(name, labels)
+
+        for endpoint in ("plain", "no-route", "llama", "vllm"):
+            age = sample("llmgw_scraper_scrape_age_seconds", endpoint=endpoint)
+            assert age is not None and 0 <= age < 5, (endpoint, age)
+        assert sample("llmgw_scraper_scrape_age_seconds", endpoint="failing") == float("inf")
+
+    failing = events.reports("failing")[-1]
+    assert failing.healthy and failing.metrics == "error" and failing.saturation == 0.0
+    llama = events.reports("llama")[-1]
+    assert llama.sample is not None and llama.sample.dialect == "llamacpp"
+    assert (llama.sample.running, llama.sample.waiting, llama.metrics) == (3, 1, "partial")
+    assert llama.capacity == 3
+    info = {
+        endpoint: sorted(
+            (s.labels["dialect"], s.labels["metrics"])
+            for family in metrics.registry.collect()
+            if family.name == "llmgw_scraper_engine_info"
+            for s in family.samples
+            if s.labels["endpoint"] == endpoint and s.value == 1
+        )
+        for endpoint in endpoints
+    }
+    assert info == {
+        "plain": [("none", "none")],
+        "no-route": [("none", "none")],
+        "failing": [],
+        "llama": [("llamacpp", "partial")],
+        "vllm": [("vllm", "partial")],
+    }
+    assert sample("llmgw_scraper_scrapes_total", endpoint="failing", result="metrics_error") >= 2
+    assert sample("llmgw_scraper_scrapes_total", endpoint="plain", result="no_metrics") >= 2
+
+
+async def test_a_fault_in_the_scrapers_reading_still_publishes_a_healthy_report(
+    nats_url: str,
+    load_bucket: str,
+    unique_id: str,
+    start_static: StartStatic,
+    events: EventLog,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bug in turning one endpoint's answers into a report (simulated by making the pure
+    reader raise for it) is logged and reported as a metrics error: the endpoint stays
+    reported, healthy and unsaturated, and the other endpoints are unaffected."""
+    from llmgw.services.scraper import service
+
+    real = service.build_report
+
+    def faulty(target: ScrapeTarget, *args: object, **kwargs: object):  # type: ignore[no-untyped-def]
+        if target.endpoint == "unlucky":
+            raise KeyError("x")
+        return real(target, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(service, "build_report", faulty)
+    unlucky, fine = await start_static(PARTIAL), await start_static(PARTIAL)
+    config = make_config(
+        nats_url, load_bucket, unique_id, {"unlucky": unlucky.url, "fine": fine.url}
+    )
+    async with running_scraper(config, instance="scraper-one"):
+        report = await events.wait_for_report("unlucky", lambda r: True)
+        other = await events.wait_for_report("fine", lambda r: True)
+    assert report.healthy and report.metrics == "error" and report.saturation == 0.0
+    assert report.metrics_error == "scraper error: KeyError: 'x'"
+    assert other.metrics == "partial"
 
 
 async def test_two_scrapers_leave_consistent_reports_and_a_new_one_adopts_known_capacity(

@@ -222,7 +222,7 @@ async def test_queueing_beyond_max_num_seqs_shows_in_metrics_and_ttft(serve: Ser
     assert metric(text, "vllm:num_requests_running", model_name=MODEL) == 1
     assert metric(text, "vllm:num_requests_waiting", model_name=MODEL) == 1
     assert metric(text, "vllm:kv_cache_usage_perc", model_name=MODEL) > 0
-    assert metric(text, "vllm:gpu_cache_usage_perc", model_name=MODEL) > 0
+    assert "vllm:gpu_cache_usage_perc" not in text  # current vLLM's names (vllm-legacy has it)
     assert metric(text, "vllm:cache_config_info", block_size="16", num_gpu_blocks="4096") == 1
     generated_mid_run = metric(text, "vllm:generation_tokens_total", model_name=MODEL)
     ttft_first, ttft_second = await first, await second

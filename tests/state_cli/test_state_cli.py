@@ -19,13 +19,18 @@ from nats.aio.client import Client as NatsClient
 from nats.js.errors import NotFoundError
 from state_cli_helpers import IRIS, LOCAL_CONFIG, MODEL, REPO, TENSORX, session_id, write_config
 
-from llmgw.config import load_config
+from llmgw.cli import build_parser
+from llmgw.config import config_from_dict, load_config
 from llmgw.core.requests import Feature
 from llmgw.core.sessions import session_id as core_session_id
 from llmgw.core.shards import shard_of
+from llmgw.load import EndpointReport, LoadSample, report_key
+from llmgw.runtime import load_tool_config
 from llmgw.services.state.main import run
+from llmgw.services.up.offset import shift_ports
 from llmgw.serving import free_port
 from llmgw.state import open_routing_bucket
+from llmgw.state.setup import open_load_bucket
 from llmgw.wire import AdmitRequest, ReplyStatus
 
 
@@ -235,3 +240,100 @@ async def test_a_session_is_found_by_the_key_the_client_sent(
     assert [p["session"] for p in pins] == [
         core_session_id(Feature.CHAT, MODEL, {}, header_key="alice")
     ]
+
+
+async def test_a_cluster_started_with_a_port_offset_is_reached_with_the_same_offset(
+    tmp_path: Path,
+    nats_url: str,
+    bucket: str,
+    nats_client: NatsClient,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`llmgw up --port-offset N` moves the embedded NATS port by N; `llmgw state
+    --port-offset N` with the same config reads that server, and without it never does."""
+    offset = 1000
+    port = urlsplit(nats_url).port
+    assert port is not None and port - offset > 1024
+    config_file = write_config(tmp_path / "c.yaml", nats_url, bucket)
+    data = yaml.safe_load(config_file.read_text())
+    data["nats"] = {"url": "embedded", "embedded_port": port - offset, "connect_timeout": "1s"}
+    config_file.write_text(yaml.safe_dump(data))
+    await open_routing_bucket(nats_client.jetstream(), bucket)
+
+    def state(*argv: str) -> int:
+        return run(build_parser().parse_args(["state", "--config", str(config_file), *argv]))
+
+    assert await asyncio.to_thread(state, "--json", "--port-offset", str(offset)) == 0
+    assert json.loads(capsys.readouterr().out)["bucket"] == bucket
+    assert await asyncio.to_thread(state, "--json") == 1  # the unshifted port: not this cluster
+
+
+def test_tools_move_the_nats_port_as_llmgw_up_moves_it(tmp_path: Path) -> None:
+    """The tools' offset rule and `llmgw up`'s (services/up/offset.py) agree, for every tool
+    that dials the cluster."""
+    raw = yaml.safe_load(LOCAL_CONFIG.read_text())
+    moved = config_from_dict(shift_ports(raw, 1000), env={})
+    for tool, action in (("state", []), ("events", []), ("keys", ["list"])):
+        config = ["--config", str(LOCAL_CONFIG)]
+        args = build_parser().parse_args([tool, *config, "--port-offset", "1000", *action])
+        assert load_tool_config(args).nats == moved.nats, tool
+        unmoved = build_parser().parse_args([tool, *config, *action])
+        assert load_tool_config(unmoved).nats == load_config(LOCAL_CONFIG).nats
+
+
+async def test_endpoints_show_the_scrapers_reports_with_each_engines_dialect(
+    tmp_path: Path,
+    nats_url: str,
+    bucket: str,
+    nats_client: NatsClient,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    config_file = write_config(tmp_path / "c.yaml", nats_url, bucket)
+    config = load_config(config_file, env={})
+    await open_routing_bucket(nats_client.jetstream(), bucket)
+
+    def state(*argv: str) -> int:
+        return run(build_parser().parse_args(["state", "--config", str(config_file), *argv]))
+
+    assert await asyncio.to_thread(state) == 0
+    assert "endpoints: no load bucket read (none yet: start `llmgw scraper`" in (
+        capsys.readouterr().out
+    )
+    load_kv = await open_load_bucket(nats_client, config)
+    try:
+        now = time.time()
+        for endpoint, sample, metrics in (
+            ("engine-a", LoadSample(dialect="llamacpp", running=3, waiting=1), "partial"),
+            ("engine-b", None, "error"),
+        ):
+            report = EndpointReport(
+                endpoint=endpoint,
+                provider=IRIS,
+                pool="gpu",
+                models=(MODEL,),
+                healthy=True,
+                sample=sample,
+                metrics=metrics,
+                metrics_error="HTTP 500" if sample is None else None,
+                capacity=4,
+                saturation=0.0,
+                scraped_at=now - 1,
+                scraper="scraper-x",
+            )
+            await load_kv.put(report_key(endpoint), report.to_bytes())
+        assert await asyncio.to_thread(state, "--json") == 0
+        endpoints = {e["endpoint"]: e for e in json.loads(capsys.readouterr().out)["endpoints"]}
+        assert endpoints["engine-a"]["dialect"] == "llamacpp"
+        assert (endpoints["engine-a"]["running"], endpoints["engine-a"]["kv_usage"]) == (3, None)
+        assert endpoints["engine-b"]["dialect"] is None
+        assert endpoints["engine-b"]["metrics_error"] == "HTTP 500"
+        assert await asyncio.to_thread(state) == 0
+        rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+        assert ["engine-a", IRIS, "yes", "llamacpp", "partial", "3", "1", "-", "4", "0.00"] in [
+            row[:-1] for row in rows
+        ]
+        assert ["engine-b", IRIS, "yes", "-", "error", "-", "-", "-", "4", "0.00"] in [
+            row[:-1] for row in rows
+        ]
+    finally:
+        await nats_client.jetstream().delete_key_value(config.router.load_bucket)
