@@ -151,3 +151,29 @@ async def test_a_stable_name_takes_over_from_its_dead_incarnation_and_refuses_a_
         assert took < BOUND, took
     finally:
         await third.close()
+
+
+async def test_a_live_instance_whose_key_a_successor_removes_stops_deciding_at_once(
+    nats_url, unique_id
+):
+    """A wrong `--supersedes` (or a second process under a stable name that found the key
+    quiet): the live instance learns from its member watch that its key is gone and stops
+    deciding within moments, not at its next heartbeat (5 s here), then rejoins under a new id."""
+    rig = await open_rig(nats_url, unique_id, heartbeat="5s")
+    try:
+        service = rig.admissions[0]
+        old = service.instance
+        store = await open_routing_store(rig.nc, rig.config)
+        assert service.membership.can_serve()
+        started = time.monotonic()
+        assert await remove_exited_member(store, old)
+        await until(
+            lambda: not service.membership.can_serve() or service.instance != old,
+            timeout=1.0,
+            what="the instance to stop deciding",
+        )
+        assert time.monotonic() - started < 1.0
+        await until(lambda: service.instance != old, timeout=5.0, what="its new id")
+        assert service.instance.startswith(f"{old}-r")
+    finally:
+        await rig.close()
