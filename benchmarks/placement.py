@@ -589,6 +589,7 @@ def run_once(
     *,
     instances: int = 1,
     limits: str = "capacity",
+    separate: bool = False,
 ) -> dict[str, Any]:
     """A fresh cluster: the farm, `llmgw up` in front of it (and `instances` - 1 more admission
     processes), the scenario, then all of it stopped."""
@@ -598,6 +599,9 @@ def run_once(
     nats_port = port()
     config = placement_config(workdir / "placement.yaml", urls, limits=limits, nats_port=nats_port)
     data = yaml.safe_load(config.read_text())
+    if separate:  # every instance a process of its own: no decision in the edge
+        data.setdefault("admission", {})["colocated"] = False
+        config.write_text(yaml.safe_dump(data, sort_keys=False))
     pair = next(
         m.get("limits") or {}
         for p in data["providers"]
@@ -760,6 +764,11 @@ def main() -> int:
         help="admission instances: the edge's, and N - 1 `llmgw admission` processes",
     )
     parser.add_argument(
+        "--separate",
+        action="store_true",
+        help="no admission in the edge: every instance a process of its own",
+    )
+    parser.add_argument(
         "--limits",
         choices=["capacity", "local"],
         default="capacity",
@@ -777,6 +786,7 @@ def main() -> int:
                 args.loads,
                 instances=args.admission_instances,
                 limits=args.limits,
+                separate=args.separate,
             )
             print(f"run {run + 1}:\n{summary(result)}", file=sys.stderr)
             runs.append(result)

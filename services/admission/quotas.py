@@ -472,9 +472,9 @@ class QuotaKeeper:
     # ---- loans: room for a request that this instance's share cannot take ----------------------
 
     def spare(self, pair: Pair) -> Counts | None:
-        """How much more of `pair` this instance could probably get on the request path: what
-        nobody holds, plus what live peers seem to hold idle (`llmgw.core.quota.idle`; peers
-        that just lent nothing are left out for a moment). None: nothing, or not a kept pair."""
+        """How much more of `pair` this instance could at most get on the request path: what
+        nobody holds, plus what live peers hold (peers that just lent nothing are left out for
+        a moment). None: nothing, or not a kept pair."""
         limits = self.limits.get(pair)
         stored = self.books.get(pair)
         if limits is None or stored is None:
@@ -483,15 +483,15 @@ class QuotaKeeper:
         g, u, p = book.free(limits)
         if self.ask_loan is not None:
             now = self._monotonic()
-            slack = self._slack(pair)
             for peer in self.membership.live():
                 if peer == self.me or self._dry.get((pair, peer), 0.0) > now:
                     continue
+                # Its wants are as old as its last write: a peer holding any is worth asking
+                # (it answers for what it really has idle; one that lends nothing is left out
+                # for a moment). Pins held for idle sessions are its to evict and lend, as a
+                # lone instance would evict them for a new session.
                 entry = book.quota(peer)
-                ig, iu, ip = idle(entry, slack)
-                # Pins held for idle sessions are the peer's to evict and lend, as a lone
-                # instance would evict them for a new session: count its pins when none is idle.
-                g, u, p = g + ig, u + iu, p + (ip or entry.p)
+                g, u, p = g + entry.g, u + entry.u, p + entry.p
         if g <= 0 and u <= 0 and p <= 0:
             return None
         return max(0, g), max(0, u), max(0, p)
@@ -509,8 +509,9 @@ class QuotaKeeper:
         )
 
     async def borrow(self, pair: Pair, need: Counts, then: Callable[[], T]) -> T:
-        """Get `need` more of `pair` for a request this instance's share cannot take, then call
-        `then` (which places it) in the same event-loop turn as the last of it lands.
+        """Get room for a request that will use `need` of `pair` and that this instance's share
+        cannot take, then call `then` (which places it) in the same event-loop turn as the last
+        of it lands.
 
         Requests of a pair that need room together share one round: first what nobody holds
         (one CAS raising this instance's entry, with headroom), then loans from the peers that
@@ -541,7 +542,7 @@ class QuotaKeeper:
                 del self._joinable[pair]  # requests from now on join the next round
             self._borrowing[pair] = round_.need
             try:
-                source = await self._get_room(pair, round_.need)
+                source = await self._get_room(pair, self._lacking(pair, round_.need))
                 self.loans[source] += 1
             except asyncio.CancelledError:
                 raise
@@ -554,9 +555,24 @@ class QuotaKeeper:
             if self._running.get(pair) is asyncio.current_task():
                 del self._running[pair]
 
+    def _lacking(self, pair: Pair, need: Counts) -> Counts:
+        """What this instance's quota of `pair` lacks for requests that will use `need` more
+        (leases, unreserved, pins) than it uses now. A lease with room for leases fits a pinned
+        request (its reserve, or unreserved quota, has room: g = (g - u) + u)."""
+        quota = self.ledger.pair_quota(pair) or Quota()
+        use = self.ledger.pair_use(pair)
+        return (
+            max(0, need[0] - (quota.g - use.leases)),
+            max(0, need[1] - (quota.u - use.unreserved)),
+            max(0, need[2] - (quota.p - use.pins)),
+        )
+
     async def _get_room(self, pair: Pair, need: Counts) -> str:
         """Get up to `need` more of `pair`: from what nobody holds, then from peers. Returns
-        where room came from ("free", "lent", or "none")."""
+        where room came from ("free", "lent", or "none"; "free" too when nothing was lacking
+        any more: room came back here meanwhile)."""
+        if not any(need):
+            return "free"
         source = "none"
         limits = self.limits[pair]
         slack = self._slack(pair)
@@ -598,11 +614,16 @@ class QuotaKeeper:
             for peer in self.membership.live()
             if peer != self.me and self._dry.get((pair, peer), 0.0) <= now
         ]
-        peers = [  # pins: a peer holding any may evict idle ones to lend them (`lend`)
-            ((i[0], i[1], i[2] or book.quota(peer).p), peer) for i, peer in peers
-        ]
+        # Most idle first by the book's guess; any that holds what is missing may have it idle.
         peers = [
-            (i, peer) for i, peer in peers if any(a and b for a, b in zip(i, left, strict=True))
+            (i, peer)
+            for i, peer in peers
+            if any(
+                a and b
+                for a, b in zip(
+                    (book.quota(peer).g, book.quota(peer).u, book.quota(peer).p), left, strict=True
+                )
+            )
         ]
         peers.sort(key=lambda item: (-item[0][0], -item[0][2], item[1]))
         for _, peer in peers[:_MAX_LENDERS]:

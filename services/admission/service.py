@@ -35,7 +35,7 @@ import logging
 import random
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -139,6 +139,7 @@ _ENDED_MEMORY_MAX = 32_768
 # Refusals not repeated to an ask again: NOT_OWNER (asked again, the shard's owner decides) and
 # MALFORMED (no attempt id to remember).
 _ASKED_ANEW = frozenset({Refusal.NOT_OWNER, Refusal.MALFORMED})
+_LOAN_ROUNDS = 2  # borrowing rounds a request may wait for, per pair
 _ANSWERED_MAX = 65_536  # answers remembered for asks again (they are kept 2 request timeouts)
 
 
@@ -190,7 +191,9 @@ class _Request:
 class _Loan:
     """Placement would send the request elsewhere (a third party, a temporary fallback, a
     refusal) only because this instance's share of `pair` is used up, while the pair's limits
-    have room: borrow `need` (leases, unreserved, pins) first, then place it again."""
+    have room: borrow first, then place it again. `need`: what the request will use of the
+    pair (a lease, unreserved or not, and a pin if it creates one); its round borrows what its
+    requests together lack of that."""
 
     pair: tuple[str, str]
     need: tuple[int, int, int]
@@ -481,10 +484,11 @@ class AdmissionService:
     async def _after_loan(self, context: _Request, loan: _Loan) -> AdmitReply:
         """Borrow `loan.need`, then place the request in the turn the loan lands (placement
         decides again: the loan may have brought nothing, or others may have used it). A
-        request may need a loan of each of its pairs (its API key's, then a provider's): one
-        each at most."""
+        request may need a loan of each of its pairs (its API key's, then a provider's), and a
+        second round of a pair when requests that did not wait took what the first brought:
+        `_LOAN_ROUNDS` per pair at most."""
         request = context.request
-        tried = {loan.pair}
+        tried: list[tuple[str, str]] = []  # one entry per round waited for, by pair
 
         def place_now() -> AdmitReply | _Loan:
             if not (self.shards.serves(request.shard) and self.membership.can_serve()):
@@ -494,7 +498,7 @@ class AdmissionService:
 
         result: AdmitReply | _Loan = loan
         while isinstance(result, _Loan):
-            tried.add(result.pair)
+            tried.append(result.pair)
             try:
                 result = await self.quotas.borrow(result.pair, result.need, place_now)
             except asyncio.CancelledError:
@@ -563,18 +567,18 @@ class AdmissionService:
         *,
         overflow: bool,
         loans: bool,
-        tried: Collection[tuple[str, str]] = (),
+        tried: Sequence[tuple[str, str]] = (),
     ) -> AdmitReply | _Loan:
         """`place`; with `loans`, a request that only this instance's share of a limit keeps
-        from its place gets the `_Loan` it needs instead (nothing taken or changed), once per
-        pair (`tried`: borrowed for already)."""
+        from its place gets the `_Loan` it needs instead (nothing taken or changed), at most
+        `_LOAN_ROUNDS` per pair (`tried`: the pairs of the rounds it waited for already)."""
         request = context.request
         now = self._clock()
         if not self.ledger.key_room(request.key):  # checked and granted in this one step
             if loans and request.key is not None:
                 pair = key_pair(request.key)
-                if pair not in tried and self.quotas.spare(pair) is not None:
-                    return _Loan(pair, (1, 1, 0), overflow)
+                if tried.count(pair) < _LOAN_ROUNDS and self.quotas.spare(pair) is not None:
+                    return _Loan(pair, (1, 1, 0), overflow)  # what the request will use
             return self._refusal(
                 request.id,
                 Refusal.KEY_LIMIT,
@@ -594,7 +598,7 @@ class AdmissionService:
             outcome = place(snapshot, asked)
             if loans and not overflow and _held_back(snapshot, outcome):
                 loan = self._loan_for(snapshot, asked, outcome, candidate)
-                if loan is not None and loan.pair not in tried:
+                if loan is not None and tried.count(loan.pair) < _LOAN_ROUNDS:
                     return loan
             if isinstance(outcome, Placement):
                 served = candidate
@@ -676,15 +680,10 @@ class AdmissionService:
             )
         ):
             return None
-        room = self.ledger.room(ideal.provider, model)
-        kind = ideal.lease_kind
-        need_u = 0 if kind is LeaseKind.PINNED or room.unreserved else 1
-        need_g = 0 if (room.pinned if kind is LeaseKind.PINNED else room.unreserved) else 1
-        needs_pin = ideal.pin_action is not PinAction.NONE and not room.pin
-        need = (max(need_g, need_u), need_u, 1 if needs_pin else 0)
-        if need == (0, 0, 0):
-            return None
-        return _Loan((ideal.provider, model), need, asked.overflow)
+        # What the request will use there (the round borrows what its requests lack together).
+        unreserved = 0 if ideal.lease_kind is LeaseKind.PINNED else 1
+        pin = 1 if ideal.pin_action is not PinAction.NONE and not ideal.evict else 0
+        return _Loan((ideal.provider, model), (1, unreserved, pin), asked.overflow)
 
     def _apply(
         self,
