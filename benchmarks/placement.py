@@ -556,16 +556,19 @@ async def scenario(
     loads: Iterable[float],
     think: float = THINK_TIME,
     limits: tuple[int, int] = (64, 16),
+    outage: bool = True,
 ) -> dict[str, Any]:
     """Every measure on one fresh cluster, in an order that leaves each its conditions: the
     cold start first, then the outage that pins a session away (it returns home at the end,
-    once pinning.return_home_after has passed), the one-shots, the mixes."""
+    once pinning.return_home_after has passed; not without `outage`), the one-shots, the
+    mixes."""
     results: dict[str, Any] = {}
     async with http_session() as http:
         client = Client(http, api)
         results["cold_start"] = await cold_start(client)
-        away = await pin_on_third_party(client, farm)
-        early = await next_turn(client, away)  # engines healthy again, hysteresis not over
+        if outage:
+            away = await pin_on_third_party(client, farm)
+            early = await next_turn(client, away)  # engines healthy again, hysteresis not over
         results["one_shots"] = await one_shots_then_session(client)
         capacity = managed_capacity()
         for load in loads:
@@ -574,10 +577,11 @@ async def scenario(
                 "rate": load * capacity,
                 **mix_figures(phase, farm.arrivals, limits),
             }
-        results["return_home"] = {
-            "before_return_home_after": [early.provider, early.route],
-            **await return_home(client, away),
-        }
+        if outage:
+            results["return_home"] = {
+                "before_return_home_after": [early.provider, early.route],
+                **await return_home(client, away),
+            }
     return results
 
 
@@ -590,6 +594,7 @@ def run_once(
     instances: int = 1,
     limits: str = "capacity",
     separate: bool = False,
+    outage: bool = True,
 ) -> dict[str, Any]:
     """A fresh cluster: the farm, `llmgw up` in front of it (and `instances` - 1 more admission
     processes), the scenario, then all of it stopped."""
@@ -627,7 +632,9 @@ def run_once(
                     admins.append(f"127.0.0.1:{port()}")
                     extra.append(start_admission(joined, admins[-1]))
                 asyncio.run(until_serving(f"nats://127.0.0.1:{nats_port}", instances))
-            result = asyncio.run(scenario(api, farm, seconds, loads, think, pair_limits))
+            result = asyncio.run(
+                scenario(api, farm, seconds, loads, think, pair_limits, outage=outage)
+            )
             result["admission_instances"] = instances
             result["quota_loans"] = asyncio.run(loan_counts(admins))
             return result
