@@ -46,10 +46,12 @@ def mesh_config(
     limits: dict | None = None,
     replicas: int = 1,
     auth: dict | None = None,
+    capacity: int = 64,
     **admission: Any,
 ) -> Config:
-    """Managed providers a and b (one engine each, small limits) and unlimited c; every bucket
-    on `replicas` replicas (3 on a NATS cluster); `auth`: the auth section (none without)."""
+    """Managed providers a and b (one engine each, small limits, `capacity` batch slots each)
+    and unlimited c; every bucket on `replicas` replicas (3 on a NATS cluster); `auth`: the auth
+    section (none without)."""
     limits = limits or small_limits()
     return config_from_dict(
         {
@@ -100,14 +102,14 @@ def mesh_config(
                     "url": urls["a"],
                     "provider": "a",
                     "models": [MODEL],
-                    "capacity": 64,
+                    "capacity": capacity,
                 },
                 {
                     "id": "engine-b",
                     "url": urls["b"],
                     "provider": "b",
                     "models": [MODEL],
-                    "capacity": 64,
+                    "capacity": capacity,
                 },
                 {"id": "deploy-c", "url": urls["c"], "provider": "c", "models": [MODEL]},
             ],
@@ -209,6 +211,7 @@ async def start_mesh(
         limits,
         replicas,
         auth,
+        capacity=params.max_num_seqs,
         **admission,
     )
     audit = AuditLog()
