@@ -370,16 +370,6 @@ class ShardKeeper:
                 return
             await asyncio.sleep(min(wait, config.member_ttl))
 
-    def _renewed(self) -> float:
-        """How long after a dead instance's shard was adopted every edge has renewed its leases
-        there with the new owner (each ``lease_timeout / 3``, answered within
-        ``nats.request_timeout``): by then a lease that no edge announced in the roll call was
-        answered lost and ended. Before that, such a lease may still run on the counts the
-        dead entry holds, so they are not dropped sooner (they would be granted twice: the
-        audit checker's I2)."""
-        config = self.service.config
-        return config.pinning.lease_timeout / 3 + config.nats.request_timeout
-
     async def _settle_once(self, dead: str) -> float | None:
         """Drop the dead instance's quota if its shards are adopted (None: done, or it is not
         dead after all); else how long to wait before looking again."""
@@ -400,10 +390,8 @@ class ShardKeeper:
                     or (value.owner == me and shard not in self.serving)
                 ):
                     wait = max(wait, heartbeat)  # a shard still to be adopted
-                elif value.previous == dead:
-                    # Its own adoptions are done; another's may still be moving counts.
-                    settle = self._renewed() + (0.0 if value.owner == me else _ADOPTION_SETTLE)
-                    wait = max(wait, settle - (now - value.since))
+                elif value.previous == dead and value.owner != me:
+                    wait = max(wait, _ADOPTION_SETTLE - (now - value.since))
             if wait > 0:
                 return wait
             dropped = await drop_dead_quota(service.store, dead)

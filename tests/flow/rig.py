@@ -61,7 +61,6 @@ def rig_config(
     router: dict[str, Any] | None = None,
     timeouts: dict[str, Any] | None = None,
     endpoints: dict[str, dict[str, Any]] | None = None,
-    pinning: dict[str, Any] | None = None,
     **admission: Any,
 ) -> Config:
     """Managed `iris` (two engines; lease limits only if given) and unlimited `tensorx`, for m1.
@@ -79,7 +78,7 @@ def rig_config(
         {
             "nats": {"url": nats_url, "request_timeout": "2s"},
             "router": {"load_bucket": f"load_{unique_id}", "stale_after": "5s", **(router or {})},
-            "pinning": {"bucket": f"routing_{unique_id}", **(pinning or {})},
+            "pinning": {"bucket": f"routing_{unique_id}"},
             "scoring": {"target_waiting": 4, "kv_ceiling": 0.9},
             "admission": {
                 "interval": "5ms",
@@ -276,7 +275,6 @@ async def open_rig(
     timeouts: dict[str, Any] | None = None,
     endpoints: dict[str, dict[str, Any]] | None = None,
     observer_for: Any = None,
-    pinning: dict[str, Any] | None = None,
     **admission: Any,
 ) -> Rig:
     """``observer_for``: instance -> LedgerObserver (an AuditLog's), for the checker."""
@@ -288,7 +286,6 @@ async def open_rig(
         router=router,
         timeouts=timeouts,
         endpoints=endpoints,
-        pinning=pinning,
         **admission,
     )
     nc = await nats.connect(nats_url)

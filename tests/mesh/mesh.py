@@ -46,12 +46,10 @@ def mesh_config(
     limits: dict | None = None,
     replicas: int = 1,
     auth: dict | None = None,
-    capacity: int = 64,
     **admission: Any,
 ) -> Config:
-    """Managed providers a and b (one engine each, small limits, `capacity` batch slots each)
-    and unlimited c; every bucket on `replicas` replicas (3 on a NATS cluster); `auth`: the auth
-    section (none without)."""
+    """Managed providers a and b (one engine each, small limits) and unlimited c; every bucket
+    on `replicas` replicas (3 on a NATS cluster); `auth`: the auth section (none without)."""
     limits = limits or small_limits()
     return config_from_dict(
         {
@@ -102,14 +100,14 @@ def mesh_config(
                     "url": urls["a"],
                     "provider": "a",
                     "models": [MODEL],
-                    "capacity": capacity,
+                    "capacity": 64,
                 },
                 {
                     "id": "engine-b",
                     "url": urls["b"],
                     "provider": "b",
                     "models": [MODEL],
-                    "capacity": capacity,
+                    "capacity": 64,
                 },
                 {"id": "deploy-c", "url": urls["c"], "provider": "c", "models": [MODEL]},
             ],
@@ -211,7 +209,6 @@ async def start_mesh(
         limits,
         replicas,
         auth,
-        capacity=params.max_num_seqs,
         **admission,
     )
     audit = AuditLog()
