@@ -65,7 +65,7 @@ class Admission:
             task.cancel()
         if service.shards._task is not None:
             service.shards._task.cancel()
-        for task in [*service.shards._reclaims, *service.shards._settling.values()]:
+        for task in service.shards._reclaims:
             task.cancel()
         for task in service.membership._tasks:
             task.cancel()

@@ -230,12 +230,6 @@ class AdmissionConfig(StrictModel):
     # that instance owns are decided there, without a NATS round trip (the others go to their
     # owners over NATS as before). docs/architecture.md, "Colocated admission".
     colocated: bool = False
-    # The stable name of this admission process, given by the deployment (a StatefulSet pod's
-    # name, a single-replica compose service's), usually from the environment
-    # (LLMGW_ADMISSION__INSTANCE_NAME): a process restarted under it takes its earlier
-    # incarnation's shards and quota over within seconds instead of after member_ttl; one that
-    # finds the name in use by a running process refuses to start. None: a new id per start.
-    instance_name: str | None = Field(None, pattern=r"^[A-Za-z0-9_-]+$", max_length=100)
 
     @model_validator(mode="after")
     def _check_bands(self) -> AdmissionConfig:
