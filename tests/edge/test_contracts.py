@@ -4,15 +4,18 @@ and signatures too), so a drift in either fails here."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-from fakes import FakeAdmission, FakeHold, FakeLeases, RecordingReporter, target
+import pytest
+from fakes import FakeAdmission, FakeHold, FakeLeases, Queued, RecordingReporter, target
 
 from llmgw.contracts import (
     AdmissionClient,
+    AdmissionUnavailable,
     EventSink,
     LeaseHold,
     LeaseStore,
@@ -20,6 +23,7 @@ from llmgw.contracts import (
 )
 from llmgw.core.ledger import LeaseKind, LeaseRecord
 from llmgw.core.outage import LocalBudget
+from llmgw.core.outcomes import Refusal
 from llmgw.events import EventPublisher
 from llmgw.services.edge.admission_client import NatsAdmission
 from llmgw.services.edge.auth import TokenCountingReporter
@@ -27,6 +31,7 @@ from llmgw.services.edge.colocated import ColocatedAdmission
 from llmgw.services.edge.leases import EdgeLeases, HeldLease
 from llmgw.services.edge.outage import OutageAdmission
 from llmgw.services.edge.reporting import NatsReporter
+from llmgw.wire import AdmitRequest
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -88,3 +93,33 @@ def test_every_implementation_type_checks_as_its_port(tmp_path: Path) -> None:
         cwd=ROOT, capture_output=True, text=True, env=env,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+async def test_the_fake_admission_client_keeps_the_contract() -> None:
+    """Decides from its script (the last decision repeats), raises AdmissionUnavailable, and a
+    queued request whose client hangs up is cancelled: (CANCELLED, True)."""
+    engine = target("iris", "engine-1", "http://127.0.0.1:1", "m1")
+    queued = Queued(engine)
+    fake = FakeAdmission(
+        Refusal.NO_CAPACITY, AdmissionUnavailable("down", fast=True), queued, queued, engine
+    )
+    request = AdmitRequest(
+        id="a-1", request_id="r-1", edge="e", model="m1", feature="chat", shard=3
+    )
+    refused, left = await fake.admit(request)
+    assert refused.refusal is Refusal.NO_CAPACITY and not left
+    with pytest.raises(AdmissionUnavailable):
+        await fake.admit(request)
+    gone = asyncio.Event()
+    asking = asyncio.ensure_future(fake.admit(request, gone.wait))
+    await asyncio.sleep(0)
+    gone.set()
+    cancelled, left = await asking
+    assert cancelled.refusal is Refusal.CANCELLED and left and fake.left == [request]
+    queued.release.set()
+    admitted, left = await fake.admit(request, asyncio.Event().wait)
+    assert admitted.target == engine and admitted.lease is not None and not left
+    assert admitted.lease.shard == 3
+    for _ in range(2):  # the last decision repeats
+        assert (await fake.admit(request))[0].target == engine
+    assert len(fake.asked) == 6
