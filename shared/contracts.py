@@ -1,14 +1,14 @@
 """Ports: the narrow interfaces the services depend on, next to their consumers in one place.
 
 A service takes these, not a raw NATS client or a concrete store, so each has a test double and
-a second implementation where the design needs one (the admission client has a NATS one and an
-outage one). Each contract is stated in its docstring: what a call promises, what it may raise.
+a second implementation where the design needs one (the admission client has a NATS one, an
+outage one and a colocated one). Each contract is stated in its docstring: what a call promises, what it may raise.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Protocol, TypeVar, runtime_checkable
 
 if TYPE_CHECKING:
     from llmgw.core.ledger import LeaseRecord
@@ -47,11 +47,14 @@ class AdmissionClient(Protocol):
     """The edge's way to ask for a decision.
 
     `admit` returns the ADMITTED or REFUSED reply (never QUEUED: it waits through the queue) and
-    whether the client left meanwhile, or raises AdmissionUnavailable. `client_gone()` is
-    awaited while the request is queued and completes when the client hangs up: the request is
-    then cancelled in admission and `admit` still returns the answer (a grant that raced the
-    cancel carries a lease the caller must end at once). `ready` says whether decisions can be
-    had now (the edge's readiness).
+    whether the client left meanwhile, or raises AdmissionUnavailable (nothing else). While the
+    request is queued it awaits `client_gone()`, which completes when the client hangs up: the
+    request is then cancelled in admission and `admit` still returns the answer (a grant that
+    raced the cancel carries a lease the caller must end at once).
+
+    `ready()` says whether decisions can be had now (the edge's readiness); `probe()` asks
+    whether an admission instance answers (the composition root waits for one before its ready
+    line). Neither raises. `start` before the first `admit`, `stop` after the last.
     """
 
     async def admit(
@@ -62,34 +65,77 @@ class AdmissionClient(Protocol):
 
     def ready(self) -> bool: ...
 
+    async def probe(self) -> bool: ...
 
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+@runtime_checkable
 class LeaseHold(Protocol):
-    """One request's lease while it runs at the edge."""
+    """One request's lease while it runs at the edge.
+
+    `on_lost`, set by the request, is called once when the lease is lost or cut: it ends the
+    request's wait or upstream call. `cut()` is the drain deadline's: the request ends as
+    shutting down (`cut_short`) and still releases its lease; a lost lease is never released.
+    """
+
+    @property
+    def record(self) -> LeaseRecord: ...
 
     @property
     def lost(self) -> bool:
         """The owner said it does not hold it, or it could not be renewed for lease_timeout."""
         ...
 
+    @property
+    def cut_short(self) -> bool: ...
+
     on_lost: Callable[[], None] | None
+
+    def cut(self) -> None: ...
+
+
+HoldT = TypeVar("HoldT", bound=LeaseHold)
 
 
 @runtime_checkable
-class LeaseStore(Protocol):
+class LeaseStore(Protocol[HoldT]):
     """The edge's leases: `hold` from the admission reply on; `end` exactly once (the release
-    travels in the request's RequestEnded); renewals run in the background, batched per shard."""
+    travels in the request's RequestEnded); renewals run in the background (from `start` to
+    `stop`), batched per shard. `end` and `expired` take the holds this store made (`HoldT`).
 
-    def hold(self, lease: LeaseRecord) -> LeaseHold: ...
+    `held` maps the lease ids of the holds not yet ended to them (readiness counts them, the
+    drain deadline cuts them). `expired(hold)` is checked before any other outcome: True once
+    the hold is lost, or was not confirmed for lease_timeout (it is then lost). None raises.
+    """
 
-    def end(self, hold: LeaseHold) -> None: ...
+    @property
+    def held(self) -> Mapping[str, HoldT]: ...
+
+    def hold(self, lease: LeaseRecord) -> HoldT: ...
+
+    def end(self, hold: HoldT) -> None: ...
+
+    def expired(self, hold: HoldT) -> bool: ...
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
 
 
+@runtime_checkable
 class RequestReporter(Protocol):
-    """Publishes one RequestEnded per upstream attempt, off the request path, never raising."""
+    """Publishes one RequestEnded per upstream attempt, off the request path, never raising.
+    `drain` waits up to `timeout` seconds for what is queued to be handed over (at stop)."""
 
     def report(self, message: RequestEnded) -> None: ...
 
+    async def drain(self, timeout: float = ...) -> None: ...
 
+
+@runtime_checkable
 class EventSink(Protocol):
     """Sends routing events (at most once, never raising on the hot path)."""
 

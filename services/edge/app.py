@@ -16,7 +16,7 @@ import random
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -39,9 +39,8 @@ from llmgw.services.edge.telemetry import EdgeTelemetry, RequestRecord
 
 if TYPE_CHECKING:
     from llmgw.config.schema import Config, Timeouts
-    from llmgw.contracts import AdmissionClient, RequestReporter
+    from llmgw.contracts import AdmissionClient, LeaseStore, RequestReporter
     from llmgw.services.edge.http_client import UpstreamPool
-    from llmgw.services.edge.leases import EdgeLeases
     from llmgw.tracing import Tracing
 
 log = logging.getLogger("llmgw.edge")
@@ -58,7 +57,7 @@ class EdgeDeps:
     """What the edge needs from outside; the composition root owns their lifetimes."""
 
     admission: AdmissionClient
-    leases: EdgeLeases
+    leases: LeaseStore[Any]  # end and expired take the holds it made
     reporter: RequestReporter
     upstream: UpstreamPool  # keep-alive connections to the engines and APIs
     metrics: EdgeMetrics

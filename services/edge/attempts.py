@@ -69,9 +69,9 @@ from llmgw.wire import (
 )
 
 if TYPE_CHECKING:
+    from llmgw.contracts import LeaseHold
     from llmgw.core.requests import Feature, ParsedRequest
     from llmgw.services.edge.app import Edge
-    from llmgw.services.edge.leases import HeldLease
     from llmgw.services.edge.telemetry import RequestRecord
 
 Answer = Response | StreamedAnswer  # what the client gets: a whole response or a stream
@@ -433,7 +433,7 @@ class _AttemptEnd:
         self.routed = routed
         self.admit = admit
         self.reply = reply
-        self.hold: HeldLease | None = (
+        self.hold: LeaseHold | None = (
             edge.leases.hold(reply.lease) if reply.lease is not None else None
         )
         self.ended = False

@@ -37,6 +37,8 @@ if TYPE_CHECKING:
     from nats.aio.client import Client as NATS
 
     from llmgw.config.schema import Config
+    from llmgw.contracts import RequestReporter
+    from llmgw.wire import RequestEnded
 
 log = logging.getLogger("llmgw.edge.auth")
 
@@ -130,11 +132,11 @@ class TokenCountingReporter:
     `llmgw keys usage`). Usage by tenant in metrics is `llmgw_edge_tenant_requests_total` (with
     `metrics.tenant_label`), whose tenant is the key's tenant."""
 
-    def __init__(self, inner, auth: KeyAuth) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, inner: RequestReporter, auth: KeyAuth) -> None:
         self.inner = inner
         self.auth = auth
 
-    def report(self, message) -> None:  # type: ignore[no-untyped-def]
+    def report(self, message: RequestEnded) -> None:
         if message.key is not None:
             self.auth.ended(message.key, message.input_tokens + message.output_tokens)
         self.inner.report(message)

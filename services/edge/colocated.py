@@ -15,16 +15,15 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from llmgw.contracts import AdmissionClient
     from llmgw.services.admission.service import AdmissionService
-    from llmgw.services.edge.admission_client import NatsAdmission
-    from llmgw.services.edge.outage import OutageAdmission
     from llmgw.wire import AdmitReply, AdmitRequest
 
 
 class ColocatedAdmission:
     """`AdmissionClient`: the colocated instance first, the shard's owner over NATS else."""
 
-    def __init__(self, local: AdmissionService, remote: NatsAdmission | OutageAdmission) -> None:
+    def __init__(self, local: AdmissionService, remote: AdmissionClient) -> None:
         self.local = local
         self.remote = remote
         self.decided_here = 0  # requests decided by the colocated instance (tests, metrics)

@@ -21,10 +21,10 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from llmgw.services.edge.leases import EdgeLeases
+    from llmgw.contracts import LeaseStore
 
 SHUTDOWN_MESSAGE = (
     "The gateway instance serving this request is shutting down and ended it after its drain "
@@ -47,7 +47,7 @@ class EdgeDrain:
             self.draining = True
             self.began_at = self._monotonic()
 
-    async def cut(self, leases: EdgeLeases, until: float) -> int:
+    async def cut(self, leases: LeaseStore[Any], until: float) -> int:
         """End every request that still holds a lease, until none does or `until` (monotonic)
         passes; returns how many were cut."""
         cut: set[str] = set()

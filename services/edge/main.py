@@ -48,6 +48,7 @@ from llmgw.serving import RunningServer, start_server
 from llmgw.tracing import open_tracing
 
 if TYPE_CHECKING:
+    from llmgw.contracts import AdmissionClient, RequestReporter
     from llmgw.services.admission.service import AdmissionService
 
 log = logging.getLogger("llmgw.edge")
@@ -96,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
         )
         registries = [colocated.metrics.registry] if colocated is not None else []
         admin = await start_server(create_admin_app(deps, nc, registries), admin_host, admin_port)
-        await wait_for_admission(deps.admission)  # type: ignore[arg-type]
+        await wait_for_admission(deps.admission)
         print(f"llmgw edge ready on {api.url} (admin {admin.url})", flush=True)
         tune_gc()
         try:
@@ -137,14 +138,14 @@ async def open_edge_deps(  # type: ignore[no-untyped-def]
         nc, request_timeout=config.nats.request_timeout, queue_ttl=config.admission.queue_ttl
     )
     budget = LocalBudget() if config.admission.on_nats_outage == "local" else None
-    admission: NatsAdmission | OutageAdmission = over_nats
+    admission: AdmissionClient = over_nats
     if budget is not None:
         admission = OutageAdmission(
             over_nats, config, edge_id, budget, is_connected=lambda: nc.is_connected
         )
     if colocated is not None:
         colocated.serve_edge(edge_id)  # its ends are handed over in process (NatsReporter)
-        admission = ColocatedAdmission(colocated, admission)  # type: ignore[assignment]
+        admission = ColocatedAdmission(colocated, admission)
     await admission.start()
     leases = EdgeLeases(
         nc,
@@ -155,7 +156,9 @@ async def open_edge_deps(  # type: ignore[no-untyped-def]
     )
     await leases.start()
     auth = await open_key_auth(nc, config, edge_id)
-    reporter = NatsReporter(nc, local=colocated.ended_here if colocated is not None else None)
+    reporter: RequestReporter = NatsReporter(
+        nc, local=colocated.ended_here if colocated is not None else None
+    )
     metrics = EdgeMetrics(
         tenant_label=config.metrics.tenant_label, max_tenants=config.metrics.max_tenants
     )
@@ -176,16 +179,16 @@ async def open_edge_deps(  # type: ignore[no-untyped-def]
 async def close_edge_deps(deps: EdgeDeps) -> None:
     if deps.auth is not None:
         await close_key_auth(deps.auth)
-    await deps.reporter.drain()  # type: ignore[attr-defined]
+    await deps.reporter.drain()
     await deps.leases.stop()
-    await deps.admission.stop()  # type: ignore[attr-defined]
+    await deps.admission.stop()
     await deps.upstream.close()
     if deps.tracing is not None:
         deps.tracing.shutdown()  # flushes the exporter
 
 
 async def wait_for_admission(
-    admission: NatsAdmission | OutageAdmission, timeout: float = _FIRST_ANSWER_WAIT
+    admission: AdmissionClient, timeout: float = _FIRST_ANSWER_WAIT
 ) -> bool:
     """Until an admission instance answers (True), or `timeout` (False: ready line anyway,
     /ready stays false until one answers)."""

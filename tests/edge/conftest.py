@@ -1,4 +1,8 @@
-"""An in-process gateway on real parts: nats-server, admission, edge and simulators on uvicorn."""
+"""An in-process gateway on real parts: nats-server, admission, edge and simulators on uvicorn.
+
+`fake_edge` is the edge alone on uvicorn, its ports faked (tests/edge/fakes.py): for tests of
+the HTTP layer that need an admission decision but nothing of NATS.
+"""
 
 from __future__ import annotations
 
@@ -8,13 +12,19 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
+from fakes import FakeAdmission, FakeLeases, RecordingReporter, target
 from inproc import Admission, Edge, start_admission, start_edge, stop_servers
 
 from llmgw.config import Config, config_from_dict
 from llmgw.services.admission.service import AdmissionService
+from llmgw.services.edge.app import EdgeDeps, create_app
+from llmgw.services.edge.main import close_edge_deps
+from llmgw.services.edge.metrics import EdgeMetrics
+from llmgw.services.edge.upstream import new_pool
 from llmgw.services.sim.apps import create_engine_app
 from llmgw.services.sim.params import EngineParams
 from llmgw.serving import RunningServer, free_port, start_server
+from llmgw.wire import Target
 
 
 class HeaderRecorder:
@@ -172,3 +182,50 @@ async def gateway(
 def unused_url() -> str:
     """An http URL on a loopback port nobody listens on."""
     return f"http://127.0.0.1:{free_port()}"
+
+
+@dataclass
+class FakeEdge:
+    """The edge on uvicorn over fake ports: `admission` decides (by its script), `leases` and
+    `reporter` record. No NATS, no admission instance."""
+
+    config: Config
+    server: RunningServer
+    deps: EdgeDeps
+    admission: FakeAdmission
+    leases: FakeLeases
+    reporter: RecordingReporter
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+
+@pytest.fixture
+def fake_target() -> Target:
+    """Where `fake_edge` admits every request: by default an engine nobody listens on (a module
+    whose requests must reach one overrides this)."""
+    return target("iris", "engine-1", unused_url(), "m1")
+
+
+@pytest_asyncio.fixture
+async def fake_edge(fake_target: Target) -> AsyncIterator[FakeEdge]:
+    """`gateway_config`'s edge with a `FakeAdmission` that admits every request to
+    `fake_target` (a test may change `admission.script`)."""
+    urls = {"engine-1": fake_target.url, "engine-2": unused_url(), "tensorx-1": unused_url()}
+    config = gateway_config(unused_url().replace("http", "nats"), urls)
+    admission, leases, reporter = FakeAdmission(fake_target), FakeLeases(), RecordingReporter()
+    deps = EdgeDeps(
+        admission=admission,
+        leases=leases,
+        reporter=reporter,
+        upstream=new_pool(config.timeouts),
+        metrics=EdgeMetrics(),
+        edge_id="edge-test",
+    )
+    server = await start_server(create_app(config, deps))
+    try:
+        yield FakeEdge(config, server, deps, admission, leases, reporter)
+    finally:
+        await server.stop()
+        await close_edge_deps(deps)
