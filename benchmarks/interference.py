@@ -289,15 +289,17 @@ async def measure(
                     next(done)
 
         workers = [asyncio.create_task(bronze_worker(w)) for w in range(BRONZE_CONCURRENCY)]
-        await until_flooded(session, engines, admission_admin)
-        cap = None if cap_factor is None else cap_factor * p99(idle)
-        loaded = await probes(session, api, LOADED_PROBES, cap)
-        queued = await bronze_queue_depth(session, admission_admin)
-        stop.set()
-        bronze_done = next(done)
-        for worker in workers:
-            worker.cancel()
-        await asyncio.gather(*workers, return_exceptions=True)
+        try:
+            await until_flooded(session, engines, admission_admin)
+            cap = None if cap_factor is None else cap_factor * p99(idle)
+            loaded = await probes(session, api, LOADED_PROBES, cap)
+            queued = await bronze_queue_depth(session, admission_admin)
+        finally:  # also on an error: a worker on a closed session would spin without yielding
+            stop.set()
+            bronze_done = next(done)
+            for worker in workers:
+                worker.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)
     return {
         "idle": idle,
         "loaded": loaded,
@@ -308,10 +310,14 @@ async def measure(
 
 
 def cluster_endpoints(config: Path) -> tuple[str, list[str]]:
-    """Admission's admin URL (the edge's admin port + 1) and the engines' URLs."""
+    """The admin URL that serves admission's metrics, and the engines' URLs: the edge's admin
+    port when the edge runs admission (admission.colocated, the default), else the admission
+    process's (the edge's + 1, as `llmgw up` plans it)."""
     data = yaml.safe_load(config.read_text())
     host, port = data["admin_listen"].rsplit(":", 1)
-    return f"http://{host}:{int(port) + 1}", [e["url"] for e in data["endpoints"]]
+    colocated = data.get("admission", {}).get("colocated", True)
+    admin = int(port) if colocated else int(port) + 1
+    return f"http://{host}:{admin}", [e["url"] for e in data["endpoints"]]
 
 
 def summary(result: dict[str, Any]) -> str:

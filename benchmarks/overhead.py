@@ -6,7 +6,7 @@
 The gateway runs the shipped defaults: flow control on (a scraper feeds it), the provider's
 limits configured (pins, slots, reserve, per-session), requests cycling through 256 sessions,
 and the topology of `llmgw up`: the edge decides admission in its own process
-(admission.colocated, config/local.yaml) and no other admission instance runs. `--separate`
+(admission.colocated, the default) and no other admission instance runs. `--separate`
 runs admission as a process of its own instead (compose, Kubernetes, `llmgw up --secure`).
 
 The engine simulator runs at zero delay, so every millisecond measured is

@@ -11,10 +11,23 @@ edge serves and stops it after the edge has drained (services/edge/main.py).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
+import nats
+from nats.js.errors import APIError
+
+from llmgw.natsconn import Refusals, connect_options
+from llmgw.state.nats_kv import open_routing_bucket
+from llmgw.wire import ADMISSION_HANDOVER_PREFIX
+
 if TYPE_CHECKING:
+    from nats.aio.client import Client as NATS
+
+    from llmgw.config import Config
     from llmgw.contracts import AdmissionClient
     from llmgw.services.admission.service import AdmissionService
     from llmgw.wire import AdmitReply, AdmitRequest
@@ -51,3 +64,68 @@ class ColocatedAdmission:
 
     async def stop(self) -> None:
         await self.remote.stop()
+
+
+# A write the stream refuses after the server allowed it: no key has this many revisions, so
+# the routing bucket answers "wrong last sequence" and stores nothing.
+_NEVER_THIS_SEQUENCE = str(2**63 - 1)
+
+
+async def instance_grants_problem(config: Config) -> str | None:
+    """Why this edge's NATS user may not run an admission instance (``admission.colocated``),
+    or None. The instance connects with the edge's credentials and must open and write the
+    routing bucket and listen on admission subjects; with one NATS user per role the edge role
+    may do neither (docs/keys.md, "NATS permissions"). Checked on a connection of its own: the
+    bucket is opened (created if missing, as the instance would), a write is published that
+    the stream refuses without storing anything (a wrong expected revision), and a subscription
+    to this instance's handover subject is flushed. A denial is the server's own permissions
+    violation; anything else (a slow server, a bucket of other settings) is left to the
+    instance's start to report."""
+    refusals = Refusals()
+    options = connect_options(config.nats, "llmgw-edge-admission-check")
+    options.update(max_reconnect_attempts=1, reconnect_time_wait=0.1, error_cb=refusals.record)
+    timeout = config.nats.request_timeout
+    try:
+        nc = await nats.connect(**options)
+    except Exception:
+        return None  # unreachable: the edge's own connection says so
+    try:
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(4 * timeout):
+                await _touch_routing_bucket(nc, config, timeout)
+        with contextlib.suppress(Exception):
+            probe = f"{ADMISSION_HANDOVER_PREFIX}grants-check-{uuid.uuid4().hex[:8]}"
+            sub = await nc.subscribe(probe)
+            await nc.flush(timeout)  # the server answers a denied SUB before this PONG
+            await sub.unsubscribe()
+    finally:
+        with contextlib.suppress(Exception):
+            await nc.close()
+    if not refusals.denied:
+        return None
+    user = f"nats.user {config.nats.user!r}" if config.nats.user else "its NATS credentials"
+    default = "" if "colocated" in config.admission.model_fields_set else " (the default)"
+    return (
+        f"admission.colocated is true{default}, so this edge runs an admission instance, but "
+        f"NATS refused the edge's user ({user}) what an instance needs: {refusals.denied[0]}. "
+        "Set admission.colocated: false (or LLMGW_ADMISSION__COLOCATED=false) and run `llmgw "
+        "admission` as the admission role, as compose, Kubernetes and `llmgw up --secure` do; "
+        "or connect the edge as a user with the admission role's grants (docs/keys.md, NATS "
+        "permissions)"
+    )
+
+
+async def _touch_routing_bucket(nc: NATS, config: Config, timeout: float) -> None:
+    js = nc.jetstream(timeout=timeout)
+    bucket = config.pinning.bucket
+    await open_routing_bucket(
+        js,
+        bucket,
+        storage=config.pinning.storage,
+        replicas=config.replicas_of(bucket),
+        history=config.pinning.history,
+    )
+    subject = f"$KV.{bucket}.grants-check.{uuid.uuid4().hex[:8]}"
+    headers = {"Nats-Expected-Last-Subject-Sequence": _NEVER_THIS_SEQUENCE}
+    with contextlib.suppress(APIError):  # the stream's refusal: the write was allowed
+        await js.publish(subject, b"", headers=headers)

@@ -38,7 +38,7 @@ from llmgw.services.edge.auth import (
     close_key_auth,
     open_key_auth,
 )
-from llmgw.services.edge.colocated import ColocatedAdmission
+from llmgw.services.edge.colocated import ColocatedAdmission, instance_grants_problem
 from llmgw.services.edge.leases import EdgeLeases
 from llmgw.services.edge.metrics import EdgeMetrics
 from llmgw.services.edge.outage import OutageAdmission
@@ -71,14 +71,30 @@ def run(args: argparse.Namespace) -> int:
             "auth.mode is none: every caller is accepted and may choose its band "
             "(set auth.mode: keys before exposing this edge; docs/keys.md)"
         )
+    if not config.admission.colocated and (
+        getattr(args, "admission_instance", None) or getattr(args, "supersedes", None)
+    ):
+        print(
+            "llmgw edge: --admission-instance and --supersedes name this edge's own admission "
+            "instance, and admission.colocated is false: it runs none",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
     host, port = parse_hostport(args.listen or config.listen)
     admin_host, admin_port = parse_hostport(args.admin_listen or config.admin_listen)
+
+    refused: list[str] = []
 
     async def main() -> None:
         nc = await natsconn.connect(config.nats, name="llmgw-edge")
         edge_id = safe_token(f"{service_instance('edge')}-{uuid.uuid4().hex[:6]}")
         colocated = None
         if config.admission.colocated:  # decides its shards' requests in this process
+            problem = await instance_grants_problem(config)
+            if problem is not None:  # a per-role NATS user: refuse to start, naming the field
+                refused.append(problem)
+                await natsconn.drain_or_close(nc)
+                return
             instance = getattr(args, "admission_instance", None) or f"{edge_id}-admission"
             colocated = await open_admission(
                 config,
@@ -110,7 +126,11 @@ def run(args: argparse.Namespace) -> int:
                 await colocated.close()
             await natsconn.drain_or_close(nc)
 
-    return run_service(main)
+    code = run_service(main)
+    if refused:
+        print(f"llmgw edge: {refused[0]}", file=sys.stderr)
+        return 2
+    return code
 
 
 async def drain(deps: EdgeDeps, api: RunningServer, delay: float, timeout: float) -> None:

@@ -228,8 +228,11 @@ class AdmissionConfig(StrictModel):
     on_nats_outage: Literal["reject", "local"] = "reject"
     # Each edge also runs an admission instance in its own process: the requests for the shards
     # that instance owns are decided there, without a NATS round trip (the others go to their
-    # owners over NATS as before). docs/architecture.md, "Colocated admission".
-    colocated: bool = False
+    # owners over NATS as before). docs/architecture.md, "Colocated admission". On by default
+    # (the faster path); off where the edge's NATS user may not write the routing bucket (one
+    # NATS user per role: `llmgw up --secure`, compose, Kubernetes), where `llmgw admission`
+    # processes decide instead. An edge whose user lacks the grants refuses to start.
+    colocated: bool = True
 
     @model_validator(mode="after")
     def _check_bands(self) -> AdmissionConfig:

@@ -21,7 +21,9 @@ MODEL = "chat-model"
 def write_config(
     path: Path, nats_url: str, engine_url: str, bucket: str, limits: dict, **pinning
 ) -> Path:
-    """The shipped defaults (flow control on, a scraper), one managed provider, one engine."""
+    """The shipped defaults (flow control on, a scraper), one managed provider, one engine; but
+    admission in a process of its own (`colocated: false`): an edge that crashes must not take
+    the shards' owner with it, which is what these tests separate."""
     data = {
         "listen": f"127.0.0.1:{free_port()}",
         "admin_listen": f"127.0.0.1:{free_port()}",
@@ -29,6 +31,7 @@ def write_config(
         "router": {"scrape_interval": "250ms", "load_bucket": f"load_{bucket}"},
         "timeouts": {"first_token": "30s", "idle": "30s", "total": "60s"},
         "pinning": {"bucket": bucket, "history": 64, **pinning},
+        "admission": {"colocated": False},
         "models": [{"name": MODEL}],
         "providers": [
             {"id": "iris", "kind": "managed", "models": [{"name": MODEL, "limits": limits}]},

@@ -25,7 +25,13 @@ import yaml
 
 from llmgw.cli import build_parser
 from llmgw.config import Config, config_from_dict, parse_hostport
-from llmgw.nats_auth import NATS_USERS_SECRET, ROLES, SERVICE_ROLES, render_helm_values
+from llmgw.nats_auth import (
+    NATS_USERS_SECRET,
+    ROLES,
+    SERVICE_ROLES,
+    render_helm_values,
+    role_permissions,
+)
 from llmgw.services.keys.main import key_from_spec
 
 REPO = Path(__file__).resolve().parents[2]
@@ -490,6 +496,20 @@ def test_every_workload_connects_to_nats_as_its_role(resources: list[dict[str, A
         assert _secret_ref(container, "LLMGW_NATS__PASSWORD") == (NATS_USERS_SECRET, role), name
     placeholder = _one(resources, "Secret", NATS_USERS_SECRET)["stringData"]
     assert sorted(placeholder) == sorted(ROLES)
+
+
+def test_admission_runs_in_its_own_deployment_not_in_the_edges(
+    resources: list[dict[str, Any]],
+) -> None:
+    """The edges connect as the edge role, which may not write the routing bucket: every pod's
+    config says admission.colocated: false (against the default), so the edges start (an edge
+    on the default would refuse to) and the llmgw-admission pods own the shards."""
+    for name, deployment in _of_kind(resources, "Deployment").items():
+        assert _config_of(resources, deployment).admission.colocated is False, name
+    edge = _container(_one(resources, "Deployment", "llmgw-edge"))
+    config = _config_of(resources, _one(resources, "Deployment", "llmgw-edge"))
+    grants = role_permissions(config)[_plain_env(edge)["LLMGW_NATS__USER"]]
+    assert f"$KV.{config.pinning.bucket}.>" not in grants.publish
 
 
 def test_the_base_requires_keys_and_a_job_seeds_them(resources: list[dict[str, Any]]) -> None:

@@ -49,7 +49,8 @@ def write_config(
     pinning: dict | None = None,
     **router: object,
 ) -> Path:
-    """Managed provider "a" (two engines, small limits), unlimited provider "c"."""
+    """Managed provider "a" (two engines, small limits), unlimited provider "c"; admission in
+    processes of its own (`colocated: false`), so edges and admission instances roll apart."""
     data = {
         "listen": f"127.0.0.1:{free_port()}",
         "admin_listen": f"127.0.0.1:{free_port()}",
@@ -57,6 +58,7 @@ def write_config(
         "router": {"scrape_interval": "250ms", "load_bucket": f"load_{bucket}", **router},
         "timeouts": {"first_token": "30s", "idle": "30s", "total": "60s"},
         "pinning": {"bucket": bucket, "history": 64, **(pinning or {})},
+        "admission": {"colocated": False},
         "models": [{"name": MODEL}],
         "providers": [
             {"id": "a", "kind": "managed", "models": [{"name": MODEL, "limits": LIMITS}]},

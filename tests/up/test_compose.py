@@ -20,7 +20,13 @@ import pytest
 import yaml
 
 from llmgw.config import config_from_dict, load_config
-from llmgw.nats_auth import ROLES, SERVICE_ROLES, password_variable, render_server_config
+from llmgw.nats_auth import (
+    ROLES,
+    SERVICE_ROLES,
+    password_variable,
+    render_server_config,
+    role_permissions,
+)
 from llmgw.services.up.plan import ListenAddress, ServiceSpec, plan_cluster
 
 REPO = Path(__file__).resolve().parents[2]
@@ -186,6 +192,19 @@ def test_compose_config_differs_from_local_only_in_addresses_and_separate_admiss
     assert in_compose["admission"] == {"colocated": False}
     local["admission"]["colocated"] = False
     assert _without_addresses(in_compose) == _without_addresses(local)
+
+
+def test_the_compose_edge_runs_no_admission_instance_its_role_may_not_write_the_bucket() -> None:
+    """admission.colocated is true by default; compose's config turns it off, and it must: the
+    edge container connects as the edge role, which may not write the routing bucket."""
+    compose = yaml.safe_load((REPO / "compose.yaml").read_text())
+    edge_env = compose["services"]["edge"]["environment"]
+    config = load_config(REPO / "config" / "compose.yaml", env={})
+    assert "colocated" in config.admission.model_fields_set and not config.admission.colocated
+    assert "LLMGW_ADMISSION__COLOCATED" not in edge_env  # the config file says it, once
+    user = edge_env["LLMGW_NATS__USER"]
+    assert user == SERVICE_ROLES["edge"]
+    assert f"$KV.{config.pinning.bucket}.>" not in role_permissions(config)[user].publish
 
 
 def test_compose_starts_the_processes_of_llmgw_up_secure(plan: list[ServiceSpec]) -> None:

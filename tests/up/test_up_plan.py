@@ -76,6 +76,16 @@ def test_a_separate_admission_process_runs_unless_admission_is_colocated() -> No
     assert next(s for s in plan if s.kind == "edge").admission_instance is None
 
 
+def test_a_config_that_does_not_name_the_field_runs_admission_in_the_edge() -> None:
+    """admission.colocated is true by default: `llmgw up` with a user's own config starts no
+    admission process, as with config/local.yaml."""
+    data = yaml.safe_load(LOCAL_CONFIG.read_text())
+    del data["admission"]
+    plan = plan_cluster(config_from_dict(data, source="<test>", env={}), "c.yaml")
+    assert [s.kind for s in plan if s.tier == 1] == ["reaper", "scraper"]
+    assert next(s for s in plan if s.kind == "edge").admission_instance == "up-edge"
+
+
 def test_the_edge_drains_at_once_unless_the_config_or_the_environment_sets_a_delay() -> None:
     assert edge_env(load_config(LOCAL_CONFIG, env={})) == {"LLMGW_ROUTER__DRAIN_DELAY": "0s"}
     data = yaml.safe_load(LOCAL_CONFIG.read_text())
