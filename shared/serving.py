@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import socket
 from dataclasses import dataclass
 
@@ -90,11 +91,40 @@ async def start_server(
     return RunningServer(server=server, task=task, host=host, port=bound_port)
 
 
+_HANDED_OUT: set[int] = set()  # ports this process gave out: never twice
+_LOWEST_PORT = 10_000
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (for subprocesses that must bind it themselves)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    """A port that was free a moment ago (for subprocesses that must bind it themselves).
+
+    Chosen below the kernel's ephemeral range when there is room: a port the kernel handed
+    out for port 0 is the kind it also gives to outgoing connections, which can take it before
+    the subprocess binds it ("address already in use"). Never the same port twice per process.
+    """
+    low = _ephemeral_low()
+    rng = random.Random()
+    for _ in range(64 if low - _LOWEST_PORT > 1_000 else 0):
+        port = rng.randrange(_LOWEST_PORT, low)
+        if port not in _HANDED_OUT and _port_is_free(host, port):
+            _HANDED_OUT.add(port)
+            return port
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            port = int(sock.getsockname()[1])
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
+
+
+def _ephemeral_low() -> int:
+    """The lowest port of the kernel's ephemeral range (32768 when it cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32_768
 
 
 def free_port_block(count: int, host: str = "127.0.0.1") -> int:
@@ -107,7 +137,9 @@ def free_port_block(count: int, host: str = "127.0.0.1") -> int:
         port = free_port(host)
         if port + count - 1 > 65535:
             continue
-        if all(_port_is_free(host, port + offset) for offset in range(1, count)):
+        block = range(port + 1, port + count)
+        if all(p not in _HANDED_OUT and _port_is_free(host, p) for p in block):
+            _HANDED_OUT.update(block)
             return port
 
 

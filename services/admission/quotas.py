@@ -372,24 +372,34 @@ class QuotaKeeper:
                 # A limit lowered under what is held (an API key's): giving back is still safe.
                 if entry.g > mine.g or entry.u > mine.u or entry.p > mine.p:
                     raise
-            # Lowering takes effect here before the write (nothing granted into the part given
-            # back while the write is in flight); raising only once the write has landed.
-            self._writing[pair] = entry
-            self._sync(pair)
-            try:
-                revision = await self.store.write_quota_book(new_book, stored.revision)
-            finally:
-                del self._writing[pair]
-            if revision is not None:
-                from llmgw.state.store import Stored
-
-                self.books[pair] = Stored(new_book, revision)
-                self._sync(pair)
-                self.writes += 1
+            if await self._write_own(pair, stored, new_book) is not None:
                 return
-            self.conflicts += 1
-            self.books[pair] = await self.store.quota_book(*pair)
+
+    async def _write_own(
+        self, pair: Pair, stored: Stored[QuotaBook], book: QuotaBook
+    ) -> int | None:
+        """Write `book`, which changes this instance's own entry, over `stored` (under the
+        keeper's lock). A lower entry takes effect here before the write (nothing is granted
+        into the part given back or lent while the write is in flight); a higher one only once
+        it has landed. Returns the new revision, or None after a conflict (the book read
+        again)."""
+        from llmgw.state.store import Stored
+
+        self._writing[pair] = book.quota(self.me)
+        self._sync(pair)
+        try:
+            revision = await self.store.write_quota_book(book, stored.revision)
+        finally:
+            del self._writing[pair]
+        if revision is not None:
+            self.books[pair] = Stored(book, revision)
             self._sync(pair)
+            self.writes += 1
+            return revision
+        self.conflicts += 1
+        self.books[pair] = await self.store.quota_book(*pair)
+        self._sync(pair)
+        return None
 
     # ---- transfers ----------------------------------------------------------------------------
 
@@ -515,8 +525,8 @@ class QuotaKeeper:
 
         Requests of a pair that need room together share one round: first what nobody holds
         (one CAS raising this instance's entry, with headroom), then loans from the peers that
-        seem to hold most idle (each moves its own idle quota to this instance in one CAS of
-        the book, `lend`). Never over-admits: a loan is a CAS of the book that keeps every sum,
+        hold any of what is missing, most idle first by the book's guess (each moves its own
+        idle quota to this instance in one CAS of the book, `lend`). Never over-admits: a loan is a CAS of the book that keeps every sum,
         the lender lowers its own grants before it writes, and this instance raises its grants
         only once the book shows the loan. `then` runs even if nothing came (the request then
         goes where placement sends it)."""
@@ -658,7 +668,6 @@ class QuotaKeeper:
             return (0, 0, 0), 0
         if borrower not in self.membership.live():
             return (0, 0, 0), 0
-        from llmgw.state.store import Stored
 
         try:  # the keeper may be busy with a handover's transfer: then lend nothing
             await asyncio.wait_for(self._lock.acquire(), _LEND_LOCK_WAIT)
@@ -679,22 +688,11 @@ class QuotaKeeper:
                 if g == 0 and u == 0 and p == 0:
                     return (0, 0, 0), 0
                 book = stored.value.lend(self.me, borrower, g, u, p, at=self._clock())
-                self._writing[pair] = book.quota(self.me)
-                self._sync(pair)
-                try:
-                    revision = await self.store.write_quota_book(book, stored.revision)
-                finally:
-                    del self._writing[pair]
+                revision = await self._write_own(pair, stored, book)
                 if revision is not None:
-                    self.books[pair] = Stored(book, revision)
-                    self._sync(pair)
-                    self.writes += 1
                     self.lent += 1
                     self.wake()
                     return (g, u, p), revision
-                self.conflicts += 1
-                self.books[pair] = await self.store.quota_book(*pair)
-                self._sync(pair)
         finally:
             self._lock.release()
         return (0, 0, 0), 0
