@@ -546,22 +546,20 @@ class QuotaKeeper:
     ) -> None:
         try:
             if previous is not None:
-                with contextlib.suppress(BaseException):
-                    await previous
+                await asyncio.wait({previous})  # one round of a pair at a time; never raises
             if self._joinable.get(pair) is round_:
                 del self._joinable[pair]  # requests from now on join the next round
             self._borrowing[pair] = round_.need
             try:
                 source = await self._get_room(pair, self._lacking(pair, round_.need))
                 self.loans[source] += 1
-            except asyncio.CancelledError:
-                raise
             except Exception:
                 log.warning("borrowing quota of %s failed", pair, exc_info=True)
-            round_.settle()  # places every waiter now, in this turn
         finally:
+            if self._joinable.get(pair) is round_:  # cancelled before it started
+                del self._joinable[pair]
+            round_.settle()  # places every waiter now, in this turn, before the floor goes
             self._borrowing.pop(pair, None)
-            round_.settle()
             if self._running.get(pair) is asyncio.current_task():
                 del self._running[pair]
 
