@@ -65,7 +65,7 @@ class Admission:
             task.cancel()
         if service.shards._task is not None:
             service.shards._task.cancel()
-        for task in service.shards._reclaims:
+        for task in [*service.shards._reclaims, *service.shards._settling.values()]:
             task.cancel()
         for task in service.membership._tasks:
             task.cancel()

@@ -36,6 +36,15 @@ the counts, but only from a G that is no longer live), and serves. A lease no ed
 time is not adopted; its edge learns at its next renewal that the lease is lost and ends the
 request.
 
+**A dead instance's quota** (`_settle_dead`): once no shard key names a dead G as its owner, and
+every other adoption from G has had time to move its counts (``_ADOPTION_SETTLE`` after its
+claim), each adopter drops what is left of G's entry from the books (one CAS per book; the first
+wins, the others find nothing), instead of leaving it to the reaper's grace. Dead means not live:
+G's key was removed (a successor, `successor.py`) or not renewed for ``member_ttl`` (G fenced
+itself before that: it never spends its entry again). A transfer from G that lands after the drop
+moves nothing, and its receiver takes in what its own quota covers (docs/adr/0002, "Changed
+(2026-12-03)").
+
 While a shard has no subscriber (between the giver's unsubscribe and the receiver's
 subscribe), edges' requests for it find no responders and are retried with a short backoff.
 """
@@ -54,7 +63,8 @@ from pydantic import ValidationError
 from llmgw.core.keys import ShardValue
 from llmgw.core.ledger import EndReason, LeaseRecord, PinRecord, ShardState
 from llmgw.core.shards import plan_shards
-from llmgw.events import ShardEvent
+from llmgw.events import QuotaReclaimed, ShardEvent
+from llmgw.services.admission.successor import drop_dead_quota
 from llmgw.tasks import cancel_and_wait
 from llmgw.wire import (
     ADMISSION_ROLLCALL_SUBJECT,
@@ -79,6 +89,10 @@ _MAX_RELEASE_PER_ROUND = 8
 _HANDOVER_WAIT = 1.0  # seconds a new owner waits for the old one's handover before a roll call
 _HANDOVER_TIMEOUT = 2.0
 _NO_RESPONDERS_PAUSE = 0.05  # before a handover that found no responders is sent again
+# How long after another instance's claim of a dead instance's shard its adoption may still be
+# moving counts from the dead entry (the handover wait, the roll call, the transfers): only
+# then is the entry dropped. For liveness only: a transfer after the drop moves nothing.
+_ADOPTION_SETTLE = _HANDOVER_WAIT + _HANDOVER_TIMEOUT + 2.0
 
 
 class ShardKeeper:
@@ -95,6 +109,7 @@ class ShardKeeper:
         self._task: asyncio.Task[None] | None = None
         self._started = asyncio.Event()  # quotas read: handovers can be taken in
         self._reclaims: set[asyncio.Task[None]] = set()  # unanswered handovers' earmarks
+        self._settling: dict[str, asyncio.Task[None]] = {}  # dead instances' quota, by id
         self.stopping = False
         self.adopted_leases = 0
         self.refused_leases = 0
@@ -134,7 +149,9 @@ class ShardKeeper:
         instance to start adopts their leases from the edges)."""
         self.stopping = True
         # Leaving: unanswered handovers' earmarks stay for their receivers (or the reaper).
-        await cancel_and_wait([t for t in (self._task, *self._reclaims) if t is not None])
+        await cancel_and_wait(
+            [t for t in (self._task, *self._reclaims, *self._settling.values()) if t is not None]
+        )
         nc = self.service.nc
         if nc.is_connected:
             with contextlib.suppress(Exception):
@@ -318,6 +335,11 @@ class ShardKeeper:
             log.warning(
                 "%d leases could not be adopted (no quota left): their requests end", refused
             )
+        for dead in {p for _, p in shards if p is not None and p != me}:
+            # Its quota goes back now if this adoption was the last (before the ready line of
+            # a successor that adopted every shard); else once the others' are done.
+            if await self._settle_once(dead) is not None:
+                self._settle_dead(dead)
         previous = next((p for _, p in shards if p is not None), None)
         service.events.emit(
             ShardEvent,
@@ -329,6 +351,77 @@ class ShardKeeper:
             pins=pins_in,
         )
         service.quotas.wake()
+
+    def _settle_dead(self, dead: str) -> None:
+        """Drop what is left of the dead instance's quota once its shards are adopted."""
+        if self.stopping or dead in self._settling:
+            return
+        task = asyncio.create_task(self._drop_dead_quota(dead), name=f"settle-{dead}")
+        self._settling[dead] = task
+        task.add_done_callback(lambda _: self._settling.pop(dead, None))
+
+    async def _drop_dead_quota(self, dead: str) -> None:
+        config = self.service.config.admission
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + 3 * config.member_ttl  # then the reaper's grace does it
+        while not self.stopping and loop.time() < give_up:
+            wait = await self._settle_once(dead)
+            if wait is None:
+                return
+            await asyncio.sleep(min(wait, config.member_ttl))
+
+    async def _settle_once(self, dead: str) -> float | None:
+        """Drop the dead instance's quota if its shards are adopted (None: done, or it is not
+        dead after all); else how long to wait before looking again."""
+        service = self.service
+        membership = service.membership
+        heartbeat = service.config.admission.heartbeat
+        if membership.is_live(dead):
+            return None  # not dead: a live member's entry is its own
+        me = membership.instance
+        wait = 0.0
+        try:
+            now = service._clock()
+            for shard, stored in (await service.store.shard_owners()).items():
+                value = stored.value
+                if (
+                    value.owner == dead
+                    or (value.owner is None and value.previous == dead)
+                    or (value.owner == me and shard not in self.serving)
+                ):
+                    wait = max(wait, heartbeat)  # a shard still to be adopted
+                elif value.previous == dead and value.owner != me:
+                    wait = max(wait, _ADOPTION_SETTLE - (now - value.since))
+            if wait > 0:
+                return wait
+            dropped = await drop_dead_quota(service.store, dead)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.warning("quota of %s not settled yet (%s)", dead, exc)
+            return heartbeat
+        quotas = service.quotas
+        for held, book in dropped:
+            pair = (book.value.provider, book.value.model)
+            if pair in quotas.books and book.revision > quotas.books[pair].revision:
+                quotas.books[pair] = book  # the keeper takes what was freed at once
+            service.events.emit(
+                QuotaReclaimed,
+                provider=book.value.provider,
+                model=book.value.model,
+                member=dead,
+                leases=held.g,
+                unreserved=held.u,
+                pins=held.p,
+            )
+        if dropped:
+            log.info(
+                "dropped what was left of %s's quota in %d books: its shards are adopted",
+                dead,
+                len(dropped),
+            )
+            await quotas.adjust()
+        return None
 
     async def _rollcall(self, shards: Iterable[int]) -> dict[int, list[LeaseRecord]]:
         """Ask every edge which leases it holds in `shards`; answers within the window."""
