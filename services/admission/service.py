@@ -63,6 +63,7 @@ from llmgw.core.placement import (
     Snapshot,
     place,
 )
+from llmgw.core.quota import QuotaCounts
 from llmgw.core.requests import Feature
 from llmgw.events import EventPublisher, LeaseExpired, PinEvent, PinMoved
 from llmgw.logs import request_id
@@ -196,7 +197,7 @@ class _Loan:
     requests together lack of that."""
 
     pair: tuple[str, str]
-    need: tuple[int, int, int]
+    need: QuotaCounts | tuple[int, int, int]  # (leases, unreserved, pins)
     overflow: bool = False
 
 
@@ -1061,8 +1062,8 @@ class AdmissionService:
     # ---- loans of quota between instances --------------------------------------------------
 
     async def _ask_loan(
-        self, peer: str, pair: tuple[str, str], need: tuple[int, int, int]
-    ) -> tuple[tuple[int, int, int], int] | None:
+        self, peer: str, pair: tuple[str, str], need: QuotaCounts
+    ) -> tuple[QuotaCounts, int] | None:
         """Ask `peer` to lend quota of `pair` (`QuotaKeeper.borrow`'s transport)."""
         ask = QuotaLoanAsk(
             borrower=self.instance, provider=pair[0], model=pair[1], g=need[0], u=need[1], p=need[2]
@@ -1075,7 +1076,7 @@ class AdmissionService:
         except Exception:  # no responders, a timeout, NATS trouble: place without it
             log.debug("no loan from %s for %s", peer, pair, exc_info=True)
             return None
-        return (loan.g, loan.u, loan.p), loan.revision
+        return QuotaCounts(loan.g, loan.u, loan.p), loan.revision
 
     def _evict_for_loan(self, pair: tuple[str, str], count: int) -> int:
         """Evict up to `count` idle pins of `pair` (those a new pin here would evict) so that
