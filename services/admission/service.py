@@ -69,7 +69,15 @@ from llmgw.events import EventPublisher, LeaseExpired, PinEvent, PinMoved
 from llmgw.logs import request_id
 from llmgw.services.admission.balancing import UPSTREAM_FAILURES, RateBoard
 from llmgw.services.admission.catalog import ProviderCatalog
-from llmgw.services.admission.flow import FlowControl
+from llmgw.services.admission.flow import (
+    Borrowing,
+    Cancelled,
+    Dispatched,
+    Expired,
+    FlowControl,
+    Moved,
+    QueueResult,
+)
 from llmgw.services.admission.health import HealthBoard
 from llmgw.services.admission.loadboard import PEER_FORGET_AFTER, LoadBoard
 from llmgw.services.admission.membership import Membership
@@ -386,7 +394,9 @@ class AdmissionService:
             await self.quotas.track(key_pair(request.key), KeyLimits(request.key_parallel))
         return self.shards.serves(request.shard) and self.membership.can_serve()
 
-    def _started(self, request: AdmitRequest) -> AdmitReply | tuple[_Request, asyncio.Future[Any]]:
+    def _started(
+        self, request: AdmitRequest
+    ) -> AdmitReply | tuple[_Request, asyncio.Future[QueueResult]]:
         """`_start`, with a failure of the service itself answered as a refusal."""
         try:
             return self._start(request)
@@ -430,7 +440,9 @@ class AdmissionService:
         context, future = started
         return await self._outcome(context, await future)
 
-    def _start(self, request: AdmitRequest) -> AdmitReply | tuple[_Request, asyncio.Future[Any]]:
+    def _start(
+        self, request: AdmitRequest
+    ) -> AdmitReply | tuple[_Request, asyncio.Future[QueueResult]]:
         started = time.perf_counter()
         now = self._clock()
         model = request.model
@@ -473,14 +485,18 @@ class AdmissionService:
 
     def _placed(
         self, context: _Request, *, overflow: bool
-    ) -> AdmitReply | tuple[_Request, asyncio.Future[Any]]:
+    ) -> AdmitReply | tuple[_Request, asyncio.Future[QueueResult]]:
         """Place now, or (a loan of quota would keep the request on our engines) wait for the
         loan in a task and place then."""
         placed = self._place_or_borrow(context, overflow=overflow)
         if isinstance(placed, AdmitReply):
             return self._finish(context, placed)
         context.borrowing = True
-        return context, asyncio.ensure_future(self._after_loan(context, placed))
+        return context, asyncio.ensure_future(self._borrowed(context, placed))
+
+    async def _borrowed(self, context: _Request, loan: _Loan) -> QueueResult:
+        """`_after_loan` as a wait's result (a request that waits for a loan, not a queue)."""
+        return Dispatched(await self._after_loan(context, loan))
 
     async def _after_loan(self, context: _Request, loan: _Loan) -> AdmitReply:
         """Borrow `loan.need`, then place the request in the turn the loan lands (placement
@@ -509,25 +525,29 @@ class AdmissionService:
                 return self._finish(context, self.place(context, overflow=loan.overflow))
         return result
 
-    async def _outcome(self, context: _Request, result: Any) -> AdmitReply:
+    async def _outcome(self, context: _Request, result: QueueResult) -> AdmitReply:
         """The answer for a request that waited (queue or loan), from what it resolved to; a
         queued request dispatched into a loan waits for the loan here."""
-        if isinstance(result, _Loan):
-            result = await self._after_loan(context, result)
+        if isinstance(result, Borrowing):
+            result = Dispatched(await self._after_loan(context, result.loan))
         return self._final(context, result)
 
-    def _final(self, context: _Request, result: Any) -> AdmitReply:
+    def _final(self, context: _Request, result: QueueResult) -> AdmitReply:
         """The answer for a queued request, from what its queue future resolved to."""
-        if isinstance(result, AdmitReply):
-            return result
-        refusal = {
-            GateDecision.EXPIRED: Refusal.QUEUE_TIMEOUT,
-            GateDecision.CANCELLED: Refusal.CANCELLED,
-        }.get(result, Refusal.NOT_OWNER)
+        refusal: Refusal
+        match result:
+            case Dispatched(reply):
+                return reply
+            case Expired():
+                refusal = Refusal.QUEUE_TIMEOUT
+            case Cancelled():
+                refusal = Refusal.CANCELLED
+            case Moved() | Borrowing():  # moved away (a loan is waited for in `_outcome`)
+                refusal = Refusal.NOT_OWNER
         self.metrics.child(self.metrics.flow_decisions, context.band.name, str(refusal)).inc()
         return self._refusal(context.request.id, refusal, band=context.band.name)
 
-    async def _wait_in_queue(self, context: _Request, future: asyncio.Future[Any]) -> None:
+    async def _wait_in_queue(self, context: _Request, future: asyncio.Future[QueueResult]) -> None:
         request = context.request
         try:
             if not context.borrowing:  # a loan takes a round trip or two: no QUEUED for it
@@ -538,13 +558,17 @@ class AdmissionService:
         finally:
             self._waiting.pop(request.id, None)
 
-    def _dispatch_waiter(self, waiter: Waiter, decision: GateDecision) -> AdmitReply | _Loan:
+    def _dispatch_waiter(
+        self, waiter: Waiter, decision: GateDecision
+    ) -> Dispatched | Borrowing[_Loan]:
         """The tick let a queued request go: place it now (synchronously, inside the tick), or
         say which loan it waits for first (`_outcome`)."""
         context: _Request = waiter.token.context
         self.metrics.child(self.metrics.flow_decisions, context.band.name, decision.value).inc()
         placed = self._place_or_borrow(context, overflow=decision is GateDecision.OVERFLOW)
-        return self._finish(context, placed) if isinstance(placed, AdmitReply) else placed
+        if isinstance(placed, AdmitReply):
+            return Dispatched(self._finish(context, placed))
+        return Borrowing(placed)
 
     def _finish(self, context: _Request, reply: AdmitReply) -> AdmitReply:
         self.metrics.decision_duration.observe(time.perf_counter() - context.started)

@@ -543,7 +543,7 @@ class ShardKeeper:
                     await sub.unsubscribe()
         flow = self.service.flow
         if flow is not None:
-            flow.drop(lambda context: context.request.shard == shard, "moved")
+            flow.drop(lambda context: context.request.shard == shard)
 
     async def _hand_over(self, shard: int, target: str) -> None:
         service = self.service
