@@ -84,7 +84,7 @@ from llmgw.services.admission.membership import Membership
 from llmgw.services.admission.metrics import AdmissionMetrics
 from llmgw.services.admission.pins import PinWriter
 from llmgw.services.admission.quotas import QuotaKeeper
-from llmgw.services.admission.shards import ShardKeeper
+from llmgw.services.admission.shards import ShardContext, ShardKeeper
 from llmgw.services.admission.tracing import DecisionSpans
 from llmgw.tasks import cancel_and_wait
 from llmgw.wire import (
@@ -277,13 +277,31 @@ class AdmissionService:
             clock=clock,
         )
         self.pins = PinWriter(store, self.ledger)
-        self.shards = ShardKeeper(self)
         self.flow = (
             FlowControl(
                 config, self.load, nc, instance, self.metrics, self._dispatch_waiter, clock=clock
             )
             if admission.enabled
             else None
+        )
+        self.shards = ShardKeeper(
+            ShardContext(
+                nc=nc,
+                store=store,
+                membership=self.membership,
+                ledger=self.ledger,
+                quotas=self.quotas,
+                pins=self.pins,
+                events=self.events,
+                clock=clock,
+                settings=admission,
+                on_request=self.on_request,
+                on_renewal=self.on_renewal,
+                drop_queued=self._drop_queued,
+                answers_for=self.answers_for,
+                remember_answers=self.remember_answers,
+                without_ended=self.without_ended,
+            )
         )
         self._bands = {b.name: b for b in admission.bands}
         self._models = frozenset(m.name for m in config.models)  # canonical names (wire values)
@@ -832,6 +850,12 @@ class AdmissionService:
             for _, answer, lease in self._answered.values()
             if lease in moving
         )
+
+    def _drop_queued(self, shard: int) -> None:
+        """The shard moved away: its queued requests are answered `Moved` (NOT_OWNER: their
+        edges ask its new owner)."""
+        if self.flow is not None:
+            self.flow.drop(lambda context: context.request.shard == shard)
 
     def remember_answers(self, answers: tuple[AdmitReply, ...]) -> None:
         """Answers of a handover's attempts whose leases were taken in here (`answers_for`)."""
