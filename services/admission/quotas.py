@@ -25,6 +25,9 @@ back) until `take_in` adds the shard's leases and pins to the ledger in the same
 makes that quota spendable: the receiver goes on deciding its own shards meanwhile (a transfer
 of several pairs awaits the store between them), and a grant into that quota would leave the
 handed leases without room (refused: their requests lost in a graceful handover).
+
+The sequences that call these operations, step by step, are `Handovers`' (``shards.py``; the
+lifecycle: docs/adr/0002-admission-at-memory-speed.md, "Shard lifecycle").
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Each shard this instance has anything of is one record (`Shard`) in one phase of its lifecycle
 (`llmgw.core.shards.ShardPhase`: CLAIMING, RECEIVING, SERVING, LEAVING; no record is GONE),
-moved only by `ShardKeeper._step`, which refuses an illegal step. The state table (phases,
+moved only by `ShardKeeper.move`, which refuses an illegal step. The state table (phases,
 steps, who holds the shard's leases in each, what a crash in each leaves behind) is in
 docs/adr/0002-admission-at-memory-speed.md, "Shard lifecycle".
 
@@ -195,22 +195,24 @@ class ShardKeeper:
     def _held(self) -> list[Shard]:
         return [r for r in self._shards.values() if r.phase in _HELD]
 
-    def _step(self, record: Shard, step: ShardStep) -> None:
+    def move(self, record: Shard, step: ShardStep) -> None:
         """Move `record` by `step` (`llmgw.core.shards.SHARD_TRANSITIONS`; an illegal step
         raises, a bug). A record that reaches GONE leaves the keeper."""
-        record.phase = next_phase(record.phase, step)
-        if record.phase is ShardPhase.GONE:
-            if self._shards.get(record.number) is record:
+        phase = next_phase(record.phase, step)
+        current = self._shards.get(record.number)
+        if phase is not ShardPhase.GONE and current not in (None, record):
+            raise RuntimeError(f"shard {record.number} would have two records")
+        record.phase = phase
+        if phase is ShardPhase.GONE:
+            if current is record:
                 del self._shards[record.number]
         else:
-            current = self._shards.setdefault(record.number, record)
-            if current is not record:
-                raise RuntimeError(f"shard {record.number} has two records")
+            self._shards[record.number] = record
 
-    def _new(self, shard: int, step: ShardStep) -> Shard:
+    def add(self, shard: int, step: ShardStep) -> Shard:
         """A record for a shard of which this instance has nothing yet (GONE), moved by `step`."""
         record = Shard(shard)
-        self._step(record, step)
+        self.move(record, step)
         return record
 
     def record(self, shard: int) -> Shard | None:
@@ -220,7 +222,7 @@ class ShardKeeper:
         """Out of the ledger and done (LEAVING to GONE); a no-op if it is gone already (dropped
         while its handover ran: a rejoin)."""
         if record.phase is not ShardPhase.GONE:
-            self._step(record, ShardStep.END)
+            self.move(record, ShardStep.END)
 
     @property
     def adopted_leases(self) -> int:
@@ -275,6 +277,8 @@ class ShardKeeper:
                 await self.ctx.membership.refresh_members()  # hand over only to the living
                 await self.rebalance(max_release=len(self.serving) + 1)
         for record in self._held():
+            if self._shards.get(record.number) is not record:
+                continue  # gone meanwhile (handed over by a round, or released)
             if not nc.is_connected:
                 # Nothing can be written: the shard is left to whoever claims it once this
                 # member's key expires, and its leases are adopted by roll call (as after a
@@ -360,7 +364,7 @@ class ShardKeeper:
         them over, so give it a moment; then adopt every one no handover has taken in."""
         membership = self.ctx.membership
         me = membership.instance
-        claims = [(self._new(k, ShardStep.CLAIM), p) for k, p in shards if k not in self._shards]
+        claims = [(self.add(k, ShardStep.CLAIM), p) for k, p in shards if k not in self._shards]
         try:
             waits = [
                 record.handed.wait()
@@ -375,7 +379,7 @@ class ShardKeeper:
             for record, previous in claims:
                 current = self._shards.get(record.number)
                 if current is None:  # a handover of it failed meanwhile: claimed again
-                    current = self._new(record.number, ShardStep.CLAIM)
+                    current = self.add(record.number, ShardStep.CLAIM)
                 if current.phase is ShardPhase.CLAIMING:
                     adopt.append((current.number, previous))
             if adopt:
@@ -384,7 +388,7 @@ class ShardKeeper:
             for record, _ in claims:
                 current = self._shards.get(record.number)
                 if current is not None and current.phase is ShardPhase.CLAIMING:
-                    self._step(current, ShardStep.ABANDON)  # not taken in: the next round
+                    self.move(current, ShardStep.ABANDON)  # not taken in: the next round
 
     # ---- serving ------------------------------------------------------------------------------
 
@@ -396,13 +400,13 @@ class ShardKeeper:
             await ctx.nc.subscribe(admission_subject(shard), cb=ctx.on_request),
             await ctx.nc.subscribe(leases_subject(shard), cb=ctx.on_renewal),
         ]
-        self._step(record, ShardStep.SERVE)
+        self.move(record, ShardStep.SERVE)
         with contextlib.suppress(Exception):
             await ctx.nc.flush(timeout=2)
 
     async def stop_serving(self, record: Shard) -> None:
         """To LEAVING: its subscriptions drained, its queued requests answered moved."""
-        self._step(record, ShardStep.LEAVE)
+        self.move(record, ShardStep.LEAVE)
         for sub in record.subs:
             # Drained, not unsubscribed: requests already delivered here are still answered
             # (NOT_OWNER: their edges ask the new owner) instead of dropped unanswered.
@@ -416,6 +420,8 @@ class ShardKeeper:
     async def _drop(self, record: Shard) -> None:
         """No longer this instance's (its key names another, or it joins again): out of the
         ledger without a handover; the new owner adopts its leases by roll call."""
+        if record.phase is ShardPhase.GONE:
+            return  # ended meanwhile (its handover or release finished first)
         await self.stop_serving(record)
         self.ctx.ledger.take_shard(record.number, self.ctx.clock(), EndReason.DROPPED)
         self.end(record)
@@ -593,9 +599,9 @@ class Handovers:
             # 1. RECEIVING (from CLAIMING if this instance's claim waits for the handover).
             #    Leases: in the message (no ledger ends them).
             if record is None:
-                record = keeper._new(shard, ShardStep.RECEIVE)
+                record = keeper.add(shard, ShardStep.RECEIVE)
             else:
-                keeper._step(record, ShardStep.RECEIVE)
+                keeper.move(record, ShardStep.RECEIVE)
             try:
                 # 2. Keys' quotas tracked, then the giver's earmark moved here (one CAS per
                 #    pair), set aside for the shard: unspendable until taken in.
@@ -609,7 +615,7 @@ class Handovers:
                 if stopping:
                     # Handed a shard while stopping (the giver had not seen it yet): release it
                     # at once (below); the next claimant adopts its leases from the edges.
-                    keeper._step(record, ShardStep.LEAVE)
+                    keeper.move(record, ShardStep.LEAVE)
                 else:
                     refused = [lease.lease_id for lease in dropped]
                     self.adopted_leases += len(state.leases) - len(dropped)
@@ -624,7 +630,7 @@ class Handovers:
             finally:
                 ctx.quotas.end_incoming(shard)
                 if record.phase is ShardPhase.RECEIVING:  # taking it in failed
-                    keeper._step(record, ShardStep.ABANDON)
+                    keeper.move(record, ShardStep.ABANDON)
                     keeper.wake()
                 record.received.set()
             record.handed.set()
@@ -655,7 +661,7 @@ class Handovers:
         for shard, previous in shards:
             record = keeper.record(shard)
             if record is not None and record.phase is ShardPhase.CLAIMING:
-                keeper._step(record, ShardStep.RECEIVE)
+                keeper.move(record, ShardStep.RECEIVE)
                 records.append((record, previous))
         if not records:
             return
@@ -697,7 +703,7 @@ class Handovers:
             for record, _ in records:
                 ctx.quotas.end_incoming(record.number)
                 if record.phase is ShardPhase.RECEIVING:  # taking it in failed
-                    keeper._step(record, ShardStep.ABANDON)
+                    keeper.move(record, ShardStep.ABANDON)
                 record.received.set()
         self.adopted_leases += adopted
         self.refused_leases += refused

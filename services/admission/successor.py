@@ -16,9 +16,9 @@ Two ways to know:
   revision it watched, so a renewal that lands in between also refuses.
 
 Either way the dead instance's shards are claimed at once by the usual rules, and its quota is
-returned as soon as its shards are adopted (`drop_dead_quota`, called by `ShardKeeper` once
-no shard names the dead instance as its owner and every adoption from it has had time to move
-its counts). A live instance whose key is removed stops deciding when its member watch shows
+returned as soon as its shards are adopted (`drop_dead_quota`, called by the shard keeper's
+`Handovers` once no shard names the dead instance as its owner and every adoption from it has
+had time to move its counts). A live instance whose key is removed stops deciding when its member watch shows
 the removal (`Membership`), at the latest at its next heartbeat, whose CAS fails.
 """
 
