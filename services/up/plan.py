@@ -72,8 +72,9 @@ class ServiceSpec:
     argv: tuple[str, ...]
     kind: ServiceKind
     listens: tuple[ListenAddress, ...] = field(default=())
-    # An edge that runs admission in process (admission.colocated): its instance's name
-    # without the supervisor's per-start suffix (services/up/supervisor.py, `incarnation_args`).
+    # An admission process, or an edge that runs admission in process (admission.colocated):
+    # its instance's name without the supervisor's per-start suffix (services/up/supervisor.py,
+    # `incarnation_args`).
     admission_instance: str | None = None
 
     def is_ready_line(self, line: str) -> bool:
@@ -219,7 +220,15 @@ def plan_cluster(config: Config, config_path: str) -> list[ServiceSpec]:
             admin = ListenAddress(config.admin_host, config.admin_port + offset, f"{kind} admin")
             argv += ("--admin-listen", str(admin))
             listens = (admin,)
-        specs.append(ServiceSpec(kind, argv, kind, listens=listens))  # type: ignore[arg-type]
+        specs.append(
+            ServiceSpec(
+                kind,
+                argv,
+                kind,  # type: ignore[arg-type]
+                listens=listens,
+                admission_instance="up-admission" if kind == "admission" else None,
+            )
+        )
     specs.append(
         ServiceSpec(
             "edge",
