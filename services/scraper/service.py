@@ -33,12 +33,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import Protocol
+from typing import Literal, Protocol, TypedDict
 
 import httpx
 
 from llmgw.core.saturation import EndpointLoad, SaturationSettings
-from llmgw.events import EndpointEvent, PoolMeasured, event_id
+from llmgw.events import EndpointEvent, EventName, PoolMeasured, RoutingEvent, event_id
 from llmgw.load import (
     EndpointReport,
     report_key,
@@ -58,6 +58,25 @@ from llmgw.state.kv import KVEntry
 __all__ = ["LoadBucket", "Publisher", "Scraper", "health_window", "new_http_client"]
 
 _log = logging.getLogger("llmgw.scraper")
+
+# The event `_publish` sends for each verb (`endpoint.<verb>`).
+_ENDPOINT_EVENTS: dict[
+    str,
+    Literal[EventName.ENDPOINT_SCRAPED, EventName.ENDPOINT_HEALTHY, EventName.ENDPOINT_UNHEALTHY],
+] = {
+    "scraped": EventName.ENDPOINT_SCRAPED,
+    "healthy": EventName.ENDPOINT_HEALTHY,
+    "unhealthy": EventName.ENDPOINT_UNHEALTHY,
+}
+
+
+class _ScrapeContext(TypedDict):
+    """What `build_report` and `failed_report` take besides the scrape itself."""
+
+    scraped_at: float
+    now: float
+    settings: SaturationSettings
+    scraper: str
 
 
 class LoadBucket(Protocol):
@@ -242,10 +261,7 @@ class Scraper:
             event = PoolMeasured(
                 id=event_id(), at=pool.measured_at, instance=self.instance, report=pool
             )
-            await self._send(
-                "event",
-                lambda e=event: self._publisher.publish(e.subject, e.to_bytes()),
-            )
+            await self._publish_event(event)
         self.metrics.round_duration.observe(self._timer() - started)
         self.last_round_at = self._clock()
         self.metrics.last_round.set(self.last_round_at)
@@ -269,7 +285,7 @@ class Scraper:
             self._get(target.url + "/health"), self._get(target.url + "/metrics")
         )
         duration = self._timer() - started
-        context = {
+        context: _ScrapeContext = {
             "scraped_at": scraped_at,
             "now": self._clock(),
             "settings": self.settings,
@@ -347,15 +363,18 @@ class Scraper:
         await self._send("kv", lambda: self._bucket.put(report_key(report.endpoint), payload))
         for verb in ("scraped", transition) if transition is not None else ("scraped",):
             event = EndpointEvent(
-                event=f"endpoint.{verb}",
+                event=_ENDPOINT_EVENTS[verb],
                 id=event_id(),
                 at=report.scraped_at,
                 instance=self.instance,
                 report=report,
             )
-            await self._send(
-                "event", lambda e=event: self._publisher.publish(e.subject, e.to_bytes())
-            )
+            await self._publish_event(event)
+
+    async def _publish_event(self, event: RoutingEvent) -> bool:
+        return await self._send(
+            "event", lambda: self._publisher.publish(event.subject, event.to_bytes())
+        )
 
     async def _send(self, kind: str, send: Callable[[], Awaitable[object]]) -> bool:
         """Run one write or publish, bounded; never raises (but cancellation)."""
