@@ -31,9 +31,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import Literal, Protocol, TypedDict
+from typing import TYPE_CHECKING, Literal, Protocol, TypedDict
 
 import httpx
 
@@ -54,6 +53,9 @@ from llmgw.services.scraper.reports import (
     pool_reports,
 )
 from llmgw.state.kv import KVEntry
+
+if TYPE_CHECKING:
+    from llmgw.contracts import Clock
 
 __all__ = ["LoadBucket", "Publisher", "Scraper", "health_window", "new_http_client"]
 
@@ -119,7 +121,8 @@ class Scraper:
     """Scrapes `targets` every `interval` seconds; see the module docstring.
 
     `clock` (unix seconds in the product) stamps reports and judges staleness; readers compare
-    ``scraped_at`` with their own clock. `timer` measures durations and paces rounds.
+    ``scraped_at`` with their own clock. `timer` measures durations and paces rounds. Both are
+    given by the composition root (`main.serve`).
     """
 
     def __init__(
@@ -134,8 +137,8 @@ class Scraper:
         instance: str,
         interval: float,
         timeout: float,
-        clock: Callable[[], float] = time.time,
-        timer: Callable[[], float] = time.perf_counter,
+        clock: Clock,
+        timer: Clock,
         capacities: dict[str, int] | None = None,
     ) -> None:
         self.targets = tuple(targets)

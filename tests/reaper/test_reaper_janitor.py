@@ -3,6 +3,9 @@ quota. It never touches a live instance's, and two reapers make each change once
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import pytest
 from reaper_helpers import IRIS, MODEL, Connect, EventLog
 
@@ -28,7 +31,9 @@ async def test_dead_members_keys_go_after_three_ttls_and_live_ones_stay(
     await store.join(MemberValue("admission-dead", 0.0, NOW - 3 * ttl - 1))
     await store.join(MemberValue("admission-late", 0.0, NOW - 2 * ttl))  # dead, not long enough
     await store.join(MemberValue("admission-live", 0.0, NOW - 0.5))
-    reaper = await open_reaper(await connect(), config, instance="reaper-a", clock=lambda: NOW)
+    reaper = await open_reaper(
+        await connect(), config, instance="reaper-a", clock=lambda: NOW, timer=time.perf_counter
+    )
     result = await reaper.run_pass()
     assert result.members_removed == ("admission-dead",)
     remaining = {m.value.instance for m in await store.members()}
@@ -52,7 +57,9 @@ async def test_a_dead_instances_leftover_quota_returns_to_the_pool_after_the_gra
         },
     )
     assert await store.write_quota_book(book, 0) is not None
-    reaper = await open_reaper(await connect(), config, instance="reaper-a", clock=lambda: NOW)
+    reaper = await open_reaper(
+        await connect(), config, instance="reaper-a", clock=lambda: NOW, timer=time.perf_counter
+    )
     result = await reaper.run_pass()
     assert result.quota_reclaimed == ((IRIS, MODEL, "admission-gone"),)
     after = (await store.quota_book(IRIS, MODEL)).value
@@ -68,10 +75,12 @@ async def test_two_reapers_make_each_change_once(
     ttl = config.admission.member_ttl
     for n in range(5):
         await store.join(MemberValue(f"admission-dead-{n}", 0.0, NOW - 4 * ttl))
-    first = await open_reaper(await connect(), config, instance="reaper-a", clock=lambda: NOW)
-    second = await open_reaper(await connect(), config, instance="reaper-b", clock=lambda: NOW)
-    import asyncio
-
+    first = await open_reaper(
+        await connect(), config, instance="reaper-a", clock=lambda: NOW, timer=time.perf_counter
+    )
+    second = await open_reaper(
+        await connect(), config, instance="reaper-b", clock=lambda: NOW, timer=time.perf_counter
+    )
     a, b = await asyncio.gather(first.run_pass(), second.run_pass())
     removed = [*a.members_removed, *b.members_removed]
     assert sorted(removed) == [f"admission-dead-{n}" for n in range(5)]  # each once

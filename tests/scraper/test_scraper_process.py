@@ -143,6 +143,7 @@ async def test_admin_health_is_503_when_the_loop_stalls_or_nats_is_lost() -> Non
             interval=2.0,
             timeout=1.0,
             clock=clock,
+            timer=clock,
             settings=SaturationSettings(target_waiting=4, kv_ceiling=0.9, stale_after=10),
         )
     assert health_window(2.0, 1.0) == 4.0

@@ -4,6 +4,7 @@ in the load bucket and on the event subjects."""
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import httpx
@@ -408,6 +409,8 @@ async def test_failed_publishing_is_counted_and_never_stops_the_loop(
             instance="scraper-one",
             interval=0.5,
             timeout=0.5,
+            clock=time.time,
+            timer=time.perf_counter,
         )
 
         def failures(kind: str) -> float | None:
