@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable, Coroutine
@@ -221,7 +222,7 @@ class FlowControl:
         if self._idle is not None and not self._idle.done():
             self._idle.set_result(None)  # the tick runs at once, then every interval
         self._metrics.queue_depth.labels(band.name).inc()
-        future.add_done_callback(lambda f, w=waiter: self._abandoned(f, w))
+        future.add_done_callback(functools.partial(self._abandoned, waiter=waiter))
         return future
 
     def _abandoned(self, future: asyncio.Future[QueueResult], waiter: Waiter) -> None:
@@ -335,7 +336,7 @@ class FlowControl:
         """Until a request is queued here, or `IDLE_TICK` (expiring cancels, gossip)."""
         loop = asyncio.get_running_loop()
         self._idle = idle = loop.create_future()
-        timer = loop.call_later(IDLE_TICK, lambda: idle.done() or idle.set_result(None))
+        timer = loop.call_later(IDLE_TICK, _wake, idle)
         try:
             await idle
         finally:
@@ -409,3 +410,8 @@ class FlowControl:
         if self._tick_task is not None:
             task, self._tick_task = self._tick_task, None
             await cancel_and_wait([task])
+
+
+def _wake(idle: asyncio.Future[None]) -> None:
+    if not idle.done():
+        idle.set_result(None)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
@@ -56,7 +57,7 @@ from llmgw.core.quota import (
 from llmgw.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
-    from llmgw.core.ledger import LeaseRecord, Ledger, PinRecord, ShardState
+    from llmgw.core.ledger import LeaseRecord, Ledger, PairUse, PinRecord, ShardState
     from llmgw.core.quota import PairLimits
     from llmgw.services.admission.membership import Membership
     from llmgw.state.store import RoutingStore, Stored
@@ -232,7 +233,11 @@ class QuotaKeeper:
         """Write the earmarks of what `hold_out` set aside for `shard` (one CAS per pair)."""
         async with self._lock:
             for pair, counts in list(self._pending.get(shard, {}).items()):
-                if await self._cas(pair, lambda b, c=counts: (b.earmark(self.me, shard, *c), c)):
+
+                def mark(book: QuotaBook, c: QuotaCounts = counts) -> tuple[QuotaBook, QuotaCounts]:
+                    return book.earmark(self.me, shard, *c), c
+
+                if await self._cas(pair, mark):
                     del self._pending[shard][pair]  # the book's earmark stands for it now
                     self._sync(pair)
                 # else left held out (never spendable) until `reclaim`
@@ -324,7 +329,7 @@ class QuotaKeeper:
     def desired(self, pair: Pair, book: QuotaBook, stopping: bool = False) -> Quota:
         """Where this instance's entry should go now (pure given the book, use and members)."""
         limits = self.limits[pair]
-        use = self.ledger.pair_use(pair)
+        use: PairUse | _Use = self.ledger.pair_use(pair)
         aside = self._aside(pair)
         got = self._borrowing.get(pair, QuotaCounts())  # room a loan got for its waiters
         use = _Use(
@@ -464,7 +469,7 @@ class QuotaKeeper:
                     step = await self._cas(pair, take)  # None: taken back meanwhile
                 elif plain and pair in counts:
                     incoming[pair] = _Incoming(counts[pair])
-                    step = await self._cas(pair, lambda b, c=counts[pair]: plain_move(b, c))
+                    step = await self._cas(pair, functools.partial(plain_move, counts=counts[pair]))
                 if step is not None:
                     moved[pair] = step
                     incoming[pair] = _Incoming(step)
@@ -675,14 +680,14 @@ class QuotaKeeper:
         the book. Lowered here before the write is sent (nothing is granted into what is lent),
         as `adjust` does. Returns what moved and the book's revision (0: nothing moved)."""
         if pair not in self.limits or pair not in self.books or borrower == self.me:
-            return (0, 0, 0), 0
+            return NO_COUNTS, 0
         if borrower not in self.membership.live():
-            return (0, 0, 0), 0
+            return NO_COUNTS, 0
 
         try:  # the keeper may be busy with a handover's transfer: then lend nothing
             await asyncio.wait_for(self._lock.acquire(), _LEND_LOCK_WAIT)
         except TimeoutError:
-            return (0, 0, 0), 0
+            return NO_COUNTS, 0
         try:
             for _ in range(_MAX_CAS):
                 stored = self.books[pair]
@@ -696,16 +701,16 @@ class QuotaKeeper:
                         entry, spendable, (use.leases, use.unreserved, use.pins), ask
                     )
                 if g == 0 and u == 0 and p == 0:
-                    return (0, 0, 0), 0
+                    return NO_COUNTS, 0
                 book = stored.value.lend(self.me, borrower, g, u, p, at=self._clock())
                 revision = await self._write_own(pair, stored, book)
                 if revision is not None:
                     self.lent += 1
                     self.wake()
-                    return (g, u, p), revision
+                    return QuotaCounts(g, u, p), revision
         finally:
             self._lock.release()
-        return (0, 0, 0), 0
+        return NO_COUNTS, 0
 
     async def leave(self) -> None:
         """Stopping: give back everything not in use (the entry stays if something is)."""

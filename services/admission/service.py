@@ -205,7 +205,7 @@ class _Loan:
     requests together lack of that."""
 
     pair: tuple[str, str]
-    need: QuotaCounts | tuple[int, int, int]  # (leases, unreserved, pins)
+    need: QuotaCounts
     overflow: bool = False
 
 
@@ -387,7 +387,8 @@ class AdmissionService:
         left = False
         try:
             if watcher is not None:
-                await asyncio.wait({future, watcher}, return_when=asyncio.FIRST_COMPLETED)
+                either: set[asyncio.Future[Any]] = {future, watcher}
+                await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
                 if not future.done():  # the client hung up while queued
                     left = True
                     if self.flow is not None and self.flow.cancel(request.id):
@@ -621,7 +622,7 @@ class AdmissionService:
             if loans and request.key is not None:
                 pair = key_pair(request.key)
                 if tried.count(pair) < _LOAN_ROUNDS and self.quotas.spare(pair) is not None:
-                    return _Loan(pair, (1, 1, 0), overflow)  # what the request will use
+                    return _Loan(pair, QuotaCounts(1, 1, 0), overflow)  # what the request will use
             return self._refusal(
                 request.id,
                 Refusal.KEY_LIMIT,
@@ -726,7 +727,7 @@ class AdmissionService:
         # What the request will use there (the round borrows what its requests lack together).
         unreserved = 0 if ideal.lease_kind is LeaseKind.PINNED else 1
         pin = 1 if ideal.pin_action is not PinAction.NONE and not ideal.evict else 0
-        return _Loan((ideal.provider, model), (1, unreserved, pin), asked.overflow)
+        return _Loan((ideal.provider, model), QuotaCounts(1, unreserved, pin), asked.overflow)
 
     def _apply(
         self,
@@ -1141,11 +1142,11 @@ class AdmissionService:
         except ValidationError:
             log.warning("malformed quota loan request")
             return
-        lent, revision = (0, 0, 0), 0
+        lent, revision = QuotaCounts(), 0
         if self.membership.can_serve():
             try:
                 lent, revision = await self.quotas.lend(
-                    ask.borrower, (ask.provider, ask.model), (ask.g, ask.u, ask.p)
+                    ask.borrower, (ask.provider, ask.model), QuotaCounts(ask.g, ask.u, ask.p)
                 )
             except Exception:
                 log.warning("lending quota of %s failed", (ask.provider, ask.model), exc_info=True)

@@ -355,9 +355,9 @@ class ShardKeeper:
             if takeovers:
                 await self._take_over(takeovers)
             for shard, target in plan.release:
-                record = self._shards.get(shard)
-                if record is not None and record.phase is ShardPhase.SERVING:
-                    await self.handovers.give(record, target)
+                giving = self._shards.get(shard)
+                if giving is not None and giving.phase is ShardPhase.SERVING:
+                    await self.handovers.give(giving, target)
 
     async def _take_over(self, shards: list[tuple[int, str | None]]) -> None:
         """Shards whose key names this instance (CLAIMING): a live previous owner is handing
@@ -411,7 +411,8 @@ class ShardKeeper:
             # Drained, not unsubscribed: requests already delivered here are still answered
             # (NOT_OWNER: their edges ask the new owner) instead of dropped unanswered.
             try:
-                await asyncio.wait_for(sub.drain(), _HANDOVER_TIMEOUT)
+                # nats-py leaves Subscription.drain unannotated
+                await asyncio.wait_for(sub.drain(), _HANDOVER_TIMEOUT)  # type: ignore[no-untyped-call]
             except Exception:
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()

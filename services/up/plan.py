@@ -211,7 +211,8 @@ def plan_cluster(config: Config, config_path: str) -> list[ServiceSpec]:
                 listens=_endpoint_listen(endpoint),
             )
         )
-    for offset, kind in enumerate(("admission", "reaper", "scraper"), start=1):
+    services: tuple[ServiceKind, ...] = ("admission", "reaper", "scraper")
+    for offset, kind in enumerate(services, start=1):
         if kind == "admission" and config.admission.colocated:
             continue  # the edge is the admission instance (it owns every shard)
         argv: tuple[str, ...] = (kind, "--config", config_path)
@@ -224,7 +225,7 @@ def plan_cluster(config: Config, config_path: str) -> list[ServiceSpec]:
             ServiceSpec(
                 kind,
                 argv,
-                kind,  # type: ignore[arg-type]
+                kind,
                 listens=listens,
                 admission_instance="up-admission" if kind == "admission" else None,
             )

@@ -339,8 +339,8 @@ def check_audit(
     for index, event in enumerate(ordered):
         while expiries and expiries[0][0] <= event.at:
             _, lease_id = heapq.heappop(expiries)
-            holder = live.get(lease_id)
-            if holder is not None and holder[0] in crashed:
+            held = live.get(lease_id)
+            if held is not None and held[0] in crashed:
                 end(lease_id)
         where = event.instance
         if event.kind in ("crashed", "stopped"):
@@ -442,28 +442,28 @@ def check_audit(
         elif event.kind == "ended":
             lease = event.lease
             assert lease is not None
-            holder = live.get(lease.lease_id)
-            if holder is not None and holder[0] == where:
+            held = live.get(lease.lease_id)
+            if held is not None and held[0] == where:
                 end(lease.lease_id)
         elif event.kind == "pin_added":
             assert event.pin is not None
             provider, model, session, pin_id = event.pin
             skey = (model, session)
-            current = pins.get(skey)
-            if current is not None and current[1] != pin_id and current[2] not in crashed:
+            live_pin = pins.get(skey)
+            if live_pin is not None and live_pin[1] != pin_id and live_pin[2] not in crashed:
                 violations.append(
                     Violation(
                         "I3",
                         f"{model}/{session}",
                         index,
-                        f"pin {pin_id} added by {where} while pin {current[1]} lives at {current[2]}",
+                        f"pin {pin_id} added by {where} while pin {live_pin[1]} lives at {live_pin[2]}",
                         f"  the live pin: {added_by[skey].describe()}\n"
                         + "  instances: "
                         + (", ".join(e.describe() for e in lifecycle) or "-")
                         + "\n"
                         + "\n".join(
                             f"    {e.describe()}"
-                            for e in pin_events[(current[0], model)]
+                            for e in pin_events[(live_pin[0], model)]
                             if e.pin is not None and e.pin[2] == session
                         ),
                     )
@@ -478,8 +478,8 @@ def check_audit(
                         f"p={event.quota.p}",
                     )
                 )
-            if current is not None:
-                pins_per_pair[(current[0], model)].discard(skey)
+            if live_pin is not None:
+                pins_per_pair[(live_pin[0], model)].discard(skey)
             pins[skey] = (provider, pin_id, where)
             pins_per_pair[(provider, model)].add(skey)
             added_by[skey] = event
@@ -501,8 +501,8 @@ def check_audit(
             provider, model, session, pin_id = event.pin
             skey = (model, session)
             pin_events[(provider, model)].append(event)
-            current = pins.get(skey)
-            if current is not None and current[1] == pin_id and current[2] == where:
+            live_pin = pins.get(skey)
+            if live_pin is not None and live_pin[1] == pin_id and live_pin[2] == where:
                 del pins[skey]
                 pins_per_pair[(provider, model)].discard(skey)
     return violations
