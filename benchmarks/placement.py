@@ -663,7 +663,8 @@ def run_once(
 
 
 async def loan_counts(admins: list[str]) -> dict[str, float]:
-    """llmgw_admission_quota_loans_total by source and quota_lent_total, summed over the
+    """llmgw_admission_quota_loans_total by source, quota_lent_total and offloads_total by reason
+    (the whole run: every phase), summed over the
     admission instances' admin ports (the edge's holds its colocated instance's)."""
     totals: dict[str, float] = {}
     async with http_session() as http:
@@ -674,7 +675,11 @@ async def loan_counts(admins: list[str]) -> dict[str, float]:
             except aiohttp.ClientError:
                 continue
             for line in text.splitlines():
-                if line.startswith(
+                if line.startswith("llmgw_admission_offloads_total{"):
+                    name, value = line.rsplit(" ", 1)
+                    key = "offloads:" + name.split('reason="', 1)[1].rstrip('"}')
+                    totals[key] = totals.get(key, 0.0) + float(value)
+                elif line.startswith(
                     ("llmgw_admission_quota_loans_total", "llmgw_admission_quota_lent_total")
                 ):
                     name, value = line.rsplit(" ", 1)
