@@ -19,6 +19,7 @@ __all__ = ["StreamUsage", "Usage", "usage_in"]
 
 _USAGE_KEY = b'"usage"'
 _EVENT_END = b"\n\n"
+_DATA = b"data: {"
 _TAIL = 4096  # bytes kept to find the usage chunk when it is forwarded, not removed
 _DECODER = json.JSONDecoder()  # stateless: one for every read (making one costs a microsecond)
 
@@ -27,6 +28,7 @@ _DECODER = json.JSONDecoder()  # stateless: one for every read (making one costs
 class Usage:
     input_tokens: int
     output_tokens: int
+    cached_tokens: int = 0  # of the input, read from the provider's prefix cache
 
 
 def _decode_usage(raw: bytes) -> Usage | None:
@@ -46,7 +48,11 @@ def _decode_usage(raw: bytes) -> Usage | None:
     prompt, completion = value.get("prompt_tokens"), value.get("completion_tokens", 0)
     if not isinstance(prompt, int) or not isinstance(completion, int):
         return None
-    return Usage(prompt, completion)
+    details = value.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    if not isinstance(cached, int) or not 0 <= cached <= prompt:
+        cached = 0
+    return Usage(prompt, completion, cached)
 
 
 def usage_in(body: bytes) -> Usage | None:
@@ -67,10 +73,14 @@ class StreamUsage:
     def __init__(self, *, remove: bool) -> None:
         self.remove = remove
         self.usage: Usage | None = None
+        # Data events seen (one per token for most engines): the output of a stream cut short
+        # before its usage, as far as the edge can tell (llmgw.core.spend).
+        self.events = 0
         self._buffer = b""
 
     def feed(self, chunk: bytes) -> bytes:
         """The bytes to forward now for ``chunk`` (possibly fewer, held until an event ends)."""
+        self.events += chunk.count(_DATA)
         if not self.remove:
             self._buffer = (self._buffer + chunk)[-_TAIL:]
             return chunk

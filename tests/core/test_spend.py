@@ -1,0 +1,131 @@
+"""Prices and spend as exact integers (llmgw.core.spend)."""
+
+from decimal import Decimal
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from llmgw.core.spend import (
+    PICOS,
+    PriceBook,
+    SpendTotals,
+    TokenPrices,
+    TokenUse,
+    billed_use,
+    estimate_input_tokens,
+    format_money,
+    micros_of,
+    money_of,
+    period_of,
+)
+from llmgw.core.usage import Usage
+
+amounts = st.decimals(min_value=0, max_value=1000, places=6, allow_nan=False)
+tokens = st.integers(min_value=0, max_value=2_000_000)
+
+
+@pytest.mark.parametrize(
+    ("given", "micros"),
+    [(0, 0), (2.4, 2_400_000), ("0.6", 600_000), (Decimal("1.000001"), 1_000_001), (3, 3_000_000)],
+    ids=["zero", "float", "string", "decimal", "int"],
+)
+def test_amounts_become_micro_units(given, micros):
+    assert micros_of(given) == micros
+
+
+@pytest.mark.parametrize(
+    ("bad", "says"),
+    [
+        (-1, ">= 0"),
+        ("abc", "a number"),
+        (True, "a number"),
+        (None, "a number"),
+        ("nan", "finite"),
+        (float("inf"), "finite"),
+        (0.0000001, "decimals"),
+    ],
+    ids=["negative", "text", "bool", "none", "nan", "inf", "too-fine"],
+)
+def test_bad_amounts_say_why(bad, says):
+    with pytest.raises(ValueError, match=says):
+        micros_of(bad)
+
+
+@given(amounts, amounts, amounts, tokens, tokens, tokens)
+def test_a_cost_is_the_exact_product_of_tokens_and_prices(pin, pcached, pout, n_in, n_cached, out):
+    prices = TokenPrices(micros_of(pin), micros_of(pout), micros_of(pcached))
+    cached = min(n_cached, n_in)
+    use = TokenUse(input=n_in, cached=cached, output=out)
+    exact = (pin * (n_in - cached) + pcached * cached + pout * out) / Decimal(1_000_000)
+    assert money_of(prices.cost(use)) == exact
+
+
+@given(st.lists(st.tuples(amounts, tokens, tokens), min_size=1, max_size=40))
+def test_totals_in_any_order_and_grouping_are_equal_to_the_pico(attempts):
+    book = PriceBook(
+        {("p", "*"): TokenPrices(micros_of(Decimal("0.6")), micros_of(Decimal("2.4")))}
+    )
+    one, two = SpendTotals(), SpendTotals()
+    halves = (SpendTotals(), SpendTotals())
+    for index, (_, n_in, out) in enumerate(attempts):
+        use = TokenUse(input=n_in, output=out)
+        picos = book.cost("p", "m", use)
+        one.add(("k", "t", "p", "m"), use, picos)
+        halves[index % 2].add(("k", "t", "p", "m"), use, picos)
+    for _, n_in, out in reversed(attempts):
+        use = TokenUse(input=n_in, output=out)
+        two.add(("k", "t", "p", "m"), use, book.cost("p", "m", use))
+    merged = SpendTotals()
+    for half in halves:
+        merged.merge(SpendTotals.from_wire(half.to_wire()))
+    assert one.picos == two.picos == merged.picos
+    assert one.rows == merged.rows
+
+
+def test_a_pair_price_wins_over_the_providers_star_and_others_are_free():
+    book = PriceBook(
+        {("x", "*"): TokenPrices(1_000_000, 2_000_000), ("x", "m"): TokenPrices(3_000_000, 0)}
+    )
+    use = TokenUse(input=1_000_000, output=1_000_000)
+    assert book.cost("x", "m", use) == 3 * PICOS
+    assert book.cost("x", "other", use) == 3 * PICOS
+    assert book.cost("ours", "m", use) == 0
+
+
+def test_cached_input_costs_the_input_price_unless_given():
+    use = TokenUse(input=1_000_000, cached=400_000, output=0)
+    assert TokenPrices(input=1_000_000).cost(use) == PICOS
+    assert TokenPrices(input=1_000_000, cached_input=500_000).cost(use) == (
+        600_000 * 1_000_000 + 400_000 * 500_000
+    )
+
+
+@pytest.mark.parametrize(
+    ("picos", "cents"),
+    [(0, "0.00"), (4_999_999_999, "0.00"), (5_000_000_000, "0.01"), (1_234_567_000_000, "1.23")],
+)
+def test_money_rounds_half_up_once(picos, cents):
+    assert format_money(picos) == cents
+
+
+def test_periods_are_utc_days_and_months():
+    assert period_of(1_796_256_000.0) == "2026-12-03"
+    assert period_of(1_796_256_000.0 - 1) == "2026-12-02"
+    assert period_of(1_796_256_000.0, "month") == "2026-12"
+
+
+def test_an_attempt_is_billed_its_usage_else_what_it_relayed():
+    body = {"messages": [{"role": "user", "content": "x" * 40}]}
+    assert billed_use(Usage(10, 5, 3), 99, body, True) == TokenUse(10, 3, 5)
+    assert billed_use(None, 6, body, True) == TokenUse(input=4 + 10, output=5)
+    assert billed_use(None, 6, {"prompt": "abcd"}, False) == TokenUse(input=1, output=6)
+    assert billed_use(None, 1, body, True) == TokenUse()  # the role event only
+    assert billed_use(None, 0, body, False) == TokenUse()
+
+
+def test_prompt_estimates_read_text_parts_and_token_ids():
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "abcdefgh"}]}]}
+    assert estimate_input_tokens(body) == 4 + 2
+    assert estimate_input_tokens({"prompt": [1, 2, 3]}) == 3
+    assert estimate_input_tokens({"input": ["abcd", "efgh"]}) == 2
