@@ -40,7 +40,9 @@ from llmgw.services.edge.telemetry import EdgeTelemetry, RequestRecord
 if TYPE_CHECKING:
     from llmgw.config.schema import Config, Timeouts
     from llmgw.contracts import AdmissionClient, LeaseStore, RequestReporter
+    from llmgw.services.edge.budgets import BudgetGuard
     from llmgw.services.edge.http_client import UpstreamPool
+    from llmgw.services.edge.spend import SpendBook
     from llmgw.tracing import Tracing
 
 log = logging.getLogger("llmgw.edge")
@@ -66,6 +68,8 @@ class EdgeDeps:
     drain: EdgeDrain = field(default_factory=EdgeDrain)
     auth: KeyAuth | None = None  # auth.mode keys (services/edge/auth.py)
     tracing: Tracing | None = None  # OpenTelemetry (llmgw.tracing), off by default
+    spend: SpendBook | None = None  # prices each attempt (services/edge/spend.py)
+    budgets: BudgetGuard | None = None  # reserves and settles budgets (services/edge/budgets.py)
 
 
 class Edge:
@@ -95,6 +99,9 @@ class Edge:
         # name or alias -> canonical name, as a plain dict for the hot path
         self._canonical = {m: config.resolve_model(m) for m in config.public_model_ids()}
         self.upstream_headers = _provider_auth_headers(config)
+        self.spend = deps.spend
+        self.budgets = deps.budgets
+        self.spend_header = config.spend.cost_header
         self.attempts = Attempts(self)
 
     def upstream_headers_for(self, routed: RoutedRequest, provider: str) -> dict[str, str]:

@@ -20,6 +20,7 @@ Pure: no clock (timestamps are passed in), no I/O.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -29,6 +30,7 @@ __all__ = [
     "MICROS",
     "PICOS",
     "PriceBook",
+    "PromptCalibration",
     "SpendRow",
     "SpendTotals",
     "TokenPrices",
@@ -263,54 +265,98 @@ def periods_between(first: float, last: float) -> list[str]:
 
 # ---- what an attempt is billed for ---------------------------------------------------------------
 
-_CHARS_PER_TOKEN = 4  # English text in BPE vocabularies: about four characters a token
+_WARM = 32  # observations before only streams calibrate (an estimate per request costs ~1 us)
+_PIECE = re.compile(r"\w{1,4}|[^\w\s]")
 _TOKENS_PER_MESSAGE = 4  # a chat template's role markers around each message
 
 
 def estimate_input_tokens(body: Mapping[str, object]) -> int:
-    """Prompt tokens of a chat, completions or embeddings body, estimated from its text
-    (about four characters a token, plus a chat template's few per message); no tokenizer."""
-    chars = 0
-    overhead = 0
+    """Prompt tokens of a chat, completions or embeddings body, estimated from its text: a
+    token is a run of at most four letters or digits, or one other visible character (about
+    what a BPE vocabulary makes of English), plus a chat template's few per message; no
+    tokenizer (`PromptCalibration` scales it to a provider's)."""
+    tokens = 0
     messages = body.get("messages")
     if isinstance(messages, list):
         for message in messages:
-            overhead += _TOKENS_PER_MESSAGE
+            tokens += _TOKENS_PER_MESSAGE
             if isinstance(message, Mapping):
-                chars += _text_chars(message.get("content"))
+                tokens += _text_tokens(message.get("content"))
     for name in ("prompt", "input"):
-        chars += _text_chars(body.get(name))
-    return overhead + -(-chars // _CHARS_PER_TOKEN)
+        tokens += _text_tokens(body.get(name))
+    return tokens
 
 
-def _text_chars(value: object) -> int:
+def _text_tokens(value: object) -> int:
     if isinstance(value, str):
-        return len(value)
+        return len(_PIECE.findall(value))
     if isinstance(value, list):
         total = 0
         for item in value:
             if isinstance(item, str):
-                total += len(item)
+                total += len(_PIECE.findall(item))
             elif isinstance(item, Mapping) and isinstance(item.get("text"), str):
-                total += len(item["text"])
+                total += len(_PIECE.findall(item["text"]))
             elif isinstance(item, int):  # a prompt given as token ids
-                total += _CHARS_PER_TOKEN
+                total += 1
         return total
     return 0
 
 
-def billed_use(usage: object, relayed: int, body: Mapping[str, object], chat: bool) -> TokenUse:
+@dataclass(slots=True)
+class PromptCalibration:
+    """How a provider's tokenizer counts prompts against `estimate_input_tokens`: the ratio of
+    real to estimated prompt tokens over its recent requests with a usage (each observation
+    weighs `1 - decay` of the sums, so the ratio follows a change of traffic)."""
+
+    real: float = 0.0
+    estimated: float = 0.0
+    decay: float = 0.98
+    seen: int = 0
+
+    @property
+    def warm(self) -> bool:
+        """Enough observations that non-streamed requests need not add theirs."""
+        return self.seen >= _WARM
+
+    def observe(self, estimated: int, real: int) -> None:
+        if estimated <= 0:
+            return
+        self.seen += 1
+        self.real = self.real * self.decay + real
+        self.estimated = self.estimated * self.decay + estimated
+
+    def scale(self, estimated: int) -> int:
+        if self.estimated <= 0:
+            return estimated
+        return round(estimated * self.real / self.estimated)
+
+
+def billed_use(
+    usage: object,
+    relayed: int,
+    body: Mapping[str, object],
+    chat: bool,
+    calibration: PromptCalibration | None = None,
+) -> TokenUse:
     """The tokens an attempt is billed for: its provider's usage (an object with
     ``input_tokens``, ``output_tokens``, ``cached_tokens``) when it had one; else, for a stream
     cut short after `relayed` data events, those events as output (a chat stream's first event
-    carries the role, no token) and the body's estimated prompt; else nothing."""
+    carries the role, no token) and the body's estimated prompt, scaled by `calibration`; else
+    nothing. A stream's usage calibrates the estimate of the streams that will have none."""
     if usage is not None:
+        real = usage.input_tokens  # type: ignore[attr-defined]
+        if calibration is not None and (relayed > 0 or not calibration.warm):
+            calibration.observe(estimate_input_tokens(body), real)
         return TokenUse(
-            input=usage.input_tokens,  # type: ignore[attr-defined]
+            input=real,
             cached=getattr(usage, "cached_tokens", 0),
             output=usage.output_tokens,  # type: ignore[attr-defined]
         )
     output = relayed - 1 if chat else relayed
     if output <= 0:
         return TokenUse()
-    return TokenUse(input=estimate_input_tokens(body), output=output)
+    estimated = estimate_input_tokens(body)
+    if calibration is not None:
+        estimated = calibration.scale(estimated)
+    return TokenUse(input=estimated, output=output)

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from llmgw.core.spend import (
     PICOS,
     PriceBook,
+    PromptCalibration,
     SpendTotals,
     TokenPrices,
     TokenUse,
@@ -116,16 +117,28 @@ def test_periods_are_utc_days_and_months():
 
 
 def test_an_attempt_is_billed_its_usage_else_what_it_relayed():
-    body = {"messages": [{"role": "user", "content": "x" * 40}]}
+    body = {"messages": [{"role": "user", "content": "xxxx " * 10}]}
     assert billed_use(Usage(10, 5, 3), 99, body, True) == TokenUse(10, 3, 5)
     assert billed_use(None, 6, body, True) == TokenUse(input=4 + 10, output=5)
-    assert billed_use(None, 6, {"prompt": "abcd"}, False) == TokenUse(input=1, output=6)
+    assert billed_use(None, 6, {"prompt": "abcd, efghi"}, False) == TokenUse(input=4, output=6)
     assert billed_use(None, 1, body, True) == TokenUse()  # the role event only
     assert billed_use(None, 0, body, False) == TokenUse()
 
 
 def test_prompt_estimates_read_text_parts_and_token_ids():
-    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "abcdefgh"}]}]}
-    assert estimate_input_tokens(body) == 4 + 2
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "abcdefgh!"}]}]}
+    assert estimate_input_tokens(body) == 4 + 3
     assert estimate_input_tokens({"prompt": [1, 2, 3]}) == 3
     assert estimate_input_tokens({"input": ["abcd", "efgh"]}) == 2
+
+
+def test_the_calibration_scales_estimates_to_what_the_provider_counted():
+    calibration = PromptCalibration()
+    assert calibration.scale(10) == 10  # nothing seen yet
+    for _ in range(5):
+        calibration.observe(10, 15)
+    assert calibration.scale(20) == 30 and not calibration.warm
+    usage = Usage(30, 2)
+    body = {"prompt": "a b c d e f g h i j k l m n o p q r s t"}  # 20 pieces
+    assert billed_use(usage, 3, body, False, calibration).input == 30  # observed, its own
+    assert billed_use(None, 3, body, False, calibration) == TokenUse(input=30, output=3)
