@@ -2,7 +2,8 @@
 
 A request of a tenant with a budget (`spend.budgets`) reserves, before each attempt asks
 admission, its estimated cost in each of its accounts (`llmgw.core.budget`): prompt tokens
-estimated from the body, output tokens from ``max_tokens`` (or ``max_completion_tokens``,
+estimated from the body (scaled to how the providers counted recent prompts), output tokens
+from ``max_tokens`` (or ``max_completion_tokens``,
 else `spend.default_output_tokens`), priced at the dearest provider that may serve it (for
 `max_spend`) or the dearest third party (for `max_overflow_spend`). The reservation is taken
 from this edge's grant, in memory; when the grant cannot fit it, the edge asks admission for a
@@ -108,10 +109,12 @@ class BudgetGuard:
         config: Config,
         *,
         metrics: SpendMetrics | None = None,
+        scale: Callable[[str, int], int] = lambda model, tokens: tokens,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._nc = nc
         self._metrics = metrics
+        self._scale = scale  # estimated prompt tokens as providers count them (SpendBook)
         self.edge_id = edge_id
         self._clock = clock
         self.interval = config.spend.interval
@@ -159,7 +162,8 @@ class BudgetGuard:
         budget = self.tenants.get(tenant) if tenant is not None else None
         if budget is None:
             return None
-        use = TokenUse(input=estimate_input_tokens(body), output=self._output(body))
+        prompt = self._scale(model, estimate_input_tokens(body))
+        use = TokenUse(input=prompt, output=self._output(body))
         hold = BudgetHold()
         period = period_id(budget.period, self._clock())
         scope = f"tenant-{tenant}"

@@ -188,7 +188,7 @@ async def open_edge_deps(  # type: ignore[no-untyped-def]
         reporter = TokenCountingReporter(reporter, auth)
     spend = SpendBook(nc, edge_id, config, metrics.spend)
     await spend.start()
-    budgets = BudgetGuard(nc, edge_id, config, metrics=metrics.spend)
+    budgets = BudgetGuard(nc, edge_id, config, metrics=metrics.spend, scale=spend.scaled_input)
     await budgets.start()
     return EdgeDeps(
         spend=spend,

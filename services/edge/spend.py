@@ -166,6 +166,12 @@ class SpendBook:
                 metrics.overflow.labels(label, route or "none").inc(picos / PICOS)
         return picos
 
+    def scaled_input(self, model: str, estimated: int) -> int:
+        """`estimated` prompt tokens of `model` as the provider that counts most would count
+        them (`PromptCalibration`): what a budget reservation assumes."""
+        scaled = [c.scale(estimated) for (_, m), c in self._calibration.items() if m == model]
+        return max(scaled, default=estimated)
+
     def cost_header(self, picos: int) -> str:
         """The `x-llmgw-cost` value: the amount to six decimals and the currency."""
         return f"{format_money(picos, 6)} {self.currency}"
