@@ -225,6 +225,7 @@ class Edge:
             tenant=record.tenant,
             key=caller.key.key_id if caller is not None else None,
             key_parallel=caller.key.max_parallel_requests if caller is not None else None,
+            key_budget=caller.key.budget if caller is not None else None,
             headers=ids,
             started=record.started,
             # Once the body is read, the next ASGI receive() returns only when the client

@@ -72,6 +72,7 @@ from llmgw.wire import (
 
 if TYPE_CHECKING:
     from llmgw.contracts import LeaseHold
+    from llmgw.core.budget import Budget
     from llmgw.core.requests import Feature, ParsedRequest
     from llmgw.services.edge.app import Edge
     from llmgw.services.edge.telemetry import RequestRecord
@@ -125,6 +126,7 @@ class RoutedRequest:
     record: RequestRecord  # metrics and the access line (llmgw.services.edge.telemetry)
     key: str | None = None  # the API key's id (auth.mode keys)
     key_parallel: int | None = None  # its max_parallel_requests
+    key_budget: Budget | None = None  # its budget (llmgw.core.budget)
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,10 +157,14 @@ class Attempts:
         for attempt in range(retries + 1):
             hold: BudgetHold | None = None
             exclude = tuple(excluded)
-            if edge.budgets is not None and edge.budgets.active:
+            if edge.budgets is not None and (edge.budgets.active or routed.key_budget):
                 try:
                     hold = await edge.budgets.reserve(
-                        routed.tenant, routed.model, routed.parsed.body
+                        routed.tenant,
+                        routed.model,
+                        routed.parsed.body,
+                        key=routed.key,
+                        key_budget=routed.key_budget,
                     )
                 except (BudgetRefused, BudgetUnavailable) as exc:
                     if previous is not None:

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from llmgw.core.budget import Budget, BudgetKind, Purse, account_key, period_id
+from llmgw.core.budget import Budget, BudgetKind, Period, Purse, account_key, period_id
 from llmgw.core.spend import PriceBook, TokenPrices, TokenUse, estimate_input_tokens
 from llmgw.tasks import cancel_and_wait
 from llmgw.wire import BUDGET_GRANT_SUBJECT, BudgetGrantReply, BudgetGrantRequest
@@ -49,6 +49,7 @@ log = logging.getLogger("llmgw.edge.budgets")
 
 _SPARE_REQUESTS = 4  # a grant asks room for this many more like the last, while room is ample
 _AMPLE = 16  # ... i.e. while the account's room is at least this many such requests
+_ROUNDS = 8  # asks one request may wait for while others take what each brought
 _IDLE_PERIODS = 3  # intervals without use before an account is forgotten (grant returned)
 
 
@@ -64,6 +65,7 @@ class _Account:
     purse: Purse = field(default_factory=Purse)
     pending: asyncio.Future[bool] | None = None
     reported: int = -1  # spent as last reported
+    demand: int = 0  # estimates of the requests waiting here for a larger grant
     used_at: float = 0.0  # monotonic time of the last reservation
 
 
@@ -135,10 +137,13 @@ class BudgetGuard:
                 e.id for e in config.endpoints if e.provider in third
             )
         self._accounts: dict[str, _Account] = {}
+        self._periods: dict[str, tuple[int, str]] = {}
+        self._keys: dict[tuple[str, str, str], str] = {}
         self._task: asyncio.Task[None] | None = None
 
     @property
     def active(self) -> bool:
+        """Whether any tenant has a budget (keys' budgets are checked in any case)."""
         return bool(self.tenants)
 
     async def start(self) -> None:
@@ -155,31 +160,52 @@ class BudgetGuard:
     # ---- the request path -----------------------------------------------------------------------
 
     async def reserve(
-        self, tenant: str | None, model: str, body: dict[str, Any]
+        self,
+        tenant: str | None,
+        model: str,
+        body: dict[str, Any],
+        *,
+        key: str | None = None,
+        key_budget: Budget | None = None,
     ) -> BudgetHold | None:
-        """The attempt's reservations (None: no budget applies). Raises `BudgetRefused` when
-        `max_spend` cannot fit it, `BudgetUnavailable` when no grant could be asked for."""
-        budget = self.tenants.get(tenant) if tenant is not None else None
-        if budget is None:
+        """The attempt's reservations in its tenant's and its key's accounts (None: no budget
+        applies). Raises `BudgetRefused` when a `max_spend` cannot fit it (what was reserved
+        is released), `BudgetUnavailable` when no grant could be asked for."""
+        budgets: list[tuple[str, str, Budget]] = []
+        tenant_budget = self.tenants.get(tenant) if tenant is not None else None
+        if tenant_budget is not None:
+            budgets.append((f"tenant-{tenant}", f"tenant '{tenant}'", tenant_budget))
+        if key_budget is not None and key is not None:
+            budgets.append((f"key-{key}", f"API key {key}", key_budget))
+        if not budgets:
             return None
         prompt = self._scale(model, estimate_input_tokens(body))
         use = TokenUse(input=prompt, output=self._output(body))
         hold = BudgetHold()
-        period = period_id(budget.period, self._clock())
-        scope = f"tenant-{tenant}"
+        try:
+            for scope, whose, budget in budgets:
+                await self._reserve_in(hold, scope, whose, budget, model, use)
+        except BaseException:
+            hold.release()
+            raise
+        return hold
+
+    async def _reserve_in(
+        self, hold: BudgetHold, scope: str, whose: str, budget: Budget, model: str, use: TokenUse
+    ) -> None:
+        period = self._period(budget.period)
         if budget.max_spend is not None:
             estimate = self._worst[model].cost(use)
             account = self._account("spend", scope, period, budget.max_spend)
             if not await self._reserve(account, estimate):
                 self._count("spend", "refused")
-                hold.release()
                 raise BudgetRefused(
-                    f"The budget of tenant '{tenant}' ({budget.period}) is used up: this request "
-                    "would take its spend past max_spend."
+                    f"The budget of {whose} ({budget.period}) is used up: this request would "
+                    "take its spend past max_spend."
                 )
             hold.parts.append((account, estimate))
             self._count("spend", "reserved")
-        if budget.max_overflow_spend is not None:
+        if budget.max_overflow_spend is not None and not hold.no_overflow:
             estimate = self._worst_third[model].cost(use)
             account = self._account("overflow", scope, period, budget.max_overflow_spend)
             try:
@@ -191,11 +217,21 @@ class BudgetGuard:
             else:
                 hold.no_overflow = True
             self._count("overflow", "reserved" if fits else "kept_home")
-        return hold
 
     def _count(self, kind: str, decision: str) -> None:
         if self._metrics is not None:
             self._metrics.budget.labels(kind, decision).inc()
+
+    def _period(self, period: Period) -> str:
+        """`period_id` now, named once a second (a day or month turns at a second)."""
+        now = self._clock()
+        second = int(now)
+        cached = self._periods.get(period)
+        if cached is not None and cached[0] == second:
+            return cached[1]
+        name = period_id(period, now)
+        self._periods[period] = (second, name)
+        return name
 
     def _output(self, body: dict[str, Any]) -> int:
         for name in ("max_completion_tokens", "max_tokens"):
@@ -205,7 +241,11 @@ class BudgetGuard:
         return self.default_output
 
     def _account(self, kind: BudgetKind, scope: str, period: str, limit: int) -> _Account:
-        key = account_key(kind, scope, period)
+        key = self._keys.get((kind, scope, period))
+        if key is None:
+            if len(self._keys) > 10_000:
+                self._keys.clear()
+            key = self._keys[(kind, scope, period)] = account_key(kind, scope, period)
         account = self._accounts.get(key)
         if account is None:
             account = self._accounts[key] = _Account(key, kind, limit)
@@ -213,17 +253,24 @@ class BudgetGuard:
         return account
 
     async def _reserve(self, account: _Account, estimate: int) -> bool:
+        """Reserve `estimate`, asking for a larger grant while the account has room for it:
+        refused only when the account itself cannot fit it (every holder's commitments)."""
         account.used_at = time.monotonic()
         purse = account.purse
         if purse.reserve(estimate):
             return True
-        # Two asks at most: the first may be another request's, whose grant others took.
-        for _ in range(2):
-            spare = estimate * _SPARE_REQUESTS if purse.room >= estimate * _AMPLE else 0
-            await self._regrant(account, purse.want(estimate, spare))
-            if purse.reserve(estimate):
-                return True
-        return False
+        account.demand += estimate  # what the requests waiting here need, asked together
+        try:
+            for _ in range(_ROUNDS):
+                spare = estimate * _SPARE_REQUESTS if purse.room >= estimate * _AMPLE else 0
+                await self._regrant(account, purse.want(account.demand, spare))
+                if purse.reserve(estimate):
+                    return True
+                if purse.room < estimate:  # the account is (nearly) spent: no more to ask
+                    return False
+            return False
+        finally:
+            account.demand -= estimate
 
     async def _regrant(self, account: _Account, want: int) -> None:
         """Ask for a grant of `want` in all; requests that need one meanwhile share the ask."""

@@ -25,7 +25,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter
 
@@ -34,6 +34,7 @@ from llmgw.core.spend import (
     PriceBook,
     PromptCalibration,
     SpendTotals,
+    TokenUse,
     billed_use,
     format_money,
     period_of,
@@ -49,6 +50,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("llmgw.edge.spend")
 
+_DAY = 86_400.0
+_MAX_CHILDREN = 10_000  # label sets whose metric children are kept (tenants are bounded too)
 _REFRESH = 10.0  # seconds between publications of unchanged totals (late listeners)
 
 
@@ -108,11 +111,13 @@ class SpendBook:
         self._metrics = metrics
         self._clock = clock
         self.day = period_of(clock())
+        self._day_ends = 0.0
         self.totals = SpendTotals()
         self._previous: tuple[str, SpendTotals] | None = None  # the day before, not yet sent
         self._dirty = False
         self._task: asyncio.Task[None] | None = None
         self._calibration: dict[tuple[str, str], PromptCalibration] = {}
+        self._children: dict[tuple[str | None, str, str, str | None], tuple[Any, ...]] = {}
 
     async def start(self) -> None:
         if self._nc is not None:
@@ -147,24 +152,55 @@ class SpendBook:
         use = billed_use(usage, relayed, body or {}, chat, calibration)
         if use.input == 0 and use.output == 0:
             return 0
-        day = period_of(self._clock())
-        if day != self.day:
-            self._previous = (self.day, self.totals)
-            self.day, self.totals = day, SpendTotals()
+        now = self._clock()
+        if now >= self._day_ends:  # the day is named once a day, not per attempt
+            day = period_of(now)
+            self._day_ends = (now // _DAY + 1) * _DAY
+            if day != self.day:
+                self._previous = (self.day, self.totals)
+                self.day, self.totals = day, SpendTotals()
         picos = self.prices.cost(provider, model, use)
         self.totals.add((key or "", tenant or "", provider, model), use, picos)
         self._dirty = True
-        metrics = self._metrics
-        if metrics is not None:
-            label = metrics.tenant(tenant)
-            metrics.spend.labels(label, provider, model).inc(picos / PICOS)
-            tokens = metrics.tokens
-            tokens.labels(label, provider, model, "input").inc(use.input - use.cached)
-            tokens.labels(label, provider, model, "cached_input").inc(use.cached)
-            tokens.labels(label, provider, model, "output").inc(use.output)
-            if provider in self.third_party:
-                metrics.overflow.labels(label, route or "none").inc(picos / PICOS)
+        if self._metrics is not None:
+            self._count(tenant, provider, model, route, use, picos)
         return picos
+
+    def _count(
+        self,
+        tenant: str | None,
+        provider: str,
+        model: str,
+        route: str | None,
+        use: TokenUse,
+        picos: int,
+    ) -> None:
+        """The metrics of one attempt; children looked up once per label set (labels()
+        parses its arguments on every call)."""
+        metrics = self._metrics
+        assert metrics is not None
+        where = (tenant, provider, model, route)
+        children = self._children.get(where)
+        if children is None:
+            label = metrics.tenant(tenant)
+            children = (
+                metrics.spend.labels(label, provider, model),
+                metrics.tokens.labels(label, provider, model, "input"),
+                metrics.tokens.labels(label, provider, model, "cached_input"),
+                metrics.tokens.labels(label, provider, model, "output"),
+                metrics.overflow.labels(label, route or "none")
+                if provider in self.third_party
+                else None,
+            )
+            if len(self._children) < _MAX_CHILDREN:
+                self._children[where] = children
+        cost = picos / PICOS
+        children[0].inc(cost)
+        children[1].inc(use.input - use.cached)
+        children[2].inc(use.cached)
+        children[3].inc(use.output)
+        if children[4] is not None:
+            children[4].inc(cost)
 
     def scaled_input(self, model: str, estimated: int) -> int:
         """`estimated` prompt tokens of `model` as the provider that counts most would count

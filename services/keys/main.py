@@ -228,6 +228,10 @@ def _changes(args: argparse.Namespace, now: float) -> dict[str, Any]:
         value = getattr(args, option)
         if value is not None:
             changes[name] = value if value > 0 else None  # 0 removes the limit
+    for option in ("budget_period", "max_spend", "max_overflow_spend"):
+        value = getattr(args, option, None)
+        if value is not None:
+            changes[option] = None if value == "none" else value
     if args.expires is not None:
         changes["expires_at"] = _expiry(args.expires, now)
     if args.label:
@@ -295,9 +299,13 @@ def _limits(key: ApiKey) -> str:
             ("parallel", key.max_parallel_requests),
             ("rpm", key.rpm),
             ("tpm", key.tpm),
+            ("max_spend", key.max_spend),
+            ("max_overflow_spend", key.max_overflow_spend),
         )
         if value is not None
     ]
+    if key.budget_period is not None and (key.max_spend or key.max_overflow_spend):
+        parts.append(f"budget={key.budget_period}")
     return " ".join(parts)
 
 

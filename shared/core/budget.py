@@ -37,6 +37,7 @@ __all__ = [
     "Budget",
     "BudgetKind",
     "Holding",
+    "Period",
     "Purse",
     "account_key",
     "period_id",

@@ -3,7 +3,7 @@ shipped config, a tenant with an overflow budget and one without, traffic that o
 engines. The third party's own count of what the tenant cost ends within one request's estimate
 of the budget; after that, the tenant's overflow waits for our engines while the other tenant's
 still goes to the third party. A tenant whose max_spend is used up gets 429 insufficient_quota,
-before admission (no lease, no spend)."""
+before admission (no lease, no spend), and so does a key whose own max_spend is."""
 
 from __future__ import annotations
 
@@ -142,6 +142,20 @@ def test_a_spend_budget_used_up_is_a_429_insufficient_quota_that_costs_nothing(
         assert error["code"] == "insufficient_quota" and error["type"] == "insufficient_quota"
         assert "team-broke" in error["message"] and "max_spend" in error["message"]
         assert "x-llmgw-provider" not in response.headers  # never admitted: no lease taken
+    # A key's own budget (`llmgw keys create --max-spend ... --budget-period ...`), for a tenant
+    # without one: the same answer, naming the key.
+    made = cluster.cli(
+        "keys", "create", "--tenant", "team-c", "--max-spend", "0.0001", "--budget-period", "daily"
+    )
+    response = httpx.post(
+        f"{cluster.apis[1]}/chat/completions",
+        json=body,
+        headers={"authorization": f"Bearer {made['secret']}"},
+        timeout=30,
+    )
+    assert response.status_code == 429, response.text
+    assert f"API key {made['id']}" in response.json()["error"]["message"]
     time.sleep(2.5)  # two spend intervals: anything counted would be written down by now
     report = cluster.cli("spend", "--period", "total", "--by", "tenant")
-    assert not [r for p in report["periods"] for r in p["rows"] if r["tenant"] == "team-broke"]
+    rows = [r for p in report["periods"] for r in p["rows"]]
+    assert not [r for r in rows if r["tenant"] in ("team-broke", "team-c")]

@@ -120,7 +120,8 @@ def test_spend_equals_the_third_partys_own_count_to_the_cent_under_retries_and_c
 
     elsewhere = [r for r in results if r["status"] == 200 and r["provider"] != "tensorx"]
     assert not elsewhere, elsewhere
-    assert sum(r["status"] == 200 for r in results) >= REQUESTS * 0.8, results
+    statuses = sorted(str(r["status"]) for r in results)
+    assert statuses.count("200") >= REQUESTS * 0.8, statuses
     bill = cluster.third_party_bill()[MODEL]
     assert bill["requests"] >= REQUESTS * 0.8, bill
     truth = cluster.third_party_cost([MODEL])
