@@ -35,7 +35,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from llmgw.core.budget import Budget, BudgetKind, Period, Purse, account_key, period_id
-from llmgw.core.spend import PriceBook, TokenPrices, TokenUse, estimate_input_tokens
+from llmgw.core.spend import (
+    PriceBook,
+    TokenPrices,
+    TokenUse,
+    estimate_input_tokens,
+    estimated_output,
+)
 from llmgw.tasks import cancel_and_wait
 from llmgw.wire import BUDGET_GRANT_SUBJECT, BudgetGrantReply, BudgetGrantRequest
 
@@ -234,11 +240,7 @@ class BudgetGuard:
         return name
 
     def _output(self, body: dict[str, Any]) -> int:
-        for name in ("max_completion_tokens", "max_tokens"):
-            value = body.get(name)
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                return value
-        return self.default_output
+        return estimated_output(body, self.default_output)
 
     def _account(self, kind: BudgetKind, scope: str, period: str, limit: int) -> _Account:
         key = self._keys.get((kind, scope, period))

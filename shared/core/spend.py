@@ -37,6 +37,7 @@ __all__ = [
     "TokenUse",
     "billed_use",
     "estimate_input_tokens",
+    "estimated_output",
     "format_money",
     "micros_of",
     "money_of",
@@ -285,6 +286,16 @@ def estimate_input_tokens(body: Mapping[str, object]) -> int:
     for name in ("prompt", "input"):
         tokens += _text_tokens(body.get(name))
     return tokens
+
+
+def estimated_output(body: Mapping[str, object], default: int) -> int:
+    """Output tokens a request may produce: its ``max_completion_tokens`` or ``max_tokens``,
+    else `default`."""
+    for name in ("max_completion_tokens", "max_tokens"):
+        value = body.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return default
 
 
 def _text_tokens(value: object) -> int:
