@@ -36,7 +36,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
         {"tenant": "team-broke", "period": "monthly", "max_spend": "0.0001"},
     ]
     cluster = start_cluster(
-        tmp_path_factory.mktemp("budgets"), {"prices": PRICES, "budgets": budgets}
+        tmp_path_factory.mktemp("budgets"),
+        {"prices": PRICES, "budgets": budgets, "cost_header": True},
     )
     try:
         cluster.add_edge()
@@ -159,3 +160,35 @@ def test_a_spend_budget_used_up_is_a_429_insufficient_quota_that_costs_nothing(
     report = cluster.cli("spend", "--period", "total", "--by", "tenant")
     rows = [r for p in report["periods"] for r in p["rows"]]
     assert not [r for r in rows if r["tenant"] in ("team-broke", "team-c")]
+
+
+def test_a_response_tells_its_client_what_it_cost(cluster: SpendCluster) -> None:
+    """spend.cost_header: x-llmgw-cost is the response's usage at its provider's prices."""
+    key = cluster.key_for("team-header")
+    prices = {p["model"]: p for p in PRICES}
+    seen = set()
+    for index in range(12):
+        response = httpx.post(
+            f"{cluster.apis[index % 2]}/chat/completions",
+            json={
+                "model": "qwen",
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 9,
+            },
+            headers={"authorization": f"Bearer {key}"},
+            timeout=30,
+        )
+        assert response.status_code == 200, response.text
+        amount, currency = response.headers["x-llmgw-cost"].split()
+        usage = response.json()["usage"]
+        provider = response.headers["x-llmgw-provider"]
+        expected = Decimal(0)
+        if provider == "tensorx":
+            price = prices[FREE]
+            expected = (
+                Decimal(price["input"]) * usage["prompt_tokens"]
+                + Decimal(price["output"]) * usage["completion_tokens"]
+            ) / 1_000_000
+        assert (Decimal(amount), currency) == (expected.quantize(Decimal("0.000001")), "USD")
+        seen.add(provider)
+    assert "iris" in seen  # our engines: no price, no cost
