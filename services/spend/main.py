@@ -18,13 +18,20 @@ import json
 import re
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import nats
 
 from llmgw import natsconn
 from llmgw.config import Config
-from llmgw.core.spend import SpendTotals, format_money, period_of
+from llmgw.core.spend import (
+    SpendTotals,
+    fleet_cost,
+    format_money,
+    period_of,
+    spread_fleet_cost,
+)
 from llmgw.runtime import load_tool_config
 from llmgw.services.spend.options import BY_FIELDS
 from llmgw.services.spend.report import SpendRecord, open_spend_reader, read_spend
@@ -57,13 +64,15 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
+    now = time.time()
     result = report(
         record,
         period=args.period,
         by=by,
         since=args.since,
-        until=args.until or period_of(time.time()),
+        until=args.until or period_of(now),
         currency=config.spend.currency,
+        fleet=fleet_of(config, now),
     )
     if args.json:
         print(json.dumps(result))
@@ -81,6 +90,21 @@ async def _read(config: Config, refusals: natsconn.Refusals) -> SpendRecord:
         await nc.close()
 
 
+def fleet_of(config: Config, now: float) -> Callable[[str], dict[str, int]]:
+    """Per UTC day: picos of each provider with an endpoint-hour price (spend.prices), for its
+    configured endpoints over the day (today: so far)."""
+    rates = config.spend.endpoint_hours()
+    counts = {p: sum(e.provider == p for e in config.endpoints) for p in rates}
+    today = period_of(now)
+    elapsed = now % 86_400
+
+    def of_day(day: str) -> dict[str, int]:
+        seconds = 86_400.0 if day < today else elapsed if day == today else 0.0
+        return {p: fleet_cost(rate, counts[p], seconds) for p, rate in rates.items()}
+
+    return of_day
+
+
 def report(
     record: SpendRecord,
     *,
@@ -89,14 +113,23 @@ def report(
     since: str | None,
     until: str,
     currency: str,
+    fleet: Callable[[str], dict[str, int]] | None = None,
 ) -> dict[str, Any]:
-    """The report as data: periods, each with rows grouped `by`, and the grand total."""
+    """The report as data: periods, each with rows grouped `by`, and the grand total. `fleet`:
+    our engines' cost per day and provider, spread over the tokens each row was served."""
     periods: dict[str, SpendTotals] = {}
-    for day, totals in sorted(record.days.items()):
+    for day, recorded in sorted(record.days.items()):
         if since is not None and day[: len(since)] < since:
             continue
         if day[: len(until)] > until:
             continue
+        totals = recorded
+        if fleet is not None and (costs := fleet(day)):
+            totals = SpendTotals()
+            totals.merge(recorded)
+            for where, share in spread_fleet_cost(totals, costs).items():
+                totals.rows[where].picos += share
+                totals.rows[where].fleet += share
         name = {"day": day, "month": day[:7], "total": "total"}[period]
         periods.setdefault(name, SpendTotals()).merge(totals)
     grand = 0
@@ -113,6 +146,7 @@ def report(
                     "output_tokens": row.output,
                     "cost": format_money(row.picos, 6),
                     "picos": row.picos,
+                    "fleet_picos": row.fleet,
                 }
             )
         grand += totals.picos

@@ -38,8 +38,11 @@ class PriceConfig(StrictModel):
     input: Decimal = Decimal(0)
     output: Decimal = Decimal(0)
     cached_input: Decimal | None = None
+    # Our own engines: what one endpoint of the provider costs an hour, spread over the tokens
+    # the provider served (`llmgw spend`); only with model "*".
+    endpoint_hour: Decimal | None = None
 
-    @field_validator("input", "output", "cached_input", mode="before")
+    @field_validator("input", "output", "cached_input", "endpoint_hour", mode="before")
     @classmethod
     def _amount(cls, value: Any) -> Decimal | None:
         if value is None:
@@ -49,7 +52,7 @@ class PriceConfig(StrictModel):
         except ValueError as exc:
             raise ValueError(f"price per million tokens: {exc}") from None
 
-    @field_serializer("input", "output", "cached_input")
+    @field_serializer("input", "output", "cached_input", "endpoint_hour")
     def _shown(self, value: Decimal | None) -> float | None:
         return None if value is None else float(value)  # at most 6 decimals: exact as shown
 
@@ -119,6 +122,14 @@ class SpendConfig(StrictModel):
             raise ValueError(f"unknown currency {value!r}; expected an ISO 4217 code: {known}")
         return value.strip().upper()
 
+    def endpoint_hours(self) -> dict[str, int]:
+        """Micro-units per endpoint-hour by provider (the providers that have one)."""
+        return {
+            p.provider: micros_of(p.endpoint_hour)
+            for p in self.prices
+            if p.endpoint_hour is not None
+        }
+
     def price_book(self, resolve: Callable[[str], str | None] = lambda name: name) -> PriceBook:
         """The prices by (provider, canonical model): `resolve` maps an alias to its model
         (`Config.resolve_model`)."""
@@ -141,6 +152,14 @@ def spend_problems(config: Config) -> list[tuple[tuple[str | int, ...], str]]:
         if price.provider not in served:
             problems.append(((*where, "provider"), f"unknown provider {price.provider!r}"))
             continue
+        if price.endpoint_hour is not None and price.model != "*":
+            problems.append(
+                (
+                    (*where, "endpoint_hour"),
+                    "an endpoint-hour prices the provider's endpoints, not one model: give it "
+                    'with model "*"',
+                )
+            )
         if price.model != "*":
             canonical = canonical_of.get(price.model)
             if canonical is None or canonical not in served[price.provider]:

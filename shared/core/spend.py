@@ -38,11 +38,13 @@ __all__ = [
     "billed_use",
     "estimate_input_tokens",
     "estimated_output",
+    "fleet_cost",
     "format_money",
     "micros_of",
     "money_of",
     "period_of",
     "periods_between",
+    "spread_fleet_cost",
 ]
 
 MICROS = 1_000_000  # micro-units per unit: prices are micro-units per million tokens
@@ -160,6 +162,7 @@ class SpendRow:
     cached: int = 0
     output: int = 0
     picos: int = 0
+    fleet: int = 0  # of `picos`: its part of our engines' endpoint-hours (reports only)
 
     def add(self, use: TokenUse, picos: int, requests: int = 1) -> None:
         self.requests += requests
@@ -174,6 +177,7 @@ class SpendRow:
         self.cached += other.cached
         self.output += other.output
         self.picos += other.picos
+        self.fleet += other.fleet
 
     def as_list(self) -> list[int]:
         return [self.requests, self.input, self.cached, self.output, self.picos]
@@ -239,6 +243,33 @@ class SpendTotals:
             key, tenant, provider, model = (str(v) for v in values[:4])
             totals.rows[(key, tenant, provider, model)] = SpendRow.from_list(values[4:])  # type: ignore[arg-type]
         return totals
+
+
+# ---- our fleet's cost, spread over the tokens it served -------------------------------------------
+
+
+def spread_fleet_cost(totals: SpendTotals, fleet: Mapping[str, int]) -> dict[SpendKey, int]:
+    """Each row's part of its provider's fleet cost (`fleet`: picos per provider, e.g. a day of
+    its endpoints' hours), in proportion to the tokens (input + output) the row was served;
+    exact: the parts of a provider sum to its cost (largest remainders get the odd picos). A
+    provider that served no tokens spreads nothing."""
+    parts: dict[SpendKey, int] = {}
+    for provider, cost in fleet.items():
+        rows = [(w, r.input + r.output) for w, r in totals.rows.items() if w[2] == provider]
+        served = sum(tokens for _, tokens in rows)
+        if served <= 0 or cost <= 0:
+            continue
+        shares = [(w, cost * tokens // served, cost * tokens % served) for w, tokens in rows]
+        left = cost - sum(share for _, share, _ in shares)
+        ranked = sorted(shares, key=lambda s: (-s[2], s[0]))
+        for index, (where, share, _) in enumerate(ranked):
+            parts[where] = share + (1 if index < left else 0)
+    return parts
+
+
+def fleet_cost(micros_per_hour: int, endpoints: int, seconds: float) -> int:
+    """Picos of `endpoints` endpoints at `micros_per_hour` for `seconds`."""
+    return micros_per_hour * 1_000_000 * endpoints * round(seconds) // 3600
 
 
 # ---- periods -------------------------------------------------------------------------------------

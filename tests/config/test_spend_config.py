@@ -51,8 +51,23 @@ def check(tmp_path, spend: dict) -> tuple[int, str]:
             {"prices": [{"provider": "tensorx", "input": 1}, {"provider": "tensorx", "input": 2}]},
             "spend.prices[1]: duplicate price",
         ),
+        (
+            {"prices": [{"provider": "iris", "model": "llama-3.3-70b", "endpoint_hour": 4}]},
+            "spend.prices[0].endpoint_hour: an endpoint-hour prices the provider",
+        ),
+        ({"prices": [{"provider": "iris", "endpoint_hour": "-4"}]}, "endpoint_hour: price"),
     ],
-    ids=["negative", "non-numeric", "too-fine", "currency", "provider", "model", "duplicate"],
+    ids=[
+        "negative",
+        "non-numeric",
+        "too-fine",
+        "currency",
+        "provider",
+        "model",
+        "duplicate",
+        "endpoint-hour-of-a-model",
+        "negative-endpoint-hour",
+    ],
 )
 def test_config_check_rejects_bad_spend_naming_the_field(tmp_path, spend, says):
     code, err = check(tmp_path, spend)

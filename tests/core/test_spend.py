@@ -15,10 +15,12 @@ from llmgw.core.spend import (
     TokenUse,
     billed_use,
     estimate_input_tokens,
+    fleet_cost,
     format_money,
     micros_of,
     money_of,
     period_of,
+    spread_fleet_cost,
 )
 from llmgw.core.usage import Usage
 
@@ -142,3 +144,28 @@ def test_the_calibration_scales_estimates_to_what_the_provider_counted():
     body = {"prompt": "a b c d e f g h i j k l m n o p q r s t"}  # 20 pieces
     assert billed_use(usage, 3, body, False, calibration).input == 30  # observed, its own
     assert billed_use(None, 3, body, False, calibration) == TokenUse(input=30, output=3)
+
+
+@given(
+    st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 10_000)), min_size=1, max_size=12),
+    st.integers(0, 10**15),
+)
+def test_a_fleets_cost_is_spread_over_the_tokens_served_exactly(rows, cost):
+    totals = SpendTotals()
+    for index, (n_in, out) in enumerate(rows):
+        totals.add((f"k{index}", "t", "ours", "m"), TokenUse(input=n_in, output=out), 0)
+    totals.add(("k", "t", "theirs", "m"), TokenUse(input=5, output=5), 7)
+    parts = spread_fleet_cost(totals, {"ours": cost})
+    served = sum(n_in + out for n_in, out in rows)
+    assert all(where[2] == "ours" for where in parts)  # only the provider's own rows
+    if served == 0:
+        assert parts == {}
+        return
+    assert sum(parts.values()) == cost
+    for where, share in parts.items():
+        row = totals.rows[where]
+        assert abs(share * served - cost * (row.input + row.output)) < served  # within 1 pico
+
+
+def test_a_fleet_costs_its_endpoint_hours():
+    assert fleet_cost(4_000_000, 2, 1800) == 4 * PICOS  # $4 an endpoint-hour, 2 for half an hour
