@@ -113,6 +113,10 @@ class SpendConfig(StrictModel):
     budgets: list[BudgetConfig] = Field(default_factory=list)
     # Output tokens a request without max_tokens is estimated at, for its budget reservation.
     default_output_tokens: int = Field(1024, ge=1)
+    # Cost-aware overflow: among third parties of equal priority the cheaper goes first while
+    # its rate balancer weight is at least this fraction of the fastest one's (> 1: cost never
+    # reorders them).
+    cheaper_overflow_min_speed: float = Field(0.8, ge=0)
 
     @field_validator("currency", mode="before")
     @classmethod
@@ -129,6 +133,25 @@ class SpendConfig(StrictModel):
             for p in self.prices
             if p.endpoint_hour is not None
         }
+
+    def overflow_costs(
+        self, config: Config
+    ) -> tuple[dict[str, dict[str, int]], dict[str, int]] | None:
+        """For cost-aware overflow: per model, each unlimited provider's price of a million
+        input plus a million output tokens; and every provider's priority. None when no two
+        unlimited providers share a priority (nothing to reorder)."""
+        unlimited = [p for p in config.providers if not p.is_managed]
+        priorities = [p.priority for p in unlimited]
+        if len(priorities) == len(set(priorities)):
+            return None
+        book = self.price_book(config.resolve_model)
+        costs: dict[str, dict[str, int]] = {}
+        for model in config.models:
+            for provider in unlimited:
+                prices = book.for_pair(provider.id, model.name)
+                if prices is not None:
+                    costs.setdefault(model.name, {})[provider.id] = prices.input + prices.output
+        return costs, {p.id: p.priority for p in config.providers}
 
     def price_book(self, resolve: Callable[[str], str | None] = lambda name: name) -> PriceBook:
         """The prices by (provider, canonical model): `resolve` maps an alias to its model

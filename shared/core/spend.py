@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from decimal import ROUND_HALF_UP, Decimal, InvalidOperation
+from typing import Any, Protocol, TypeVar
 
 __all__ = [
     "MICROS",
@@ -36,6 +37,7 @@ __all__ = [
     "TokenPrices",
     "TokenUse",
     "billed_use",
+    "cheaper_first",
     "estimate_input_tokens",
     "estimated_output",
     "fleet_cost",
@@ -402,3 +404,76 @@ def billed_use(
     if calibration is not None:
         estimated = calibration.scale(estimated)
     return TokenUse(input=estimated, output=output)
+
+
+# ---- cost-aware overflow ---------------------------------------------------------------------------
+
+
+class _Provider(Protocol):
+    """What `cheaper_first` reads of a placement provider (`llmgw.core.placement.ProviderState`)."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def managed(self) -> bool: ...
+
+    @property
+    def endpoints(self) -> Sequence[Any]: ...
+
+
+P = TypeVar("P", bound=_Provider)
+
+
+def cheaper_first(
+    providers: Sequence[P],
+    cost: Mapping[str, int],
+    priority: Mapping[str, int],
+    min_speed: float,
+) -> tuple[P, ...]:
+    """`providers` with each run of unlimited providers of equal `priority` ordered cheapest
+    first (`cost`: a provider's price of a million input plus a million output tokens of the
+    model; unpriced: 0), except that a provider the rate balancer finds too slow goes after the
+    fast enough: its best endpoint's ``rate_weight`` (the probability of beating the SLA) below
+    `min_speed` x the best of the run. Unknown weights count as fast enough (the balancer
+    explores them). Managed providers and every other order stay as they are; ties keep the
+    config's order. `min_speed` 0: always the cheaper; above 1: cost never reorders."""
+    if min_speed > 1:
+        return tuple(providers)
+    out = list(providers)
+    start = 0
+    while start < len(out):
+        end = start + 1
+        head = out[start]
+        if not head.managed:
+            while (
+                end < len(out)
+                and not out[end].managed
+                and priority.get(out[end].id) == priority.get(head.id)
+            ):
+                end += 1
+        if end - start > 1:
+            out[start:end] = _by_cost(out[start:end], cost, min_speed)
+        start = end
+    return tuple(out)
+
+
+def _by_cost(run: list[P], cost: Mapping[str, int], min_speed: float) -> list[P]:
+    speeds = {p.id: _speed(p) for p in run}
+    best = max((s for s in speeds.values() if s is not None), default=None)
+
+    def rank(p: P) -> tuple[bool, int]:
+        speed = speeds[p.id]
+        slow = best is not None and speed is not None and speed < min_speed * best
+        return (slow, cost.get(p.id, 0))
+
+    return sorted(run, key=rank)  # stable: ties keep the config's order
+
+
+def _speed(provider: _Provider) -> float | None:
+    weights = [
+        e.rate_weight
+        for e in provider.endpoints
+        if getattr(e, "usable", True) and getattr(e, "rate_weight", None) is not None
+    ]
+    return max(weights) if weights else None

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from llmgw.core.placement import EndpointState, ProviderState, Room
 from llmgw.core.spend import (
     PICOS,
     PriceBook,
@@ -14,6 +15,7 @@ from llmgw.core.spend import (
     TokenPrices,
     TokenUse,
     billed_use,
+    cheaper_first,
     estimate_input_tokens,
     fleet_cost,
     format_money,
@@ -169,3 +171,53 @@ def test_a_fleets_cost_is_spread_over_the_tokens_served_exactly(rows, cost):
 
 def test_a_fleet_costs_its_endpoint_hours():
     assert fleet_cost(4_000_000, 2, 1800) == 4 * PICOS  # $4 an endpoint-hour, 2 for half an hour
+
+
+def _provider(pid: str, managed: bool = False, weight: float | None = None) -> ProviderState:
+    endpoint = EndpointState(f"{pid}-e", rate_weight=weight)
+    return ProviderState(pid, managed, True, False, (endpoint,), Room(True, True, True))
+
+
+def test_cheaper_third_parties_of_equal_priority_go_first_unless_too_slow():
+    ours, dear, cheap, other = (
+        _provider("ours", managed=True),
+        _provider("dear", weight=0.9),
+        _provider("cheap", weight=0.8),
+        _provider("other", weight=0.1),
+    )
+    priority = {"ours": 100, "dear": 50, "cheap": 50, "other": 10}
+    cost = {"dear": 3_000_000, "cheap": 1_000_000, "other": 0}
+    order = cheaper_first((ours, dear, cheap, other), cost, priority, 0.8)
+    assert [p.id for p in order] == ["ours", "cheap", "dear", "other"]  # other: lower priority
+    slow = _provider("cheap", weight=0.5)  # 0.5 < 0.8 x 0.9: too slow to be preferred
+    assert [p.id for p in cheaper_first((ours, dear, slow), cost, priority, 0.8)][1] == "dear"
+    assert [p.id for p in cheaper_first((ours, dear, slow), cost, priority, 0.0)][1] == "cheap"
+    assert cheaper_first((ours, dear, cheap), cost, priority, 1.5) == (ours, dear, cheap)
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.booleans(),
+            st.integers(0, 2),
+            st.integers(0, 5),
+            st.none() | st.floats(0, 1),
+        ),
+        max_size=8,
+    ),
+    st.floats(0, 1),
+)
+def test_cost_only_reorders_unlimited_providers_within_a_priority(specs, min_speed):
+    providers = []
+    priority, cost = {}, {}
+    for index, (managed, prio, price, weight) in enumerate(specs):
+        pid = f"p{index}"
+        providers.append(_provider(pid, managed=managed, weight=weight))
+        priority[pid], cost[pid] = prio, price
+    order = cheaper_first(tuple(providers), cost, priority, min_speed)
+    assert sorted(p.id for p in order) == sorted(p.id for p in providers)
+    for before, after in zip(providers, order, strict=True):
+        if before.managed or after.managed:
+            assert before.id == after.id  # managed providers never move
+        else:
+            assert priority[before.id] == priority[after.id]  # only within a priority's run
