@@ -67,6 +67,16 @@ class SpendCluster:
         assert done.returncode == 0, done.stderr
         return json.loads(done.stdout)
 
+    def chat(self, key: str, edge: int = 0, **body: Any) -> httpx.Response:
+        """One non-streamed chat request through edge number `edge`."""
+        request = {"model": "qwen", "messages": [{"role": "user", "content": "hi"}], **body}
+        return httpx.post(
+            f"{self.apis[edge]}/chat/completions",
+            json=request,
+            headers={"authorization": f"Bearer {key}"},
+            timeout=30,
+        )
+
     def key_for(self, tenant: str) -> str:
         return self.cli("keys", "create", "--tenant", tenant)["secret"]
 

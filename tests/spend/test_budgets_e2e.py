@@ -130,14 +130,8 @@ def test_a_spend_budget_used_up_is_a_429_insufficient_quota_that_costs_nothing(
     cluster: SpendCluster,
 ) -> None:
     key = cluster.key_for("team-broke")
-    body = {"model": "qwen", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 64}
-    for api in cluster.apis:
-        response = httpx.post(
-            f"{api}/chat/completions",
-            json=body,
-            headers={"authorization": f"Bearer {key}"},
-            timeout=30,
-        )
+    for edge in range(len(cluster.apis)):
+        response = cluster.chat(key, edge=edge, max_tokens=64)
         assert response.status_code == 429, response.text
         error = response.json()["error"]
         assert error["code"] == "insufficient_quota" and error["type"] == "insufficient_quota"
@@ -148,12 +142,7 @@ def test_a_spend_budget_used_up_is_a_429_insufficient_quota_that_costs_nothing(
     made = cluster.cli(
         "keys", "create", "--tenant", "team-c", "--max-spend", "0.0001", "--budget-period", "daily"
     )
-    response = httpx.post(
-        f"{cluster.apis[1]}/chat/completions",
-        json=body,
-        headers={"authorization": f"Bearer {made['secret']}"},
-        timeout=30,
-    )
+    response = cluster.chat(made["secret"], edge=1, max_tokens=64)
     assert response.status_code == 429, response.text
     assert f"API key {made['id']}" in response.json()["error"]["message"]
     time.sleep(2.5)  # two spend intervals: anything counted would be written down by now
@@ -168,16 +157,7 @@ def test_a_response_tells_its_client_what_it_cost(cluster: SpendCluster) -> None
     prices = {p["model"]: p for p in PRICES}
     seen = set()
     for index in range(12):
-        response = httpx.post(
-            f"{cluster.apis[index % 2]}/chat/completions",
-            json={
-                "model": "qwen",
-                "messages": [{"role": "user", "content": "hi"}],
-                "max_tokens": 9,
-            },
-            headers={"authorization": f"Bearer {key}"},
-            timeout=30,
-        )
+        response = cluster.chat(key, edge=index % 2, max_tokens=9)
         assert response.status_code == 200, response.text
         amount, currency = response.headers["x-llmgw-cost"].split()
         usage = response.json()["usage"]
