@@ -366,7 +366,11 @@ class Attempts:
             ending.status = failure.status  # an error event in place of the first token
             return self._failure(ending, failure.outcome, failure.message, headers)
         routed.record.first_token = time.perf_counter()
-        usage = StreamUsage(remove=inject_usage)
+        annotate = None
+        if edge.spend is not None and edge.spend_header and not inject_usage:
+            # The client asked for usage: its usage chunk also says what the attempt cost.
+            annotate = edge.spend.usage_fields(target.provider, reply.served_model or routed.model)
+        usage = StreamUsage(remove=inject_usage, annotate=annotate)
         relay = StreamRelay(
             upstream,
             first,

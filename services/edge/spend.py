@@ -208,6 +208,17 @@ class SpendBook:
         scaled = [c.scale(estimated) for (_, m), c in self._calibration.items() if m == model]
         return max(scaled, default=estimated)
 
+    def usage_fields(self, provider: str, model: str) -> Callable[[Usage], dict[str, object]]:
+        """For a stream's usage chunk (spend.cost_header): ``cost`` (six decimals) and
+        ``cost_currency`` of an attempt on (provider, model) with that usage."""
+
+        def fields(usage: Usage) -> dict[str, object]:
+            use = TokenUse(usage.input_tokens, usage.cached_tokens, usage.output_tokens)
+            picos = self.prices.cost(provider, model, use)
+            return {"cost": format_money(picos, 6), "cost_currency": self.currency}
+
+        return fields
+
     def cost_header(self, picos: int) -> str:
         """The `x-llmgw-cost` value: the amount to six decimals and the currency."""
         return f"{format_money(picos, 6)} {self.currency}"

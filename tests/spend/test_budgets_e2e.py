@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import time
 from decimal import Decimal
 from typing import Any
@@ -172,3 +173,33 @@ def test_a_response_tells_its_client_what_it_cost(cluster: SpendCluster) -> None
         assert (Decimal(amount), currency) == (expected.quantize(Decimal("0.000001")), "USD")
         seen.add(provider)
     assert "iris" in seen  # our engines: no price, no cost
+    # A stream that asked for its usage finds the cost in it (its headers left before).
+    for index in range(6):
+        with httpx.stream(
+            "POST",
+            f"{cluster.apis[index % 2]}/chat/completions",
+            json={
+                "model": "qwen",
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 9,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+            headers={"authorization": f"Bearer {key}"},
+            timeout=30,
+        ) as response:
+            provider = response.headers["x-llmgw-provider"]
+            text = "".join(response.iter_text())
+        (chunk,) = [
+            json.loads(line[len("data: ") :])
+            for line in text.splitlines()
+            if line.startswith("data: {") and '"usage"' in line
+        ]
+        usage = chunk["usage"]
+        price = prices[FREE] if provider == "tensorx" else {"input": 0, "output": 0}
+        expected = (
+            Decimal(price["input"]) * usage["prompt_tokens"]
+            + Decimal(price["output"]) * usage["completion_tokens"]
+        ) / 1_000_000
+        assert Decimal(usage["cost"]) == expected.quantize(Decimal("0.000001"))
+        assert usage["cost_currency"] == "USD"
