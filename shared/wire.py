@@ -461,4 +461,5 @@ class BudgetGrantReply(_Message):
     grant: int = 0
     room: int = 0
     spent: int = 0
+    mine: int = 0  # what the account holds as this holder's spend (it never goes back)
     error: str | None = None

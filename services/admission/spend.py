@@ -179,7 +179,12 @@ class BudgetAccounts:
                 log.warning("budget account %s not written: %s", asked.account, exc)
                 return BudgetGrantReply(ok=False, error=f"not written: {exc}")
             self.writes += 1
-            return BudgetGrantReply(grant=grant, room=after.room, spent=after.spent)
+            return BudgetGrantReply(
+                grant=grant,
+                room=after.room,
+                spent=after.spent,
+                mine=after.holders[asked.edge].spent,
+            )
         return BudgetGrantReply(ok=False, error="too many concurrent writers")
 
 

@@ -315,7 +315,10 @@ class BudgetGuard:
             raise BudgetUnavailable(reply.error or "the budget account was not written")
         purse.grant = reply.grant
         purse.room = reply.room
-        account.reported = request.spent
+        # An account this edge forgot while idle and uses again: what it spent there stays
+        # spent (the account kept it), so its new purse starts from it.
+        purse.spent = max(purse.spent, reply.mine)
+        account.reported = max(request.spent, reply.mine)
         return True
 
     # ---- housekeeping ---------------------------------------------------------------------------

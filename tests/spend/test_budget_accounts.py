@@ -6,6 +6,7 @@ the edges settled; every request either reserved or was refused, none twice."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 import uuid
@@ -109,3 +110,30 @@ async def test_two_edges_never_commit_past_the_limit_and_the_account_records_wha
     assert account.spent == sum(settled)
     assert all(h.grant == h.spent for h in account.holders.values())  # nothing held any more
     assert sum(s.writes for s in services) >= 2  # the grants were written by CAS
+
+
+async def test_an_account_forgotten_while_idle_keeps_what_the_edge_spent(accounts) -> None:
+    """An edge drops an idle account from memory; using it again, it starts from what the
+    account says it spent there, so the limit still holds."""
+    config, _ = accounts
+    nc = await nats.connect(config.nats.url)
+    try:
+        guard = BudgetGuard(nc, "edge-forgetful", config)
+        model = "llama-3.3-70b"
+        hold = await guard.reserve("t", model, BODY)
+        assert hold is not None
+        estimate = hold.parts[0][1]
+        hold.settle(estimate, third_party=True)
+        await guard._sync(final=True)  # reports it and returns the grant
+        guard._accounts.clear()  # forgotten, as after _IDLE_PERIODS without use
+        limit = 10_000_000_000
+        admitted = 0
+        with contextlib.suppress(BudgetRefused):
+            while True:
+                again = await guard.reserve("t", model, BODY)
+                assert again is not None
+                again.settle(estimate, third_party=True)
+                admitted += 1
+        assert (admitted + 1) * estimate <= limit < (admitted + 2) * estimate
+    finally:
+        await nc.close()
