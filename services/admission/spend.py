@@ -38,6 +38,7 @@ from llmgw.wire import (
 if TYPE_CHECKING:
     from nats.aio.client import Client as NATS
     from nats.aio.msg import Msg
+    from nats.aio.subscription import Subscription
 
     from llmgw.config.schema import Config
     from llmgw.state.nats_kv import NatsKV
@@ -69,7 +70,7 @@ class SpendRecorder:
         self._bucket = bucket
         self._pending: dict[str, bytes] = {}  # KV key -> the latest totals not yet written
         self._wake = asyncio.Event()
-        self._sub = None
+        self._sub: Subscription | None = None
         self._task: asyncio.Task[None] | None = None
         self.written = 0
 
@@ -129,7 +130,7 @@ class BudgetAccounts:
         self._bucket = bucket
         self._ttl = ttl
         self._clock = clock
-        self._sub = None
+        self._sub: Subscription | None = None
         self.writes = 0
 
     async def start(self) -> None:

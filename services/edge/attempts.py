@@ -220,7 +220,11 @@ class Attempts:
             if reply.status is not ReplyStatus.ADMITTED or reply.target is None:
                 if hold is not None:
                     hold.release()
-                outcome = REFUSAL_OUTCOMES.get(reply.refusal, Outcome.NO_CAPACITY)  # type: ignore[arg-type]
+                outcome = (
+                    Outcome.NO_CAPACITY
+                    if reply.refusal is None
+                    else REFUSAL_OUTCOMES.get(reply.refusal, Outcome.NO_CAPACITY)
+                )
                 if outcome is Outcome.CLIENT_DISCONNECTED:
                     return Response(status_code=499), outcome
                 if previous is not None and outcome in _ADMISSION_OUTCOMES:

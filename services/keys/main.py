@@ -179,7 +179,7 @@ async def _usage(
         print(
             f"{row['id']:16}  {row['tenant'] or '?':16}  {row['requests']:>10}  "
             f"{row['rpm'] or '-':>8}  {row['tokens']:>10}  {row['tpm'] or '-':>10}"
-            f"  {format_money(today.get(row['id'], 0)):>12}"
+            f"  {format_money(today.get(str(row['id']), 0)):>12}"
         )
     return 0
 
@@ -202,7 +202,9 @@ async def _spend_today(nc: Any, name: str) -> dict[str, int]:
     return {group[0]: row.picos for group, row in day.grouped("key").items() if group[0]}
 
 
-def create_key(changes: dict[str, Any], *, now: float, secret: str | None = None):  # type: ignore[no-untyped-def]
+def create_key(
+    changes: dict[str, Any], *, now: float, secret: str | None = None
+) -> tuple[str, ApiKey]:
     """A new key (random secret unless given) and its record; the caller stores the record."""
     secret = secret or new_secret(secrets.token_bytes(24))
     key = ApiKey(

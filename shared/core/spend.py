@@ -232,7 +232,7 @@ class SpendTotals:
             target.merge(row)
         return out
 
-    def to_wire(self) -> list[list[object]]:
+    def to_wire(self) -> list[list[str | int]]:
         return [[*where, *row.as_list()] for where, row in sorted(self.rows.items())]
 
     @classmethod
