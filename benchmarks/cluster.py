@@ -84,8 +84,9 @@ def _config(
     flow: bool,
     auth: bool,
     colocated: bool = False,
+    spend: dict | None = None,
 ) -> dict:
-    return {
+    config = {
         "auth": {"mode": "keys" if auth else "none"},
         "listen": f"127.0.0.1:{edge_port}",
         "admin_listen": f"127.0.0.1:{admin_port}",
@@ -125,6 +126,9 @@ def _config(
             }
         ],
     }
+    if spend is not None:  # prices and budgets (benchmarks/spend_cost.py)
+        config["spend"] = spend
+    return config
 
 
 def pin_process(pid: int, cpus: set[int]) -> None:
@@ -164,6 +168,7 @@ def running_cluster(
     auth: bool = False,
     key_options: tuple[str, ...] = (),
     python: str | None = None,
+    spend: dict | None = None,
 ):
     """Yield a Cluster; everything is stopped afterwards.
 
@@ -172,7 +177,8 @@ def running_cluster(
 
     ``flow``: admission runs flow control (every request passes an unsaturated queue) and a
     scraper feeds it; otherwise flow control is off and no scraper runs. ``auth``: API keys
-    required (auth.mode keys); one key is made with `llmgw keys create` and ``key_options``.
+    required (auth.mode keys); one key is made with `llmgw keys create` and ``key_options``
+    (tenant ``bench``). ``spend``: the config's `spend` section (prices, budgets).
     ``colocated``: the edge runs its own admission instance (``admission.colocated``); with
     ``admissions=0`` it owns every shard.
     """
@@ -186,7 +192,7 @@ def running_cluster(
         config_path = logdir / "bench.yaml"
         config_path.write_text(
             yaml.safe_dump(
-                _config(nats.url, engine_url, edge_port, admin_port, flow, auth, colocated)
+                _config(nats.url, engine_url, edge_port, admin_port, flow, auth, colocated, spend)
             )
         )
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}

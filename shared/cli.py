@@ -195,6 +195,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     state.set_defaults(target="llmgw.services.state.main:run")
 
+    spend = sub.add_parser(
+        "spend", help="what the traffic cost, by period, tenant, provider, model or key"
+    )
+    _config_arg(spend)
+    _port_offset_arg(spend)
+    from llmgw.services.spend.options import add_spend_arguments  # argparse only
+
+    add_spend_arguments(spend)
+    spend.set_defaults(target="llmgw.services.spend.main:run")
+
     keys = sub.add_parser(
         "keys", help="API keys in the live key bucket: create, list, show, update, revoke, seed"
     )

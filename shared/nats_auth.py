@@ -48,8 +48,10 @@ from llmgw.wire import (
     ADMISSION_REQUEST_PREFIX,
     ADMISSION_ROLLCALL_SUBJECT,
     ADMISSION_STATE_SUBJECT,
+    BUDGET_GRANT_SUBJECT,
     KEYS_USAGE_SUBJECT,
     REQUEST_STATS_SUBJECT,
+    SPEND_TOTALS_SUBJECT,
 )
 
 if TYPE_CHECKING:
@@ -123,6 +125,7 @@ def role_permissions(config: Config) -> dict[str, Permissions]:
     load = config.router.load_bucket
     keys = config.auth.bucket
     events = config.events.stream
+    spend = config.spend.bucket
     table = {
         "edge": Permissions(
             publish=(
@@ -132,6 +135,8 @@ def role_permissions(config: Config) -> dict[str, Permissions]:
                 ADMISSION_CANCEL_SUBJECT,
                 REQUEST_STATS_SUBJECT,
                 KEYS_USAGE_SUBJECT,
+                SPEND_TOTALS_SUBJECT,  # its spend totals; admission writes them down
+                BUDGET_GRANT_SUBJECT,  # budget grants: admission writes the account
                 INBOX,  # answers to admission's roll calls
                 *_read_bucket(keys),  # the key mirror's watch: read only
             ),
@@ -150,6 +155,7 @@ def role_permissions(config: Config) -> dict[str, Permissions]:
                 *_create_stream(f"KV_{load}"),  # whoever of admission and scraper starts first
                 *_read_bucket(load),
                 *_events_stream(config),
+                *_own_bucket(spend),  # the edges' spend totals, written down
             ),
             subscribe=(
                 INBOX,
@@ -163,6 +169,8 @@ def role_permissions(config: Config) -> dict[str, Permissions]:
                 ADMISSION_FLOW_SUBJECT,
                 ADMISSION_LOAD_SUBJECT,
                 REQUEST_STATS_SUBJECT,
+                SPEND_TOTALS_SUBJECT,
+                BUDGET_GRANT_SUBJECT,
             ),
         ),
         "reaper": Permissions(
@@ -173,7 +181,11 @@ def role_permissions(config: Config) -> dict[str, Permissions]:
             publish=(INBOX, ALL_EVENTS_SUBJECT, *_own_bucket(load), *_events_stream(config)),
             subscribe=(INBOX,),
         ),
-        "keys": Permissions(publish=(*_own_bucket(keys),), subscribe=(INBOX, KEYS_USAGE_SUBJECT)),
+        "keys": Permissions(
+            # Reads the spend bucket: `llmgw keys usage` shows each key's spend today.
+            publish=(*_own_bucket(keys), *_read_bucket(spend)),
+            subscribe=(INBOX, KEYS_USAGE_SUBJECT),
+        ),
         "state": Permissions(
             # $JS.API.INFO: account usage (read only); `llmgw up` probes readiness with it.
             # Reads the load bucket too: each endpoint's latest scraper report (its dialect).
@@ -182,6 +194,7 @@ def role_permissions(config: Config) -> dict[str, Permissions]:
                 f"{_API}.INFO",
                 *_read_bucket(routing),
                 *_read_bucket(load),
+                *_read_bucket(spend),  # `llmgw spend`
             ),
             subscribe=(INBOX,),
         ),

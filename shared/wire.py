@@ -48,6 +48,12 @@ ADMISSION_LOAD_SUBJECT = "llmgw.v1.admission.load"
 REQUEST_STATS_SUBJECT = "llmgw.v1.stats.request"
 # Edge -> every edge: its requests and tokens per API key in the current rate window.
 KEYS_USAGE_SUBJECT = "llmgw.v1.keys.usage"
+# Edge -> admission (one instance of the queue group writes it down): the edge's spend totals of
+# one UTC day (llmgw.core.spend).
+SPEND_TOTALS_SUBJECT = "llmgw.v1.spend.totals"
+# Edge -> one admission instance of the queue group (request/reply): report what it spent from a
+# budget account and ask for a new grant (llmgw.core.budget.regrant, by CAS on the account).
+BUDGET_GRANT_SUBJECT = "llmgw.v1.spend.grant"
 
 
 def admission_subject(shard: int) -> str:
@@ -169,6 +175,9 @@ class AdmitRequest(_Message):
     exclude: tuple[str, ...] = ()
     retry_of: str | None = None
     failed: FailedAttempt | None = None
+    # The tenant's or key's overflow budget is used up: never a third party, wait for ours
+    # (flow control queues it in its band; `exclude` lists the third parties' endpoints too).
+    no_overflow: bool = False
 
 
 class Target(_Message):
@@ -414,3 +423,43 @@ class KeyUsage(_Message):
     edge: str
     window: int
     keys: dict[str, KeyWindowUse]
+
+
+class SpendTotalsReport(_Message):
+    """Edge -> SPEND_TOTALS_SUBJECT, every `spend.interval` while they change: the edge's
+    totals of UTC day `day` (rows: key id, tenant, provider, model, requests, input, cached and
+    output tokens, picos; llmgw.core.spend.SpendTotals). Totals, not deltas: the latest copy
+    replaces the earlier one, so a lost or repeated message does no harm."""
+
+    v: Literal[2] = 2
+    edge: str
+    day: str = Field(pattern=r"^\d{4}-\d{2}-\d{2}$")
+    currency: str
+    rows: list[list[str | int]]
+
+
+class BudgetGrantRequest(_Message):
+    """Edge -> BUDGET_GRANT_SUBJECT: holder `edge` of account `account` (a key of the spend
+    bucket, llmgw.core.budget.account_key) has spent `spent` picos in all and asks for a grant
+    of `want` in all; `limit` is the budget as the edge's config or key says now."""
+
+    v: Literal[2] = 2
+    edge: str
+    account: str = Field(pattern=r"^budget\.[A-Za-z0-9_.:@-]+$")
+    limit: int = Field(ge=0)
+    spent: int = Field(ge=0)
+    want: int = Field(ge=0)
+
+
+class BudgetGrantReply(_Message):
+    """The holder's grant (picos it may commit in all), the account's room after it and what the
+    account has spent as far as its holders have told (`ok` False: not written, `error` says
+    why; the holder keeps its grant)."""
+
+    v: Literal[2] = 2
+    ok: bool = True
+    grant: int = 0
+    room: int = 0
+    spent: int = 0
+    mine: int = 0  # what the account holds as this holder's spend (it never goes back)
+    error: str | None = None

@@ -19,7 +19,7 @@ from llmgw.services.edge.telemetry import EdgeTelemetry, RequestRecord
 REPO = Path(__file__).resolve().parents[1]
 SERVICES = ("edge", "admission", "scraper", "reaper")
 NAME = re.compile(
-    r"^llmgw_(?:(?:edge|admission|scraper|reaper)_[a-z][a-z0-9_]*[a-z0-9]|build_info)$"
+    r"^llmgw_(?:(?:edge|admission|scraper|reaper|spend)_[a-z][a-z0-9_]*[a-z0-9]|build_info)$"
 )
 UNITS = ("_seconds", "_bytes", "_tokens")
 # Labels whose values are unbounded: never a label of ours (the tenant only where configured).
@@ -45,6 +45,8 @@ def test_every_service_exports_process_and_build_metrics(families: list[Family])
             if f.service == service
             and f.name.startswith("llmgw_")
             and not f.name.startswith((f"llmgw_{service}_", "llmgw_build_info"))
+            # Spend is counted where requests end, at the edge, and named for what it is.
+            and not (service == "edge" and f.name.startswith("llmgw_spend_"))
         }
         assert not foreign, (service, foreign)  # a service's metrics carry its name
 
@@ -69,8 +71,11 @@ def test_names_follow_prometheus_conventions(families: list[Family]) -> None:
                 problems.append(f"{f.name}: label {label!r} is not snake_case")
         if f.labels & UNBOUNDED:
             problems.append(f"{f.name}: unbounded label(s) {sorted(f.labels & UNBOUNDED)}")
+        # The tenant label only where its values are bounded (metrics.max_tenants): the
+        # requests by tenant, and what tenants spent (docs/metrics.md).
         if "tenant" in f.labels and f.name != "llmgw_edge_tenant_requests":
-            problems.append(f"{f.name}: the tenant label belongs on tenant_requests alone")
+            if not f.name.startswith("llmgw_spend_"):
+                problems.append(f"{f.name}: the tenant label belongs on tenant_requests alone")
         if not f.help.strip():
             problems.append(f"{f.name}: no help text")
     assert not problems, "\n".join(problems)

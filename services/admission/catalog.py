@@ -20,6 +20,7 @@ from llmgw.core.affinity import HashRing
 from llmgw.core.placement import EndpointState, PinState, PlacementSettings, ProviderState, Snapshot
 from llmgw.core.requests import Feature
 from llmgw.core.routing import ProviderKind
+from llmgw.core.spend import cheaper_first
 from llmgw.services.admission.health import HealthBoard
 
 if TYPE_CHECKING:
@@ -59,6 +60,9 @@ class ProviderCatalog:
         self.min_idle_before_evict = pinning.min_idle_before_evict
         self.forced_degraded: set[tuple[str, str]] = set()  # (provider, model) marked by hand
         self.order = [p.id for p in config.providers_in_priority_order()]
+        # Cost-aware overflow (llmgw.core.spend.cheaper_first): None when nothing to reorder.
+        self._overflow_costs = config.spend.overflow_costs(config)
+        self._min_speed = config.spend.cheaper_overflow_min_speed
         self._kind = {p.id: ProviderKind(p.kind) for p in config.providers}
         self._strategy = {p.id: p.endpoint_strategy for p in config.providers}
         self._features = {
@@ -123,6 +127,9 @@ class ProviderCatalog:
     ) -> tuple[Snapshot, PinRecord | None]:
         """The placement snapshot of one request, and the session's pin it shows."""
         providers = tuple(self._provider(p, model, feature, exclude, now) for p in self.order)
+        if self._overflow_costs is not None:
+            costs, priorities = self._overflow_costs
+            providers = cheaper_first(providers, costs.get(model, {}), priorities, self._min_speed)
         pin = self._ledger.pin(model, session) if session is not None else None
         pin_state = (
             None

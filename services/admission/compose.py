@@ -17,6 +17,12 @@ from llmgw.services.admission.health import HealthBoard
 from llmgw.services.admission.loadboard import LoadBoard, LoadFollower
 from llmgw.services.admission.metrics import AdmissionMetrics
 from llmgw.services.admission.service import AdmissionService
+from llmgw.services.admission.spend import (
+    BudgetAccounts,
+    SpendRecorder,
+    holder_ttl,
+    open_spend_bucket,
+)
 from llmgw.services.admission.successor import remove_exited_member, supersede_name
 from llmgw.state.setup import open_events_stream, open_load_bucket, open_routing_store
 from llmgw.tracing import open_tracing
@@ -37,10 +43,16 @@ class RunningAdmission:
     nc: Any
     follower: LoadFollower
     events: EventPublisher
+    spend: SpendRecorder | None = None
+    budgets: BudgetAccounts | None = None
 
     async def close(self) -> None:
         """Hand every shard over (or release it), say goodbye, close the connection."""
         await self.service.stop()
+        if self.budgets is not None:
+            await self.budgets.stop()
+        if self.spend is not None:
+            await self.spend.stop()
         await self.events.publish(
             self.events.build(MemberEvent, event="member.left", member=self.service.instance)
         )
@@ -118,7 +130,12 @@ async def _open(
     watch_service(metrics, service)
     await service.start()
     events.emit(MemberEvent, event="member.joined", member=service.instance)
-    return RunningAdmission(service, metrics, nc, follower, events)
+    spend_bucket = await open_spend_bucket(nc, config)
+    spend = SpendRecorder(nc, spend_bucket)
+    await spend.start()
+    budgets = BudgetAccounts(nc, spend_bucket, ttl=holder_ttl(config))
+    await budgets.start()
+    return RunningAdmission(service, metrics, nc, follower, events, spend, budgets)
 
 
 def watch_service(metrics: AdmissionMetrics, service: AdmissionService) -> None:

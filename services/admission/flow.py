@@ -303,13 +303,14 @@ class FlowControl:
                     break
                 self._run_dispatch(waiter, GateDecision.GRANTED, now)
                 answered += 1
-        # Overflow bands held back by saturation leave for an unlimited provider.
+        # Overflow bands held back (saturation above the ceiling, or no room for one more once
+        # the grants above were made) leave for an unlimited provider: they do not wait. Those
+        # that may not overflow (their overflow budget is used up) stay for our engines.
         pool = self._board.pool(model, now)
         if pool is None:
             return answered
-        saturation = pool.saturation()
         for band in self.bands:
-            if band.overflow and saturation > band.ceiling and local.get(band.name):
+            if band.overflow and local.get(band.name) and pool.full_for(band):
                 leaving = self.queues.take_matching(
                     model, band.name, lambda w: w.token.can_overflow
                 )

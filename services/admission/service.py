@@ -483,7 +483,11 @@ class AdmissionService:
             return self._placed(context, overflow=False)
         policy = self.flow.band(band.name)
         assert policy is not None
-        can_overflow = band.overflow and self.catalog.can_overflow(model, context.feature, now)
+        can_overflow = (
+            band.overflow
+            and not request.no_overflow  # its overflow budget is used up: it waits for ours
+            and self.catalog.can_overflow(model, context.feature, now)
+        )
         decision = self.flow.check(
             request.id,
             model,

@@ -28,6 +28,7 @@ from llmgw.core.outcomes import Outcome
 from llmgw.core.requests import Feature, InvalidRequest, parse_request
 from llmgw.core.sessions import session_id, tenant_id
 from llmgw.core.shards import shard_of
+from llmgw.core.spend import estimate_input_tokens, estimated_output
 from llmgw.logs import REQUEST_ID_HEADER, accept_request_id, request_id
 from llmgw.services.edge.attempts import _PATHS, Answer, Attempts, RoutedRequest
 from llmgw.services.edge.auth import KeyAuth
@@ -44,7 +45,10 @@ if TYPE_CHECKING:
 
     from llmgw.config.schema import Config, Timeouts
     from llmgw.contracts import AdmissionClient, LeaseStore, RequestReporter
+    from llmgw.core.apikeys import ApiKey
+    from llmgw.services.edge.budgets import BudgetGuard
     from llmgw.services.edge.http_client import UpstreamPool
+    from llmgw.services.edge.spend import SpendBook
     from llmgw.tracing import Tracing
 
 log = logging.getLogger("llmgw.edge")
@@ -70,6 +74,8 @@ class EdgeDeps:
     drain: EdgeDrain = field(default_factory=EdgeDrain)
     auth: KeyAuth | None = None  # auth.mode keys (services/edge/auth.py)
     tracing: Tracing | None = None  # OpenTelemetry (llmgw.tracing), off by default
+    spend: SpendBook | None = None  # prices each attempt (services/edge/spend.py)
+    budgets: BudgetGuard | None = None  # reserves and settles budgets (services/edge/budgets.py)
 
 
 class Edge:
@@ -103,6 +109,10 @@ class Edge:
             if (canonical := config.resolve_model(m)) is not None  # each public id resolves
         }
         self.upstream_headers = _provider_auth_headers(config)
+        self.spend = deps.spend
+        self.budgets = deps.budgets
+        self.spend_header = config.spend.cost_header
+        self.default_output = config.spend.default_output_tokens
         self.attempts = Attempts(self)
 
     def upstream_headers_for(self, routed: RoutedRequest, provider: str) -> dict[str, str]:
@@ -214,6 +224,10 @@ class Edge:
             if caller is not None
             else tenant_id(request.headers.get("authorization"), parsed.user)
         )
+        if caller is not None and caller.key.tpm is not None and self.auth is not None:
+            refused = self._hold_tokens(caller.key, parsed.body, record, ids)
+            if refused is not None:
+                return refused, Outcome.RATE_LIMITED
         routed = RoutedRequest(
             request_id=record.request_id,
             feature=feature,
@@ -226,6 +240,7 @@ class Edge:
             tenant=record.tenant,
             key=caller.key.key_id if caller is not None else None,
             key_parallel=caller.key.max_parallel_requests if caller is not None else None,
+            key_budget=caller.key.budget if caller is not None else None,
             headers=ids,
             started=record.started,
             # Once the body is read, the next ASGI receive() returns only when the client
@@ -234,6 +249,31 @@ class Edge:
             record=record,
         )
         return await self.attempts.run(routed)
+
+    def _hold_tokens(
+        self, key: ApiKey, body: dict[str, Any], record: RequestRecord, ids: dict[str, str]
+    ) -> Response | None:
+        """A tpm key's request counts its estimated tokens from now until it ends (its usage
+        is counted then: `TokenCountingReporter`); checked again here, with the estimates of
+        the requests let in while its body was read, so a burst passes tpm by one request at
+        most. The 429 to answer, or None."""
+        assert self.auth is not None and key.tpm is not None
+        limiter = self.auth.limiter
+        now = time.time()
+        if limiter.used(key.key_id, now)[1] >= key.tpm:
+            reset = limiter.window.reset_in(now)
+            return error_response(
+                Outcome.RATE_LIMITED,
+                f"Rate limit reached for this API key on tokens per minute: limit {key.tpm}. "
+                f"Please try again in {reset:.0f}s.",
+                retry_after_s=reset,
+                headers=ids,
+            )
+        estimate = estimate_input_tokens(body) + estimated_output(body, self.default_output)
+        key_id = key.key_id
+        window = limiter.hold_tokens(key_id, estimate)
+        record.when_sent(lambda: limiter.release_tokens(key_id, estimate, window))
+        return None
 
     # -- non-routed endpoints -------------------------------------------------------------------
 

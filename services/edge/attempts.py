@@ -38,7 +38,9 @@ from starlette.responses import Response
 
 from llmgw.contracts import AdmissionUnavailable
 from llmgw.core.outcomes import REFUSAL_OUTCOMES, Outcome
+from llmgw.core.spend import TokenUse
 from llmgw.core.usage import StreamUsage, Usage, usage_in
+from llmgw.services.edge.budgets import BudgetHold, BudgetRefused, BudgetUnavailable
 from llmgw.services.edge.drain import SHUTDOWN_MESSAGE
 from llmgw.services.edge.errors import (
     INTERNAL_ERROR_MESSAGE,
@@ -70,6 +72,7 @@ from llmgw.wire import (
 
 if TYPE_CHECKING:
     from llmgw.contracts import LeaseHold
+    from llmgw.core.budget import Budget
     from llmgw.core.requests import Feature, ParsedRequest
     from llmgw.services.edge.app import Edge
     from llmgw.services.edge.telemetry import RequestRecord
@@ -123,6 +126,7 @@ class RoutedRequest:
     record: RequestRecord  # metrics and the access line (llmgw.services.edge.telemetry)
     key: str | None = None  # the API key's id (auth.mode keys)
     key_parallel: int | None = None  # its max_parallel_requests
+    key_budget: Budget | None = None  # its budget (llmgw.core.budget)
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +155,32 @@ class Attempts:
         # x-request-id, which two clients may well share, travels beside them for the logs.
         base = f"{edge.edge_id}.{next(self._ids)}"
         for attempt in range(retries + 1):
+            hold: BudgetHold | None = None
+            exclude = tuple(excluded)
+            if edge.budgets is not None and (edge.budgets.active or routed.key_budget):
+                try:
+                    hold = await edge.budgets.reserve(
+                        routed.tenant,
+                        routed.model,
+                        routed.parsed.body,
+                        key=routed.key,
+                        key_budget=routed.key_budget,
+                    )
+                except (BudgetRefused, BudgetUnavailable) as exc:
+                    if previous is not None:
+                        return previous.response, previous.outcome
+                    refused = isinstance(exc, BudgetRefused)
+                    outcome = (
+                        Outcome.INSUFFICIENT_QUOTA if refused else Outcome.ADMISSION_UNAVAILABLE
+                    )
+                    return error_response(
+                        outcome,
+                        str(exc) if refused else f"The gateway cannot admit requests now: {exc}.",
+                        retry_after_s=None if refused else 1,
+                        headers=routed.headers,
+                    ), outcome
+                if hold is not None and hold.no_overflow:
+                    exclude += edge.budgets.third_party_endpoints.get(routed.model, ())
             # Built from values checked already (`trusted`: no re-validation per request).
             admit = trusted(
                 AdmitRequest,
@@ -166,14 +196,17 @@ class Attempts:
                 tenant=routed.tenant,
                 key=routed.key,
                 key_parallel=routed.key_parallel,
-                exclude=tuple(excluded),
+                exclude=exclude,
                 retry_of=previous.lease if previous is not None else None,
                 failed=previous.failed if previous is not None else None,
+                no_overflow=hold is not None and hold.no_overflow,
             )
             asked = time.perf_counter()
             try:
                 reply, client_left = await edge.admission.admit(admit, routed.client_gone)
             except AdmissionUnavailable as exc:
+                if hold is not None:
+                    hold.release()
                 if previous is not None:
                     return previous.response, previous.outcome
                 return error_response(
@@ -185,6 +218,8 @@ class Attempts:
             finally:
                 edge.metrics.admission_duration.observe(time.perf_counter() - asked)
             if reply.status is not ReplyStatus.ADMITTED or reply.target is None:
+                if hold is not None:
+                    hold.release()
                 outcome = (
                     Outcome.NO_CAPACITY
                     if reply.refusal is None
@@ -202,6 +237,9 @@ class Attempts:
                     headers=routed.headers,
                 ), outcome
             ending = _AttemptEnd(edge, routed, admit, reply)
+            if hold is not None:
+                hold.admitted(third_party=reply.target.provider_kind == "unlimited")
+                ending.budget = hold
             if client_left:  # a grant that crossed the cancel: give it back now
                 ending.finish(Outcome.CLIENT_DISCONNECTED, sent=False)
                 return Response(status_code=499), Outcome.CLIENT_DISCONNECTED
@@ -314,6 +352,15 @@ class Attempts:
             except UpstreamFailure as failure:
                 return self._failure(ending, failure.outcome, failure.message, headers)
             ending.usage = usage_in(payload)
+            if edge.spend is not None and edge.spend_header and ending.usage is not None:
+                served = reply.served_model or routed.model
+                use = ending.usage
+                picos = edge.spend.prices.cost(
+                    target.provider,
+                    served,
+                    TokenUse(use.input_tokens, use.cached_tokens, use.output_tokens),
+                )
+                upstream_headers["x-llmgw-cost"] = edge.spend.cost_header(picos)
             # The lease ends (and RequestEnded is reported) once the answer is on its way.
             routed.record.when_sent(lambda: ending.finish(Outcome.SUCCESS))
             return Response(payload, status_code=200, headers=upstream_headers), Outcome.SUCCESS
@@ -323,7 +370,11 @@ class Attempts:
             ending.status = failure.status  # an error event in place of the first token
             return self._failure(ending, failure.outcome, failure.message, headers)
         routed.record.first_token = time.perf_counter()
-        usage = StreamUsage(remove=inject_usage)
+        annotate = None
+        if edge.spend is not None and edge.spend_header and not inject_usage:
+            # The client asked for usage: its usage chunk also says what the attempt cost.
+            annotate = edge.spend.usage_fields(target.provider, reply.served_model or routed.model)
+        usage = StreamUsage(remove=inject_usage, annotate=annotate)
         relay = StreamRelay(
             upstream,
             first,
@@ -338,6 +389,7 @@ class Attempts:
             if ending.ended:
                 return
             ending.usage = usage.usage
+            ending.relayed = usage.events
             outcome = relay.outcome
             if hold is not None and hold.cut_short and outcome is not Outcome.SUCCESS:
                 outcome = Outcome.SHUTTING_DOWN
@@ -418,10 +470,12 @@ class _AttemptEnd:
 
     __slots__ = (
         "admit",
+        "budget",
         "edge",
         "ended",
         "hold",
         "refused",
+        "relayed",
         "reply",
         "retry_after",
         "routed",
@@ -446,6 +500,8 @@ class _AttemptEnd:
         self.retry_after: float | None = None
         self.refused = False  # the endpoint refused the connection (its breaker opens at once)
         self.usage: Usage | None = None
+        self.relayed = 0  # a stream's data events relayed (its output, if it has no usage)
+        self.budget: BudgetHold | None = None  # its budget reservations, settled at its end
 
     def finish(self, outcome: Outcome, *, sent: bool | None = None) -> None:
         if self.ended:
@@ -496,6 +552,22 @@ class _AttemptEnd:
         self.routed.record.attempt_ended(
             target.provider, target.endpoint, self.reply.route, self.reply.served_model, usage
         )
+        picos = 0
+        if edge.spend is not None:
+            routed = self.routed
+            picos = edge.spend.attempt_ended(
+                key=routed.key,
+                tenant=routed.tenant,
+                provider=target.provider,
+                model=self.reply.served_model or routed.model,
+                usage=self.usage,
+                relayed=self.relayed,
+                body=routed.parsed.body,
+                chat=routed.feature.value == "chat",
+                route=self.reply.route,
+            )
+        if self.budget is not None:
+            self.budget.settle(picos, third_party=target.provider_kind == "unlimited")
 
 
 def _retry_after(value: str | None) -> float | None:

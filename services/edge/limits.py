@@ -9,8 +9,11 @@ path (a dict lookup and two additions).
 
 Tolerance (docs/keys.md, "Limits"): what other edges let in during the last interval has not
 reached this edge yet, so across E edges a key can get up to (E - 1) x (its requests per
-interval per edge) past its rpm in a window; tokens are counted when a request ends, so tpm can
-be passed by the tokens of the requests that were running when the budget ran out. Totals are
+interval per edge) past its rpm in a window. A request's tokens are estimated when it is let in
+(prompt from its text, output from max_tokens or `spend.default_output_tokens`) and count at
+once (`hold_tokens`); when it ends its usage replaces the estimate, so a burst of large
+requests passes tpm by at most one request per edge (plus what other edges let in during the
+last interval). Totals are
 idempotent, so a lost message is repaired by the next one; an edge that stops publishing is
 forgotten when the window turns.
 """
@@ -153,6 +156,25 @@ class KeyLimiter:
         if use is None:
             use = self._mine[key_id] = _Use()
         use.requests += 1
+        self._dirty = True
+
+    def hold_tokens(self, key_id: str, tokens: int) -> int:
+        """Count a request's estimated tokens at once (so a burst sees them before the request
+        ends); the window they count in, for `release_tokens`."""
+        self._turn(self._clock())
+        if tokens > 0:
+            self._mine.setdefault(key_id, _Use()).tokens += tokens
+            self._dirty = True
+        return self._index
+
+    def release_tokens(self, key_id: str, tokens: int, window: int) -> None:
+        """The request of `hold_tokens` ended: its estimate no longer counts (its real tokens
+        were added by `add_tokens`). Nothing to do once the window has turned."""
+        self._turn(self._clock())
+        use = self._mine.get(key_id)
+        if window != self._index or use is None or tokens <= 0:
+            return
+        use.tokens = max(0, use.tokens - tokens)
         self._dirty = True
 
     def add_tokens(self, key_id: str, tokens: int) -> None:

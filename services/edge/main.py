@@ -38,11 +38,13 @@ from llmgw.services.edge.auth import (
     close_key_auth,
     open_key_auth,
 )
+from llmgw.services.edge.budgets import BudgetGuard
 from llmgw.services.edge.colocated import ColocatedAdmission, instance_grants_problem
 from llmgw.services.edge.leases import EdgeLeases
 from llmgw.services.edge.metrics import EdgeMetrics
 from llmgw.services.edge.outage import OutageAdmission
 from llmgw.services.edge.reporting import NatsReporter
+from llmgw.services.edge.spend import SpendBook
 from llmgw.services.edge.upstream import new_pool
 from llmgw.serving import RunningServer, start_server
 from llmgw.tracing import open_tracing
@@ -187,7 +189,13 @@ async def open_edge_deps(
     )
     if auth is not None:
         reporter = TokenCountingReporter(reporter, auth)
+    spend = SpendBook(nc, edge_id, config, metrics.spend)
+    await spend.start()
+    budgets = BudgetGuard(nc, edge_id, config, metrics=metrics.spend, scale=spend.scaled_input)
+    await budgets.start()
     return EdgeDeps(
+        spend=spend,
+        budgets=budgets,
         admission=admission,
         leases=leases,
         reporter=reporter,
@@ -200,6 +208,10 @@ async def open_edge_deps(
 
 
 async def close_edge_deps(deps: EdgeDeps) -> None:
+    if deps.budgets is not None:
+        await deps.budgets.stop()
+    if deps.spend is not None:
+        await deps.spend.stop()
     if deps.auth is not None:
         await close_key_auth(deps.auth)
     await deps.reporter.drain()

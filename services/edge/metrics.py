@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from llmgw.services.edge.spend import SpendMetrics
 from llmgw.telemetry import LabelledChildren, service_registry
 
 NONE = "none"  # the provider/endpoint label of a request that reached no upstream
@@ -113,6 +114,8 @@ class EdgeMetrics:
             )
         # labels() parses its arguments on every call; the hot path looks children up here.
         self.child = LabelledChildren()
+        # llmgw_spend_*: what the attempts cost (services/edge/spend.py).
+        self.spend = SpendMetrics(r, self.tenant)
 
     def tenant(self, tenant: str | None) -> str:
         """The label value of `tenant`: itself for the first `max_tenants`, else ``other``."""

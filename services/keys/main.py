@@ -5,7 +5,8 @@
                       [--expires 30d] [--label k=v] [--disabled]
     llmgw keys list | show ID | update ID [same options] | revoke ID
     llmgw keys seed FILE        # create or update the keys a YAML file lists, with their secrets
-    llmgw keys usage            # requests and tokens per key this minute, from every edge
+    llmgw keys usage            # requests and tokens per key this minute, from every edge,
+                                # and each key's spend today (the spend bucket)
 
 The secret is printed once, by `create`; the bucket keeps only its SHA-256 digest. `list` shows
 ids and prefixes, never secrets. An ID is the key id `create` printed, or its first 6+ digits.
@@ -33,6 +34,7 @@ import yaml
 from llmgw import natsconn
 from llmgw.config import Config, parse_duration
 from llmgw.core.apikeys import ApiKey, ApiKeyError, RateWindow, digest_of, new_secret
+from llmgw.core.spend import format_money, period_of
 from llmgw.runtime import load_tool_config
 from llmgw.state.apikeys import KeyBucket, KeyNotFound, open_key_bucket
 from llmgw.wire import KEYS_USAGE_SUBJECT, KeyUsage
@@ -72,7 +74,9 @@ async def _run(config: Config, args: argparse.Namespace, refusals: natsconn.Refu
         bucket = await open_key_bucket(nc, config)
         if args.keys_command == "usage":
             listen = args.listen or max(1.5, 3 * config.auth.usage_interval)
-            return await _usage(nc, bucket, listen, as_json=bool(args.json))
+            return await _usage(
+                nc, bucket, listen, as_json=bool(args.json), spend_bucket=config.spend.bucket
+            )
         return await _act(bucket, args, now=time.time())
     finally:
         await nc.close()
@@ -122,9 +126,12 @@ async def _act(bucket: KeyBucket, args: argparse.Namespace, *, now: float) -> in
     raise ApiKeyError(f"unknown action {command!r}")
 
 
-async def _usage(nc: Any, bucket: KeyBucket, listen: float, *, as_json: bool) -> int:
+async def _usage(
+    nc: Any, bucket: KeyBucket, listen: float, *, as_json: bool, spend_bucket: str = ""
+) -> int:
     """Every key's requests and tokens in the current rate window, summed over the edges that
-    reported during `listen` seconds (edges report while a key has use this minute)."""
+    reported during `listen` seconds (edges report while a key has use this minute), and what
+    each key spent today (UTC), from the spend bucket."""
     latest: dict[str, KeyUsage] = {}
 
     async def keep(msg: Any) -> None:
@@ -144,6 +151,9 @@ async def _usage(nc: Any, bucket: KeyBucket, listen: float, *, as_json: bool) ->
             total = totals.setdefault(key_id, [0, 0])
             total[0] += use.requests
             total[1] += use.tokens
+    today = await _spend_today(nc, spend_bucket) if spend_bucket else {}
+    for key_id in today:
+        totals.setdefault(key_id, [0, 0])
     keys = {k.key_id: k for k in await bucket.list()}
     rows = [
         {
@@ -153,6 +163,7 @@ async def _usage(nc: Any, bucket: KeyBucket, listen: float, *, as_json: bool) ->
             "rpm": keys[key_id].rpm if key_id in keys else None,
             "tokens": tokens,
             "tpm": keys[key_id].tpm if key_id in keys else None,
+            "spend_today": format_money(today.get(key_id, 0), 6),
         }
         for key_id, (requests, tokens) in sorted(totals.items())
     ]
@@ -160,13 +171,35 @@ async def _usage(nc: Any, bucket: KeyBucket, listen: float, *, as_json: bool) ->
         print(json.dumps({"edges": len(latest), "keys": rows}))
         return 0
     print(f"this minute, from {len(latest)} edges (keys with rpm or tpm):")
-    print(f"{'ID':16}  {'TENANT':16}  {'REQUESTS':>10}  {'RPM':>8}  {'TOKENS':>10}  {'TPM':>10}")
+    print(
+        f"{'ID':16}  {'TENANT':16}  {'REQUESTS':>10}  {'RPM':>8}  {'TOKENS':>10}  {'TPM':>10}"
+        f"  {'SPENT TODAY':>12}"
+    )
     for row in rows:
         print(
             f"{row['id']:16}  {row['tenant'] or '?':16}  {row['requests']:>10}  "
             f"{row['rpm'] or '-':>8}  {row['tokens']:>10}  {row['tpm'] or '-':>10}"
+            f"  {format_money(today.get(str(row['id']), 0)):>12}"
         )
     return 0
+
+
+async def _spend_today(nc: Any, name: str) -> dict[str, int]:
+    """Picos per key id spent today (UTC), best effort: {} without a spend bucket."""
+    from llmgw.services.spend.report import open_spend_reader, read_spend
+
+    try:
+        async with asyncio.timeout(5):
+            spend = await open_spend_reader(nc.jetstream(), name)
+            if spend is None:
+                return {}
+            record = await read_spend(spend)
+    except (TimeoutError, nats.errors.Error):
+        return {}
+    day = record.days.get(period_of(time.time()))
+    if day is None:
+        return {}
+    return {group[0]: row.picos for group, row in day.grouped("key").items() if group[0]}
 
 
 def create_key(
@@ -197,6 +230,10 @@ def _changes(args: argparse.Namespace, now: float) -> dict[str, Any]:
         value = getattr(args, option)
         if value is not None:
             changes[name] = value if value > 0 else None  # 0 removes the limit
+    for option in ("budget_period", "max_spend", "max_overflow_spend"):
+        value = getattr(args, option, None)
+        if value is not None:
+            changes[option] = None if value == "none" else value
     if args.expires is not None:
         changes["expires_at"] = _expiry(args.expires, now)
     if args.label:
@@ -264,9 +301,13 @@ def _limits(key: ApiKey) -> str:
             ("parallel", key.max_parallel_requests),
             ("rpm", key.rpm),
             ("tpm", key.tpm),
+            ("max_spend", key.max_spend),
+            ("max_overflow_spend", key.max_overflow_spend),
         )
         if value is not None
     ]
+    if key.budget_period is not None and (key.max_spend or key.max_overflow_spend):
+        parts.append(f"budget={key.budget_period}")
     return " ".join(parts)
 
 

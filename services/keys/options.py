@@ -50,6 +50,18 @@ def _spec_args(parser: argparse.ArgumentParser, *, creating: bool) -> None:
     parser.add_argument("--max-parallel", type=int, help="requests at once, all edges together")
     parser.add_argument("--rpm", type=int, help="requests per minute, all edges together")
     parser.add_argument("--tpm", type=int, help="tokens per minute, all edges together")
+    parser.add_argument(
+        "--budget-period",
+        choices=("daily", "monthly", "total", "none"),
+        help="the period of the key's budget (none removes the budget's period)",
+    )
+    parser.add_argument(
+        "--max-spend", help="most the key may spend in its period, in spend.currency ('none')"
+    )
+    parser.add_argument(
+        "--max-overflow-spend",
+        help="most it may spend on third parties in its period, in spend.currency ('none')",
+    )
     parser.add_argument("--expires", help="lifetime from now (30d, 12h) or unix seconds; 'never'")
     parser.add_argument("--label", action="append", default=[], metavar="K=V")
     parser.add_argument("--disabled", action="store_true", default=None, help="disable the key")

@@ -106,10 +106,12 @@ class SimApp:
             ("GET", "/ready"): self._health,  # an engine that is up can serve
             ("GET", "/metrics"): self._metrics,
             ("GET", "/sim/state"): self._state,
+            ("GET", "/sim/usage"): self._usage,
             ("GET", "/sim/faults"): self._get_faults,
             ("POST", "/sim/faults"): self._set_faults,
         }
         self._paths = {path for _, path in self._routes}
+        self.bill = Bill()
 
     # -- ASGI ------------------------------------------------------------------------------
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -158,14 +160,20 @@ class SimApp:
             return
         except ClientGone:
             return
+        delivered = [0]
         try:
             request_id = self._new_id("chatcmpl" if chat else "cmpl")
             if request.stream:
-                await stream_response(receive, send, request, request_id, generation, faults, chat)
+                await stream_response(
+                    receive, send, request, request_id, generation, faults, chat, delivered
+                )
             else:
-                await whole_response(receive, send, request, request_id, generation, faults, chat)
+                delivered[0] = await whole_response(
+                    receive, send, request, request_id, generation, faults, chat
+                )
         finally:
             generation.close()
+            self.bill.add(request.model, generation, delivered[0])
 
     def _parse_generation(self, body: dict[str, Any], chat: bool) -> GenerationRequest:
         model = self._check_model(body)
@@ -301,6 +309,9 @@ class SimApp:
         state["faults"] = self.faults.model_dump()
         await send_json(send, 200, state)
 
+    async def _usage(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send_json(send, 200, self.bill.as_json())
+
     async def _get_faults(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send_json(send, 200, self.faults.model_dump())
 
@@ -357,3 +368,36 @@ async def _send_error(send: Send, exc: SimError) -> None:
     await send_json(
         send, exc.status, error_body(exc.message, exc.type, exc.code, exc.param), exc.headers
     )
+
+
+class Bill:
+    """What this server would bill, per served model name, as a third party does: every
+    response that delivered output tokens counts its prompt (cached part apart) and the output
+    tokens it delivered, also when the client left mid-stream or the stream broke; a response
+    that delivered nothing (an error, a refusal) costs nothing. `GET /sim/usage`."""
+
+    def __init__(self) -> None:
+        self.models: dict[str, list[int]] = {}  # requests, prompt, cached, completion
+
+    def add(self, model: str, generation: Any, delivered: int) -> None:
+        if delivered <= 0:
+            return
+        row = self.models.setdefault(model, [0, 0, 0, 0])
+        row[0] += 1
+        row[1] += generation.prompt_tokens
+        row[2] += min(getattr(generation, "cached_tokens", 0), generation.prompt_tokens)
+        row[3] += delivered
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "models": {
+                model: dict(
+                    zip(
+                        ("requests", "prompt_tokens", "cached_tokens", "completion_tokens"),
+                        row,
+                        strict=True,
+                    )
+                )
+                for model, row in sorted(self.models.items())
+            }
+        }

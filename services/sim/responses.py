@@ -53,8 +53,9 @@ async def whole_response(
     generation: Generation,
     faults: FaultPlan,
     chat: bool,
-) -> None:
-    """A non-streamed response once the generation is done (or a simulated stall/crash)."""
+) -> int:
+    """A non-streamed response once the generation is done (or a simulated stall/crash); the
+    output tokens it delivered (0 when it sent no answer)."""
     watch: DisconnectWatch | None = None
     headers_sent = False
     try:
@@ -75,9 +76,9 @@ async def whole_response(
                 watch = DisconnectWatch(receive, generation.close)
             await generation.wait(generation.emitted)
             if watch.gone:
-                return
+                return 0
         if watch is not None and watch.gone:
-            return
+            return 0
         if die_at < generation.output_len:
             if not headers_sent:
                 await send(
@@ -95,6 +96,7 @@ async def whole_response(
             await send({"type": "http.response.body", "body": body})
         else:
             await send_bytes(send, 200, body, b"application/json")
+        return generation.emitted
     finally:
         if watch is not None:
             watch.stop()
@@ -130,8 +132,12 @@ async def stream_response(
     generation: Generation,
     faults: FaultPlan,
     chat: bool,
+    delivered: list[int] | None = None,
 ) -> None:
-    """SSE chunks as tokens are generated; one body write when everything is ready at once."""
+    """SSE chunks as tokens are generated; one body write when everything is ready at once.
+    `delivered[0]` follows the output tokens written to the client so far (a stream cut short
+    delivered those)."""
+    delivered = delivered if delivered is not None else [0]
     obj = "chat.completion.chunk" if chat else "text_completion"
     envelope = (
         f'data: {{"id":"{request_id}","object":"{obj}","created":{int(time.time())},'
@@ -173,6 +179,7 @@ async def stream_response(
             if sent >= limit or generation.done:
                 break
             await _flush(send, parts)
+            delivered[0] = sent
             if watch is None:
                 watch = DisconnectWatch(receive, generation.close)
             await generation.wait(sent)
@@ -182,12 +189,14 @@ async def stream_response(
             return
         if die_at < output_len:
             await _flush(send, parts)
+            delivered[0] = sent
             raise SimulatedCrash
         if request.include_usage:
             usage = json.dumps(_usage(generation, sent), separators=(",", ":"))
             parts.append(f'{envelope}[],"usage":{usage}}}\n\n')
         parts.append(_DONE)
         await send({"type": "http.response.body", "body": "".join(parts).encode()})
+        delivered[0] = sent
     finally:
         if watch is not None:
             watch.stop()

@@ -30,6 +30,7 @@ from llmgw.config.schema import (
     ResolvedProfile,
     RouterConfig,
     ScoringConfig,
+    SpendConfig,
     TimeoutOverrides,
     Timeouts,
 )
@@ -56,6 +57,7 @@ __all__ = [
     "ResolvedProfile",
     "RouterConfig",
     "ScoringConfig",
+    "SpendConfig",
     "TimeoutOverrides",
     "Timeouts",
     "config_from_dict",

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from llmgw.config.spend import spend_problems
+
 if TYPE_CHECKING:
     from llmgw.config.schema import Config
 
@@ -21,6 +23,7 @@ def config_problems(config: Config) -> list[Problem]:
     problems += _profile_problems(config)
     problems += _provider_problems(config)
     problems += _endpoint_problems(config)
+    problems += spend_problems(config)
     return problems
 
 

@@ -49,6 +49,7 @@ from llmgw.config.sections import (
     default_bands,
     default_profiles,
 )
+from llmgw.config.spend import SpendConfig
 
 __all__ = [
     "MASK",
@@ -75,6 +76,7 @@ __all__ = [
     "ResolvedProfile",
     "RouterConfig",
     "ScoringConfig",
+    "SpendConfig",
     "TimeoutOverrides",
     "Timeouts",
     "TracingConfig",
@@ -136,6 +138,7 @@ class Config(BaseSettings):
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     events: EventsConfig = Field(default_factory=EventsConfig)
     tracing: TracingConfig = Field(default_factory=TracingConfig)
+    spend: SpendConfig = Field(default_factory=SpendConfig)
     models: list[ModelConfig] = Field(min_length=1)
     providers: list[ProviderConfig] = Field(min_length=1)
     endpoints: list[EndpointConfig] = Field(min_length=1)

@@ -16,7 +16,8 @@ The edge decides from a local mirror of the bucket, with the pure rules here:
   lets it (`band_header`) and names one of the key's bands; otherwise the key's default band.
   A header the key may not use is ignored, never an error (docs/keys.md).
 
-Limits (`max_parallel_requests`, `rpm`, `tpm`) are data here; `RateWindow` is the fixed window
+Limits (`max_parallel_requests`, `rpm`, `tpm`) and the key's budget (`max_spend`,
+`max_overflow_spend` over `budget_period`; `ApiKey.budget`) are data here; `RateWindow` is the fixed window
 rpm and tpm are counted in. Pure: no clock (``now`` is passed in), no randomness (secrets are
 made from bytes the caller draws), no I/O.
 """
@@ -33,7 +34,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from llmgw.core.budget import Budget
 from llmgw.core.codec import decode_versioned
+from llmgw.core.spend import MICROS, micros_of
 
 __all__ = [
     "API_KEY_PREFIX",
@@ -64,6 +67,7 @@ _DIGEST = re.compile(r"[0-9a-f]{64}")
 # The "provider" of a key's quota pair (`key_pair`): a token no provider id can be (ids are slugs
 # that start with a letter or digit), so a key's quota book never collides with a provider's.
 KEY_QUOTA_PROVIDER = "_key"
+_PERIODS = ("daily", "monthly", "total")
 
 
 class ApiKeyError(ValueError):
@@ -126,6 +130,11 @@ class ApiKey:
     enabled: bool = True
     labels: Mapping[str, str] = field(default_factory=dict)
     created_at: float = 0.0
+    # The key's own budget (llmgw.core.budget): amounts in the gateway's spend.currency, as
+    # decimal strings with at most six decimals, over `budget_period`.
+    budget_period: str | None = None  # daily, monthly or total
+    max_spend: str | None = None
+    max_overflow_spend: str | None = None
 
     def __post_init__(self) -> None:
         if not _DIGEST.fullmatch(self.digest):
@@ -154,6 +163,20 @@ class ApiKey:
         for key, value in self.labels.items():
             if not _LABEL_KEY.fullmatch(key) or not isinstance(value, str) or len(value) > 256:
                 raise ApiKeyError(f"labels: bad label {key!r}")
+        for name in ("max_spend", "max_overflow_spend"):
+            value = getattr(self, name)
+            if value is not None:
+                try:
+                    micros_of(value)
+                except ValueError as exc:
+                    raise ApiKeyError(f"{name}: {exc}") from None
+        if self.budget_period is not None and self.budget_period not in _PERIODS:
+            raise ApiKeyError(
+                f"budget_period: expected daily, monthly or total, got {self.budget_period!r}"
+            )
+        limited = self.max_spend is not None or self.max_overflow_spend is not None
+        if limited and self.budget_period is None:
+            raise ApiKeyError("budget_period: a budget needs a period (daily, monthly or total)")
 
     @property
     def key_id(self) -> str:
@@ -162,6 +185,23 @@ class ApiKey:
     @property
     def kv_key(self) -> str:
         return API_KEY_PREFIX + self.digest
+
+    @property
+    def budget(self) -> Budget | None:
+        """The key's budget in picos, or None without one."""
+        if self.budget_period is None or (
+            self.max_spend is None and self.max_overflow_spend is None
+        ):
+            return None
+
+        def picos(value: str | None) -> int | None:
+            return None if value is None else micros_of(value) * MICROS
+
+        return Budget(
+            self.budget_period,  # type: ignore[arg-type]
+            picos(self.max_spend),
+            picos(self.max_overflow_spend),
+        )
 
     def allows_model(self, asked: str, canonical: str) -> bool:
         """Whether the key may use `asked` (which resolves to `canonical`)."""
@@ -206,6 +246,9 @@ class ApiKey:
             "enabled": self.enabled,
             "labels": dict(sorted(self.labels.items())),
             "created_at": self.created_at,
+            "budget_period": self.budget_period,
+            "max_spend": self.max_spend,
+            "max_overflow_spend": self.max_overflow_spend,
         }
 
     def to_json(self) -> bytes:
@@ -234,11 +277,23 @@ class ApiKey:
                 enabled=bool(body.get("enabled", True)),
                 labels=dict(body.get("labels") or {}),
                 created_at=float(body.get("created_at", 0.0)),
+                budget_period=body.get("budget_period"),
+                max_spend=_amount_text(body.get("max_spend")),
+                max_overflow_spend=_amount_text(body.get("max_overflow_spend")),
             )
         except KeyError as exc:
             raise ApiKeyError(f"{exc.args[0]}: missing") from None
         except (TypeError, AttributeError) as exc:
             raise ApiKeyError(f"API key value does not decode: {exc}") from None
+
+
+def _amount_text(value: object) -> str | None:
+    """An amount as the key keeps it: a decimal string (a number is accepted as its text)."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, bool):
+        raise ApiKeyError(f"expected an amount, got {value!r}")
+    return str(value)
 
 
 def authenticate(key: ApiKey | None, token: str | None, now: float) -> Denial | None:

@@ -152,6 +152,21 @@ class PoolView:
             return True
         return band.headroom > 0 and self.free_slots() <= band.headroom * len(self._loads)
 
+    def full_for(self, band: BandPolicy) -> bool:
+        """Would one more grant take the pool past `band`'s ceiling (or its headroom)? What
+        the dispatch tick checks before each grant, asked without assuming it."""
+        if self.holds_back(band):
+            return True
+        endpoint_id = self.least_saturated()
+        assert endpoint_id is not None  # the pool is never empty
+        self._inflight[endpoint_id] += 1
+        try:
+            after = self._endpoint(endpoint_id)
+        finally:
+            self._inflight[endpoint_id] -= 1
+        total = math.fsum(self._saturation.values()) - self._saturation[endpoint_id] + after
+        return total / len(self._saturation) > band.ceiling
+
     def assume_grant(self) -> str:
         endpoint_id = self.least_saturated()
         assert endpoint_id is not None  # the pool is never empty
@@ -173,6 +188,10 @@ def gate(band: BandPolicy, pool: PoolView | None, waiting_at_or_above: int) -> G
         return GateDecision.GRANTED
     saturated = pool.holds_back(band)
     if saturated and band.overflow:
+        return GateDecision.OVERFLOW
+    if band.overflow and waiting_at_or_above > 0 and pool.full_for(band):
+        # Others wait ahead (requests that may not overflow: an overflow budget used up, or a
+        # higher band) and the pool has no room for one more: an overflow band does not wait.
         return GateDecision.OVERFLOW
     if waiting_at_or_above == 0 and not saturated:
         return GateDecision.GRANTED

@@ -30,6 +30,7 @@ class Outcome(enum.StrEnum):
     QUEUE_TIMEOUT = "queue_timeout"  # flow control: waited admission.queue_ttl without a grant
     INVALID_API_KEY = "invalid_api_key"  # auth.mode keys: missing, unknown, revoked, expired
     RATE_LIMITED = "rate_limited"  # the key's rpm or tpm is used up in the current window
+    INSUFFICIENT_QUOTA = "insufficient_quota"  # the tenant's or key's max_spend is used up
     SHUTTING_DOWN = "shutting_down"  # the edge stopped and its drain deadline ended the request
     INTERNAL_ERROR = "internal_error"  # the gateway itself failed (a bug, logged with its trace)
 
@@ -96,6 +97,8 @@ ERROR_SHAPES: dict[Outcome, ErrorShape] = {
     # API keys (docs/keys.md): OpenAI's own status, type and code for each.
     Outcome.INVALID_API_KEY: ErrorShape(401, "invalid_request_error", "invalid_api_key"),
     Outcome.RATE_LIMITED: ErrorShape(429, "requests", "rate_limit_exceeded", retry_after=True),
+    # Budgets (docs/spend.md): OpenAI's answer to an account out of credit.
+    Outcome.INSUFFICIENT_QUOTA: ErrorShape(429, "insufficient_quota", "insufficient_quota"),
 }
 
 

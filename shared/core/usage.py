@@ -13,12 +13,14 @@ Pure. Two readers:
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 
 __all__ = ["StreamUsage", "Usage", "usage_in"]
 
 _USAGE_KEY = b'"usage"'
 _EVENT_END = b"\n\n"
+_DATA = b"data: {"
 _TAIL = 4096  # bytes kept to find the usage chunk when it is forwarded, not removed
 _DECODER = json.JSONDecoder()  # stateless: one for every read (making one costs a microsecond)
 
@@ -27,6 +29,7 @@ _DECODER = json.JSONDecoder()  # stateless: one for every read (making one costs
 class Usage:
     input_tokens: int
     output_tokens: int
+    cached_tokens: int = 0  # of the input, read from the provider's prefix cache
 
 
 def _decode_usage(raw: bytes) -> Usage | None:
@@ -46,7 +49,11 @@ def _decode_usage(raw: bytes) -> Usage | None:
     prompt, completion = value.get("prompt_tokens"), value.get("completion_tokens", 0)
     if not isinstance(prompt, int) or not isinstance(completion, int):
         return None
-    return Usage(prompt, completion)
+    details = value.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    if not isinstance(cached, int) or not 0 <= cached <= prompt:
+        cached = 0
+    return Usage(prompt, completion, cached)
 
 
 def usage_in(body: bytes) -> Usage | None:
@@ -62,16 +69,26 @@ def _is_usage_event(event: bytes) -> bool:
 
 
 class StreamUsage:
-    """Follows an SSE stream for its usage; removes the usage event when ``remove`` is set."""
+    """Follows an SSE stream for its usage; removes the usage event when ``remove`` is set, or
+    with `annotate` (and not ``remove``) adds the fields it returns for the usage to the usage
+    object (e.g. what the request cost: llmgw.core.spend), holding each event until it ends."""
 
-    def __init__(self, *, remove: bool) -> None:
+    def __init__(
+        self, *, remove: bool, annotate: Callable[[Usage], dict[str, object]] | None = None
+    ) -> None:
         self.remove = remove
+        self.annotate = annotate
+        self._held = remove or annotate is not None
         self.usage: Usage | None = None
+        # Data events seen (one per token for most engines): the output of a stream cut short
+        # before its usage, as far as the edge can tell (llmgw.core.spend).
+        self.events = 0
         self._buffer = b""
 
     def feed(self, chunk: bytes) -> bytes:
         """The bytes to forward now for ``chunk`` (possibly fewer, held until an event ends)."""
-        if not self.remove:
+        self.events += chunk.count(_DATA)
+        if not self._held:
             self._buffer = (self._buffer + chunk)[-_TAIL:]
             return chunk
         self._buffer += chunk
@@ -84,17 +101,40 @@ class StreamUsage:
         kept = []
         for event in complete.split(_EVENT_END)[:-1]:
             if _is_usage_event(event):
-                self.usage = _decode_usage(event) or self.usage
-            else:
-                kept.append(event + _EVENT_END)
+                usage = _decode_usage(event)
+                self.usage = usage or self.usage
+                if self.remove:
+                    continue
+                if usage is not None and self.annotate is not None:
+                    event = _with_fields(event, self.annotate(usage))
+            kept.append(event + _EVENT_END)
         return b"".join(kept)
 
     def finish(self) -> bytes:
         """At the end of the stream: what is still held (forwarded), and the usage if seen."""
         rest, self._buffer = self._buffer, b""
-        if not self.remove:
+        if not self._held:
             for event in rest.split(_EVENT_END):
                 if _is_usage_event(event.strip(b"\n")):
                     self.usage = _decode_usage(event) or self.usage
             return b""
         return rest
+
+
+def _with_fields(event: bytes, fields: dict[str, object]) -> bytes:
+    """The usage event with `fields` added to its ``usage`` object (unchanged if it does not
+    decode): spliced in before the object's closing brace, the rest byte for byte."""
+    if not fields:
+        return event
+    text = event.decode("utf-8", "replace")
+    at = text.rfind('"usage"')
+    start = text.find("{", at)
+    try:
+        _, end = _DECODER.raw_decode(text, start)
+    except ValueError:
+        return event
+    extra = json.dumps(fields, separators=(",", ":"))[1:-1]
+    close = end - 1  # the usage object's "}"
+    inside = text[start + 1 : close].strip()
+    joined = f",{extra}" if inside else extra
+    return (text[:close] + joined + text[close:]).encode()

@@ -191,6 +191,7 @@ def test_public_api_is_exactly_all():
         "references",
         "schema",
         "sections",
+        "spend",
     }
     assert exported - submodules == set(llmgw.config.__all__)
     for name in (

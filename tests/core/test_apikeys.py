@@ -133,3 +133,20 @@ def test_windows_are_epoch_aligned(now: float) -> None:
     window = RateWindow(60.0)
     assert 0 < window.reset_in(now) <= 60.0
     assert window.index(now + window.reset_in(now)) == window.index(now) + 1
+
+
+def test_a_keys_budget_is_exact_money_over_a_period_and_needs_one() -> None:
+    digest = "a" * 64
+    key = ApiKey(digest, "t", budget_period="monthly", max_spend="2.50", max_overflow_spend="1")
+    assert key.budget is not None
+    assert (key.budget.max_spend, key.budget.max_overflow_spend) == (2_500_000_000_000, 10**12)
+    assert ApiKey.from_json(key.to_json()) == key
+    assert ApiKey(digest, "t").budget is None
+    for bad, says in (
+        ({"max_spend": "1"}, "budget_period: a budget needs a period"),
+        ({"budget_period": "weekly", "max_spend": "1"}, "budget_period: expected"),
+        ({"budget_period": "daily", "max_spend": "-1"}, "max_spend: expected a number >= 0"),
+        ({"budget_period": "daily", "max_overflow_spend": "x"}, "max_overflow_spend"),
+    ):
+        with pytest.raises(ApiKeyError, match=says):
+            ApiKey(digest, "t", **bad)

@@ -303,3 +303,30 @@ def test_a_band_never_dispatches_into_its_headroom_and_stops_only_at_a_limit(
         if quota < waiting.get(band.name, 0):
             assert replay.holds_back(band), f"{band.name} waited with room left"
             break
+
+
+@pytest.mark.parametrize(
+    ("waiting", "expected"),
+    [([0, 0], GateDecision.QUEUED), ([3, 3], GateDecision.OVERFLOW)],
+    ids=["room-for-one", "full-for-one"],
+)
+def test_an_overflow_band_behind_waiters_overflows_once_the_pool_has_no_room_for_it(
+    waiting, expected
+):
+    """Waiters ahead that may not overflow (an overflow budget used up) hold the pool at its
+    ceiling, never above it: an overflow band's arrival does not queue behind them when one
+    more grant would pass the ceiling (queue 3 of 4 per endpoint: 0.75, one more: 1.0 > 0.85)."""
+    gold = BANDS[1]
+    view = pool([16, 16], [16, 16], waiting)
+    assert not view.holds_back(gold)  # not above the ceiling: the old rule would queue it
+    assert gate(gold, view, waiting_at_or_above=5) is expected
+    assert gate(gold, view, waiting_at_or_above=0) is GateDecision.GRANTED
+    assert gate(BANDS[2], view, waiting_at_or_above=5) is GateDecision.QUEUED  # silver waits
+
+
+@given(st.lists(st.integers(0, 40), min_size=1, max_size=4), st.integers(1, 20))
+def test_full_for_is_exactly_whether_one_more_grant_would_pass_the_ceiling(running, ahead):
+    view = pool([16] * len(running), running)
+    gold = BANDS[1]
+    expected = view.holds_back(gold) or (view.assume_grant() and view.saturation() > gold.ceiling)
+    assert pool([16] * len(running), running).full_for(gold) is expected

@@ -66,3 +66,22 @@ def test_a_stream_without_usage_passes_unchanged():
     data = BODY + b"data: [DONE]\n\n"
     assert reader.feed(data) + reader.finish() == data
     assert reader.usage is None
+
+
+def test_a_kept_usage_event_can_carry_added_fields_and_the_rest_passes_byte_for_byte():
+    head = b'data: {"id":"x","choices":[{"index":0,"delta":{"content":"a"}}]}\n\n'
+    usage = (
+        b'data: {"id":"x","choices":[],"usage":{"prompt_tokens":7,"completion_tokens":2,'
+        b'"prompt_tokens_details":{"cached_tokens":3}}}\n\n'
+    )
+    stream = StreamUsage(remove=False, annotate=lambda u: {"cost": f"{u.input_tokens}.5"})
+    out = b"".join(
+        stream.feed(part) for part in (head + usage[:30], usage[30:], b"data: [DONE]\n\n")
+    )
+    out += stream.finish()
+    assert out.startswith(head) and out.endswith(b"data: [DONE]\n\n")
+    events = [e for e in out.split(b"\n\n") if b'"usage"' in e]
+    (event,) = events
+    body = json.loads(event[len(b"data: ") :])
+    assert body["usage"]["cost"] == "7.5" and body["usage"]["completion_tokens"] == 2
+    assert stream.usage == Usage(7, 2, 3)

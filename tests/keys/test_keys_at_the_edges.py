@@ -189,6 +189,30 @@ async def test_tpm_counts_usage_tokens(keyed, tokens: int) -> None:
     assert statuses.index(429) >= 1 and all(s == 429 for s in statuses[statuses.index(429) :])
 
 
+async def test_a_burst_of_large_requests_passes_tpm_by_one_request_at_most(keyed) -> None:
+    """Tokens are estimated when a request is let in (prompt from its text, output from
+    max_tokens) and count at once: 20 requests of ~37 tokens at once against tpm 100 let in 3
+    (0, 37 and 74 used before each), where counting only at the end let in all 20."""
+    created = await keyed.keys("create", "--tenant", "team-burst", "--tpm", "100")
+    async with httpx.AsyncClient(timeout=30) as client:
+        burst = [
+            chat(
+                client,
+                keyed.edges[0],
+                created["secret"],
+                max_tokens=30,
+                messages=[{"role": "user", "content": f"burst {i}"}],
+            )
+            for i in range(20)
+        ]
+        responses = await asyncio.gather(*burst)
+    statuses = [r.status_code for r in responses]
+    assert statuses.count(200) == 3, statuses
+    assert set(statuses) == {200, 429}
+    refused = next(r for r in responses if r.status_code == 429).json()["error"]
+    assert refused["code"] == "rate_limit_exceeded" and "tokens per minute" in refused["message"]
+
+
 async def _burst(keyed, secret: str, n: int = 50) -> list[httpx.Response]:  # type: ignore[no-untyped-def]
     """`n` requests of one key at once, over both edges and so over both admission instances'
     shards (every request is its own session: no pin keeps them on one shard)."""

@@ -1,0 +1,367 @@
+"""Budgets at the edge: reserve a request's estimated cost before admission, settle it at its end.
+
+A request of a tenant with a budget (`spend.budgets`) reserves, before each attempt asks
+admission, its estimated cost in each of its accounts (`llmgw.core.budget`): prompt tokens
+estimated from the body (scaled to how the providers counted recent prompts), output tokens
+from ``max_tokens`` (or ``max_completion_tokens``,
+else `spend.default_output_tokens`), priced at the dearest provider that may serve it (for
+`max_spend`) or the dearest third party (for `max_overflow_spend`). The reservation is taken
+from this edge's grant, in memory; when the grant cannot fit it, the edge asks admission for a
+larger one (`BudgetGrantRequest`: one CAS of the account, shared by the requests that wait for
+it) and the request waits for the answer, like a first quota share.
+
+- `max_spend` cannot fit the estimate: 429 ``insufficient_quota``, before admission (no lease,
+  nothing spent).
+- `max_overflow_spend` cannot fit it: the attempt is admitted with ``no_overflow``, so it never
+  goes to a third party (its endpoints are excluded) and waits for our engines in its band.
+- An attempt placed on our engines gives its overflow reservation back at once; every attempt
+  settles its real cost (`SpendBook`'s price) when it ends, and the reservation is released.
+
+Every `spend.interval` the edge reports each account's spend and shrinks its grant to what it
+has spent and reserved (plus a few requests' worth while the account has room), so grants
+follow use and an idle edge holds nothing. Tolerance: settled spend plus reservations never pass
+the limit; the real cost of requests in flight may exceed their estimates (a prompt longer than
+estimated): that difference is what the spend can end above the budget.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from llmgw.core.budget import Budget, BudgetKind, Period, Purse, account_key, period_id
+from llmgw.core.spend import (
+    PriceBook,
+    TokenPrices,
+    TokenUse,
+    estimate_input_tokens,
+    estimated_output,
+)
+from llmgw.tasks import cancel_and_wait
+from llmgw.wire import BUDGET_GRANT_SUBJECT, BudgetGrantReply, BudgetGrantRequest
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client as NATS
+
+    from llmgw.config.schema import Config
+    from llmgw.services.edge.spend import SpendMetrics
+
+log = logging.getLogger("llmgw.edge.budgets")
+
+_SPARE_REQUESTS = 4  # a grant asks room for this many more like the last, while room is ample
+_AMPLE = 16  # ... i.e. while the account's room is at least this many such requests
+_ROUNDS = 8  # asks one request may wait for while others take what each brought
+_IDLE_PERIODS = 3  # intervals without use before an account is forgotten (grant returned)
+
+
+class BudgetUnavailable(Exception):
+    """The budget accounts could not be reached (no admission instance answered)."""
+
+
+@dataclass(slots=True)
+class _Account:
+    key: str
+    kind: BudgetKind
+    limit: int
+    purse: Purse = field(default_factory=Purse)
+    pending: asyncio.Future[bool] | None = None
+    reported: int = -1  # spent as last reported
+    demand: int = 0  # estimates of the requests waiting here for a larger grant
+    used_at: float = 0.0  # monotonic time of the last reservation
+
+
+@dataclass(slots=True)
+class BudgetHold:
+    """One attempt's reservations; `no_overflow`: its overflow budget could not fit it."""
+
+    parts: list[tuple[_Account, int]] = field(default_factory=list)
+    no_overflow: bool = False
+    done: bool = False
+
+    def admitted(self, *, third_party: bool) -> None:
+        """Placed: on our engines, the overflow reservation is not needed."""
+        if third_party:
+            return
+        kept = []
+        for account, estimate in self.parts:
+            if account.kind == "overflow":
+                account.purse.release(estimate)
+            else:
+                kept.append((account, estimate))
+        self.parts = kept
+
+    def settle(self, picos: int, *, third_party: bool) -> None:
+        """The attempt ended having cost `picos`."""
+        if self.done:
+            return
+        self.done = True
+        for account, estimate in self.parts:
+            cost = picos if account.kind == "spend" or third_party else 0
+            account.purse.settle(estimate, cost)
+
+    def release(self) -> None:
+        """The attempt never ran."""
+        self.settle(0, third_party=False)
+
+
+class BudgetGuard:
+    def __init__(
+        self,
+        nc: NATS | None,
+        edge_id: str,
+        config: Config,
+        *,
+        metrics: SpendMetrics | None = None,
+        scale: Callable[[str, int], int] = lambda model, tokens: tokens,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._nc = nc
+        self._metrics = metrics
+        self._scale = scale  # estimated prompt tokens as providers count them (SpendBook)
+        self.edge_id = edge_id
+        self._clock = clock
+        self.interval = config.spend.interval
+        self.request_timeout = config.nats.request_timeout
+        self.default_output = config.spend.default_output_tokens
+        self.tenants: dict[str, Budget] = {b.tenant: b.budget() for b in config.spend.budgets}
+        book = config.spend.price_book(config.resolve_model)
+        self.third_party_endpoints: dict[str, tuple[str, ...]] = {}
+        self._worst: dict[str, TokenPrices] = {}
+        self._worst_third: dict[str, TokenPrices] = {}
+        for model in config.models:
+            names = [model.name, *(config.resolve_model(f) or f for f in model.fallbacks)]
+            serving = [p for p in config.providers if any(p.model(n) for n in names)]
+            self._worst[model.name] = _dearest(book, [p.id for p in serving], names)
+            third = [p.id for p in serving if not p.is_managed]
+            self._worst_third[model.name] = _dearest(book, third, names)
+            self.third_party_endpoints[model.name] = tuple(
+                e.id for e in config.endpoints if e.provider in third
+            )
+        self._accounts: dict[str, _Account] = {}
+        self._periods: dict[str, tuple[int, str]] = {}
+        self._keys: dict[tuple[str, str, str], str] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def active(self) -> bool:
+        """Whether any tenant has a budget (keys' budgets are checked in any case)."""
+        return bool(self.tenants)
+
+    async def start(self) -> None:
+        if self._nc is not None and self.tenants:
+            self._task = asyncio.create_task(self._sync_loop(), name="budget-sync")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            await cancel_and_wait([self._task])
+            self._task = None
+        with contextlib.suppress(Exception):
+            await self._sync(final=True)
+
+    # ---- the request path -----------------------------------------------------------------------
+
+    async def reserve(
+        self,
+        tenant: str | None,
+        model: str,
+        body: dict[str, Any],
+        *,
+        key: str | None = None,
+        key_budget: Budget | None = None,
+    ) -> BudgetHold | None:
+        """The attempt's reservations in its tenant's and its key's accounts (None: no budget
+        applies). Raises `BudgetRefused` when a `max_spend` cannot fit it (what was reserved
+        is released), `BudgetUnavailable` when no grant could be asked for."""
+        budgets: list[tuple[str, str, Budget]] = []
+        tenant_budget = self.tenants.get(tenant) if tenant is not None else None
+        if tenant_budget is not None:
+            budgets.append((f"tenant-{tenant}", f"tenant '{tenant}'", tenant_budget))
+        if key_budget is not None and key is not None:
+            budgets.append((f"key-{key}", f"API key {key}", key_budget))
+        if not budgets:
+            return None
+        prompt = self._scale(model, estimate_input_tokens(body))
+        use = TokenUse(input=prompt, output=self._output(body))
+        hold = BudgetHold()
+        try:
+            for scope, whose, budget in budgets:
+                await self._reserve_in(hold, scope, whose, budget, model, use)
+        except BaseException:
+            hold.release()
+            raise
+        return hold
+
+    async def _reserve_in(
+        self, hold: BudgetHold, scope: str, whose: str, budget: Budget, model: str, use: TokenUse
+    ) -> None:
+        period = self._period(budget.period)
+        if budget.max_spend is not None:
+            estimate = self._worst[model].cost(use)
+            account = self._account("spend", scope, period, budget.max_spend)
+            if not await self._reserve(account, estimate):
+                self._count("spend", "refused")
+                raise BudgetRefused(
+                    f"The budget of {whose} ({budget.period}) is used up: this request would "
+                    "take its spend past max_spend."
+                )
+            hold.parts.append((account, estimate))
+            self._count("spend", "reserved")
+        if budget.max_overflow_spend is not None and not hold.no_overflow:
+            estimate = self._worst_third[model].cost(use)
+            account = self._account("overflow", scope, period, budget.max_overflow_spend)
+            try:
+                fits = await self._reserve(account, estimate)
+            except BudgetUnavailable:
+                fits = False  # unknown: keep to our engines
+            if fits:
+                hold.parts.append((account, estimate))
+            else:
+                hold.no_overflow = True
+            self._count("overflow", "reserved" if fits else "kept_home")
+
+    def _count(self, kind: str, decision: str) -> None:
+        if self._metrics is not None:
+            self._metrics.budget.labels(kind, decision).inc()
+
+    def _period(self, period: Period) -> str:
+        """`period_id` now, named once a second (a day or month turns at a second)."""
+        now = self._clock()
+        second = int(now)
+        cached = self._periods.get(period)
+        if cached is not None and cached[0] == second:
+            return cached[1]
+        name = period_id(period, now)
+        self._periods[period] = (second, name)
+        return name
+
+    def _output(self, body: dict[str, Any]) -> int:
+        return estimated_output(body, self.default_output)
+
+    def _account(self, kind: BudgetKind, scope: str, period: str, limit: int) -> _Account:
+        key = self._keys.get((kind, scope, period))
+        if key is None:
+            if len(self._keys) > 10_000:
+                self._keys.clear()
+            key = self._keys[(kind, scope, period)] = account_key(kind, scope, period)
+        account = self._accounts.get(key)
+        if account is None:
+            account = self._accounts[key] = _Account(key, kind, limit)
+        account.limit = limit
+        return account
+
+    async def _reserve(self, account: _Account, estimate: int) -> bool:
+        """Reserve `estimate`, asking for a larger grant while the account has room for it:
+        refused only when the account itself cannot fit it (every holder's commitments)."""
+        account.used_at = time.monotonic()
+        purse = account.purse
+        if purse.reserve(estimate):
+            return True
+        account.demand += estimate  # what the requests waiting here need, asked together
+        try:
+            for _ in range(_ROUNDS):
+                spare = estimate * _SPARE_REQUESTS if purse.room >= estimate * _AMPLE else 0
+                await self._regrant(account, purse.want(account.demand, spare))
+                if purse.reserve(estimate):
+                    return True
+                if purse.room < estimate:  # the account is (nearly) spent: no more to ask
+                    return False
+            return False
+        finally:
+            account.demand -= estimate
+
+    async def _regrant(self, account: _Account, want: int) -> None:
+        """Ask for a grant of `want` in all; requests that need one meanwhile share the ask."""
+        if account.pending is not None:
+            await asyncio.shield(account.pending)
+            return
+        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        account.pending = future
+        try:
+            future.set_result(await self._ask(account, want))
+        except BaseException as exc:
+            if not future.done():
+                future.set_exception(exc)
+            future.exception()  # retrieved: the waiters get it through shield
+            raise
+        finally:
+            account.pending = None
+
+    async def _ask(self, account: _Account, want: int) -> bool:
+        if self._nc is None:
+            raise BudgetUnavailable("no NATS connection")
+        purse = account.purse
+        request = BudgetGrantRequest(
+            edge=self.edge_id,
+            account=account.key,
+            limit=account.limit,
+            spent=purse.spent,
+            want=want,
+        )
+        try:
+            msg = await self._nc.request(
+                BUDGET_GRANT_SUBJECT,
+                request.model_dump_json().encode(),
+                timeout=self.request_timeout,
+            )
+            reply = BudgetGrantReply.model_validate_json(msg.data)
+        except Exception as exc:
+            raise BudgetUnavailable(f"the budget accounts did not answer: {exc}") from None
+        if not reply.ok:
+            raise BudgetUnavailable(reply.error or "the budget account was not written")
+        purse.grant = reply.grant
+        purse.room = reply.room
+        # An account this edge forgot while idle and uses again: what it spent there stays
+        # spent (the account kept it), so its new purse starts from it.
+        purse.spent = max(purse.spent, reply.mine)
+        account.reported = max(request.spent, reply.mine)
+        return True
+
+    # ---- housekeeping ---------------------------------------------------------------------------
+
+    async def _sync_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            try:
+                await self._sync()
+            except Exception as exc:
+                log.debug("budget sync: %s", exc)
+
+    async def _sync(self, *, final: bool = False) -> None:
+        """Report every account's spend; shrink grants to what is spent and reserved (plus
+        spare while in use and the account has room); forget idle accounts of past periods."""
+        now = time.monotonic()
+        for key, account in list(self._accounts.items()):
+            purse = account.purse
+            idle = now - account.used_at > self.interval * _IDLE_PERIODS
+            base = purse.spent + purse.reserved
+            if final or idle:
+                want = base
+            else:
+                want = max(base, min(purse.grant, base + purse.room // _AMPLE))
+            if want == purse.grant and purse.spent == account.reported:
+                if idle and purse.reserved == 0:
+                    del self._accounts[key]  # its grant is what it spent: nothing held
+                continue
+            if account.pending is not None:
+                continue
+            with contextlib.suppress(BudgetUnavailable):
+                await self._regrant(account, want)
+
+
+class BudgetRefused(Exception):
+    """`max_spend` cannot fit the request: 429 insufficient_quota (the message says whose)."""
+
+
+def _dearest(book: PriceBook, providers: list[str], models: list[str]) -> TokenPrices:
+    worst = TokenPrices()
+    for model in models:
+        candidate = book.most_per_token(providers, model)
+        worst = TokenPrices(
+            input=max(worst.input, candidate.input), output=max(worst.output, candidate.output)
+        )
+    return worst

@@ -1,0 +1,139 @@
+"""Budget accounts on a real nats-server: two edges' guards reserving concurrently from grants
+that two admission instances write by CAS. The checker: settled spend plus what is still
+reserved never passes the limit (estimates exact here), and the account's record equals what
+the edges settled; every request either reserved or was refused, none twice."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+import uuid
+from pathlib import Path
+
+import nats
+import pytest
+import yaml
+
+from llmgw.config import config_from_dict
+from llmgw.core.budget import Account, account_key, period_id
+from llmgw.services.admission.spend import BudgetAccounts, open_spend_bucket
+from llmgw.services.edge.budgets import BudgetGuard, BudgetRefused
+
+REPO = Path(__file__).resolve().parents[2]
+BODY = {"messages": [{"role": "user", "content": "what is a cache"}], "max_tokens": 100}
+
+
+def _config(nats_url: str, bucket: str, max_spend: str):  # type: ignore[no-untyped-def]
+    data = yaml.safe_load((REPO / "config" / "local.yaml").read_text())
+    data["nats"] = {"url": nats_url}
+    data["spend"]["bucket"] = bucket
+    data["spend"]["interval"] = "100ms"
+    data["spend"]["budgets"] = [{"tenant": "t", "period": "daily", "max_spend": max_spend}]
+    return config_from_dict(data, env={})
+
+
+@pytest.fixture
+async def accounts(nats_url: str):
+    bucket = f"spend_{uuid.uuid4().hex[:10]}"
+    config = _config(nats_url, bucket, "0.01")
+    connections, services = [], []
+    for _ in range(2):  # two admission instances in one queue group
+        nc = await nats.connect(nats_url)
+        service = BudgetAccounts(nc, await open_spend_bucket(nc, config), ttl=30.0)
+        await service.start()
+        connections.append(nc)
+        services.append(service)
+    try:
+        yield config, services
+    finally:
+        for service in services:
+            await service.stop()
+        with_js = connections[0].jetstream()
+        await with_js.delete_key_value(bucket)
+        for nc in connections:
+            await nc.close()
+
+
+async def test_two_edges_never_commit_past_the_limit_and_the_account_records_what_they_spent(
+    accounts,
+) -> None:
+    config, services = accounts
+    edges = []
+    for index in range(2):
+        nc = await nats.connect(config.nats.url)
+        guard = BudgetGuard(nc, f"edge-{index}", config)
+        await guard.start()
+        edges.append((nc, guard))
+    rng = random.Random(7)
+    model = "llama-3.3-70b"
+    settled: list[int] = []
+    refused = 0
+    in_flight: list[int] = []
+    peak = 0
+
+    async def one(guard: BudgetGuard) -> None:
+        nonlocal refused, peak
+        try:
+            hold = await guard.reserve("t", model, BODY)
+        except BudgetRefused:
+            refused += 1
+            return
+        assert hold is not None and hold.parts
+        estimate = hold.parts[0][1]
+        in_flight.append(estimate)
+        peak = max(peak, sum(settled) + sum(in_flight))
+        await asyncio.sleep(rng.uniform(0, 0.02))
+        in_flight.remove(estimate)
+        hold.settle(estimate, third_party=True)  # it cost exactly its estimate
+        settled.append(estimate)
+
+    await asyncio.gather(*(one(edges[i % 2][1]) for i in range(300)))
+    limit = 10_000_000_000  # $0.01 in picos
+    estimate = settled[0]
+    assert peak <= limit  # settled + reserved never passed it (no estimate error here)
+    assert sum(settled) <= limit
+    assert refused + len(settled) == 300
+    # Below the limit, at most one request's worth is left at each edge.
+    assert sum(settled) > limit - 2 * estimate, (sum(settled), estimate)
+    for nc, guard in edges:
+        await guard.stop()  # reports its spend and returns its grant
+        await nc.close()
+    nc = await nats.connect(config.nats.url)
+    try:
+        kv = await nc.jetstream().key_value(config.spend.bucket)
+        key = account_key("spend", "tenant-t", period_id("daily", time.time()))
+        account = Account.from_json((await kv.get(key)).value)
+    finally:
+        await nc.close()
+    assert account.spent == sum(settled)
+    assert all(h.grant == h.spent for h in account.holders.values())  # nothing held any more
+    assert sum(s.writes for s in services) >= 2  # the grants were written by CAS
+
+
+async def test_an_account_forgotten_while_idle_keeps_what_the_edge_spent(accounts) -> None:
+    """An edge drops an idle account from memory; using it again, it starts from what the
+    account says it spent there, so the limit still holds."""
+    config, _ = accounts
+    nc = await nats.connect(config.nats.url)
+    try:
+        guard = BudgetGuard(nc, "edge-forgetful", config)
+        model = "llama-3.3-70b"
+        hold = await guard.reserve("t", model, BODY)
+        assert hold is not None
+        estimate = hold.parts[0][1]
+        hold.settle(estimate, third_party=True)
+        await guard._sync(final=True)  # reports it and returns the grant
+        guard._accounts.clear()  # forgotten, as after _IDLE_PERIODS without use
+        limit = 10_000_000_000
+        admitted = 0
+        with contextlib.suppress(BudgetRefused):
+            while True:
+                again = await guard.reserve("t", model, BODY)
+                assert again is not None
+                again.settle(estimate, third_party=True)
+                admitted += 1
+        assert (admitted + 1) * estimate <= limit < (admitted + 2) * estimate
+    finally:
+        await nc.close()
