@@ -182,6 +182,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_keys_arguments(keys)
     keys.set_defaults(target="llmgw.services.keys.main:run")
+    endpoints = sub.add_parser(
+        "endpoints",
+        help="the live fleet's endpoints: list, show, add, update, drain, undrain, remove",
+    )
+    _config_arg(endpoints)
+    _port_offset_arg(endpoints)
+    from llmgw.services.fleet.options import add_endpoints_arguments  # argparse only
+
+    add_endpoints_arguments(endpoints)
+    endpoints.set_defaults(target="llmgw.services.fleet.main:run")
     events = sub.add_parser("events", help="print the events kept in the events stream")
     _config_arg(events)
     _port_offset_arg(events)

@@ -13,10 +13,14 @@ from typing import TYPE_CHECKING, Any
 
 from llmgw import natsconn
 from llmgw.events import EventPublisher, MemberEvent
+from llmgw.fleet import live_config
 from llmgw.services.admission.health import HealthBoard
+from llmgw.services.admission.live import FleetFollower, apply_fleet
 from llmgw.services.admission.loadboard import LoadBoard, LoadFollower
 from llmgw.services.admission.metrics import AdmissionMetrics
 from llmgw.services.admission.service import AdmissionService
+from llmgw.services.fleet.ops import FleetOps, admission_leases
+from llmgw.state.fleet import FleetMirror, start_fleet
 from llmgw.state.setup import open_events_stream, open_load_bucket, open_routing_store
 from llmgw.tracing import open_tracing
 
@@ -35,6 +39,12 @@ class RunningAdmission:
     nc: Any
     follower: LoadFollower
     events: EventPublisher
+    fleet: FleetMirror | None = None
+
+    def fleet_ops(self) -> FleetOps:
+        """Checked changes of the live fleet over this instance's connection (the admin API)."""
+        assert self.fleet is not None
+        return FleetOps(self.fleet.bucket, self.service.config, lambda: admission_leases(self.nc))
 
     async def close(self) -> None:
         """Hand every shard over (or release it), say goodbye, close the connection."""
@@ -43,6 +53,8 @@ class RunningAdmission:
             self.events.build(MemberEvent, event="member.left", member=self.service.instance)
         )
         await self.follower.stop()
+        if self.fleet is not None:
+            await self.fleet.stop()
         await natsconn.drain_or_close(self.nc)
 
 
@@ -57,6 +69,10 @@ async def open_admission(
     after ``admission.member_ttl``. Only a supervisor that saw the process end may say so: a
     live instance whose key is removed keeps deciding until its next heartbeat fails."""
     nc = await natsconn.connect(config.nats, name=connection_name)
+    base = config
+    fleet = await start_fleet(nc, config, seed=True)
+    # The file's endpoints until the fleet answers (then the first snapshot is applied).
+    config = live_config(base, fleet.fleet) if fleet.ready.is_set() else base
     board = LoadBoard(config, HealthBoard())
     follower = LoadFollower(board, await open_load_bucket(nc, config))
     await follower.start()
@@ -78,10 +94,13 @@ async def open_admission(
         events=events,
         tracing=open_tracing("admission", config.tracing),
     )
+    if fleet.ready.is_set():
+        apply_fleet(service, base, fleet.fleet)  # draining endpoints out of placement
+    fleet.on_change(FleetFollower(service, base))
     watch_service(metrics, service)
     await service.start()
     events.emit(MemberEvent, event="member.joined", member=service.instance)
-    return RunningAdmission(service, metrics, nc, follower, events)
+    return RunningAdmission(service, metrics, nc, follower, events, fleet)
 
 
 def watch_service(metrics: AdmissionMetrics, service: AdmissionService) -> None:

@@ -1,0 +1,71 @@
+"""An admission instance following the live fleet: each fleet change swaps its catalog.
+
+`FleetFollower` turns every new `llmgw.fleet.Fleet` the mirror delivers into the config the
+instance runs on (`llmgw.fleet.live_config`) and applies it in one synchronous call, so no
+decision ever sees half of a change: the load board learns new endpoints (and forgets gone
+ones), the rate board learns their ids, and a new `ProviderCatalog`, built from the new config
+with the draining endpoints left out of placement, replaces the old one between two decisions.
+
+Nothing about leases and pins changes here: the ledger counts leases by endpoint id and ends
+them by lease id, so a lease on an endpoint that drained or left still ends exactly once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from llmgw.fleet import Fleet, live_config
+from llmgw.services.admission.catalog import ProviderCatalog
+
+if TYPE_CHECKING:
+    from llmgw.config.schema import Config
+    from llmgw.services.admission.service import AdmissionService
+
+log = logging.getLogger("llmgw.admission.fleet")
+
+
+def apply_fleet(service: AdmissionService, base: Config, fleet: Fleet) -> Config:
+    """Run `service` on `base` with `fleet`'s endpoints; the config it now runs on."""
+    config = live_config(base, fleet)
+    draining = fleet.view().draining
+    service.load.reconfigure(config, draining)
+    service.rates.reconfigure(config)
+    old = service.catalog
+    catalog = ProviderCatalog(
+        config,
+        service.health,
+        service.load,
+        service.rates,
+        service.breakers,
+        service.ledger,
+        clock=old.clock,
+        draining=draining,
+    )
+    catalog.forced_degraded = old.forced_degraded
+    service.catalog = catalog
+    service.config = config
+    service.fleet_revision = fleet.revision
+    return config
+
+
+class FleetFollower:
+    """Applies each fleet snapshot to one admission instance (`apply_fleet`)."""
+
+    def __init__(self, service: AdmissionService, base: Config) -> None:
+        self.service = service
+        self.base = base
+        self.applied = 0
+
+    def __call__(self, fleet: Fleet) -> None:
+        started = time.perf_counter()
+        apply_fleet(self.service, self.base, fleet)
+        self.applied += 1
+        log.info(
+            "fleet revision %d applied: %d endpoints (%d draining) in %.1f ms",
+            fleet.revision,
+            len(fleet.records),
+            len(fleet.view().draining),
+            (time.perf_counter() - started) * 1000,
+        )

@@ -1,0 +1,47 @@
+"""The live fleet's pure decisions: which endpoints take new work, when one may be removed."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from llmgw.core.fleet import (
+    EndpointState,
+    FleetView,
+    RemoveVerdict,
+    placeable,
+    remove_verdict,
+    seed_missing,
+)
+
+ids = st.lists(st.sampled_from([f"e{i}" for i in range(8)]), unique=True)
+states = st.sampled_from(list(EndpointState))
+
+
+@given(st.dictionaries(st.sampled_from([f"e{i}" for i in range(8)]), states), ids)
+def test_only_active_endpoints_of_the_fleet_take_new_work_in_the_given_order(table, asked):
+    view = FleetView(table)
+    chosen = placeable(view, asked)
+    assert chosen == [e for e in asked if table.get(e) is EndpointState.ACTIVE]
+    assert not set(chosen) & view.draining
+
+
+@given(states, st.integers(0, 50), st.booleans())
+def test_an_endpoint_is_removed_only_drained_and_empty_unless_forced(state, leases, force):
+    verdict = remove_verdict(state, leases, force=force)
+    if force:
+        assert verdict is RemoveVerdict.REMOVE
+    elif state is EndpointState.ACTIVE:
+        assert verdict is RemoveVerdict.NOT_DRAINING
+    else:
+        assert verdict is (RemoveVerdict.REMOVE if leases == 0 else RemoveVerdict.LEASES_LEFT)
+
+
+def test_an_endpoint_the_fleet_does_not_hold_cannot_be_removed():
+    assert remove_verdict(None, 0, force=True) is RemoveVerdict.UNKNOWN
+
+
+@given(ids, ids)
+def test_seeding_writes_exactly_the_configured_endpoints_the_fleet_lacks(configured, live):
+    missing = seed_missing(configured, live)
+    assert missing == [e for e in configured if e not in live]

@@ -1,0 +1,37 @@
+"""Shared pieces of the live-fleet tests: the local config on a test's own buckets."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from llmgw.config import Config, config_from_dict
+
+REPO = Path(__file__).resolve().parents[2]
+LOCAL_CONFIG = REPO / "config" / "local.yaml"
+
+
+def local_config(nats_url: str, bucket: str, **overrides: Any) -> Config:
+    """config/local.yaml on `nats_url`, with buckets of its own (the fleet's is named after the
+    load bucket)."""
+    data: dict[str, Any] = yaml.safe_load(LOCAL_CONFIG.read_text())
+    data["nats"] = {"url": nats_url, "connect_timeout": "1s"}
+    data["pinning"] = {"bucket": bucket}
+    data["router"] = {"load_bucket": f"load_{bucket}"}
+    data.update(overrides)
+    return config_from_dict(data, env={})
+
+
+async def eventually(check: Callable[[], bool], timeout: float, what: str) -> float:
+    """Seconds until `check()` holds (polled every 10 ms); fails after `timeout`."""
+    started = time.monotonic()
+    while not check():
+        if time.monotonic() - started > timeout:
+            raise AssertionError(f"not within {timeout}s: {what}")
+        await asyncio.sleep(0.01)
+    return time.monotonic() - started
