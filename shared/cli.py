@@ -214,6 +214,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     check.add_argument("file", help="path to the YAML config")
     check.set_defaults(target="llmgw.config.check:run")
+    apply = config_sub.add_parser(
+        "apply",
+        help="validate a config file and apply it to the running cluster, no restart "
+        "(what changes live: docs/config.md)",
+    )
+    apply.add_argument("file", help="path to the YAML config (also names the cluster's NATS)")
+    apply.add_argument(
+        "--wait",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="how long to wait for every admission instance to run on it (default 10)",
+    )
+    apply.set_defaults(target="llmgw.services.fleet.apply:run")
     nats_auth = config_sub.add_parser(
         "nats-auth",
         help="print the nats-server authorization block (one user per service role) for a config",

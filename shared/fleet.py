@@ -16,7 +16,7 @@ import json
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -27,8 +27,10 @@ if TYPE_CHECKING:
     from llmgw.config.schema import Config
 
 __all__ = [
+    "APPLIED_KEY",
     "ENDPOINT_PREFIX",
     "SEED_PREFIX",
+    "AppliedConfig",
     "Fleet",
     "FleetRecord",
     "endpoint_key",
@@ -41,6 +43,7 @@ log = logging.getLogger("llmgw.fleet")
 
 ENDPOINT_PREFIX = "endpoint."
 SEED_PREFIX = "seed."
+APPLIED_KEY = "config.applied"  # the config document `llmgw config apply` stored
 Source = Literal["config", "api", "register"]
 
 
@@ -78,12 +81,30 @@ def seed_key(config: Config) -> str:
     return SEED_PREFIX + digest
 
 
+class AppliedConfig(BaseModel):
+    """The config document `llmgw config apply` stored under `APPLIED_KEY`: the file's values
+    (each service puts its own LLMGW_* environment on top, as when it loaded its file)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    v: Literal[1] = 1
+    config: dict[str, Any]
+    source: str = ""
+    applied_at: float = 0.0
+
+    def to_bytes(self) -> bytes:
+        return self.model_dump_json().encode()
+
+
 @dataclass(frozen=True, slots=True)
 class Fleet:
-    """An immutable snapshot of the fleet bucket: records by endpoint id, in revision order."""
+    """An immutable snapshot of the fleet bucket: records by endpoint id, in revision order,
+    and the applied config document with its revision (0: none applied)."""
 
     records: Mapping[str, FleetRecord] = field(default_factory=dict)
     revision: int = 0
+    applied: AppliedConfig | None = None
+    config_revision: int = 0
 
     def view(self) -> FleetView:
         return FleetView({i: r.state for i, r in self.records.items()}, self.revision)
@@ -110,8 +131,11 @@ def endpoint_problems(config: Config, endpoint: EndpointConfig) -> list[str]:
 
 
 def live_config(base: Config, fleet: Fleet) -> Config:
-    """`base` with its endpoints replaced by the fleet's (active and draining alike; placement
-    leaves draining ones out). Records that do not fit `base` are left out, with a warning."""
+    """`base` with the fleet applied: its endpoints replaced by the fleet's (active and draining
+    alike; placement leaves draining ones out), and the applied config's live fields on top
+    (`applied_config`). Records that do not fit are left out, with a warning."""
+    if fleet.applied is not None:
+        base = applied_config(base, fleet.applied)
     endpoints = []
     for record in fleet.records.values():
         problems = endpoint_problems(base, record.endpoint)
@@ -122,3 +146,31 @@ def live_config(base: Config, fleet: Fleet) -> Config:
     # No re-validation of the whole: each endpoint was checked above, and a fleet may have
     # drained a provider's last endpoint (its pairs are then degraded, as with a dead engine).
     return base.model_copy(update={"endpoints": endpoints})
+
+
+def applied_config(base: Config, applied: AppliedConfig) -> Config:
+    """`base` with what changes live taken from an applied config (docs/config.md, "What
+    changes without a restart"): today the limits of every provider/model pair `base` has.
+    A document that does not validate here (another service's environment) changes nothing."""
+    from llmgw.config import ConfigError, config_from_dict
+
+    try:
+        new = config_from_dict(applied.config, applied.source or "<applied config>")
+    except ConfigError as exc:
+        log.error("the applied config does not validate here; keeping the running one: %s", exc)
+        return base
+    providers = []
+    for provider in base.providers:
+        try:
+            changed = new.provider(provider.id)
+        except KeyError:
+            providers.append(provider)
+            continue
+        models = []
+        for model in provider.models:
+            fresh = changed.model(model.name)
+            if fresh is not None and (fresh.limits is None) == (model.limits is None):
+                model = model.model_copy(update={"limits": fresh.limits})
+            models.append(model)
+        providers.append(provider.model_copy(update={"models": models}))
+    return base.model_copy(update={"providers": providers})

@@ -6,7 +6,9 @@ decision ever sees half of a change: the load board learns new endpoints (and fo
 ones), the rate board learns their ids, and a new `ProviderCatalog`, built from the new config
 with the draining endpoints left out of placement, replaces the old one between two decisions.
 
-Nothing about leases and pins changes here: the ledger counts leases by endpoint id and ends
+Limits an applied config changed (`llmgw config apply`) go to the quota keeper: lowered ones
+cap this instance's grants at once (`QuotaKeeper.change_limits`), raised ones are taken up at
+its next adjustment. Nothing about leases and pins changes here: the ledger counts leases by endpoint id and ends
 them by lease id, so a lease on an endpoint that drained or left still ends exactly once.
 """
 
@@ -18,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from llmgw.fleet import Fleet, live_config
 from llmgw.services.admission.catalog import ProviderCatalog
+from llmgw.services.admission.service import limits_from_config
 
 if TYPE_CHECKING:
     from llmgw.config.schema import Config
@@ -29,6 +32,11 @@ log = logging.getLogger("llmgw.admission.fleet")
 def apply_fleet(service: AdmissionService, base: Config, fleet: Fleet) -> Config:
     """Run `service` on `base` with `fleet`'s endpoints; the config it now runs on."""
     config = live_config(base, fleet)
+    for pair, limits in limits_from_config(config).items():
+        if limits is not None and service.limits.get(pair) not in (None, limits):
+            log.info("limits of %s/%s changed: %s", *pair, limits)
+            service.limits[pair] = limits
+            service.quotas.change_limits(pair, limits)  # lowered: capped at once
     draining = fleet.view().draining
     service.load.reconfigure(config, draining)
     service.rates.reconfigure(config)
@@ -47,6 +55,7 @@ def apply_fleet(service: AdmissionService, base: Config, fleet: Fleet) -> Config
     service.catalog = catalog
     service.config = config
     service.fleet_revision = fleet.revision
+    service.config_revision = fleet.config_revision
     return config
 
 

@@ -251,6 +251,7 @@ class AdmissionService:
             config, self.health, self.load, self.rates, self.breakers, self.ledger, clock=clock
         )
         self.fleet_revision = 0  # the live fleet's revision applied (services/admission/live.py)
+        self.config_revision = 0  # the applied config's revision in force here (0: the file)
         admission = config.admission
         self.membership = Membership(
             store,
@@ -1061,6 +1062,7 @@ class AdmissionService:
             edges=len(self.ledger.edges()),
             leases_by_endpoint=by_endpoint,
             fleet_revision=self.fleet_revision,
+            config_revision=self.config_revision,
         )
         await self.nc.publish(msg.reply, reply.model_dump_json().encode())
 

@@ -23,14 +23,16 @@ from pydantic import ValidationError
 from llmgw.config.fleet import fleet_bucket
 from llmgw.core.fleet import EndpointState, seed_missing
 from llmgw.fleet import (
+    APPLIED_KEY,
     ENDPOINT_PREFIX,
+    AppliedConfig,
     Fleet,
     FleetRecord,
     endpoint_key,
     seed_key,
 )
 from llmgw.state.follow import WatchFollower
-from llmgw.state.kv import CasConflict, KVStore
+from llmgw.state.kv import CasConflict, KVEntry, KVStore
 from llmgw.state.nats_kv import open_routing_bucket
 
 if TYPE_CHECKING:
@@ -119,6 +121,10 @@ class FleetBucket:
             revision = max(revision, entry.revision)
         return Fleet(records, revision)
 
+    async def apply_config(self, applied: AppliedConfig) -> int:
+        """Store the config document every service applies; its revision."""
+        return await self.kv.put(APPLIED_KEY, applied.to_bytes())
+
     async def get(self, endpoint_id: str) -> tuple[FleetRecord, int]:
         entry = await self.kv.get(endpoint_key(endpoint_id))
         record = None if entry is None else _decode(entry.key, entry.value)
@@ -184,6 +190,14 @@ def _decode(key: str, value: bytes) -> FleetRecord | None:
     return record
 
 
+def _decode_applied(value: bytes) -> AppliedConfig | None:
+    try:
+        return AppliedConfig.model_validate_json(value)
+    except ValidationError as exc:
+        log.warning("the applied config does not decode (ignored): %s", exc)
+        return None
+
+
 class FleetMirror(WatchFollower):
     """The fleet as one immutable `Fleet`, fed by a watch; listeners get each new snapshot."""
 
@@ -198,6 +212,8 @@ class FleetMirror(WatchFollower):
         self.changes = 0
         self.last_change: float | None = None
         self._records: dict[str, FleetRecord] = {}
+        self._applied: AppliedConfig | None = None
+        self._config_revision = 0
         self._listeners: list[Callable[[Fleet], None]] = []
 
     def on_change(self, listener: Callable[[Fleet], None]) -> None:
@@ -206,32 +222,41 @@ class FleetMirror(WatchFollower):
         self._listeners.append(listener)
 
     async def _watch(self) -> None:
-        watch = self.bucket.kv.watch(ENDPOINT_PREFIX)
+        watch = self.bucket.kv.watch("")
         async with contextlib.aclosing(watch):
-            entries = await self.bucket.kv.list(ENDPOINT_PREFIX)
-            records: dict[str, FleetRecord] = {}
+            entries = await self.bucket.kv.list("")
+            self._records = {}
+            self._applied, self._config_revision = None, 0
             revision = 0
             for entry in entries:
-                record = _decode(entry.key, entry.value)
-                if record is not None:
-                    records[record.id] = record
+                self._take(entry)
                 revision = max(revision, entry.revision)
-            self._records = records
             self._publish(revision)
             self.ready.set()
             async for entry in watch:
                 if entry.revision <= self.fleet.revision:
                     continue  # the watch's replay of what the listing had
-                endpoint_id = entry.key[len(ENDPOINT_PREFIX) :]
-                record = None if entry.deleted else _decode(entry.key, entry.value)
-                if record is None:
-                    self._records.pop(endpoint_id, None)
-                else:
-                    self._records[endpoint_id] = record
-                self._publish(entry.revision)
+                if self._take(entry):
+                    self._publish(entry.revision)
+
+    def _take(self, entry: KVEntry) -> bool:
+        """Take one entry in; whether it changed the fleet (seed marks do not)."""
+        if entry.key == APPLIED_KEY:
+            applied = None if entry.deleted else _decode_applied(entry.value)
+            self._applied, self._config_revision = applied, entry.revision if applied else 0
+            return True
+        if not entry.key.startswith(ENDPOINT_PREFIX):
+            return False
+        endpoint_id = entry.key[len(ENDPOINT_PREFIX) :]
+        record = None if entry.deleted else _decode(entry.key, entry.value)
+        if record is None:
+            self._records.pop(endpoint_id, None)
+        else:
+            self._records[endpoint_id] = record
+        return True
 
     def _publish(self, revision: int) -> None:
-        self.fleet = Fleet(dict(self._records), revision)
+        self.fleet = Fleet(dict(self._records), revision, self._applied, self._config_revision)
         self.changes += 1
         self.last_change = self._clock()
         for listener in self._listeners:

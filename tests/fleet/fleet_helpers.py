@@ -35,3 +35,38 @@ async def eventually(check: Callable[[], bool], timeout: float, what: str) -> fl
             raise AssertionError(f"not within {timeout}s: {what}")
         await asyncio.sleep(0.01)
     return time.monotonic() - started
+
+
+def engines_values(nats_url: str, urls: dict[str, str], bucket: str) -> dict[str, Any]:
+    """Two managed engines (iris) and a third party (tensorx) serving `m1`; iris/m1 has
+    G = 8 (R = 2, P = 8, S = 2). No scraper runs: flow control is off."""
+    return {
+        "nats": {"url": nats_url, "request_timeout": "500ms"},
+        "router": {"load_bucket": f"load_{bucket}"},
+        "pinning": {"bucket": bucket, "lease_timeout": "3s"},
+        "admission": {"enabled": False},
+        "models": [{"name": "m1"}],
+        "providers": [
+            {
+                "id": "iris",
+                "kind": "managed",
+                "models": [
+                    {
+                        "name": "m1",
+                        "limits": {
+                            "max_pinned_sessions": 8,
+                            "max_global_in_flight_request_slots": 8,
+                            "global_in_flight_request_slots_reserved_for_pinned_sessions": 2,
+                            "max_per_session_in_flight_request_slots": 2,
+                        },
+                    }
+                ],
+            },
+            {"id": "tensorx", "kind": "unlimited", "priority": 10, "models": [{"name": "m1"}]},
+        ],
+        "endpoints": [
+            {"id": name, "url": url, "provider": "tensorx" if "tensorx" in name else "iris"}
+            | {"models": ["m1"]}
+            for name, url in urls.items()
+        ],
+    }

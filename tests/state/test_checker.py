@@ -3,7 +3,7 @@ leaves the count, and a real breach is still caught around it."""
 
 from __future__ import annotations
 
-from llmgw.core.ledger import PinRecord
+from llmgw.core.ledger import EndReason, LeaseKind, LeaseRecord, PinRecord
 from llmgw.core.quota import Quota
 from llmgw.state.checker import AuditLog, check_audit
 
@@ -69,3 +69,30 @@ def test_two_live_pins_of_one_session_are_caught_with_the_first_one_named():
     found = check(log)
     assert [v.invariant for v in found] == ["I3"]
     assert "p1" in found[0].context
+
+
+class Halved(Limits):
+    max_global_in_flight_request_slots = 4
+
+
+def lease(n: int) -> LeaseRecord:
+    return LeaseRecord(f"l{n}", "a", "m", LeaseKind.TEMPORARY, False, 0, "e", 0.0, 0.0)
+
+
+def test_a_grant_after_a_lowered_limit_is_held_to_it_and_older_leases_are_not_revoked():
+    log = AuditLog(clock=Clock())
+    granting = log.observer("i1")
+    for n in range(6):  # t = 1..6: six live leases under G = 8
+        granting.lease_granted(lease(n), None, (n, 0, 0))
+    lowered = Clock.t + 0.5  # G = 4 from here: the six keep running
+    changed = [(lowered, {("a", "m"): Halved()})]
+    assert check_audit(log.events, LIMITS, lease_timeout=5.0, changed=changed) == []
+    for n in range(4):
+        granting.lease_ended(lease(n), EndReason.RELEASED, 0.0)
+    granting.lease_granted(lease(6), None, (2, 0, 0))  # 3 live: within the new G
+    assert check_audit(log.events, LIMITS, lease_timeout=5.0, changed=changed) == []
+    granting.lease_granted(lease(7), None, (3, 0, 0))
+    granting.lease_granted(lease(8), None, (4, 0, 0))  # 5 live > 4
+    found = check_audit(log.events, LIMITS, lease_timeout=5.0, changed=changed)
+    assert [v.invariant for v in found] == ["I2a"] and "G=4" in found[0].message
+    assert check_audit(log.events, LIMITS, lease_timeout=5.0) == []  # G = 8 throughout: fine
