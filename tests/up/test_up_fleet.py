@@ -195,3 +195,87 @@ def test_an_engine_drained_under_load_finishes_its_requests_and_is_removed_with_
         f"on engine-3 at the drain all completed, removed {removed_at - acknowledged:.1f}s "
         "after the drain with 0 leases"
     )
+
+
+async def _engines_in_flight(urls: list[str], samples: list[tuple[float, int]], stop) -> None:  # type: ignore[no-untyped-def]
+    """Sample running + waiting at every engine (their own metrics) until `stop` is set."""
+    async with httpx.AsyncClient(timeout=5) as http:
+        while not stop.is_set():
+            total = 0
+            for url in urls:
+                text = (await http.get(f"{url}/metrics")).text
+                for line in text.splitlines():
+                    if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")):
+                        total += int(float(line.rsplit(" ", 1)[1]))
+            samples.append((time.monotonic(), total))
+            await asyncio.sleep(0.02)
+
+
+def test_halving_a_limit_on_sighup_under_load_keeps_the_engines_within_the_new_limit(
+    tmp_path: Path, start_up: Callable[..., UpProcess]
+) -> None:
+    old, new = 24, 12
+    config = write_cluster_config(tmp_path / "cluster.yaml")
+    data = yaml.safe_load(config.read_text())
+    limits = data["providers"][0]["models"][0]["limits"]  # iris / llama-3.3-70b
+    limits.update(
+        max_global_in_flight_request_slots=old,
+        global_in_flight_request_slots_reserved_for_pinned_sessions=0,
+    )
+    config.write_text(yaml.safe_dump(data, sort_keys=False))
+    engines = [e["url"] for e in data["endpoints"] if e["provider"] == "iris"]
+    up = start_up(config)
+    api, key = up.wait_for(READY, timeout=90).groups()
+    nats_url = up.wait_for(NATS).group(1)
+    broken = tmp_path / "broken.yaml"
+    limits["max_global_in_flight_request_slots"] = 0
+    broken.write_text(yaml.safe_dump(data, sort_keys=False))
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("LLMGW_")}
+    refused = subprocess.run(
+        [sys.executable, "-m", "llmgw", "config", "apply", str(broken)],
+        env={**env, "LLMGW_NATS__URL": nats_url},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert refused.returncode == 2 and "max_global_in_flight_request_slots" in refused.stderr
+
+    async def scenario() -> tuple[list[Sent], list[tuple[float, int]], float]:
+        samples: list[tuple[float, int]] = []
+        stop = asyncio.Event()
+        sampler = asyncio.create_task(_engines_in_flight(engines, samples, stop))
+        load = PoissonLoad(api, key, rate=1.0, max_tokens=MAX_TOKENS, seed=3)
+        records: list[Sent] = []
+
+        async def worker() -> None:
+            while not stop.is_set():
+                records.append(await load.one())
+
+        workers = [asyncio.create_task(worker()) for _ in range(40)]
+        await asyncio.sleep(5)
+        limits["max_global_in_flight_request_slots"] = new
+        config.write_text(yaml.safe_dump(data, sort_keys=False))
+        up.process.send_signal(signal.SIGHUP)
+        applied = await asyncio.to_thread(up.wait_for, r"SIGHUP: applied .*; (\d+) of (\d+)", 20)
+        acknowledged = time.monotonic()
+        assert applied.group(1) == applied.group(2) != "0", applied.group(0)
+        await asyncio.sleep(6)
+        stop.set()
+        await asyncio.gather(*workers, sampler)
+        await load.stop()
+        return records, samples, acknowledged
+
+    records, samples, acknowledged = asyncio.run(scenario())
+    assert not _errors(records), _errors(records)[:5]
+    before = max(n for at, n in samples if at < acknowledged)
+    assert before > new, f"at most {before} ran at the engines before: the change proves little"
+    # Requests granted before the change run to their end (never revoked): the longest took
+    # this long, after which only grants under the new limit can be running.
+    longest = max(r.ended_at - r.sent_at for r in records)
+    settled = [n for at, n in samples if at > acknowledged + longest]
+    assert settled and max(settled) <= new, (max(settled), new)
+    print(
+        f"\nhalving G {old} -> {new} on SIGHUP under load: {len(records)} requests, 0 errors; "
+        f"at the engines up to {before} before, at most {max(settled)} in {len(settled)} "
+        f"samples from {longest:.1f}s after the acknowledgement (the longest request)"
+    )
