@@ -188,10 +188,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _config_arg(endpoints)
     _port_offset_arg(endpoints)
-    from llmgw.services.fleet.options import add_endpoints_arguments  # argparse only
+    from llmgw.services.fleet.options import (  # argparse only
+        add_endpoints_arguments,
+        add_register_arguments,
+    )
 
     add_endpoints_arguments(endpoints)
     endpoints.set_defaults(target="llmgw.services.fleet.main:run")
+    register = sub.add_parser(
+        "register", help="an engine announces itself to the live fleet and heartbeats"
+    )
+    _config_arg(register)
+    _port_offset_arg(register)
+    add_register_arguments(register)
+    register.set_defaults(target="llmgw.services.fleet.register:run")
     events = sub.add_parser("events", help="print the events kept in the events stream")
     _config_arg(events)
     _port_offset_arg(events)

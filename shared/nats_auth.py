@@ -172,7 +172,16 @@ def role_permissions(config: Config) -> dict[str, Permissions]:
             ),
         ),
         "reaper": Permissions(
-            publish=(INBOX, ALL_EVENTS_SUBJECT, *_own_bucket(routing), *_events_stream(config)),
+            publish=(
+                INBOX,
+                ALL_EVENTS_SUBJECT,
+                *_own_bucket(routing),
+                # Registered endpoints that stopped heartbeating: drained, then removed once
+                # no admission instance holds a lease on them (a state request says).
+                *_own_bucket(fleet),
+                ADMISSION_STATE_SUBJECT,
+                *_events_stream(config),
+            ),
             subscribe=(INBOX,),
         ),
         "scraper": Permissions(

@@ -11,6 +11,8 @@ API's error shape (``{"error": {"message", "type", "code", "param"}}``) and writ
     PATCH  /admin/endpoints/{id}              the fields to change
     POST   /admin/endpoints/{id}/drain        no new work; running requests finish
     POST   /admin/endpoints/{id}/undrain
+    POST   /admin/register                    a spec + "heartbeat_ttl": seconds (required)
+    POST   /admin/endpoints/{id}/heartbeat    a registered endpoint is alive
     DELETE /admin/endpoints/{id}?wait=S&force=true
 """
 
@@ -61,6 +63,14 @@ def add_fleet_routes(app: Starlette, ops: FleetOps) -> None:
             raise FleetError("probe: must be true or false", code="invalid_value", param="probe")
         return probe
 
+    async def register(request: Request) -> Any:
+        spec = await body(request)
+        ttl = spec.pop("heartbeat_ttl", None)
+        return await ops.register(spec, ttl, probe=probe_of(spec))
+
+    async def heartbeat(request: Request) -> Any:
+        return await ops.heartbeat(request.path_params["id"])
+
     async def listing(request: Request) -> Any:
         return {"object": "list", "data": await ops.list()}
 
@@ -97,3 +107,5 @@ def add_fleet_routes(app: Starlette, ops: FleetOps) -> None:
     app.add_route("/admin/endpoints/{id}", answer(remove), methods=["DELETE"])
     app.add_route("/admin/endpoints/{id}/drain", answer(drain), methods=["POST"])
     app.add_route("/admin/endpoints/{id}/undrain", answer(undrain), methods=["POST"])
+    app.add_route("/admin/register", answer(register), methods=["POST"])
+    app.add_route("/admin/endpoints/{id}/heartbeat", answer(heartbeat), methods=["POST"])

@@ -84,12 +84,14 @@ class FleetOps:
         *,
         probe_client: httpx.AsyncClient | None = None,
         clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
     ) -> None:
         self.bucket = bucket
         self.config = config
         self._leases = leases
         self._probe_client = probe_client
         self._clock = clock
+        self._wall = wall
 
     # ---- reading ----------------------------------------------------------------------------
 
@@ -125,6 +127,69 @@ class FleetOps:
         except EndpointExists as exc:
             raise FleetError(str(exc), status=409, code="endpoint_exists", param="id") from None
         return describe(FleetRecord(endpoint=endpoint, source="api"), 0)
+
+    async def register(
+        self, spec: Mapping[str, Any], ttl: Any, *, probe: bool = True
+    ) -> dict[str, Any]:
+        """An engine announcing itself: added (or, registering again, brought up to date and
+        active) with a heartbeat TTL; drained once silent for it (`HeartbeatJanitor`)."""
+        if ttl is None:
+            raise FleetError(
+                "heartbeat_ttl: required: a registration without a heartbeat would never leave "
+                "(use add for an endpoint managed by hand)",
+                code="invalid_value",
+                param="heartbeat_ttl",
+            )
+        if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not 1 <= ttl <= 3600:
+            raise FleetError(
+                "heartbeat_ttl: seconds between 1 and 3600 expected",
+                code="invalid_value",
+                param="heartbeat_ttl",
+            )
+        endpoint = self._validate(spec)
+        fleet = await self.bucket.fleet()
+        known = fleet.records.get(endpoint.id)
+        if known is not None and known.source != "register":
+            raise FleetError(
+                f"endpoint {endpoint.id!r} is in the fleet from {known.source}: it cannot "
+                "register over it",
+                status=409,
+                code="endpoint_exists",
+                param="id",
+            )
+        if probe and (known is None or known.endpoint.url != endpoint.url):
+            await self._probe(endpoint)
+        now = self._wall()
+        fields = {
+            "endpoint": endpoint,
+            "state": EndpointState.ACTIVE,
+            "heartbeat_ttl": float(ttl),
+            "heartbeat_at": now,
+        }
+        if known is None:
+            try:
+                await self.bucket.add(FleetRecord(source="register", **fields))
+            except EndpointExists as exc:
+                raise FleetError(str(exc), status=409, code="endpoint_exists") from None
+            return describe(FleetRecord(source="register", **fields), 0)
+        return describe(
+            await self._changed(endpoint.id, lambda r: r.model_copy(update=fields)), None
+        )
+
+    async def heartbeat(self, endpoint_id: str) -> dict[str, Any]:
+        """A registered endpoint is alive: its heartbeat's time moves to now."""
+        record, _ = await self._get(endpoint_id)
+        if record.heartbeat_ttl is None:
+            raise FleetError(
+                f"endpoint {endpoint_id!r} did not register with a heartbeat",
+                status=409,
+                code="not_registered",
+            )
+        now = self._wall()
+        changed = await self._changed(
+            endpoint_id, lambda r: r.model_copy(update={"heartbeat_at": now})
+        )
+        return describe(changed, None)
 
     async def update(
         self, endpoint_id: str, changes: Mapping[str, Any], *, probe: bool = True

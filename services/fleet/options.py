@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["add_endpoints_arguments"]
+__all__ = ["add_endpoints_arguments", "add_register_arguments"]
 
 
 def add_endpoints_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,3 +55,18 @@ def _spec_args(parser: argparse.ArgumentParser, *, creating: bool) -> None:
         help="the name the engine serves MODEL under",
     )
     parser.add_argument("--no-probe", action="store_true", help="do not check that the URL answers")
+
+
+def add_register_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("id", help="the endpoint's id (a slug)")
+    _spec_args(parser, creating=True)
+    parser.add_argument(
+        "--ttl",
+        type=float,
+        required=True,
+        metavar="SECONDS",
+        help="drained when silent this long, removed after twice as long (heartbeat: ttl/3)",
+    )
+    parser.add_argument(
+        "--once", action="store_true", help="register and exit (heartbeat by HTTP yourself)"
+    )

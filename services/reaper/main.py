@@ -23,8 +23,11 @@ from llmgw import natsconn
 from llmgw.config import Config, parse_hostport
 from llmgw.events import EventPublisher
 from llmgw.runtime import load_or_exit, run_service, setup_logging
+from llmgw.services.fleet.janitor import HeartbeatJanitor
+from llmgw.services.fleet.ops import admission_leases
 from llmgw.services.reaper.metrics import ReaperMetrics
 from llmgw.services.reaper.service import Reaper
+from llmgw.state.fleet import open_fleet
 from llmgw.state.setup import open_events_stream, open_routing_store
 
 __all__ = ["open_reaper", "run", "serve"]
@@ -115,7 +118,11 @@ async def serve(
         )
         if ready is not None:
             ready.set()
-        await reaper.run(stop)
+        # Self-registered endpoints that went silent: drained, then removed.
+        janitor = HeartbeatJanitor(
+            await open_fleet(nc, config), lambda: admission_leases(nc), interval=reaper.interval
+        )
+        await asyncio.gather(reaper.run(stop), janitor.run(stop))
         log.info("stopping after %d passes", reaper.passes)
     finally:
         if admin_server is not None:

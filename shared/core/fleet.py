@@ -20,7 +20,9 @@ from dataclasses import dataclass
 __all__ = [
     "EndpointState",
     "FleetView",
+    "HeartbeatVerdict",
     "RemoveVerdict",
+    "heartbeat_verdict",
     "placeable",
     "remove_verdict",
     "seed_missing",
@@ -77,3 +79,26 @@ def seed_missing(configured: Iterable[str], live: Iterable[str]) -> list[str]:
     them; the fleet's own records win for the others)."""
     present = set(live)
     return [e for e in configured if e not in present]
+
+
+class HeartbeatVerdict(enum.StrEnum):
+    KEEP = "keep"
+    DRAIN = "drain"  # silent for its ttl: no new work, what runs on it ends
+    REMOVE = "remove"  # silent for twice its ttl, drained, no lease left
+
+
+def heartbeat_verdict(
+    state: EndpointState, heartbeat_at: float, ttl: float, now: float, leases: int | None
+) -> HeartbeatVerdict:
+    """What becomes of a self-registered endpoint that heartbeats every so often: drained once
+    silent for `ttl`, removed once silent for 2 x `ttl` with no lease left (`leases` None: no
+    admission instance answered, so nothing is removed). A heartbeat after a drain by silence
+    does not undrain it: the registrant registers again."""
+    silent = now - heartbeat_at
+    if silent <= ttl:
+        return HeartbeatVerdict.KEEP
+    if state is EndpointState.ACTIVE:
+        return HeartbeatVerdict.DRAIN
+    if silent > 2 * ttl and leases == 0:
+        return HeartbeatVerdict.REMOVE
+    return HeartbeatVerdict.KEEP

@@ -8,7 +8,9 @@ from hypothesis import strategies as st
 from llmgw.core.fleet import (
     EndpointState,
     FleetView,
+    HeartbeatVerdict,
     RemoveVerdict,
+    heartbeat_verdict,
     placeable,
     remove_verdict,
     seed_missing,
@@ -45,3 +47,23 @@ def test_an_endpoint_the_fleet_does_not_hold_cannot_be_removed():
 def test_seeding_writes_exactly_the_configured_endpoints_the_fleet_lacks(configured, live):
     missing = seed_missing(configured, live)
     assert missing == [e for e in configured if e not in live]
+
+
+@given(
+    states,
+    st.floats(0, 100),
+    st.floats(0.1, 30),
+    st.floats(0, 200),
+    st.one_of(st.none(), st.integers(0, 5)),
+)
+def test_a_silent_registration_is_drained_after_its_ttl_and_removed_only_drained_and_empty(
+    state, heartbeat_at, ttl, now, leases
+):
+    verdict = heartbeat_verdict(state, heartbeat_at, ttl, now, leases)
+    silent = now - heartbeat_at
+    if silent <= ttl:
+        assert verdict is HeartbeatVerdict.KEEP
+    elif state is EndpointState.ACTIVE:
+        assert verdict is HeartbeatVerdict.DRAIN
+    if verdict is HeartbeatVerdict.REMOVE:
+        assert state is EndpointState.DRAINING and leases == 0 and silent > 2 * ttl

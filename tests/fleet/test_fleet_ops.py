@@ -19,6 +19,7 @@ from llmgw.config import Config
 from llmgw.config.fleet import fleet_bucket
 from llmgw.core.fleet import EndpointState
 from llmgw.services.fleet.http import add_fleet_routes
+from llmgw.services.fleet.janitor import HeartbeatJanitor
 from llmgw.services.fleet.ops import FleetError, FleetOps
 from llmgw.services.sim.apps import create_engine_app
 from llmgw.services.sim.params import EngineParams
@@ -182,3 +183,60 @@ async def test_the_admin_api_answers_the_apis_error_shape_and_changes_the_fleet(
             assert missing.json()["error"]["code"] == "endpoint_not_found"
     finally:
         await server.stop()
+
+
+class Wall:
+    """A stepped wall clock (heartbeats and their expiry)."""
+
+    def __init__(self) -> None:
+        self.now = 1_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_a_registration_needs_a_heartbeat_and_cannot_take_over_an_endpoint(
+    ops: FleetOps, fleet: FleetBucket, engine: RunningServer
+) -> None:
+    before = await snapshot(fleet)
+    for ttl, message in ((None, "required"), (0.2, "between"), ("10", "between")):
+        with pytest.raises(FleetError) as refused:
+            await ops.register(spec("engine-9", engine.url), ttl)
+        assert refused.value.param == "heartbeat_ttl" and message in refused.value.message
+    with pytest.raises(FleetError) as taken:
+        await ops.register(spec("engine-1", engine.url), 10)
+    assert taken.value.code == "endpoint_exists"
+    with pytest.raises(FleetError) as manual:
+        await ops.heartbeat("engine-1")
+    assert manual.value.code == "not_registered"
+    assert await snapshot(fleet) == before
+
+
+async def test_a_silent_registration_is_drained_after_its_ttl_then_removed_once_empty(
+    fleet: FleetBucket, config: Config, leases: Leases, engine: RunningServer
+) -> None:
+    wall = Wall()
+    ops = FleetOps(fleet, config, leases, wall=wall)
+    janitor = HeartbeatJanitor(fleet, leases, clock=wall)
+    await ops.register(spec("engine-9", engine.url), 2)
+    wall.now += 1.5
+    await ops.heartbeat("engine-9")  # alive: its ttl counts from here
+    wall.now += 1.9
+    await janitor.sweep()
+    assert (await fleet.get("engine-9"))[0].state is EndpointState.ACTIVE
+    wall.now += 0.2  # silent for 2.1 s > ttl
+    await janitor.sweep()
+    assert (await fleet.get("engine-9"))[0].state is EndpointState.DRAINING
+    wall.now += 2.0  # silent for 4.1 s > 2 ttl, but a request still runs there
+    leases.held = {"engine-9": 1}
+    await janitor.sweep()
+    assert "engine-9" in (await fleet.fleet()).records
+    leases.held = None  # nobody can say: kept
+    await janitor.sweep()
+    assert "engine-9" in (await fleet.fleet()).records
+    leases.held = {}
+    await janitor.sweep()
+    assert "engine-9" not in (await fleet.fleet()).records
+    assert (janitor.drained, janitor.removed) == (1, 1)
+    await ops.register(spec("engine-9", engine.url), 2)  # back: active again
+    assert (await fleet.get("engine-9"))[0].state is EndpointState.ACTIVE

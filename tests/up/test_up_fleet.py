@@ -5,6 +5,7 @@ while what runs on it finishes, and is removed with no lease left; no client see
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -278,4 +279,65 @@ def test_halving_a_limit_on_sighup_under_load_keeps_the_engines_within_the_new_l
         f"\nhalving G {old} -> {new} on SIGHUP under load: {len(records)} requests, 0 errors; "
         f"at the engines up to {before} before, at most {max(settled)} in {len(settled)} "
         f"samples from {longest:.1f}s after the acknowledgement (the longest request)"
+    )
+
+
+def _listed(config: Path, nats_url: str) -> dict[str, str]:
+    done = _cli(config, nats_url, "endpoints", "--json", "list")
+    assert done.returncode == 0, done.stderr
+    return {e["id"]: e["state"] for e in json.loads(done.stdout)}
+
+
+def test_an_engine_that_registers_itself_serves_and_is_drained_then_removed_once_silent(
+    tmp_path: Path, start_up: Callable[..., UpProcess], extra_engine: Callable[[Path], str]
+) -> None:
+    ttl = 3.0
+    config = write_cluster_config(tmp_path / "cluster.yaml")
+    up = start_up(config)
+    api, key = up.wait_for(READY, timeout=90).groups()
+    nats_url = up.wait_for(NATS).group(1)
+    url = extra_engine(config)
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("LLMGW_")}
+    sidecar = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "llmgw", "register", "engine-3", "--config", str(config)),
+            *("--url", url, "--provider", "iris", "--models", "llama-3.3-70b", "--capacity"),
+            *("16", "--ttl", str(ttl)),
+        ],
+        cwd=REPO,
+        env={**env, "LLMGW_NATS__URL": nats_url},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert sidecar.stdout is not None
+        assert "registered" in sidecar.stdout.readline()
+        served: set[str] = set()
+        with httpx.Client(timeout=30, headers={"authorization": f"Bearer {key}"}) as http:
+            for n in range(60):
+                response = http.post(
+                    f"{api}/chat/completions",
+                    json={"model": "llama", "messages": [{"role": "user", "content": f"r{n}"}]},
+                )
+                assert response.status_code == 200, response.text
+                served.add(response.headers["x-llmgw-endpoint"])
+                if "engine-3" in served:
+                    break
+        assert "engine-3" in served
+        time.sleep(2 * ttl)  # heartbeats keep it: still active after its ttl
+        assert _listed(config, nats_url)["engine-3"] == "active"
+        sidecar.kill()  # the engine's sidecar dies: no more heartbeats
+        silent = time.monotonic()
+        while _listed(config, nats_url).get("engine-3") == "active":
+            assert time.monotonic() - silent < ttl + 3, "not drained after its ttl"
+        drained = time.monotonic() - silent
+        while "engine-3" in _listed(config, nats_url):
+            assert time.monotonic() - silent < 2 * ttl + 4, "not removed after twice its ttl"
+        removed = time.monotonic() - silent
+    finally:
+        sidecar.kill()
+        sidecar.wait(10)
+    print(
+        f"\nregistered engine-3 served; killed: drained after {drained:.1f}s, removed {removed:.1f}s"
     )
