@@ -24,7 +24,13 @@ import httpx
 from pydantic import ValidationError
 
 from llmgw.config.catalog import EndpointConfig
-from llmgw.core.fleet import EndpointState, RemoveVerdict, remove_verdict
+from llmgw.core.fleet import (
+    EndpointState,
+    RemoveVerdict,
+    match_served,
+    remove_verdict,
+    served_models,
+)
 from llmgw.fleet import FleetRecord, endpoint_problems
 from llmgw.services.state.main import ask_instances
 from llmgw.state.fleet import EndpointExists, EndpointNotFound, FleetBucket
@@ -111,6 +117,7 @@ class FleetOps:
     # ---- changing ---------------------------------------------------------------------------
 
     async def add(self, spec: Mapping[str, Any], *, probe: bool = True) -> dict[str, Any]:
+        spec = await self._with_models(spec)
         endpoint = self._validate(spec)
         fleet = await self.bucket.fleet()
         if endpoint.id in fleet.records:
@@ -146,6 +153,7 @@ class FleetOps:
                 code="invalid_value",
                 param="heartbeat_ttl",
             )
+        spec = await self._with_models(spec)
         endpoint = self._validate(spec)
         fleet = await self.bucket.fleet()
         known = fleet.records.get(endpoint.id)
@@ -273,6 +281,50 @@ class FleetOps:
             param = problems[0].split(":", 1)[0]
             raise FleetError("; ".join(problems), code="invalid_value", param=param)
         return endpoint
+
+    async def _with_models(self, spec: Mapping[str, Any]) -> Mapping[str, Any]:
+        """`spec`, with the models the engine serves when it names none: its `GET /v1/models`
+        (served names and LoRA adapters) matched against the config's models and aliases of
+        the endpoint's provider (`llmgw.core.fleet.match_served`); a served name that is an
+        alias goes upstream under that name (`upstream_model`, the spec's own on top)."""
+        if not isinstance(spec, Mapping) or "models" in spec:
+            return spec
+        url, provider_id = spec.get("url"), spec.get("provider")
+        if not isinstance(url, str) or not isinstance(provider_id, str):
+            return spec  # validation names what is missing
+        try:
+            provider = self.config.provider(provider_id)
+        except KeyError:
+            return {**spec, "models": []}  # validation names the provider
+        base = url.strip().rstrip("/")
+        try:
+            async with httpx.AsyncClient(timeout=_PROBE_TIMEOUT, trust_env=False) as client:
+                response = await client.get(f"{base}/v1/models")
+            body = response.json() if response.status_code == 200 else None
+        except (httpx.HTTPError, OSError, ValueError) as exc:
+            raise FleetError(
+                f"models: none given, and {base}/v1/models does not answer a model list "
+                f"({type(exc).__name__}); give --models",
+                status=422,
+                code="unreachable",
+                param="models",
+            ) from None
+        served = served_models(body)
+        canonical = {}
+        for model in self.config.models:
+            canonical.update({name: model.name for name in (model.name, *model.aliases)})
+        found = match_served(served, canonical, [m.name for m in provider.models])
+        if not found.models:
+            listed = ", ".join(s.id for s in served) or "nothing"
+            raise FleetError(
+                f"models: none given, and the engine serves {listed}: no model or alias of "
+                f"provider {provider_id!r} (add an alias in the config, or give --models)",
+                status=422,
+                code="no_models",
+                param="models",
+            )
+        renames = {**found.upstream_model, **(spec.get("upstream_model") or {})}
+        return {**spec, "models": list(found.models), "upstream_model": renames}
 
     async def _probe(self, endpoint: EndpointConfig) -> None:
         """Refuse a URL nothing answers on: any HTTP answer (even an error status) will do."""

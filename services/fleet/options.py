@@ -42,7 +42,11 @@ def add_endpoints_arguments(parser: argparse.ArgumentParser) -> None:
 def _spec_args(parser: argparse.ArgumentParser, *, creating: bool) -> None:
     parser.add_argument("--url", required=creating, help="base URL, e.g. http://10.0.0.7:8000")
     parser.add_argument("--provider", required=creating, help="the provider it belongs to")
-    parser.add_argument("--models", required=creating, help="comma-separated model names")
+    parser.add_argument(
+        "--models",
+        help="comma-separated model names (default: what the engine's /v1/models serves, "
+        "matched against the config's models and aliases)",
+    )
     parser.add_argument("--pool", help="its pool (default: default)")
     parser.add_argument("--weight", type=int, help="relative weight (default 100)")
     parser.add_argument("--priority", type=int, help="endpoint priority (default 100)")

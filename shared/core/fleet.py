@@ -18,14 +18,18 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 __all__ = [
+    "Discovered",
     "EndpointState",
     "FleetView",
     "HeartbeatVerdict",
     "RemoveVerdict",
+    "ServedModel",
     "heartbeat_verdict",
+    "match_served",
     "placeable",
     "remove_verdict",
     "seed_missing",
+    "served_models",
 ]
 
 
@@ -102,3 +106,57 @@ def heartbeat_verdict(
     if silent > 2 * ttl and leases == 0:
         return HeartbeatVerdict.REMOVE
     return HeartbeatVerdict.KEEP
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    """One name an engine serves (`GET /v1/models`); `parent`: a LoRA adapter's base model."""
+
+    id: str
+    parent: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Discovered:
+    """What an engine's served names mean here: our models it serves, the name each goes
+    upstream under where it differs, and what it serves that the config does not name."""
+
+    models: tuple[str, ...]
+    upstream_model: Mapping[str, str]
+    unmatched: tuple[ServedModel, ...]
+
+
+def served_models(body: object) -> list[ServedModel]:
+    """The served names in an OpenAI-style model list (vLLM, SGLang, llama.cpp, TGI):
+    ``{"data": [{"id": ..., "parent": ...}, ...]}``; anything else holds none."""
+    data = body.get("data") if isinstance(body, Mapping) else None
+    served = []
+    for item in data if isinstance(data, list) else []:
+        if isinstance(item, Mapping) and isinstance(item.get("id"), str) and item["id"]:
+            parent = item.get("parent")
+            served.append(ServedModel(item["id"], parent if isinstance(parent, str) else None))
+    return served
+
+
+def match_served(
+    served: Iterable[ServedModel], canonical: Mapping[str, str], offered: Iterable[str]
+) -> Discovered:
+    """Our models among an engine's served names. A served name is one of ours when it is a
+    model name or an alias (`canonical`: name or alias -> model name) of a model the provider
+    offers; it goes upstream under the served name. A LoRA adapter counts like any served name
+    (its own name or alias decides, not its base). First match wins; an exact model name beats
+    an alias."""
+    offered_list = list(offered)
+    offered_set = set(offered_list)
+    chosen: dict[str, str] = {}
+    unmatched = []
+    ordered = sorted(served, key=lambda s: canonical.get(s.id) != s.id)  # exact names first
+    for model in ordered:
+        ours = canonical.get(model.id)
+        if ours is None or ours not in offered_set:
+            unmatched.append(model)
+        elif ours not in chosen:
+            chosen[ours] = model.id
+    models = tuple(m for m in offered_list if m in chosen)
+    renames = {m: chosen[m] for m in models if chosen[m] != m}
+    return Discovered(models, renames, tuple(unmatched))

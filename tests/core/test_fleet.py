@@ -10,10 +10,13 @@ from llmgw.core.fleet import (
     FleetView,
     HeartbeatVerdict,
     RemoveVerdict,
+    ServedModel,
     heartbeat_verdict,
+    match_served,
     placeable,
     remove_verdict,
     seed_missing,
+    served_models,
 )
 
 ids = st.lists(st.sampled_from([f"e{i}" for i in range(8)]), unique=True)
@@ -67,3 +70,55 @@ def test_a_silent_registration_is_drained_after_its_ttl_and_removed_only_drained
         assert verdict is HeartbeatVerdict.DRAIN
     if verdict is HeartbeatVerdict.REMOVE:
         assert state is EndpointState.DRAINING and leases == 0 and silent > 2 * ttl
+
+
+VLLM_MODELS = {
+    "object": "list",
+    "data": [
+        {"id": "meta-llama/Llama-3.3-70B-Instruct", "object": "model", "parent": None},
+        {"id": "sql-lora", "object": "model", "parent": "meta-llama/Llama-3.3-70B-Instruct"},
+        {"id": "qwen2.5-32b", "object": "model", "root": "Qwen/Qwen2.5-32B"},
+        {"object": "model"},  # no id: not a served name
+    ],
+}
+CANONICAL = {
+    "llama-3.3-70b": "llama-3.3-70b",
+    "meta-llama/Llama-3.3-70B-Instruct": "llama-3.3-70b",  # an alias in the config
+    "qwen2.5-32b": "qwen2.5-32b",
+    "sql": "sql",
+    "sql-lora": "sql",
+}
+
+
+def test_a_vllm_model_list_with_a_lora_adapter_maps_onto_the_configs_models_and_aliases():
+    served = served_models(VLLM_MODELS)
+    assert ServedModel("sql-lora", "meta-llama/Llama-3.3-70B-Instruct") in served
+    found = match_served(served, CANONICAL, ["llama-3.3-70b", "qwen2.5-32b", "sql"])
+    assert found.models == ("llama-3.3-70b", "qwen2.5-32b", "sql")
+    assert found.upstream_model == {
+        "llama-3.3-70b": "meta-llama/Llama-3.3-70B-Instruct",
+        "sql": "sql-lora",
+    }
+    only_llama = match_served(served, CANONICAL, ["llama-3.3-70b"])
+    assert [s.id for s in only_llama.unmatched] == ["qwen2.5-32b", "sql-lora"]
+    assert served_models({"error": "nope"}) == [] and served_models([1, 2]) == []
+
+
+names = st.sampled_from(["a", "b", "c", "d", "x/a", "x/b"])
+
+
+@given(
+    st.lists(st.builds(ServedModel, names, st.one_of(st.none(), names))),
+    st.dictionaries(names, st.sampled_from(["a", "b", "c"])),
+    st.lists(st.sampled_from(["a", "b", "c"]), unique=True),
+)
+def test_discovered_models_are_offered_and_each_reached_by_a_name_the_engine_serves(
+    served, canonical, offered
+):
+    found = match_served(served, canonical, offered)
+    ids = {s.id for s in served}
+    assert set(found.models) <= set(offered)
+    for model in found.models:
+        upstream = found.upstream_model.get(model, model)
+        assert upstream in ids and canonical.get(upstream) == model
+    assert all(canonical.get(s.id) not in found.models for s in found.unmatched)

@@ -13,7 +13,12 @@ import pytest
 import pytest_asyncio
 from fastapi import FastAPI
 from fleet_helpers import local_config
+from inproc import stop_servers
 from nats.aio.client import Client as NatsClient
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
 
 from llmgw.config import Config
 from llmgw.config.fleet import fleet_bucket
@@ -240,3 +245,39 @@ async def test_a_silent_registration_is_drained_after_its_ttl_then_removed_once_
     assert (janitor.drained, janitor.removed) == (1, 1)
     await ops.register(spec("engine-9", engine.url), 2)  # back: active again
     assert (await fleet.get("engine-9"))[0].state is EndpointState.ACTIVE
+
+
+def model_list(*served: tuple[str, str | None]) -> Starlette:
+    """A stand-in engine answering vLLM's `GET /v1/models` (served names, LoRA parents)."""
+    body = {
+        "object": "list",
+        "data": [{"id": i, "object": "model", "owned_by": "vllm", "parent": p} for i, p in served],
+    }
+
+    async def models(request: Request) -> JSONResponse:
+        return JSONResponse(body)
+
+    return Starlette(routes=[Route("/v1/models", models)])
+
+
+async def test_an_endpoint_added_without_models_serves_what_its_engine_lists_under_our_names(
+    ops: FleetOps, fleet: FleetBucket
+) -> None:
+    engine = await start_server(
+        model_list(("llama", None), ("qwen2.5-32b", None), ("sql-lora", "llama"))
+    )
+    stranger = await start_server(model_list(("gpt-9", None)))
+    try:
+        before = await snapshot(fleet)
+        with pytest.raises(FleetError) as nothing_ours:
+            await ops.add({"id": "engine-8", "url": stranger.url, "provider": "iris"})
+        assert (nothing_ours.value.code, nothing_ours.value.param) == ("no_models", "models")
+        assert "gpt-9" in nothing_ours.value.message
+        assert await snapshot(fleet) == before
+        added = await ops.add({"id": "engine-9", "url": engine.url, "provider": "iris"})
+        assert added["models"] == ["llama-3.3-70b", "qwen2.5-32b"]
+        record, _ = await fleet.get("engine-9")
+        assert record.endpoint.upstream_name("llama-3.3-70b") == "llama"  # the alias it serves
+        assert record.endpoint.upstream_name("qwen2.5-32b") == "qwen2.5-32b"
+    finally:
+        await stop_servers([engine, stranger])
