@@ -44,7 +44,7 @@ log = logging.getLogger("llmgw.fleet")
 ENDPOINT_PREFIX = "endpoint."
 SEED_PREFIX = "seed."
 APPLIED_KEY = "config.applied"  # the config document `llmgw config apply` stored
-Source = Literal["config", "api", "register"]
+Source = Literal["config", "api", "register", "kubernetes"]
 
 
 class FleetRecord(BaseModel):

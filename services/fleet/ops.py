@@ -31,7 +31,7 @@ from llmgw.core.fleet import (
     remove_verdict,
     served_models,
 )
-from llmgw.fleet import FleetRecord, endpoint_problems
+from llmgw.fleet import FleetRecord, Source, endpoint_problems
 from llmgw.services.state.main import ask_instances
 from llmgw.state.fleet import EndpointExists, EndpointNotFound, FleetBucket
 
@@ -116,7 +116,9 @@ class FleetOps:
 
     # ---- changing ---------------------------------------------------------------------------
 
-    async def add(self, spec: Mapping[str, Any], *, probe: bool = True) -> dict[str, Any]:
+    async def add(
+        self, spec: Mapping[str, Any], *, probe: bool = True, source: Source = "api"
+    ) -> dict[str, Any]:
         spec = await self._with_models(spec)
         endpoint = self._validate(spec)
         fleet = await self.bucket.fleet()
@@ -129,11 +131,12 @@ class FleetOps:
             )
         if probe:
             await self._probe(endpoint)
+        record = FleetRecord(endpoint=endpoint, source=source)
         try:
-            await self.bucket.add(FleetRecord(endpoint=endpoint, source="api"))
+            await self.bucket.add(record)
         except EndpointExists as exc:
             raise FleetError(str(exc), status=409, code="endpoint_exists", param="id") from None
-        return describe(FleetRecord(endpoint=endpoint, source="api"), 0)
+        return describe(record, 0)
 
     async def register(
         self, spec: Mapping[str, Any], ttl: Any, *, probe: bool = True

@@ -122,7 +122,22 @@ async def serve(
         janitor = HeartbeatJanitor(
             await open_fleet(nc, config), lambda: admission_leases(nc), interval=reaper.interval
         )
-        await asyncio.gather(reaper.run(stop), janitor.run(stop))
+        loops = [reaper.run(stop), janitor.run(stop)]
+        discovery = config.fleet.kubernetes
+        client = None
+        if discovery is not None:  # the engines behind a Kubernetes Service
+            from llmgw.services.fleet.kubernetes import SliceWatcher, kubernetes_client
+            from llmgw.services.fleet.ops import FleetOps
+
+            client = kubernetes_client(discovery)
+            ops = FleetOps(janitor.bucket, config, lambda: admission_leases(nc))
+            watcher = SliceWatcher(ops, discovery, client, lambda: admission_leases(nc))
+            loops.append(watcher.run(stop))
+        try:
+            await asyncio.gather(*loops)
+        finally:
+            if client is not None:
+                await client.aclose()
         log.info("stopping after %d passes", reaper.passes)
     finally:
         if admin_server is not None:

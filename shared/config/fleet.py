@@ -8,13 +8,45 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from llmgw.config.common import StrictModel
+from llmgw.config.common import StrictModel, fail
 from llmgw.config.durations import PositiveDuration
 
 if TYPE_CHECKING:
     from llmgw.config.schema import Config
+
+
+class KubernetesDiscovery(StrictModel):
+    """The engines behind a Kubernetes Service, followed by list + watch of its EndpointSlices
+    (discovery.k8s.io/v1) by the reaper: a ready endpoint joins the fleet, one that is no
+    longer ready (or gone) is drained, and removed once no lease is left on it."""
+
+    namespace: str = "default"
+    # The Service whose slices to follow (label kubernetes.io/service-name), or any label
+    # selector of EndpointSlices; one of the two.
+    service: str | None = None
+    label_selector: str | None = None
+    provider: str  # the provider its engines belong to
+    # The models they serve; empty: each engine's GET /v1/models, matched against the config.
+    models: list[str] = Field(default_factory=list)
+    port_name: str | None = None  # the slice port to use (default: the first)
+    id_prefix: str = Field("k8s", pattern=r"^[a-z0-9][a-z0-9_-]*$", max_length=20)
+    capacity: int | None = Field(None, ge=1)  # batch slots of each engine (else learned)
+    # The API server and credentials; unset: the pod's own (in-cluster service account).
+    api_server: str | None = None
+    token_file: str = "/var/run/secrets/kubernetes.io/serviceaccount/token"
+    ca_file: str | None = "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt"
+
+    @property
+    def selector(self) -> str:
+        return self.label_selector or f"kubernetes.io/service-name={self.service}"
+
+    @model_validator(mode="after")
+    def _one_selector(self) -> KubernetesDiscovery:
+        if (self.service is None) == (self.label_selector is None):
+            fail([(("service",), "set service or label_selector (one of the two)")])
+        return self
 
 
 class FleetConfig(StrictModel):
@@ -29,6 +61,8 @@ class FleetConfig(StrictModel):
     # How long `llmgw endpoints remove` (and the admin API) waits for a draining endpoint's
     # leases to end before it refuses; `--force` removes at once.
     drain_timeout: PositiveDuration = 60.0
+    # Follow a Kubernetes Service's EndpointSlices (docs/deployment.md, "Discovery"); off: null.
+    kubernetes: KubernetesDiscovery | None = None
 
 
 def fleet_bucket(config: Config) -> str:

@@ -30,6 +30,7 @@ __all__ = [
     "remove_verdict",
     "seed_missing",
     "served_models",
+    "slice_endpoints",
 ]
 
 
@@ -160,3 +161,45 @@ def match_served(
     models = tuple(m for m in offered_list if m in chosen)
     renames = {m: chosen[m] for m in models if chosen[m] != m}
     return Discovered(models, renames, tuple(unmatched))
+
+
+def slice_endpoints(
+    slice_obj: Mapping[str, object], *, port_name: str | None, id_prefix: str
+) -> dict[str, str]:
+    """The engines a Kubernetes EndpointSlice (discovery.k8s.io/v1) lists as ready, by the
+    endpoint id they get here: ``{id: "http://ADDRESS:PORT"}``. An endpoint counts when its
+    `conditions.ready` is not false (unset means ready) and it is not terminating; its first
+    address is used; the port is the one named `port_name` (else the slice's first). The id is
+    `id_prefix` and the pod's name (else the address), as a slug."""
+    ports = slice_obj.get("ports")
+    port = None
+    for entry in ports if isinstance(ports, list) else []:
+        if isinstance(entry, Mapping) and (port_name is None or entry.get("name") == port_name):
+            port = entry.get("port")
+            break
+    if not isinstance(port, int):
+        return {}
+    found = {}
+    endpoints = slice_obj.get("endpoints")
+    for endpoint in endpoints if isinstance(endpoints, list) else []:
+        if not isinstance(endpoint, Mapping):
+            continue
+        conditions = endpoint.get("conditions")
+        conditions = conditions if isinstance(conditions, Mapping) else {}
+        if conditions.get("ready") is False or conditions.get("terminating") is True:
+            continue
+        addresses = endpoint.get("addresses")
+        if not isinstance(addresses, list) or not addresses or not isinstance(addresses[0], str):
+            continue
+        address = addresses[0]
+        target = endpoint.get("targetRef")
+        name = target.get("name") if isinstance(target, Mapping) else None
+        token = _slug(name if isinstance(name, str) and name else address)
+        host = f"[{address}]" if ":" in address else address
+        found[_slug(f"{id_prefix}-{token}")[:64]] = f"http://{host}:{port}"
+    return found
+
+
+def _slug(text: str) -> str:
+    cleaned = "".join(c if c.isalnum() or c in "-_" else "-" for c in text.lower())
+    return cleaned.strip("-_") or "x"

@@ -17,6 +17,7 @@ from llmgw.core.fleet import (
     remove_verdict,
     seed_missing,
     served_models,
+    slice_endpoints,
 )
 
 ids = st.lists(st.sampled_from([f"e{i}" for i in range(8)]), unique=True)
@@ -122,3 +123,24 @@ def test_discovered_models_are_offered_and_each_reached_by_a_name_the_engine_ser
         upstream = found.upstream_model.get(model, model)
         assert upstream in ids and canonical.get(upstream) == model
     assert all(canonical.get(s.id) not in found.models for s in found.unmatched)
+
+
+def test_an_endpoint_slices_ready_engines_become_urls_by_pod_name():
+    obj = {
+        "metadata": {"name": "vllm-abc"},
+        "addressType": "IPv6",
+        "ports": [{"name": "metrics", "port": 9000}, {"name": "http", "port": 8000}],
+        "endpoints": [
+            {"addresses": ["fd00::7"], "targetRef": {"name": "vLLM.0"}},  # ready unset: ready
+            {"addresses": ["fd00::8"], "conditions": {"ready": False}},
+            {"addresses": ["fd00::9"], "conditions": {"ready": True, "terminating": True}},
+            {"addresses": [], "conditions": {"ready": True}},
+        ],
+    }
+    assert slice_endpoints(obj, port_name="http", id_prefix="k8s") == {
+        "k8s-vllm-0": "http://[fd00::7]:8000"
+    }
+    assert slice_endpoints(obj, port_name=None, id_prefix="k8s") == {
+        "k8s-vllm-0": "http://[fd00::7]:9000"
+    }
+    assert slice_endpoints(obj, port_name="grpc", id_prefix="k8s") == {}

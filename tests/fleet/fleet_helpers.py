@@ -27,6 +27,16 @@ def local_config(nats_url: str, bucket: str, **overrides: Any) -> Config:
     return config_from_dict(data, env={})
 
 
+class Leases:
+    """What the admission instances answer about leases per endpoint (None: nobody answers)."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, int] | None = {}
+
+    async def __call__(self) -> dict[str, int] | None:
+        return self.held
+
+
 async def eventually(check: Callable[[], bool], timeout: float, what: str) -> float:
     """Seconds until `check()` holds (polled every 10 ms); fails after `timeout`."""
     started = time.monotonic()

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 import pytest_asyncio
-from fleet_helpers import eventually, local_config
+from fleet_helpers import eventually
 from nats.aio.client import Client as NatsClient
 
 from llmgw.config import Config, EndpointConfig
@@ -16,11 +16,6 @@ from llmgw.config.fleet import fleet_bucket
 from llmgw.core.fleet import EndpointState
 from llmgw.fleet import Fleet, FleetRecord, endpoint_key, live_config
 from llmgw.state.fleet import EndpointExists, FleetBucket, FleetMirror, open_fleet
-
-
-@pytest.fixture
-def config(nats_url: str, unique_id: str) -> Config:
-    return local_config(nats_url, unique_id)
 
 
 @pytest_asyncio.fixture

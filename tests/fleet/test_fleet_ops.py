@@ -4,7 +4,6 @@ error shape) and changes nothing."""
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -12,16 +11,14 @@ import httpx
 import pytest
 import pytest_asyncio
 from fastapi import FastAPI
-from fleet_helpers import local_config
+from fleet_helpers import Leases
 from inproc import stop_servers
-from nats.aio.client import Client as NatsClient
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from llmgw.config import Config
-from llmgw.config.fleet import fleet_bucket
 from llmgw.core.fleet import EndpointState
 from llmgw.services.fleet.http import add_fleet_routes
 from llmgw.services.fleet.janitor import HeartbeatJanitor
@@ -29,12 +26,7 @@ from llmgw.services.fleet.ops import FleetError, FleetOps
 from llmgw.services.sim.apps import create_engine_app
 from llmgw.services.sim.params import EngineParams
 from llmgw.serving import RunningServer, free_port, start_server
-from llmgw.state.fleet import FleetBucket, open_fleet
-
-
-@pytest.fixture
-def config(nats_url: str, unique_id: str) -> Config:
-    return local_config(nats_url, unique_id)
+from llmgw.state.fleet import FleetBucket
 
 
 @pytest_asyncio.fixture
@@ -44,32 +36,6 @@ async def engine() -> AsyncIterator[RunningServer]:
         yield server
     finally:
         await server.stop()
-
-
-class Leases:
-    """What the admission instances answer about leases per endpoint (None: nobody answers)."""
-
-    def __init__(self) -> None:
-        self.held: dict[str, int] | None = {}
-
-    async def __call__(self) -> dict[str, int] | None:
-        return self.held
-
-
-@pytest_asyncio.fixture
-async def fleet(nats_client: NatsClient, config: Config) -> AsyncIterator[FleetBucket]:
-    bucket = await open_fleet(nats_client, config)
-    await bucket.seed(config)
-    try:
-        yield bucket
-    finally:
-        with contextlib.suppress(Exception):
-            await nats_client.jetstream().delete_key_value(fleet_bucket(config))
-
-
-@pytest.fixture
-def leases() -> Leases:
-    return Leases()
 
 
 @pytest.fixture
