@@ -170,19 +170,25 @@ class FleetOps:
             )
         if probe and (known is None or known.endpoint.url != endpoint.url):
             await self._probe(endpoint)
-        now = self._wall()
-        fields = {
-            "endpoint": endpoint,
-            "state": EndpointState.ACTIVE,
-            "heartbeat_ttl": float(ttl),
-            "heartbeat_at": now,
-        }
+        registered = FleetRecord(
+            endpoint=endpoint,
+            state=EndpointState.ACTIVE,
+            source="register",
+            heartbeat_ttl=float(ttl),
+            heartbeat_at=self._wall(),
+        )
         if known is None:
             try:
-                await self.bucket.add(FleetRecord(source="register", **fields))
+                await self.bucket.add(registered)
             except EndpointExists as exc:
                 raise FleetError(str(exc), status=409, code="endpoint_exists") from None
-            return describe(FleetRecord(source="register", **fields), 0)
+            return describe(registered, 0)
+        fields: dict[str, Any] = {
+            "endpoint": endpoint,
+            "state": EndpointState.ACTIVE,
+            "heartbeat_ttl": registered.heartbeat_ttl,
+            "heartbeat_at": registered.heartbeat_at,
+        }
         return describe(
             await self._changed(endpoint.id, lambda r: r.model_copy(update=fields)), None
         )
