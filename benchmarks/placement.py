@@ -429,6 +429,20 @@ def mix_figures(
     on_first = [s for s in later if s.endpoint == ran.get((s.conversation, 0))]
     cached = sum(s.cached for s in later)
     ideal = sum(s.ideal for s in later)
+    third_routes: dict[str, int] = {}
+    for sent, _ in third:
+        label = f"{sent.route}/{sent.band}"
+        third_routes[label] = third_routes.get(label, 0) + 1
+    # Where the prefix hits short of the ideal were lost: turns run on the third party, or on
+    # our engines off their replica, or on it (evicted from its prefix cache meanwhile).
+    lost = {"third_party": 0, "off_replica": 0, "on_replica": 0}
+    for sent in later:
+        if sent.provider == "tensorx":
+            lost["third_party"] += sent.ideal - sent.cached
+        elif sent.endpoint != ran[(sent.conversation, sent.turn - 1)]:
+            lost["off_replica"] += sent.ideal - sent.cached
+        else:
+            lost["on_replica"] += sent.ideal - sent.cached
     return {
         "requests": len(phase.sent),
         "failed": len(phase.sent) - len(done),
@@ -445,6 +459,8 @@ def mix_figures(
         "turns_on_first_replica": share(len(on_first), len(later)),
         "later_turns": len(later),
         "prefix_vs_ideal": share(cached, ideal),
+        "prefix_lost": {where: share(n, ideal) for where, n in lost.items()},
+        "third_party_by_route_band": dict(sorted(third_routes.items())),
         "interactive": len(interactive),
         "interactive_waited_while_free": share(len(waited_free), len(interactive)),
         "interactive_waited_while_free_n": len(waited_free),
@@ -745,7 +761,10 @@ def summary(results: dict[str, Any]) -> str:
                 f"turns on the session's replica {percent(figures['turns_on_replica'])} "
                 f"(of {figures['later_turns']}; on its first turn's "
                 f"{percent(figures['turns_on_first_replica'])}); prefix hits vs ideal "
-                f"{percent(figures['prefix_vs_ideal'])}; interactive waited at an engine while "
+                f"{percent(figures['prefix_vs_ideal'])} (lost: "
+                + ", ".join(f"{k} {percent(v)}" for k, v in figures["prefix_lost"].items())
+                + f"); third party by route/band {figures['third_party_by_route_band']}; "
+                f"interactive waited at an engine while "
                 f"the other had a free slot {percent(figures['interactive_waited_while_free'])} "
                 f"({figures['interactive_waited_while_free_n']} of {figures['interactive']}, "
                 f"{figures['interactive_waited']} waited at all)"
