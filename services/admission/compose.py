@@ -15,7 +15,7 @@ from llmgw import natsconn
 from llmgw.events import EventPublisher, MemberEvent
 from llmgw.fleet import live_config
 from llmgw.services.admission.health import HealthBoard
-from llmgw.services.admission.live import FleetFollower, apply_fleet
+from llmgw.services.admission.live import FleetCollector, FleetFollower, apply_fleet
 from llmgw.services.admission.loadboard import LoadBoard, LoadFollower
 from llmgw.services.admission.metrics import AdmissionMetrics
 from llmgw.services.admission.service import AdmissionService
@@ -159,3 +159,4 @@ def watch_service(metrics: AdmissionMetrics, service: AdmissionService) -> None:
     metrics.watch_breakers(service.breakers, [e.id for e in service.config.endpoints])
     metrics.watch_ledger(service.ledger, lambda: len(service.shards.serving))
     metrics.watch_quotas(service.quotas)
+    metrics.registry.register(FleetCollector(service))

@@ -16,7 +16,11 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
+
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from llmgw.fleet import Fleet, live_config
 from llmgw.services.admission.catalog import ProviderCatalog
@@ -78,3 +82,39 @@ class FleetFollower:
             len(fleet.view().draining),
             (time.perf_counter() - started) * 1000,
         )
+
+
+class FleetCollector(Collector):
+    """The live fleet as this instance runs on it: endpoints by state, and the revisions of
+    the fleet and of the applied config (0: none applied, the file's)."""
+
+    def __init__(self, service: AdmissionService) -> None:
+        self._service = service
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        service = self._service
+        draining = service.catalog.draining
+        endpoints = GaugeMetricFamily(
+            "llmgw_admission_fleet_endpoints",
+            "Endpoints of the live fleet this instance places on, by state (active: takes new "
+            "work; draining: finishes what runs there).",
+            labels=["state"],
+        )
+        ids = [e.id for e in service.config.endpoints]
+        endpoints.add_metric(["active"], float(sum(i not in draining for i in ids)))
+        endpoints.add_metric(["draining"], float(sum(i in draining for i in ids)))
+        yield endpoints
+        fleet = GaugeMetricFamily(
+            "llmgw_admission_fleet_revision",
+            "The fleet bucket's revision this instance runs on (compare instances: equal once "
+            "a change reached them all).",
+        )
+        fleet.add_metric([], float(service.fleet_revision))
+        yield fleet
+        applied = GaugeMetricFamily(
+            "llmgw_admission_config_revision",
+            "The applied config's revision this instance runs on (llmgw config apply); 0: the "
+            "config file it started with.",
+        )
+        applied.add_metric([], float(service.config_revision))
+        yield applied
