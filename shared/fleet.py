@@ -36,6 +36,7 @@ __all__ = [
     "endpoint_key",
     "endpoint_problems",
     "live_config",
+    "restart_only_changes",
     "seed_key",
 ]
 
@@ -146,6 +147,39 @@ def live_config(base: Config, fleet: Fleet) -> Config:
     # No re-validation of the whole: each endpoint was checked above, and a fleet may have
     # drained a provider's last endpoint (its pairs are then degraded, as with a dead engine).
     return base.model_copy(update={"endpoints": endpoints})
+
+
+# Sections an applied config may hold that this process reads only at start.
+_RESTART_FIELDS = (
+    "listen",
+    "admin_listen",
+    "nats",
+    "router",
+    "timeouts",
+    "profiles",
+    "admission",
+    "scoring",
+    "pinning",
+    "balancer",
+    "auth",
+    "log",
+    "metrics",
+    "events",
+    "tracing",
+    "models",
+)
+
+
+def restart_only_changes(base: Config, applied: AppliedConfig) -> list[str]:
+    """The sections an applied config changes that are read only at start (docs/config.md,
+    "What changes without a restart"): in force after the next restart."""
+    from llmgw.config import ConfigError, config_from_dict
+
+    try:
+        new = config_from_dict(applied.config, applied.source or "<applied config>")
+    except ConfigError:
+        return []
+    return [field for field in _RESTART_FIELDS if getattr(new, field) != getattr(base, field)]
 
 
 def applied_config(base: Config, applied: AppliedConfig) -> Config:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from llmgw.fleet import Fleet, live_config
+from llmgw.fleet import Fleet, live_config, restart_only_changes
 from llmgw.services.admission.catalog import ProviderCatalog
 from llmgw.services.admission.service import limits_from_config
 
@@ -73,6 +73,15 @@ class FleetFollower:
 
     def __call__(self, fleet: Fleet) -> None:
         started = time.perf_counter()
+        if fleet.applied is not None and fleet.config_revision != self.service.config_revision:
+            restart = restart_only_changes(self.base, fleet.applied)
+            if restart:
+                log.warning(
+                    "the applied config (revision %d) changes %s: not live, in force after a "
+                    "restart",
+                    fleet.config_revision,
+                    ", ".join(restart),
+                )
         apply_fleet(self.service, self.base, fleet)
         self.applied += 1
         log.info(

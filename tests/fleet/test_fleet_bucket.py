@@ -14,7 +14,14 @@ from nats.aio.client import Client as NatsClient
 from llmgw.config import Config, EndpointConfig
 from llmgw.config.fleet import fleet_bucket
 from llmgw.core.fleet import EndpointState
-from llmgw.fleet import Fleet, FleetRecord, endpoint_key, live_config
+from llmgw.fleet import (
+    AppliedConfig,
+    Fleet,
+    FleetRecord,
+    endpoint_key,
+    live_config,
+    restart_only_changes,
+)
 from llmgw.state.fleet import EndpointExists, FleetBucket, FleetMirror, open_fleet
 
 
@@ -125,3 +132,20 @@ async def test_the_live_config_leaves_out_a_record_that_does_not_fit_the_config(
     live = live_config(config, await bucket.fleet())
     assert [e.id for e in live.endpoints] == [e.id for e in config.endpoints]
     assert live.resolve_model("llama") == "llama-3.3-70b"  # lookups survive the copy
+
+
+def test_an_applied_config_changes_only_the_limits_live_and_names_what_needs_a_restart(
+    config: Config,
+) -> None:
+    values = config.model_dump(mode="json")
+    values["providers"][0]["models"][0]["limits"]["max_global_in_flight_request_slots"] = 32
+    values["admission"]["queue_capacity_per_band"] = 7
+    values["models"][0]["aliases"] = ["llama", "big"]
+    applied = AppliedConfig(config=values, source="new.yaml")
+    live = live_config(config, Fleet(applied=applied))
+    limits = live.provider("iris").model("llama-3.3-70b").limits  # type: ignore[union-attr]
+    assert limits is not None and limits.max_global_in_flight_request_slots == 32
+    assert live.admission == config.admission and live.resolve_model("big") is None
+    assert restart_only_changes(config, applied) == ["admission", "models"]
+    broken = AppliedConfig(config={**values, "providers": "nope"})
+    assert live_config(config, Fleet(applied=broken)).providers == config.providers
