@@ -252,6 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(what changes live: docs/config.md)",
     )
     apply.add_argument("file", help="path to the YAML config (also names the cluster's NATS)")
+    _port_offset_arg(apply)
     apply.add_argument(
         "--wait",
         type=float,

@@ -47,6 +47,11 @@ def run(args: argparse.Namespace) -> int:
             print(line, file=sys.stderr)
         print("llmgw config apply: nothing was stored", file=sys.stderr)
         return 2
+    offset = int(getattr(args, "port_offset", None) or 0)
+    if offset and config.nats.is_embedded and config.nats.embedded_port != 0:
+        # The cluster `llmgw up --port-offset N` started (as `llmgw state --port-offset N`).
+        moved = config.nats.model_copy(update={"embedded_port": config.nats.embedded_port + offset})
+        config = config.model_copy(update={"nats": moved})
     refusals = natsconn.Refusals()
     values = file_values(args.file)
 
