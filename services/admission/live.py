@@ -70,6 +70,7 @@ class FleetFollower:
         self.service = service
         self.base = base
         self.applied = 0
+        self._shape: object = None  # what the last fleet held, heartbeats aside
 
     def __call__(self, fleet: Fleet) -> None:
         started = time.perf_counter()
@@ -84,7 +85,14 @@ class FleetFollower:
                 )
         apply_fleet(self.service, self.base, fleet)
         self.applied += 1
-        log.info(
+        shape = (
+            {i: (r.state, r.endpoint) for i, r in fleet.records.items()},
+            fleet.config_revision,
+        )
+        changed, self._shape = shape != self._shape, shape
+        # A registered engine's heartbeat is a write too: logged only when it changed more.
+        log.log(
+            logging.INFO if changed else logging.DEBUG,
             "fleet revision %d applied: %d endpoints (%d draining) in %.1f ms",
             fleet.revision,
             len(fleet.records),
