@@ -80,3 +80,16 @@ def engines_values(nats_url: str, urls: dict[str, str], bucket: str) -> dict[str
             for name, url in urls.items()
         ],
     }
+
+
+async def add_following_admission(cluster: Any, config: Config) -> Any:
+    """One more admission instance of `cluster` that follows the fleet bucket, composed as
+    `llmgw admission` composes it (seed, first snapshot, then each change); its mirror."""
+    from llmgw.services.admission.live import FleetFollower, apply_fleet
+    from llmgw.state.fleet import start_fleet
+
+    admission = await cluster.add_admission(follow_load=False)
+    mirror = await start_fleet(admission.nc, config, seed=True)
+    apply_fleet(admission.service, config, mirror.fleet)
+    mirror.on_change(FleetFollower(admission.service, config))
+    return mirror

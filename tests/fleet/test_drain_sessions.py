@@ -13,19 +13,18 @@ from typing import Any
 
 import httpx
 import nats
-from fleet_helpers import engines_values, eventually
+from fleet_helpers import add_following_admission, engines_values, eventually
 from inproc import Cluster, InFlight, stop_servers
 
 from llmgw.config import config_from_dict
 from llmgw.config.fleet import fleet_bucket
 from llmgw.core.fleet import EndpointState
-from llmgw.services.admission.live import FleetFollower, apply_fleet
 from llmgw.services.admission.service import limits_from_config
 from llmgw.services.sim.apps import create_engine_app
 from llmgw.services.sim.params import EngineParams
 from llmgw.serving import start_server
 from llmgw.state.checker import AuditLog, check_audit
-from llmgw.state.fleet import open_fleet, start_fleet
+from llmgw.state.fleet import open_fleet
 
 
 async def test_a_drained_replicas_sessions_move_and_its_leases_end_exactly_once(
@@ -49,11 +48,7 @@ async def test_a_drained_replicas_sessions_move_and_its_leases_end_exactly_once(
     stop = asyncio.Event()
     try:
         for _ in range(2):
-            admission = await cluster.add_admission(follow_load=False)
-            mirror = await start_fleet(admission.nc, config, seed=True)
-            apply_fleet(admission.service, config, mirror.fleet)
-            mirror.on_change(FleetFollower(admission.service, config))
-            mirrors.append(mirror)
+            mirrors.append(await add_following_admission(cluster, config))
         await cluster.balanced()
         edge = await cluster.add_edge()
 

@@ -14,19 +14,17 @@ from typing import Any
 
 import httpx
 import nats
-from fleet_helpers import engines_values
+from fleet_helpers import add_following_admission, engines_values
 from inproc import Cluster, InFlight, stop_servers
 
 from llmgw.config import config_from_dict
 from llmgw.config.fleet import fleet_bucket
-from llmgw.services.admission.live import FleetFollower, apply_fleet
 from llmgw.services.admission.service import limits_from_config
 from llmgw.services.fleet.apply import apply_file
 from llmgw.services.sim.apps import create_engine_app
 from llmgw.services.sim.params import EngineParams
 from llmgw.serving import start_server
 from llmgw.state.checker import AuditLog, check_audit
-from llmgw.state.fleet import start_fleet
 
 PAIR = ("iris", "m1")
 OLD, NEW = 8, 4  # iris/m1's G (fleet_helpers.engines_values), halved
@@ -53,11 +51,7 @@ async def test_halving_a_limit_under_load_never_starts_a_request_above_the_new_l
     stop = asyncio.Event()
     try:
         for _ in range(2):
-            admission = await cluster.add_admission(follow_load=False)
-            mirror = await start_fleet(admission.nc, config, seed=True)
-            apply_fleet(admission.service, config, mirror.fleet)
-            mirror.on_change(FleetFollower(admission.service, config))
-            mirrors.append(mirror)
+            mirrors.append(await add_following_admission(cluster, config))
         await cluster.balanced()
         edge = await cluster.add_edge()
 
