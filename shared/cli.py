@@ -214,6 +214,26 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_keys_arguments(keys)
     keys.set_defaults(target="llmgw.services.keys.main:run")
+    endpoints = sub.add_parser(
+        "endpoints",
+        help="the live fleet's endpoints: list, show, add, update, drain, undrain, remove",
+    )
+    _config_arg(endpoints)
+    _port_offset_arg(endpoints)
+    from llmgw.services.fleet.options import (  # argparse only
+        add_endpoints_arguments,
+        add_register_arguments,
+    )
+
+    add_endpoints_arguments(endpoints)
+    endpoints.set_defaults(target="llmgw.services.fleet.main:run")
+    register = sub.add_parser(
+        "register", help="an engine announces itself to the live fleet and heartbeats"
+    )
+    _config_arg(register)
+    _port_offset_arg(register)
+    add_register_arguments(register)
+    register.set_defaults(target="llmgw.services.fleet.register:run")
     events = sub.add_parser("events", help="print the events kept in the events stream")
     _config_arg(events)
     _port_offset_arg(events)
@@ -236,6 +256,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     check.add_argument("file", help="path to the YAML config")
     check.set_defaults(target="llmgw.config.check:run")
+    apply = config_sub.add_parser(
+        "apply",
+        help="validate a config file and apply it to the running cluster, no restart "
+        "(what changes live: docs/config.md)",
+    )
+    apply.add_argument("file", help="path to the YAML config (also names the cluster's NATS)")
+    _port_offset_arg(apply)
+    apply.add_argument(
+        "--wait",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="how long to wait for every admission instance to run on it (default 10)",
+    )
+    apply.set_defaults(target="llmgw.services.fleet.apply:run")
     nats_auth = config_sub.add_parser(
         "nats-auth",
         help="print the nats-server authorization block (one user per service role) for a config",

@@ -8,7 +8,10 @@ come from it, and tests keep the checked-in files verbatim, so they cannot drift
 
 Roles (`ROLES`): one per service (`edge`, `admission`, `reaper`, `scraper`) and one per
 operator tool (`keys`: the only writer of the key bucket; `state`: reads the routing and load buckets;
-`events`: reads the events stream, and the public subjects, events and request stats, live).
+`events`: reads the events stream, and the public subjects, events and request stats, live;
+`fleet`: `llmgw endpoints`, writes the fleet bucket and asks admission how many leases each
+endpoint holds). Admission and the scraper seed and follow the fleet bucket; the edge never
+reads it (admission tells it where each request goes).
 A service connects as its role with `nats.user` and `nats.password` (LLMGW_NATS__USER /
 LLMGW_NATS__PASSWORD).
 
@@ -36,6 +39,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from llmgw.config.fleet import fleet_bucket
 from llmgw.events import ALL_EVENTS_SUBJECT
 from llmgw.wire import (
     ADMISSION_CANCEL_SUBJECT,
@@ -69,7 +73,7 @@ __all__ = [
     "role_permissions",
 ]
 
-ROLES = ("edge", "admission", "reaper", "scraper", "keys", "state", "events")
+ROLES = ("edge", "admission", "reaper", "scraper", "keys", "state", "events", "fleet")
 # The role each `llmgw` service connects as.
 SERVICE_ROLES = {"edge": "edge", "admission": "admission", "reaper": "reaper", "scraper": "scraper"}
 INBOX = "_INBOX.>"
@@ -126,6 +130,7 @@ def role_permissions(config: Config) -> dict[str, Permissions]:
     keys = config.auth.bucket
     events = config.events.stream
     spend = config.spend.bucket
+    fleet = fleet_bucket(config)
     table = {
         "edge": Permissions(
             publish=(
@@ -154,6 +159,7 @@ def role_permissions(config: Config) -> dict[str, Permissions]:
                 *_own_bucket(routing),
                 *_create_stream(f"KV_{load}"),  # whoever of admission and scraper starts first
                 *_read_bucket(load),
+                *_own_bucket(fleet),  # seeds and follows it; the admin API writes it
                 *_events_stream(config),
                 *_own_bucket(spend),  # the edges' spend totals, written down
             ),
@@ -174,11 +180,26 @@ def role_permissions(config: Config) -> dict[str, Permissions]:
             ),
         ),
         "reaper": Permissions(
-            publish=(INBOX, ALL_EVENTS_SUBJECT, *_own_bucket(routing), *_events_stream(config)),
+            publish=(
+                INBOX,
+                ALL_EVENTS_SUBJECT,
+                *_own_bucket(routing),
+                # Registered endpoints that stopped heartbeating: drained, then removed once
+                # no admission instance holds a lease on them (a state request says).
+                *_own_bucket(fleet),
+                ADMISSION_STATE_SUBJECT,
+                *_events_stream(config),
+            ),
             subscribe=(INBOX,),
         ),
         "scraper": Permissions(
-            publish=(INBOX, ALL_EVENTS_SUBJECT, *_own_bucket(load), *_events_stream(config)),
+            publish=(
+                INBOX,
+                ALL_EVENTS_SUBJECT,
+                *_own_bucket(load),
+                *_own_bucket(fleet),  # seeds and follows it
+                *_events_stream(config),
+            ),
             subscribe=(INBOX,),
         ),
         "keys": Permissions(
@@ -202,6 +223,10 @@ def role_permissions(config: Config) -> dict[str, Permissions]:
             publish=(*_read_stream(events), f"{_API}.CONSUMER.MSG.NEXT.{events}.*"),
             # The public subjects, live: a reader of usage and cost (request stats) or events.
             subscribe=(INBOX, ALL_EVENTS_SUBJECT, REQUEST_STATS_SUBJECT),
+        ),
+        "fleet": Permissions(
+            publish=(ADMISSION_STATE_SUBJECT, *_own_bucket(fleet)),
+            subscribe=(INBOX,),
         ),
     }
     return {role: table[role] for role in ROLES}

@@ -363,6 +363,12 @@ class StateReply(_Message):
     pairs: tuple[PairHolding, ...]
     leases_by_kind: dict[str, int] = {}
     edges: int = 0
+    # Live leases per endpoint, and the live fleet's revision this instance runs on (a drain
+    # waits for 0 leases on its endpoint at every instance: `llmgw endpoints remove`), and the
+    # applied config's (`llmgw config apply` waits for every instance to run on it).
+    leases_by_endpoint: dict[str, int] = {}
+    fleet_revision: int = 0
+    config_revision: int = 0
 
 
 class AdmitCancel(_Message):

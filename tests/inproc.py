@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,28 @@ from llmgw.services.edge.app import HotPathApp, create_app
 from llmgw.services.edge.main import close_edge_deps, open_edge_deps
 from llmgw.serving import RunningServer, start_server
 from llmgw.state.setup import open_load_bucket, open_routing_store
+
+
+class InFlight:
+    """ASGI middleware counting the requests an engine is answering (ground truth): `now`,
+    `max`, and with a `starts` list in the counter each start's (time, count it brought)."""
+
+    def __init__(self, app: Any, counter: dict[str, Any]) -> None:
+        self.app = app
+        self.counter = counter
+
+    async def __call__(self, scope, receive, send) -> None:  # type: ignore[no-untyped-def]
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        self.counter["now"] += 1
+        self.counter["max"] = max(self.counter["max"], self.counter["now"])
+        if "starts" in self.counter:
+            self.counter["starts"].append((time.time(), self.counter["now"]))
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.counter["now"] -= 1
 
 
 async def stop_servers(servers: Iterable[RunningServer]) -> None:

@@ -52,6 +52,11 @@ class RateBoard:
         self.max_exploring = config.balancer.max_exploring
         self.samples = 0
 
+    def reconfigure(self, config: Config) -> None:
+        """Follow a change of the live fleet: learn rates of its endpoints (windows of endpoints
+        that left age out)."""
+        self._known = {e.id for e in config.endpoints}
+
     def add(self, stats: RequestEnded) -> None:
         """A sample: a success with its tokens, or an upstream failure with none. Anything else
         (the client left, the engine refused the request itself, it never reached the upstream)

@@ -8,6 +8,10 @@ the `llmgw.core.placement.Snapshot` a request is placed on. Nothing here decides
 A managed provider is *degraded* for a model when none of its endpoints serving the model is
 healthy with a breaker that lets a request through (or an operator or test marked it so by
 hand); unlimited providers are never degraded (seed 000: no health checks).
+
+A catalog is immutable once built: a change of the live fleet builds a new one
+(`services/admission/live.py`) that the service swaps in between two decisions. An endpoint
+draining out of the fleet is in no placement snapshot, but still known by id (its leases end).
 """
 
 from __future__ import annotations
@@ -42,14 +46,16 @@ class ProviderCatalog:
         ledger: Ledger,
         *,
         clock: Callable[[], float] = time.time,
+        draining: Collection[str] = frozenset(),
     ) -> None:
         self._config = config
+        self.draining = frozenset(draining)
         self._health = health
         self._load = load
         self._rates = rates
         self._breakers = breakers
         self._ledger = ledger
-        self._clock = clock
+        self.clock = clock
         pinning = config.pinning
         self.settings = PlacementSettings(
             session_load_factor=config.scoring.session_load_factor,
@@ -69,13 +75,16 @@ class ProviderCatalog:
             p.id: {m.name: frozenset(Feature(f) for f in m.features) for m in p.models}
             for p in config.providers
         }
-        # Endpoints of each (provider, model), highest endpoint priority first; a ring each.
+        # Endpoints of each (provider, model) that take new work (a draining one takes none: its
+        # sessions move on their next request), highest endpoint priority first; a ring each.
         self._endpoints: dict[tuple[str, str], list[EndpointConfig]] = {}
         for provider in config.providers:
             for model in provider.models:
-                self._endpoints[(provider.id, model.name)] = config.endpoints_for(
-                    provider.id, model.name
-                )
+                self._endpoints[(provider.id, model.name)] = [
+                    e
+                    for e in config.endpoints_for(provider.id, model.name)
+                    if e.id not in self.draining
+                ]
         # Ring weights follow batch capacity: each replica is home to its share of sessions.
         self._rings = {
             pair: HashRing({e.id: float(load.floors.get(e.id) or e.weight) for e in endpoints})
@@ -106,7 +115,7 @@ class ProviderCatalog:
             return False
         if (provider, model) in self.forced_degraded:
             return True
-        at = self._clock() if now is None else now
+        at = self.clock() if now is None else now
         return not any(
             self._healthy(e, provider) and self._breakers.available(e.id, at)
             for e in self._endpoints.get((provider, model), ())

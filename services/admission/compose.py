@@ -13,7 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 from llmgw import natsconn
 from llmgw.events import EventPublisher, MemberEvent
+from llmgw.fleet import live_config
 from llmgw.services.admission.health import HealthBoard
+from llmgw.services.admission.live import FleetCollector, FleetFollower, apply_fleet
 from llmgw.services.admission.loadboard import LoadBoard, LoadFollower
 from llmgw.services.admission.metrics import AdmissionMetrics
 from llmgw.services.admission.service import AdmissionService
@@ -24,6 +26,8 @@ from llmgw.services.admission.spend import (
     open_spend_bucket,
 )
 from llmgw.services.admission.successor import remove_exited_member, supersede_name
+from llmgw.services.fleet.ops import FleetOps, admission_leases
+from llmgw.state.fleet import FleetMirror, start_fleet
 from llmgw.state.setup import open_events_stream, open_load_bucket, open_routing_store
 from llmgw.tracing import open_tracing
 
@@ -45,6 +49,12 @@ class RunningAdmission:
     events: EventPublisher
     spend: SpendRecorder | None = None
     budgets: BudgetAccounts | None = None
+    fleet: FleetMirror | None = None
+
+    def fleet_ops(self) -> FleetOps:
+        """Checked changes of the live fleet over this instance's connection (the admin API)."""
+        assert self.fleet is not None
+        return FleetOps(self.fleet.bucket, self.service.config, lambda: admission_leases(self.nc))
 
     async def close(self) -> None:
         """Hand every shard over (or release it), say goodbye, close the connection."""
@@ -57,6 +67,8 @@ class RunningAdmission:
             self.events.build(MemberEvent, event="member.left", member=self.service.instance)
         )
         await self.follower.stop()
+        if self.fleet is not None:
+            await self.fleet.stop()
         await natsconn.drain_or_close(self.nc)
 
 
@@ -91,6 +103,24 @@ async def open_admission(
 async def _open(
     config: Config, nc: Any, instance: str, supersedes: str | None, name: str | None
 ) -> RunningAdmission:
+    fleet = await start_fleet(nc, config, seed=True)
+    try:
+        return await _compose(config, fleet, nc, instance, supersedes, name)
+    except BaseException:
+        await fleet.stop()
+        raise
+
+
+async def _compose(
+    base: Config,
+    fleet: FleetMirror,
+    nc: Any,
+    instance: str,
+    supersedes: str | None,
+    name: str | None,
+) -> RunningAdmission:
+    # The file's endpoints until the fleet answers (then the first snapshot is applied).
+    config = live_config(base, fleet.fleet) if fleet.ready.is_set() else base
     board = LoadBoard(config, HealthBoard())
     follower = LoadFollower(board, await open_load_bucket(nc, config))
     await follower.start()
@@ -127,6 +157,9 @@ async def _open(
         tracing=open_tracing("admission", config.tracing),
     )
     service.membership.name = name
+    if fleet.ready.is_set():
+        apply_fleet(service, base, fleet.fleet)  # draining endpoints out of placement
+    fleet.on_change(FleetFollower(service, base))
     watch_service(metrics, service)
     await service.start()
     events.emit(MemberEvent, event="member.joined", member=service.instance)
@@ -135,7 +168,7 @@ async def _open(
     await spend.start()
     budgets = BudgetAccounts(nc, spend_bucket, ttl=holder_ttl(config))
     await budgets.start()
-    return RunningAdmission(service, metrics, nc, follower, events, spend, budgets)
+    return RunningAdmission(service, metrics, nc, follower, events, spend, budgets, fleet)
 
 
 def watch_service(metrics: AdmissionMetrics, service: AdmissionService) -> None:
@@ -143,3 +176,4 @@ def watch_service(metrics: AdmissionMetrics, service: AdmissionService) -> None:
     metrics.watch_breakers(service.breakers, [e.id for e in service.config.endpoints])
     metrics.watch_ledger(service.ledger, lambda: len(service.shards.serving))
     metrics.watch_quotas(service.quotas)
+    metrics.registry.register(FleetCollector(service))

@@ -68,15 +68,13 @@ class LoadBoard:
         self.health = health
         self.floors = capacity_floors(config)
         self._endpoints = list(self.floors)
-        self._serving: dict[str, list[str]] = {}
-        managed = {p.id for p in config.providers if p.kind == "managed"}
-        for endpoint in config.endpoints:
-            if endpoint.provider in managed:
-                for model in endpoint.models:
-                    self._serving.setdefault(model, []).append(endpoint.id)
+        self._serving = _serving(config)
         self._loads: dict[str, EndpointLoad] = {
             e: EndpointLoad(self.floors[e]) for e in self.floors
         }
+        # The latest report of an endpoint this board does not know (yet): one added to the
+        # fleet whose first scrape arrived before the fleet's change did.
+        self._unknown: dict[str, EndpointReport] = {}
         self._own: dict[str, int] = {}
         self._peers: dict[str, tuple[float, dict[str, int]]] = {}
         self._foreign: dict[str, int] = {}
@@ -128,8 +126,11 @@ class LoadBoard:
         only."""
         endpoint_id = report.endpoint
         load = self._loads.get(endpoint_id)
-        if load is None:
-            return  # not a managed endpoint of this config
+        if load is None:  # not a managed endpoint of this config (yet)
+            known = self._unknown.get(endpoint_id)
+            if known is None or known.scraped_at <= report.scraped_at:
+                self._unknown[endpoint_id] = report
+            return
         self.reports += 1
         if report.scraped_at >= self._health_at.get(endpoint_id, float("-inf")):
             self._health_at[endpoint_id] = report.scraped_at
@@ -150,6 +151,37 @@ class LoadBoard:
         self._metrics_mode[endpoint_id] = report.metrics or (
             "full" if sample is not None and sample.complete else "partial" if sample else "none"
         )
+
+    def reconfigure(self, config: Config, draining: frozenset[str] = frozenset()) -> None:
+        """Follow a change of the live fleet: a new managed endpoint starts from its capacity
+        floor (and the latest report already seen for it), one that left is forgotten, and a
+        changed capacity takes effect (the scrapes raise it again if the engine runs more). A
+        draining endpoint stays counted but is in no model's pool: flow control does not count
+        its free slots, which take no new work."""
+        floors = capacity_floors(config)
+        for endpoint_id in [e for e in self._loads if e not in floors]:
+            for table in (self._loads, self._own, self._foreign, self._history):
+                table.pop(endpoint_id, None)
+            self._baseline.pop(endpoint_id, None)
+            self._health_at.pop(endpoint_id, None)
+            self._metrics_mode.pop(endpoint_id, None)
+        for endpoint_id, floor in floors.items():
+            load = self._loads.get(endpoint_id)
+            if load is None:
+                self._loads[endpoint_id] = EndpointLoad(floor)
+                self._history[endpoint_id] = deque()
+                report = self._unknown.pop(endpoint_id, None)
+                if report is not None:
+                    self.apply(report)
+            elif floor != self.floors.get(endpoint_id):
+                self._loads[endpoint_id] = EndpointLoad(
+                    floor, load.sample, load.sampled_at, load.reported_at
+                )
+        self.floors = floors
+        self._endpoints = list(floors)
+        self._serving = {
+            model: [e for e in ids if e not in draining] for model, ids in _serving(config).items()
+        }
 
     # ---- the gateway's inflight history (for the foreign-load estimate) -----------------------
 
@@ -237,6 +269,17 @@ class LoadBoard:
     def pool(self, model: str, now: float) -> PoolView | None:
         """The healthy managed endpoints serving `model`; None when there are none."""
         return self.view(self._serving.get(model, ()), now)
+
+
+def _serving(config: Config) -> dict[str, list[str]]:
+    """Model -> the managed endpoints serving it, in config order."""
+    serving: dict[str, list[str]] = {}
+    managed = {p.id for p in config.providers if p.kind == "managed"}
+    for endpoint in config.endpoints:
+        if endpoint.provider in managed:
+            for model in endpoint.models:
+                serving.setdefault(model, []).append(endpoint.id)
+    return serving
 
 
 class LoadFollower:

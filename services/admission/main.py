@@ -27,6 +27,7 @@ from llmgw.runtime import (
 from llmgw.services.admission.admin import create_admin_app
 from llmgw.services.admission.compose import open_admission
 from llmgw.services.admission.successor import NameInUse
+from llmgw.services.fleet.http import add_fleet_routes
 from llmgw.serving import start_server
 
 log = logging.getLogger("llmgw.admission")
@@ -63,7 +64,9 @@ def run(args: argparse.Namespace) -> int:
         service = running.service
         admin_server = None
         if admin is not None:
-            admin_server = await start_server(create_admin_app(service, running.nc), *admin)
+            admin_app = create_admin_app(service, running.nc)
+            add_fleet_routes(admin_app, running.fleet_ops())
+            admin_server = await start_server(admin_app, *admin)
         suffix = f", admin {admin_server.url}" if admin_server is not None else ""
         print(
             f"llmgw admission ready ({service.instance}, {len(service.shards.serving)} shards"

@@ -53,6 +53,7 @@ from llmgw.core.quota import (
     headroom,
     idle,
     lendable,
+    scaled_quota,
 )
 from llmgw.tasks import cancel_and_wait
 
@@ -109,6 +110,7 @@ class QuotaKeeper:
         # source: an earmark being taken, counted once the book no longer shows it.
         self._incoming: dict[int, dict[Pair, _Incoming]] = {}
         self._writing: dict[Pair, Quota] = {}  # this instance's entry while its write flies
+        self._caps: dict[Pair, Quota] = {}  # limits lowered: the most it grants until the book fits
         self._tracking: dict[Pair, asyncio.Future[None]] = {}  # pairs added at run time
         # Loans (`borrow`): the round of each pair that requests can still join, the round
         # running, what the next round is to ask for, and what the running round is getting for
@@ -158,6 +160,30 @@ class QuotaKeeper:
             self._tracking[pair] = pending
         await asyncio.shield(pending)
 
+    def change_limits(self, pair: Pair, limits: PairLimits) -> None:
+        """Hold `pair` to new limits from now on (an applied config changed them).
+
+        Raised: the keeper takes its share of the new room at its next adjustment. Lowered:
+        this instance stops granting above the new limits at once, before any book write: its
+        quota is capped at its share scaled down by the ratio of new to old (floor), so all
+        instances' caps together stay within the new limits (their entries summed within the
+        old ones). Leases already granted are never revoked: they end as they would. The cap
+        goes once the book itself fits the new limits (every instance gave back enough)."""
+        old = self.limits.get(pair)
+        if old is None or old == limits:
+            return
+        self.limits[pair] = limits
+        self.ledger.limits[pair] = limits
+        if pair in self.books:
+            mine = self.books[pair].value.quota(self.me)
+            current = self._caps.get(pair, mine)
+            cap = scaled_quota(mine, old, limits)
+            self._caps[pair] = Quota(
+                min(cap.g, current.g), min(cap.u, current.u), min(cap.p, current.p)
+            )
+            self._sync(pair)
+        self.wake()
+
     async def track_keys(self, leases: Iterable[LeaseRecord]) -> None:
         """Track the API keys whose leases a shard brings in, before their counts move here."""
         for lease in leases:
@@ -190,7 +216,17 @@ class QuotaKeeper:
     def _sync(self, pair: Pair) -> None:
         """Show the ledger this instance's entry of the book, less what is on its way out; while
         a smaller entry is being written, the smaller of the two."""
-        quota = self.books[pair].value.quota(self.me)
+        book = self.books[pair].value
+        quota = book.quota(self.me)
+        cap = self._caps.get(pair)
+        if cap is not None:  # limits lowered (`change_limits`): until the book fits them
+            try:
+                book.check(self.limits[pair])
+            except QuotaError:
+                g = min(quota.g, cap.g)
+                quota = Quota(g, min(g, quota.u, cap.u), min(quota.p, cap.p))
+            else:
+                del self._caps[pair]
         lowering = self._writing.get(pair)
         if lowering is not None:
             g = min(quota.g, lowering.g)

@@ -259,6 +259,8 @@ class AdmissionService:
         self.catalog = ProviderCatalog(
             config, self.health, self.load, self.rates, self.breakers, self.ledger, clock=clock
         )
+        self.fleet_revision = 0  # the live fleet's revision applied (services/admission/live.py)
+        self.config_revision = 0  # the applied config's revision in force here (0: the file)
         admission = config.admission
         self.membership = Membership(
             store,
@@ -1101,14 +1103,20 @@ class AdmissionService:
                 )
             )
         kinds: dict[str, int] = {}
+        by_endpoint: dict[str, int] = {}
         for lease in self.ledger.leases.values():
             kinds[lease.kind.value] = kinds.get(lease.kind.value, 0) + 1
+            if lease.endpoint is not None:
+                by_endpoint[lease.endpoint] = by_endpoint.get(lease.endpoint, 0) + 1
         reply = StateReply(
             instance=self.instance,
             shards=tuple(sorted(self.shards.serving)),
             pairs=tuple(pairs),
             leases_by_kind=kinds,
             edges=len(self.ledger.edges()),
+            leases_by_endpoint=by_endpoint,
+            fleet_revision=self.fleet_revision,
+            config_revision=self.config_revision,
         )
         await self.nc.publish(msg.reply, reply.model_dump_json().encode())
 

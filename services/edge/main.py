@@ -46,6 +46,7 @@ from llmgw.services.edge.outage import OutageAdmission
 from llmgw.services.edge.reporting import NatsReporter
 from llmgw.services.edge.spend import SpendBook
 from llmgw.services.edge.upstream import new_pool
+from llmgw.services.fleet.http import add_fleet_routes
 from llmgw.serving import RunningServer, start_server
 from llmgw.tracing import open_tracing
 
@@ -117,7 +118,10 @@ def run(args: argparse.Namespace) -> int:
             app, host, port, timeout_graceful_shutdown=router.drain_timeout + _CUT_GRACE
         )
         registries = [colocated.metrics.registry] if colocated is not None else []
-        admin = await start_server(create_admin_app(deps, nc, registries), admin_host, admin_port)
+        admin_app = create_admin_app(deps, nc, registries)
+        if colocated is not None:  # the fleet's admin API, where an admission instance runs
+            add_fleet_routes(admin_app, colocated.fleet_ops())
+        admin = await start_server(admin_app, admin_host, admin_port)
         await wait_for_admission(deps.admission)
         print(f"llmgw edge ready on {api.url} (admin {admin.url})", flush=True)
         tune_gc()

@@ -23,8 +23,11 @@ from llmgw import natsconn
 from llmgw.config import Config, parse_hostport
 from llmgw.events import EventPublisher
 from llmgw.runtime import load_or_exit, run_service, setup_logging
+from llmgw.services.fleet.janitor import HeartbeatJanitor
+from llmgw.services.fleet.ops import admission_leases
 from llmgw.services.reaper.metrics import ReaperMetrics
 from llmgw.services.reaper.service import Reaper
+from llmgw.state.fleet import open_fleet
 from llmgw.state.setup import open_events_stream, open_routing_store
 
 if TYPE_CHECKING:
@@ -127,7 +130,26 @@ async def serve(
         )
         if ready is not None:
             ready.set()
-        await reaper.run(stop)
+        # Self-registered endpoints that went silent: drained, then removed.
+        janitor = HeartbeatJanitor(
+            await open_fleet(nc, config), lambda: admission_leases(nc), interval=reaper.interval
+        )
+        loops = [reaper.run(stop), janitor.run(stop)]
+        discovery = config.fleet.kubernetes
+        client = None
+        if discovery is not None:  # the engines behind a Kubernetes Service
+            from llmgw.services.fleet.kubernetes import SliceWatcher, kubernetes_client
+            from llmgw.services.fleet.ops import FleetOps
+
+            client = kubernetes_client(discovery)
+            ops = FleetOps(janitor.bucket, config, lambda: admission_leases(nc))
+            watcher = SliceWatcher(ops, discovery, client, lambda: admission_leases(nc))
+            loops.append(watcher.run(stop))
+        try:
+            await asyncio.gather(*loops)
+        finally:
+            if client is not None:
+                await client.aclose()
         log.info("stopping after %d passes", reaper.passes)
     finally:
         if admin_server is not None:

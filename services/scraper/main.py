@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from llmgw import natsconn
 from llmgw.config import Config, parse_hostport
+from llmgw.fleet import Fleet, live_config
 from llmgw.load import capacity_floors
 from llmgw.runtime import (
     load_or_exit,
@@ -30,6 +31,7 @@ from llmgw.runtime import (
 from llmgw.services.scraper.metrics import ScraperMetrics
 from llmgw.services.scraper.reports import saturation_settings, scrape_targets
 from llmgw.services.scraper.service import Scraper, new_http_client
+from llmgw.state.fleet import start_fleet
 from llmgw.state.setup import open_events_stream, open_load_bucket
 
 if TYPE_CHECKING:
@@ -77,11 +79,15 @@ async def serve(
         signal_task = asyncio.create_task(_set_on_signal(stop))
     instance = instance or service_instance("scraper")
     router = config.router
+    base = config
+    nc = await natsconn.connect(config.nats, name="llmgw-scraper")
+    fleet = await start_fleet(nc, base, seed=True)
+    if fleet.ready.is_set():  # else the file's endpoints until the fleet answers
+        config = live_config(base, fleet.fleet)
     targets = scrape_targets(config)
     if not targets:
-        log.warning("no endpoint of a managed provider in the config: nothing to scrape")
-    nc = await natsconn.connect(config.nats, name="llmgw-scraper")
-    client = new_http_client(router.scrape_timeout, len(targets))
+        log.warning("no endpoint of a managed provider in the fleet yet: nothing to scrape")
+    client = new_http_client(router.scrape_timeout, max(len(targets), 8))
     admin_server = None
     try:
         bucket = await open_load_bucket(nc, config)
@@ -101,6 +107,13 @@ async def serve(
             timer=timer,
         )
         await scraper.adopt_known_capacity()
+
+        def follow(snapshot: Fleet) -> None:
+            live = live_config(base, snapshot)
+            scraper.retarget(scrape_targets(live), capacity_floors(live))
+
+        fleet.on_change(follow)
+        follow(fleet.fleet)  # a change between the first snapshot and now
         where = ""
         if admin is not None:
             # Imported only when asked for: the HTTP server stack is not the default path.
@@ -127,5 +140,6 @@ async def serve(
                 await signal_task
         if admin_server is not None:
             await admin_server.stop()
+        await fleet.stop()
         await client.aclose()
         await natsconn.drain_or_close(nc)

@@ -164,6 +164,7 @@ class Scraper:
         self.started_at: float | None = None
         self.last_round_at: float | None = None
         self._round_done = asyncio.Condition()
+        self._new_scrapes: set[asyncio.Task[None]] = set()  # first scrapes of new endpoints
         metrics.declare(t.endpoint for t in self.targets)
         metrics.watch_ages(self.scrape_ages)
 
@@ -190,6 +191,36 @@ class Scraper:
         if quiet > window:
             return f"no scrape round completed for {quiet:.1f}s (allowed {window:g}s)"
         return None
+
+    # ---- the live fleet ---------------------------------------------------------------------
+
+    def retarget(self, targets: Sequence[ScrapeTarget], capacities: dict[str, int]) -> None:
+        """Scrape `targets` from now on (the live fleet changed). A new endpoint is scraped at
+        once, not at the next round, so admission learns its load and health within one
+        scrape's time; one that left is no longer scraped (its last report stays in the
+        bucket until the bucket forgets it, and admission ignores it)."""
+        known = {t.endpoint for t in self.targets}
+        self.targets = tuple(targets)
+        for endpoint, floor in capacities.items():
+            if floor != self._floors.get(endpoint):
+                self._floors[endpoint] = floor
+                load = self._loads.get(endpoint)
+                if load is not None:
+                    self._loads[endpoint] = EndpointLoad(
+                        floor, load.sample, load.sampled_at, load.reported_at
+                    )
+        self.metrics.declare(t.endpoint for t in self.targets if t.endpoint not in known)
+        for target in self.targets:
+            if target.endpoint not in known:
+                task = asyncio.create_task(self._scrape_new(target), name="scrape-new")
+                self._new_scrapes.add(task)
+                task.add_done_callback(self._new_scrapes.discard)
+
+    async def _scrape_new(self, target: ScrapeTarget) -> None:
+        try:
+            await self._scrape(target)
+        except Exception:
+            _log.exception("scraping the new endpoint %s failed", target.endpoint)
 
     # ---- the loop -------------------------------------------------------------------------
 

@@ -100,7 +100,7 @@ async def read_report(nc: NATS, config: Config, *, now: float | None = None) -> 
             "with this config? admission creates the bucket when it starts)"
         ) from None
     store = RoutingStore(NatsKV(js, pinning.bucket, direct=bool(info.config.allow_direct)))
-    replies = await _ask_instances(nc)
+    replies = await ask_instances(nc)
     load_bucket, endpoints = await _endpoint_reports(js, config)
     pins = await store.all_pins()
     books = await store.quota_books()
@@ -146,8 +146,8 @@ async def _endpoint_reports(js: Any, config: Config) -> tuple[str | None, list[E
     return name, reports
 
 
-async def _ask_instances(nc: NATS) -> list[StateReply]:
-    """Every admission instance's answer to a state request within the window."""
+async def ask_instances(nc: NATS, window: float = ANSWER_WINDOW) -> list[StateReply]:
+    """Every admission instance's answer to a state request within `window` seconds."""
     replies: list[StateReply] = []
 
     async def collect(msg: Any) -> None:
@@ -159,6 +159,6 @@ async def _ask_instances(nc: NATS) -> list[StateReply]:
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox, cb=collect)
     await nc.publish(ADMISSION_STATE_SUBJECT, b"", reply=inbox)
-    await asyncio.sleep(ANSWER_WINDOW)  # a broadcast has no count of answers to wait for
+    await asyncio.sleep(window)  # a broadcast has no count of answers to wait for
     await sub.unsubscribe()
     return replies

@@ -26,6 +26,7 @@ from llmgw.config import Config
 from llmgw.nats_cluster import EmbeddedNatsCluster
 from llmgw.nats_embedded import EmbeddedNats, NatsServerError, port_is_free
 from llmgw.runtime import load_or_exit
+from llmgw.services.fleet.reload import Reloader
 from llmgw.services.up.devkey import create_dev_key
 from llmgw.services.up.nats_keeper import NatsKeeper, OneServer, node_label
 from llmgw.services.up.offset import write_shifted
@@ -122,7 +123,14 @@ def _run(args: argparse.Namespace, config_path: str) -> int:
         if secure is not None:  # the config file says colocated; the edge must not decide here
             edge_spec_env["LLMGW_ADMISSION__COLOCATED"] = "false"
         spec_env["edge"] = edge_spec_env
-        return asyncio.run(_supervise(specs, env, config, args, nats, dev_key, spec_env))
+        reload_config = (
+            children_config if secure is None else secure.as_role(children_config, "fleet")
+        )
+        return asyncio.run(
+            _supervise(
+                specs, env, config, args, nats, dev_key, spec_env, (config_path, reload_config)
+            )
+        )
     finally:
         if secure is not None:
             secure.cleanup()
@@ -252,6 +260,7 @@ async def _supervise(
     nats: EmbeddedNats | EmbeddedNatsCluster | None,
     dev_key: str | None = None,
     spec_env: dict[str, Mapping[str, str]] | None = None,
+    reload: tuple[str, Config] | None = None,
 ) -> int:
     supervisor = ClusterSupervisor(
         specs,
@@ -263,6 +272,11 @@ async def _supervise(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, supervisor.request_stop)
+    reloader = None
+    if reload is not None:  # SIGHUP: the config file applied to the cluster, no restart
+        nats_url = nats.url if nats is not None else reload[1].nats.url
+        reloader = Reloader(reload[0], reload[1], nats_url, supervisor.say)
+        loop.add_signal_handler(signal.SIGHUP, reloader)
     keeper: asyncio.Task[None] | None = None
     if nats is not None:  # a server or node that exits is started again with its store
         say, fail = supervisor.say, supervisor.fail
@@ -297,6 +311,9 @@ async def _supervise(
             await asyncio.gather(keeper, return_exceptions=True)
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+        if reloader is not None:
+            loop.remove_signal_handler(signal.SIGHUP)
+            await reloader.stop()
     supervisor.say("llmgw up: stopped" if code == 0 else f"llmgw up: exiting with code {code}")
     return code
 

@@ -31,6 +31,7 @@ from pydantic_settings import (
 from llmgw.config.addresses import parse_hostport
 from llmgw.config.catalog import EndpointConfig, Limits, ModelConfig, ProviderConfig, ProviderModel
 from llmgw.config.common import MASK, SLUG_PATTERN, ConfigWarning, Name, fail
+from llmgw.config.fleet import FleetConfig
 from llmgw.config.observability import EventsConfig, LogConfig, MetricsConfig, TracingConfig
 from llmgw.config.sections import (
     AdmissionConfig,
@@ -62,6 +63,7 @@ __all__ = [
     "ConfigWarning",
     "EndpointConfig",
     "EventsConfig",
+    "FleetConfig",
     "Limits",
     "LogConfig",
     "MappingEnvSource",
@@ -139,6 +141,7 @@ class Config(BaseSettings):
     events: EventsConfig = Field(default_factory=EventsConfig)
     tracing: TracingConfig = Field(default_factory=TracingConfig)
     spend: SpendConfig = Field(default_factory=SpendConfig)
+    fleet: FleetConfig = Field(default_factory=FleetConfig)
     models: list[ModelConfig] = Field(min_length=1)
     providers: list[ProviderConfig] = Field(min_length=1)
     endpoints: list[EndpointConfig] = Field(min_length=1)

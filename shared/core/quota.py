@@ -59,6 +59,7 @@ __all__ = [
     "lendable",
     "max_min_share",
     "reclaimable",
+    "scaled_quota",
 ]
 
 QUOTA_VERSION = 2
@@ -436,3 +437,20 @@ def reclaimable(book: QuotaBook, live: Mapping[str, object], now: float, grace: 
     owners' roll calls, or lost them), so the reaper may drop it. A live holder is never
     reclaimable, however old its entry."""
     return sorted(i for i, q in book.holders.items() if i not in live and now - q.at >= grace)
+
+
+def scaled_quota(quota: Quota, old: PairLimits, new: PairLimits) -> Quota:
+    """An instance's share when a pair's limits change from `old` to `new`: each of g, u, p
+    scaled down by how much its limit shrank (floor), as it is where the limit grew. Shares
+    that summed within `old` sum within `new` once each is scaled, so every instance may cap
+    itself at once, without asking the others (lowering limits under load never over-admits)."""
+
+    def scale(value: int, before: int, after: int) -> int:
+        if after >= before:
+            return value
+        return (value * after) // before if before > 0 else 0
+
+    g = scale(quota.g, _total(old), _total(new))
+    u = scale(quota.u, _unreserved(old), _unreserved(new))
+    p = scale(quota.p, old.max_pinned_sessions, new.max_pinned_sessions)
+    return Quota(g, min(g, u), p)

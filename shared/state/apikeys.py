@@ -13,16 +13,15 @@ A value that does not decode is logged (by key id, never the value) and treated 
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from llmgw.core.apikeys import API_KEY_PREFIX, ApiKey, ApiKeyError, key_id_of
+from llmgw.state.follow import WatchFollower
 from llmgw.state.kv import CasConflict, KVStore
 from llmgw.state.nats_kv import open_routing_bucket
-from llmgw.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
     from nats.aio.client import Client as NATS
@@ -117,17 +116,19 @@ def _id_of(kv_key: str) -> str:
     return key_id_of(kv_key[len(API_KEY_PREFIX) :])
 
 
-class KeyMirror:
+class KeyMirror(WatchFollower):
     """Every key of the bucket by digest, fed by one watch. `get` is a dict lookup."""
 
+    what = "key"
+    log = log
+
     def __init__(self, kv: KVStore, clock: Callable[[], float]) -> None:
+        super().__init__()
         self._kv = kv
         self._clock = clock
         self.keys: dict[str, ApiKey] = {}
-        self.ready = asyncio.Event()  # the initial replay is in
         self.last_change: float | None = None
         self.changes = 0
-        self._task: asyncio.Task[None] | None = None
         self._listeners: list[Callable[[str, ApiKey | None], None]] = []
 
     def get(self, digest: str) -> ApiKey | None:
@@ -136,30 +137,6 @@ class KeyMirror:
     def on_change(self, listener: Callable[[str, ApiKey | None], None]) -> None:
         """Call `listener(digest, key or None)` on every change after the initial replay."""
         self._listeners.append(listener)
-
-    async def start(self, timeout: float = 5.0) -> None:
-        self._task = asyncio.create_task(self._follow(), name="key-mirror")
-        # Keys known before the first request: an edge never 401s a valid key at start.
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(timeout):
-                await self.ready.wait()
-        if not self.ready.is_set():
-            log.warning("the key bucket did not answer within %.0fs; keys arrive later", timeout)
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            await cancel_and_wait([self._task])
-            self._task = None
-
-    async def _follow(self) -> None:
-        while True:
-            try:
-                await self._watch()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # a closed connection, a deleted bucket: retry
-                log.warning("key watch failed (%s); retrying", type(exc).__name__)
-                await asyncio.sleep(1.0)
 
     async def _watch(self) -> None:
         watch = self._kv.watch(API_KEY_PREFIX)

@@ -44,7 +44,7 @@ import heapq
 import json
 import threading
 from collections import defaultdict, deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from llmgw.core.keys import (
@@ -275,9 +275,23 @@ def check_audit(
     limits: Mapping[tuple[str, str], PairLimits | None],
     *,
     lease_timeout: float,
+    changed: Sequence[tuple[float, Mapping[tuple[str, str], PairLimits | None]]] = (),
 ) -> list[Violation]:
-    """Every breach in an audit trail (see the module docstring)."""
+    """Every breach in an audit trail (see the module docstring). `changed`: limits applied
+    while it ran, as (from when, the limits from then on), by time: a grant or a pin is held to
+    the limits in force when it was made (leases granted before a lowering are never revoked,
+    but no grant after it may take a pair above the new limit)."""
     ordered = sorted(events, key=lambda e: (e.at, e.seq))
+    steps = sorted(changed, key=lambda step: step[0])
+
+    def limits_at(at: float) -> Mapping[tuple[str, str], PairLimits | None]:
+        current = limits
+        for since, later in steps:
+            if since > at:
+                break
+            current = later
+        return current
+
     violations: list[Violation] = []
     live: dict[str, tuple[str, LeaseRecord]] = {}  # lease id -> (holder, lease)
     per_pair: dict[tuple[str, str], set[str]] = defaultdict(set)
@@ -360,7 +374,7 @@ def check_audit(
             assert lease is not None
             granted_at.setdefault(lease.lease_id, event.at)
             pair = lease.pair
-            lim = limits.get(pair)
+            lim = limits_at(event.at).get(pair)
             current = live.get(lease.lease_id)
             if event.kind == "granted" and current is not None:
                 violations.append(
@@ -484,7 +498,7 @@ def check_audit(
             pins_per_pair[(provider, model)].add(skey)
             added_by[skey] = event
             pin_events[(provider, model)].append(event)
-            lim = limits.get((provider, model))
+            lim = limits_at(event.at).get((provider, model))
             if lim is not None and len(pins_per_pair[(provider, model)]) > lim.max_pinned_sessions:
                 violations.append(
                     Violation(

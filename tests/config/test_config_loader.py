@@ -186,6 +186,7 @@ def test_public_api_is_exactly_all():
         "check",
         "common",
         "durations",
+        "fleet",
         "loader",
         "observability",
         "references",

@@ -18,6 +18,7 @@ from llmgw.core.quota import (
     lendable,
     max_min_share,
     reclaimable,
+    scaled_quota,
 )
 
 
@@ -255,3 +256,38 @@ def test_a_peers_idle_quota_is_what_it_holds_beyond_its_wants_less_headroom():
     # Holds 10, wants 6 = use 4 + headroom 2: 6 idle (its headroom included).
     assert idle(Quota(10, 8, 5, 6, 4, 5), (2, 2, 1)) == (6, 6, 1)
     assert idle(Quota(3, 3, 0, 9, 9, 0), (2, 2, 1)) == (0, 0, 0)  # wants more than it holds
+
+
+# ---- limits lowered under load: each share scaled on its own ------------------------------------
+
+
+@st.composite
+def shrinking(draw: st.DrawFn) -> tuple[Limits, Limits, list[Quota]]:
+    g = draw(st.integers(1, 80))
+    old = Limits(draw(st.integers(0, 80)), g, draw(st.integers(0, g)))
+    g2 = draw(st.integers(1, 80))
+    new = Limits(draw(st.integers(0, 80)), g2, draw(st.integers(0, g2)))
+    left_g = g
+    left_u = g - old.global_in_flight_request_slots_reserved_for_pinned_sessions
+    left_p = old.max_pinned_sessions
+    holders = []
+    for _ in range(draw(st.integers(1, 5))):
+        qg = draw(st.integers(0, left_g))
+        qu = draw(st.integers(0, min(qg, left_u)))
+        qp = draw(st.integers(0, left_p))
+        left_g, left_u, left_p = left_g - qg, left_u - qu, left_p - qp
+        holders.append(Quota(qg, qu, qp))
+    return old, new, holders
+
+
+@given(shrinking())
+def test_shares_scaled_to_new_limits_each_on_its_own_fit_the_new_limits_together(case):
+    old, new, holders = case
+    QuotaBook("p", "m", holders={f"i{n}": q for n, q in enumerate(holders)}).check(old)
+    scaled = [scaled_quota(q, old, new) for q in holders]
+    QuotaBook("p", "m", holders={f"i{n}": q for n, q in enumerate(scaled)}).check(
+        new
+    )  # or QuotaError
+    for before, after in zip(holders, scaled, strict=True):
+        assert after.g <= before.g and after.u <= before.u and after.p <= before.p
+        assert after.u <= after.g

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest_asyncio
-from inproc import Cluster, stop_servers
+from inproc import Cluster, InFlight, stop_servers
 
 from llmgw.services.sim.apps import create_engine_app
 from llmgw.services.sim.params import EngineParams
@@ -38,25 +38,6 @@ def _edge_conftest():  # type: ignore[no-untyped-def]
 
 
 gateway_config = _edge_conftest().gateway_config
-
-
-class InFlight:
-    """ASGI middleware counting the requests an engine is answering (ground truth)."""
-
-    def __init__(self, app: Any, counter: dict[str, int]) -> None:
-        self.app = app
-        self.counter = counter
-
-    async def __call__(self, scope, receive, send) -> None:  # type: ignore[no-untyped-def]
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
-            await self.app(scope, receive, send)
-            return
-        self.counter["now"] += 1
-        self.counter["max"] = max(self.counter["max"], self.counter["now"])
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            self.counter["now"] -= 1
 
 
 @dataclass

@@ -99,3 +99,31 @@ def test_a_lease_granted_while_its_instance_was_being_killed_counts_until_lease_
     log.observer("r").lease_ended(lease("early"), EndReason.RELEASED, 0.0)
     grant(log, "r", "alone")  # t=13: "after" and "alone" on a limit of 1
     assert [v.invariant for v in check(log)] == ["IK", "IK", "IK"]
+
+
+class Halved(Limits):
+    max_global_in_flight_request_slots = 4
+
+
+def numbered(n: int) -> LeaseRecord:
+    return LeaseRecord(f"l{n}", "a", "m", LeaseKind.TEMPORARY, False, 0, "e", 0.0, 0.0)
+
+
+def test_a_grant_after_a_lowered_limit_is_held_to_it_and_older_leases_are_not_revoked():
+    Clock.t = 0.0
+    log = AuditLog(clock=Clock())
+    granting = log.observer("i1")
+    for n in range(6):  # t = 1..6: six live leases under G = 8
+        granting.lease_granted(numbered(n), None, (n, 0, 0))
+    lowered = Clock.t + 0.5  # G = 4 from here: the six keep running
+    changed = [(lowered, {("a", "m"): Halved()})]
+    assert check_audit(log.events, LIMITS, lease_timeout=5.0, changed=changed) == []
+    for n in range(4):
+        granting.lease_ended(numbered(n), EndReason.RELEASED, 0.0)
+    granting.lease_granted(numbered(6), None, (2, 0, 0))  # 3 live: within the new G
+    assert check_audit(log.events, LIMITS, lease_timeout=5.0, changed=changed) == []
+    granting.lease_granted(numbered(7), None, (3, 0, 0))
+    granting.lease_granted(numbered(8), None, (4, 0, 0))  # 5 live > 4
+    found = check_audit(log.events, LIMITS, lease_timeout=5.0, changed=changed)
+    assert [v.invariant for v in found] == ["I2a"] and "G=4" in found[0].message
+    assert check_audit(log.events, LIMITS, lease_timeout=5.0) == []  # G = 8 throughout: fine

@@ -1,0 +1,137 @@
+"""An admission instance following the live fleet: each fleet change swaps its catalog.
+
+`FleetFollower` turns every new `llmgw.fleet.Fleet` the mirror delivers into the config the
+instance runs on (`llmgw.fleet.live_config`) and applies it in one synchronous call, so no
+decision ever sees half of a change: the load board learns new endpoints (and forgets gone
+ones), the rate board learns their ids, and a new `ProviderCatalog`, built from the new config
+with the draining endpoints left out of placement, replaces the old one between two decisions.
+
+Limits an applied config changed (`llmgw config apply`) go to the quota keeper: lowered ones
+cap this instance's grants at once (`QuotaKeeper.change_limits`), raised ones are taken up at
+its next adjustment. Nothing about leases and pins changes here: the ledger counts leases by endpoint id and ends
+them by lease id, so a lease on an endpoint that drained or left still ends exactly once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from llmgw.fleet import Fleet, live_config, restart_only_changes
+from llmgw.services.admission.catalog import ProviderCatalog
+from llmgw.services.admission.service import limits_from_config
+
+if TYPE_CHECKING:
+    from llmgw.config.schema import Config
+    from llmgw.services.admission.service import AdmissionService
+
+log = logging.getLogger("llmgw.admission.fleet")
+
+
+def apply_fleet(service: AdmissionService, base: Config, fleet: Fleet) -> Config:
+    """Run `service` on `base` with `fleet`'s endpoints; the config it now runs on."""
+    config = live_config(base, fleet)
+    for pair, limits in limits_from_config(config).items():
+        if limits is not None and service.limits.get(pair) not in (None, limits):
+            log.info("limits of %s/%s changed: %s", *pair, limits)
+            service.limits[pair] = limits
+            service.quotas.change_limits(pair, limits)  # lowered: capped at once
+    draining = fleet.view().draining
+    service.load.reconfigure(config, draining)
+    service.rates.reconfigure(config)
+    old = service.catalog
+    catalog = ProviderCatalog(
+        config,
+        service.health,
+        service.load,
+        service.rates,
+        service.breakers,
+        service.ledger,
+        clock=old.clock,
+        draining=draining,
+    )
+    catalog.forced_degraded = old.forced_degraded
+    service.catalog = catalog
+    service.config = config
+    service.fleet_revision = fleet.revision
+    service.config_revision = fleet.config_revision
+    return config
+
+
+class FleetFollower:
+    """Applies each fleet snapshot to one admission instance (`apply_fleet`)."""
+
+    def __init__(self, service: AdmissionService, base: Config) -> None:
+        self.service = service
+        self.base = base
+        self.applied = 0
+        self._shape: object = None  # what the last fleet held, heartbeats aside
+
+    def __call__(self, fleet: Fleet) -> None:
+        started = time.perf_counter()
+        if fleet.applied is not None and fleet.config_revision != self.service.config_revision:
+            restart = restart_only_changes(self.base, fleet.applied)
+            if restart:
+                log.warning(
+                    "the applied config (revision %d) changes %s: not live, in force after a "
+                    "restart",
+                    fleet.config_revision,
+                    ", ".join(restart),
+                )
+        apply_fleet(self.service, self.base, fleet)
+        self.applied += 1
+        shape = (
+            {i: (r.state, r.endpoint) for i, r in fleet.records.items()},
+            fleet.config_revision,
+        )
+        changed, self._shape = shape != self._shape, shape
+        # A registered engine's heartbeat is a write too: logged only when it changed more.
+        log.log(
+            logging.INFO if changed else logging.DEBUG,
+            "fleet revision %d applied: %d endpoints (%d draining) in %.1f ms",
+            fleet.revision,
+            len(fleet.records),
+            len(fleet.view().draining),
+            (time.perf_counter() - started) * 1000,
+        )
+
+
+class FleetCollector(Collector):
+    """The live fleet as this instance runs on it: endpoints by state, and the revisions of
+    the fleet and of the applied config (0: none applied, the file's)."""
+
+    def __init__(self, service: AdmissionService) -> None:
+        self._service = service
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        service = self._service
+        draining = service.catalog.draining
+        endpoints = GaugeMetricFamily(
+            "llmgw_admission_fleet_endpoints",
+            "Endpoints of the live fleet this instance places on, by state (active: takes new "
+            "work; draining: finishes what runs there).",
+            labels=["state"],
+        )
+        ids = [e.id for e in service.config.endpoints]
+        endpoints.add_metric(["active"], float(sum(i not in draining for i in ids)))
+        endpoints.add_metric(["draining"], float(sum(i in draining for i in ids)))
+        yield endpoints
+        fleet = GaugeMetricFamily(
+            "llmgw_admission_fleet_revision",
+            "The fleet bucket's revision this instance runs on (compare instances: equal once "
+            "a change reached them all).",
+        )
+        fleet.add_metric([], float(service.fleet_revision))
+        yield fleet
+        applied = GaugeMetricFamily(
+            "llmgw_admission_config_revision",
+            "The applied config's revision this instance runs on (llmgw config apply); 0: the "
+            "config file it started with.",
+        )
+        applied.add_metric([], float(service.config_revision))
+        yield applied

@@ -1,0 +1,102 @@
+"""`llmgw config apply FILE`: a config changed without a restart (also `llmgw up` on SIGHUP).
+
+The file is validated as a service would load it (errors name the field, exit 2, nothing is
+stored); then its values are stored in the fleet bucket (`llmgw.fleet.APPLIED_KEY`), every
+admission instance and scraper picks them up through its watch, and the command waits until
+every admission instance that answers runs on the new revision: that is the acknowledgement
+(`StateReply.config_revision`). What changes live and what needs a restart: docs/config.md,
+"What changes without a restart".
+
+Exit codes: 0 applied and acknowledged; 1 NATS unreachable, or not acknowledged in time (the
+document is stored: the instances that did not answer apply it when they do); 2 an invalid file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import nats
+import yaml
+
+from llmgw import natsconn
+from llmgw.config import ConfigError, load_config
+from llmgw.fleet import AppliedConfig
+from llmgw.services.state.main import ask_instances
+from llmgw.state.fleet import open_fleet
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client as NATS
+
+    from llmgw.config import Config
+
+__all__ = ["apply_file", "file_values", "run"]
+
+_ACK_WINDOW = 0.3  # seconds each round of state answers is collected
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.file)
+    except ConfigError as exc:
+        for line in exc.lines:
+            print(line, file=sys.stderr)
+        print("llmgw config apply: nothing was stored", file=sys.stderr)
+        return 2
+    offset = int(getattr(args, "port_offset", None) or 0)
+    if offset and config.nats.is_embedded and config.nats.embedded_port != 0:
+        # The cluster `llmgw up --port-offset N` started (as `llmgw state --port-offset N`).
+        moved = config.nats.model_copy(update={"embedded_port": config.nats.embedded_port + offset})
+        config = config.model_copy(update={"nats": moved})
+    refusals = natsconn.Refusals()
+    values = file_values(args.file)
+
+    async def main() -> tuple[int, int, int]:
+        nc = await natsconn.connect_tool(config.nats, "llmgw-config", refusals)
+        try:
+            return await apply_file(nc, config, values, str(args.file), wait=args.wait)
+        finally:
+            await nc.close()
+
+    try:
+        revision, acknowledged, instances = asyncio.run(main())
+    except (OSError, TimeoutError, nats.errors.Error) as exc:
+        refused = refusals.explain("config apply")
+        print(refused or f"llmgw config apply: cannot reach NATS: {exc}", file=sys.stderr)
+        return 1
+    if acknowledged < instances or instances == 0:
+        print(
+            f"llmgw config apply: stored (revision {revision}), but only {acknowledged} of "
+            f"{instances} admission instances run on it after {args.wait:g}s",
+            file=sys.stderr,
+        )
+        return 1
+    print(f"applied {args.file} (revision {revision}): {instances} admission instances run on it")
+    return 0
+
+
+def file_values(path: str | Path) -> dict[str, Any]:
+    """A config file's own values (no environment): what is stored and applied."""
+    values: dict[str, Any] = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    return values
+
+
+async def apply_file(
+    nc: NATS, config: Config, values: dict[str, Any], source: str, *, wait: float
+) -> tuple[int, int, int]:
+    """Store a validated file's `values`; (revision, instances on it, instances answering)
+    once every answering admission instance runs on it, or after `wait` seconds."""
+    bucket = await open_fleet(nc, config)
+    revision = await bucket.apply_config(
+        AppliedConfig(config=values, source=source, applied_at=time.time())
+    )
+    deadline = time.monotonic() + wait
+    while True:
+        replies = await ask_instances(nc, _ACK_WINDOW)
+        on_it = sum(reply.config_revision >= revision for reply in replies)
+        if (replies and on_it == len(replies)) or time.monotonic() >= deadline:
+            return revision, on_it, len(replies)

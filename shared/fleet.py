@@ -1,0 +1,210 @@
+"""The live fleet's records and the config a service runs on once the fleet is applied.
+
+The fleet bucket (``fleet.bucket``) holds one `FleetRecord` per endpoint under
+``endpoint.<id>``: the endpoint's config (the same fields as in the file's `endpoints`), its
+state (`llmgw.core.fleet.EndpointState`) and where it came from. Every service follows the
+bucket (`llmgw.state.fleet.FleetMirror`) and runs on `live_config(base, fleet)`: the file's
+config with its endpoints replaced by the fleet's. A record whose references do not resolve
+against the config (a provider or model it does not have) is left out and logged, never
+half-applied.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from llmgw.config.catalog import EndpointConfig
+from llmgw.core.fleet import EndpointState, FleetView
+
+if TYPE_CHECKING:
+    from llmgw.config.schema import Config
+
+__all__ = [
+    "APPLIED_KEY",
+    "ENDPOINT_PREFIX",
+    "SEED_PREFIX",
+    "AppliedConfig",
+    "Fleet",
+    "FleetRecord",
+    "endpoint_key",
+    "endpoint_problems",
+    "live_config",
+    "restart_only_changes",
+    "seed_key",
+]
+
+log = logging.getLogger("llmgw.fleet")
+
+ENDPOINT_PREFIX = "endpoint."
+SEED_PREFIX = "seed."
+APPLIED_KEY = "config.applied"  # the config document `llmgw config apply` stored
+Source = Literal["config", "api", "register", "kubernetes"]
+
+
+class FleetRecord(BaseModel):
+    """One endpoint of the live fleet, as stored (JSON) under `endpoint_key`."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    v: Literal[1] = 1
+    endpoint: EndpointConfig
+    state: EndpointState = EndpointState.ACTIVE
+    source: Source = "api"
+    changed_at: float = 0.0
+    # An endpoint that registered itself: drained once it has not heartbeaten for `ttl`
+    # seconds, removed after as long again (`llmgw register`). None: kept until removed.
+    heartbeat_ttl: float | None = Field(None, gt=0)
+    heartbeat_at: float | None = None
+
+    @property
+    def id(self) -> str:
+        return self.endpoint.id
+
+    def to_bytes(self) -> bytes:
+        return self.model_dump_json(exclude_none=True).encode()
+
+
+def endpoint_key(endpoint_id: str) -> str:
+    return ENDPOINT_PREFIX + endpoint_id
+
+
+def seed_key(config: Config) -> str:
+    """The mark a seeding with this config's endpoint list leaves (a digest of the list)."""
+    listed = [e.model_dump(mode="json") for e in config.endpoints]
+    digest = hashlib.sha256(json.dumps(listed, sort_keys=True).encode()).hexdigest()[:16]
+    return SEED_PREFIX + digest
+
+
+class AppliedConfig(BaseModel):
+    """The config document `llmgw config apply` stored under `APPLIED_KEY`: the file's values
+    (each service puts its own LLMGW_* environment on top, as when it loaded its file)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    v: Literal[1] = 1
+    config: dict[str, Any]
+    source: str = ""
+    applied_at: float = 0.0
+
+    def to_bytes(self) -> bytes:
+        return self.model_dump_json().encode()
+
+
+@dataclass(frozen=True, slots=True)
+class Fleet:
+    """An immutable snapshot of the fleet bucket: records by endpoint id, in revision order,
+    and the applied config document with its revision (0: none applied)."""
+
+    records: Mapping[str, FleetRecord] = field(default_factory=dict)
+    revision: int = 0
+    applied: AppliedConfig | None = None
+    config_revision: int = 0
+
+    def view(self) -> FleetView:
+        return FleetView({i: r.state for i, r in self.records.items()}, self.revision)
+
+
+def endpoint_problems(config: Config, endpoint: EndpointConfig) -> list[str]:
+    """Why `endpoint` cannot join a fleet running `config` (empty: it can). The same checks
+    the config file's endpoints pass (docs/config.md, "endpoints")."""
+    try:
+        provider = config.provider(endpoint.provider)
+    except KeyError:
+        known = ", ".join(p.id for p in config.providers)
+        return [f"provider: unknown provider {endpoint.provider!r}; known providers: {known}"]
+    problems = []
+    for index, name in enumerate(endpoint.models):
+        canonical = config.resolve_model(name)
+        if canonical is None:
+            problems.append(f"models.{index}: unknown model {name!r}")
+        elif canonical != name:
+            problems.append(f"models.{index}: {name!r} is an alias; use {canonical!r}")
+        elif provider.model(name) is None:
+            problems.append(f"models.{index}: provider {provider.id!r} does not serve {name!r}")
+    return problems
+
+
+def live_config(base: Config, fleet: Fleet) -> Config:
+    """`base` with the fleet applied: its endpoints replaced by the fleet's (active and draining
+    alike; placement leaves draining ones out), and the applied config's live fields on top
+    (`applied_config`). Records that do not fit are left out, with a warning."""
+    if fleet.applied is not None:
+        base = applied_config(base, fleet.applied)
+    endpoints = []
+    for record in fleet.records.values():
+        problems = endpoint_problems(base, record.endpoint)
+        if problems:
+            log.warning("fleet endpoint %s left out: %s", record.id, "; ".join(problems))
+            continue
+        endpoints.append(record.endpoint)
+    # No re-validation of the whole: each endpoint was checked above, and a fleet may have
+    # drained a provider's last endpoint (its pairs are then degraded, as with a dead engine).
+    return base.model_copy(update={"endpoints": endpoints})
+
+
+# Sections an applied config may hold that this process reads only at start.
+_RESTART_FIELDS = (
+    "listen",
+    "admin_listen",
+    "nats",
+    "router",
+    "timeouts",
+    "profiles",
+    "admission",
+    "scoring",
+    "pinning",
+    "balancer",
+    "auth",
+    "log",
+    "metrics",
+    "events",
+    "tracing",
+    "models",
+)
+
+
+def restart_only_changes(base: Config, applied: AppliedConfig) -> list[str]:
+    """The sections an applied config changes that are read only at start (docs/config.md,
+    "What changes without a restart"): in force after the next restart."""
+    from llmgw.config import ConfigError, config_from_dict
+
+    try:
+        new = config_from_dict(applied.config, applied.source or "<applied config>")
+    except ConfigError:
+        return []
+    return [field for field in _RESTART_FIELDS if getattr(new, field) != getattr(base, field)]
+
+
+def applied_config(base: Config, applied: AppliedConfig) -> Config:
+    """`base` with what changes live taken from an applied config (docs/config.md, "What
+    changes without a restart"): today the limits of every provider/model pair `base` has.
+    A document that does not validate here (another service's environment) changes nothing."""
+    from llmgw.config import ConfigError, config_from_dict
+
+    try:
+        new = config_from_dict(applied.config, applied.source or "<applied config>")
+    except ConfigError as exc:
+        log.error("the applied config does not validate here; keeping the running one: %s", exc)
+        return base
+    providers = []
+    for provider in base.providers:
+        try:
+            changed = new.provider(provider.id)
+        except KeyError:
+            providers.append(provider)
+            continue
+        models = []
+        for model in provider.models:
+            fresh = changed.model(model.name)
+            if fresh is not None and (fresh.limits is None) == (model.limits is None):
+                model = model.model_copy(update={"limits": fresh.limits})
+            models.append(model)
+        providers.append(provider.model_copy(update={"models": models}))
+    return base.model_copy(update={"providers": providers})

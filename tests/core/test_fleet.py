@@ -1,0 +1,146 @@
+"""The live fleet's pure decisions: which endpoints take new work, when one may be removed."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from llmgw.core.fleet import (
+    EndpointState,
+    FleetView,
+    HeartbeatVerdict,
+    RemoveVerdict,
+    ServedModel,
+    heartbeat_verdict,
+    match_served,
+    placeable,
+    remove_verdict,
+    seed_missing,
+    served_models,
+    slice_endpoints,
+)
+
+ids = st.lists(st.sampled_from([f"e{i}" for i in range(8)]), unique=True)
+states = st.sampled_from(list(EndpointState))
+
+
+@given(st.dictionaries(st.sampled_from([f"e{i}" for i in range(8)]), states), ids)
+def test_only_active_endpoints_of_the_fleet_take_new_work_in_the_given_order(table, asked):
+    view = FleetView(table)
+    chosen = placeable(view, asked)
+    assert chosen == [e for e in asked if table.get(e) is EndpointState.ACTIVE]
+    assert not set(chosen) & view.draining
+
+
+@given(states, st.integers(0, 50), st.booleans())
+def test_an_endpoint_is_removed_only_drained_and_empty_unless_forced(state, leases, force):
+    verdict = remove_verdict(state, leases, force=force)
+    if force:
+        assert verdict is RemoveVerdict.REMOVE
+    elif state is EndpointState.ACTIVE:
+        assert verdict is RemoveVerdict.NOT_DRAINING
+    else:
+        assert verdict is (RemoveVerdict.REMOVE if leases == 0 else RemoveVerdict.LEASES_LEFT)
+
+
+def test_an_endpoint_the_fleet_does_not_hold_cannot_be_removed():
+    assert remove_verdict(None, 0, force=True) is RemoveVerdict.UNKNOWN
+
+
+@given(ids, ids)
+def test_seeding_writes_exactly_the_configured_endpoints_the_fleet_lacks(configured, live):
+    missing = seed_missing(configured, live)
+    assert missing == [e for e in configured if e not in live]
+
+
+@given(
+    states,
+    st.floats(0, 100),
+    st.floats(0.1, 30),
+    st.floats(0, 200),
+    st.one_of(st.none(), st.integers(0, 5)),
+)
+def test_a_silent_registration_is_drained_after_its_ttl_and_removed_only_drained_and_empty(
+    state, heartbeat_at, ttl, now, leases
+):
+    verdict = heartbeat_verdict(state, heartbeat_at, ttl, now, leases)
+    silent = now - heartbeat_at
+    if silent <= ttl:
+        assert verdict is HeartbeatVerdict.KEEP
+    elif state is EndpointState.ACTIVE:
+        assert verdict is HeartbeatVerdict.DRAIN
+    if verdict is HeartbeatVerdict.REMOVE:
+        assert state is EndpointState.DRAINING and leases == 0 and silent > 2 * ttl
+
+
+VLLM_MODELS = {
+    "object": "list",
+    "data": [
+        {"id": "meta-llama/Llama-3.3-70B-Instruct", "object": "model", "parent": None},
+        {"id": "sql-lora", "object": "model", "parent": "meta-llama/Llama-3.3-70B-Instruct"},
+        {"id": "qwen2.5-32b", "object": "model", "root": "Qwen/Qwen2.5-32B"},
+        {"object": "model"},  # no id: not a served name
+    ],
+}
+CANONICAL = {
+    "llama-3.3-70b": "llama-3.3-70b",
+    "meta-llama/Llama-3.3-70B-Instruct": "llama-3.3-70b",  # an alias in the config
+    "qwen2.5-32b": "qwen2.5-32b",
+    "sql": "sql",
+    "sql-lora": "sql",
+}
+
+
+def test_a_vllm_model_list_with_a_lora_adapter_maps_onto_the_configs_models_and_aliases():
+    served = served_models(VLLM_MODELS)
+    assert ServedModel("sql-lora", "meta-llama/Llama-3.3-70B-Instruct") in served
+    found = match_served(served, CANONICAL, ["llama-3.3-70b", "qwen2.5-32b", "sql"])
+    assert found.models == ("llama-3.3-70b", "qwen2.5-32b", "sql")
+    assert found.upstream_model == {
+        "llama-3.3-70b": "meta-llama/Llama-3.3-70B-Instruct",
+        "sql": "sql-lora",
+    }
+    only_llama = match_served(served, CANONICAL, ["llama-3.3-70b"])
+    assert [s.id for s in only_llama.unmatched] == ["qwen2.5-32b", "sql-lora"]
+    assert served_models({"error": "nope"}) == [] and served_models([1, 2]) == []
+
+
+names = st.sampled_from(["a", "b", "c", "d", "x/a", "x/b"])
+
+
+@given(
+    st.lists(st.builds(ServedModel, names, st.one_of(st.none(), names))),
+    st.dictionaries(names, st.sampled_from(["a", "b", "c"])),
+    st.lists(st.sampled_from(["a", "b", "c"]), unique=True),
+)
+def test_discovered_models_are_offered_and_each_reached_by_a_name_the_engine_serves(
+    served, canonical, offered
+):
+    found = match_served(served, canonical, offered)
+    ids = {s.id for s in served}
+    assert set(found.models) <= set(offered)
+    for model in found.models:
+        upstream = found.upstream_model.get(model, model)
+        assert upstream in ids and canonical.get(upstream) == model
+    assert all(canonical.get(s.id) not in found.models for s in found.unmatched)
+
+
+def test_an_endpoint_slices_ready_engines_become_urls_by_pod_name():
+    obj = {
+        "metadata": {"name": "vllm-abc"},
+        "addressType": "IPv6",
+        "ports": [{"name": "metrics", "port": 9000}, {"name": "http", "port": 8000}],
+        "endpoints": [
+            {"addresses": ["fd00::7"], "targetRef": {"name": "vLLM.0"}},  # ready unset: ready
+            {"addresses": ["fd00::8"], "conditions": {"ready": False}},
+            {"addresses": ["fd00::9"], "conditions": {"ready": True, "terminating": True}},
+            {"addresses": [], "conditions": {"ready": True}},
+        ],
+    }
+    assert slice_endpoints(obj, port_name="http", id_prefix="k8s") == {
+        "k8s-vllm-0": "http://[fd00::7]:8000"
+    }
+    assert slice_endpoints(obj, port_name=None, id_prefix="k8s") == {
+        "k8s-vllm-0": "http://[fd00::7]:9000"
+    }
+    assert slice_endpoints(obj, port_name="grpc", id_prefix="k8s") == {}

@@ -1,0 +1,209 @@
+"""Following a Kubernetes Service's EndpointSlices into the live fleet, against a stand-in API
+server that speaks the real list and watch JSON (discovery.k8s.io/v1: a list with its
+resourceVersion, then newline-delimited watch events; an expired watch answers an ERROR event
+with a 410 Status), on a real nats-server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest_asyncio
+from fleet_helpers import Leases, eventually
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from llmgw.config import Config
+from llmgw.config.fleet import KubernetesDiscovery
+from llmgw.core.fleet import EndpointState
+from llmgw.services.fleet.kubernetes import SliceWatcher
+from llmgw.services.fleet.ops import FleetOps
+from llmgw.serving import RunningServer, start_server
+from llmgw.state.fleet import FleetBucket
+
+NAMESPACE = "llm"
+SELECTOR = "kubernetes.io/service-name=vllm"
+PATH = f"/apis/discovery.k8s.io/v1/namespaces/{NAMESPACE}/endpointslices"
+
+
+def endpoint(pod: str, ip: str, *, ready: bool = True, terminating: bool = False) -> dict:
+    return {
+        "addresses": [ip],
+        "conditions": {"ready": ready, "serving": ready, "terminating": terminating},
+        "targetRef": {"kind": "Pod", "namespace": NAMESPACE, "name": pod},
+        "nodeName": "node-1",
+    }
+
+
+def endpoint_slice(name: str, *endpoints: dict) -> dict:
+    return {
+        "kind": "EndpointSlice",
+        "apiVersion": "discovery.k8s.io/v1",
+        "metadata": {
+            "name": name,
+            "namespace": NAMESPACE,
+            "labels": {"kubernetes.io/service-name": "vllm"},
+        },
+        "addressType": "IPv4",
+        "endpoints": list(endpoints),
+        "ports": [{"name": "metrics", "port": 9000}, {"name": "http", "port": 8000}],
+    }
+
+
+class ApiServer:
+    """EndpointSlices of one namespace: list, and watch from a resourceVersion."""
+
+    def __init__(self) -> None:
+        self.version = 100
+        self.slices: dict[str, dict] = {}
+        self.watches: list[asyncio.Queue[dict | None]] = []
+        self.lists = 0
+        self.app = Starlette(routes=[Route(PATH, self.endpointslices)])
+
+    def change(self, kind: str, obj: dict) -> None:
+        self.version += 1
+        obj = json.loads(json.dumps(obj))
+        obj["metadata"]["resourceVersion"] = str(self.version)
+        if kind == "DELETED":
+            self.slices.pop(obj["metadata"]["name"], None)
+        else:
+            self.slices[obj["metadata"]["name"]] = obj
+        for queue in self.watches:
+            queue.put_nowait({"type": kind, "object": obj})
+
+    def expire(self) -> None:
+        """The watch's version is too old now (etcd compacted it)."""
+        status = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 410}
+        status |= {"reason": "Expired", "message": "too old resource version"}
+        for queue in self.watches:
+            queue.put_nowait({"type": "ERROR", "object": status})
+
+    async def endpointslices(self, request: Request) -> Response:
+        if request.query_params.get("labelSelector") != SELECTOR:
+            return JSONResponse({"kind": "EndpointSliceList", "items": []})
+        if request.query_params.get("watch") not in ("1", "true"):
+            self.lists += 1
+            return JSONResponse(
+                {
+                    "kind": "EndpointSliceList",
+                    "apiVersion": "discovery.k8s.io/v1",
+                    "metadata": {"resourceVersion": str(self.version)},
+                    "items": list(self.slices.values()),
+                }
+            )
+        queue: asyncio.Queue[dict | None] = asyncio.Queue()
+        self.watches.append(queue)
+
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                while (event := await queue.get()) is not None:
+                    yield json.dumps(event).encode() + b"\n"
+            finally:
+                self.watches.remove(queue)
+
+        return StreamingResponse(events(), media_type="application/json")
+
+
+@pytest_asyncio.fixture
+async def api() -> AsyncIterator[tuple[ApiServer, RunningServer]]:
+    server = ApiServer()
+    running = await start_server(server.app)
+    try:
+        yield server, running
+    finally:
+        for queue in server.watches:
+            queue.put_nowait(None)
+        await running.stop()
+
+
+async def test_a_services_ready_engines_join_the_fleet_and_leave_it_drained(
+    fleet: FleetBucket, config: Config, api: tuple[ApiServer, RunningServer]
+) -> None:
+    server, running = api
+    server.change(
+        "ADDED",
+        endpoint_slice(
+            "vllm-abc", endpoint("vllm-0", "10.0.0.1"), endpoint("vllm-1", "10.0.0.2", ready=False)
+        ),
+    )
+    settings = KubernetesDiscovery(
+        namespace=NAMESPACE,
+        service="vllm",
+        provider="iris",
+        models=["llama-3.3-70b"],
+        port_name="http",
+        capacity=16,
+    )
+    leases = Leases()
+    ops = FleetOps(fleet, config, leases)
+    stop = asyncio.Event()
+    async with httpx.AsyncClient(base_url=running.url, timeout=httpx.Timeout(5, read=None)) as k8s:
+        watcher = SliceWatcher(ops, settings, k8s, leases, interval=0.1)
+        task = asyncio.create_task(watcher.run(stop))
+        records: dict[str, Any] = {}
+
+        async def refresh() -> None:
+            records.clear()
+            records.update((await fleet.fleet()).records)
+
+        async def until(check, what: str) -> None:  # type: ignore[no-untyped-def]
+            async def poll() -> bool:
+                await refresh()
+                return bool(check())
+
+            for _ in range(300):
+                if await poll():
+                    return
+                await asyncio.sleep(0.02)
+            raise AssertionError(f"not within 6 s: {what}; fleet: {sorted(records)}")
+
+        try:
+            await until(lambda: "k8s-vllm-0" in records, "the ready pod joins")
+            joined = records["k8s-vllm-0"]
+            assert (joined.source, joined.endpoint.url) == ("kubernetes", "http://10.0.0.1:8000")
+            assert joined.endpoint.capacity == 16 and "k8s-vllm-1" not in records
+            await eventually(lambda: len(server.watches) == 1, 5, "the watch is open")
+            server.change(
+                "MODIFIED",
+                endpoint_slice(
+                    "vllm-abc", endpoint("vllm-0", "10.0.0.1"), endpoint("vllm-1", "10.0.0.2")
+                ),
+            )
+            await until(lambda: "k8s-vllm-1" in records, "the pod that became ready joins")
+            lists = server.lists
+            server.expire()  # 410: the watcher lists again and watches from the new version
+            server.change("ADDED", endpoint_slice("vllm-def", endpoint("vllm-2", "10.0.0.3")))
+            await until(lambda: "k8s-vllm-2" in records, "a new slice's pod joins")
+            assert server.lists > lists
+            leases.held = {"k8s-vllm-0": 1}  # a request still runs on vllm-0
+            server.change(
+                "MODIFIED",
+                endpoint_slice(
+                    "vllm-abc",
+                    endpoint("vllm-0", "10.0.0.1", ready=False, terminating=True),
+                    endpoint("vllm-1", "10.0.0.2"),
+                ),
+            )
+            await until(
+                lambda: records["k8s-vllm-0"].state is EndpointState.DRAINING,
+                "a terminating pod drains",
+            )
+            await asyncio.sleep(0.3)  # sweeps go by: its lease keeps it
+            await refresh()
+            assert "k8s-vllm-0" in records
+            leases.held = {}
+            await until(lambda: "k8s-vllm-0" not in records, "removed once its lease ended")
+            server.change("DELETED", endpoint_slice("vllm-def"))
+            await until(lambda: "k8s-vllm-2" not in records, "a deleted slice's pod leaves")
+            assert records["k8s-vllm-1"].state is EndpointState.ACTIVE
+            assert records["engine-1"].source == "config"  # never touched
+        finally:
+            stop.set()
+            for queue in server.watches:
+                queue.put_nowait(None)
+            await asyncio.wait_for(task, 5)
