@@ -101,8 +101,10 @@ def test_spend_equals_the_third_partys_own_count_to_the_cent_under_retries_and_c
         cluster.set_faults(engine, unhealthy=True)
     _wait_for_third_party(cluster, key)
     east, west = cluster.third_parties()
-    cluster.set_faults(east, error_rate=0.15, rate_limit_rate=0.1, die_at_token=0, die_rate=0.1)
-    cluster.set_faults(west, die_at_token=5, die_rate=0.15)
+    # Fault rates that retries cover without tripping the breakers (three failures in a row take
+    # an endpoint out for router.cooldown: with both out, requests get 503 and too few run).
+    cluster.set_faults(east, error_rate=0.08, rate_limit_rate=0.05, die_at_token=0, die_rate=0.05)
+    cluster.set_faults(west, die_at_token=5, die_rate=0.1)
     before = cluster.third_party_bill().get(MODEL, {})
     assert not before, "llama reached the third party before the measured traffic"
 
