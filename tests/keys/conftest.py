@@ -27,10 +27,12 @@ PROVIDER_KEY = "sk-third-party-upstream-key-0123456789"
 
 
 def _edge_conftest():  # type: ignore[no-untyped-def]
-    """tests/edge/conftest.py, for its gateway config (same engines, models and providers)."""
-    spec = importlib.util.spec_from_file_location(
-        "edge_conftest", Path(__file__).parent.parent / "edge" / "conftest.py"
-    )
+    """tests/edge/conftest.py, for its gateway config (same engines, models and providers); its
+    own imports (`fakes`) resolve from its directory, also when tests/keys runs alone."""
+    edge = Path(__file__).parent.parent / "edge"
+    if str(edge) not in sys.path:
+        sys.path.append(str(edge))
+    spec = importlib.util.spec_from_file_location("edge_conftest", edge / "conftest.py")
     module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
     sys.modules["edge_conftest"] = module
     spec.loader.exec_module(module)  # type: ignore[union-attr]
