@@ -207,8 +207,9 @@ def applied_config(base: Config, applied: AppliedConfig) -> Config:
 
 def take_live(base: Config, new: Config) -> Config:
     """`base` with the fields that change live taken from `new` (docs/config.md, "What changes
-    without a restart"): the bands and the default band, `scoring`, `balancer`; the models
-    (aliases, fallbacks, routing profiles) when their names are the same; of every provider
+    without a restart"): the bands and the default band, `scoring`, `balancer`, `timeouts`,
+    `profiles`, `router.retries`; the models (aliases, fallbacks, routing profiles) when their
+    names are the same; of every provider
     both have, its priority and strategy, and the limits of every pair both have (with limits
     before and after). `new` was validated as a whole, so what it references exists in it; the
     parts taken reference only names `base` has too."""
@@ -238,6 +239,9 @@ def take_live(base: Config, new: Config) -> Config:
             "admission": admission,
             "scoring": new.scoring,
             "balancer": new.balancer,
+            "timeouts": new.timeouts,
+            "profiles": new.profiles,
+            "router": base.router.model_copy(update={"retries": new.router.retries}),
         }
     )
     if same_names:  # the lookup of names and aliases, built when `new` was validated

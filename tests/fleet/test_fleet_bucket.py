@@ -146,6 +146,9 @@ def test_an_applied_config_changes_its_live_fields_and_names_what_needs_a_restar
     values["models"][1]["fallbacks"] = ["llama-3.3-70b"]
     values["scoring"]["kv_ceiling"] = 0.5
     values["listen"] = "127.0.0.1:1"  # needs a restart
+    values["timeouts"]["total"] = "9s"
+    values["router"]["retries"] = 5
+    values["router"]["session_header"] = "x-conversation"  # needs a restart
     applied = AppliedConfig(config=values, source="new.yaml")
     live = live_config(config, Fleet(applied=applied))
     limits = live.provider("iris").model("llama-3.3-70b").limits  # type: ignore[union-attr]
@@ -155,8 +158,9 @@ def test_an_applied_config_changes_its_live_fields_and_names_what_needs_a_restar
     assert live.admission.queue_capacity_per_band == config.admission.queue_capacity_per_band
     assert live.resolve_model("big") == "llama-3.3-70b"
     assert live.models[1].fallbacks == ["llama-3.3-70b"] and live.scoring.kv_ceiling == 0.5
-    assert live.listen == config.listen
-    assert restart_only_changes(config, applied) == ["listen", "admission"]
+    assert live.timeouts.total == 9 and live.router.retries == 5
+    assert live.listen == config.listen and live.router.session_header != "x-conversation"
+    assert restart_only_changes(config, applied) == ["listen", "router", "admission"]
 
 
 def test_an_applied_config_with_a_new_model_or_pair_leaves_them_for_a_restart(

@@ -1,6 +1,7 @@
-"""An applied config's bands through `llmgw up` with the shipped config, without a restart: a
-band told to leave most batch slots to the bands above it sends its requests past them to the
-third party at once, and with its overflow turned off they wait for the engines instead."""
+"""An applied config through `llmgw up` with the shipped config, each change observed without a
+restart: a band told to leave most batch slots to the bands above it sends its requests to the
+third party at once, and with its overflow turned off they wait for the engines instead; an
+alias added is listed and served, and a timeout shortened cuts the next request."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 from poisson_load import PoissonLoad
@@ -21,6 +23,14 @@ pytestmark = pytest.mark.e2e
 
 BURST = 12  # concurrent requests: within the engines' 32 slots, so the shipped bands grant all
 HEADROOM = 14  # slots per engine that gold leaves free: it holds back past 2 * (16 - 14) - 1
+
+
+def _cluster(tmp_path: Path, start_up: Callable[..., UpProcess]) -> tuple[Any, str, str, str]:
+    """`llmgw up` with the shipped config: its values, API URL and key, and NATS URL."""
+    config = write_cluster_config(tmp_path / "cluster.yaml")
+    up = start_up(config)
+    api, key = up.wait_for(READY, timeout=90).groups()
+    return yaml.safe_load(config.read_text()), api, key, up.wait_for(NATS).group(1)
 
 
 def _apply(data: dict[str, Any], path: Path, nats_url: str) -> None:
@@ -46,11 +56,7 @@ def _offloaded(endpoints: list[str]) -> int:
 def test_a_bands_headroom_and_overflow_applied_live_decide_the_next_requests(
     tmp_path: Path, start_up: Callable[..., UpProcess]
 ) -> None:
-    config = write_cluster_config(tmp_path / "cluster.yaml")  # the shipped config
-    data = yaml.safe_load(config.read_text())
-    up = start_up(config)
-    api, key = up.wait_for(READY, timeout=90).groups()
-    nats_url = up.wait_for(NATS).group(1)
+    data, api, key, nats_url = _cluster(tmp_path, start_up)
     assert _offloaded(asyncio.run(_burst(api, key))) == 0  # gold, as shipped: room for all
 
     bands = [band.model_dump() for band in default_bands()]
@@ -70,3 +76,32 @@ def test_a_bands_headroom_and_overflow_applied_live_decide_the_next_requests(
         f"\nbands applied live: gold with a headroom of {HEADROOM} sent {_offloaded(lowered)} "
         f"of {BURST} to the third party; without overflow all {BURST} waited for the engines"
     )
+
+
+def test_an_alias_and_a_timeout_applied_live_reach_the_edge_at_once(
+    tmp_path: Path, start_up: Callable[..., UpProcess]
+) -> None:
+    data, api, key, nats_url = _cluster(tmp_path, start_up)
+    headers = {"authorization": f"Bearer {key}"}
+
+    def ask(model: str) -> httpx.Response:
+        body = {"model": model, "messages": [{"role": "user", "content": "hi"}]}
+        body["max_tokens"] = 64
+        return httpx.post(f"{api}/chat/completions", json=body, headers=headers, timeout=30)
+
+    def listed() -> list[str]:
+        return [m["id"] for m in httpx.get(f"{api}/models", headers=headers).json()["data"]]
+
+    assert ask("big").status_code == 404 and "big" not in listed()
+    data["models"][0]["aliases"] = ["llama", "big"]
+    _apply(data, tmp_path / "alias.yaml", nats_url)
+    assert "big" in listed()
+    answered = ask("big")
+    assert answered.status_code == 200, answered.text
+    assert answered.json()["model"] in ("big", "llama-3.3-70b")
+
+    # A 64-token answer takes longer than that on the engines and the third party alike.
+    data["timeouts"] = {"response_header": "50ms", "first_token": "50ms", "total": "50ms"}
+    _apply(data, tmp_path / "timeout.yaml", nats_url)
+    cut = ask("llama")
+    assert cut.status_code == 504, cut.text
