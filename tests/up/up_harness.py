@@ -72,12 +72,15 @@ def llmgw_cli(
     )
 
 
-def config_apply(path: Path, nats_url: str) -> subprocess.CompletedProcess[str]:
-    """`llmgw config apply PATH` against the cluster whose NATS is `nats_url`, run to its end."""
-    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("LLMGW_")}
+def config_apply(
+    path: Path, nats_url: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """`llmgw config apply PATH` against the cluster whose NATS is `nats_url` (and `env`, e.g.
+    a NATS user), run to its end."""
+    full = {k: v for k, v in os.environ.items() if not k.upper().startswith("LLMGW_")}
     return subprocess.run(
         [sys.executable, "-m", "llmgw", "config", "apply", str(path)],
-        env={**env, "LLMGW_NATS__URL": nats_url},
+        env={**full, **(env or {}), "LLMGW_NATS__URL": nats_url},
         capture_output=True,
         text=True,
         timeout=60,
