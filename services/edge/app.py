@@ -270,6 +270,8 @@ class Edge:
         request on (at start, then each applied config: services/edge/live.py)."""
         self.config = config
         self.bands = frozenset(b.name for b in config.admission.bands)
+        if self.auth is not None:  # a key without a default band of its own takes this one
+            self.auth.default_band = config.admission.default_band
         profiles = {m.name: config.profile_for_model(m.name) for m in config.models}
         self.retries = {name: p.retries for name, p in profiles.items()}
         self._timeouts = {name: p.timeouts for name, p in profiles.items()}

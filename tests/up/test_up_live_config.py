@@ -1,7 +1,8 @@
 """An applied config through `llmgw up` with the shipped config, each change observed without a
 restart: a band told to leave most batch slots to the bands above it sends its requests to the
 third party at once, and with its overflow turned off they wait for the engines instead; an
-alias added is listed and served, and a timeout shortened cuts the next request."""
+alias added is listed and served, a default band changed takes the next request, and a timeout
+shortened cuts the next request."""
 
 from __future__ import annotations
 
@@ -25,12 +26,14 @@ BURST = 12  # concurrent requests: within the engines' 32 slots, so the shipped 
 HEADROOM = 14  # slots per engine that gold leaves free: it holds back past 2 * (16 - 14) - 1
 
 
-def _cluster(tmp_path: Path, start_up: Callable[..., UpProcess]) -> tuple[Any, str, str, str]:
-    """`llmgw up` with the shipped config: its values, API URL and key, and NATS URL."""
+def _cluster(
+    tmp_path: Path, start_up: Callable[..., UpProcess]
+) -> tuple[Any, str, str, str, UpProcess]:
+    """`llmgw up` with the shipped config: its values, API URL and key, NATS URL, process."""
     config = write_cluster_config(tmp_path / "cluster.yaml")
     up = start_up(config)
     api, key = up.wait_for(READY, timeout=90).groups()
-    return yaml.safe_load(config.read_text()), api, key, up.wait_for(NATS).group(1)
+    return yaml.safe_load(config.read_text()), api, key, up.wait_for(NATS).group(1), up
 
 
 def _apply(data: dict[str, Any], path: Path, nats_url: str) -> None:
@@ -56,7 +59,7 @@ def _offloaded(endpoints: list[str]) -> int:
 def test_a_bands_headroom_and_overflow_applied_live_decide_the_next_requests(
     tmp_path: Path, start_up: Callable[..., UpProcess]
 ) -> None:
-    data, api, key, nats_url = _cluster(tmp_path, start_up)
+    data, api, key, nats_url, _up = _cluster(tmp_path, start_up)
     assert _offloaded(asyncio.run(_burst(api, key))) == 0  # gold, as shipped: room for all
 
     bands = [band.model_dump() for band in default_bands()]
@@ -81,7 +84,7 @@ def test_a_bands_headroom_and_overflow_applied_live_decide_the_next_requests(
 def test_an_alias_and_a_timeout_applied_live_reach_the_edge_at_once(
     tmp_path: Path, start_up: Callable[..., UpProcess]
 ) -> None:
-    data, api, key, nats_url = _cluster(tmp_path, start_up)
+    data, api, key, nats_url, up = _cluster(tmp_path, start_up)
     headers = {"authorization": f"Bearer {key}"}
 
     def ask(model: str) -> httpx.Response:
@@ -94,11 +97,14 @@ def test_an_alias_and_a_timeout_applied_live_reach_the_edge_at_once(
 
     assert ask("big").status_code == 404 and "big" not in listed()
     data["models"][0]["aliases"] = ["llama", "big"]
+    data.setdefault("admission", {})["default_band"] = "silver"  # the dev key has none of its own
     _apply(data, tmp_path / "alias.yaml", nats_url)
     assert "big" in listed()
     answered = ask("big")
     assert answered.status_code == 200, answered.text
     assert answered.json()["model"] in ("big", "llama-3.3-70b")
+    logged = up.wait_for(rf"request_id={answered.headers['x-request-id']} .* band=(\w+)", 10)
+    assert logged.group(1) == "silver"
 
     # A 64-token answer takes longer than that on the engines and the third party alike.
     data["timeouts"] = {"response_header": "50ms", "first_token": "50ms", "total": "50ms"}
