@@ -208,11 +208,11 @@ def applied_config(base: Config, applied: AppliedConfig) -> Config:
 def take_live(base: Config, new: Config) -> Config:
     """`base` with the fields that change live taken from `new` (docs/config.md, "What changes
     without a restart"): the bands and the default band, `scoring`, `balancer`, `timeouts`,
-    `profiles`, `router.retries`; the models (aliases, fallbacks, routing profiles) when their
-    names are the same; of every provider
-    both have, its priority and strategy, and the limits of every pair both have (with limits
-    before and after). `new` was validated as a whole, so what it references exists in it; the
-    parts taken reference only names `base` has too."""
+    `router.retries`; the models (aliases, fallbacks, routing profiles) when their names are
+    the same; `profiles` when they hold every profile the models and `router.default_profile`
+    name; of every provider both have, its priority and strategy, and the limits of every pair
+    both have (with limits before and after). `new` was validated as a whole, so what it
+    references exists in it; the parts taken reference only names `base` has too."""
     providers = []
     for provider in base.providers:
         try:
@@ -232,15 +232,18 @@ def take_live(base: Config, new: Config) -> Config:
     admission = base.admission.model_copy(
         update={"bands": new.admission.bands, "default_band": new.admission.default_band}
     )
+    running = new.models if same_names else base.models
+    named = {m.routing_profile for m in running if m.routing_profile is not None}
+    named.add(base.router.default_profile)
     live = base.model_copy(
         update={
             "providers": providers,
-            "models": new.models if same_names else base.models,
+            "models": running,
             "admission": admission,
             "scoring": new.scoring,
             "balancer": new.balancer,
             "timeouts": new.timeouts,
-            "profiles": new.profiles,
+            "profiles": new.profiles if named <= set(new.profiles) else base.profiles,
             "router": base.router.model_copy(update={"retries": new.router.retries}),
         }
     )

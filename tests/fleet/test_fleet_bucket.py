@@ -11,7 +11,7 @@ import pytest_asyncio
 from fleet_helpers import eventually
 from nats.aio.client import Client as NatsClient
 
-from llmgw.config import Config, EndpointConfig
+from llmgw.config import Config, EndpointConfig, config_from_dict
 from llmgw.config.fleet import fleet_bucket
 from llmgw.core.fleet import EndpointState
 from llmgw.fleet import (
@@ -21,6 +21,7 @@ from llmgw.fleet import (
     endpoint_key,
     live_config,
     restart_only_changes,
+    take_live,
 )
 from llmgw.state.fleet import EndpointExists, FleetBucket, FleetMirror, open_fleet
 
@@ -161,6 +162,24 @@ def test_an_applied_config_changes_its_live_fields_and_names_what_needs_a_restar
     assert live.timeouts.total == 9 and live.router.retries == 5
     assert live.listen == config.listen and live.router.session_header != "x-conversation"
     assert restart_only_changes(config, applied) == ["listen", "router", "admission"]
+
+
+def test_profiles_are_taken_only_with_every_profile_the_running_models_name(
+    config: Config,
+) -> None:
+    values = config.model_dump(mode="json")
+    values["profiles"]["fast"] = {"retries": 0}
+    values["models"][0]["routing_profile"] = "fast"
+    base = config_from_dict(values, env={})
+    del values["profiles"]["fast"]
+    values["models"][0]["routing_profile"] = "chat"
+    values["models"].append({"name": "mistral-7b"})  # not live: the running models stay
+    for provider in values["providers"]:
+        provider["models"].append({"name": "mistral-7b", "features": ["chat"]})
+    for endpoint in values["endpoints"]:
+        endpoint["models"].append("mistral-7b")
+    live = take_live(base, config_from_dict(values, env={}))
+    assert live.models == base.models and live.profile_for_model("llama").retries == 0
 
 
 def test_an_applied_config_with_a_new_model_or_pair_leaves_them_for_a_restart(
