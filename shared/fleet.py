@@ -38,6 +38,7 @@ __all__ = [
     "live_config",
     "restart_only_changes",
     "seed_key",
+    "take_live",
 ]
 
 log = logging.getLogger("llmgw.fleet")
@@ -149,7 +150,8 @@ def live_config(base: Config, fleet: Fleet) -> Config:
     return base.model_copy(update={"endpoints": endpoints})
 
 
-# Sections an applied config may hold that this process reads only at start.
+# Sections an applied config may hold; what of them `take_live` does not take is read only at
+# start (`endpoints` are the live fleet's, `spend` and `fleet` are not compared here).
 _RESTART_FIELDS = (
     "listen",
     "admin_listen",
@@ -167,32 +169,50 @@ _RESTART_FIELDS = (
     "events",
     "tracing",
     "models",
+    "providers",
 )
 
 
+def _parsed(applied: AppliedConfig) -> Config:
+    from llmgw.config import config_from_dict
+
+    return config_from_dict(applied.config, applied.source or "<applied config>")
+
+
 def restart_only_changes(base: Config, applied: AppliedConfig) -> list[str]:
-    """The sections an applied config changes that are read only at start (docs/config.md,
+    """The sections an applied config changes beyond what `take_live` takes (docs/config.md,
     "What changes without a restart"): in force after the next restart."""
-    from llmgw.config import ConfigError, config_from_dict
+    from llmgw.config import ConfigError
 
     try:
-        new = config_from_dict(applied.config, applied.source or "<applied config>")
+        new = _parsed(applied)
     except ConfigError:
         return []
-    return [field for field in _RESTART_FIELDS if getattr(new, field) != getattr(base, field)]
+    live = take_live(base, new)
+    return [field for field in _RESTART_FIELDS if getattr(new, field) != getattr(live, field)]
 
 
 def applied_config(base: Config, applied: AppliedConfig) -> Config:
-    """`base` with what changes live taken from an applied config (docs/config.md, "What
-    changes without a restart"): today the limits of every provider/model pair `base` has.
-    A document that does not validate here (another service's environment) changes nothing."""
-    from llmgw.config import ConfigError, config_from_dict
+    """`base` with what changes live taken from an applied config (`take_live`). A document
+    that does not validate here (another service's environment) changes nothing."""
+    from llmgw.config import ConfigError
 
     try:
-        new = config_from_dict(applied.config, applied.source or "<applied config>")
+        new = _parsed(applied)
     except ConfigError as exc:
         log.error("the applied config does not validate here; keeping the running one: %s", exc)
         return base
+    return take_live(base, new)
+
+
+def take_live(base: Config, new: Config) -> Config:
+    """`base` with the fields that change live taken from `new` (docs/config.md, "What changes
+    without a restart"): the bands and the default band, `scoring`, `balancer`, `timeouts`,
+    `router.retries`; the models (aliases, fallbacks, routing profiles) when their names are
+    the same; `profiles` when they hold every profile the models and `router.default_profile`
+    name; of every provider both have, its priority and strategy, and the limits of every pair
+    both have (with limits before and after). `new` was validated as a whole, so what it
+    references exists in it; the parts taken reference only names `base` has too."""
     providers = []
     for provider in base.providers:
         try:
@@ -206,5 +226,27 @@ def applied_config(base: Config, applied: AppliedConfig) -> Config:
             if fresh is not None and (fresh.limits is None) == (model.limits is None):
                 model = model.model_copy(update={"limits": fresh.limits})
             models.append(model)
-        providers.append(provider.model_copy(update={"models": models}))
-    return base.model_copy(update={"providers": providers})
+        update = {"models": models, "priority": changed.priority, "strategy": changed.strategy}
+        providers.append(provider.model_copy(update=update))
+    same_names = [m.name for m in base.models] == [m.name for m in new.models]
+    admission = base.admission.model_copy(
+        update={"bands": new.admission.bands, "default_band": new.admission.default_band}
+    )
+    running = new.models if same_names else base.models
+    named = {m.routing_profile for m in running if m.routing_profile is not None}
+    named.add(base.router.default_profile)
+    live = base.model_copy(
+        update={
+            "providers": providers,
+            "models": running,
+            "admission": admission,
+            "scoring": new.scoring,
+            "balancer": new.balancer,
+            "timeouts": new.timeouts,
+            "profiles": new.profiles if named <= set(new.profiles) else base.profiles,
+            "router": base.router.model_copy(update={"retries": new.router.retries}),
+        }
+    )
+    if same_names:  # the lookup of names and aliases, built when `new` was validated
+        live._canonical_models = dict(new._canonical_models)
+    return live

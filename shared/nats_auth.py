@@ -10,8 +10,8 @@ Roles (`ROLES`): one per service (`edge`, `admission`, `reaper`, `scraper`) and 
 operator tool (`keys`: the only writer of the key bucket; `state`: reads the routing and load buckets;
 `events`: reads the events stream, and the public subjects, events and request stats, live;
 `fleet`: `llmgw endpoints`, writes the fleet bucket and asks admission how many leases each
-endpoint holds). Admission and the scraper seed and follow the fleet bucket; the edge never
-reads it (admission tells it where each request goes).
+endpoint holds). Admission and the scraper seed and follow the fleet bucket; the edge only
+reads it, for the applied config (admission tells it where each request goes).
 A service connects as its role with `nats.user` and `nats.password` (LLMGW_NATS__USER /
 LLMGW_NATS__PASSWORD).
 
@@ -144,6 +144,7 @@ def role_permissions(config: Config) -> dict[str, Permissions]:
                 BUDGET_GRANT_SUBJECT,  # budget grants: admission writes the account
                 INBOX,  # answers to admission's roll calls
                 *_read_bucket(keys),  # the key mirror's watch: read only
+                *_read_bucket(fleet),  # the applied config's watch: read only
             ),
             subscribe=(INBOX, ADMISSION_ROLLCALL_SUBJECT, KEYS_USAGE_SUBJECT),
         ),

@@ -54,8 +54,10 @@ class RateBoard:
 
     def reconfigure(self, config: Config) -> None:
         """Follow a change of the live fleet: learn rates of its endpoints (windows of endpoints
-        that left age out)."""
+        that left age out) and of its balancer settings (the windows kept, read with them)."""
         self._known = {e.id for e in config.endpoints}
+        self.windows.settings = balancer_settings(config)
+        self.max_exploring = config.balancer.max_exploring
 
     def add(self, stats: RequestEnded) -> None:
         """A sample: a success with its tokens, or an upstream failure with none. Anything else

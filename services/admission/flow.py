@@ -168,6 +168,22 @@ class FlowControl:
         for band in self.bands:  # every band's series exists from the start, at 0
             metrics.queue_depth.labels(band.name).set(0)
 
+    def reconfigure(self, config: Config) -> int:
+        """Run on `config`'s band table and default band (an applied config), between two
+        ticks: queued requests of a kept band keep their places; those of a removed band are
+        answered `Moved`, so their edges ask again and get what any request of a band that
+        does not exist gets (refused, unknown band). Returns how many were answered."""
+        self.bands = band_policies(config)
+        self._band = {b.name: b for b in self.bands}
+        self.default_band = config.admission.default_band
+        now = self._clock()
+        gone = self.queues.reband(self.bands)
+        for waiter in gone:
+            self._resolve(waiter, MOVED, now, decision="dropped")
+        for band in self.bands:
+            self._metrics.queue_depth.labels(band.name).set(self.queues.depth(band.name))
+        return len(gone)
+
     # ---- the request path -------------------------------------------------------------------
 
     def band(self, name: str | None) -> BandPolicy | None:

@@ -6,9 +6,12 @@ decision ever sees half of a change: the load board learns new endpoints (and fo
 ones), the rate board learns their ids, and a new `ProviderCatalog`, built from the new config
 with the draining endpoints left out of placement, replaces the old one between two decisions.
 
-Limits an applied config changed (`llmgw config apply`) go to the quota keeper: lowered ones
-cap this instance's grants at once (`QuotaKeeper.change_limits`), raised ones are taken up at
-its next adjustment. Nothing about leases and pins changes here: the ledger counts leases by endpoint id and ends
+An applied config (`llmgw config apply`) changes the same way (`llmgw.fleet.take_live`): the
+models' fallbacks, the bands (flow control's table too: queued requests of a kept band keep
+their places, those of a removed band are answered and asked again), scoring, balancer and the
+providers' priorities reach the next decision. Changed limits go to the quota keeper: lowered
+ones cap this instance's grants at once (`QuotaKeeper.change_limits`), raised ones are taken up
+at its next adjustment. Nothing about leases and pins changes here: the ledger counts leases by endpoint id and ends
 them by lease id, so a lease on an endpoint that drained or left still ends exactly once.
 """
 
@@ -36,6 +39,10 @@ log = logging.getLogger("llmgw.admission.fleet")
 def apply_fleet(service: AdmissionService, base: Config, fleet: Fleet) -> Config:
     """Run `service` on `base` with `fleet`'s endpoints; the config it now runs on."""
     config = live_config(base, fleet)
+    if fleet.config_revision != service.config_revision:
+        answered = service.follow_config(config)
+        if answered:
+            log.info("%d queued requests of removed bands answered (asked again)", answered)
     for pair, limits in limits_from_config(config).items():
         if limits is not None and service.limits.get(pair) not in (None, limits):
             log.info("limits of %s/%s changed: %s", *pair, limits)

@@ -158,6 +158,7 @@ class LoadBoard:
         changed capacity takes effect (the scrapes raise it again if the engine runs more). A
         draining endpoint stays counted but is in no model's pool: flow control does not count
         its free slots, which take no new work."""
+        self.settings = saturation_settings(config)  # `scoring`, applied live too
         floors = capacity_floors(config)
         for endpoint_id in [e for e in self._loads if e not in floors]:
             for table in (self._loads, self._own, self._foreign, self._history):

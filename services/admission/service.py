@@ -305,12 +305,8 @@ class AdmissionService:
                 without_ended=self.without_ended,
             )
         )
-        self._bands = {b.name: b for b in admission.bands}
-        self._models = frozenset(m.name for m in config.models)  # canonical names (wire values)
         self._own_edge_marker: bytes | None = None  # `serve_edge`
-        ranked = sorted(admission.bands, key=lambda b: -b.priority)
-        self._engine_priority = {b.name: index for index, b in enumerate(ranked)}
-        self._fallbacks = {m.name: tuple(m.fallbacks) for m in config.models}
+        self._follow_models_and_bands(config)
         self._failures_seen: dict[str, float] = {}  # attempt ids the breakers already have
         # Ends of leases not held here, of shards not served here: one may be on its way here
         # in a handover that its end overtook (`without_ended`). Oldest first, bounded.
@@ -857,6 +853,22 @@ class AdmissionService:
             for _, answer, lease in self._answered.values()
             if lease in moving
         )
+
+    def _follow_models_and_bands(self, config: Config) -> None:
+        """The tables the decisions read from `config.models` and `config.admission.bands`."""
+        bands = config.admission.bands
+        self._bands = {b.name: b for b in bands}
+        self._models = frozenset(m.name for m in config.models)  # canonical names (wire values)
+        ranked = sorted(bands, key=lambda b: -b.priority)
+        self._engine_priority = {b.name: index for index, b in enumerate(ranked)}
+        self._fallbacks = {m.name: tuple(m.fallbacks) for m in config.models}
+
+    def follow_config(self, config: Config) -> int:
+        """Decide by `config`'s models (names, fallbacks) and bands from the next decision on
+        (an applied config; `live.apply_fleet` swaps the rest). Queued requests of a removed
+        band are answered (`FlowControl.reconfigure`); returns how many."""
+        self._follow_models_and_bands(config)
+        return self.flow.reconfigure(config) if self.flow is not None else 0
 
     def _drop_queued(self, shard: int) -> None:
         """The shard moved away: its queued requests are answered `Moved` (NOT_OWNER: their

@@ -95,19 +95,9 @@ class Edge:
         self.flow_control = config.admission.enabled
         self.shards = config.admission.shards
         self.band_header = config.admission.band_header
-        self.bands = frozenset(b.name for b in config.admission.bands)
         self.session_header = config.router.session_header
         self.inject_usage = config.router.inject_usage
-        profiles = {m.name: config.profile_for_model(m.name) for m in config.models}
-        self.retries = {name: p.retries for name, p in profiles.items()}
-        self._timeouts = {name: p.timeouts for name, p in profiles.items()}
-        self._default_timeouts = config.timeouts
-        # name or alias -> canonical name, as a plain dict for the hot path
-        self._canonical = {
-            m: canonical
-            for m in config.public_model_ids()
-            if (canonical := config.resolve_model(m)) is not None  # each public id resolves
-        }
+        self.follow_config(config)
         self.upstream_headers = _provider_auth_headers(config)
         self.spend = deps.spend
         self.budgets = deps.budgets
@@ -274,6 +264,24 @@ class Edge:
         window = limiter.hold_tokens(key_id, estimate)
         record.when_sent(lambda: limiter.release_tokens(key_id, estimate, window))
         return None
+
+    def follow_config(self, config: Config) -> None:
+        """Run on `config`'s bands, models (names, aliases), retries and timeouts from the next
+        request on (at start, then each applied config: services/edge/live.py)."""
+        self.config = config
+        self.bands = frozenset(b.name for b in config.admission.bands)
+        if self.auth is not None:  # a key without a default band of its own takes this one
+            self.auth.default_band = config.admission.default_band
+        profiles = {m.name: config.profile_for_model(m.name) for m in config.models}
+        self.retries = {name: p.retries for name, p in profiles.items()}
+        self._timeouts = {name: p.timeouts for name, p in profiles.items()}
+        self._default_timeouts = config.timeouts
+        # name or alias -> canonical name, as a plain dict for the hot path
+        self._canonical = {
+            m: canonical
+            for m in config.public_model_ids()
+            if (canonical := config.resolve_model(m)) is not None  # each public id resolves
+        }
 
     # -- non-routed endpoints -------------------------------------------------------------------
 

@@ -41,6 +41,7 @@ from llmgw.services.edge.auth import (
 from llmgw.services.edge.budgets import BudgetGuard
 from llmgw.services.edge.colocated import ColocatedAdmission, instance_grants_problem
 from llmgw.services.edge.leases import EdgeLeases
+from llmgw.services.edge.live import follow_applied_config
 from llmgw.services.edge.metrics import EdgeMetrics
 from llmgw.services.edge.outage import OutageAdmission
 from llmgw.services.edge.reporting import NatsReporter
@@ -112,6 +113,9 @@ def run(args: argparse.Namespace) -> int:
             nc, config, edge_id, colocated=colocated.service if colocated else None
         )
         app = create_app(config, deps)
+        applied = await follow_applied_config(
+            nc, config, app.edge, colocated.fleet if colocated is not None else None
+        )
         router = config.router
         # uvicorn's own graceful window outlasts the drain: the edge ends what is left itself.
         api = await start_server(
@@ -130,6 +134,8 @@ def run(args: argparse.Namespace) -> int:
             await drain(deps, api, router.drain_delay, router.drain_timeout)
         finally:
             await asyncio.gather(api.stop(timeout=_CUT_GRACE), admin.stop())
+            if applied is not None:
+                await applied.stop()
             await close_edge_deps(deps)  # the cut requests' releases are sent before this ends
             if colocated is not None:  # after the edge's releases: then its shards move
                 await colocated.close()

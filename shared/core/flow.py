@@ -264,6 +264,22 @@ class FlowQueues:
     def band(self, name: str) -> BandPolicy | None:
         return self._band.get(name)
 
+    def reband(self, bands: Sequence[BandPolicy]) -> list[Waiter]:
+        """Run on a new band table (an applied config): bands kept keep their waiters in their
+        places, under the new policy; new bands start empty; the waiters of a removed band
+        leave the queues and are returned, oldest first, for the caller to answer. A band over
+        its capacity keeps its waiters (it takes no more until it is under again)."""
+        self.bands = sorted(bands, key=lambda b: -b.priority)
+        self._band = {b.name: b for b in self.bands}
+        gone = [w for w in self._by_id.values() if w.band not in self._band]
+        gone.sort(key=lambda w: w.enqueued_at)
+        for waiter in gone:
+            self._leave(waiter)
+        for key in [k for k in self._rotation if k[1] not in self._band]:
+            del self._rotation[key]
+        self._depth = {b.name: self._depth.get(b.name, 0) for b in self.bands}
+        return gone
+
     def depth(self, band: str) -> int:
         return self._depth[band]
 

@@ -273,6 +273,25 @@ def test_take_matching_removes_only_what_it_wants_and_leaves_the_rest_in_place()
     assert rest == ["r2", "r1", "r4", "r5"]  # t0 first, then turns; each tenant in order
 
 
+def test_a_new_band_table_keeps_the_waiters_of_kept_bands_and_returns_a_removed_bands():
+    queues = FlowQueues(BANDS, 100, 30)
+    for i in range(4):
+        queues.offer(waiter(i, f"t{i % 2}", at=NOW + i))
+    for i in range(4, 7):
+        queues.offer(waiter(i, band="silver", at=NOW - i))
+    lowered = BandPolicy("bronze", 100, 0.1)
+    gone = queues.reband([*BANDS[:2], lowered, BandPolicy("iron", 50, 0.05)])
+    assert [w.request_id for w in gone] == ["r6", "r5", "r4"] and all(w.done for w in gone)
+    assert queues.band("silver") is None and queues.band("bronze") == lowered
+    assert len(queues) == 4 and queues.depth("bronze") == 4 and queues.depth("iron") == 0
+    assert queues.waiting("m") == {"bronze": 4}
+    assert [queues.take("m", "bronze").request_id for _ in range(4)] == ["r0", "r1", "r2", "r3"]
+    assert queues.offer(waiter(9, band="iron"))
+    assert [w.request_id for w in queues.expire(NOW + 100)] == ["r9"]  # the others left
+    with pytest.raises(ValueError):
+        queues.offer(waiter(10, band="silver"))
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     st.lists(st.tuples(st.integers(1, 10), st.integers(0, 12)), min_size=1, max_size=3),

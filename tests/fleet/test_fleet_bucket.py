@@ -11,7 +11,7 @@ import pytest_asyncio
 from fleet_helpers import eventually
 from nats.aio.client import Client as NatsClient
 
-from llmgw.config import Config, EndpointConfig
+from llmgw.config import Config, EndpointConfig, config_from_dict
 from llmgw.config.fleet import fleet_bucket
 from llmgw.core.fleet import EndpointState
 from llmgw.fleet import (
@@ -21,6 +21,7 @@ from llmgw.fleet import (
     endpoint_key,
     live_config,
     restart_only_changes,
+    take_live,
 )
 from llmgw.state.fleet import EndpointExists, FleetBucket, FleetMirror, open_fleet
 
@@ -134,18 +135,65 @@ async def test_the_live_config_leaves_out_a_record_that_does_not_fit_the_config(
     assert live.resolve_model("llama") == "llama-3.3-70b"  # lookups survive the copy
 
 
-def test_an_applied_config_changes_only_the_limits_live_and_names_what_needs_a_restart(
+def test_an_applied_config_changes_its_live_fields_and_names_what_needs_a_restart(
     config: Config,
 ) -> None:
     values = config.model_dump(mode="json")
     values["providers"][0]["models"][0]["limits"]["max_global_in_flight_request_slots"] = 32
-    values["admission"]["queue_capacity_per_band"] = 7
+    values["providers"][1]["priority"] = 120
+    values["admission"]["queue_capacity_per_band"] = 7  # needs a restart
+    values["admission"]["bands"][-1]["saturation_ceiling"] = 0.25
     values["models"][0]["aliases"] = ["llama", "big"]
+    values["models"][1]["fallbacks"] = ["llama-3.3-70b"]
+    values["scoring"]["kv_ceiling"] = 0.5
+    values["listen"] = "127.0.0.1:1"  # needs a restart
+    values["timeouts"]["total"] = "9s"
+    values["router"]["retries"] = 5
+    values["router"]["session_header"] = "x-conversation"  # needs a restart
     applied = AppliedConfig(config=values, source="new.yaml")
     live = live_config(config, Fleet(applied=applied))
     limits = live.provider("iris").model("llama-3.3-70b").limits  # type: ignore[union-attr]
     assert limits is not None and limits.max_global_in_flight_request_slots == 32
-    assert live.admission == config.admission and live.resolve_model("big") is None
-    assert restart_only_changes(config, applied) == ["admission", "models"]
+    assert live.provider("tensorx").priority == 120
+    assert live.admission.bands[-1].saturation_ceiling == 0.25
+    assert live.admission.queue_capacity_per_band == config.admission.queue_capacity_per_band
+    assert live.resolve_model("big") == "llama-3.3-70b"
+    assert live.models[1].fallbacks == ["llama-3.3-70b"] and live.scoring.kv_ceiling == 0.5
+    assert live.timeouts.total == 9 and live.router.retries == 5
+    assert live.listen == config.listen and live.router.session_header != "x-conversation"
+    assert restart_only_changes(config, applied) == ["listen", "router", "admission"]
+
+
+def test_profiles_are_taken_only_with_every_profile_the_running_models_name(
+    config: Config,
+) -> None:
+    values = config.model_dump(mode="json")
+    values["profiles"]["fast"] = {"retries": 0}
+    values["models"][0]["routing_profile"] = "fast"
+    base = config_from_dict(values, env={})
+    del values["profiles"]["fast"]
+    values["models"][0]["routing_profile"] = "chat"
+    values["models"].append({"name": "mistral-7b"})  # not live: the running models stay
+    for provider in values["providers"]:
+        provider["models"].append({"name": "mistral-7b", "features": ["chat"]})
+    for endpoint in values["endpoints"]:
+        endpoint["models"].append("mistral-7b")
+    live = take_live(base, config_from_dict(values, env={}))
+    assert live.models == base.models and live.profile_for_model("llama").retries == 0
+
+
+def test_an_applied_config_with_a_new_model_or_pair_leaves_them_for_a_restart(
+    config: Config,
+) -> None:
+    values = config.model_dump(mode="json")
+    values["models"].append({"name": "mistral-7b"})
+    values["providers"][1]["models"].append({"name": "mistral-7b", "features": ["chat"]})
+    for endpoint in values["endpoints"]:
+        if endpoint["provider"] == values["providers"][1]["id"]:
+            endpoint["models"].append("mistral-7b")
+    applied = AppliedConfig(config=values, source="new.yaml")
+    live = live_config(config, Fleet(applied=applied))
+    assert live.resolve_model("mistral-7b") is None and live.providers == config.providers
+    assert restart_only_changes(config, applied) == ["models", "providers"]
     broken = AppliedConfig(config={**values, "providers": "nope"})
     assert live_config(config, Fleet(applied=broken)).providers == config.providers

@@ -11,6 +11,7 @@ from rig import admitted
 from llmgw.config import config_from_dict
 from llmgw.core.outcomes import Refusal
 from llmgw.core.shards import shard_of
+from llmgw.fleet import take_live
 from llmgw.wire import AdmitRequest
 
 
@@ -85,3 +86,13 @@ async def test_a_degraded_model_is_served_by_its_fallback(service):
     service.health.set_healthy("gpu-small", False)
     nowhere = await service.decide(ask("big"))
     assert nowhere.refusal is Refusal.NO_CAPACITY
+
+
+async def test_a_fallback_applied_live_serves_the_next_request(service):
+    service.health.set_healthy("gpu-small", False)
+    assert (await service.decide(ask("small"))).refusal is Refusal.NO_CAPACITY
+    values = service.config.model_dump(mode="json")
+    values["models"][1]["fallbacks"] = ["big"]
+    service.follow_config(take_live(service.config, config_from_dict(values, env={})))
+    fallback = await service.decide(ask("small"))
+    assert (fallback.target.endpoint, fallback.served_model) == ("gpu-big", "big")

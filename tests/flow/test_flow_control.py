@@ -246,3 +246,24 @@ async def test_the_tick_idles_while_nothing_waits_and_a_queued_request_wakes_it(
     assert not silver.done() and rig.queued() == 1
     await open_headroom(rig)
     assert admitted(await silver)
+
+
+async def test_a_band_removed_live_answers_its_queued_requests_and_the_kept_ones_wait_on(rig):
+    await saturate(rig)
+    service = rig.admissions[0]
+    silver = [asyncio.create_task(rig.ask(band="silver")) for _ in range(3)]
+    bronze = [asyncio.create_task(rig.ask(band="bronze")) for _ in range(3)]
+    await until(lambda: rig.queued() == 6, what="silver and bronze queued")
+    admission = service.config.admission
+    bands = [band for band in admission.bands if band.name != "bronze"]
+    config = service.config.model_copy(
+        update={"admission": admission.model_copy(update={"bands": bands})}
+    )
+    assert service.follow_config(config) == 3
+    refused = await asyncio.gather(*bronze)  # asked again by their edge, then refused
+    assert all(r.refusal is Refusal.UNKNOWN_BAND for r in refused), refused
+    await ticks(service)
+    assert rig.queued() == 3 and not any(t.done() for t in silver)  # still saturated: they wait
+    await open_headroom(rig)
+    await ticks(service)
+    assert all(t.done() and admitted(t.result()) for t in silver)

@@ -20,7 +20,7 @@ import pytest
 import yaml
 from poisson_load import PoissonLoad, Sent
 from test_up_operability import NATS, READY
-from up_harness import REPO, UpProcess, llmgw_cli, write_cluster_config
+from up_harness import REPO, UpProcess, config_apply, llmgw_cli, write_cluster_config
 
 from llmgw.services.fleet.ops import admission_leases
 from llmgw.serving import free_port
@@ -226,14 +226,7 @@ def test_halving_a_limit_on_sighup_under_load_keeps_the_engines_within_the_new_l
     broken = tmp_path / "broken.yaml"
     limits["max_global_in_flight_request_slots"] = 0
     broken.write_text(yaml.safe_dump(data, sort_keys=False))
-    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("LLMGW_")}
-    refused = subprocess.run(
-        [sys.executable, "-m", "llmgw", "config", "apply", str(broken)],
-        env={**env, "LLMGW_NATS__URL": nats_url},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    refused = config_apply(broken, nats_url)
     assert refused.returncode == 2 and "max_global_in_flight_request_slots" in refused.stderr
 
     async def scenario() -> tuple[list[Sent], list[tuple[float, int]], float]:

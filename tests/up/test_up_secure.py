@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from up_harness import UpProcess, llmgw_cli
+from up_harness import UpProcess, config_apply, llmgw_cli
 
 from llmgw.nats_auth import ROLES
 
@@ -99,6 +99,28 @@ def _second_admission_takes_shards_and_hands_them_back(
     assert list(shards.values()) == [32], shards  # handed back to the one left
 
 
+def _the_edge_follows_an_applied_alias(
+    config: Path, tmp_path: Path, nats_url: str, passwords: dict[str, str], api: str, key: str
+) -> None:
+    """A separate edge follows the applied config by a read-only watch of its own: an alias
+    applied (by the fleet role) is listed within a few seconds (config apply waits for the
+    admission instances only)."""
+    data = yaml.safe_load(config.read_text())
+    data["models"][0]["aliases"] = [*data["models"][0]["aliases"], "big"]
+    applied = tmp_path / "alias.yaml"
+    applied.write_text(yaml.safe_dump(data, sort_keys=False))
+    user = {"LLMGW_NATS__USER": "fleet", "LLMGW_NATS__PASSWORD": passwords["fleet"]}
+    done = config_apply(applied, nats_url, user)
+    assert done.returncode == 0, done.stderr
+    headers = {"authorization": f"Bearer {key}"}
+    deadline = time.monotonic() + 5
+    while "big" not in [
+        m["id"] for m in httpx.get(f"{api}/models", headers=headers).json()["data"]
+    ]:
+        assert time.monotonic() < deadline, "the edge never listed the applied alias"
+        time.sleep(0.05)
+
+
 def _violations(log: Path) -> list[str]:
     return [line for line in log.read_text().splitlines() if "Violation" in line]
 
@@ -134,6 +156,7 @@ def test_the_gateway_runs_with_a_nats_user_per_role(
     _second_admission_takes_shards_and_hands_them_back(
         cluster_config, nats_url, passwords, api, dev_key
     )
+    _the_edge_follows_an_applied_alias(cluster_config, tmp_path, nats_url, passwords, api, dev_key)
     assert _violations(log) == []
 
     # Denials: the edge role reads the key bucket but may not write it; no user, no entry.

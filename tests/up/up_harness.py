@@ -72,6 +72,21 @@ def llmgw_cli(
     )
 
 
+def config_apply(
+    path: Path, nats_url: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """`llmgw config apply PATH` against the cluster whose NATS is `nats_url` (and `env`, e.g.
+    a NATS user), run to its end."""
+    full = {k: v for k, v in os.environ.items() if not k.upper().startswith("LLMGW_")}
+    return subprocess.run(
+        [sys.executable, "-m", "llmgw", "config", "apply", str(path)],
+        env={**full, **(env or {}), "LLMGW_NATS__URL": nats_url},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
 class UpProcess:
     """`python -m llmgw up` as a subprocess; its output is collected line by line."""
 
