@@ -134,6 +134,7 @@ def role_permissions(config: Config) -> dict[str, Permissions]:
                 KEYS_USAGE_SUBJECT,
                 INBOX,  # answers to admission's roll calls
                 *_read_bucket(keys),  # the key mirror's watch: read only
+                *_own_bucket(config.responses.bucket),  # the Responses API's stored responses
             ),
             subscribe=(INBOX, ADMISSION_ROLLCALL_SUBJECT, KEYS_USAGE_SUBJECT),
         ),

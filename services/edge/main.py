@@ -45,6 +45,7 @@ from llmgw.services.edge.outage import OutageAdmission
 from llmgw.services.edge.reporting import NatsReporter
 from llmgw.services.edge.upstream import new_pool
 from llmgw.serving import RunningServer, start_server
+from llmgw.state.responses import open_response_store
 from llmgw.tracing import open_tracing
 
 if TYPE_CHECKING:
@@ -193,12 +194,14 @@ async def open_edge_deps(  # type: ignore[no-untyped-def]
         edge_id=edge_id,
         tracing=open_tracing("edge", config.tracing),
         auth=auth,
+        responses=await open_response_store(nc, config),
     )
 
 
 async def close_edge_deps(deps: EdgeDeps) -> None:
     if deps.auth is not None:
         await close_key_auth(deps.auth)
+    await deps.responses.close()  # the stored responses' writes in flight
     await deps.reporter.drain()
     await deps.leases.stop()
     await deps.admission.stop()

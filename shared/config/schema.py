@@ -32,6 +32,7 @@ from llmgw.config.addresses import parse_hostport
 from llmgw.config.catalog import EndpointConfig, Limits, ModelConfig, ProviderConfig, ProviderModel
 from llmgw.config.common import MASK, SLUG_PATTERN, ConfigWarning, Name, fail
 from llmgw.config.observability import EventsConfig, LogConfig, MetricsConfig, TracingConfig
+from llmgw.config.responses import ResponsesConfig
 from llmgw.config.sections import (
     AdmissionConfig,
     AuthConfig,
@@ -134,6 +135,7 @@ class Config(BaseSettings):
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     events: EventsConfig = Field(default_factory=EventsConfig)
     tracing: TracingConfig = Field(default_factory=TracingConfig)
+    responses: ResponsesConfig = Field(default_factory=ResponsesConfig)
     models: list[ModelConfig] = Field(min_length=1)
     providers: list[ProviderConfig] = Field(min_length=1)
     endpoints: list[EndpointConfig] = Field(min_length=1)
