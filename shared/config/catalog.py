@@ -15,9 +15,11 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from llmgw.config.addresses import parse_http_url
 from llmgw.config.common import Api, Feature, Name, Slug, StrictModel, fail
-from llmgw.config.responses import DEFAULT_APIS
 
 # --- models, providers, endpoints -----------------------------------------------------------------
+
+# The APIs an OpenAI-compatible vLLM serves: a provider's `apis` unless it says otherwise.
+DEFAULT_APIS = ("chat_completions", "completions", "embeddings", "responses")
 
 
 class ModelConfig(StrictModel):

@@ -32,7 +32,6 @@ from llmgw.config.addresses import parse_hostport
 from llmgw.config.catalog import EndpointConfig, Limits, ModelConfig, ProviderConfig, ProviderModel
 from llmgw.config.common import MASK, SLUG_PATTERN, ConfigWarning, Name, fail
 from llmgw.config.observability import EventsConfig, LogConfig, MetricsConfig, TracingConfig
-from llmgw.config.responses import ResponsesConfig
 from llmgw.config.sections import (
     AdmissionConfig,
     AuthConfig,
@@ -43,6 +42,7 @@ from llmgw.config.sections import (
     PinningConfig,
     ProfileConfig,
     ResolvedProfile,
+    ResponsesConfig,
     RouterConfig,
     ScoringConfig,
     TimeoutOverrides,
