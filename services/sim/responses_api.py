@@ -67,7 +67,10 @@ def responses_prompt(body: dict[str, Any]) -> str:
 def _usage(generation: Generation, output_tokens: int) -> dict[str, Any]:
     return {
         "input_tokens": generation.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": generation.cached_tokens},
+        "input_tokens_details": {
+            "cached_tokens": generation.cached_tokens,
+            "cache_write_tokens": 0,
+        },
         "output_tokens": output_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": generation.prompt_tokens + output_tokens,

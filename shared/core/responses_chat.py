@@ -184,7 +184,7 @@ def _usage(chat_usage: Any) -> dict[str, Any] | None:
     reasoning = (chat_usage.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0
     return {
         "input_tokens": prompt,
-        "input_tokens_details": {"cached_tokens": cached},
+        "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
         "output_tokens": completion,
         "output_tokens_details": {"reasoning_tokens": reasoning},
         "total_tokens": chat_usage.get("total_tokens") or prompt + completion,
