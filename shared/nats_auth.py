@@ -14,7 +14,8 @@ LLMGW_NATS__PASSWORD).
 
 How JetStream maps onto subjects (what the table grants):
 - A KV write is a publish on `$KV.<bucket>.<key>`: only the bucket's writers may publish there.
-  The edge writes no bucket at all: it cannot write a pin, a lease or a key.
+  The edge writes one bucket, the Responses API's stored responses (`responses.bucket`): it
+  cannot write a pin, a lease or a key.
 - Reading a bucket is JetStream API requests on `$JS.API.…` naming its stream `KV_<bucket>`:
   STREAM.INFO, DIRECT.GET / STREAM.MSG.GET (get), CONSUMER.CREATE / DELETE / INFO (list and
   watch), and the flow-control replies on `$JS.FC.<stream>.>` of an ordered consumer.

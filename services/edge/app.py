@@ -103,6 +103,8 @@ class Edge:
         self.upstream_headers = _provider_auth_headers(config)
         self.attempts = Attempts(self)
         self.responses = ResponsesApi(config, deps.responses, deps.rng)
+        stored = deps.metrics.responses_stored
+        deps.responses.on_result = lambda result: stored.labels(result).inc()
 
     def upstream_headers_for(self, routed: RoutedRequest, provider: str) -> dict[str, str]:
         """The headers of an upstream call: the provider's, the client's request id, and with

@@ -13,13 +13,15 @@ local server); it then answers 404 as for any unknown id. `close` waits for writ
 
 A record larger than the server's largest message (`max_value_bytes`; nats-server's
 ``max_payload``, 1 MiB unless configured) is not stored: the response was served, its chain
-ends there (the next turn naming it gets 404). `failures` counts such and any failed write.
+ends there (the next turn naming it gets 404). `on_result` hears how each write went:
+``stored``, ``too_large`` or ``failed`` (the edge counts them: llmgw_edge_responses_stored_total).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from llmgw.core.responses import RESPONSE_ID_PATTERN, StoredResponse
@@ -44,14 +46,14 @@ class ResponseStore:
         self.kv = kv
         self.max_value_bytes = max_value_bytes - _RECORD_OVERHEAD
         self.pending: dict[str, StoredResponse] = {}
-        self.failures = 0
+        self.on_result: Callable[[str], None] = lambda result: None
         self._writes: set[asyncio.Task[None]] = set()
 
     def save(self, stored: StoredResponse) -> None:
         """Write `stored` in the background (readable here at once)."""
         value = stored.encode()
         if len(value) > self.max_value_bytes:
-            self.failures += 1
+            self.on_result("too_large")
             log.warning(
                 "response %s not stored: %d bytes exceed the store's %d",
                 stored.id,
@@ -68,8 +70,10 @@ class ResponseStore:
         try:
             await self.kv.put(response_id, value)
         except Exception as exc:  # the response was served; only its chain is lost
-            self.failures += 1
+            self.on_result("failed")
             log.warning("response %s not stored: %s", response_id, exc)
+        else:
+            self.on_result("stored")
         finally:
             self.pending.pop(response_id, None)
 
