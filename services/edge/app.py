@@ -219,8 +219,8 @@ class Edge:
                 request.headers.get(self.session_header),
                 ids,
             )
-            if isinstance(prepared, Response):
-                return prepared, Outcome.NOT_FOUND
+            if isinstance(prepared[0], Response):
+                return prepared
             exchange, session = prepared
         else:
             session = session_id(

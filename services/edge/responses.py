@@ -20,8 +20,10 @@ this module adds what is the Responses API's own:
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.responses import JSONResponse, Response
 
+from llmgw.core.outcomes import Outcome
 from llmgw.core.responses import (
     ResponsesStream,
     StoredResponse,
@@ -41,7 +44,7 @@ from llmgw.core.responses import (
 )
 from llmgw.core.responses_chat import ChatToResponsesStream, chat_request, response_from_chat
 from llmgw.core.sessions import chain_session
-from llmgw.services.edge.errors import error_body
+from llmgw.services.edge.errors import error_body, error_response
 
 if TYPE_CHECKING:
     import random
@@ -53,6 +56,8 @@ if TYPE_CHECKING:
     from llmgw.wire import Target
 
 __all__ = ["Exchange", "ResponsesApi", "owner_of"]
+
+log = logging.getLogger("llmgw.edge")
 
 RESPONSES_PATH = "/v1/responses"
 CHAT_PATH = "/v1/chat/completions"
@@ -155,6 +160,16 @@ class ResponsesApi:
         self.rng = rng
         self.clock = clock
         self.apis = {p.id: frozenset(p.apis) for p in config.providers}
+        self.timeout = config.nats.request_timeout  # bounds every read of the store
+
+    async def _read(self, read: Any) -> Any:
+        """A store read within `timeout`; raises StoreUnavailable."""
+        try:
+            async with asyncio.timeout(self.timeout):
+                return await read
+        except Exception as exc:
+            log.warning("the response store did not answer: %r", exc)
+            raise StoreUnavailable from None
 
     async def prepare(
         self,
@@ -164,22 +179,30 @@ class ResponsesApi:
         model: str,
         header_key: str | None,
         headers: dict[str, str],
-    ) -> tuple[Exchange, str] | Response:
-        """The exchange and session of a request, or its 404 (unknown previous response)."""
+    ) -> tuple[Exchange, str] | tuple[Response, Outcome]:
+        """The exchange and session of a request, or its error and outcome: 404 for an unknown
+        previous response, 503 when the store cannot be read."""
         response_id = new_response_id(self.rng.getrandbits(128))
         chain: list[StoredResponse] = []
         root = response_id
         previous = turn.previous_response_id
         if previous is not None:
-            head = await self.store.get(previous)
-            found = None if head is None or head.owner != owner else await self.store.chain(head)
+            try:
+                head = await self._read(self.store.get(previous))
+                found = (
+                    None
+                    if head is None or head.owner != owner
+                    else await self._read(self.store.chain(head))
+                )
+            except StoreUnavailable:
+                return _unavailable(headers), Outcome.ADMISSION_UNAVAILABLE
             if head is None or found is None:
                 return not_found(
                     f"Previous response with id '{previous}' not found.",
                     "previous_response_id",
                     "previous_response_not_found",
                     headers,
-                )
+                ), Outcome.NOT_FOUND
             chain, root = found, head.root
         exchange = Exchange(
             self,
@@ -196,26 +219,36 @@ class ResponsesApi:
     # -- stored responses ---------------------------------------------------------------------
 
     async def _owned(self, response_id: str, owner: str) -> StoredResponse | None:
-        stored = await self.store.get(response_id)
+        stored = await self._read(self.store.get(response_id))
         return stored if stored is not None and stored.owner == owner else None
 
     async def get(self, response_id: str, owner: str) -> Response:
-        stored = await self._owned(response_id, owner)
+        try:
+            stored = await self._owned(response_id, owner)
+        except StoreUnavailable:
+            return _unavailable({})
         if stored is None:
             return _missing(response_id)
         return JSONResponse(stored.response)
 
     async def delete(self, response_id: str, owner: str) -> Response:
-        stored = await self._owned(response_id, owner)
-        if stored is None or not await self.store.delete(response_id):
+        try:
+            stored = await self._owned(response_id, owner)
+            deleted = stored is not None and await self._read(self.store.delete(response_id))
+        except StoreUnavailable:
+            return _unavailable({})
+        if not deleted:
             return _missing(response_id)
         return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
     async def input_items(self, response_id: str, owner: str, query: dict[str, str]) -> Response:
         """The items the response was generated from (earlier turns included), as a list page:
         ``order`` (asc or desc, default desc), ``limit`` (1-100, default 20), ``after``."""
-        stored = await self._owned(response_id, owner)
-        chain = await self.store.chain(stored) if stored is not None else None
+        try:
+            stored = await self._owned(response_id, owner)
+            chain = await self._read(self.store.chain(stored)) if stored is not None else None
+        except StoreUnavailable:
+            return _unavailable({})
         if stored is None or chain is None:
             return _missing(response_id)
         order = query.get("order", "desc")
@@ -253,6 +286,19 @@ class ResponsesApi:
                 "has_more": len(items) > limit,
             }
         )
+
+
+class StoreUnavailable(Exception):
+    """The response store did not answer within the NATS request timeout."""
+
+
+def _unavailable(headers: dict[str, str]) -> Response:
+    return error_response(
+        Outcome.ADMISSION_UNAVAILABLE,
+        "The gateway cannot read its stored responses right now.",
+        retry_after_s=1,
+        headers=headers,
+    )
 
 
 def _listed(item: dict[str, Any], item_id: str) -> dict[str, Any]:

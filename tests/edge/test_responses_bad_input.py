@@ -1,7 +1,9 @@
 """Bad Responses API input gets the API's own error shape and status, reaches no admission
 (`fake_edge.admission.asked`) and stores nothing (the edge's response store)."""
 
+import asyncio
 import json
+import time
 
 import httpx
 import pytest
@@ -128,3 +130,21 @@ async def test_another_keys_response_is_404_for_every_route(fake_edge):
     assert own.status_code == 200 and json.loads(own.text)["id"] == theirs.id
     assert fake_edge.admission.asked == []
     assert store.kv.history == written  # still there, nothing else written
+
+
+async def test_a_store_that_does_not_answer_is_503_within_the_request_timeout(fake_edge):
+    class Silent:
+        async def get(self, key: str) -> None:
+            await asyncio.Event().wait()  # NATS gone: no answer, ever
+
+    fake_edge.deps.responses.kv = Silent()
+    body = {"model": "m1", "input": "x", "previous_response_id": "resp_" + "0" * 32}
+    started = time.monotonic()
+    async with httpx.AsyncClient() as http:
+        chained = await http.post(fake_edge.url + PATH, json=body)
+        got = await http.get(f"{fake_edge.url}{PATH}/resp_{'0' * 32}")
+    assert time.monotonic() - started < 4 * fake_edge.config.nats.request_timeout
+    for response in (chained, got):
+        assert_openai_error(response, 503, "admission_unavailable")
+        assert response.headers["retry-after"] == "1"
+    assert fake_edge.admission.asked == []
