@@ -91,6 +91,7 @@ class Exchange:
     items: list[Any]  # the expanded input: earlier turns, then the new input
     body: dict[str, Any]
     stream: bool
+    ancestors: tuple[str, ...]  # the chain's responses before this one, oldest first
 
     def translated(self, target: Target) -> bool:
         return "responses" not in self.api.apis.get(target.provider, ())
@@ -142,6 +143,7 @@ class Exchange:
                 input=self.turn.input,
                 response=response,
                 created_at=self.api.clock(),
+                ancestors=self.ancestors,
             )
         )
 
@@ -213,6 +215,7 @@ class ResponsesApi:
             expand(chain, turn.input),
             parsed.body,
             parsed.stream,
+            tuple(stored.id for stored in chain),
         )
         return exchange, chain_session(root, model, header_key=header_key)
 

@@ -225,6 +225,9 @@ class StoredResponse:
     input: tuple[dict[str, Any], ...]  # this turn's input items (earlier turns: `previous`)
     response: dict[str, Any]  # the response object as the client got it
     created_at: float
+    # Every earlier response of the chain, oldest first (the last is `previous`): a chain is
+    # read with one concurrent get per turn, not one round trip after another.
+    ancestors: tuple[str, ...] = ()
 
     def encode(self) -> bytes:
         return json.dumps(
@@ -237,6 +240,7 @@ class StoredResponse:
                 "input": list(self.input),
                 "response": self.response,
                 "created_at": self.created_at,
+                "ancestors": list(self.ancestors),
             },
             separators=(",", ":"),
             ensure_ascii=False,
@@ -256,6 +260,7 @@ class StoredResponse:
             input=tuple(value["input"]),
             response=value["response"],
             created_at=float(value["created_at"]),
+            ancestors=tuple(value.get("ancestors") or ()),
         )
 
 

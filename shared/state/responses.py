@@ -3,7 +3,8 @@
 One JetStream KV bucket (`responses.bucket`) whose entries expire `responses.retention` after
 they were written (the bucket's max age), one entry per response (`llmgw.core.responses.
 StoredResponse`: owner digest, root of its chain, previous response, this turn's input items,
-the response object). Any `KVStore` serves (`MemoryKV` in tests of the HTTP layer).
+the response object, and every earlier response of the chain by id, so `chain` sends the reads
+of a whole chain at once). Any `KVStore` serves (`MemoryKV` in tests of the HTTP layer).
 
 Writes leave the client's critical path: `save` starts the write and returns; until it has
 landed, this process answers `get` for that id from memory (`pending`), so a client that sends
@@ -94,7 +95,16 @@ class ResponseStore:
             return None
 
     async def chain(self, head: StoredResponse, limit: int = 10_000) -> list[StoredResponse] | None:
-        """Every response of `head`'s chain, oldest first, or None when one is missing."""
+        """Every response of `head`'s chain, oldest first, or None when one is missing. The
+        reads of a record that names its ancestors go out at once (one round trip's wait)."""
+        if head.ancestors and head.previous == head.ancestors[-1]:
+            found = await asyncio.gather(*(self.get(rid) for rid in head.ancestors))
+            earlier = [stored for stored in found if stored is not None]
+            linked = len(earlier) == len(found) and all(
+                stored.previous == (earlier[i - 1].id if i else None)
+                for i, stored in enumerate(earlier)
+            )
+            return [*earlier, head] if linked else None
         chain = [head]
         while chain[-1].previous is not None and len(chain) < limit:
             earlier = await self.get(chain[-1].previous)

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+
 import pytest
 
 from llmgw.config import config_from_dict
 from llmgw.core.responses import StoredResponse
+from llmgw.state.memory_kv import MemoryKV
 from llmgw.state.responses import ResponseStore, open_response_store
 
 
@@ -86,3 +90,33 @@ async def test_ids_that_are_not_ours_are_unknown_without_a_read():
     store = ResponseStore(NoReads())  # type: ignore[arg-type]
     assert await store.get("resp_../../x") is None
     assert await store.get("msg_" + "0" * 32) is None
+
+
+async def test_a_chain_that_names_its_ancestors_is_read_at_once():
+    """Every read of the chain is in flight at the same time: each waits until all are."""
+    ancestors = [_stored(n, previous=_stored(n - 1).id if n > 1 else None) for n in range(1, 5)]
+    head = _with_ancestors(_stored(5, previous=ancestors[-1].id), ancestors)
+    all_in_flight = asyncio.Event()
+    in_flight = 0
+
+    async def before_op(op: str, key: str) -> None:
+        nonlocal in_flight
+        if op == "get":
+            in_flight += 1
+            if in_flight == len(ancestors):
+                all_in_flight.set()
+            await asyncio.wait_for(all_in_flight.wait(), timeout=2)
+
+    kv = MemoryKV()
+    store = ResponseStore(kv)
+    for stored in ancestors:
+        await kv.put(stored.id, stored.encode())
+    kv.before_op = before_op
+    assert await store.chain(head) == [*ancestors, head]
+    kv.before_op = None
+    await kv.delete(ancestors[1].id, (await kv.get(ancestors[1].id)).revision)
+    assert await store.chain(head) is None  # a hole anywhere ends the chain
+
+
+def _with_ancestors(stored: StoredResponse, ancestors: list[StoredResponse]) -> StoredResponse:
+    return dataclasses.replace(stored, ancestors=tuple(a.id for a in ancestors))
