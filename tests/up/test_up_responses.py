@@ -106,3 +106,28 @@ def test_a_chain_whose_replica_dies_goes_on_elsewhere_with_the_whole_conversatio
     chain.turn("turn 4: and finally?", stream=True)
     assert replica not in chain.endpoints[3:], chain.endpoints
     assert up.stop(signal.SIGTERM) == 0
+
+
+def test_a_chain_that_overflows_to_the_chat_only_third_party_is_translated(
+    cluster_config: Path, start_up: Callable[..., UpProcess]
+) -> None:
+    """local.yaml's third party speaks chat completions only: with both engines down, turn 3
+    runs there as a chat completion, with the whole conversation, and comes back as a
+    response the chain goes on from."""
+    up = start_up(cluster_config)
+    api, key = up.wait_for(READY, timeout=90).groups()
+    client = OpenAI(base_url=api, api_key=key, max_retries=0, timeout=30)
+    chain = Chain(client)
+    chain.turn("turn 0: plan a trip")
+    chain.turn("turn 1: and then?")
+    assert chain.endpoints[0].startswith("engine-")
+    pids = up.pids()
+    for engine in ("engine-1", "engine-2"):
+        os.kill(pids[engine], signal.SIGKILL)
+    for engine in ("engine-1", "engine-2"):
+        up.wait_for(rf"^\[{engine}\] exited with code -9; restarting", timeout=30)
+    chain.turn("turn 2: over there?", stream=True)
+    assert chain.endpoints[2].startswith("tensorx-"), chain.endpoints
+    stored = client.responses.retrieve(chain.previous)
+    assert stored.output_text == chain.transcript[-1]["content"]
+    assert up.stop(signal.SIGTERM) == 0
