@@ -5,6 +5,7 @@ simulated engines that answer 404 on /v1/responses."""
 from collections.abc import AsyncIterator
 from typing import Any
 
+import openai
 import pytest
 import pytest_asyncio
 from conftest import gateway_config
@@ -34,7 +35,7 @@ class PathRecorder:
 
 
 @pytest_asyncio.fixture
-async def chat_only(nats_url: str, unique_id: str) -> AsyncIterator[tuple[str, dict]]:
+async def chat_only(nats_url: str, unique_id: str) -> AsyncIterator[tuple[str, dict, Any]]:
     """`gateway_config`'s cluster whose providers and engines speak chat completions only."""
     engines, recorders = {}, {}
     params = EngineParams.zero_delay().model_copy(update={"responses_api": False})
@@ -52,7 +53,7 @@ async def chat_only(nats_url: str, unique_id: str) -> AsyncIterator[tuple[str, d
     admission = await start_admission(config, nats_url, instance="admission-t", follow_load=False)
     edge = await start_edge(config, nats_url, edge_id="edge-t")
     try:
-        yield edge.url, recorders
+        yield edge.url, recorders, edge
     finally:
         await edge.stop()
         await admission.stop()
@@ -61,7 +62,7 @@ async def chat_only(nats_url: str, unique_id: str) -> AsyncIterator[tuple[str, d
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 async def test_a_chain_on_chat_only_engines_is_translated_both_ways(chat_only, stream):
-    url, recorders = chat_only
+    url, recorders, _ = chat_only
     client = AsyncOpenAI(base_url=url + "/v1", api_key="sk-t", max_retries=0)
     previous, conversation = None, []
     for turn in range(3):
@@ -92,3 +93,23 @@ async def test_a_chain_on_chat_only_engines_is_translated_both_ways(chat_only, s
     assert paths == ["/v1/chat/completions"] * 3
     stored = await client.responses.retrieve(previous)
     assert stored.output_text == conversation[-1]["content"]
+
+
+async def test_what_chat_completions_cannot_carry_is_a_400_naming_it_and_the_lease_goes(
+    chat_only,
+):
+    url, recorders, edge = chat_only
+    client = AsyncOpenAI(base_url=url + "/v1", api_key="sk-t", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as caught:
+        await client.responses.create(
+            model="m1",
+            input=[
+                {
+                    "role": "user",
+                    "content": [{"type": "input_file", "file_id": "file-1"}],
+                }
+            ],
+        )
+    assert caught.value.body["param"] == "input[0].content[0].type"
+    assert not edge.deps.leases.held  # admitted, then released at once
+    assert [p for recorder in recorders.values() for p in recorder.paths] == []
