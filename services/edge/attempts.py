@@ -38,7 +38,7 @@ from starlette.responses import Response
 
 from llmgw.contracts import AdmissionUnavailable
 from llmgw.core.outcomes import REFUSAL_OUTCOMES, Outcome
-from llmgw.core.responses_chat import Untranslatable
+from llmgw.core.requests import InvalidRequest
 from llmgw.core.usage import StreamUsage, Usage, usage_in
 from llmgw.services.edge.drain import SHUTDOWN_MESSAGE
 from llmgw.services.edge.errors import (
@@ -254,7 +254,7 @@ class Attempts:
         if exchange is not None:
             try:
                 path, raw = exchange.upstream(target)
-            except Untranslatable as exc:
+            except InvalidRequest as exc:  # what this provider's wire API cannot express
                 ending.finish(Outcome.BAD_REQUEST, sent=False)
                 return error_response(
                     Outcome.BAD_REQUEST, exc.message, param=exc.param, headers=headers
@@ -366,7 +366,7 @@ class Attempts:
                 return
             ending.usage = usage.usage
             if exchange is not None:
-                exchange.stream_ended(usage)  # type: ignore[arg-type]
+                exchange.stream_ended(usage)
             outcome = relay.outcome
             if hold is not None and hold.cut_short and outcome is not Outcome.SUCCESS:
                 outcome = Outcome.SHUTTING_DOWN

@@ -52,6 +52,7 @@ if TYPE_CHECKING:
     from llmgw.config.schema import Config
     from llmgw.core.requests import ParsedRequest
     from llmgw.core.usage import Usage
+    from llmgw.services.edge.upstream import StreamReader
     from llmgw.state.responses import ResponseStore
     from llmgw.wire import Target
 
@@ -127,9 +128,11 @@ class Exchange:
             return ChatToResponsesStream(self.body, self.response_id, self.turn, self.api.clock)
         return ResponsesStream(self.response_id, self.turn)
 
-    def stream_ended(self, reader: ResponsesStream | ChatToResponsesStream) -> None:
-        if reader.completed and reader.response is not None:
-            self.keep(reader.response)
+    def stream_ended(self, reader: StreamReader) -> None:
+        """Keep the response of a stream that ended well (`reader` is this exchange's)."""
+        response = getattr(reader, "response", None)
+        if getattr(reader, "completed", False) and response is not None:
+            self.keep(response)
 
     def keep(self, response: dict[str, Any]) -> None:
         if not self.turn.store or response.get("status") not in ("completed", "incomplete"):

@@ -46,8 +46,8 @@ _HOP_HEADERS = {"content-type", "retry-after", "x-request-id"}
 
 class StreamReader(Protocol):
     """What follows a stream on its way to the client: `feed` and `finish` return the bytes to
-    forward (`llmgw.core.usage.StreamUsage`, the Responses API's readers). A reader that says
-    `completed` ended the stream well without ``[DONE]`` (a Responses stream has none)."""
+    forward (`llmgw.core.usage.StreamUsage`, the Responses and Messages APIs' readers). A reader
+    that says `completed` ended the stream well without ``[DONE]`` (their streams have none)."""
 
     usage: Usage | None
 

@@ -20,6 +20,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from llmgw.core.requests import InvalidRequest
 from llmgw.core.responses import Turn, response_usage
 from llmgw.core.usage import Usage
 
@@ -35,13 +36,11 @@ __all__ = [
 ]
 
 
-class Untranslatable(ValueError):
+class Untranslatable(InvalidRequest):
     """A part of the request chat completions cannot express; `param` names it."""
 
     def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
+        super().__init__(message, param)
 
 
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
