@@ -129,7 +129,7 @@ def _normalize_item(item: object, where: str) -> dict[str, Any]:
     if not isinstance(item, dict):
         raise _invalid(f"'{where}' must be an object.", where)
     kind = item.get("type", "message" if "role" in item else None)
-    if kind not in _INPUT_TYPES:
+    if not isinstance(kind, str) or kind not in _INPUT_TYPES:
         shown = json.dumps(kind)[:40]
         raise _invalid(
             f"Unsupported input item type {shown} in '{where}'; this gateway accepts "
@@ -137,7 +137,8 @@ def _normalize_item(item: object, where: str) -> dict[str, Any]:
             f"{where}.type",
         )
     if kind == "message":
-        if item.get("role") not in ROLES:
+        role = item.get("role")
+        if not isinstance(role, str) or role not in ROLES:
             raise _invalid(
                 f"'{where}.role' must be one of 'user', 'assistant', 'system', 'developer'.",
                 f"{where}.role",

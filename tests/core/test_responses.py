@@ -190,3 +190,73 @@ def test_a_built_in_tool_is_refused_naming_it():
     with pytest.raises(InvalidRequest) as caught:
         parse_responses_request(b'{"model": "m", "input": "x", "tools": [{"type": "file_search"}]}')
     assert caught.value.param == "tools[0].type" and "file_search" in caught.value.message
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-3, 3) | st.sampled_from(["", "x", "user", "message"]),
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.dictionaries(
+            st.sampled_from(
+                [
+                    "type",
+                    "role",
+                    "content",
+                    "text",
+                    "call_id",
+                    "name",
+                    "arguments",
+                    "output",
+                    "image_url",
+                    "input",
+                    "tools",
+                    "model",
+                    "store",
+                    "stream",
+                    "tool_choice",
+                ]
+            ),
+            inner,
+            max_size=5,
+        )
+    ),
+    max_leaves=20,
+)
+_ITEM_TYPES = st.sampled_from(
+    ["message", "function_call", "function_call_output", "reasoning", "input_text", "web_search"]
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    items=st.lists(
+        st.fixed_dictionaries(
+            {"type": _ITEM_TYPES},
+            optional={
+                "role": _JSON,
+                "content": _JSON,
+                "call_id": _JSON,
+                "name": _JSON,
+                "arguments": _JSON,
+                "output": _JSON,
+            },
+        ),
+        max_size=4,
+    ),
+    extra=st.dictionaries(st.sampled_from(["tools", "tool_choice", "store", "stream"]), _JSON),
+)
+def test_any_body_is_parsed_and_translated_or_refused_with_a_named_field(items, extra):
+    """Whatever a client sends, the checks and the translation answer it or name what is wrong:
+    no other exception escapes (it would be a 500)."""
+    from llmgw.core.responses_chat import chat_request
+
+    body = {"model": "m", "input": items or "x", **extra}
+    try:
+        parsed, turn = parse_responses_request(json.dumps(body).encode())
+    except InvalidRequest as exc:
+        assert exc.message
+        return
+    try:
+        chat_request(parsed.body, list(turn.input), "m", stream=parsed.stream)
+    except InvalidRequest as exc:
+        assert exc.param
