@@ -29,6 +29,8 @@ def _nothing_happened(fake_edge) -> None:
         ({"model": "m1", "input": [3]}, "input[0]"),
         ({"model": "m1", "input": [{"type": "image_generation_call"}]}, "input[0].type"),
         ({"model": "m1", "input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
+        ({"model": "m1", "input": [{"role": ["user"], "content": "x"}]}, "input[0].role"),
+        ({"model": "m1", "input": [{"type": {"a": 1}}]}, "input[0].type"),
         ({"model": "m1", "input": [{"role": "user", "content": 5}]}, "input[0].content"),
         ({"model": "m1", "input": [{"role": "user", "content": [1]}]}, "input[0].content[0]"),
         (
@@ -63,6 +65,8 @@ def _nothing_happened(fake_edge) -> None:
         "item-not-object",
         "unknown-item-type",
         "bad-role",
+        "role-not-a-string",
+        "type-not-a-string",
         "bad-content",
         "bad-content-part",
         "call-without-id",
