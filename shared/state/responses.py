@@ -134,40 +134,24 @@ class ResponseStore:
 
 async def open_response_store(nc: NATS, config: Config) -> ResponseStore:
     """The response bucket (file storage, created on first use with `responses.retention` as its
-    max age; an existing bucket keeps its own)."""
-    from nats.js.api import KeyValueConfig, StorageType
-    from nats.js.errors import APIError, NotFoundError
-
-    from llmgw.state.nats_kv import NatsKV
+    max age; an existing bucket keeps its own, with a warning when it differs)."""
+    from llmgw.state.nats_kv import open_routing_bucket
 
     settings = config.responses
     js = nc.jetstream()
-    stream = f"KV_{settings.bucket}"
-    try:
-        info = await js.stream_info(stream)
-    except NotFoundError:
-        kv_config = KeyValueConfig(
-            bucket=settings.bucket,
-            history=1,
-            ttl=settings.retention,
-            storage=StorageType.FILE,
-            replicas=config.replicas_of(settings.bucket),
-            direct=True,
-        )
-        try:
-            await js.create_key_value(kv_config)
-        except APIError as exc:
-            if exc.err_code != 10058:  # created by a racing edge meanwhile
-                raise
-        info = await js.stream_info(stream)
-    if info.config.max_age and abs(info.config.max_age - settings.retention) > 1:
+    kv = await open_routing_bucket(
+        js,
+        settings.bucket,
+        replicas=config.replicas_of(settings.bucket),
+        max_age=settings.retention,
+    )
+    info = await js.stream_info(kv.stream)
+    if abs((info.config.max_age or 0) - settings.retention) > 1:
         log.warning(
             "the response bucket %s keeps entries %.0fs, not responses.retention (%.0fs); "
-            "change it with `nats kv` or delete the bucket",
+            "change its max age with `nats kv` or delete the bucket",
             settings.bucket,
-            info.config.max_age,
+            info.config.max_age or 0,
             settings.retention,
         )
-    max_payload = getattr(nc, "max_payload", None) or 1024 * 1024
-    kv = NatsKV(js, settings.bucket, direct=bool(info.config.allow_direct))
-    return ResponseStore(kv, max_value_bytes=max_payload)
+    return ResponseStore(kv, max_value_bytes=getattr(nc, "max_payload", None) or 1024 * 1024)
