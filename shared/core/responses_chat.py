@@ -8,10 +8,12 @@ Translated: text (system, developer, user and assistant messages; ``instructions
 system message), images by URL, function tools and ``tool_choice``, function calls and their
 outputs, ``max_output_tokens``, ``temperature``, ``top_p``, ``user``, ``parallel_tool_calls``,
 ``text.format`` (JSON schema or object), ``reasoning.effort``, usage (cached tokens included)
-and a length stop (``incomplete``, ``max_output_tokens``). Not translated: reasoning items
-(dropped from the input: a chat model gets no reasoning back), files and audio parts, logprobs,
-``include``, ``truncation`` (a 400 names any untranslatable part; built-in tools are refused
-for every provider before admission, `llmgw.core.responses`).
+and a length stop (``incomplete``, ``max_output_tokens``). Ignored: ``include`` (it asks for
+extra output, e.g. encrypted reasoning, that a chat completion has none of), ``text.verbosity``,
+``metadata``, ``prompt_cache_key``, ``service_tier``. Not translated: reasoning items (dropped
+from the input: a chat model gets no reasoning back), files and audio parts, ``top_logprobs``,
+``truncation: auto`` (a 400 names any untranslatable part; built-in tools are refused for every
+provider before admission, `llmgw.core.responses`).
 """
 
 from __future__ import annotations
@@ -136,8 +138,8 @@ def chat_request(
     body: dict[str, Any], items: list[Any], model: str, *, stream: bool
 ) -> dict[str, Any]:
     """The chat completions body for a Responses request whose input is `items`."""
-    for name in ("include", "truncation", "top_logprobs"):
-        if body.get(name) not in (None, [], "disabled"):
+    for name in ("truncation", "top_logprobs"):
+        if body.get(name) not in (None, 0, "disabled"):
             raise Untranslatable(
                 f"'{name}' cannot be sent to a provider that serves only chat completions.", name
             )
