@@ -115,3 +115,23 @@ async def test_store_false_is_answered_but_not_kept(client):
     assert response.output_text and response.store is False
     with pytest.raises(openai.NotFoundError):
         await client.responses.retrieve(response.id)
+
+
+async def test_responses_are_counted_as_their_own_feature_with_tokens_and_stored_results(
+    client, gateway
+):
+    response = await client.responses.create(model="m1", input="count me", max_output_tokens=3)
+    await gateway.deps.responses.close()  # the write has landed
+    registry = gateway.deps.metrics.registry
+
+    def total(name: str, **labels: str) -> float:
+        return sum(
+            sample.value
+            for metric in registry.collect()
+            for sample in metric.samples
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+        )
+
+    assert total("llmgw_edge_requests_total", feature="responses", outcome="success") == 1
+    assert total("llmgw_edge_tokens_total", direction="output") == response.usage.output_tokens
+    assert total("llmgw_edge_responses_stored_total", result="stored") == 1
