@@ -42,7 +42,8 @@ from llmgw.core.responses import (
     response_usage,
     upstream_body,
 )
-from llmgw.core.responses_chat import ChatToResponsesStream, chat_request, response_from_chat
+from llmgw.core.responses_chat import chat_request, response_from_chat
+from llmgw.core.responses_chat_stream import ChatToResponsesStream
 from llmgw.core.sessions import chain_session
 from llmgw.services.edge.errors import error_body, error_response
 

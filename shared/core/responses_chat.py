@@ -1,8 +1,9 @@
 """Responses API <-> chat completions, for providers that serve only chat completions. Pure.
 
 `chat_request` turns a Responses request (its expanded input) into a chat completions body;
-`response_from_chat` turns a chat completion into a response object; `ChatToResponsesStream`
-turns a chat completions SSE stream into the Responses API's typed events, chunk by chunk.
+`response_from_chat` turns a chat completion into a response object
+(`llmgw.core.responses_chat_stream.ChatToResponsesStream` does the same for a stream, chunk by
+chunk).
 
 Translated: text (system, developer, user and assistant messages; ``instructions`` as the first
 system message), images by URL, function tools and ``tool_choice``, function calls and their
@@ -19,18 +20,17 @@ provider before admission, `llmgw.core.responses`).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from typing import Any
 
 from llmgw.core.requests import InvalidRequest
-from llmgw.core.responses import Turn, response_usage
-from llmgw.core.usage import Usage
+from llmgw.core.responses import Turn
 
 __all__ = [
-    "ChatToResponsesStream",
     "Untranslatable",
+    "call_item",
     "chat_messages",
     "chat_request",
+    "chat_usage",
     "end_status",
     "message_item",
     "response_from_chat",
@@ -176,19 +176,20 @@ def chat_request(
     return chat
 
 
-def _usage(chat_usage: Any) -> dict[str, Any] | None:
-    if not isinstance(chat_usage, dict):
+def chat_usage(usage: Any) -> dict[str, Any] | None:
+    """A chat completion's usage as a response's (None when it has none)."""
+    if not isinstance(usage, dict):
         return None
-    prompt = chat_usage.get("prompt_tokens") or 0
-    completion = chat_usage.get("completion_tokens") or 0
-    cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    reasoning = (chat_usage.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0
+    prompt = usage.get("prompt_tokens") or 0
+    completion = usage.get("completion_tokens") or 0
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    reasoning = (usage.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0
     return {
         "input_tokens": prompt,
         "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
         "output_tokens": completion,
         "output_tokens_details": {"reasoning_tokens": reasoning},
-        "total_tokens": chat_usage.get("total_tokens") or prompt + completion,
+        "total_tokens": usage.get("total_tokens") or prompt + completion,
     }
 
 
@@ -233,9 +234,7 @@ def message_item(item_id: str, text: str, status: str = "completed") -> dict[str
     }
 
 
-def _call_item(
-    item_id: str, call_id: str, name: str, arguments: str, status: str
-) -> dict[str, Any]:
+def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
     return {
         "type": "function_call",
         "id": item_id,
@@ -273,7 +272,7 @@ def response_from_chat(
     for index, call in enumerate(message.get("tool_calls") or ()):
         function = call.get("function") or {}
         response["output"].append(
-            _call_item(
+            call_item(
                 f"fc_{suffix}_{index}",
                 call.get("id") or f"call_{suffix}_{index}",
                 function.get("name", ""),
@@ -282,228 +281,5 @@ def response_from_chat(
             )
         )
     end_status(response, choice.get("finish_reason"))
-    response["usage"] = _usage(completion.get("usage"))
+    response["usage"] = chat_usage(completion.get("usage"))
     return response
-
-
-class ChatToResponsesStream:
-    """A chat completions SSE stream in, the Responses API's events out (see the module
-    docstring). Same reader interface as `llmgw.core.responses.ResponsesStream`: `feed` and
-    `finish` return the bytes to forward; `response`, `completed` and `usage` once it ended."""
-
-    def __init__(
-        self,
-        body: dict[str, Any],
-        response_id: str,
-        turn: Turn,
-        clock: Callable[[], float],
-    ) -> None:
-        self._body = body
-        self._turn = turn
-        self._id = response_id
-        self._suffix = response_id.removeprefix("resp_")
-        self._clock = clock
-        self._buffer = b""
-        self._sequence = 0
-        self._started = False
-        self._live: dict[str, Any] | None = None  # the response object being built
-        self._text: dict[str, Any] | None = None  # the open message item: index, text
-        self._calls: dict[int, dict[str, Any]] = {}  # open function calls by chat index
-        self._finish_reason: Any = None
-        self._chat_usage: Any = None
-        self.response: dict[str, Any] | None = None
-        self.completed = False
-        self.usage: Usage | None = None
-
-    # -- SSE plumbing -------------------------------------------------------------------------
-    def _emit(self, kind: str, **fields: Any) -> bytes:
-        payload = {"type": kind, "sequence_number": self._sequence, **fields}
-        self._sequence += 1
-        encoded = json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
-        return f"event: {kind}\ndata: {encoded}\n\n".encode()
-
-    def feed(self, chunk: bytes) -> bytes:
-        self._buffer += chunk.replace(b"\r\n", b"\n") if b"\r" in chunk else chunk
-        out: list[bytes] = []
-        while (end := self._buffer.find(b"\n\n")) >= 0:
-            event, self._buffer = self._buffer[:end], self._buffer[end + 2 :]
-            data = b"\n".join(
-                line[5:].removeprefix(b" ")
-                for line in event.split(b"\n")
-                if line.startswith(b"data:")
-            )
-            if data:
-                out.append(self._data(data))
-        return b"".join(out)
-
-    def finish(self) -> bytes:
-        return b""
-
-    # -- translation --------------------------------------------------------------------------
-    def _data(self, data: bytes) -> bytes:
-        if data.strip() == b"[DONE]":
-            return self._close()
-        try:
-            chunk = json.loads(data)
-        except ValueError:
-            return b""
-        if not isinstance(chunk, dict) or self.completed:
-            return b""
-        if "error" in chunk:  # the provider's error mid-stream: the relay reports the break
-            return b""
-        out: list[bytes] = []
-        if not self._started:
-            self._started = True
-            self._live = response_skeleton(
-                self._body,
-                self._id,
-                self._turn,
-                int(chunk.get("created") or self._clock()),
-                chunk.get("model") or self._body.get("model"),
-            )
-            out.append(self._emit("response.created", response=dict(self._live)))
-            out.append(self._emit("response.in_progress", response=dict(self._live)))
-        if chunk.get("usage"):
-            self._chat_usage = chunk["usage"]
-        for choice in chunk.get("choices") or ():
-            delta = choice.get("delta") or {}
-            if delta.get("content"):
-                out.append(self._text_delta(delta["content"]))
-            for call in delta.get("tool_calls") or ():
-                out.append(self._call_delta(call))
-            if choice.get("finish_reason"):
-                self._finish_reason = choice["finish_reason"]
-        return b"".join(out)
-
-    def _output(self) -> list[Any]:
-        assert self._live is not None
-        output: list[Any] = self._live["output"]
-        return output
-
-    def _text_delta(self, text: str) -> bytes:
-        out: list[bytes] = []
-        if self._text is None:
-            index = len(self._output())
-            item_id = f"msg_{self._suffix}"
-            self._text = {"index": index, "id": item_id, "text": ""}
-            self._output().append(message_item(item_id, "", "in_progress"))
-            item = message_item(item_id, "", "in_progress")
-            item["content"] = []
-            out.append(self._emit("response.output_item.added", output_index=index, item=item))
-            out.append(
-                self._emit(
-                    "response.content_part.added",
-                    item_id=item_id,
-                    output_index=index,
-                    content_index=0,
-                    part={"type": "output_text", "text": "", "annotations": []},
-                )
-            )
-        self._text["text"] += text
-        out.append(
-            self._emit(
-                "response.output_text.delta",
-                item_id=self._text["id"],
-                output_index=self._text["index"],
-                content_index=0,
-                delta=text,
-                logprobs=[],
-            )
-        )
-        return b"".join(out)
-
-    def _call_delta(self, call: dict[str, Any]) -> bytes:
-        out: list[bytes] = []
-        position = call.get("index", 0)
-        function = call.get("function") or {}
-        open_call = self._calls.get(position)
-        if open_call is None:
-            index = len(self._output())
-            item_id = f"fc_{self._suffix}_{position}"
-            open_call = {
-                "index": index,
-                "id": item_id,
-                "call_id": call.get("id") or f"call_{self._suffix}_{position}",
-                "name": function.get("name") or "",
-                "arguments": "",
-            }
-            self._calls[position] = open_call
-            item = _call_item(item_id, open_call["call_id"], open_call["name"], "", "in_progress")
-            self._output().append(item)
-            out.append(
-                self._emit("response.output_item.added", output_index=index, item=dict(item))
-            )
-        arguments = function.get("arguments") or ""
-        if arguments:
-            open_call["arguments"] += arguments
-            out.append(
-                self._emit(
-                    "response.function_call_arguments.delta",
-                    item_id=open_call["id"],
-                    output_index=open_call["index"],
-                    delta=arguments,
-                )
-            )
-        return b"".join(out)
-
-    def _close(self) -> bytes:
-        if self._live is None or self.completed:
-            return b""
-        out: list[bytes] = []
-        output = self._output()
-        if self._text is not None:
-            text, index, item_id = self._text["text"], self._text["index"], self._text["id"]
-            part = {"type": "output_text", "text": text, "annotations": []}
-            out.append(
-                self._emit(
-                    "response.output_text.done",
-                    item_id=item_id,
-                    output_index=index,
-                    content_index=0,
-                    text=text,
-                    logprobs=[],
-                )
-            )
-            out.append(
-                self._emit(
-                    "response.content_part.done",
-                    item_id=item_id,
-                    output_index=index,
-                    content_index=0,
-                    part=part,
-                )
-            )
-            output[index] = message_item(item_id, text)
-            out.append(
-                self._emit("response.output_item.done", output_index=index, item=output[index])
-            )
-        for open_call in self._calls.values():
-            index = open_call["index"]
-            out.append(
-                self._emit(
-                    "response.function_call_arguments.done",
-                    item_id=open_call["id"],
-                    output_index=index,
-                    arguments=open_call["arguments"],
-                )
-            )
-            output[index] = _call_item(
-                open_call["id"],
-                open_call["call_id"],
-                open_call["name"],
-                open_call["arguments"],
-                "completed",
-            )
-            out.append(
-                self._emit("response.output_item.done", output_index=index, item=output[index])
-            )
-        end_status(self._live, self._finish_reason)
-        self._live["usage"] = _usage(self._chat_usage)
-        kind = (
-            "response.completed" if self._live["status"] == "completed" else "response.incomplete"
-        )
-        out.append(self._emit(kind, response=self._live))
-        self.response = self._live
-        self.completed = True
-        self.usage = response_usage(self._live)
-        return b"".join(out)

@@ -12,12 +12,12 @@ from pydantic import TypeAdapter
 
 from llmgw.core.responses import Turn, as_input
 from llmgw.core.responses_chat import (
-    ChatToResponsesStream,
     Untranslatable,
     chat_messages,
     chat_request,
     response_from_chat,
 )
+from llmgw.core.responses_chat_stream import ChatToResponsesStream
 
 DATA = Path(__file__).parent / "data" / "responses"
 TEXT_STREAM = (DATA / "chat_text_stream.sse").read_bytes()
