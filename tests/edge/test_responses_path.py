@@ -135,3 +135,22 @@ async def test_responses_are_counted_as_their_own_feature_with_tokens_and_stored
     assert total("llmgw_edge_requests_total", feature="responses", outcome="success") == 1
     assert total("llmgw_edge_tokens_total", direction="output") == response.usage.output_tokens
     assert total("llmgw_edge_responses_stored_total", result="stored") == 1
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_a_failing_engine_is_retried_elsewhere_before_anything_reached_the_client(
+    gateway, client, stream
+):
+    engine_1 = gateway.engines["engine-1"].url
+    async with httpx.AsyncClient() as http:  # engine-1 (the first choice) answers 500, always
+        set_faults = await http.post(engine_1 + "/sim/faults", json={"error_rate": 1.0})
+    assert set_faults.status_code == 200
+    raw = await client.responses.with_raw_response.create(
+        model="m1", input="retry me", max_output_tokens=2, stream=stream
+    )
+    assert raw.headers["x-llmgw-endpoint"] == "engine-2"
+    retried = gateway.deps.metrics.retries.labels("upstream_error")._value.get()
+    assert retried == 1  # engine-1 was asked first and failed
+    response = [e async for e in raw.parse()][-1].response if stream else raw.parse()
+    assert response.output_text and response.usage.output_tokens == 2
+    assert (await client.responses.retrieve(response.id)).id == response.id
