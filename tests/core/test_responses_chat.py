@@ -239,3 +239,55 @@ def test_what_chat_completions_cannot_express_is_refused_naming_it(body, items, 
     with pytest.raises(Untranslatable) as caught:
         chat_request({"model": "m", **body}, items, "m", stream=False)
     assert caught.value.param == param
+
+
+def _chat_stream(pieces: list[tuple[str, int, str]], finish: str) -> bytes:
+    """A chat completions stream of text pieces ('text', _, s) and tool call argument pieces
+    ('call', index, s): each call's first piece names it."""
+    chunks, named = [], set()
+    for kind, index, text in pieces:
+        if kind == "text":
+            delta = {"content": text}
+        else:
+            call = {"index": index, "function": {"arguments": text}}
+            if index not in named:
+                named.add(index)
+                call.update({"id": f"call_{index}", "type": "function"})
+                call["function"]["name"] = f"f{index}"
+            delta = {"tool_calls": [call]}
+        chunks.append({"choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
+    chunks.append({"choices": [{"index": 0, "delta": {}, "finish_reason": finish}]})
+    chunks.append({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 7}})
+    body = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+    return body.encode()
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    pieces=st.lists(
+        st.one_of(
+            st.tuples(st.just("text"), st.just(0), st.text(min_size=1, max_size=8)),
+            st.tuples(st.just("call"), st.integers(0, 2), st.text(min_size=1, max_size=8)),
+        ),
+        min_size=1,
+        max_size=30,
+    ),
+    finish=st.sampled_from(["stop", "length", "tool_calls"]),
+)
+def test_any_chat_stream_becomes_events_whose_deltas_add_up_to_the_final_response(pieces, finish):
+    reader, out = translate(_chat_stream(pieces, finish), [])
+    events = events_of(out)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    final = events[-1].response
+    assert events[-1].type == (
+        "response.incomplete" if finish == "length" else "response.completed"
+    )
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == "".join(s for kind, _, s in pieces if kind == "text")
+    assert final.output_text == text
+    calls = {o.call_id: o.arguments for o in final.output if o.type == "function_call"}
+    for index in {i for kind, i, _ in pieces if kind == "call"}:
+        assert calls[f"call_{index}"] == "".join(
+            s for kind, i, s in pieces if kind == "call" and i == index
+        )
+    assert reader.usage.input_tokens == 5 and reader.usage.output_tokens == 7
