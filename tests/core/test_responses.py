@@ -260,3 +260,14 @@ def test_any_body_is_parsed_and_translated_or_refused_with_a_named_field(items, 
         chat_request(parsed.body, list(turn.input), "m", stream=parsed.stream)
     except InvalidRequest as exc:
         assert exc.param
+
+
+def test_a_stream_without_event_lines_is_read_by_its_data_types():
+    stream = b"\n\n".join(
+        b"\n".join(line for line in event.split(b"\n") if not line.startswith(b"event:"))
+        for event in recorded_stream().split(b"\n\n")
+    )
+    reader, out = read(stream, [])
+    assert reader.completed and reader.response["id"] == OURS
+    assert out.count(b'"id":"' + OURS.encode() + b'"') == 3  # created, in_progress, completed
+    assert b"resp_upstream" not in out
