@@ -142,6 +142,28 @@ def build_parser() -> argparse.ArgumentParser:
     admission.add_argument(
         "--admin-listen", default=None, help="serve /metrics and /health on host:port"
     )
+    admission.add_argument(
+        "--instance-name",
+        default=None,
+        metavar="NAME",
+        help="a stable name from the deployment (a StatefulSet pod's name; overrides "
+        "admission.instance_name): restarted under it, the instance takes its earlier "
+        "incarnation's shards and quota over within seconds; refuses to start while another "
+        "process runs under it",
+    )
+    admission.add_argument(
+        "--instance",
+        default=None,
+        metavar="ID",
+        help="this process's instance id (llmgw up; default: one made per start)",
+    )
+    admission.add_argument(
+        "--supersedes",
+        default=None,
+        metavar="INSTANCE",
+        help="an admission instance whose process has exited (llmgw up restarting admission); "
+        "its shards and quota are taken over at once instead of after member_ttl",
+    )
     admission.set_defaults(target="llmgw.services.admission.main:run")
 
     reaper = sub.add_parser(

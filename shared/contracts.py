@@ -92,7 +92,7 @@ class LeaseHold(Protocol):
     @property
     def cut_short(self) -> bool: ...
 
-    on_lost: Callable[[], None] | None
+    on_lost: Callable[[], object] | None  # its result is ignored
 
     def cut(self) -> None: ...
 

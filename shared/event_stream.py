@@ -112,7 +112,7 @@ async def read_events(
     policy = DeliverPolicy.ALL if since is None else DeliverPolicy.BY_START_TIME
     consumer = ConsumerConfig(
         deliver_policy=policy,
-        opt_start_time=since.astimezone(UTC).isoformat() if since is not None else None,
+        opt_start_time=since.astimezone(UTC) if since is not None else None,
         ack_policy=AckPolicy.NONE,
         filter_subject=subject,
         inactive_threshold=30.0,

@@ -42,6 +42,7 @@ __all__ = [
     "REPORT_KEY_PREFIX",
     "EndpointReport",
     "LoadSample",
+    "MetricsMode",
     "PoolReport",
     "capacity_floors",
     "endpoint_event_subject",
@@ -50,6 +51,8 @@ __all__ = [
 ]
 
 REPORT_KEY_PREFIX = "endpoint."
+# How an endpoint's metrics were read (`EndpointReport.metrics` says what each means).
+MetricsMode = Literal["full", "partial", "none", "error"]
 # `llmgw.v1.events.endpoint.<verb>.<provider>`: one vocabulary with the routing events.
 ENDPOINT_EVENT_VERBS = ("scraped", "healthy", "unhealthy")
 POOL_EVENT_VERBS = ("measured",)
@@ -147,7 +150,7 @@ class EndpointReport(BaseModel):
     healthy: bool
     health_error: str | None = None
     sample: LoadSample | None = None
-    metrics: Literal["full", "partial", "none", "error"] | None = None
+    metrics: MetricsMode | None = None
     metrics_error: str | None = None
     capacity: int = Field(0, ge=0)
     saturation: float | None = None

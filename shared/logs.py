@@ -244,7 +244,7 @@ def setup_logging(service: str, config: LogConfig | None = None, stream: Any = N
     Records skip what neither formatter prints (the logging HOWTO's "Optimization"): the
     caller's frame, thread, process and multiprocessing names. The edge writes one access record
     per request, so these are per-request costs."""
-    logging._srcfile = None  # type: ignore[attr-defined]
+    logging._srcfile = None
     logging.logThreads = False
     logging.logProcesses = False
     logging.logMultiprocessing = False

@@ -289,7 +289,7 @@ def helm_values(config: Config, secret: str = NATS_USERS_SECRET) -> dict[str, ob
 def render_helm_values(config: Config) -> str:
     import yaml
 
-    values = yaml.safe_dump(helm_values(config), sort_keys=False, width=100)
+    values: str = yaml.safe_dump(helm_values(config), sort_keys=False, width=100)
     what = "The official NATS Helm chart's values for llmgw: 3 JetStream nodes"
     return _header("llmgw config nats-auth --helm FILE", what) + values
 

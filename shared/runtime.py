@@ -9,7 +9,8 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from llmgw import logs
 from llmgw.config import ConfigError, load_config
@@ -85,8 +86,9 @@ def tune_gc() -> None:
     gc.set_threshold(*_GC_THRESHOLDS)
 
 
-def run_service(main: Callable[[], Awaitable[None]]) -> int:
+def run_service(main: Callable[[], Coroutine[Any, Any, None]]) -> int:
     """Run `main` on uvloop (when available) and return a process exit code."""
+    runner: Callable[[Coroutine[Any, Any, None]], None]
     try:
         import uvloop
 

@@ -13,6 +13,7 @@ import socket
 from dataclasses import dataclass
 
 import uvicorn
+from starlette.types import ASGIApp
 
 
 @dataclass
@@ -53,7 +54,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 async def start_server(
-    app: object,
+    app: ASGIApp,
     host: str = "127.0.0.1",
     port: int = 0,
     *,
@@ -63,13 +64,14 @@ async def start_server(
 ) -> RunningServer:
     """Start `app` on uvicorn in this loop and return once it accepts connections."""
     sock = bind_socket(host, port)
-    bound_port = sock.getsockname()[1]
+    bound_port: int = sock.getsockname()[1]
     config = uvicorn.Config(
         app,
         log_level=log_level,
         access_log=False,
         lifespan="on",
-        timeout_graceful_shutdown=timeout_graceful_shutdown,
+        # Annotated int upstream, but only ever used as an asyncio timeout (a float is fine).
+        timeout_graceful_shutdown=timeout_graceful_shutdown,  # type: ignore[arg-type]
         # Longer than clients keep idle connections (httpx: 5 s), so a client
         # never sends a request on a connection the server is just closing.
         timeout_keep_alive=timeout_keep_alive,

@@ -29,7 +29,7 @@ def build_version() -> str:
 
 
 def service_registry(service: str) -> CollectorRegistry:
-    prometheus_client.disable_created_metrics()
+    prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]  # unannotated upstream
     registry = CollectorRegistry()
     ProcessCollector(registry=registry)
     PlatformCollector(registry=registry)

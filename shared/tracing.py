@@ -37,7 +37,9 @@ if TYPE_CHECKING:
 
     from llmgw.config.observability import TracingConfig
 
-__all__ = ["Tracing", "current_headers", "open_tracing"]
+# `trace` and `otel_context` are re-exported: the services reach the API through this module,
+# which stands None in for them when it is not installed.
+__all__ = ["Tracing", "current_headers", "open_tracing", "otel_context", "trace"]
 
 
 class Tracing:
@@ -73,7 +75,8 @@ class Tracing:
         """The remote parent in `headers` (HTTP or NATS), or None."""
         if not headers:
             return None
-        return _PROPAGATOR.extract(carrier=dict(headers))
+        parent: Context = _PROPAGATOR.extract(carrier=dict(headers))
+        return parent
 
     def start(self, name: str, parent: Context | None = None, *, server: bool = False) -> Any:
         kind = trace.SpanKind.SERVER if server else trace.SpanKind.INTERNAL

@@ -63,9 +63,7 @@ class Admission:
         service.shards.stopping = True
         for task in [*service._loops, *service._tasks]:
             task.cancel()
-        if service.shards._task is not None:
-            service.shards._task.cancel()
-        for task in service.shards._reclaims:
+        for task in service.shards.background():
             task.cancel()
         for task in service.membership._tasks:
             task.cancel()

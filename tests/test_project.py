@@ -7,6 +7,8 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -62,12 +64,20 @@ def test_ruff_format_is_applied():
     _run(sys.executable, "-m", "ruff", "format", "--check", "--no-cache", ".")
 
 
-def test_the_pure_core_type_checks_strictly(tmp_path: Path):
-    """mypy --strict (pyproject's [tool.mypy]) on llmgw.core. The repository keeps shared/ as
-    the `llmgw` package, so mypy reads it through a link named llmgw."""
-    (tmp_path / "llmgw").symlink_to(ROOT / "shared", target_is_directory=True)
+def test_the_package_type_checks_strictly(tmp_path: Path, pytestconfig: pytest.Config):
+    """mypy --strict (pyproject's [tool.mypy]) on the whole package: `llmgw` and
+    `llmgw.services`. The repository keeps them as shared/ and services/, so mypy reads them
+    through a tree of links laid out as the package. Its cache is kept with pytest's, so a run
+    after a small change rechecks only what it touches."""
+    package = tmp_path / "llmgw"
+    package.mkdir()
+    for entry in (ROOT / "shared").iterdir():
+        if entry.name != "__pycache__":
+            (package / entry.name).symlink_to(entry)
+    (package / "services").symlink_to(ROOT / "services", target_is_directory=True)
+    kept = pytestconfig.cache.mkdir("mypy") if pytestconfig.cache is not None else tmp_path
     env = {**os.environ, "MYPYPATH": str(tmp_path)}
     _run(
         sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"),
-        "--cache-dir", str(tmp_path / "cache"), "-p", "llmgw.core", env=env,
+        "--cache-dir", str(kept), "-p", "llmgw", env=env,
     )  # fmt: skip

@@ -17,13 +17,15 @@ from llmgw.services.admission.health import HealthBoard
 from llmgw.services.admission.loadboard import LoadBoard, LoadFollower
 from llmgw.services.admission.metrics import AdmissionMetrics
 from llmgw.services.admission.service import AdmissionService
+from llmgw.services.admission.successor import remove_exited_member, supersede_name
 from llmgw.state.setup import open_events_stream, open_load_bucket, open_routing_store
 from llmgw.tracing import open_tracing
 
 if TYPE_CHECKING:
     from llmgw.config import Config
-    from llmgw.state.store import RoutingStore
 
+
+__all__ = ["RunningAdmission", "open_admission", "remove_exited_member"]
 
 log = logging.getLogger("llmgw.admission")
 
@@ -47,16 +49,36 @@ class RunningAdmission:
 
 
 async def open_admission(
-    config: Config, instance: str, connection_name: str, *, supersedes: str | None = None
+    config: Config,
+    instance: str,
+    connection_name: str,
+    *,
+    supersedes: str | None = None,
+    name: str | None = None,
 ) -> RunningAdmission:
     """Start one admission instance named `instance` on a connection of its own.
 
     `supersedes`: an instance known to be dead (its process exited: `llmgw up` restarting an
-    edge that ran admission in process). Its member key is removed before this one joins, as
-    the reaper would once its TTL had passed, so its shards are adopted at once instead of
-    after ``admission.member_ttl``. Only a supervisor that saw the process end may say so: a
-    live instance whose key is removed keeps deciding until its next heartbeat fails."""
+    edge that ran admission in process, or an admission process). Its member key is removed
+    before this one joins, as the reaper would once its TTL had passed, so its shards are
+    adopted at once instead of after ``admission.member_ttl``, and its quota is returned once
+    they are (services/admission/successor.py). Only a supervisor that saw the process end may
+    say so.
+
+    `name`: the stable name the deployment gives this process (``admission.instance_name``):
+    an earlier incarnation's key is taken for dead once it is no longer renewed, and
+    `successor.NameInUse` is raised when it is (another process runs under the name)."""
     nc = await natsconn.connect(config.nats, name=connection_name)
+    try:
+        return await _open(config, nc, instance, supersedes, name)
+    except BaseException:
+        await natsconn.drain_or_close(nc)
+        raise
+
+
+async def _open(
+    config: Config, nc: Any, instance: str, supersedes: str | None, name: str | None
+) -> RunningAdmission:
     board = LoadBoard(config, HealthBoard())
     follower = LoadFollower(board, await open_load_bucket(nc, config))
     await follower.start()
@@ -65,8 +87,22 @@ async def open_admission(
     store = await open_routing_store(nc, config)
     await open_events_stream(nc, config)
     events = EventPublisher(nc, instance)
-    if supersedes is not None and await remove_exited_member(store, supersedes):
-        events.emit(MemberEvent, event="member.expired", member=supersedes)
+    gone: list[str] = []
+    try:
+        if supersedes is not None and await remove_exited_member(store, supersedes):
+            gone.append(supersedes)
+        if name is not None:
+            gone += await supersede_name(
+                store,
+                name,
+                heartbeat=config.admission.heartbeat,
+                member_ttl=config.admission.member_ttl,
+            )
+    except BaseException:
+        await follower.stop()
+        raise
+    for member in gone:
+        events.emit(MemberEvent, event="member.expired", member=member)
     service = AdmissionService(
         config,
         nc,
@@ -78,6 +114,7 @@ async def open_admission(
         events=events,
         tracing=open_tracing("admission", config.tracing),
     )
+    service.membership.name = name
     watch_service(metrics, service)
     await service.start()
     events.emit(MemberEvent, event="member.joined", member=service.instance)
@@ -89,17 +126,3 @@ def watch_service(metrics: AdmissionMetrics, service: AdmissionService) -> None:
     metrics.watch_breakers(service.breakers, [e.id for e in service.config.endpoints])
     metrics.watch_ledger(service.ledger, lambda: len(service.shards.serving))
     metrics.watch_quotas(service.quotas)
-
-
-async def remove_exited_member(store: RoutingStore, instance: str) -> bool:
-    """Delete the member key of `instance` (the process that held it has exited), or of what
-    it had become by joining again under a new id (``<instance>-r<token>``, after a fence);
-    False when there is none (it left gracefully, or the reaper removed it)."""
-    removed = False
-    for stored in await store.members():
-        name = stored.value.instance
-        if name == instance or name.startswith(f"{instance}-r"):
-            if await store.remove_member(name, stored.revision):
-                log.info("removed the member key of %s: its process exited", name)
-                removed = True
-    return removed

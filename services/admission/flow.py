@@ -14,6 +14,9 @@ are `llmgw.core.flow`'s; this adapter owns the asyncio side:
   tick*: the service places it and counts it on its endpoint before the next waiter is
   considered, so the tick never grants on a load that does not include its own grants. The
   waiter's future then carries whatever ``dispatch`` returned;
+- a queued request's future resolves to a `QueueResult`: `Dispatched` (the reply the service
+  placed it with), `Borrowing` (placement waits for a loan of quota first), `Expired`,
+  `Cancelled` or `Moved` (its shard went to another instance: its edge asks the new owner);
 - this instance's waiting counts go to the others on ADMISSION_FLOW_SUBJECT when they change
   (at most once per tick) and every second while non-empty; theirs feed `plan_dispatch`'s
   ``remote`` and the arrival check, so a band waiting in another instance is not overtaken.
@@ -30,11 +33,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 from pydantic import ValidationError
 
@@ -50,6 +54,7 @@ if TYPE_CHECKING:
     from llmgw.config.schema import Config
     from llmgw.services.admission.loadboard import LoadBoard
     from llmgw.services.admission.metrics import AdmissionMetrics
+    from llmgw.wire import AdmitReply
 
 log = logging.getLogger("llmgw.admission.flow")
 
@@ -58,7 +63,53 @@ STATE_FORGET_AFTER = 3.0  # a peer's state older than this is dropped (the peer 
 CANCEL_MEMORY = 5.0  # seconds a cancel for a request not (yet) queued here is remembered
 IDLE_TICK = 1.0  # seconds between ticks while nothing waits here (housekeeping only)
 
-Dispatch = Callable[[Waiter, GateDecision], Any]
+L = TypeVar("L")
+
+
+@dataclass(frozen=True, slots=True)
+class Dispatched:
+    """The tick let it go and the service placed it: `reply` is its answer (a grant or a
+    refusal)."""
+
+    reply: AdmitReply
+    label: ClassVar[str] = "granted"
+
+
+@dataclass(frozen=True, slots=True)
+class Borrowing(Generic[L]):
+    """The tick let it go, but placement waits for a loan of quota first (the service's
+    `loan`: what to borrow, then it places the request)."""
+
+    loan: L
+    label: ClassVar[str] = "granted"
+
+
+@dataclass(frozen=True, slots=True)
+class Expired:
+    """It waited ``queue_ttl`` (or flow control stopped, or dispatching it failed)."""
+
+    label: ClassVar[str] = "expired"
+
+
+@dataclass(frozen=True, slots=True)
+class Cancelled:
+    """Its client went away while it waited."""
+
+    label: ClassVar[str] = "cancelled"
+
+
+@dataclass(frozen=True, slots=True)
+class Moved:
+    """Its shard went to another instance while it waited: its edge asks the new owner."""
+
+    label: ClassVar[str] = "dropped"
+
+
+EXPIRED, CANCELLED, MOVED = Expired(), Cancelled(), Moved()
+# What a queued request's future resolves to: closed, one case per way a wait ends.
+QueueResult = Dispatched | Borrowing[Any] | Expired | Cancelled | Moved
+# Places a waiter the tick let go, synchronously inside the tick.
+Dispatch = Callable[[Waiter, GateDecision], Dispatched | Borrowing[Any]]
 
 
 def band_policies(config: Config) -> list[BandPolicy]:
@@ -73,7 +124,7 @@ def band_policies(config: Config) -> list[BandPolicy]:
 class Ticket:
     """A queued request's handle: the future its handler awaits, and the service's context."""
 
-    future: asyncio.Future[Any]
+    future: asyncio.Future[QueueResult]
     can_overflow: bool
     context: Any
 
@@ -149,10 +200,10 @@ class FlowControl:
         *,
         can_overflow: bool,
         context: Any = None,
-    ) -> GateDecision | asyncio.Future[Any]:
+    ) -> GateDecision | asyncio.Future[QueueResult]:
         """GRANTED / OVERFLOW (place it now), QUEUE_FULL or CANCELLED (refuse it), or the future
         of its place in the queue (resolved by the tick with ``dispatch``'s result, or with
-        EXPIRED, CANCELLED or a `drop` reason)."""
+        `Expired`, `Cancelled` or `Moved`)."""
         now = self._clock()
         if self._cancelled.pop(request_id, None) is not None:
             return GateDecision.CANCELLED
@@ -162,7 +213,7 @@ class FlowControl:
             decision = GateDecision.QUEUED
         if decision is not GateDecision.QUEUED:
             return decision
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[QueueResult] = asyncio.get_running_loop().create_future()
         waiter = Waiter(
             request_id, model, band.name, tenant, now, Ticket(future, can_overflow, context)
         )
@@ -171,26 +222,26 @@ class FlowControl:
         if self._idle is not None and not self._idle.done():
             self._idle.set_result(None)  # the tick runs at once, then every interval
         self._metrics.queue_depth.labels(band.name).inc()
-        future.add_done_callback(lambda f, w=waiter: self._abandoned(f, w))
+        future.add_done_callback(functools.partial(self._abandoned, waiter=waiter))
         return future
 
-    def _abandoned(self, future: asyncio.Future[Any], waiter: Waiter) -> None:
+    def _abandoned(self, future: asyncio.Future[QueueResult], waiter: Waiter) -> None:
         """The handler awaiting this future was cancelled (the service is stopping)."""
         if future.cancelled() and self.queues.cancel(waiter.request_id) is not None:
             self._metrics.queue_depth.labels(waiter.band).dec()
 
     def cancel(self, request_id: str) -> bool:
-        """Drop a queued request; its future gets CANCELLED. False if not queued here."""
+        """Drop a queued request; its future gets `Cancelled`. False if not queued here."""
         waiter = self.queues.cancel(request_id)
         if waiter is None:
             self._cancelled[request_id] = self._clock()
             return False
-        self._resolve(waiter, GateDecision.CANCELLED, self._clock())
+        self._resolve(waiter, CANCELLED, self._clock())
         return True
 
-    def drop(self, wanted: Callable[[Any], bool], result: Any) -> int:
-        """Answer every queued request whose context `wanted` accepts with `result` (their
-        shard moved away: they ask its new owner)."""
+    def drop(self, wanted: Callable[[Any], bool], result: QueueResult = MOVED) -> int:
+        """Answer every queued request whose context `wanted` accepts with `result` (`Moved`:
+        their shard moved away, they ask its new owner)."""
         now = self._clock()
         dropped = 0
         for model in self.queues.models():
@@ -203,12 +254,12 @@ class FlowControl:
         return dropped
 
     def _resolve(
-        self, waiter: Waiter, result: Any, now: float, decision: str | None = None
+        self, waiter: Waiter, result: QueueResult, now: float, decision: str | None = None
     ) -> None:
         """Answer a waiter that has already left the queue."""
         self._metrics.queue_depth.labels(waiter.band).dec()
         waited = max(0.0, now - waiter.enqueued_at)
-        label = decision or (result.value if isinstance(result, GateDecision) else "granted")
+        label = decision or result.label
         self._metrics.queue_wait.labels(waiter.band, label).observe(waited)
         ticket: Ticket = waiter.token
         if not ticket.future.done():
@@ -221,7 +272,7 @@ class FlowControl:
         now = self._clock()
         answered = 0
         for waiter in self.queues.expire(now):
-            self._resolve(waiter, GateDecision.EXPIRED, now)
+            self._resolve(waiter, EXPIRED, now)
             answered += 1
         for model in self.queues.models():
             answered += self._dispatch_pool(model, now)
@@ -231,11 +282,12 @@ class FlowControl:
         return answered
 
     def _run_dispatch(self, waiter: Waiter, decision: GateDecision, now: float) -> None:
+        result: QueueResult
         try:
             result = self._dispatch(waiter, decision)
         except Exception:
             log.exception("dispatching request %s failed", waiter.request_id)
-            result = GateDecision.EXPIRED
+            result = EXPIRED
         self._resolve(waiter, result, now, decision=decision.value)
 
     def _dispatch_pool(self, model: str, now: float) -> int:
@@ -284,7 +336,7 @@ class FlowControl:
         """Until a request is queued here, or `IDLE_TICK` (expiring cancels, gossip)."""
         loop = asyncio.get_running_loop()
         self._idle = idle = loop.create_future()
-        timer = loop.call_later(IDLE_TICK, lambda: idle.done() or idle.set_result(None))
+        timer = loop.call_later(IDLE_TICK, _wake, idle)
         try:
             await idle
         finally:
@@ -347,7 +399,7 @@ class FlowControl:
         """Stop dispatching; requests still queued are answered EXPIRED (the edge's 503)."""
         now = self._clock()
         for waiter in self.queues.expire(float("inf")):
-            self._resolve(waiter, GateDecision.EXPIRED, now)
+            self._resolve(waiter, EXPIRED, now)
         self._publish_state(now)  # an empty state: peers forget this instance at once
         if self._publishing:
             await asyncio.wait(list(self._publishing), timeout=1)
@@ -358,3 +410,8 @@ class FlowControl:
         if self._tick_task is not None:
             task, self._tick_task = self._tick_task, None
             await cancel_and_wait([task])
+
+
+def _wake(idle: asyncio.Future[None]) -> None:
+    if not idle.done():
+        idle.set_result(None)

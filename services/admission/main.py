@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import secrets
+import sys
 
 from llmgw.config import parse_hostport
-from llmgw.core.keys import safe_token
+from llmgw.core.keys import is_safe_token, safe_token
 from llmgw.runtime import (
     load_or_exit,
     require_nats_server,
@@ -24,6 +26,7 @@ from llmgw.runtime import (
 )
 from llmgw.services.admission.admin import create_admin_app
 from llmgw.services.admission.compose import open_admission
+from llmgw.services.admission.successor import NameInUse
 from llmgw.serving import start_server
 
 log = logging.getLogger("llmgw.admission")
@@ -36,9 +39,27 @@ def run(args: argparse.Namespace) -> int:
     admin_listen = getattr(args, "admin_listen", None)
     admin = parse_hostport(admin_listen) if admin_listen else None
 
+    name = getattr(args, "instance_name", None) or config.admission.instance_name
+    if name is not None and not is_safe_token(name):
+        print(f"--instance-name {name!r}: only letters, digits, - and _", file=sys.stderr)
+        return 2
+    given = getattr(args, "instance", None)
+    supersedes = getattr(args, "supersedes", None)
+
     async def main() -> None:
-        instance = safe_token(service_instance("admission"))
-        running = await open_admission(config, instance, "llmgw-admission")
+        if given is not None:
+            instance = safe_token(given)
+        elif name is not None:  # unique per start, the name first (logs, shard keys)
+            instance = f"{name}-{secrets.token_hex(3)}"
+        else:
+            instance = safe_token(service_instance("admission"))
+        try:
+            running = await open_admission(
+                config, instance, "llmgw-admission", supersedes=supersedes, name=name
+            )
+        except NameInUse as exc:
+            print(f"llmgw admission: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
         service = running.service
         admin_server = None
         if admin is not None:

@@ -11,9 +11,11 @@
   leader nobody can claim anything anyway, and decisions need no KV write.
 - **Lost**: a heartbeat whose CAS fails (the reaper removed the key after this instance was
   paused for long), or the first heartbeat after having been fenced (others may have claimed
-  its shards and moved its quota meanwhile; it deletes its old key first): `on_lost` drops
-  everything it held and it joins again under a new id. A fenced instance never resumes
-  deciding with what it held before.
+  its shards and moved its quota meanwhile; it deletes its old key first), or the member watch
+  showing its own key removed (a successor took it for dead: `--supersedes`, or a second
+  process under its stable name; it stops deciding at once instead of at the next heartbeat):
+  `on_lost` drops everything it held and it joins again under a new id. A fenced instance never
+  resumes deciding with what it held before.
 - **View**: watches of ``member.`` and ``shard.`` keep `members` and `owners` current; every
   change calls `on_change`.
 
@@ -71,6 +73,10 @@ class Membership:
         self._tasks: list[asyncio.Task[None]] = []
         self.stopping = False
         self._closed = False
+        # The deployment's stable name for this process (MemberValue.name), if it gave one.
+        self.name: str | None = None
+        self._lost = False  # on_lost called for the current id (once per id)
+        self._epoch = 0  # one heartbeat loop per id: a loop of an earlier id stops
 
     # ---- state ------------------------------------------------------------------------------
 
@@ -99,7 +105,7 @@ class Membership:
     async def join(self) -> None:
         now = self._clock()
         self._joined_at = now
-        self._revision = await self.store.join(MemberValue(self.instance, now, now))
+        self._revision = await self.store.join(MemberValue(self.instance, now, now, name=self.name))
         self._renewed_mono = self._monotonic()
         # Beating from the moment the key exists: the fence counts from here, and reading the
         # view below (two listings) may take a while on a loaded host.
@@ -127,7 +133,8 @@ class Membership:
             return False
         now = self._clock()
         revision = await self.store.renew_member(
-            MemberValue(self.instance, self._joined_at, now, self.stopping), self._revision
+            MemberValue(self.instance, self._joined_at, now, self.stopping, self.name),
+            self._revision,
         )
         if revision is None:
             return False
@@ -143,9 +150,10 @@ class Membership:
             await self.store.leave(self.instance, self._revision)
 
     async def _beat(self) -> None:
+        epoch = self._epoch
         while not self._closed:
             await asyncio.sleep(self.heartbeat)
-            if self._closed:
+            if self._closed or self._lost or epoch != self._epoch:
                 return
             try:
                 renewed = await self.renew_now()
@@ -157,6 +165,8 @@ class Membership:
             if not renewed:
                 if self.stopping:
                     return  # leaving anyway: whoever claims its shards adopts what is left
+                if self._lost or epoch != self._epoch:
+                    return  # the member watch saw the key go first
                 log.error(
                     "member %s is lost (fenced, or its key was taken away: it could not renew "
                     "it for too long; last renewed %.1f s ago): dropping everything and joining "
@@ -164,6 +174,7 @@ class Membership:
                     self.instance,
                     self._monotonic() - self._renewed_mono,
                 )
+                self._lost = True
                 self.on_lost()
                 return
 
@@ -172,8 +183,10 @@ class Membership:
         self.instance = instance
         now = self._clock()
         self._joined_at = now
-        self._revision = await self.store.join(MemberValue(instance, now, now))
+        self._revision = await self.store.join(MemberValue(instance, now, now, name=self.name))
         self._renewed_mono = self._monotonic()
+        self._lost = False
+        self._epoch += 1
         self._tasks = [t for t in self._tasks if t.get_name() != "heartbeat" or not t.done()]
         self._tasks.append(asyncio.create_task(self._beat(), name="heartbeat"))
 
@@ -194,6 +207,8 @@ class Membership:
         if prefix == MEMBER_PREFIX:
             if deleted:
                 self.members.pop(name, None)
+                if name == self.instance:
+                    self._taken_away()
                 return
             try:
                 member = MemberValue.from_json(value)
@@ -218,6 +233,21 @@ class Membership:
             except ValueFormatError:
                 return
             self.owner_revisions[shard] = revision
+
+    def _taken_away(self) -> None:
+        """The watch shows this instance's own key removed: a successor took it for dead
+        (`--supersedes`, a stable name's next process), or the reaper did after a long pause.
+        Stop deciding now (not at the next heartbeat) and drop everything."""
+        if self.stopping or self._closed or self._lost or self._revision == 0:
+            return  # leaving (it removes the key itself), or lost already
+        log.error(
+            "member %s is lost: its key was removed (a successor took it for dead); dropping "
+            "everything and joining again",
+            self.instance,
+        )
+        self._renewed_mono = float("-inf")  # can_serve() is False from here on
+        self._lost = True
+        self.on_lost()
 
     async def refresh_members(self) -> None:
         """Read every member key now (before a handover: the watch may lag a departure)."""

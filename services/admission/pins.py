@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
@@ -124,7 +125,7 @@ class PinWriter:
 
         future = asyncio.ensure_future(run())
         self._last[key] = future
-        future.add_done_callback(lambda f, k=key: self._done(k, f))
+        future.add_done_callback(functools.partial(self._done, key))
 
     def _done(self, key: str, future: asyncio.Future[None]) -> None:
         if self._last.get(key) is future:

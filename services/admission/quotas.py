@@ -25,12 +25,16 @@ back) until `take_in` adds the shard's leases and pins to the ledger in the same
 makes that quota spendable: the receiver goes on deciding its own shards meanwhile (a transfer
 of several pairs awaits the store between them), and a grant into that quota would leave the
 handed leases without room (refused: their requests lost in a graceful handover).
+
+The sequences that call these operations, step by step, are `Handovers`' (``shards.py``; the
+lifecycle: docs/adr/0002-admission-at-memory-speed.md, "Shard lifecycle").
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
@@ -40,8 +44,10 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 from llmgw.core.apikeys import KeyLimits
 from llmgw.core.keys import QUOTA_PREFIX
 from llmgw.core.quota import (
+    NO_COUNTS,
     Quota,
     QuotaBook,
+    QuotaCounts,
     QuotaError,
     fair_targets,
     headroom,
@@ -51,7 +57,7 @@ from llmgw.core.quota import (
 from llmgw.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
-    from llmgw.core.ledger import LeaseRecord, Ledger, PinRecord, ShardState
+    from llmgw.core.ledger import LeaseRecord, Ledger, PairUse, PinRecord, ShardState
     from llmgw.core.quota import PairLimits
     from llmgw.services.admission.membership import Membership
     from llmgw.state.store import RoutingStore, Stored
@@ -59,7 +65,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("llmgw.admission.quotas")
 
 Pair = tuple[str, str]
-Counts = tuple[int, int, int]  # (leases, unreserved leases, pins) of one pair
+Counts = QuotaCounts  # (leases, unreserved leases, pins) of one pair
 T = TypeVar("T")
 _MAX_CAS = 20
 _MAX_LENDERS = 3  # peers asked in one borrowing round, most idle first
@@ -96,7 +102,7 @@ class QuotaKeeper:
         # Use on its way to another instance (a shard being handed over): already out of the
         # ledger, its earmark not yet in the book (by shard, then pair). Never spendable; once
         # earmarked, the book's earmark stands for it (`_aside`).
-        self._pending: dict[int, dict[Pair, tuple[int, int, int]]] = {}
+        self._pending: dict[int, dict[Pair, QuotaCounts]] = {}
         # Quota moved (or being moved) to this instance for a shard it is taking in, by shard,
         # then pair: never spendable, never given back, until `take_in` adds the shard's
         # leases and pins to the ledger in the same step as it makes the quota theirs. With a
@@ -189,29 +195,31 @@ class QuotaKeeper:
         if lowering is not None:
             g = min(quota.g, lowering.g)
             quota = Quota(g, min(g, quota.u, lowering.u), min(quota.p, lowering.p))
-        og, ou, op = self._aside(pair)
-        if (og, ou, op) != (0, 0, 0):
-            g = max(0, quota.g - og)
-            quota = Quota(g, min(g, max(0, quota.u - ou)), max(0, quota.p - op))
+        aside = self._aside(pair)
+        if any(aside):
+            g = max(0, quota.g - aside.leases)
+            quota = Quota(
+                g, min(g, max(0, quota.u - aside.unreserved)), max(0, quota.p - aside.pins)
+            )
         self.ledger.set_quota(pair, quota)
 
-    def _aside(self, pair: Pair) -> tuple[int, int, int]:
+    def _aside(self, pair: Pair) -> QuotaCounts:
         """What of this instance's entry it may not spend (and counts as used): what is on its
         way out (its earmarks in the book, held out use whose earmark is not written yet) and
         what is on its way in (moved here for a shard not taken in yet)."""
         book = self.books[pair].value
-        g, u, p = book.earmarked(self.me)
+        aside = book.earmarked(self.me)
         for shard, counts in self._pending.items():
             held = counts.get(pair)
             if held is not None and (self.me, shard) not in book.handing:
-                g, u, p = g + held[0], u + held[1], p + held[2]
+                aside = aside.plus(held)
         for shard, moving in self._incoming.items():
-            held = moving.get(pair)
-            if held is not None and (held.source, shard) not in book.handing:
-                g, u, p = g + held.g, u + held.u, p + held.p
-        return g, u, p
+            incoming = moving.get(pair)
+            if incoming is not None and (incoming.source, shard) not in book.handing:
+                aside = aside.plus(incoming.counts)
+        return aside
 
-    def hold_out(self, shard: int, counts: Mapping[Pair, tuple[int, int, int]]) -> None:
+    def hold_out(self, shard: int, counts: Mapping[Pair, QuotaCounts]) -> None:
         """Before a shard leaves the ledger: its use stays unspendable here (else a grant could
         slip into the gap) until it is earmarked, and then until the book shows the earmark
         taken by the receiver or back (`reclaim`)."""
@@ -225,7 +233,11 @@ class QuotaKeeper:
         """Write the earmarks of what `hold_out` set aside for `shard` (one CAS per pair)."""
         async with self._lock:
             for pair, counts in list(self._pending.get(shard, {}).items()):
-                if await self._cas(pair, lambda b, c=counts: (b.earmark(self.me, shard, *c), c)):
+
+                def mark(book: QuotaBook, c: QuotaCounts = counts) -> tuple[QuotaBook, QuotaCounts]:
+                    return book.earmark(self.me, shard, *c), c
+
+                if await self._cas(pair, mark):
                     del self._pending[shard][pair]  # the book's earmark stands for it now
                     self._sync(pair)
                 # else left held out (never spendable) until `reclaim`
@@ -317,10 +329,14 @@ class QuotaKeeper:
     def desired(self, pair: Pair, book: QuotaBook, stopping: bool = False) -> Quota:
         """Where this instance's entry should go now (pure given the book, use and members)."""
         limits = self.limits[pair]
-        use = self.ledger.pair_use(pair)
-        og, ou, op = self._aside(pair)
-        bg, bu, bp = self._borrowing.get(pair, (0, 0, 0))  # room a loan got for its waiters
-        use = _Use(use.leases + og + bg, use.unreserved + ou + bu, use.pins + op + bp)
+        use: PairUse | _Use = self.ledger.pair_use(pair)
+        aside = self._aside(pair)
+        got = self._borrowing.get(pair, QuotaCounts())  # room a loan got for its waiters
+        use = _Use(
+            use.leases + aside.leases + got.leases,
+            use.unreserved + aside.unreserved + got.unreserved,
+            use.pins + aside.pins + got.pins,
+        )
         live = sorted(self.membership.live())
         members = max(1, len(live))
         total = limits.max_global_in_flight_request_slots
@@ -407,11 +423,11 @@ class QuotaKeeper:
         self,
         source: str,
         target: str,
-        counts: Mapping[Pair, tuple[int, int, int]],
+        counts: Mapping[Pair, QuotaCounts],
         *,
         shard: int,
         plain: bool,
-    ) -> dict[Pair, tuple[int, int, int]]:
+    ) -> dict[Pair, QuotaCounts]:
         """Take `shard`'s quota from `source` to `target`; returns what moved (at most what
         `source` held). The receiver of a shard calls it, in the same step as it takes the
         shard's state in (handover or adoption). Where `source` earmarked the shard, exactly
@@ -420,17 +436,18 @@ class QuotaKeeper:
         earmark back, and spends it), and the receiver takes in what its own quota covers.
         What moves stays set aside for the shard until `take_in`."""
 
-        def take(book: QuotaBook) -> tuple[QuotaBook, tuple[int, int, int]] | None:
+        def take(book: QuotaBook) -> tuple[QuotaBook, QuotaCounts] | None:
             if (source, shard) not in book.handing:
                 return None
             return book.take(source, shard, target, self._clock())
 
-        def plain_move(book: QuotaBook, g: int, u: int, p: int) -> tuple[QuotaBook, Any]:
+        def plain_move(book: QuotaBook, counts: QuotaCounts) -> tuple[QuotaBook, QuotaCounts]:
+            g, u, p = counts
             have = book.quota(source)
-            step = (min(g, have.g), min(u, have.u, g), min(p, have.p))
+            step = QuotaCounts(min(g, have.g), min(u, have.u, g), min(p, have.p))
             return book.transfer(source, target, *step, at=self._clock()), step
 
-        moved: dict[Pair, tuple[int, int, int]] = {}
+        moved: dict[Pair, QuotaCounts] = {}
         async with self._lock:
             for pair in list(self.books):
                 if pair not in self.limits:
@@ -448,14 +465,14 @@ class QuotaKeeper:
                 mark = self.books[pair].value.handing.get((source, shard))
                 incoming = self._incoming.setdefault(shard, {})
                 if mark is not None:
-                    incoming[pair] = _Incoming(mark.g, mark.u, mark.p, source)
+                    incoming[pair] = _Incoming(mark.counts, source)
                     step = await self._cas(pair, take)  # None: taken back meanwhile
                 elif plain and pair in counts:
-                    incoming[pair] = _Incoming(*counts[pair])
-                    step = await self._cas(pair, lambda b, c=counts[pair]: plain_move(b, *c))
+                    incoming[pair] = _Incoming(counts[pair])
+                    step = await self._cas(pair, functools.partial(plain_move, counts=counts[pair]))
                 if step is not None:
                     moved[pair] = step
-                    incoming[pair] = _Incoming(*step)
+                    incoming[pair] = _Incoming(step)
                 else:
                     incoming.pop(pair, None)
                 self._sync(pair)
@@ -504,7 +521,7 @@ class QuotaKeeper:
                 g, u, p = g + entry.g, u + entry.u, p + entry.p
         if g <= 0 and u <= 0 and p <= 0:
             return None
-        return max(0, g), max(0, u), max(0, p)
+        return QuotaCounts(max(0, g), max(0, u), max(0, p))
 
     def _slack(self, pair: Pair) -> Counts:
         """The headroom every instance asks for beyond its use (`desired`), per count."""
@@ -512,7 +529,7 @@ class QuotaKeeper:
         members = max(1, len(self.membership.live()))
         total = limits.max_global_in_flight_request_slots
         reserved = min(limits.global_in_flight_request_slots_reserved_for_pinned_sessions, total)
-        return (
+        return QuotaCounts(
             headroom(total, members),
             headroom(total - reserved, members),
             headroom(limits.max_pinned_sessions, members),
@@ -569,7 +586,7 @@ class QuotaKeeper:
         request (its reserve, or unreserved quota, has room: g = (g - u) + u)."""
         quota = self.ledger.pair_quota(pair) or Quota()
         use = self.ledger.pair_use(pair)
-        return (
+        return QuotaCounts(
             max(0, need[0] - (quota.g - use.leases)),
             max(0, need[1] - (quota.u - use.unreserved)),
             max(0, need[2] - (quota.p - use.pins)),
@@ -603,7 +620,7 @@ class QuotaKeeper:
                 max(mine.wp, min(limits.max_pinned_sessions, use.pins + p)),
                 self._clock(),
             )
-            return book.with_quota(self.me, entry), (g, u, p)
+            return book.with_quota(self.me, entry), QuotaCounts(g, u, p)
 
         # Raising its own entry needs no lock (only lowering does: `_writing`); a write of the
         # keeper's in flight meanwhile makes one of the two CASes fail and read again.
@@ -612,7 +629,7 @@ class QuotaKeeper:
         left = need
         if got is not None:
             source = "free"
-            left = (max(0, need[0] - got[0]), max(0, need[1] - got[1]), max(0, need[2] - got[2]))
+            left = need.less(got)
         if not any(left) or self.ask_loan is None:
             return source
         now = self._monotonic()
@@ -636,14 +653,14 @@ class QuotaKeeper:
         peers.sort(key=lambda item: (-item[0][0], -item[0][2], item[1]))
         for _, peer in peers[:_MAX_LENDERS]:
             answer = await self.ask_loan(peer, pair, left)
-            lent = answer[0] if answer is not None else (0, 0, 0)
+            lent = answer[0] if answer is not None else QuotaCounts()
             if not any(lent):
                 self._dry[(pair, peer)] = self._monotonic() + _DRY_FOR
                 continue
             assert answer is not None
             await self._catch_up(pair, answer[1])
             source = "lent"
-            left = (max(0, left[0] - lent[0]), max(0, left[1] - lent[1]), max(0, left[2] - lent[2]))
+            left = left.less(lent)
             if not any(left):
                 break
         return source
@@ -663,14 +680,14 @@ class QuotaKeeper:
         the book. Lowered here before the write is sent (nothing is granted into what is lent),
         as `adjust` does. Returns what moved and the book's revision (0: nothing moved)."""
         if pair not in self.limits or pair not in self.books or borrower == self.me:
-            return (0, 0, 0), 0
+            return NO_COUNTS, 0
         if borrower not in self.membership.live():
-            return (0, 0, 0), 0
+            return NO_COUNTS, 0
 
         try:  # the keeper may be busy with a handover's transfer: then lend nothing
             await asyncio.wait_for(self._lock.acquire(), _LEND_LOCK_WAIT)
         except TimeoutError:
-            return (0, 0, 0), 0
+            return NO_COUNTS, 0
         try:
             for _ in range(_MAX_CAS):
                 stored = self.books[pair]
@@ -684,16 +701,16 @@ class QuotaKeeper:
                         entry, spendable, (use.leases, use.unreserved, use.pins), ask
                     )
                 if g == 0 and u == 0 and p == 0:
-                    return (0, 0, 0), 0
+                    return NO_COUNTS, 0
                 book = stored.value.lend(self.me, borrower, g, u, p, at=self._clock())
                 revision = await self._write_own(pair, stored, book)
                 if revision is not None:
                     self.lent += 1
                     self.wake()
-                    return (g, u, p), revision
+                    return QuotaCounts(g, u, p), revision
         finally:
             self._lock.release()
-        return (0, 0, 0), 0
+        return NO_COUNTS, 0
 
     async def leave(self) -> None:
         """Stopping: give back everything not in use (the entry stays if something is)."""
@@ -706,11 +723,11 @@ class _Round(Generic[T]):
     """One borrowing round of a pair: what its requests need together, and how to place each
     (`QuotaKeeper.borrow`)."""
 
-    need: Counts = (0, 0, 0)
+    need: Counts = NO_COUNTS
     waiters: list[tuple[asyncio.Future[T], Callable[[], T]]] = field(default_factory=list)
 
     def add(self, need: Counts, waiter: asyncio.Future[T], then: Callable[[], T]) -> None:
-        self.need = (self.need[0] + need[0], self.need[1] + need[1], self.need[2] + need[2])
+        self.need = self.need.plus(need)
         self.waiters.append((waiter, then))
 
     def settle(self) -> None:
@@ -729,9 +746,7 @@ class _Round(Generic[T]):
 class _Incoming:
     """Quota moving in for a shard; ``source``: the giver whose earmark is being taken."""
 
-    g: int
-    u: int
-    p: int
+    counts: QuotaCounts
     source: str | None = None
 
 

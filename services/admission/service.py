@@ -63,19 +63,28 @@ from llmgw.core.placement import (
     Snapshot,
     place,
 )
+from llmgw.core.quota import QuotaCounts
 from llmgw.core.requests import Feature
 from llmgw.events import EventPublisher, LeaseExpired, PinEvent, PinMoved
 from llmgw.logs import request_id
 from llmgw.services.admission.balancing import UPSTREAM_FAILURES, RateBoard
 from llmgw.services.admission.catalog import ProviderCatalog
-from llmgw.services.admission.flow import FlowControl
+from llmgw.services.admission.flow import (
+    Borrowing,
+    Cancelled,
+    Dispatched,
+    Expired,
+    FlowControl,
+    Moved,
+    QueueResult,
+)
 from llmgw.services.admission.health import HealthBoard
 from llmgw.services.admission.loadboard import PEER_FORGET_AFTER, LoadBoard
 from llmgw.services.admission.membership import Membership
 from llmgw.services.admission.metrics import AdmissionMetrics
 from llmgw.services.admission.pins import PinWriter
 from llmgw.services.admission.quotas import QuotaKeeper
-from llmgw.services.admission.shards import ShardKeeper
+from llmgw.services.admission.shards import ShardContext, ShardKeeper
 from llmgw.services.admission.tracing import DecisionSpans
 from llmgw.tasks import cancel_and_wait
 from llmgw.wire import (
@@ -196,7 +205,7 @@ class _Loan:
     requests together lack of that."""
 
     pair: tuple[str, str]
-    need: tuple[int, int, int]
+    need: QuotaCounts
     overflow: bool = False
 
 
@@ -268,13 +277,31 @@ class AdmissionService:
             clock=clock,
         )
         self.pins = PinWriter(store, self.ledger)
-        self.shards = ShardKeeper(self)
         self.flow = (
             FlowControl(
                 config, self.load, nc, instance, self.metrics, self._dispatch_waiter, clock=clock
             )
             if admission.enabled
             else None
+        )
+        self.shards = ShardKeeper(
+            ShardContext(
+                nc=nc,
+                store=store,
+                membership=self.membership,
+                ledger=self.ledger,
+                quotas=self.quotas,
+                pins=self.pins,
+                events=self.events,
+                clock=clock,
+                settings=admission,
+                on_request=self.on_request,
+                on_renewal=self.on_renewal,
+                drop_queued=self._drop_queued,
+                answers_for=self.answers_for,
+                remember_answers=self.remember_answers,
+                without_ended=self.without_ended,
+            )
         )
         self._bands = {b.name: b for b in admission.bands}
         self._models = frozenset(m.name for m in config.models)  # canonical names (wire values)
@@ -360,7 +387,8 @@ class AdmissionService:
         left = False
         try:
             if watcher is not None:
-                await asyncio.wait({future, watcher}, return_when=asyncio.FIRST_COMPLETED)
+                either: set[asyncio.Future[Any]] = {future, watcher}
+                await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
                 if not future.done():  # the client hung up while queued
                     left = True
                     if self.flow is not None and self.flow.cancel(request.id):
@@ -385,7 +413,9 @@ class AdmissionService:
             await self.quotas.track(key_pair(request.key), KeyLimits(request.key_parallel))
         return self.shards.serves(request.shard) and self.membership.can_serve()
 
-    def _started(self, request: AdmitRequest) -> AdmitReply | tuple[_Request, asyncio.Future[Any]]:
+    def _started(
+        self, request: AdmitRequest
+    ) -> AdmitReply | tuple[_Request, asyncio.Future[QueueResult]]:
         """`_start`, with a failure of the service itself answered as a refusal."""
         try:
             return self._start(request)
@@ -429,7 +459,9 @@ class AdmissionService:
         context, future = started
         return await self._outcome(context, await future)
 
-    def _start(self, request: AdmitRequest) -> AdmitReply | tuple[_Request, asyncio.Future[Any]]:
+    def _start(
+        self, request: AdmitRequest
+    ) -> AdmitReply | tuple[_Request, asyncio.Future[QueueResult]]:
         started = time.perf_counter()
         now = self._clock()
         model = request.model
@@ -472,14 +504,18 @@ class AdmissionService:
 
     def _placed(
         self, context: _Request, *, overflow: bool
-    ) -> AdmitReply | tuple[_Request, asyncio.Future[Any]]:
+    ) -> AdmitReply | tuple[_Request, asyncio.Future[QueueResult]]:
         """Place now, or (a loan of quota would keep the request on our engines) wait for the
         loan in a task and place then."""
         placed = self._place_or_borrow(context, overflow=overflow)
         if isinstance(placed, AdmitReply):
             return self._finish(context, placed)
         context.borrowing = True
-        return context, asyncio.ensure_future(self._after_loan(context, placed))
+        return context, asyncio.ensure_future(self._borrowed(context, placed))
+
+    async def _borrowed(self, context: _Request, loan: _Loan) -> QueueResult:
+        """`_after_loan` as a wait's result (a request that waits for a loan, not a queue)."""
+        return Dispatched(await self._after_loan(context, loan))
 
     async def _after_loan(self, context: _Request, loan: _Loan) -> AdmitReply:
         """Borrow `loan.need`, then place the request in the turn the loan lands (placement
@@ -508,25 +544,29 @@ class AdmissionService:
                 return self._finish(context, self.place(context, overflow=loan.overflow))
         return result
 
-    async def _outcome(self, context: _Request, result: Any) -> AdmitReply:
+    async def _outcome(self, context: _Request, result: QueueResult) -> AdmitReply:
         """The answer for a request that waited (queue or loan), from what it resolved to; a
         queued request dispatched into a loan waits for the loan here."""
-        if isinstance(result, _Loan):
-            result = await self._after_loan(context, result)
+        if isinstance(result, Borrowing):
+            result = Dispatched(await self._after_loan(context, result.loan))
         return self._final(context, result)
 
-    def _final(self, context: _Request, result: Any) -> AdmitReply:
+    def _final(self, context: _Request, result: QueueResult) -> AdmitReply:
         """The answer for a queued request, from what its queue future resolved to."""
-        if isinstance(result, AdmitReply):
-            return result
-        refusal = {
-            GateDecision.EXPIRED: Refusal.QUEUE_TIMEOUT,
-            GateDecision.CANCELLED: Refusal.CANCELLED,
-        }.get(result, Refusal.NOT_OWNER)
+        refusal: Refusal
+        match result:
+            case Dispatched(reply):
+                return reply
+            case Expired():
+                refusal = Refusal.QUEUE_TIMEOUT
+            case Cancelled():
+                refusal = Refusal.CANCELLED
+            case Moved() | Borrowing():  # moved away (a loan is waited for in `_outcome`)
+                refusal = Refusal.NOT_OWNER
         self.metrics.child(self.metrics.flow_decisions, context.band.name, str(refusal)).inc()
         return self._refusal(context.request.id, refusal, band=context.band.name)
 
-    async def _wait_in_queue(self, context: _Request, future: asyncio.Future[Any]) -> None:
+    async def _wait_in_queue(self, context: _Request, future: asyncio.Future[QueueResult]) -> None:
         request = context.request
         try:
             if not context.borrowing:  # a loan takes a round trip or two: no QUEUED for it
@@ -537,13 +577,17 @@ class AdmissionService:
         finally:
             self._waiting.pop(request.id, None)
 
-    def _dispatch_waiter(self, waiter: Waiter, decision: GateDecision) -> AdmitReply | _Loan:
+    def _dispatch_waiter(
+        self, waiter: Waiter, decision: GateDecision
+    ) -> Dispatched | Borrowing[_Loan]:
         """The tick let a queued request go: place it now (synchronously, inside the tick), or
         say which loan it waits for first (`_outcome`)."""
         context: _Request = waiter.token.context
         self.metrics.child(self.metrics.flow_decisions, context.band.name, decision.value).inc()
         placed = self._place_or_borrow(context, overflow=decision is GateDecision.OVERFLOW)
-        return self._finish(context, placed) if isinstance(placed, AdmitReply) else placed
+        if isinstance(placed, AdmitReply):
+            return Dispatched(self._finish(context, placed))
+        return Borrowing(placed)
 
     def _finish(self, context: _Request, reply: AdmitReply) -> AdmitReply:
         self.metrics.decision_duration.observe(time.perf_counter() - context.started)
@@ -578,7 +622,7 @@ class AdmissionService:
             if loans and request.key is not None:
                 pair = key_pair(request.key)
                 if tried.count(pair) < _LOAN_ROUNDS and self.quotas.spare(pair) is not None:
-                    return _Loan(pair, (1, 1, 0), overflow)  # what the request will use
+                    return _Loan(pair, QuotaCounts(1, 1, 0), overflow)  # what the request will use
             return self._refusal(
                 request.id,
                 Refusal.KEY_LIMIT,
@@ -683,7 +727,7 @@ class AdmissionService:
         # What the request will use there (the round borrows what its requests lack together).
         unreserved = 0 if ideal.lease_kind is LeaseKind.PINNED else 1
         pin = 1 if ideal.pin_action is not PinAction.NONE and not ideal.evict else 0
-        return _Loan((ideal.provider, model), (1, unreserved, pin), asked.overflow)
+        return _Loan((ideal.provider, model), QuotaCounts(1, unreserved, pin), asked.overflow)
 
     def _apply(
         self,
@@ -807,6 +851,12 @@ class AdmissionService:
             for _, answer, lease in self._answered.values()
             if lease in moving
         )
+
+    def _drop_queued(self, shard: int) -> None:
+        """The shard moved away: its queued requests are answered `Moved` (NOT_OWNER: their
+        edges ask its new owner)."""
+        if self.flow is not None:
+            self.flow.drop(lambda context: context.request.shard == shard)
 
     def remember_answers(self, answers: tuple[AdmitReply, ...]) -> None:
         """Answers of a handover's attempts whose leases were taken in here (`answers_for`)."""
@@ -1061,8 +1111,8 @@ class AdmissionService:
     # ---- loans of quota between instances --------------------------------------------------
 
     async def _ask_loan(
-        self, peer: str, pair: tuple[str, str], need: tuple[int, int, int]
-    ) -> tuple[tuple[int, int, int], int] | None:
+        self, peer: str, pair: tuple[str, str], need: QuotaCounts
+    ) -> tuple[QuotaCounts, int] | None:
         """Ask `peer` to lend quota of `pair` (`QuotaKeeper.borrow`'s transport)."""
         ask = QuotaLoanAsk(
             borrower=self.instance, provider=pair[0], model=pair[1], g=need[0], u=need[1], p=need[2]
@@ -1075,7 +1125,7 @@ class AdmissionService:
         except Exception:  # no responders, a timeout, NATS trouble: place without it
             log.debug("no loan from %s for %s", peer, pair, exc_info=True)
             return None
-        return (loan.g, loan.u, loan.p), loan.revision
+        return QuotaCounts(loan.g, loan.u, loan.p), loan.revision
 
     def _evict_for_loan(self, pair: tuple[str, str], count: int) -> int:
         """Evict up to `count` idle pins of `pair` (those a new pin here would evict) so that
@@ -1092,11 +1142,11 @@ class AdmissionService:
         except ValidationError:
             log.warning("malformed quota loan request")
             return
-        lent, revision = (0, 0, 0), 0
+        lent, revision = QuotaCounts(), 0
         if self.membership.can_serve():
             try:
                 lent, revision = await self.quotas.lend(
-                    ask.borrower, (ask.provider, ask.model), (ask.g, ask.u, ask.p)
+                    ask.borrower, (ask.provider, ask.model), QuotaCounts(ask.g, ask.u, ask.p)
                 )
             except Exception:
                 log.warning("lending quota of %s failed", (ask.provider, ask.model), exc_info=True)

@@ -1,14 +1,28 @@
 """Which shards this instance serves: claims, handovers, adoption after a crash.
 
+Each shard this instance has anything of is one record (`Shard`) in one phase of its lifecycle
+(`llmgw.core.shards.ShardPhase`: CLAIMING, RECEIVING, SERVING, LEAVING; no record is GONE),
+moved only by `ShardKeeper.move`, which refuses an illegal step. The state table (phases,
+steps, who holds the shard's leases in each, what a crash in each leaves behind) is in
+docs/adr/0002-admission-at-memory-speed.md, "Shard lifecycle".
+
 The shard keys in the routing bucket say who owns each shard; `Membership` follows them. Each
 round (every heartbeat, and at once when members or owners change) `ShardKeeper.rebalance`:
 
-1. stops serving a shard whose key names another instance (re-read first: the view may lag);
-2. takes over a shard whose key names this instance but which it does not serve yet (a
+1. drops a shard it serves whose key names another instance (re-read first: the view may lag);
+2. takes over a shard whose key names this instance but of which it has no record yet (a
    handover to it, or its own earlier claim);
 3. claims, by CAS, the shards rendezvous hashing gives it whose owner is gone
    (`llmgw.core.shards.plan_shards`) and takes them over;
 4. hands over the shards it owns that rendezvous hashing gives to another settled member.
+
+`Handovers` owns the sequences that move a shard between instances, each read top to bottom
+in one method, with the owner of the shard's leases stated at every step: `Handovers.give`
+(the giver of a handover), `Handovers.release` (a stopping instance with nobody to give the
+shard to), `Handovers.receive` (the receiver of a handover) and `Handovers.adopt` (a claimant
+whose giver is gone, or whose handover did not arrive in time). The quota book operations they
+call (`hold_out`, `earmark`, `reclaim`, `transfer`, `take_in`, `end_incoming`) are the quota
+adapter's (`QuotaKeeper`).
 
 **Handover** (graceful: a rebalance, or `stop`), giver G to receiver R: G stops serving the shard
 (drains its subscriptions: requests delivered to it meanwhile, and its queued requests of the
@@ -21,9 +35,9 @@ does not listen yet, is sent again within the handover timeout). R moves the ear
 quota to itself (one CAS per pair), takes them in and serves the shard. Nothing is lost: a
 lease is in exactly one ledger at every moment but the message's flight, when neither ends it;
 an edge's end message that arrives during that flight is remembered by R, which leaves the
-ended lease out of what it takes in (`AdmissionService.without_ended`). The leases' recent grants
+ended lease out of what it takes in (`ShardContext.without_ended`). The leases' recent grants
 travel with them, so R answers an edge that asks again for one of those attempts with the same
-grant (`AdmissionService.answers_for`), never a second lease. G takes an earmark back
+grant (`ShardContext.answers_for`), never a second lease. G takes an earmark back
 once R has answered (what R took is gone from it by then) or, without an answer, after
 ``member_ttl`` (by then R has taken it, or adopted the shard without it); which of the two got
 it is decided by the book's CAS, not by that timing (docs/adr/0002, "Handover and adoption").
@@ -36,8 +50,19 @@ the counts, but only from a G that is no longer live), and serves. A lease no ed
 time is not adopted; its edge learns at its next renewal that the lease is lost and ends the
 request.
 
+**A dead instance's quota** (`Handovers._settle_dead`): once no shard key names a dead G as its
+owner, and every other adoption from G has had time to move its counts (``_ADOPTION_SETTLE``
+after its claim), each adopter drops what is left of G's entry from the books (one CAS per
+book; the first wins, the others find nothing), instead of leaving it to the reaper's grace.
+Dead means not live: G's key was removed (a successor, `successor.py`) or not renewed for
+``member_ttl`` (G fenced itself before that: it never spends its entry again). A transfer from G
+that lands after the drop moves nothing, and its receiver takes in what its own quota covers
+(docs/adr/0002, "Changed (2026-12-03)").
+
 While a shard has no subscriber (between the giver's unsubscribe and the receiver's
 subscribe), edges' requests for it find no responders and are retried with a short backoff.
+
+The keeper sees the admission service only through `ShardContext`: exactly what it uses.
 """
 
 from __future__ import annotations
@@ -45,7 +70,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from nats.errors import NoRespondersError
@@ -53,8 +79,9 @@ from pydantic import ValidationError
 
 from llmgw.core.keys import ShardValue
 from llmgw.core.ledger import EndReason, LeaseRecord, PinRecord, ShardState
-from llmgw.core.shards import plan_shards
-from llmgw.events import ShardEvent
+from llmgw.core.shards import ShardPhase, ShardStep, next_phase, plan_shards
+from llmgw.events import QuotaReclaimed, ShardEvent
+from llmgw.services.admission.successor import drop_dead_quota
 from llmgw.tasks import cancel_and_wait
 from llmgw.wire import (
     ADMISSION_ROLLCALL_SUBJECT,
@@ -68,10 +95,18 @@ from llmgw.wire import (
 )
 
 if TYPE_CHECKING:
+    from nats.aio.client import Client as NATS
     from nats.aio.msg import Msg
     from nats.aio.subscription import Subscription
 
-    from llmgw.services.admission.service import AdmissionService
+    from llmgw.config.schema import AdmissionConfig
+    from llmgw.core.ledger import Ledger
+    from llmgw.events import EventPublisher
+    from llmgw.services.admission.membership import Membership
+    from llmgw.services.admission.pins import PinWriter
+    from llmgw.services.admission.quotas import QuotaKeeper
+    from llmgw.state.store import RoutingStore
+    from llmgw.wire import AdmitReply
 
 log = logging.getLogger("llmgw.admission.shards")
 
@@ -79,42 +114,142 @@ _MAX_RELEASE_PER_ROUND = 8
 _HANDOVER_WAIT = 1.0  # seconds a new owner waits for the old one's handover before a roll call
 _HANDOVER_TIMEOUT = 2.0
 _NO_RESPONDERS_PAUSE = 0.05  # before a handover that found no responders is sent again
+# How long after another instance's claim of a dead instance's shard its adoption may still be
+# moving counts from the dead entry (the handover wait, the roll call, the transfers): only
+# then is the entry dropped. For liveness only: a transfer after the drop moves nothing.
+_ADOPTION_SETTLE = _HANDOVER_WAIT + _HANDOVER_TIMEOUT + 2.0
+
+Handler = Callable[["Msg"], Awaitable[None]]
+
+
+@dataclass(frozen=True, slots=True)
+class ShardContext:
+    """What the shard keeper uses of its admission instance, and nothing more."""
+
+    nc: NATS
+    store: RoutingStore
+    membership: Membership
+    ledger: Ledger
+    quotas: QuotaKeeper
+    pins: PinWriter
+    events: EventPublisher
+    clock: Callable[[], float]
+    settings: AdmissionConfig  # heartbeat, member_ttl, shards, rollcall_window
+    on_request: Handler  # a served shard's admission requests
+    on_renewal: Handler  # a served shard's lease renewals
+    drop_queued: Callable[[int], None]  # answer the shard's queued requests: moved
+    # The grants answered here whose leases move with a state (a handover carries them).
+    answers_for: Callable[[ShardState], tuple[AdmitReply, ...]]
+    remember_answers: Callable[[tuple[AdmitReply, ...]], None]  # a handover's, taken in here
+    without_ended: Callable[[ShardState], ShardState]  # less leases whose end came first
+
+    @property
+    def instance(self) -> str:
+        return self.membership.instance
+
+
+@dataclass(slots=True, eq=False)
+class Shard:
+    """One shard this instance has anything of, and what its phase needs."""
+
+    number: int
+    phase: ShardPhase = ShardPhase.GONE
+    subs: list[Subscription] = field(default_factory=list)  # SERVING, LEAVING (draining)
+    # Set once a handover to this instance has been taken in (or answered): a claim of the
+    # shard waits for it before it adopts by roll call.
+    handed: asyncio.Event = field(default_factory=asyncio.Event)
+    # Set once RECEIVING ends (taken in, or not): a handover that comes late waits for it.
+    received: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class ShardKeeper:
-    def __init__(self, service: AdmissionService) -> None:
-        self.service = service
-        self.serving: dict[int, list[Subscription]] = {}
-        self.leaving: set[int] = set()
-        self._taking: set[int] = set()
-        # Shards being taken in (a handover or an adoption), set when done: one at a time.
-        self._receiving: dict[int, asyncio.Event] = {}
-        self._handed: dict[int, asyncio.Event] = {}
+    """The shards of this instance: one `Shard` record each, its rounds of claims and
+    handovers, its subscriptions. The handover and adoption sequences are `Handovers`'."""
+
+    def __init__(self, ctx: ShardContext) -> None:
+        self.ctx = ctx
+        self._shards: dict[int, Shard] = {}  # no record: GONE
         self._wake = asyncio.Event()
         self._lock = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
         self._started = asyncio.Event()  # quotas read: handovers can be taken in
-        self._reclaims: set[asyncio.Task[None]] = set()  # unanswered handovers' earmarks
         self.stopping = False
-        self.adopted_leases = 0
-        self.refused_leases = 0
+        self.handovers = Handovers(ctx, self)
+
+    # ---- the records --------------------------------------------------------------------------
 
     def serves(self, shard: int) -> bool:
-        return shard in self.serving and shard not in self.leaving
+        record = self._shards.get(shard)
+        return record is not None and record.phase is ShardPhase.SERVING
+
+    @property
+    def serving(self) -> frozenset[int]:
+        """The shards this instance holds in its ledger and subscriptions (SERVING, or LEAVING
+        while a handover, release or drop runs)."""
+        return frozenset(n for n, r in self._shards.items() if r.phase in _HELD)
+
+    def phase(self, shard: int) -> ShardPhase:
+        record = self._shards.get(shard)
+        return ShardPhase.GONE if record is None else record.phase
+
+    def _held(self) -> list[Shard]:
+        return [r for r in self._shards.values() if r.phase in _HELD]
+
+    def move(self, record: Shard, step: ShardStep) -> None:
+        """Move `record` by `step` (`llmgw.core.shards.SHARD_TRANSITIONS`; an illegal step
+        raises, a bug). A record that reaches GONE leaves the keeper."""
+        phase = next_phase(record.phase, step)
+        current = self._shards.get(record.number)
+        if phase is not ShardPhase.GONE and current not in (None, record):
+            raise RuntimeError(f"shard {record.number} would have two records")
+        record.phase = phase
+        if phase is ShardPhase.GONE:
+            if current is record:
+                del self._shards[record.number]
+        else:
+            self._shards[record.number] = record
+
+    def add(self, shard: int, step: ShardStep) -> Shard:
+        """A record for a shard of which this instance has nothing yet (GONE), moved by `step`."""
+        record = Shard(shard)
+        self.move(record, step)
+        return record
+
+    def record(self, shard: int) -> Shard | None:
+        return self._shards.get(shard)
+
+    def end(self, record: Shard) -> None:
+        """Out of the ledger and done (LEAVING to GONE); a no-op if it is gone already (dropped
+        while its handover ran: a rejoin)."""
+        if record.phase is not ShardPhase.GONE:
+            self.move(record, ShardStep.END)
+
+    @property
+    def adopted_leases(self) -> int:
+        return self.handovers.adopted_leases
+
+    @property
+    def refused_leases(self) -> int:
+        return self.handovers.refused_leases
 
     def wake(self) -> None:
         self._wake.set()
 
+    def background(self) -> list[asyncio.Task[None]]:
+        """Its tasks: the rounds, unanswered handovers' reclaims, dead instances' settling."""
+        tasks = [self._task] if self._task is not None else []
+        return [*tasks, *self.handovers.background()]
+
     # ---- lifetime -----------------------------------------------------------------------------
 
     async def start(self) -> None:
-        self.service.membership.on_change = self.wake
+        self.ctx.membership.on_change = self.wake
         self._started.set()
         await self.rebalance()
         self._task = asyncio.create_task(self._loop(), name="shard-keeper")
 
     async def _loop(self) -> None:
-        heartbeat = self.service.config.admission.heartbeat
+        heartbeat = self.ctx.settings.heartbeat
         while not self.stopping:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(heartbeat):
@@ -134,77 +269,82 @@ class ShardKeeper:
         instance to start adopts their leases from the edges)."""
         self.stopping = True
         # Leaving: unanswered handovers' earmarks stay for their receivers (or the reaper).
-        await cancel_and_wait([t for t in (self._task, *self._reclaims) if t is not None])
-        nc = self.service.nc
+        await cancel_and_wait(self.background())
+        nc = self.ctx.nc
         if nc.is_connected:
             with contextlib.suppress(Exception):
-                await self.service.membership.announce_leaving()
-                await self.service.membership.refresh_members()  # hand over only to the living
+                await self.ctx.membership.announce_leaving()
+                await self.ctx.membership.refresh_members()  # hand over only to the living
                 await self.rebalance(max_release=len(self.serving) + 1)
-        for shard in list(self.serving):
+        for record in self._held():
+            if self._shards.get(record.number) is not record:
+                continue  # gone meanwhile (handed over by a round, or released)
             if not nc.is_connected:
                 # Nothing can be written: the shard is left to whoever claims it once this
                 # member's key expires, and its leases are adopted by roll call (as after a
                 # crash) instead of waiting out a timeout per shard.
-                await self._stop_serving(shard)
-                self.serving.pop(shard, None)
-                self.leaving.discard(shard)
+                await self.stop_serving(record)
+                self.end(record)
                 continue
             try:
-                await self._release(shard)
+                await self.handovers.release(record)
             except Exception as exc:
-                log.warning("shard %d not released (%s): left to be claimed", shard, exc)
-                self.serving.pop(shard, None)
-                self.leaving.discard(shard)
+                log.warning("shard %d not released (%s): left to be claimed", record.number, exc)
 
     async def drop_all(self) -> None:
-        for shard in list(self.serving):
-            await self._drop(shard)
+        for record in self._held():
+            await self._drop(record)
+
+    async def on_handover(self, msg: Msg) -> None:
+        """A handover to this instance (``llmgw.v1.admission.handover.<instance>``)."""
+        await self._started.wait()  # joined a moment ago: its quotas are being read
+        await self.handovers.receive(msg)
 
     # ---- a round ------------------------------------------------------------------------------
 
     async def rebalance(self, max_release: int = _MAX_RELEASE_PER_ROUND) -> None:
-        service = self.service
-        membership = service.membership
+        ctx = self.ctx
+        membership = ctx.membership
         if not membership.can_serve():
             return
         async with self._lock:
             me = membership.instance
             owners = {k: v.owner for k, v in membership.owners.items()}
-            for shard in list(self.serving):
-                if owners.get(shard) != me and shard not in self.leaving:
-                    stored = await service.store.shard(shard)
+            for record in self._held():
+                shard = record.number
+                if owners.get(shard) != me and record.phase is ShardPhase.SERVING:
+                    stored = await ctx.store.shard(shard)
                     if stored is None or stored.value.owner != me:
                         log.warning(
                             "shard %d is no longer ours (%s): dropping it",
                             shard,
                             stored.value.owner if stored else "released",
                         )
-                        await self._drop(shard)
+                        await self._drop(record)
             takeovers: list[tuple[int, str | None]] = [
                 (k, v.previous)
                 for k, v in membership.owners.items()
-                if v.owner == me and k not in self.serving and k not in self._taking
+                if v.owner == me and k not in self._shards
             ]
             plan = plan_shards(
                 me,
-                service.config.admission.shards,
+                ctx.settings.shards,
                 owners,
                 membership.live(),
-                service._clock(),
-                settle=2 * service.config.admission.heartbeat,
+                ctx.clock(),
+                settle=2 * ctx.settings.heartbeat,
                 max_release=max_release,
                 stopping=(me,) if self.stopping else (),
             )
             for shard in plan.claim:
-                if shard in self._taking:
+                if shard in self._shards:
                     continue
                 current = membership.owners.get(shard)
                 previous = None
                 if current is not None:
                     previous = current.owner if current.owner is not None else current.previous
-                value = ShardValue(me, service._clock(), previous)
-                revision = await service.store.set_shard(
+                value = ShardValue(me, ctx.clock(), previous)
+                revision = await ctx.store.set_shard(
                     shard, value, membership.owner_revisions.get(shard)
                 )
                 if revision is None:
@@ -215,56 +355,390 @@ class ShardKeeper:
             if takeovers:
                 await self._take_over(takeovers)
             for shard, target in plan.release:
-                await self._hand_over(shard, target)
-
-    # ---- taking shards ------------------------------------------------------------------------
+                giving = self._shards.get(shard)
+                if giving is not None and giving.phase is ShardPhase.SERVING:
+                    await self.handovers.give(giving, target)
 
     async def _take_over(self, shards: list[tuple[int, str | None]]) -> None:
-        membership = self.service.membership
+        """Shards whose key names this instance (CLAIMING): a live previous owner is handing
+        them over, so give it a moment; then adopt every one no handover has taken in."""
+        membership = self.ctx.membership
         me = membership.instance
-        for shard, _ in shards:
-            self._taking.add(shard)
+        claims = [(self.add(k, ShardStep.CLAIM), p) for k, p in shards if k not in self._shards]
         try:
             waits = [
-                self._handed.setdefault(shard, asyncio.Event())
-                for shard, previous in shards
+                record.handed.wait()
+                for record, previous in claims
                 if previous is not None and previous != me and membership.is_live(previous)
             ]
             if waits:  # a live previous owner is handing them over: give it a moment
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(_HANDOVER_WAIT):
-                        await asyncio.gather(*(w.wait() for w in waits))
-            adopt = [(k, p) for k, p in shards if k not in self.serving]
+                        await asyncio.gather(*waits)
+            adopt = []
+            for record, previous in claims:
+                current = self._shards.get(record.number)
+                if current is None:  # a handover of it failed meanwhile: claimed again
+                    current = self.add(record.number, ShardStep.CLAIM)
+                if current.phase is ShardPhase.CLAIMING:
+                    adopt.append((current.number, previous))
             if adopt:
-                await self._adopt(adopt)
+                await self.handovers.adopt(adopt)
         finally:
-            for shard, _ in shards:
-                self._taking.discard(shard)
+            for record, _ in claims:
+                current = self._shards.get(record.number)
+                if current is not None and current.phase is ShardPhase.CLAIMING:
+                    self.move(current, ShardStep.ABANDON)  # not taken in: the next round
 
-    async def _adopt(self, shards: list[tuple[int, str | None]]) -> None:
-        # A handover of one of them may be in progress: the first to start takes the shard in.
-        shards = [(k, p) for k, p in shards if k not in self._receiving and k not in self.serving]
-        if not shards:
+    # ---- serving ------------------------------------------------------------------------------
+
+    async def subscribe(self, record: Shard) -> None:
+        """Taken in: subscribe to its requests and renewals (RECEIVING to SERVING)."""
+        ctx = self.ctx
+        shard = record.number
+        record.subs = [
+            await ctx.nc.subscribe(admission_subject(shard), cb=ctx.on_request),
+            await ctx.nc.subscribe(leases_subject(shard), cb=ctx.on_renewal),
+        ]
+        self.move(record, ShardStep.SERVE)
+        with contextlib.suppress(Exception):
+            await ctx.nc.flush(timeout=2)
+
+    async def stop_serving(self, record: Shard) -> None:
+        """To LEAVING: its subscriptions drained, its queued requests answered moved."""
+        self.move(record, ShardStep.LEAVE)
+        for sub in record.subs:
+            # Drained, not unsubscribed: requests already delivered here are still answered
+            # (NOT_OWNER: their edges ask the new owner) instead of dropped unanswered.
+            try:
+                # nats-py leaves Subscription.drain unannotated
+                await asyncio.wait_for(sub.drain(), _HANDOVER_TIMEOUT)  # type: ignore[no-untyped-call]
+            except Exception:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+        self.ctx.drop_queued(record.number)
+
+    async def _drop(self, record: Shard) -> None:
+        """No longer this instance's (its key names another, or it joins again): out of the
+        ledger without a handover; the new owner adopts its leases by roll call."""
+        if record.phase is ShardPhase.GONE:
+            return  # ended meanwhile (its handover or release finished first)
+        await self.stop_serving(record)
+        self.ctx.ledger.take_shard(record.number, self.ctx.clock(), EndReason.DROPPED)
+        self.end(record)
+
+
+_HELD = frozenset({ShardPhase.SERVING, ShardPhase.LEAVING})
+
+
+class Handovers:
+    """The sequences that move a shard between instances, each in one method: `give`,
+    `release`, `receive`, `adopt`. Each step says who holds the shard's leases then; the quota
+    book operations are `QuotaKeeper`'s (docs/adr/0002, "Shard lifecycle")."""
+
+    def __init__(self, ctx: ShardContext, keeper: ShardKeeper) -> None:
+        self.ctx = ctx
+        self.keeper = keeper
+        self._reclaims: set[asyncio.Task[None]] = set()  # unanswered handovers' earmarks
+        self._settling: dict[str, asyncio.Task[None]] = {}  # dead instances' quota, by id
+        self.adopted_leases = 0
+        self.refused_leases = 0
+
+    def background(self) -> list[asyncio.Task[None]]:
+        return [*self._reclaims, *self._settling.values()]
+
+    # ---- the giver ----------------------------------------------------------------------------
+
+    async def give(self, record: Shard, target: str) -> None:
+        """Hand a served shard to `target` (a rebalance, or stopping)."""
+        ctx = self.ctx
+        membership = ctx.membership
+        me = ctx.instance
+        shard = record.number
+        # 1. Stop serving (SERVING to LEAVING). Leases: this ledger's; requests delivered
+        #    meanwhile and queued ones are answered NOT_OWNER (their edges ask again).
+        await self.keeper.stop_serving(record)
+        # 2. Let the shard's pin writes land (the receiver reads nothing from the bucket, but
+        #    an adoption after a lost message does).
+        await ctx.pins.drain([p.key for p in ctx.ledger.shard_state(shard).pins])
+        # 3. Out of the ledger, its use held out and earmarked for the receiver. Leases: in
+        #    no ledger (in the state about to be sent); their quota in this entry, unspendable.
+        #    Earmarked before the shard key names the receiver: however late this handover
+        #    reaches it (it may adopt the shard by roll call meanwhile), the earmark is there.
+        state = await self._set_aside(shard)
+        # 4. The shard key names the receiver (CAS).
+        value = ShardValue(target, ctx.clock(), me)
+        revision = await ctx.store.set_shard(shard, value, membership.owner_revisions.get(shard))
+        if revision is None:
+            # Claimed meanwhile (this instance was taken for dead): its claimant adopts the
+            # leases by roll call and takes the earmark; what it leaves comes back here.
+            log.warning("shard %d changed hands during its handover: dropping it", shard)
+            self.keeper.end(record)
+            self._reclaim_later(shard)
             return
-        done = asyncio.Event()
-        self._receiving.update((k, done) for k, _ in shards)
+        membership.owners[shard] = value
+        membership.owner_revisions[shard] = revision
+        # 5. Send the state (with the grants answered for its leases). Leases: in flight;
+        #    the receiver's once it takes them in (`receive`).
         try:
-            await self._adopt_shards(shards)
-        finally:
-            for k, _ in shards:
-                self.service.quotas.end_incoming(k)
-                self._receiving.pop(k, None)
-            done.set()
+            handover = Handover(source=me, state=state, answers=ctx.answers_for(state))
+            reply = await self.send(target, handover)
+            answer = HandoverReply.model_validate_json(reply.data)
+            if answer.refused:
+                log.warning("shard %d: %s refused %d leases", shard, target, len(answer.refused))
+            # 6. It has taken what it takes (a late adoption of its own takes the earmark
+            #    first, or finds it back here): the rest of the earmark is this instance's.
+            await ctx.quotas.reclaim(shard)
+        except Exception as exc:  # the receiver adopts by roll call instead
+            log.warning("shard %d: handover to %s not confirmed (%s)", shard, target, exc)
+            # 6'. Unanswered: the earmark comes back after member_ttl, if still there.
+            self._reclaim_later(shard)
+        self.keeper.end(record)  # LEAVING to GONE
+        ctx.events.emit(
+            ShardEvent,
+            event="shard.handed",
+            owner=target,
+            shards=(shard,),
+            previous=me,
+            leases=len(state.leases),
+            pins=len(state.pins),
+        )
+        ctx.quotas.wake()
 
-    async def _adopt_shards(self, shards: list[tuple[int, str | None]]) -> None:
-        service = self.service
-        me = service.instance
-        now = service._clock()
-        announced = await self._rollcall([k for k, _ in shards])
-        states: list[tuple[ShardState, str | None]] = []
+    async def send(self, target: str, handover: Handover) -> Msg:
+        """The handover request, within ``_HANDOVER_TIMEOUT``. "No responders" is asked again
+        shortly: a receiver that joined a moment ago may not listen yet, and without the message
+        it would adopt the shard by roll call, losing the leases no edge announced in time."""
+        nc = self.ctx.nc
+        payload = handover.model_dump_json().encode()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + _HANDOVER_TIMEOUT
+        while True:
+            try:
+                return await nc.request(
+                    handover_subject(target), payload, timeout=deadline - loop.time()
+                )
+            except NoRespondersError:
+                if loop.time() + _NO_RESPONDERS_PAUSE >= deadline:
+                    raise
+                await asyncio.sleep(_NO_RESPONDERS_PAUSE)
+
+    async def release(self, record: Shard) -> None:
+        """Stopping with nobody to take the shard: write it ownerless, its quota earmarked (the
+        next owner takes the earmark from this instance's entry when it adopts the shard)."""
+        ctx = self.ctx
+        shard = record.number
+        try:
+            # 1. Stop serving (to LEAVING; a shard handed here while stopping was never
+            #    subscribed). Leases: this ledger's.
+            await self.keeper.stop_serving(record)
+            # 2. Its pin writes land: the next owner adopts the pins from the bucket.
+            await ctx.pins.drain([p.key for p in ctx.ledger.shard_state(shard).pins])
+            # 3. Out of this (stopping) ledger, as in a handover, and earmarked before the
+            #    shard key says it is free. Leases: their edges' only, until a roll call.
+            await self._set_aside(shard)
+            # 4. The shard key names nobody (and this instance as its previous owner).
+            value = ShardValue(None, ctx.clock(), ctx.instance)
+            await ctx.store.set_shard(shard, value, ctx.membership.owner_revisions.get(shard))
+        finally:
+            self.keeper.end(record)
+
+    async def _set_aside(self, shard: int) -> ShardState:
+        """Take the shard out of the ledger, its use held out and earmarked for its next owner
+        (`QuotaKeeper.hold_out`, then `earmark`: one CAS per pair)."""
+        ctx = self.ctx
+        ctx.quotas.hold_out(shard, ctx.ledger.shard_state(shard).counts())
+        state = ctx.ledger.take_shard(shard, ctx.clock(), EndReason.MOVED)
+        try:
+            await ctx.quotas.earmark(shard)
+        except Exception as exc:  # held out (unspendable) until reclaimed
+            log.warning("shard %d: its quota could not be earmarked (%s)", shard, exc)
+        return state
+
+    def _reclaim_later(self, shard: int) -> None:
+        """Take back an unanswered handover's earmark once its receiver has surely taken it, or
+        taken the shard in without it: ``member_ttl`` (a timing for liveness, not for safety:
+        the book decides who got it)."""
+
+        if self.keeper.stopping:
+            return  # leaving: the earmark stays for the receiver (or the reaper, with the entry)
+
+        async def reclaim() -> None:
+            await asyncio.sleep(self.ctx.settings.member_ttl)
+            await self.ctx.quotas.reclaim(shard)
+
+        task = asyncio.create_task(reclaim(), name=f"reclaim-{shard}")
+        self._reclaims.add(task)
+        task.add_done_callback(self._reclaims.discard)
+
+    # ---- the receiver -------------------------------------------------------------------------
+
+    async def receive(self, msg: Msg) -> None:
+        """A handover to this instance: take the shard in and serve it."""
+        ctx = self.ctx
+        keeper = self.keeper
+        try:
+            handover = Handover.model_validate_json(msg.data)
+        except ValidationError:
+            return
+        state = ctx.without_ended(handover.state)  # ends that overtook the handover
+        shard = state.shard
+        refused: list[str] = []
+        stopping = keeper.stopping
+        record = keeper.record(shard)
+        if record is not None and record.phase is not ShardPhase.CLAIMING:
+            # Adopted meanwhile (the handover came late), or held here already: that adoption
+            # takes the earmark, or finds none and takes in what its own quota covers.
+            # Answered once it is done.
+            if record.phase is ShardPhase.RECEIVING:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(_HANDOVER_TIMEOUT):
+                        await record.received.wait()
+            ctx.remember_answers(handover.answers)
+            record.handed.set()
+        else:
+            # 1. RECEIVING (from CLAIMING if this instance's claim waits for the handover).
+            #    Leases: in the message (no ledger ends them).
+            if record is None:
+                record = keeper.add(shard, ShardStep.RECEIVE)
+            else:
+                keeper.move(record, ShardStep.RECEIVE)
+            try:
+                # 2. Keys' quotas tracked, then the giver's earmark moved here (one CAS per
+                #    pair), set aside for the shard: unspendable until taken in.
+                await ctx.quotas.track_keys(state.leases)
+                await ctx.quotas.transfer(
+                    handover.source, ctx.instance, state.counts(), shard=shard, plain=False
+                )
+                # 3. Taken in: leases and pins in this ledger and their quota spendable, in one
+                #    step. Leases: this ledger's (what does not fit is refused: lost).
+                dropped, unpinned = ctx.quotas.take_in(state, ctx.clock())
+                if stopping:
+                    # Handed a shard while stopping (the giver had not seen it yet): release it
+                    # at once (below); the next claimant adopts its leases from the edges.
+                    keeper.move(record, ShardStep.LEAVE)
+                else:
+                    refused = [lease.lease_id for lease in dropped]
+                    self.adopted_leases += len(state.leases) - len(dropped)
+                    self.refused_leases += len(dropped)
+                    ctx.remember_answers(handover.answers)
+                    for pin in state.pins:
+                        ctx.pins.known(pin.key, pin.revision)
+                    for pin in unpinned:
+                        ctx.pins.delete(pin)
+                    # 4. Subscribed: SERVING.
+                    await keeper.subscribe(record)
+            finally:
+                ctx.quotas.end_incoming(shard)
+                if record.phase is ShardPhase.RECEIVING:  # taking it in failed
+                    keeper.move(record, ShardStep.ABANDON)
+                    keeper.wake()
+                record.received.set()
+            record.handed.set()
+            if record.phase is ShardPhase.LEAVING:
+                await self._answer(msg, HandoverReply(accepted=True))
+                await self.release(record)
+                return
+        await self._answer(msg, HandoverReply(accepted=True, refused=tuple(refused)))
+
+    async def _answer(self, msg: Msg, reply: HandoverReply) -> None:
+        if msg.reply:
+            with contextlib.suppress(Exception):
+                await self.ctx.nc.publish(msg.reply, reply.model_dump_json().encode())
+
+    # ---- adoption -----------------------------------------------------------------------------
+
+    async def adopt(self, shards: list[tuple[int, str | None]]) -> None:
+        """Take in claimed shards (CLAIMING) whose giver is gone, or whose handover did not
+        arrive in time, from the bucket (pins) and the edges (leases): `shards` with their
+        previous owners."""
+        ctx = self.ctx
+        keeper = self.keeper
+        me = ctx.instance
+        # 1. RECEIVING, one at a time per shard: a handover of one of them that arrives now
+        #    waits for this adoption and takes nothing more (`receive`). Leases: their edges'
+        #    (and the previous owner's ledger, if it still lives and unmarked its earmark).
+        records = []
         for shard, previous in shards:
+            record = keeper.record(shard)
+            if record is not None and record.phase is ShardPhase.CLAIMING:
+                keeper.move(record, ShardStep.RECEIVE)
+                records.append((record, previous))
+        if not records:
+            return
+        try:
+            states = await self._gather([r.number for r, _ in records])
+            # 2. The API keys' quotas tracked, then each shard's quota moved here (one CAS per
+            #    pair): the previous owner's earmark if it left one; without one, the counts,
+            #    but only from an owner no longer live. Set aside for the shard meanwhile.
+            for state in states:
+                await ctx.quotas.track_keys(state.leases)
+            for state, (_, previous) in zip(states, records, strict=True):
+                if previous is None or previous == me:
+                    continue
+                await ctx.quotas.transfer(
+                    previous,
+                    me,
+                    state.counts(),
+                    shard=state.shard,
+                    plain=not ctx.membership.is_live(previous),
+                )
+            # 3. Taken in, all in one step with the quota moved in for them. Leases: this
+            #    ledger's (what does not fit is refused: lost at its edge's next renewal).
+            adopted = refused = pins_in = 0
+            now = ctx.clock()  # the roll call and the transfers took a while
+            for state in states:
+                # Less the leases whose end came after their edge answered the roll call:
+                # taken in, they would stay here until lease_timeout with nobody to end them.
+                state = ctx.without_ended(state)
+                dropped, unpinned = ctx.quotas.take_in(state, now)
+                adopted += len(state.leases) - len(dropped)
+                refused += len(dropped)
+                pins_in += len(state.pins) - len(unpinned)
+                for pin in unpinned:  # no pin quota left: the session pins again
+                    ctx.pins.delete(pin)
+            # 4. Subscribed: SERVING.
+            for record, _ in records:
+                await keeper.subscribe(record)
+        finally:
+            for record, _ in records:
+                ctx.quotas.end_incoming(record.number)
+                if record.phase is ShardPhase.RECEIVING:  # taking it in failed
+                    keeper.move(record, ShardStep.ABANDON)
+                record.received.set()
+        self.adopted_leases += adopted
+        self.refused_leases += refused
+        if refused:
+            log.warning(
+                "%d leases could not be adopted (no quota left): their requests end", refused
+            )
+        # 5. The dead previous owners' quota goes back now if this adoption was the last
+        #    (before the ready line of a successor that adopted every shard); else once the
+        #    others' are done.
+        for dead in {p for _, p in records if p is not None and p != me}:
+            if await self._settle_once(dead) is not None:
+                self._settle_dead(dead)
+        previous = next((p for _, p in records if p is not None), None)
+        ctx.events.emit(
+            ShardEvent,
+            event="shard.claimed",
+            owner=me,
+            shards=tuple(r.number for r, _ in records),
+            previous=previous,
+            leases=adopted,
+            pins=pins_in,
+        )
+        ctx.quotas.wake()
+
+    async def _gather(self, shards: list[int]) -> list[ShardState]:
+        """The shards' leases from the edges (a roll call) and pins from the bucket."""
+        ctx = self.ctx
+        now = ctx.clock()
+        announced = await self._rollcall(shards)
+        states: list[ShardState] = []
+        for shard in shards:
             pins = []
-            for key, stored in await service.store.shard_pins(shard):
+            for key, stored in await ctx.store.shard_pins(shard):
                 value = stored.value
                 pins.append(
                     PinRecord(
@@ -282,57 +756,13 @@ class ShardKeeper:
                         uses=2,  # its history is unknown: a conversation, not a one-shot
                     )
                 )
-                service.pins.known(key, stored.revision)
-            states.append(
-                (ShardState(shard, tuple(pins), tuple(announced.get(shard, ()))), previous)
-            )
-        for state, _ in states:
-            await service.quotas.track_keys(state.leases)
-        for state, previous in states:
-            if previous is None or previous == me:
-                continue
-            await service.quotas.transfer(
-                previous,
-                me,
-                state.counts(),
-                shard=state.shard,
-                plain=not service.membership.is_live(previous),
-            )
-        adopted = refused = pins_in = 0
-        now = service._clock()  # the roll call and the transfers took a while
-        for state, _ in states:  # all in one step, with the quota moved in for them
-            # Less the leases whose end came after their edge answered the roll call: taken in,
-            # they would stay here until lease_timeout with nobody to end them.
-            state = service.without_ended(state)
-            dropped, unpinned = service.quotas.take_in(state, now)
-            adopted += len(state.leases) - len(dropped)
-            refused += len(dropped)
-            pins_in += len(state.pins) - len(unpinned)
-            for pin in unpinned:  # no pin quota left: the session pins again
-                service.pins.delete(pin)
-        for state, _ in states:
-            await self._subscribe(state.shard)
-        self.adopted_leases += adopted
-        self.refused_leases += refused
-        if refused:
-            log.warning(
-                "%d leases could not be adopted (no quota left): their requests end", refused
-            )
-        previous = next((p for _, p in shards if p is not None), None)
-        service.events.emit(
-            ShardEvent,
-            event="shard.claimed",
-            owner=me,
-            shards=tuple(k for k, _ in shards),
-            previous=previous,
-            leases=adopted,
-            pins=pins_in,
-        )
-        service.quotas.wake()
+                ctx.pins.known(key, stored.revision)
+            states.append(ShardState(shard, tuple(pins), tuple(announced.get(shard, ()))))
+        return states
 
     async def _rollcall(self, shards: Iterable[int]) -> dict[int, list[LeaseRecord]]:
         """Ask every edge which leases it holds in `shards`; answers within the window."""
-        service = self.service
+        ctx = self.ctx
         wanted = set(shards)
         found: dict[int, dict[str, LeaseRecord]] = {}
 
@@ -345,232 +775,91 @@ class ShardKeeper:
                 if lease.shard in wanted:
                     found.setdefault(lease.shard, {})[lease.lease_id] = lease
 
-        inbox = service.nc.new_inbox()
-        sub = await service.nc.subscribe(inbox, cb=collect)
+        inbox = ctx.nc.new_inbox()
+        sub = await ctx.nc.subscribe(inbox, cb=collect)
         try:
-            call = RollCall(owner=service.instance, shards=tuple(sorted(wanted)))
-            await service.nc.publish(
+            call = RollCall(owner=ctx.instance, shards=tuple(sorted(wanted)))
+            await ctx.nc.publish(
                 ADMISSION_ROLLCALL_SUBJECT, call.model_dump_json().encode(), reply=inbox
             )
             # Not a guess at synchronisation: a roll call has no count of answers to wait for
             # (edges come and go); the window is its documented deadline.
-            await asyncio.sleep(service.config.admission.rollcall_window)
+            await asyncio.sleep(ctx.settings.rollcall_window)
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
         return {shard: list(leases.values()) for shard, leases in found.items()}
 
-    async def on_handover(self, msg: Msg) -> None:
-        service = self.service
-        try:
-            handover = Handover.model_validate_json(msg.data)
-        except ValidationError:
+    # ---- a dead instance's quota ----------------------------------------------------------------
+
+    def _settle_dead(self, dead: str) -> None:
+        """Drop what is left of the dead instance's quota once its shards are adopted."""
+        if self.keeper.stopping or dead in self._settling:
             return
-        await self._started.wait()  # joined a moment ago: its quotas are being read
-        state = service.without_ended(handover.state)  # ends that overtook the handover
-        shard = state.shard
-        refused: list[str] = []
-        if shard in self._receiving or shard in self.serving:
-            # Adopted meanwhile (the handover came late): that adoption takes the earmark, or
-            # finds none and takes in what its own quota covers. Answered once it is done.
-            adopting = self._receiving.get(shard)
-            if adopting is not None:
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(_HANDOVER_TIMEOUT):
-                        await adopting.wait()
-            service.remember_answers(handover.answers)
-        elif self.stopping:
-            # Handed a shard while stopping (the giver had not seen it yet): take it, then
-            # release it at once; the next claimant adopts its leases from the edges.
-            self._receiving[shard] = asyncio.Event()
-            try:
-                await service.quotas.track_keys(state.leases)
-                await service.quotas.transfer(
-                    handover.source, service.instance, state.counts(), shard=shard, plain=False
-                )
-                service.quotas.take_in(state, service._clock())
-            finally:
-                service.quotas.end_incoming(shard)
-                self._receiving.pop(shard).set()
-            self._handed.setdefault(shard, asyncio.Event()).set()
-            if msg.reply:
-                reply = HandoverReply(accepted=True)
-                with contextlib.suppress(Exception):
-                    await service.nc.publish(msg.reply, reply.model_dump_json().encode())
-            await self._release(shard)
-            return
-        else:
-            self._receiving[shard] = asyncio.Event()
-            try:
-                await service.quotas.track_keys(state.leases)
-                await service.quotas.transfer(
-                    handover.source, service.instance, state.counts(), shard=shard, plain=False
-                )
-                dropped, unpinned = service.quotas.take_in(state, service._clock())
-                refused = [lease.lease_id for lease in dropped]
-                self.adopted_leases += len(state.leases) - len(dropped)
-                self.refused_leases += len(dropped)
-                service.remember_answers(handover.answers)
-                for pin in state.pins:
-                    service.pins.known(pin.key, pin.revision)
-                for pin in unpinned:
-                    service.pins.delete(pin)
-                await self._subscribe(shard)
-            finally:
-                service.quotas.end_incoming(shard)
-                self._receiving.pop(shard).set()
-        self._handed.setdefault(shard, asyncio.Event()).set()
-        if msg.reply:
-            reply = HandoverReply(accepted=True, refused=tuple(refused))
-            with contextlib.suppress(Exception):
-                await service.nc.publish(msg.reply, reply.model_dump_json().encode())
+        task = asyncio.create_task(self._drop_dead_quota(dead), name=f"settle-{dead}")
+        self._settling[dead] = task
+        task.add_done_callback(lambda _: self._settling.pop(dead, None))
 
-    async def _subscribe(self, shard: int) -> None:
-        service = self.service
-        subs = [
-            await service.nc.subscribe(admission_subject(shard), cb=service.on_request),
-            await service.nc.subscribe(leases_subject(shard), cb=service.on_renewal),
-        ]
-        self.serving[shard] = subs
-        self.leaving.discard(shard)
-        with contextlib.suppress(Exception):
-            await service.nc.flush(timeout=2)
-
-    # ---- giving shards away -------------------------------------------------------------------
-
-    async def _stop_serving(self, shard: int) -> None:
-        self.leaving.add(shard)
-        for sub in self.serving.get(shard, ()):
-            # Drained, not unsubscribed: requests already delivered here are still answered
-            # (NOT_OWNER: their edges ask the new owner) instead of dropped unanswered.
-            try:
-                await asyncio.wait_for(sub.drain(), _HANDOVER_TIMEOUT)
-            except Exception:
-                with contextlib.suppress(Exception):
-                    await sub.unsubscribe()
-        flow = self.service.flow
-        if flow is not None:
-            flow.drop(lambda context: context.request.shard == shard, "moved")
-
-    async def _hand_over(self, shard: int, target: str) -> None:
-        service = self.service
-        membership = service.membership
-        me = service.instance
-        await self._stop_serving(shard)
-        keys = [p.key for p in service.ledger.shard_state(shard).pins]
-        await service.pins.drain(keys)
-        # The receiver moves the shard's quota from this instance's entry to its own as it
-        # takes the state in: that use is set aside here and earmarked for it in the books
-        # first, and spendable here again only if the books give the earmark back. First,
-        # before the shard key names the receiver: however late this handover reaches it
-        # (it may adopt the shard by roll call meanwhile), the earmark is there to take.
-        state = await self._give_up(shard, EndReason.MOVED)
-        value = ShardValue(target, service._clock(), me)
-        revision = await service.store.set_shard(
-            shard, value, membership.owner_revisions.get(shard)
-        )
-        if revision is None:
-            # Claimed meanwhile (this instance was taken for dead): its claimant adopts the
-            # leases by roll call and takes the earmark; what it leaves comes back here.
-            log.warning("shard %d changed hands during its handover: dropping it", shard)
-            self.serving.pop(shard, None)
-            self.leaving.discard(shard)
-            self._reclaim_later(shard)
-            return
-        membership.owners[shard] = value
-        membership.owner_revisions[shard] = revision
-        try:
-            handover = Handover(source=me, state=state, answers=service.answers_for(state))
-            reply = await self._send_handover(target, handover)
-            answer = HandoverReply.model_validate_json(reply.data)
-            if answer.refused:
-                log.warning("shard %d: %s refused %d leases", shard, target, len(answer.refused))
-            # It has taken what it takes (a late adoption of its own takes the earmark first,
-            # or finds it back here): the rest is this instance's again.
-            await service.quotas.reclaim(shard)
-        except Exception as exc:  # the receiver adopts by roll call instead
-            log.warning("shard %d: handover to %s not confirmed (%s)", shard, target, exc)
-            self._reclaim_later(shard)
-        self.serving.pop(shard, None)
-        self.leaving.discard(shard)
-        service.events.emit(
-            ShardEvent,
-            event="shard.handed",
-            owner=target,
-            shards=(shard,),
-            previous=me,
-            leases=len(state.leases),
-            pins=len(state.pins),
-        )
-        service.quotas.wake()
-
-    async def _send_handover(self, target: str, handover: Handover) -> Msg:
-        """The handover request, within ``_HANDOVER_TIMEOUT``. "No responders" is asked again
-        shortly: a receiver that joined a moment ago may not listen yet, and without the message
-        it would adopt the shard by roll call, losing the leases no edge announced in time."""
-        nc = self.service.nc
-        payload = handover.model_dump_json().encode()
+    async def _drop_dead_quota(self, dead: str) -> None:
+        settings = self.ctx.settings
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + _HANDOVER_TIMEOUT
-        while True:
-            try:
-                return await nc.request(
-                    handover_subject(target), payload, timeout=deadline - loop.time()
-                )
-            except NoRespondersError:
-                if loop.time() + _NO_RESPONDERS_PAUSE >= deadline:
-                    raise
-                await asyncio.sleep(_NO_RESPONDERS_PAUSE)
+        give_up = loop.time() + 3 * settings.member_ttl  # then the reaper's grace does it
+        while not self.keeper.stopping and loop.time() < give_up:
+            wait = await self._settle_once(dead)
+            if wait is None:
+                return
+            await asyncio.sleep(min(wait, settings.member_ttl))
 
-    async def _release(self, shard: int) -> None:
-        """Stopping with nobody to take the shard: write it ownerless, earmark its quota (the
-        next owner takes the earmark from this instance's entry when it adopts the shard)."""
-        service = self.service
-        membership = service.membership
-        await self._stop_serving(shard)
-        await service.pins.drain([p.key for p in service.ledger.shard_state(shard).pins])
-        # Out of this (stopping) ledger, as in a handover, and earmarked before the shard key
-        # says it is free: the next owner adopts the pins from the bucket and the leases from
-        # the edges, and takes the earmark.
-        await self._give_up(shard, EndReason.MOVED)
-        value = ShardValue(None, service._clock(), service.instance)
-        await service.store.set_shard(shard, value, membership.owner_revisions.get(shard))
-        for sub in self.serving.pop(shard, ()):
-            del sub
-        self.leaving.discard(shard)
-
-    async def _give_up(self, shard: int, reason: EndReason) -> ShardState:
-        """Take the shard out of the ledger, its use held out and earmarked for its next owner."""
-        service = self.service
-        service.quotas.hold_out(shard, service.ledger.shard_state(shard).counts())
-        state = service.ledger.take_shard(shard, service._clock(), reason)
+    async def _settle_once(self, dead: str) -> float | None:
+        """Drop the dead instance's quota if its shards are adopted (None: done, or it is not
+        dead after all); else how long to wait before looking again."""
+        ctx = self.ctx
+        membership = ctx.membership
+        heartbeat = ctx.settings.heartbeat
+        if membership.is_live(dead):
+            return None  # not dead: a live member's entry is its own
+        me = membership.instance
+        wait = 0.0
         try:
-            await service.quotas.earmark(shard)
-        except Exception as exc:  # held out (unspendable) until reclaimed
-            log.warning("shard %d: its quota could not be earmarked (%s)", shard, exc)
-        return state
-
-    def _reclaim_later(self, shard: int) -> None:
-        """Take back an unanswered handover's earmark once its receiver has surely taken it, or
-        taken the shard in without it: ``member_ttl`` (a timing for liveness, not for safety:
-        the book decides who got it)."""
-
-        if self.stopping:
-            return  # leaving: the earmark stays for the receiver (or the reaper, with the entry)
-
-        async def reclaim() -> None:
-            await asyncio.sleep(self.service.config.admission.member_ttl)
-            await self.service.quotas.reclaim(shard)
-
-        task = asyncio.create_task(reclaim(), name=f"reclaim-{shard}")
-        self._reclaims.add(task)
-        task.add_done_callback(self._reclaims.discard)
-
-    async def _drop(self, shard: int) -> None:
-        await self._stop_serving(shard)
-        await self._forget(shard, EndReason.DROPPED)
-
-    async def _forget(self, shard: int, reason: EndReason) -> None:
-        self.service.ledger.take_shard(shard, self.service._clock(), reason)
-        self.serving.pop(shard, None)
-        self.leaving.discard(shard)
+            now = ctx.clock()
+            serving = self.keeper.serving
+            for shard, stored in (await ctx.store.shard_owners()).items():
+                value = stored.value
+                if (
+                    value.owner == dead
+                    or (value.owner is None and value.previous == dead)
+                    or (value.owner == me and shard not in serving)
+                ):
+                    wait = max(wait, heartbeat)  # a shard still to be adopted
+                elif value.previous == dead and value.owner != me:
+                    wait = max(wait, _ADOPTION_SETTLE - (now - value.since))
+            if wait > 0:
+                return wait
+            dropped = await drop_dead_quota(ctx.store, dead)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.warning("quota of %s not settled yet (%s)", dead, exc)
+            return heartbeat
+        quotas = ctx.quotas
+        for held, book in dropped:
+            pair = (book.value.provider, book.value.model)
+            if pair in quotas.books and book.revision > quotas.books[pair].revision:
+                quotas.books[pair] = book  # the keeper takes what was freed at once
+            ctx.events.emit(
+                QuotaReclaimed,
+                provider=book.value.provider,
+                model=book.value.model,
+                member=dead,
+                leases=held.g,
+                unreserved=held.u,
+                pins=held.p,
+            )
+        if dropped:
+            log.info(
+                "dropped what was left of %s's quota in %d books: its shards are adopted",
+                dead,
+                len(dropped),
+            )
+            await quotas.adjust()
+        return None

@@ -104,7 +104,9 @@ async def send(
     end = clock()
     usage = outcome.usage or {}
     completion = usage.get("completion_tokens")
-    usage_ok = isinstance(completion, int) and not isinstance(completion, bool)
+    if isinstance(completion, bool) or not isinstance(completion, int):
+        completion = None  # absent, or not a count
+    usage_ok = completion is not None
     details = usage.get("prompt_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, Mapping) else None
     prompt = usage.get("prompt_tokens")
@@ -116,7 +118,7 @@ async def send(
         error=error,
         stream=options.stream,
         first_token=outcome.first_token if error is None else None,
-        output_tokens=completion if usage_ok else outcome.chunks,
+        output_tokens=completion if completion is not None else outcome.chunks,
         prompt_tokens=prompt if isinstance(prompt, int) else None,
         cached_tokens=cached if isinstance(cached, int) else None,
         usage_reported=usage_ok,

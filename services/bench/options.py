@@ -7,10 +7,27 @@ Values are checked in `llmgw.services.bench.main.resolve`; a bad value exits wit
 from __future__ import annotations
 
 import argparse
+from typing import TypedDict
 
 __all__ = ["DEFAULTS", "add_bench_arguments"]
 
-DEFAULTS = {
+
+class _Defaults(TypedDict):
+    concurrency: int
+    requests: int
+    prompt_tokens: str
+    output_tokens: str
+    turns: str
+    band_header: str
+    session_header: str
+    timeout: float
+    max_concurrency: int
+    knee_threshold: float
+    latency_factor: float
+    metrics_interval: float
+
+
+DEFAULTS: _Defaults = {
     "concurrency": 8,
     "requests": 200,
     "prompt_tokens": "fixed:256",

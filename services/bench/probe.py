@@ -11,10 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import aiohttp
 
-from llmgw.core.engine_metrics import EngineSample, MetricsFormatError, parse_engine_metrics
+from llmgw.core.engine_metrics import MetricsFormatError, parse_engine_metrics
 
 __all__ = ["EngineObservation", "MetricsProbe"]
 
@@ -45,7 +46,7 @@ class MetricsProbe:
         self.url = url
         self.interval = interval
         self.unavailable: str | None = None
-        self._samples: list[EngineSample] = []
+        self._samples: list[_Load] = []
         self._task: asyncio.Task[None] | None = None
 
     async def check(self) -> bool:
@@ -57,7 +58,7 @@ class MetricsProbe:
             return False
         return True
 
-    async def _scrape(self) -> EngineSample:
+    async def _scrape(self) -> _Load:
         try:
             async with self.session.get(self.url) as response:
                 text = await response.text()
@@ -66,9 +67,12 @@ class MetricsProbe:
         except (aiohttp.ClientError, OSError, TimeoutError, UnicodeDecodeError) as exc:
             raise _NoMetrics(f"{self.url}: {exc or type(exc).__name__}") from None
         try:
-            return parse_engine_metrics(text)
+            sample = parse_engine_metrics(text)
         except MetricsFormatError as exc:
             raise _NoMetrics(f"{self.url}: {exc}") from None
+        if sample is None or sample.running is None or sample.waiting is None:
+            raise _NoMetrics(f"{self.url}: no running and waiting request gauges")
+        return _Load(sample.running, sample.waiting)
 
     def start(self) -> None:
         self._samples = []
@@ -100,3 +104,10 @@ class MetricsProbe:
 
 class _NoMetrics(Exception):
     pass
+
+
+class _Load(NamedTuple):
+    """One scrape's requests running and waiting at the engine."""
+
+    running: int
+    waiting: int

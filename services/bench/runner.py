@@ -19,9 +19,9 @@ import asyncio
 import contextlib
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import TextIO
+from typing import Any, TextIO
 
 import aiohttp
 
@@ -200,7 +200,7 @@ async def _open_loop(
     rng: random.Random,
     budget: _Budget,
     conversations: Conversations,
-    one: Callable[[RequestPlan], Awaitable[None]],
+    one: Callable[[RequestPlan], Coroutine[Any, Any, None]],
     ready: asyncio.Event,
     clock: Clock,
     stop: asyncio.Event | None,

@@ -83,7 +83,7 @@ class _Pending:
 
     def __init__(self) -> None:
         self.answers: deque[Msg] = deque()
-        self.waiter: asyncio.Future[Msg] | None = None
+        self.waiter: asyncio.Future[Msg | None] | None = None
 
     def put(self, msg: Msg) -> None:
         waiter = self.waiter
@@ -100,7 +100,8 @@ class _Pending:
         if budget <= 0:
             return None
         loop = asyncio.get_running_loop()
-        waiter = self.waiter = loop.create_future()
+        waiter: asyncio.Future[Msg | None] = loop.create_future()
+        self.waiter = waiter
         timer = loop.call_later(budget, _give_up, waiter)
         if also is not None:
             also.add_done_callback(lambda _: _give_up(waiter))

@@ -6,7 +6,7 @@ and streams the answer back. Bad input is rejected before anything is sent to NA
 no admission decision and no lease.
 
 The edge depends on ports (`llmgw.contracts`): an `AdmissionClient`, a `LeaseStore` and a
-`RequestReporter`, plus the pool of upstream HTTP connections and its metrics (`EdgeDeps`).
+`RequestReporter` (drained at stop), plus the pool of upstream HTTP connections and its metrics (`EdgeDeps`).
 """
 
 from __future__ import annotations
@@ -42,6 +42,10 @@ from llmgw.state.memory_kv import MemoryKV
 from llmgw.state.responses import ResponseStore
 
 if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+
+    from starlette.types import Receive, Scope, Send
+
     from llmgw.config.schema import Config, Timeouts
     from llmgw.contracts import AdmissionClient, LeaseStore, RequestReporter
     from llmgw.services.edge.http_client import UpstreamPool
@@ -99,7 +103,11 @@ class Edge:
         self._timeouts = {name: p.timeouts for name, p in profiles.items()}
         self._default_timeouts = config.timeouts
         # name or alias -> canonical name, as a plain dict for the hot path
-        self._canonical = {m: config.resolve_model(m) for m in config.public_model_ids()}
+        self._canonical = {
+            m: canonical
+            for m in config.public_model_ids()
+            if (canonical := config.resolve_model(m)) is not None  # each public id resolves
+        }
         self.upstream_headers = _provider_auth_headers(config)
         self.attempts = Attempts(self)
         self.responses = ResponsesApi(config, deps.responses, deps.rng)
@@ -327,7 +335,7 @@ class HotPathApp:
         self.max_header_count = edge.config.router.max_header_count
         self.max_header_bytes = edge.config.router.max_header_bytes
 
-    async def __call__(self, scope, receive, send) -> None:  # type: ignore[no-untyped-def]
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             refused = headers_refused(scope, self.max_header_count, self.max_header_bytes)
             if refused is not None:
@@ -361,8 +369,8 @@ def create_app(config: Config, deps: EdgeDeps) -> HotPathApp:
     app = FastAPI(title="llmgw edge", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.edge = edge
 
-    def route(feature: Feature):  # type: ignore[no-untyped-def]
-        async def endpoint(request: Request) -> Response:
+    def route(feature: Feature) -> Callable[[Request], Awaitable[Answer]]:
+        async def endpoint(request: Request) -> Answer:
             response, record = await edge.handle(request, feature)
             record.sent()  # not the hot path (HotPathApp answers these routes first)
             return response
@@ -371,7 +379,9 @@ def create_app(config: Config, deps: EdgeDeps) -> HotPathApp:
 
     # HotPathApp answers these first; FastAPI keeps them for 405 on other methods.
     for path, feature in _ROUTES.items():
-        app.add_route(path, route(feature), methods=["POST"])
+        # Starlette sends whatever ASGI callable the endpoint returns (a StreamedAnswer too);
+        # its annotation says Response.
+        app.add_route(path, route(feature), methods=["POST"])  # type: ignore[arg-type]
 
     async def list_models(request: Request) -> Response:
         return edge.models_response(request.headers.get("authorization"))

@@ -191,7 +191,11 @@ class Attempts:
             finally:
                 edge.metrics.admission_duration.observe(time.perf_counter() - asked)
             if reply.status is not ReplyStatus.ADMITTED or reply.target is None:
-                outcome = REFUSAL_OUTCOMES.get(reply.refusal, Outcome.NO_CAPACITY)  # type: ignore[arg-type]
+                outcome = (
+                    Outcome.NO_CAPACITY
+                    if reply.refusal is None
+                    else REFUSAL_OUTCOMES.get(reply.refusal, Outcome.NO_CAPACITY)
+                )
                 if outcome is Outcome.CLIENT_DISCONNECTED:
                     return Response(status_code=499), outcome
                 if previous is not None and outcome in _ADMISSION_OUTCOMES:

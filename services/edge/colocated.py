@@ -96,7 +96,9 @@ async def instance_grants_problem(config: Config) -> str | None:
         with contextlib.suppress(Exception):
             probe = f"{ADMISSION_HANDOVER_PREFIX}grants-check-{uuid.uuid4().hex[:8]}"
             sub = await nc.subscribe(probe)
-            await nc.flush(timeout)  # the server answers a denied SUB before this PONG
+            # The server answers a denied SUB before this PONG. nats-py annotates the
+            # timeout int but only waits on it with asyncio (a float is fine).
+            await nc.flush(timeout)  # type: ignore[arg-type]
             await sub.unsubscribe()
     finally:
         with contextlib.suppress(Exception):

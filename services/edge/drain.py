@@ -24,6 +24,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from starlette.types import Message, Send
+
     from llmgw.contracts import LeaseStore
 
 SHUTDOWN_MESSAGE = (
@@ -62,10 +64,10 @@ class EdgeDrain:
         return len(cut)
 
 
-def with_connection_close(send):  # type: ignore[no-untyped-def]
+def with_connection_close(send: Send) -> Send:
     """An ASGI `send` that adds ``Connection: close`` to the response start (while draining)."""
 
-    async def sending(message):  # type: ignore[no-untyped-def]
+    async def sending(message: Message) -> None:
         if message["type"] == "http.response.start":
             headers = [(k, v) for k, v in message.get("headers", ()) if k.lower() != b"connection"]
             headers.append((b"connection", b"close"))

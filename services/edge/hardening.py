@@ -13,7 +13,8 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, cast
 
 from starlette.responses import Response
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
@@ -25,7 +26,7 @@ __all__ = ["HeadWithBody", "OpenAIErrorsHttpTools", "headers_refused"]
 _STATUS_431 = 431
 
 
-def headers_refused(scope: dict[str, Any], max_count: int, max_bytes: int) -> Response | None:
+def headers_refused(scope: Mapping[str, Any], max_count: int, max_bytes: int) -> Response | None:
     """The 431 for a request with too many or too large headers, else None."""
     headers = scope.get("headers") or ()
     if len(headers) > max_count:
@@ -91,7 +92,8 @@ class OpenAIErrorsHttpTools(HttpToolsProtocol):
         super().on_headers_complete()
         cycle = self.cycle  # the new request's (its ASGI task has not run yet)
         if cycle is not None and not isinstance(cycle.transport, HeadWithBody):
-            cycle.transport = HeadWithBody(self.transport)
+            # uvicorn's cycle only writes through its transport, which HeadWithBody passes on.
+            cycle.transport = cast(asyncio.Transport, HeadWithBody(self.transport))
 
     def send_400_response(self, msg: str) -> None:
         body = error_body(

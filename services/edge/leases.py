@@ -82,7 +82,7 @@ class HeldLease:
     def __init__(self, record: LeaseRecord, now: float, *, local: bool = False) -> None:
         self.record = record
         self.confirmed_at = now  # monotonic time of the grant or the last confirmed renewal
-        self.on_lost: Callable[[], None] | None = None
+        self.on_lost: Callable[[], object] | None = None  # its result is ignored
         self._lost = False
         self.ended = False
         self.cut_short = False  # ended by the edge's drain deadline (`cut`)

@@ -30,6 +30,7 @@ from llmgw.wire import KEYS_USAGE_SUBJECT, KeyUsage, KeyWindowUse
 if TYPE_CHECKING:
     from nats.aio.client import Client as NATS
     from nats.aio.msg import Msg
+    from nats.aio.subscription import Subscription
 
 log = logging.getLogger("llmgw.edge.limits")
 
@@ -72,7 +73,7 @@ class KeyLimiter:
         self._reset_tenths = -1
         self._reset_formatted = ""
         self._task: asyncio.Task[None] | None = None
-        self._sub = None
+        self._sub: Subscription | None = None
 
     async def start(self) -> None:
         if self._nc is None:

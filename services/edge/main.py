@@ -49,6 +49,9 @@ from llmgw.state.responses import open_response_store
 from llmgw.tracing import open_tracing
 
 if TYPE_CHECKING:
+    from nats.aio.client import Client as NATS
+
+    from llmgw.config.schema import Config
     from llmgw.contracts import AdmissionClient, RequestReporter
     from llmgw.services.admission.service import AdmissionService
 
@@ -148,8 +151,8 @@ async def drain(deps: EdgeDeps, api: RunningServer, delay: float, timeout: float
     await stopping
 
 
-async def open_edge_deps(  # type: ignore[no-untyped-def]
-    nc, config, edge_id: str, *, colocated: AdmissionService | None = None
+async def open_edge_deps(
+    nc: NATS, config: Config, edge_id: str, *, colocated: AdmissionService | None = None
 ) -> EdgeDeps:
     """The edge's ports over one NATS connection, started. With `admission.on_nats_outage:
     local` the admission client decides alone while NATS is unreachable (`OutageAdmission`);

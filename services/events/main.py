@@ -18,6 +18,7 @@ import asyncio
 import sys
 import time
 from datetime import UTC, datetime
+from typing import TYPE_CHECKING
 
 import nats
 from nats.js.errors import NotFoundError
@@ -27,6 +28,9 @@ from llmgw.config.durations import parse_duration
 from llmgw.event_stream import StoredEvent, read_events
 from llmgw.events import EVENTS_SUBJECT_PREFIX
 from llmgw.runtime import load_tool_config
+
+if TYPE_CHECKING:
+    from llmgw.config.schema import Config
 
 __all__ = ["format_event", "run"]
 
@@ -76,7 +80,14 @@ def run(args: argparse.Namespace) -> int:
         return 1
 
 
-async def _print(config, subject: str, since, follow: bool, as_json: bool, refusals=None) -> int:  # type: ignore[no-untyped-def]
+async def _print(
+    config: Config,
+    subject: str,
+    since: datetime | None,
+    follow: bool,
+    as_json: bool,
+    refusals: natsconn.Refusals | None = None,
+) -> int:
     nc = await natsconn.connect_tool(config.nats, "llmgw-events", refusals)
     try:
         js = nc.jetstream()

@@ -169,7 +169,9 @@ async def _usage(nc: Any, bucket: KeyBucket, listen: float, *, as_json: bool) ->
     return 0
 
 
-def create_key(changes: dict[str, Any], *, now: float, secret: str | None = None):  # type: ignore[no-untyped-def]
+def create_key(
+    changes: dict[str, Any], *, now: float, secret: str | None = None
+) -> tuple[str, ApiKey]:
     """A new key (random secret unless given) and its record; the caller stores the record."""
     secret = secret or new_secret(secrets.token_bytes(24))
     key = ApiKey(

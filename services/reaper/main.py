@@ -15,7 +15,7 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from nats.aio.client import Client as NATS
 
@@ -26,6 +26,9 @@ from llmgw.runtime import load_or_exit, run_service, setup_logging
 from llmgw.services.reaper.metrics import ReaperMetrics
 from llmgw.services.reaper.service import Reaper
 from llmgw.state.setup import open_events_stream, open_routing_store
+
+if TYPE_CHECKING:
+    from llmgw.contracts import Clock
 
 __all__ = ["open_reaper", "run", "serve"]
 
@@ -62,7 +65,8 @@ async def open_reaper(
     config: Config,
     *,
     instance: str,
-    clock: Callable[[], float] = time.time,
+    clock: Clock,
+    timer: Clock,
     metrics: ReaperMetrics | None = None,
 ) -> Reaper:
     """A Reaper over the configured bucket, publishing on `nc`."""
@@ -73,6 +77,7 @@ async def open_reaper(
         EventPublisher(nc, instance, clock=clock),
         metrics or ReaperMetrics(),
         clock=clock,
+        timer=timer,
         interval=config.pinning.reaper_interval,
         member_ttl=config.admission.member_ttl,
         quota_grace=quota_grace(config),
@@ -85,10 +90,15 @@ async def serve(
     admin: tuple[str, int] | None = None,
     stop: asyncio.Event | None = None,
     ready: asyncio.Event | None = None,
+    metrics: ReaperMetrics | None = None,
+    clock: Clock = time.time,
+    timer: Clock = time.perf_counter,
 ) -> None:
     """Run one reaper until `stop` is set (default: until SIGTERM or SIGINT).
 
-    `ready` is set once it runs (and its admin port, if any, accepts connections).
+    `ready` is set once it runs (and its admin port, if any, accepts connections). `clock`
+    judges expiry (unix seconds: the stamps it compares are other hosts'); `timer` measures
+    passes. Tests step them.
     """
     if stop is None:
         stop = asyncio.Event()
@@ -99,7 +109,9 @@ async def serve(
     nc = await natsconn.connect(config.nats, name="llmgw-reaper")
     admin_server = None
     try:
-        reaper = await open_reaper(nc, config, instance=instance)
+        reaper = await open_reaper(
+            nc, config, instance=instance, clock=clock, timer=timer, metrics=metrics
+        )
         where = ""
         if admin is not None:
             # Imported only when asked for: the HTTP stack is not the reaper's default path.

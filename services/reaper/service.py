@@ -15,21 +15,26 @@ one wins, only the winner announces it. Without a reaper nothing breaks: a dead 
 quota simply stays unavailable (under-admission, the safe direction).
 
 Stopping: `run(stop)` checks `stop` between passes only, so a pass in progress is finished.
+
+Time: `clock` (unix seconds in the product) is what expiry is judged by, against the stamps
+instances write; `timer` measures a pass. Both are given by the composition root (`main.serve`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from llmgw.core.quota import reclaimable
 from llmgw.core.shards import live_members
 from llmgw.events import EventPublisher, MemberEvent, QuotaReclaimed
 from llmgw.services.reaper.metrics import ReaperMetrics
 from llmgw.state.store import RoutingStore
+
+if TYPE_CHECKING:
+    from llmgw.contracts import Clock
 
 __all__ = ["PassResult", "Reaper"]
 
@@ -56,11 +61,11 @@ class Reaper:
         events: EventPublisher,
         metrics: ReaperMetrics,
         *,
-        clock: Callable[[], float],
+        clock: Clock,
+        timer: Clock,
         interval: float,
         member_ttl: float,
         quota_grace: float,
-        timer: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.store = store
         self.events = events

@@ -13,6 +13,8 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import time
+from typing import TYPE_CHECKING
 
 from llmgw import natsconn
 from llmgw.config import Config, parse_hostport
@@ -29,6 +31,9 @@ from llmgw.services.scraper.metrics import ScraperMetrics
 from llmgw.services.scraper.reports import saturation_settings, scrape_targets
 from llmgw.services.scraper.service import Scraper, new_http_client
 from llmgw.state.setup import open_events_stream, open_load_bucket
+
+if TYPE_CHECKING:
+    from llmgw.contracts import Clock
 
 __all__ = ["run", "serve"]
 
@@ -57,11 +62,14 @@ async def serve(
     ready: asyncio.Event | None = None,
     instance: str | None = None,
     metrics: ScraperMetrics | None = None,
+    clock: Clock = time.time,
+    timer: Clock = time.perf_counter,
 ) -> None:
     """Run one scraper until `stop` is set (default: until SIGTERM or SIGINT).
 
     `ready` is set once it runs (and its admin port, if any, accepts connections). `instance`
-    names it in reports (default: service, host and pid).
+    names it in reports (default: service, host and pid). `clock` stamps reports (unix seconds:
+    other hosts judge their age); `timer` paces rounds and measures them. Tests step them.
     """
     signal_task = None
     if stop is None:
@@ -89,6 +97,8 @@ async def serve(
             interval=router.scrape_interval,
             timeout=router.scrape_timeout,
             capacities=capacity_floors(config),
+            clock=clock,
+            timer=timer,
         )
         await scraper.adopt_known_capacity()
         where = ""

@@ -22,7 +22,7 @@ from llmgw.core.saturation import (
     pool_saturation,
     update,
 )
-from llmgw.load import EndpointReport, LoadSample, PoolReport
+from llmgw.load import EndpointReport, LoadSample, MetricsMode, PoolReport
 
 if TYPE_CHECKING:
     from llmgw.config import Config
@@ -130,7 +130,7 @@ def health_verdict(health: Fetched) -> tuple[bool, str | None]:
     return False, _short(health.error or "no answer")
 
 
-def read_sample(metrics: Fetched) -> tuple[EngineSample | None, str, str | None]:
+def read_sample(metrics: Fetched) -> tuple[EngineSample | None, MetricsMode, str | None]:
     """The engine's load from a ``/metrics`` answer: (sample, mode, error).
 
     mode "full" or "partial" (some gauges missing) with a sample; "none" without one (no
@@ -153,7 +153,9 @@ def read_sample(metrics: Fetched) -> tuple[EngineSample | None, str, str | None]
     return sample, "full" if sample.complete else "partial", None
 
 
-def classify(health: Fetched, metrics: Fetched, *, healthy: bool, mode: str) -> ScrapeOutcome:
+def classify(
+    health: Fetched, metrics: Fetched, *, healthy: bool, mode: MetricsMode
+) -> ScrapeOutcome:
     """The scrape's outcome (see `ScrapeOutcome` for the precedence)."""
     if not health.answered and not metrics.answered:
         if health.timed_out or metrics.timed_out:

@@ -31,14 +31,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Literal, Protocol, TypedDict
 
 import httpx
 
 from llmgw.core.saturation import EndpointLoad, SaturationSettings
-from llmgw.events import EndpointEvent, PoolMeasured, event_id
+from llmgw.events import EndpointEvent, EventName, PoolMeasured, RoutingEvent, event_id
 from llmgw.load import (
     EndpointReport,
     report_key,
@@ -55,9 +54,31 @@ from llmgw.services.scraper.reports import (
 )
 from llmgw.state.kv import KVEntry
 
+if TYPE_CHECKING:
+    from llmgw.contracts import Clock
+
 __all__ = ["LoadBucket", "Publisher", "Scraper", "health_window", "new_http_client"]
 
 _log = logging.getLogger("llmgw.scraper")
+
+# The event `_publish` sends for each verb (`endpoint.<verb>`).
+_ENDPOINT_EVENTS: dict[
+    str,
+    Literal[EventName.ENDPOINT_SCRAPED, EventName.ENDPOINT_HEALTHY, EventName.ENDPOINT_UNHEALTHY],
+] = {
+    "scraped": EventName.ENDPOINT_SCRAPED,
+    "healthy": EventName.ENDPOINT_HEALTHY,
+    "unhealthy": EventName.ENDPOINT_UNHEALTHY,
+}
+
+
+class _ScrapeContext(TypedDict):
+    """What `build_report` and `failed_report` take besides the scrape itself."""
+
+    scraped_at: float
+    now: float
+    settings: SaturationSettings
+    scraper: str
 
 
 class LoadBucket(Protocol):
@@ -100,7 +121,8 @@ class Scraper:
     """Scrapes `targets` every `interval` seconds; see the module docstring.
 
     `clock` (unix seconds in the product) stamps reports and judges staleness; readers compare
-    ``scraped_at`` with their own clock. `timer` measures durations and paces rounds.
+    ``scraped_at`` with their own clock. `timer` measures durations and paces rounds. Both are
+    given by the composition root (`main.serve`).
     """
 
     def __init__(
@@ -115,8 +137,8 @@ class Scraper:
         instance: str,
         interval: float,
         timeout: float,
-        clock: Callable[[], float] = time.time,
-        timer: Callable[[], float] = time.perf_counter,
+        clock: Clock,
+        timer: Clock,
         capacities: dict[str, int] | None = None,
     ) -> None:
         self.targets = tuple(targets)
@@ -242,10 +264,7 @@ class Scraper:
             event = PoolMeasured(
                 id=event_id(), at=pool.measured_at, instance=self.instance, report=pool
             )
-            await self._send(
-                "event",
-                lambda e=event: self._publisher.publish(e.subject, e.to_bytes()),
-            )
+            await self._publish_event(event)
         self.metrics.round_duration.observe(self._timer() - started)
         self.last_round_at = self._clock()
         self.metrics.last_round.set(self.last_round_at)
@@ -269,7 +288,7 @@ class Scraper:
             self._get(target.url + "/health"), self._get(target.url + "/metrics")
         )
         duration = self._timer() - started
-        context = {
+        context: _ScrapeContext = {
             "scraped_at": scraped_at,
             "now": self._clock(),
             "settings": self.settings,
@@ -347,15 +366,18 @@ class Scraper:
         await self._send("kv", lambda: self._bucket.put(report_key(report.endpoint), payload))
         for verb in ("scraped", transition) if transition is not None else ("scraped",):
             event = EndpointEvent(
-                event=f"endpoint.{verb}",
+                event=_ENDPOINT_EVENTS[verb],
                 id=event_id(),
                 at=report.scraped_at,
                 instance=self.instance,
                 report=report,
             )
-            await self._send(
-                "event", lambda e=event: self._publisher.publish(e.subject, e.to_bytes())
-            )
+            await self._publish_event(event)
+
+    async def _publish_event(self, event: RoutingEvent) -> bool:
+        return await self._send(
+            "event", lambda: self._publisher.publish(event.subject, event.to_bytes())
+        )
 
     async def _send(self, kind: str, send: Callable[[], Awaitable[object]]) -> bool:
         """Run one write or publish, bounded; never raises (but cancellation)."""

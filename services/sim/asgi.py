@@ -65,7 +65,7 @@ async def read_body(receive: Receive) -> bytes:
     message = await receive()
     if message["type"] == "http.disconnect":
         raise ClientGone
-    body = message.get("body", b"")
+    body: bytes = message.get("body", b"")
     if not message.get("more_body", False):
         return body
     parts = [body]

@@ -59,7 +59,8 @@ def run_provider(args: argparse.Namespace) -> int:
 def resolve_settings(args: argparse.Namespace, kind: str) -> SimSettings:
     """Merge defaults, the config's endpoint and the command line (see the module docstring)."""
     params: EngineParams | ProviderParams = EngineParams() if kind == "engine" else ProviderParams()
-    host, port, models = DEFAULT_HOST, DEFAULT_PORT, []
+    host, port = DEFAULT_HOST, DEFAULT_PORT
+    models: list[str] = []
     config_path = getattr(args, "config", None)
     endpoint_id = getattr(args, "endpoint", None)
     if config_path is not None or endpoint_id is not None:

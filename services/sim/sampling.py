@@ -10,10 +10,19 @@ __all__ = ["draw_output_len"]
 
 
 class _OutputLenParams(Protocol):
-    output_len_distribution: str
-    output_len_mean: int
-    output_len_max: int
-    output_len_sigma: float
+    """What a draw reads (read-only, so a model with a narrower field type fits)."""
+
+    @property
+    def output_len_distribution(self) -> str: ...
+
+    @property
+    def output_len_mean(self) -> int: ...
+
+    @property
+    def output_len_max(self) -> int: ...
+
+    @property
+    def output_len_sigma(self) -> float: ...
 
 
 def draw_output_len(params: _OutputLenParams, rng: random.Random) -> int:

@@ -173,15 +173,15 @@ def build_report(
     seen = set()
     for member in members:
         seen.add(member.instance)
-        reply = answered.get(member.instance)
+        answer = answered.get(member.instance)
         instances.append(
             InstanceReport(
                 member.instance,
                 now < member.renewed_at + member_ttl,
-                reply is not None,
-                len(reply.shards) if reply else owned.get(member.instance, 0),
-                sum(h.leases for h in reply.pairs) if reply else 0,
-                reply.edges if reply else 0,
+                answer is not None,
+                len(answer.shards) if answer else owned.get(member.instance, 0),
+                sum(h.leases for h in answer.pairs) if answer else 0,
+                answer.edges if answer else 0,
             )
         )
     for name, reply in answered.items():

@@ -118,9 +118,10 @@ def _run(args: argparse.Namespace, config_path: str) -> int:
         if dev_key is None and config.auth.mode == "keys":
             return 1
         spec_env = dict(secure.spec_env(specs)) if secure is not None else {}
-        spec_env["edge"] = {**spec_env.get("edge", {}), **edge_env(config)}
+        edge_spec_env = {**spec_env.get("edge", {}), **edge_env(config)}
         if secure is not None:  # the config file says colocated; the edge must not decide here
-            spec_env["edge"]["LLMGW_ADMISSION__COLOCATED"] = "false"
+            edge_spec_env["LLMGW_ADMISSION__COLOCATED"] = "false"
+        spec_env["edge"] = edge_spec_env
         return asyncio.run(_supervise(specs, env, config, args, nats, dev_key, spec_env))
     finally:
         if secure is not None:
@@ -249,7 +250,7 @@ async def _supervise(
     config: Config,
     args: argparse.Namespace,
     nats: EmbeddedNats | EmbeddedNatsCluster | None,
-    dev_key: str = "",
+    dev_key: str | None = None,
     spec_env: dict[str, Mapping[str, str]] | None = None,
 ) -> int:
     supervisor = ClusterSupervisor(

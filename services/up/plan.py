@@ -72,8 +72,9 @@ class ServiceSpec:
     argv: tuple[str, ...]
     kind: ServiceKind
     listens: tuple[ListenAddress, ...] = field(default=())
-    # An edge that runs admission in process (admission.colocated): its instance's name
-    # without the supervisor's per-start suffix (services/up/supervisor.py, `incarnation_args`).
+    # An admission process, or an edge that runs admission in process (admission.colocated):
+    # its instance's name without the supervisor's per-start suffix (services/up/supervisor.py,
+    # `incarnation_args`).
     admission_instance: str | None = None
 
     def is_ready_line(self, line: str) -> bool:
@@ -210,7 +211,8 @@ def plan_cluster(config: Config, config_path: str) -> list[ServiceSpec]:
                 listens=_endpoint_listen(endpoint),
             )
         )
-    for offset, kind in enumerate(("admission", "reaper", "scraper"), start=1):
+    services: tuple[ServiceKind, ...] = ("admission", "reaper", "scraper")
+    for offset, kind in enumerate(services, start=1):
         if kind == "admission" and config.admission.colocated:
             continue  # the edge is the admission instance (it owns every shard)
         argv: tuple[str, ...] = (kind, "--config", config_path)
@@ -219,7 +221,15 @@ def plan_cluster(config: Config, config_path: str) -> list[ServiceSpec]:
             admin = ListenAddress(config.admin_host, config.admin_port + offset, f"{kind} admin")
             argv += ("--admin-listen", str(admin))
             listens = (admin,)
-        specs.append(ServiceSpec(kind, argv, kind, listens=listens))  # type: ignore[arg-type]
+        specs.append(
+            ServiceSpec(
+                kind,
+                argv,
+                kind,
+                listens=listens,
+                admission_instance="up-admission" if kind == "admission" else None,
+            )
+        )
     specs.append(
         ServiceSpec(
             "edge",

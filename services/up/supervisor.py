@@ -90,15 +90,17 @@ class ClusterSupervisor:
         self._run = secrets.token_hex(3)  # tells this start's instance names from an earlier's
 
     def incarnation_args(self, child: _Child) -> list[str]:
-        """Arguments of the child's next process beyond its spec's. An edge with admission in
-        process gets its instance's name, and from its second process on the name of the one
-        before, which has exited (this supervisor waited for it and killed its process group):
-        the new instance takes its shards over at once (`--supersedes`), instead of waiting
-        ``admission.member_ttl`` for its key to expire."""
+        """Arguments of the child's next process beyond its spec's. An admission process, or
+        an edge with admission in process, gets its instance's name, and from its second
+        process on the name of the one before, which has exited (this supervisor waited for it
+        and killed its process group): the new instance takes its shards and quota over at once
+        (`--supersedes`), instead of waiting ``admission.member_ttl`` for its key to expire and
+        the reaper's grace for its quota."""
         base = child.spec.admission_instance
         if base is None:
             return []
-        args = ["--admission-instance", f"{base}-{self._run}-{child.spawns}"]
+        flag = "--instance" if child.spec.kind == "admission" else "--admission-instance"
+        args = [flag, f"{base}-{self._run}-{child.spawns}"]
         if child.spawns > 0:
             args += ["--supersedes", f"{base}-{self._run}-{child.spawns - 1}"]
         return args

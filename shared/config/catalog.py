@@ -53,9 +53,13 @@ class Limits(StrictModel):
         return self
 
 
+def _default_features() -> list[Feature]:
+    return ["chat", "completions"]
+
+
 class ProviderModel(StrictModel):
     name: Name
-    features: list[Feature] = Field(default_factory=lambda: ["chat", "completions"], min_length=1)
+    features: list[Feature] = Field(default_factory=_default_features, min_length=1)
     limits: Limits | None = None
 
 

@@ -25,7 +25,8 @@ EXIT_INVALID = 2
 
 def effective_config_yaml(config: Config) -> str:
     """The config as YAML: every field with its effective value, durations as strings, secrets masked."""
-    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False, allow_unicode=True)
+    text: str = yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False, allow_unicode=True)
+    return text
 
 
 def check_file(

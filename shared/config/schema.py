@@ -125,7 +125,9 @@ class Config(BaseSettings):
     nats: NatsConfig = Field(default_factory=NatsConfig)
     router: RouterConfig = Field(default_factory=RouterConfig)
     timeouts: Timeouts = Field(default_factory=Timeouts)
-    profiles: dict[Name, ProfileConfig] = Field(default_factory=default_profiles)
+    # Empty, then the built-in presets: the settings validate defaults, so _merge_default_profiles
+    # merges them in.
+    profiles: dict[Name, ProfileConfig] = Field(default_factory=dict)
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     scoring: ScoringConfig = Field(default_factory=ScoringConfig)
     pinning: PinningConfig = Field(default_factory=PinningConfig)

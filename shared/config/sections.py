@@ -233,6 +233,12 @@ class AdmissionConfig(StrictModel):
     # NATS user per role: `llmgw up --secure`, compose, Kubernetes), where `llmgw admission`
     # processes decide instead. An edge whose user lacks the grants refuses to start.
     colocated: bool = True
+    # The stable name of this admission process, given by the deployment (a StatefulSet pod's
+    # name, a single-replica compose service's), usually from the environment
+    # (LLMGW_ADMISSION__INSTANCE_NAME): a process restarted under it takes its earlier
+    # incarnation's shards and quota over within seconds instead of after member_ttl; one that
+    # finds the name in use by a running process refuses to start. None: a new id per start.
+    instance_name: str | None = Field(None, pattern=r"^[A-Za-z0-9_-]+$", max_length=100)
 
     @model_validator(mode="after")
     def _check_bands(self) -> AdmissionConfig:

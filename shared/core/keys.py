@@ -175,25 +175,32 @@ class MemberValue:
     joined_at: float
     renewed_at: float
     leaving: bool = False
+    # The stable name the deployment gave the process (a StatefulSet pod's name, `llmgw
+    # admission --instance-name`): a process started under it takes an earlier incarnation's
+    # key for dead once that key stops being renewed (services/admission/successor.py).
+    name: str | None = None
 
     def to_json(self) -> bytes:
-        return _encode(
-            {
-                "instance": self.instance,
-                "joined_at": self.joined_at,
-                "renewed_at": self.renewed_at,
-                "leaving": self.leaving,
-            }
-        )
+        body: dict[str, Any] = {
+            "instance": self.instance,
+            "joined_at": self.joined_at,
+            "renewed_at": self.renewed_at,
+            "leaving": self.leaving,
+        }
+        if self.name is not None:
+            body["name"] = self.name
+        return _encode(body)
 
     @classmethod
     def from_json(cls, raw: bytes) -> MemberValue:
         body = _decode(raw, "member")
+        name = body.get("name")
         return cls(
             _field(body, "instance", str, "member"),
             _field(body, "joined_at", float, "member"),
             _field(body, "renewed_at", float, "member"),
             bool(body.get("leaving", False)),
+            name if isinstance(name, str) else None,
         )
 
 

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from llmgw.core.apikeys import KeyLimits, key_pair
-from llmgw.core.quota import NO_QUOTA, PairLimits, Quota
+from llmgw.core.quota import NO_QUOTA, PairLimits, Quota, QuotaCounts
 
 K = TypeVar("K")
 
@@ -157,7 +157,7 @@ class ShardState:
     pins: tuple[PinRecord, ...]
     leases: tuple[LeaseRecord, ...]
 
-    def counts(self) -> dict[Pair, tuple[int, int, int]]:
+    def counts(self) -> dict[Pair, QuotaCounts]:
         """(leases, unreserved leases, pins) per pair: the quota the shard needs."""
         result: dict[Pair, list[int]] = {}
         for lease in self.leases:
@@ -170,7 +170,7 @@ class ShardState:
                 k[1] += 1
         for pin in self.pins:
             result.setdefault((pin.provider, pin.model), [0, 0, 0])[2] += 1
-        return {pair: (c[0], c[1], c[2]) for pair, c in result.items()}
+        return {pair: QuotaCounts(c[0], c[1], c[2]) for pair, c in result.items()}
 
 
 class LedgerObserver:
@@ -237,7 +237,7 @@ class Ledger:
             return None
         return self.quota.get(pair, NO_QUOTA)
 
-    def room(self, provider: str, model: str, extra: tuple[int, int, int] | None = None) -> Room:
+    def room(self, provider: str, model: str, extra: QuotaCounts | None = None) -> Room:
         """What the pair can take here now; with `extra` (g, u, p): if this instance held that
         much more quota (what a loan could bring, `QuotaKeeper.spare`)."""
         pair = (provider, model)
@@ -245,8 +245,8 @@ class Ledger:
         if quota is None:
             return Room(True, True, True)
         if extra is not None:
-            g = quota.g + extra[0]
-            quota = Quota(g, min(g, quota.u + extra[1]), quota.p + extra[2])
+            g = quota.g + extra.leases
+            quota = Quota(g, min(g, quota.u + extra.unreserved), quota.p + extra.pins)
         use = self.pair_use(pair)
         leases_left = use.leases < quota.g
         reserve_left = (use.leases - use.unreserved) < (quota.g - quota.u)

@@ -39,17 +39,19 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from llmgw.core.codec import decode_versioned
 
 __all__ = [
+    "NO_COUNTS",
     "NO_QUOTA",
     "QUOTA_VERSION",
     "Earmark",
     "PairLimits",
     "Quota",
     "QuotaBook",
+    "QuotaCounts",
     "QuotaError",
     "fair_targets",
     "headroom",
@@ -95,6 +97,11 @@ class Quota:
         if self.u > self.g:
             raise QuotaError(f"unreserved quota u={self.u} exceeds the lease quota g={self.g}")
 
+    @property
+    def counts(self) -> QuotaCounts:
+        """(g, u, p) by name: what it may hold of leases, unreserved leases and pins."""
+        return QuotaCounts(self.g, self.u, self.p)
+
     def as_json(self) -> dict[str, Any]:
         return {
             "g": self.g,
@@ -110,6 +117,30 @@ class Quota:
 NO_QUOTA = Quota()  # what an instance holds before it is granted anything
 
 
+class QuotaCounts(NamedTuple):
+    """Counts of one pair, in a quota's order: leases (``g``), unreserved leases (``u``) and
+    pins (``p``). What a shard uses, an earmark sets aside, a transfer moves, a loan asks for.
+    A tuple (it unpacks as ``g, u, p``), but read by name; the book's JSON keeps g/u/p."""
+
+    leases: int = 0
+    unreserved: int = 0
+    pins: int = 0
+
+    def plus(self, other: tuple[int, int, int]) -> QuotaCounts:
+        return QuotaCounts(self.leases + other[0], self.unreserved + other[1], self.pins + other[2])
+
+    def less(self, other: tuple[int, int, int]) -> QuotaCounts:
+        """Each count less `other`'s, never below 0."""
+        return QuotaCounts(
+            max(0, self.leases - other[0]),
+            max(0, self.unreserved - other[1]),
+            max(0, self.pins - other[2]),
+        )
+
+
+NO_COUNTS = QuotaCounts()
+
+
 @dataclass(frozen=True, slots=True)
 class Earmark:
     """Part of `source`'s quota set aside for the receiver of `shard` (a handover)."""
@@ -119,6 +150,10 @@ class Earmark:
     g: int
     u: int
     p: int
+
+    @property
+    def counts(self) -> QuotaCounts:
+        return QuotaCounts(self.g, self.u, self.p)
 
     def as_json(self) -> dict[str, Any]:
         return {"source": self.source, "shard": self.shard, "g": self.g, "u": self.u, "p": self.p}
@@ -140,15 +175,17 @@ class QuotaBook:
     def quota(self, instance: str) -> Quota:
         return self.holders.get(instance, NO_QUOTA)
 
-    def totals(self) -> tuple[int, int, int]:
+    def totals(self) -> QuotaCounts:
         """(Σg, Σu, Σp)."""
         holders = self.holders.values()
-        return sum(q.g for q in holders), sum(q.u for q in holders), sum(q.p for q in holders)
+        return QuotaCounts(
+            sum(q.g for q in holders), sum(q.u for q in holders), sum(q.p for q in holders)
+        )
 
-    def free(self, limits: PairLimits) -> tuple[int, int, int]:
+    def free(self, limits: PairLimits) -> QuotaCounts:
         """What nobody holds: (G - Σg, (G - R) - Σu, P - Σp); never negative in a valid book."""
         g, u, p = self.totals()
-        return (
+        return QuotaCounts(
             _total(limits) - g,
             _unreserved(limits) - u,
             limits.max_pinned_sessions - p,
@@ -178,10 +215,12 @@ class QuotaBook:
 
     # ---- handovers --------------------------------------------------------------------------
 
-    def earmarked(self, source: str) -> tuple[int, int, int]:
+    def earmarked(self, source: str) -> QuotaCounts:
         """Σ (g, u, p) of `source`'s earmarks: its entry, less these, is what it may spend."""
         marks = [e for e in self.handing.values() if e.source == source]
-        return sum(e.g for e in marks), sum(e.u for e in marks), sum(e.p for e in marks)
+        return QuotaCounts(
+            sum(e.g for e in marks), sum(e.u for e in marks), sum(e.p for e in marks)
+        )
 
     def earmark(self, source: str, shard: int, g: int, u: int, p: int) -> QuotaBook:
         """Set (g, u, p) of `source`'s entry aside for `shard`'s receiver (replacing an older
@@ -197,15 +236,15 @@ class QuotaBook:
 
     def take(
         self, source: str, shard: int, target: str, at: float
-    ) -> tuple[QuotaBook, tuple[int, int, int]]:
+    ) -> tuple[QuotaBook, QuotaCounts]:
         """The receiver of `shard` moves `source`'s earmark for it to itself (at most what
         `source` holds) and removes the earmark; without one, nothing moves."""
         mark = self.handing.get((source, shard))
         if mark is None:
-            return self, (0, 0, 0)
+            return self, NO_COUNTS
         book = self.unmark(source, shard)
         have = book.quota(source)
-        step = (min(mark.g, have.g), min(mark.u, have.u, mark.g), min(mark.p, have.p))
+        step = QuotaCounts(min(mark.g, have.g), min(mark.u, have.u, mark.g), min(mark.p, have.p))
         return book.transfer(source, target, *step, at=at), step
 
     def transfer(self, source: str, target: str, g: int, u: int, p: int, at: float) -> QuotaBook:
@@ -359,7 +398,7 @@ def headroom(limit: int, members: int) -> int:
 
 def lendable(
     entry: Quota, spendable: Quota, used: tuple[int, int, int], ask: tuple[int, int, int]
-) -> tuple[int, int, int]:
+) -> QuotaCounts:
     """What an instance can lend now of what `ask` (leases, unreserved, pins) asks for: never
     what it uses, never what it may not spend (``spendable``: its entry less what is set aside,
     as its ledger sees it), and never so much that its `entry` would be left with u > g (then
@@ -376,15 +415,15 @@ def lendable(
     while g > 0 and entry.u - (entry.g - g) > cap_u:  # u that must go with g, beyond what is idle
         g -= 1
     u = min(cap_u, g, max(ask_u, entry.u - (entry.g - g)))
-    return g, max(0, u), p
+    return QuotaCounts(g, max(0, u), p)
 
 
-def idle(entry: Quota, slack: tuple[int, int, int]) -> tuple[int, int, int]:
+def idle(entry: Quota, slack: tuple[int, int, int]) -> QuotaCounts:
     """How much of a peer's quota is probably idle, from its book entry alone: what it holds
     beyond what it wants less its headroom (`slack`: the headroom it asks for). A guess (its
     wants are as old as its last write); the peer itself decides what it lends (`lendable`)."""
     hg, hu, hp = slack
-    return (
+    return QuotaCounts(
         max(0, entry.g - max(0, entry.wg - hg)),
         max(0, entry.u - max(0, entry.wu - hu)),
         max(0, entry.p - max(0, entry.wp - hp)),

@@ -12,21 +12,32 @@ members: every instance computes the same answer from the same member list, a me
 takes about 1/n of the shards from the others, and one that leaves gives its shards to the
 others without moving any other shard.
 
+The lifecycle of one shard at one instance (`ShardPhase`, `ShardStep`, `SHARD_TRANSITIONS`:
+docs/adr/0002-admission-at-memory-speed.md, "Shard lifecycle") is a small state machine: its
+adapter (`llmgw.services.admission.shards`) keeps one record per shard and moves it only
+through `next_phase`, which refuses an illegal step (a bug).
+
 Pure: no clock, no I/O. Callers pass ``now`` (unix seconds, the same domain as the member keys'
 ``renewed_at``).
 """
 
 from __future__ import annotations
 
+import enum
 import hashlib
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 __all__ = [
+    "SHARD_TRANSITIONS",
+    "IllegalShardStep",
     "Member",
+    "ShardPhase",
     "ShardPlan",
+    "ShardStep",
     "desired_owner",
     "live_members",
+    "next_phase",
     "plan_shards",
     "shard_of",
 ]
@@ -130,3 +141,55 @@ def plan_shards(
         elif owner == me and wanted is not None and wanted != me and len(release) < max_release:
             release.append((shard, wanted))
     return ShardPlan(tuple(claim), tuple(release))
+
+
+# ---- one shard's lifecycle at one instance -------------------------------------------------
+
+
+class ShardPhase(enum.StrEnum):
+    """Where a shard is at this instance (its ledger, its subscriptions, its quota)."""
+
+    GONE = "gone"  # not this instance's: no record, nothing of it here
+    CLAIMING = "claiming"  # its key names this instance; a live giver's handover is awaited
+    RECEIVING = "receiving"  # being taken in: a handover's state, or an adoption (roll call)
+    SERVING = "serving"  # in the ledger and subscribed: this instance decides its requests
+    LEAVING = "leaving"  # drained: being handed over, released or dropped
+
+
+class ShardStep(enum.StrEnum):
+    """What happens to a shard at this instance."""
+
+    CLAIM = "claim"  # its key names this instance (a claim by CAS, or a handover written to it)
+    RECEIVE = "receive"  # a handover's message arrives, or an adoption starts
+    SERVE = "serve"  # taken in (leases and pins in the ledger, quota spendable) and subscribed
+    ABANDON = "abandon"  # taking it in failed, or a claim ends without taking it in
+    LEAVE = "leave"  # stops serving: subscriptions drained, queued requests answered moved
+    END = "end"  # out of the ledger and done: handed over, released or dropped
+
+
+class IllegalShardStep(RuntimeError):
+    """A step the lifecycle does not allow from the shard's phase: a bug in its caller."""
+
+
+SHARD_TRANSITIONS: Mapping[tuple[ShardPhase, ShardStep], ShardPhase] = {
+    (ShardPhase.GONE, ShardStep.CLAIM): ShardPhase.CLAIMING,
+    (ShardPhase.GONE, ShardStep.RECEIVE): ShardPhase.RECEIVING,  # a handover before the claim
+    (ShardPhase.CLAIMING, ShardStep.RECEIVE): ShardPhase.RECEIVING,
+    (ShardPhase.CLAIMING, ShardStep.ABANDON): ShardPhase.GONE,
+    (ShardPhase.RECEIVING, ShardStep.SERVE): ShardPhase.SERVING,
+    (ShardPhase.RECEIVING, ShardStep.ABANDON): ShardPhase.GONE,
+    # Handed a shard while stopping: taken in, then released at once (never subscribed).
+    (ShardPhase.RECEIVING, ShardStep.LEAVE): ShardPhase.LEAVING,
+    (ShardPhase.SERVING, ShardStep.LEAVE): ShardPhase.LEAVING,
+    # Dropped while being handed over (the instance lost its key and joins again).
+    (ShardPhase.LEAVING, ShardStep.LEAVE): ShardPhase.LEAVING,
+    (ShardPhase.LEAVING, ShardStep.END): ShardPhase.GONE,
+}
+
+
+def next_phase(phase: ShardPhase, step: ShardStep) -> ShardPhase:
+    """The phase after `step`; raises IllegalShardStep if `step` is not allowed from `phase`."""
+    try:
+        return SHARD_TRANSITIONS[(phase, step)]
+    except KeyError:
+        raise IllegalShardStep(f"a shard {phase} cannot {step}") from None

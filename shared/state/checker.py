@@ -29,7 +29,9 @@ by `AuditLog`, a `LedgerObserver`), replayed in time order:
 A lease is live from its grant until its end; an adoption moves it to its adopter (same id,
 still live, never counted twice). An instance that *crashed* (`AuditLog.crash`) ends nothing:
 its leases stay live until adopted, or until ``lease_timeout`` after the crash (by then their
-edges have been told they are lost, or could not renew them, and ended their requests). Its pins
+edges have been told they are lost, or could not renew them, and ended their requests); one it
+granted after its crash was recorded (a decision in flight while it was being killed) until
+``lease_timeout`` after that grant. Its pins
 stop counting against P at the crash (nobody routes with a pin that only the bucket holds) and
 count again when the shard's next owner adopts them; for I3 they are not live at all. An
 instance that *stopped* (`AuditLog.stopped`) decides nothing more either: whatever its ledger
@@ -306,6 +308,22 @@ def check_audit(
         lines.extend(f"    {e.describe()}" for e in pin_events[pair])
         return "\n".join(lines)
 
+    granted_at: dict[str, float] = {}  # for the reports only
+
+    def key_context(key: str, at: float) -> str:
+        lines = [f"  live leases of the key at {at:.3f}:"]
+        for lease_id in sorted(per_key[key]):
+            holder = live[lease_id][0]
+            state = f" (crashed at {crashed[holder]:.3f})" if holder in crashed else ""
+            since = granted_at.get(lease_id)
+            lines.append(
+                f"    {lease_id} at {holder}{state}, since {since:.3f}"
+                if since
+                else f"    {lease_id} at {holder}{state}"
+            )
+        lines.append("  instances: " + (", ".join(e.describe() for e in lifecycle) or "-"))
+        return "\n".join(lines)
+
     def end(lease_id: str) -> None:
         holder_lease = live.pop(lease_id, None)
         if holder_lease is None:
@@ -321,8 +339,8 @@ def check_audit(
     for index, event in enumerate(ordered):
         while expiries and expiries[0][0] <= event.at:
             _, lease_id = heapq.heappop(expiries)
-            holder = live.get(lease_id)
-            if holder is not None and holder[0] in crashed:
+            held = live.get(lease_id)
+            if held is not None and held[0] in crashed:
                 end(lease_id)
         where = event.instance
         if event.kind in ("crashed", "stopped"):
@@ -340,6 +358,7 @@ def check_audit(
         if event.kind in ("granted", "adopted"):
             lease = event.lease
             assert lease is not None
+            granted_at.setdefault(lease.lease_id, event.at)
             pair = lease.pair
             lim = limits.get(pair)
             current = live.get(lease.lease_id)
@@ -365,6 +384,11 @@ def check_audit(
                     )
             end(lease.lease_id)
             live[lease.lease_id] = (where, lease)
+            if where in crashed:
+                # Granted while its instance was being killed (a kill is not instantaneous: a
+                # decision in flight may still land): if its edge got the reply, nobody else
+                # confirms it, so the edge ends it within lease_timeout like the others.
+                heapq.heappush(expiries, (event.at + lease_timeout, lease.lease_id))
             per_pair[pair].add(lease.lease_id)
             if lease.unreserved:
                 unreserved[pair].add(lease.lease_id)
@@ -380,6 +404,7 @@ def check_audit(
                             index,
                             f"{len(per_key[lease.key])} live leases of API key {lease.key} > "
                             f"max_parallel_requests={lease.key_limit}",
+                            key_context(lease.key, event.at),
                         )
                     )
             if lim is not None:
@@ -417,28 +442,28 @@ def check_audit(
         elif event.kind == "ended":
             lease = event.lease
             assert lease is not None
-            holder = live.get(lease.lease_id)
-            if holder is not None and holder[0] == where:
+            held = live.get(lease.lease_id)
+            if held is not None and held[0] == where:
                 end(lease.lease_id)
         elif event.kind == "pin_added":
             assert event.pin is not None
             provider, model, session, pin_id = event.pin
             skey = (model, session)
-            current = pins.get(skey)
-            if current is not None and current[1] != pin_id and current[2] not in crashed:
+            live_pin = pins.get(skey)
+            if live_pin is not None and live_pin[1] != pin_id and live_pin[2] not in crashed:
                 violations.append(
                     Violation(
                         "I3",
                         f"{model}/{session}",
                         index,
-                        f"pin {pin_id} added by {where} while pin {current[1]} lives at {current[2]}",
+                        f"pin {pin_id} added by {where} while pin {live_pin[1]} lives at {live_pin[2]}",
                         f"  the live pin: {added_by[skey].describe()}\n"
                         + "  instances: "
                         + (", ".join(e.describe() for e in lifecycle) or "-")
                         + "\n"
                         + "\n".join(
                             f"    {e.describe()}"
-                            for e in pin_events[(current[0], model)]
+                            for e in pin_events[(live_pin[0], model)]
                             if e.pin is not None and e.pin[2] == session
                         ),
                     )
@@ -453,8 +478,8 @@ def check_audit(
                         f"p={event.quota.p}",
                     )
                 )
-            if current is not None:
-                pins_per_pair[(current[0], model)].discard(skey)
+            if live_pin is not None:
+                pins_per_pair[(live_pin[0], model)].discard(skey)
             pins[skey] = (provider, pin_id, where)
             pins_per_pair[(provider, model)].add(skey)
             added_by[skey] = event
@@ -476,8 +501,8 @@ def check_audit(
             provider, model, session, pin_id = event.pin
             skey = (model, session)
             pin_events[(provider, model)].append(event)
-            current = pins.get(skey)
-            if current is not None and current[1] == pin_id and current[2] == where:
+            live_pin = pins.get(skey)
+            if live_pin is not None and live_pin[1] == pin_id and live_pin[2] == where:
                 del pins[skey]
                 pins_per_pair[(provider, model)].discard(skey)
     return violations

@@ -27,7 +27,7 @@ consumer promptly.
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -92,7 +92,7 @@ class KVStore(Protocol):
         """Live entries whose key starts with `prefix` (dotted form, e.g. "lease.iris.")."""
         ...
 
-    def watch(self, prefix: str) -> AsyncIterator[KVEntry]:
+    def watch(self, prefix: str) -> AsyncGenerator[KVEntry, None]:
         """Current entries under `prefix`, then live changes (deletes too), by revision."""
         ...
 

@@ -13,8 +13,9 @@ revision. Every applied write is appended to `history` in revision order (delete
 from __future__ import annotations
 
 import asyncio
+import builtins
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 
 from llmgw.state.kv import CasConflict, KVEntry, validate_key, validate_prefix
 
@@ -114,11 +115,11 @@ class MemoryKV:
         await self._enter("list", prefix)
         return self._snapshot(prefix)
 
-    def _snapshot(self, prefix: str) -> list[KVEntry]:
+    def _snapshot(self, prefix: str) -> builtins.list[KVEntry]:  # `list` is the method here
         entries = [e for k, e in self._last.items() if k.startswith(prefix) and not e.deleted]
         return sorted(entries, key=lambda e: e.revision)
 
-    async def watch(self, prefix: str) -> AsyncIterator[KVEntry]:
+    async def watch(self, prefix: str) -> AsyncGenerator[KVEntry, None]:
         validate_prefix(prefix)
         await self._enter("watch", prefix)
         # Snapshot and registration happen with no await in between: no write falls in a gap.

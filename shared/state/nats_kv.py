@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from typing import Any
 
 from nats.aio.msg import Msg
@@ -192,11 +192,13 @@ class NatsKV:
     async def _last_sequence(self, subject: str) -> int:
         """Stream sequence of the last message on `subject` (wildcards allowed), 0 if none."""
         try:
-            return (await self._js.get_msg(self.stream, subject=subject, direct=False)).seq
+            msg = await self._js.get_msg(self.stream, subject=subject, direct=False)
         except NotFoundError:
             return 0
+        assert msg.seq is not None  # a stored message always has its sequence
+        return msg.seq
 
-    async def watch(self, prefix: str) -> AsyncIterator[KVEntry]:
+    async def watch(self, prefix: str) -> AsyncGenerator[KVEntry, None]:
         validate_prefix(prefix)
         shown: set[str] = set()  # keys shown during the initial replay
         async with _PrefixConsumer(

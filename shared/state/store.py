@@ -18,7 +18,7 @@ Who writes what (docs/adr/0002-admission-at-memory-speed.md):
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -215,7 +215,7 @@ class RoutingStore:
                 continue
         return books
 
-    def watch(self, prefix: str) -> AsyncIterator[KVEntry]:
+    def watch(self, prefix: str) -> AsyncGenerator[KVEntry, None]:
         return self.kv.watch(prefix)
 
 

@@ -3,10 +3,22 @@ moves as few shards as it can."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from llmgw.core.shards import Member, desired_owner, live_members, plan_shards, shard_of
+from llmgw.core.shards import (
+    SHARD_TRANSITIONS,
+    IllegalShardStep,
+    Member,
+    ShardPhase,
+    ShardStep,
+    desired_owner,
+    live_members,
+    next_phase,
+    plan_shards,
+    shard_of,
+)
 
 members_st = st.lists(
     st.text("abcdefgh", min_size=1, max_size=4), min_size=1, max_size=6, unique=True
@@ -70,3 +82,62 @@ def test_a_member_that_just_joined_is_not_handed_shards_yet():
 def test_dead_members_are_not_live():
     members = [Member("a", 100.0, 0.0), Member("b", 90.0, 0.0)]
     assert set(live_members(members, 101.0, ttl=5.0)) == {"a"}
+
+
+# ---- one shard's lifecycle -------------------------------------------------------------------
+
+
+def _reachable(start: ShardPhase) -> set[ShardPhase]:
+    seen, todo = {start}, [start]
+    while todo:
+        phase = todo.pop()
+        for (source, _), target in SHARD_TRANSITIONS.items():
+            if source is phase and target not in seen:
+                seen.add(target)
+                todo.append(target)
+    return seen
+
+
+def test_every_phase_can_end() -> None:
+    """No phase is a dead end: from each, some steps lead back to GONE (nothing held here)."""
+    for phase in ShardPhase:
+        assert ShardPhase.GONE in _reachable(phase), phase
+
+
+@given(steps=st.lists(st.sampled_from(list(ShardStep)), max_size=60))
+def test_random_steps_never_reach_an_illegal_state(steps: list[ShardStep]) -> None:
+    """Any sequence of events, illegal ones refused: a shard is served only after it was taken
+    in (RECEIVING), at most once per stay here, never again once it started leaving, and it
+    leaves through LEAVING (its subscriptions drained) unless it never served."""
+    phase = ShardPhase.GONE
+    received = served = left = False
+    for step in steps:
+        try:
+            after = next_phase(phase, step)
+        except IllegalShardStep:
+            assert (phase, step) not in SHARD_TRANSITIONS
+            continue
+        assert after is SHARD_TRANSITIONS[(phase, step)]
+        if after is ShardPhase.SERVING:
+            assert phase is ShardPhase.RECEIVING and received and not served and not left
+            served = True
+        if after is ShardPhase.RECEIVING:
+            assert not received and not served
+            received = True
+        if after is ShardPhase.LEAVING:
+            assert received
+            left = True
+        if after is ShardPhase.GONE:
+            assert not served or left, "a served shard leaves through LEAVING"
+            received = served = left = False
+        phase = after
+    assert _reachable(phase) >= {ShardPhase.GONE}
+
+
+def test_an_illegal_step_is_refused() -> None:
+    with pytest.raises(IllegalShardStep):
+        next_phase(ShardPhase.SERVING, ShardStep.SERVE)
+    with pytest.raises(IllegalShardStep):
+        next_phase(ShardPhase.LEAVING, ShardStep.SERVE)
+    with pytest.raises(IllegalShardStep):
+        next_phase(ShardPhase.GONE, ShardStep.END)

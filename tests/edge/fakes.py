@@ -128,7 +128,7 @@ class FakeHold:
         self.lost = False
         self.cut_short = False
         self.ended = False
-        self.on_lost: Callable[[], None] | None = None
+        self.on_lost: Callable[[], object] | None = None  # its result is ignored
 
     def cut(self) -> None:
         if self.lost or self.ended:

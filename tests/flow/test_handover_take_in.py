@@ -187,7 +187,7 @@ async def test_a_take_in_that_fails_leaves_the_quota_moved_in_for_it_spendable(
             raise NatsTimeoutError  # the routing bucket did not answer
 
     _during_transfer(monkeypatch, receiver.quotas, moving, fail)
-    adopt, send = receiver.shards._adopt, giver.shards._send_handover
+    adopt, send = receiver.shards.handovers.adopt, giver.shards.handovers.send
     adopting = asyncio.Event()
 
     async def held(shards):  # type: ignore[no-untyped-def]
@@ -203,9 +203,9 @@ async def test_a_take_in_that_fails_leaves_the_quota_moved_in_for_it_spendable(
         raise NatsTimeoutError
 
     if path == "handover":
-        monkeypatch.setattr(receiver.shards, "_adopt", held)
+        monkeypatch.setattr(receiver.shards.handovers, "adopt", held)
     else:
-        monkeypatch.setattr(giver.shards, "_send_handover", lost)
+        monkeypatch.setattr(giver.shards.handovers, "send", lost)
     pair = ("iris", MODEL)
     try:
         await handle_giver.stop()  # every shard to the receiver; `moving` is not taken in

@@ -46,6 +46,7 @@ def mesh_config(
     limits: dict | None = None,
     replicas: int = 1,
     auth: dict | None = None,
+    capacity: int = 64,
     **admission: Any,
 ) -> Config:
     """Managed providers a and b (one engine each, small limits) and unlimited c; every bucket
@@ -100,14 +101,14 @@ def mesh_config(
                     "url": urls["a"],
                     "provider": "a",
                     "models": [MODEL],
-                    "capacity": 64,
+                    "capacity": capacity,
                 },
                 {
                     "id": "engine-b",
                     "url": urls["b"],
                     "provider": "b",
                     "models": [MODEL],
-                    "capacity": 64,
+                    "capacity": capacity,
                 },
                 {"id": "deploy-c", "url": urls["c"], "provider": "c", "models": [MODEL]},
             ],
@@ -191,15 +192,21 @@ async def start_mesh(
     limits: dict | None = None,
     replicas: int = 1,
     keys: list[dict[str, Any]] | None = None,
+    capacity: int | None = None,
     **admission: Any,
 ) -> Mesh:
     """`keys`: run with auth.mode keys, these keys (ApiKey fields, e.g. tenant and
-    max_parallel_requests) created in the key bucket as `llmgw keys create` does."""
+    max_parallel_requests) created in the key bucket as `llmgw keys create` does. `capacity`:
+    the managed engines' batch slots (max_num_seqs, and their endpoints' capacity); by default
+    64, far above the limits."""
     params = engine_params or EngineParams.zero_delay(itl_base="2ms", max_num_seqs=64)
     engines = {}
     for seed, name in enumerate("abc"):
+        update: dict[str, Any] = {"seed": seed}
+        if capacity is not None and name != "c":
+            update["max_num_seqs"] = capacity
         engines[name] = await start_server(
-            create_engine_app(params.model_copy(update={"seed": seed}), [MODEL])
+            create_engine_app(params.model_copy(update=update), [MODEL])
         )
     auth = {"mode": "keys", "bucket": f"keys_{bucket}"} if keys is not None else None
     config = mesh_config(
@@ -209,6 +216,7 @@ async def start_mesh(
         limits,
         replicas,
         auth,
+        capacity if capacity is not None else 64,
         **admission,
     )
     audit = AuditLog()

@@ -1,5 +1,6 @@
 """Concurrency and chaos: 4 admission instances and 2 edges drive 200 sessions against small
-limits, with the shipped defaults on (flow control, a real scraper) and API keys on (sessions
+limits equal to the engines' capacity (G = 8 = each managed engine's batch slots), with the
+shipped defaults on (flow control, a real scraper) and API keys on (sessions
 share 8 keys made in the key bucket as `llmgw keys create` makes them, 3 with
 max_parallel_requests).
 
@@ -175,14 +176,16 @@ async def test_limits_pins_and_leases_hold_under_concurrency_churn_and_chaos(
     nats_client, nats_url, unique_id
 ):
     violations, outcomes, held, entries, chaos_log, mesh = await _run(
-        nats_client, nats_url, unique_id, SOAK_SECONDS, keys=KEYS
+        nats_client, nats_url, unique_id, SOAK_SECONDS, keys=KEYS, capacity=8
     )
     assert violations == [], "\n".join(str(v) for v in violations[:5])
     # The key limits were contended too: a limited key reached its max_parallel_requests
-    # across the instances, and requests past it got 429.
+    # across the instances, and requests past it got 429. (The checker above proves none went
+    # past it; these peaks count a killed instance's leases until the end of the run, so they
+    # may read above the limit.)
     key_peaks = _key_peaks(mesh.audit.events)
     limits = {key.key_id: key.max_parallel_requests for _, key in mesh.keys}
-    assert any(key_peaks[k] == limit for k, limit in limits.items() if limit), key_peaks
+    assert any(key_peaks[k] >= limit for k, limit in limits.items() if limit), key_peaks
     assert outcomes[429] > 0, outcomes
     # It was a real load: over a thousand decisions (thousands on an idle host), every kind of
     # ending, every kind of churn.

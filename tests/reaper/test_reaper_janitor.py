@@ -3,14 +3,18 @@ quota. It never touches a live instance's, and two reapers make each change once
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import pytest
-from reaper_helpers import IRIS, MODEL, Connect, EventLog
+from reaper_helpers import IRIS, MODEL, WAIT, Connect, EventLog
 
 from llmgw.config import Config
 from llmgw.core.keys import MemberValue
 from llmgw.core.quota import Quota, QuotaBook
 from llmgw.events import EventName
-from llmgw.services.reaper.main import open_reaper, quota_grace
+from llmgw.services.reaper.main import open_reaper, quota_grace, serve
+from llmgw.services.reaper.metrics import ReaperMetrics
 from llmgw.state.setup import open_routing_store
 
 NOW = 10_000.0
@@ -28,7 +32,9 @@ async def test_dead_members_keys_go_after_three_ttls_and_live_ones_stay(
     await store.join(MemberValue("admission-dead", 0.0, NOW - 3 * ttl - 1))
     await store.join(MemberValue("admission-late", 0.0, NOW - 2 * ttl))  # dead, not long enough
     await store.join(MemberValue("admission-live", 0.0, NOW - 0.5))
-    reaper = await open_reaper(await connect(), config, instance="reaper-a", clock=lambda: NOW)
+    reaper = await open_reaper(
+        await connect(), config, instance="reaper-a", clock=lambda: NOW, timer=time.perf_counter
+    )
     result = await reaper.run_pass()
     assert result.members_removed == ("admission-dead",)
     remaining = {m.value.instance for m in await store.members()}
@@ -52,7 +58,9 @@ async def test_a_dead_instances_leftover_quota_returns_to_the_pool_after_the_gra
         },
     )
     assert await store.write_quota_book(book, 0) is not None
-    reaper = await open_reaper(await connect(), config, instance="reaper-a", clock=lambda: NOW)
+    reaper = await open_reaper(
+        await connect(), config, instance="reaper-a", clock=lambda: NOW, timer=time.perf_counter
+    )
     result = await reaper.run_pass()
     assert result.quota_reclaimed == ((IRIS, MODEL, "admission-gone"),)
     after = (await store.quota_book(IRIS, MODEL)).value
@@ -68,10 +76,12 @@ async def test_two_reapers_make_each_change_once(
     ttl = config.admission.member_ttl
     for n in range(5):
         await store.join(MemberValue(f"admission-dead-{n}", 0.0, NOW - 4 * ttl))
-    first = await open_reaper(await connect(), config, instance="reaper-a", clock=lambda: NOW)
-    second = await open_reaper(await connect(), config, instance="reaper-b", clock=lambda: NOW)
-    import asyncio
-
+    first = await open_reaper(
+        await connect(), config, instance="reaper-a", clock=lambda: NOW, timer=time.perf_counter
+    )
+    second = await open_reaper(
+        await connect(), config, instance="reaper-b", clock=lambda: NOW, timer=time.perf_counter
+    )
     a, b = await asyncio.gather(first.run_pass(), second.run_pass())
     removed = [*a.members_removed, *b.members_removed]
     assert sorted(removed) == [f"admission-dead-{n}" for n in range(5)]  # each once
@@ -91,3 +101,55 @@ async def test_a_successor_removes_its_exited_predecessors_keys_at_once_and_no_o
     remaining = {m.value.instance for m in await store.members()}
     assert remaining == {"up-edge-1a2b3c-00", "other"}
     assert not await remove_exited_member(store, "up-edge-1a2b3c-0")  # nothing left to remove
+
+
+class SteppedClock:
+    """Unix seconds that move only when the test moves them."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def _passes_after(metrics: ReaperMetrics, count: int) -> None:
+    """Return once `count` more passes have ended (a pass in progress counts as the first)."""
+
+    def ended() -> float:
+        value = metrics.registry.get_sample_value("llmgw_reaper_pass_duration_seconds_count")
+        return value or 0.0
+
+    wanted = ended() + count
+    async with asyncio.timeout(WAIT):
+        while ended() < wanted:  # noqa: ASYNC110 (a metric has no event to wait on)
+            await asyncio.sleep(0.01)
+
+
+async def test_a_served_reaper_judges_expiry_by_the_clock_it_is_given(
+    config: Config, store, event_log: EventLog
+):
+    """`serve` hands its clock to the reaper: a member key last renewed at NOW stays while the
+    stepped clock is short of three TTLs after it (passes keep running, none removes it), and
+    the first pass at three TTLs removes it, announced at that time."""
+    ttl = config.admission.member_ttl
+    await store.join(MemberValue("admission-quiet", 0.0, NOW))
+    clock, metrics = SteppedClock(NOW), ReaperMetrics()
+    stop, ready = asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(serve(config, stop=stop, ready=ready, metrics=metrics, clock=clock))
+    try:
+        async with asyncio.timeout(WAIT):
+            await ready.wait()
+        for short_of_it in (NOW + ttl, NOW + 3 * ttl - 0.001):
+            clock.now = short_of_it
+            await _passes_after(metrics, 2)  # the second began after the step
+            assert {m.value.instance for m in await store.members()} == {"admission-quiet"}
+        clock.now = NOW + 3 * ttl
+        await event_log.wait_until(lambda log: bool(log.named(EventName.MEMBER_EXPIRED)))
+    finally:
+        stop.set()
+        async with asyncio.timeout(WAIT):
+            await task
+    (expired,) = event_log.named(EventName.MEMBER_EXPIRED)
+    assert (expired.member, expired.at) == ("admission-quiet", NOW + 3 * ttl)
+    assert await store.members() == []

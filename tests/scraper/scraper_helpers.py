@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -69,6 +70,16 @@ def config_data(
             },
         ],
     }
+
+
+class SteppedClock:
+    """Unix seconds that move only when the test moves them."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
 
 
 @dataclass(frozen=True)
@@ -188,12 +199,17 @@ class LoadGenerator:
 
 @contextlib.asynccontextmanager
 async def running_scraper(
-    config: Config, *, instance: str, metrics: ScraperMetrics | None = None
+    config: Config,
+    *,
+    instance: str,
+    metrics: ScraperMetrics | None = None,
+    clock: Callable[[], float] = time.time,
 ) -> AsyncIterator[None]:
-    """`serve(config)` in a task, ready when entered; stopped (and awaited) on exit."""
+    """`serve(config)` in a task, ready when entered; stopped (and awaited) on exit. `clock`
+    stamps its reports (a test may step it)."""
     stop, ready = asyncio.Event(), asyncio.Event()
     task = asyncio.create_task(
-        serve(config, stop=stop, ready=ready, instance=instance, metrics=metrics)
+        serve(config, stop=stop, ready=ready, instance=instance, metrics=metrics, clock=clock)
     )
     ready_wait = asyncio.create_task(ready.wait())
     try:

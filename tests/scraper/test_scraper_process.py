@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import yaml
-from scraper_helpers import WAIT, EventLog, StartEngine, config_data
+from scraper_helpers import WAIT, EventLog, StartEngine, SteppedClock, config_data
 
 from llmgw.core.saturation import SaturationSettings
 from llmgw.services.scraper.admin import create_admin_app
@@ -107,14 +107,6 @@ class _Connection:
         self.is_connected = connected
 
 
-class _Clock:
-    def __init__(self, now: float) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
 class _NoBucket:
     """The loop's bucket, for tests that never run a round."""
 
@@ -131,7 +123,7 @@ class _NoPublisher:
 
 
 async def test_admin_health_is_503_when_the_loop_stalls_or_nats_is_lost() -> None:
-    clock = _Clock(1000.0)
+    clock = SteppedClock(1000.0)
     async with httpx.AsyncClient() as unused_client:
         scraper = Scraper(
             [ScrapeTarget("e1", "p", "gpu", ("m1",), "http://127.0.0.1:9")],
@@ -143,6 +135,7 @@ async def test_admin_health_is_503_when_the_loop_stalls_or_nats_is_lost() -> Non
             interval=2.0,
             timeout=1.0,
             clock=clock,
+            timer=clock,
             settings=SaturationSettings(target_waiting=4, kv_ceiling=0.9, stale_after=10),
         )
     assert health_window(2.0, 1.0) == 4.0

@@ -4,6 +4,7 @@ in the load bucket and on the event subjects."""
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import httpx
@@ -17,6 +18,7 @@ from scraper_helpers import (
     EventLog,
     LoadGenerator,
     StartEngine,
+    SteppedClock,
     config_data,
     running_scraper,
 )
@@ -26,7 +28,13 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
 from llmgw.config import Config, config_from_dict
-from llmgw.load import LOAD_BUCKET_HISTORY, LOAD_BUCKET_STORAGE, EndpointReport, report_key
+from llmgw.load import (
+    LOAD_BUCKET_HISTORY,
+    LOAD_BUCKET_STORAGE,
+    EndpointReport,
+    PoolReport,
+    report_key,
+)
 from llmgw.services.scraper.metrics import ScraperMetrics
 from llmgw.services.scraper.reports import ScrapeTarget, saturation_settings
 from llmgw.services.scraper.service import Scraper, new_http_client
@@ -408,6 +416,8 @@ async def test_failed_publishing_is_counted_and_never_stops_the_loop(
             instance="scraper-one",
             interval=0.5,
             timeout=0.5,
+            clock=time.time,
+            timer=time.perf_counter,
         )
 
         def failures(kind: str) -> float | None:
@@ -423,3 +433,41 @@ async def test_failed_publishing_is_counted_and_never_stops_the_loop(
     assert failures("kv") == 1
     assert failures("event") == 2  # the endpoint's report and the pool's
     assert scraper.rounds == 2
+
+
+async def test_an_endpoint_goes_stale_once_the_scrapers_clock_passes_stale_after_its_answer(
+    nats_url: str,
+    load_bucket: str,
+    unique_id: str,
+    start_static: StartStatic,
+    events: EventLog,
+) -> None:
+    """Stepped, not waited: an engine answers at T, then stops answering. Its pool report is
+    not stale while the scraper's clock is at T + stale_after, and is from T + stale_after
+    on (its report then scores it saturated); each report is known by its time stamp."""
+    engine = await start_static(PARTIAL)
+    config = make_config(nats_url, load_bucket, unique_id, {"e1": engine.url})
+    stale_after = config.router.stale_after
+    start = 10_000.0
+    clock = SteppedClock(start)
+
+    async def measured_at(moment: float) -> tuple[PoolReport, EndpointReport]:
+        clock.now = moment
+        await events.wait_until(
+            lambda log: (
+                any(p.measured_at == moment for p in log.pools())
+                and any(r.scraped_at == moment for r in log.reports("e1"))
+            )
+        )
+        pool = next(p for p in events.pools() if p.measured_at == moment)
+        return pool, next(r for r in events.reports("e1") if r.scraped_at == moment)
+
+    async with running_scraper(config, instance="scraper-one", clock=clock):
+        await events.wait_for_report("e1", lambda r: r.healthy and r.scraped_at == start)
+        await engine.stop()
+        await events.wait_for_report("e1", lambda r: not r.healthy)  # unanswered, still at T
+        pool, report = await measured_at(start + stale_after)
+        assert pool.stale == () and report.saturation is not None and report.saturation < 1.0
+        pool, report = await measured_at(start + stale_after + 0.001)
+    assert pool.stale == ("e1",) and pool.healthy == ()
+    assert not report.healthy and report.saturation == 1.0

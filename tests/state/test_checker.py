@@ -3,7 +3,7 @@ leaves the count, and a real breach is still caught around it."""
 
 from __future__ import annotations
 
-from llmgw.core.ledger import PinRecord
+from llmgw.core.ledger import EndReason, LeaseKind, LeaseRecord, PinRecord
 from llmgw.core.quota import Quota
 from llmgw.state.checker import AuditLog, check_audit
 
@@ -69,3 +69,33 @@ def test_two_live_pins_of_one_session_are_caught_with_the_first_one_named():
     found = check(log)
     assert [v.invariant for v in found] == ["I3"]
     assert "p1" in found[0].context
+
+
+def lease(lease_id: str, key: str = "k1") -> LeaseRecord:
+    return LeaseRecord(
+        lease_id, "a", "m", LeaseKind.TEMPORARY, True, 0, "edge", 0.0, 0.0, key=key, key_limit=1
+    )
+
+
+def grant(log: AuditLog, instance: str, lease_id: str) -> None:
+    log.observer(instance).lease_granted(lease(lease_id), None, (0, 0, 0))
+
+
+def test_a_lease_granted_while_its_instance_was_being_killed_counts_until_lease_timeout():
+    """A kill is not instantaneous: a decision in flight may land after the crash is recorded.
+    Its edge (if it got the reply) ends it within lease_timeout of the grant, as for the
+    instance's other leases: counted until then, not forever, and not less."""
+    Clock.t = 0.0
+    log = AuditLog(clock=Clock())
+    log.crash("g")  # t=1
+    grant(log, "g", "late")  # t=2: live until t=7 (lease_timeout 5)
+    grant(log, "r", "early")  # t=3: a second live lease of a key limited to 1
+    found = check(log)
+    assert [v.invariant for v in found] == ["IK"]
+    assert "late at g (crashed at 1.000), since 2.000" in found[0].context
+    Clock.t = 10.0
+    grant(log, "r", "after")  # t=11: the late one is over; "early" is still live
+    assert [v.invariant for v in check(log)] == ["IK", "IK"]
+    log.observer("r").lease_ended(lease("early"), EndReason.RELEASED, 0.0)
+    grant(log, "r", "alone")  # t=13: "after" and "alone" on a limit of 1
+    assert [v.invariant for v in check(log)] == ["IK", "IK", "IK"]
