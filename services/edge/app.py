@@ -215,6 +215,7 @@ class Edge:
         if caller is not None and self.auth is not None:
             band = record.band = self.auth.band(caller, band)
         exchange = None
+        session: str | None
         if turn is not None:  # the Responses API: its chain and session (404 before admission)
             prepared = await self.responses.prepare(
                 parsed,
@@ -227,9 +228,9 @@ class Edge:
                 request.headers.get(self.session_header),
                 ids,
             )
-            if isinstance(prepared[0], Response):
+            if isinstance(prepared, tuple):
                 return prepared
-            exchange, session = prepared
+            exchange, session = prepared, prepared.session
         else:
             session = session_id(
                 feature, model, parsed.body, header_key=request.headers.get(self.session_header)

@@ -94,6 +94,7 @@ class Exchange:
     body: dict[str, Any]
     stream: bool
     ancestors: tuple[str, ...]  # the chain's responses before this one, oldest first
+    session: str  # the chain's (its first response's id, or the session header's)
 
     def translated(self, target: Target) -> bool:
         return "responses" not in self.api.apis.get(target.provider, ())
@@ -185,9 +186,9 @@ class ResponsesApi:
         model: str,
         header_key: str | None,
         headers: dict[str, str],
-    ) -> tuple[Exchange, str] | tuple[Response, Outcome]:
-        """The exchange and session of a request, or its error and outcome: 404 for an unknown
-        previous response, 503 when the store cannot be read."""
+    ) -> Exchange | tuple[Response, Outcome]:
+        """The exchange of a request (with its session), or its error and outcome: 404 for an
+        unknown previous response, 503 when the store cannot be read."""
         response_id = new_response_id(self.rng.getrandbits(128))
         chain: list[StoredResponse] = []
         root = response_id
@@ -210,7 +211,7 @@ class ResponsesApi:
                     headers,
                 ), Outcome.NOT_FOUND
             chain, root = found, head.root
-        exchange = Exchange(
+        return Exchange(
             self,
             response_id,
             turn,
@@ -220,8 +221,8 @@ class ResponsesApi:
             parsed.body,
             parsed.stream,
             tuple(stored.id for stored in chain),
+            chain_session(root, model, header_key=header_key),
         )
-        return exchange, chain_session(root, model, header_key=header_key)
 
     # -- stored responses ---------------------------------------------------------------------
 

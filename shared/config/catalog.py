@@ -19,7 +19,7 @@ from llmgw.config.common import Api, Feature, Name, Slug, StrictModel, fail
 # --- models, providers, endpoints -----------------------------------------------------------------
 
 # The APIs an OpenAI-compatible vLLM serves: a provider's `apis` unless it says otherwise.
-DEFAULT_APIS = ("chat_completions", "completions", "embeddings", "responses")
+DEFAULT_APIS: tuple[Api, ...] = ("chat_completions", "completions", "embeddings", "responses")
 
 
 class ModelConfig(StrictModel):

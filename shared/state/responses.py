@@ -107,10 +107,10 @@ class ResponseStore:
             return [*earlier, head] if linked else None
         chain = [head]
         while chain[-1].previous is not None and len(chain) < limit:
-            earlier = await self.get(chain[-1].previous)
-            if earlier is None:
+            before = await self.get(chain[-1].previous)
+            if before is None:
                 return None
-            chain.append(earlier)
+            chain.append(before)
         chain.reverse()
         return chain
 
