@@ -8,7 +8,7 @@ engine), so every millisecond is transport and gateway work. Per concurrency (1 
 streamed or not, three pairs run interleaved, each request against the engine directly and
 through the gateway:
 
-- chat: a chat completion (overflow.py's body);
+- chat: a chat completion (overhead.py's body);
 - responses: a Responses request of one turn (the gateway stores it);
 - chain: the next turn of a chain of `--turns` stored responses (`previous_response_id`: the
   gateway reads the chain, one KV get per turn, and sends the expanded input); directly, the
