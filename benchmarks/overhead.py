@@ -85,22 +85,25 @@ async def run_load(
     stream: bool,
     api_key: str | None = None,
     mark: Callable[[], None] | None = None,
+    path: str = "/v1/chat/completions",
+    payloads: list[bytes] | None = None,
 ) -> list[float]:
     """`total` requests at `concurrency`, after a warm-up (not measured) that opens every
     connection the run uses: clients of a gateway keep theirs alive. `mark` is called when the
     warm-up is done and when the measured requests are, before the connections close (what
-    lies between the two calls is what a run measures)."""
-    url = base_url + "/v1/chat/completions"
+    lies between the two calls is what a run measures). `payloads` (default: `bodies`) are
+    sent in turn to `path`."""
+    url = base_url + path
     headers = {**_JSON, "authorization": f"Bearer {api_key}"} if api_key else _JSON
-    payloads = bodies(stream)
+    payloads = payloads if payloads is not None else bodies(stream)
     latencies: list[float] = []
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
         for i in range(min(WARMUP, total)):
-            await one(session, url, payloads[i % SESSIONS], stream, headers)
+            await one(session, url, payloads[i % len(payloads)], stream, headers)
         if concurrency > 1:
             await asyncio.gather(
-                *(one(session, url, payloads[i % SESSIONS], stream, headers)
+                *(one(session, url, payloads[i % len(payloads)], stream, headers)
                   for i in range(concurrency))
             )  # fmt: skip
         if mark is not None:
@@ -109,7 +112,9 @@ async def run_load(
 
         async def worker() -> None:
             for i in queue:
-                latencies.append(await one(session, url, payloads[i % SESSIONS], stream, headers))
+                latencies.append(
+                    await one(session, url, payloads[i % len(payloads)], stream, headers)
+                )
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         if mark is not None:

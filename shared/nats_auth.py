@@ -17,7 +17,8 @@ LLMGW_NATS__PASSWORD).
 
 How JetStream maps onto subjects (what the table grants):
 - A KV write is a publish on `$KV.<bucket>.<key>`: only the bucket's writers may publish there.
-  The edge writes no bucket at all: it cannot write a pin, a lease or a key.
+  The edge writes one bucket, the Responses API's stored responses (`responses.bucket`): it
+  cannot write a pin, a lease or a key.
 - Reading a bucket is JetStream API requests on `$JS.API.…` naming its stream `KV_<bucket>`:
   STREAM.INFO, DIRECT.GET / STREAM.MSG.GET (get), CONSUMER.CREATE / DELETE / INFO (list and
   watch), and the flow-control replies on `$JS.FC.<stream>.>` of an ordered consumer.
@@ -145,6 +146,7 @@ def role_permissions(config: Config) -> dict[str, Permissions]:
                 INBOX,  # answers to admission's roll calls
                 *_read_bucket(keys),  # the key mirror's watch: read only
                 *_read_bucket(fleet),  # the applied config's watch: read only
+                *_own_bucket(config.responses.bucket),  # the Responses API's stored responses
             ),
             subscribe=(INBOX, ADMISSION_ROLLCALL_SUBJECT, KEYS_USAGE_SUBJECT),
         ),

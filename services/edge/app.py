@@ -26,6 +26,7 @@ from starlette.responses import JSONResponse, Response
 from llmgw.config.credentials import provider_keys
 from llmgw.core.outcomes import Outcome
 from llmgw.core.requests import Feature, InvalidRequest, parse_request
+from llmgw.core.responses import parse_responses_request
 from llmgw.core.sessions import session_id, tenant_id
 from llmgw.core.shards import shard_of
 from llmgw.core.spend import estimate_input_tokens, estimated_output
@@ -36,7 +37,10 @@ from llmgw.services.edge.drain import EdgeDrain, with_connection_close
 from llmgw.services.edge.errors import INTERNAL_ERROR_MESSAGE, error_body, error_response
 from llmgw.services.edge.hardening import OpenAIErrorsHttpTools, headers_refused
 from llmgw.services.edge.metrics import EdgeMetrics
+from llmgw.services.edge.responses import ResponsesApi, owner_of
 from llmgw.services.edge.telemetry import EdgeTelemetry, RequestRecord
+from llmgw.state.memory_kv import MemoryKV
+from llmgw.state.responses import ResponseStore
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -76,6 +80,8 @@ class EdgeDeps:
     tracing: Tracing | None = None  # OpenTelemetry (llmgw.tracing), off by default
     spend: SpendBook | None = None  # prices each attempt (services/edge/spend.py)
     budgets: BudgetGuard | None = None  # reserves and settles budgets (services/edge/budgets.py)
+    # Stored Responses API responses (llmgw.state.responses); in memory unless composed on NATS
+    responses: ResponseStore = field(default_factory=lambda: ResponseStore(MemoryKV()))
 
 
 class Edge:
@@ -104,6 +110,9 @@ class Edge:
         self.spend_header = config.spend.cost_header
         self.default_output = config.spend.default_output_tokens
         self.attempts = Attempts(self)
+        self.responses = ResponsesApi(config, deps.responses, deps.rng)
+        stored = deps.metrics.responses_stored
+        deps.responses.on_result = lambda result: stored.labels(result).inc()
 
     def upstream_headers_for(self, routed: RoutedRequest, provider: str) -> dict[str, str]:
         """The headers of an upstream call: the provider's, the client's request id, and with
@@ -166,8 +175,12 @@ class Edge:
             ), Outcome.BODY_TOO_LARGE
         except ClientDisconnect:
             return Response(status_code=499), Outcome.CLIENT_DISCONNECTED
+        turn = None
         try:
-            parsed = parse_request(feature, raw)
+            if feature is Feature.RESPONSES:
+                parsed, turn = parse_responses_request(raw)
+            else:
+                parsed = parse_request(feature, raw)
         except InvalidRequest as exc:
             return error_response(
                 Outcome.BAD_REQUEST, exc.message, param=exc.param, headers=ids
@@ -201,9 +214,27 @@ class Edge:
             ), Outcome.BAD_REQUEST
         if caller is not None and self.auth is not None:
             band = record.band = self.auth.band(caller, band)
-        session = session_id(
-            feature, model, parsed.body, header_key=request.headers.get(self.session_header)
-        )
+        exchange = None
+        session: str | None
+        if turn is not None:  # the Responses API: its chain and session (404 before admission)
+            prepared = await self.responses.prepare(
+                parsed,
+                turn,
+                owner_of(
+                    caller.key.key_id if caller is not None else None,
+                    request.headers.get("authorization"),
+                ),
+                model,
+                request.headers.get(self.session_header),
+                ids,
+            )
+            if isinstance(prepared, tuple):
+                return prepared
+            exchange, session = prepared, prepared.session
+        else:
+            session = session_id(
+                feature, model, parsed.body, header_key=request.headers.get(self.session_header)
+            )
         shard = (
             shard_of(session, self.shards)
             if session is not None
@@ -237,6 +268,7 @@ class Edge:
             # disconnects: what a queued request watches.
             client_gone=request.receive if self.flow_control else None,
             record=record,
+            exchange=exchange,
         )
         return await self.attempts.run(routed)
 
@@ -294,6 +326,13 @@ class Edge:
         if isinstance(key, Response):
             return key
         return [n for n in names if key.allows_model(n, self._canonical[n])]
+
+    def response_owner(self, authorization: str | None) -> str | Response:
+        """Whose stored responses a caller may read: its owner digest, or a 401."""
+        if self.auth is None:
+            return owner_of(None, authorization)
+        key = self.auth.identify(authorization, {})
+        return key if isinstance(key, Response) else owner_of(key.key_id, authorization)
 
     def models_response(self, authorization: str | None = None) -> Response:
         names = self._visible_models(authorization)
@@ -401,6 +440,25 @@ def create_app(config: Config, deps: EdgeDeps) -> HotPathApp:
             request.path_params["model_id"], request.headers.get("authorization")
         )
 
+    async def stored_response(request: Request) -> Response:
+        owner = edge.response_owner(request.headers.get("authorization"))
+        if isinstance(owner, Response):
+            return owner
+        response_id = request.path_params["response_id"]
+        if request.method == "DELETE":
+            return await edge.responses.delete(response_id, owner)
+        return await edge.responses.get(response_id, owner)
+
+    async def input_items(request: Request) -> Response:
+        owner = edge.response_owner(request.headers.get("authorization"))
+        if isinstance(owner, Response):
+            return owner
+        return await edge.responses.input_items(
+            request.path_params["response_id"], owner, dict(request.query_params)
+        )
+
+    app.add_route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"])
+    app.add_route("/v1/responses/{response_id}/input_items", input_items, methods=["GET"])
     app.add_route("/v1/models", list_models, methods=["GET"])
     app.add_route("/v1/models/{model_id:path}", get_model, methods=["GET"])
 

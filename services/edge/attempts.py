@@ -38,6 +38,7 @@ from starlette.responses import Response
 
 from llmgw.contracts import AdmissionUnavailable
 from llmgw.core.outcomes import REFUSAL_OUTCOMES, Outcome
+from llmgw.core.requests import InvalidRequest
 from llmgw.core.spend import TokenUse
 from llmgw.core.usage import StreamUsage, Usage, usage_in
 from llmgw.services.edge.budgets import BudgetHold, BudgetRefused, BudgetUnavailable
@@ -51,6 +52,7 @@ from llmgw.services.edge.errors import (
 from llmgw.services.edge.streamed import StreamedAnswer
 from llmgw.services.edge.upstream import (
     LEASE_LOST_MESSAGE,
+    StreamReader,
     StreamRelay,
     UpstreamFailure,
     error_message_from_upstream,
@@ -75,6 +77,7 @@ if TYPE_CHECKING:
     from llmgw.core.budget import Budget
     from llmgw.core.requests import Feature, ParsedRequest
     from llmgw.services.edge.app import Edge
+    from llmgw.services.edge.responses import Exchange
     from llmgw.services.edge.telemetry import RequestRecord
 
 Answer = Response | StreamedAnswer  # what the client gets: a whole response or a stream
@@ -104,6 +107,7 @@ _PATHS = {
     "chat": "/v1/chat/completions",
     "completions": "/v1/completions",
     "embeddings": "/v1/embeddings",
+    "responses": "/v1/responses",
 }
 
 
@@ -127,6 +131,7 @@ class RoutedRequest:
     key: str | None = None  # the API key's id (auth.mode keys)
     key_parallel: int | None = None  # its max_parallel_requests
     key_budget: Budget | None = None  # its budget (llmgw.core.budget)
+    exchange: Exchange | None = None  # the Responses API's (llmgw.services.edge.responses)
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,7 +193,8 @@ class Attempts:
                 request_id=routed.request_id,
                 edge=edge.edge_id,
                 model=routed.model,
-                feature=routed.feature.value,
+                # a Responses request needs what a chat request needs of the model
+                feature="chat" if routed.exchange is not None else routed.feature.value,
                 shard=routed.shard,
                 stream=routed.parsed.stream,
                 session=routed.session,
@@ -278,12 +284,24 @@ class Attempts:
         headers["x-llmgw-provider"] = target.provider
         headers["x-llmgw-endpoint"] = target.endpoint
         parsed = routed.parsed
-        inject_usage = edge.inject_usage and parsed.stream and not parsed.include_usage
+        exchange = routed.exchange
+        inject_usage = (
+            edge.inject_usage and parsed.stream and not parsed.include_usage and exchange is None
+        )
         body, raw = parsed.body, routed.raw
-        rewrite = (
+        path = _PATHS[routed.feature.value]
+        rewrite = exchange is None and (
             inject_usage or parsed.model != target.upstream_model or target.priority is not None
         )
-        if rewrite:
+        if exchange is not None:
+            try:
+                path, raw = exchange.upstream(target)
+            except InvalidRequest as exc:  # what this provider's wire API cannot express
+                ending.finish(Outcome.BAD_REQUEST, sent=False)
+                return error_response(
+                    Outcome.BAD_REQUEST, exc.message, param=exc.param, headers=headers
+                ), Outcome.BAD_REQUEST
+        elif rewrite:
             body = dict(body)
             if inject_usage:  # ask for usage anyway; the usage event is removed on the way back
                 body["stream_options"] = {
@@ -294,7 +312,7 @@ class Attempts:
             if target.priority is not None:
                 body["priority"] = target.priority
             raw = json.dumps(body).encode()
-        url = target.url.rstrip("/") + _PATHS[routed.feature.value]
+        url = target.url.rstrip("/") + path
         timeouts = edge.timeouts_for(routed.model)
         deadline = loop_deadline(timeouts.total)
         ending.upstream_started = time.perf_counter()
@@ -361,6 +379,18 @@ class Attempts:
                     TokenUse(use.input_tokens, use.cached_tokens, use.output_tokens),
                 )
                 upstream_headers["x-llmgw-cost"] = edge.spend.cost_header(picos)
+            if exchange is not None:
+                try:
+                    payload, ending.usage = exchange.whole(payload, target)
+                except ValueError:
+                    return self._failure(
+                        ending,
+                        Outcome.UPSTREAM_ERROR,
+                        "The upstream's response is not a JSON object.",
+                        headers,
+                    )
+            else:
+                ending.usage = usage_in(payload)
             # The lease ends (and RequestEnded is reported) once the answer is on its way.
             routed.record.when_sent(lambda: ending.finish(Outcome.SUCCESS))
             return Response(payload, status_code=200, headers=upstream_headers), Outcome.SUCCESS
@@ -371,10 +401,14 @@ class Attempts:
             return self._failure(ending, failure.outcome, failure.message, headers)
         routed.record.first_token = time.perf_counter()
         annotate = None
-        if edge.spend is not None and edge.spend_header and not inject_usage:
+        if exchange is None and edge.spend is not None and edge.spend_header and not inject_usage:
             # The client asked for usage: its usage chunk also says what the attempt cost.
             annotate = edge.spend.usage_fields(target.provider, reply.served_model or routed.model)
-        usage = StreamUsage(remove=inject_usage, annotate=annotate)
+        usage: StreamReader = (
+            exchange.reader(target)
+            if exchange is not None
+            else StreamUsage(remove=inject_usage, annotate=annotate)
+        )
         relay = StreamRelay(
             upstream,
             first,
@@ -389,7 +423,11 @@ class Attempts:
             if ending.ended:
                 return
             ending.usage = usage.usage
-            ending.relayed = usage.events
+            # Data events relayed: what a stream cut short is billed on (the Responses and
+            # Messages readers count none: such a stream is billed its prompt only).
+            ending.relayed = getattr(usage, "events", 0)
+            if exchange is not None:
+                exchange.stream_ended(usage)
             outcome = relay.outcome
             if hold is not None and hold.cut_short and outcome is not Outcome.SUCCESS:
                 outcome = Outcome.SHUTTING_DOWN

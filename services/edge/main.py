@@ -49,6 +49,7 @@ from llmgw.services.edge.spend import SpendBook
 from llmgw.services.edge.upstream import new_pool
 from llmgw.services.fleet.http import add_fleet_routes
 from llmgw.serving import RunningServer, start_server
+from llmgw.state.responses import open_response_store
 from llmgw.tracing import open_tracing
 
 if TYPE_CHECKING:
@@ -214,6 +215,7 @@ async def open_edge_deps(
         edge_id=edge_id,
         tracing=open_tracing("edge", config.tracing),
         auth=auth,
+        responses=await open_response_store(nc, config),
     )
 
 
@@ -224,6 +226,7 @@ async def close_edge_deps(deps: EdgeDeps) -> None:
         await deps.spend.stop()
     if deps.auth is not None:
         await close_key_auth(deps.auth)
+    await deps.responses.close()  # the stored responses' writes in flight
     await deps.reporter.drain()
     await deps.leases.stop()
     await deps.admission.stop()

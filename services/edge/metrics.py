@@ -102,6 +102,13 @@ class EdgeMetrics:
             ["model", "served_model"],
             registry=r,
         )
+        self.responses_stored = Counter(
+            "llmgw_edge_responses_stored",
+            "Responses API responses kept for previous_response_id, by result: stored, too_large "
+            "(over the server's largest message), failed (the write did not land).",
+            ["result"],
+            registry=r,
+        )
         self.tenant_requests: Counter | None = None
         self._max_tenants = max_tenants
         self._tenants: set[str] = set()

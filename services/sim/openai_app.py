@@ -31,7 +31,7 @@ from llmgw.services.sim.asgi import (
     send_json,
 )
 from llmgw.services.sim.embeddings import embedding_item
-from llmgw.services.sim.generation import Backend, SimError
+from llmgw.services.sim.generation import Backend, Generation, SimError
 from llmgw.services.sim.params import FaultKnobs
 from llmgw.services.sim.responses import (
     FaultPlan,
@@ -39,6 +39,7 @@ from llmgw.services.sim.responses import (
     stream_response,
     whole_response,
 )
+from llmgw.services.sim.responses_api import responses_prompt, stream_events, whole_object
 from llmgw.services.sim.tokenizer import (
     TokenizeError,
     embedding_inputs,
@@ -69,6 +70,7 @@ class SimApp:
         embedding_dim: int,
         max_model_len: int,
         fault_rng: random.Random,
+        responses_api: bool = True,
     ) -> None:
         if not models:
             raise ValueError("a simulator needs at least one served model name")
@@ -101,6 +103,7 @@ class SimApp:
             ("POST", "/v1/chat/completions"): self._chat,
             ("POST", "/v1/completions"): self._completions,
             ("POST", "/v1/embeddings"): self._embeddings,
+            **({("POST", "/v1/responses"): self._responses} if responses_api else {}),
             ("GET", "/v1/models"): self._list_models,
             ("GET", "/health"): self._health,
             ("GET", "/ready"): self._health,  # an engine that is up can serve
@@ -151,10 +154,9 @@ class SimApp:
         try:
             body = await _json_object(receive)
             request = self._parse_generation(body, chat)
-            faults = self._draw_faults()
-            if faults.slow_headers > 0:
-                await asyncio.sleep(faults.slow_headers)
-            generation = self.backend.start(request.prompt, request.max_tokens, request.priority)
+            faults, generation = await self._start(
+                request.prompt, request.max_tokens, request.priority
+            )
         except SimError as exc:
             await _send_error(send, exc)
             return
@@ -175,6 +177,34 @@ class SimApp:
             generation.close()
             self.bill.add(request.model, generation, delivered[0])
 
+    async def _start(
+        self, prompt: list[int], max_tokens: int | None, priority: int
+    ) -> tuple[FaultPlan, Generation]:
+        """The request's faults drawn (a slow head waited for), then its generation started."""
+        faults = self._draw_faults()
+        if faults.slow_headers > 0:
+            await asyncio.sleep(faults.slow_headers)
+        return faults, self.backend.start(prompt, max_tokens, priority)
+
+    async def _responses(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            body = await _json_object(receive)
+            model = self._check_model(body)
+            prompt = token_ids(responses_prompt(body))
+            max_tokens = _max_tokens(body, "max_output_tokens")
+            _, generation = await self._start(prompt, max_tokens, _priority_of(body))
+        except SimError as exc:
+            await _send_error(send, exc)
+            return
+        except ClientGone:
+            return
+        try:
+            response_id = self._new_id("resp")
+            writer = stream_events if body.get("stream") is True else whole_object
+            await writer(receive, send, body, response_id, model, generation)
+        finally:
+            generation.close()
+
     def _parse_generation(self, body: dict[str, Any], chat: bool) -> GenerationRequest:
         model = self._check_model(body)
         try:
@@ -184,20 +214,13 @@ class SimApp:
                 prompt = tokenize_prompt(body.get("prompt"))
         except TokenizeError as exc:
             raise SimError(400, str(exc), param="messages" if chat else "prompt") from None
-        max_tokens = body.get("max_completion_tokens")
-        param = "max_completion_tokens"
+        max_tokens = _max_tokens(body, "max_completion_tokens")
         if max_tokens is None:
-            max_tokens, param = body.get("max_tokens"), "max_tokens"
-        if max_tokens is not None and (
-            not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1
-        ):
-            raise SimError(400, f"{param} must be an integer >= 1", param=param)
+            max_tokens = _max_tokens(body, "max_tokens")
         n = body.get("n")
         if n is not None and n != 1:
             raise SimError(400, "n: only n=1 is supported by the simulator", param="n")
-        priority = body.get("priority", 0)
-        if type(priority) is not int or not _INT64_MIN <= priority <= _INT64_MAX:
-            priority = _parse_priority(priority)
+        priority = _priority_of(body)
         options = body.get("stream_options")
         include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
         return GenerationRequest(
@@ -333,6 +356,20 @@ class SimApp:
         except ClientGone:
             return
         await send_json(send, 200, self.faults.model_dump())
+
+
+def _max_tokens(body: dict[str, Any], param: str) -> int | None:
+    value = body.get(param)
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise SimError(400, f"{param} must be an integer >= 1", param=param)
+    return value
+
+
+def _priority_of(body: dict[str, Any]) -> int:
+    priority = body.get("priority", 0)
+    if type(priority) is not int or not _INT64_MIN <= priority <= _INT64_MAX:
+        priority = _parse_priority(priority)
+    return priority
 
 
 def _parse_priority(value: object) -> int:

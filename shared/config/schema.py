@@ -43,6 +43,7 @@ from llmgw.config.sections import (
     PinningConfig,
     ProfileConfig,
     ResolvedProfile,
+    ResponsesConfig,
     RouterConfig,
     ScoringConfig,
     TimeoutOverrides,
@@ -142,6 +143,7 @@ class Config(BaseSettings):
     tracing: TracingConfig = Field(default_factory=TracingConfig)
     spend: SpendConfig = Field(default_factory=SpendConfig)
     fleet: FleetConfig = Field(default_factory=FleetConfig)
+    responses: ResponsesConfig = Field(default_factory=ResponsesConfig)
     models: list[ModelConfig] = Field(min_length=1)
     providers: list[ProviderConfig] = Field(min_length=1)
     endpoints: list[EndpointConfig] = Field(min_length=1)

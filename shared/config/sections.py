@@ -355,3 +355,14 @@ class AuthConfig(StrictModel):
     # Edges publish their per-key request and token counts this often; the rpm/tpm tolerance
     # is what the other edges admit within one interval (docs/keys.md, "Limits").
     usage_interval: PositiveDuration = 0.1
+
+
+# --- the Responses API ----------------------------------------------------------------------------
+
+
+class ResponsesConfig(StrictModel):
+    # JetStream KV bucket of the responses the edge served with `store: true` (one entry per
+    # response: owner, input items, output, usage), and how long an entry is kept (the bucket's
+    # max age, set when the bucket is created).
+    bucket: str = Field("llmgw_responses", pattern=r"^[A-Za-z0-9_-]+$")
+    retention: PositiveDuration = 30 * 24 * 3600.0

@@ -16,6 +16,7 @@ class Outcome(enum.StrEnum):
     SUCCESS = "success"
     BAD_REQUEST = "bad_request"
     MODEL_NOT_FOUND = "model_not_found"
+    NOT_FOUND = "not_found"  # a stored response that is unknown, expired or another key's
     UNSUPPORTED = "unsupported"
     BODY_TOO_LARGE = "body_too_large"
     ADMISSION_UNAVAILABLE = "admission_unavailable"
@@ -72,6 +73,7 @@ class ErrorShape:
 ERROR_SHAPES: dict[Outcome, ErrorShape] = {
     Outcome.BAD_REQUEST: ErrorShape(400, "invalid_request_error", "invalid_request"),
     Outcome.MODEL_NOT_FOUND: ErrorShape(404, "invalid_request_error", "model_not_found"),
+    Outcome.NOT_FOUND: ErrorShape(404, "invalid_request_error", "not_found"),
     Outcome.UNSUPPORTED: ErrorShape(400, "invalid_request_error", "unsupported_feature"),
     Outcome.BODY_TOO_LARGE: ErrorShape(413, "invalid_request_error", "request_too_large"),
     Outcome.ADMISSION_UNAVAILABLE: ErrorShape(

@@ -20,6 +20,7 @@ class Feature(enum.StrEnum):
     CHAT = "chat"
     COMPLETIONS = "completions"
     EMBEDDINGS = "embeddings"
+    RESPONSES = "responses"  # admitted as chat: the model's capability is the same
 
 
 class InvalidRequest(ValueError):

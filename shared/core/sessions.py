@@ -95,6 +95,14 @@ def session_id(
     return _digest("prefix", user, model, feature_class, prefix)
 
 
+def chain_session(root: str, model: str, *, header_key: str | None = None) -> str:
+    """The session of a Responses chain: its first response's id (the session header, when
+    sent, as for chat). Every turn of the chain hashes to it, wherever it runs."""
+    if header_key:
+        return _digest("key", header_key, model, "responses")
+    return _digest("chain", root, model)
+
+
 def sessions_of_key(key: str, models: Iterable[str]) -> dict[str, tuple[str, str]]:
     """Every session id an explicit key (a session header's value, or `user`) maps to, with its
     (model, feature class): how an operator finds a client's pins by what the client sent."""

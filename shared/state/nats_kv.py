@@ -308,8 +308,10 @@ async def open_routing_bucket(
     storage: str = "file",
     replicas: int = 1,
     history: int = 1,
+    max_age: float | None = None,
 ) -> NatsKV:
     """Bind the bucket `name`, creating it first if missing; safe to race from many instances.
+    `max_age` (seconds): how long an entry is kept, set when the bucket is created.
 
     An existing bucket must have the asked storage, replicas and history, else
     BucketConfigMismatch names the differing fields (changing them needs `js.update_stream` on
@@ -321,7 +323,12 @@ async def open_routing_bucket(
         info = await js.stream_info(stream)
     except NotFoundError:
         config = KeyValueConfig(
-            bucket=name, history=history, storage=storage_type, replicas=replicas, direct=True
+            bucket=name,
+            history=history,
+            storage=storage_type,
+            replicas=replicas,
+            direct=True,
+            ttl=max_age,
         )
         try:
             await js.create_key_value(config)
