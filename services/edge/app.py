@@ -24,6 +24,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from llmgw.config.credentials import provider_keys
+from llmgw.core.anthropic import opening, parse_messages_request
 from llmgw.core.outcomes import Outcome
 from llmgw.core.requests import Feature, InvalidRequest, parse_request
 from llmgw.core.sessions import session_id, tenant_id
@@ -34,6 +35,7 @@ from llmgw.services.edge.auth import KeyAuth
 from llmgw.services.edge.drain import EdgeDrain, with_connection_close
 from llmgw.services.edge.errors import INTERNAL_ERROR_MESSAGE, error_body, error_response
 from llmgw.services.edge.hardening import OpenAIErrorsHttpTools, headers_refused
+from llmgw.services.edge.messages import MessagesApi, anthropic_answer, authorization
 from llmgw.services.edge.metrics import EdgeMetrics
 from llmgw.services.edge.telemetry import EdgeTelemetry, RequestRecord
 
@@ -96,6 +98,7 @@ class Edge:
         self._canonical = {m: config.resolve_model(m) for m in config.public_model_ids()}
         self.upstream_headers = _provider_auth_headers(config)
         self.attempts = Attempts(self)
+        self.messages = MessagesApi(config)
 
     def upstream_headers_for(self, routed: RoutedRequest, provider: str) -> dict[str, str]:
         """The headers of an upstream call: the provider's, the client's request id, and with
@@ -130,6 +133,8 @@ class Edge:
         request_id.set(record.request_id)
         self.telemetry.began(record, request.headers)
         response, outcome = await self._handle(request, record)
+        if feature is Feature.MESSAGES:  # Anthropic's API: its error shape, streams too
+            response = anthropic_answer(response)
         if outcome is not None:  # streams record their outcome when they end
             status = response.status_code
             record.when_sent(lambda: self.telemetry.ended(record, outcome, status))
@@ -142,7 +147,7 @@ class Edge:
         ids = {REQUEST_ID_HEADER: record.request_id}
         caller = None
         if self.auth is not None:  # before the body is read
-            checked = self.auth.caller(request.headers.get("authorization"), ids)
+            checked = self.auth.caller(authorization(request.headers), ids)
             if isinstance(checked, Response):
                 return checked, (
                     Outcome.INVALID_API_KEY if checked.status_code == 401 else Outcome.RATE_LIMITED
@@ -159,7 +164,10 @@ class Edge:
         except ClientDisconnect:
             return Response(status_code=499), Outcome.CLIENT_DISCONNECTED
         try:
-            parsed = parse_request(feature, raw)
+            if feature is Feature.MESSAGES:
+                parsed = parse_messages_request(raw)
+            else:
+                parsed = parse_request(feature, raw)
         except InvalidRequest as exc:
             return error_response(
                 Outcome.BAD_REQUEST, exc.message, param=exc.param, headers=ids
@@ -193,9 +201,24 @@ class Edge:
             ), Outcome.BAD_REQUEST
         if caller is not None and self.auth is not None:
             band = record.band = self.auth.band(caller, band)
-        session = session_id(
-            feature, model, parsed.body, header_key=request.headers.get(self.session_header)
-        )
+        exchange = None
+        if feature is Feature.MESSAGES:  # its session is the chat session of its opening
+            try:
+                exchange = self.messages.exchange(parsed, raw, model)
+            except InvalidRequest as exc:
+                return error_response(
+                    Outcome.BAD_REQUEST, exc.message, param=exc.param, headers=ids
+                ), Outcome.BAD_REQUEST
+            session = session_id(
+                Feature.CHAT,
+                model,
+                opening(parsed.body),
+                header_key=request.headers.get(self.session_header),
+            )
+        else:
+            session = session_id(
+                feature, model, parsed.body, header_key=request.headers.get(self.session_header)
+            )
         shard = (
             shard_of(session, self.shards)
             if session is not None
@@ -204,7 +227,7 @@ class Edge:
         record.tenant = (
             caller.key.tenant
             if caller is not None
-            else tenant_id(request.headers.get("authorization"), parsed.user)
+            else tenant_id(authorization(request.headers), parsed.user)
         )
         routed = RoutedRequest(
             request_id=record.request_id,
@@ -224,6 +247,7 @@ class Edge:
             # disconnects: what a queued request watches.
             client_gone=request.receive if self.flow_control else None,
             record=record,
+            exchange=exchange,
         )
         return await self.attempts.run(routed)
 
@@ -336,12 +360,10 @@ def create_app(config: Config, deps: EdgeDeps) -> HotPathApp:
         app.add_route(path, route(feature), methods=["POST"])
 
     async def list_models(request: Request) -> Response:
-        return edge.models_response(request.headers.get("authorization"))
+        return edge.models_response(authorization(request.headers))
 
     async def get_model(request: Request) -> Response:
-        return edge.model_response(
-            request.path_params["model_id"], request.headers.get("authorization")
-        )
+        return edge.model_response(request.path_params["model_id"], authorization(request.headers))
 
     app.add_route("/v1/models", list_models, methods=["GET"])
     app.add_route("/v1/models/{model_id:path}", get_model, methods=["GET"])

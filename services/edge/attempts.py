@@ -38,6 +38,7 @@ from starlette.responses import Response
 
 from llmgw.contracts import AdmissionUnavailable
 from llmgw.core.outcomes import REFUSAL_OUTCOMES, Outcome
+from llmgw.core.requests import InvalidRequest
 from llmgw.core.usage import StreamUsage, Usage, usage_in
 from llmgw.services.edge.drain import SHUTDOWN_MESSAGE
 from llmgw.services.edge.errors import (
@@ -49,6 +50,7 @@ from llmgw.services.edge.errors import (
 from llmgw.services.edge.streamed import StreamedAnswer
 from llmgw.services.edge.upstream import (
     LEASE_LOST_MESSAGE,
+    StreamReader,
     StreamRelay,
     UpstreamFailure,
     error_message_from_upstream,
@@ -72,6 +74,7 @@ if TYPE_CHECKING:
     from llmgw.contracts import LeaseHold
     from llmgw.core.requests import Feature, ParsedRequest
     from llmgw.services.edge.app import Edge
+    from llmgw.services.edge.messages import MessagesExchange
     from llmgw.services.edge.telemetry import RequestRecord
 
 Answer = Response | StreamedAnswer  # what the client gets: a whole response or a stream
@@ -101,6 +104,7 @@ _PATHS = {
     "chat": "/v1/chat/completions",
     "completions": "/v1/completions",
     "embeddings": "/v1/embeddings",
+    "messages": "/v1/messages",
 }
 
 
@@ -123,6 +127,7 @@ class RoutedRequest:
     record: RequestRecord  # metrics and the access line (llmgw.services.edge.telemetry)
     key: str | None = None  # the API key's id (auth.mode keys)
     key_parallel: int | None = None  # its max_parallel_requests
+    exchange: MessagesExchange | None = None  # the Messages API's (services/edge/messages.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,7 +163,8 @@ class Attempts:
                 request_id=routed.request_id,
                 edge=edge.edge_id,
                 model=routed.model,
-                feature=routed.feature.value,
+                # a Messages request needs what a chat request needs of the model
+                feature="chat" if routed.exchange is not None else routed.feature.value,
                 shard=routed.shard,
                 stream=routed.parsed.stream,
                 session=routed.session,
@@ -236,12 +242,24 @@ class Attempts:
         headers["x-llmgw-provider"] = target.provider
         headers["x-llmgw-endpoint"] = target.endpoint
         parsed = routed.parsed
-        inject_usage = edge.inject_usage and parsed.stream and not parsed.include_usage
+        exchange = routed.exchange
+        inject_usage = (
+            edge.inject_usage and parsed.stream and not parsed.include_usage and exchange is None
+        )
         body, raw = parsed.body, routed.raw
-        rewrite = (
+        path = _PATHS[routed.feature.value]
+        rewrite = exchange is None and (
             inject_usage or parsed.model != target.upstream_model or target.priority is not None
         )
-        if rewrite:
+        if exchange is not None:
+            try:
+                path, raw = exchange.upstream(target)
+            except InvalidRequest as exc:  # what this provider's wire API cannot express
+                ending.finish(Outcome.BAD_REQUEST, sent=False)
+                return error_response(
+                    Outcome.BAD_REQUEST, exc.message, param=exc.param, headers=headers
+                ), Outcome.BAD_REQUEST
+        elif rewrite:
             body = dict(body)
             if inject_usage:  # ask for usage anyway; the usage event is removed on the way back
                 body["stream_options"] = {
@@ -252,7 +270,7 @@ class Attempts:
             if target.priority is not None:
                 body["priority"] = target.priority
             raw = json.dumps(body).encode()
-        url = target.url.rstrip("/") + _PATHS[routed.feature.value]
+        url = target.url.rstrip("/") + path
         timeouts = edge.timeouts_for(routed.model)
         deadline = loop_deadline(timeouts.total)
         ending.upstream_started = time.perf_counter()
@@ -309,7 +327,18 @@ class Attempts:
                 payload = await read_body(upstream, deadline)
             except UpstreamFailure as failure:
                 return self._failure(ending, failure.outcome, failure.message, headers)
-            ending.usage = usage_in(payload)
+            if exchange is not None:
+                try:
+                    payload, ending.usage = exchange.whole(payload, target)
+                except ValueError:
+                    return self._failure(
+                        ending,
+                        Outcome.UPSTREAM_ERROR,
+                        "The upstream's response is not a JSON object.",
+                        headers,
+                    )
+            else:
+                ending.usage = usage_in(payload)
             # The lease ends (and RequestEnded is reported) once the answer is on its way.
             routed.record.when_sent(lambda: ending.finish(Outcome.SUCCESS))
             return Response(payload, status_code=200, headers=upstream_headers), Outcome.SUCCESS
@@ -319,7 +348,9 @@ class Attempts:
             ending.status = failure.status  # an error event in place of the first token
             return self._failure(ending, failure.outcome, failure.message, headers)
         routed.record.first_token = time.perf_counter()
-        usage = StreamUsage(remove=inject_usage)
+        usage: StreamReader = (
+            exchange.reader(target) if exchange is not None else StreamUsage(remove=inject_usage)
+        )
         relay = StreamRelay(
             upstream,
             first,
@@ -334,6 +365,8 @@ class Attempts:
             if ending.ended:
                 return
             ending.usage = usage.usage
+            if exchange is not None:
+                exchange.stream_ended(usage)
             outcome = relay.outcome
             if hold is not None and hold.cut_short and outcome is not Outcome.SUCCESS:
                 outcome = Outcome.SHUTTING_DOWN

@@ -19,11 +19,11 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from llmgw.core.outcomes import Outcome
 from llmgw.core.sse import StartKind, stream_start
-from llmgw.core.usage import StreamUsage
+from llmgw.core.usage import Usage
 from llmgw.services.edge.errors import sse_error_event
 from llmgw.services.edge.http_client import (
     UpstreamBrokenError,
@@ -42,6 +42,18 @@ LEASE_LOST_MESSAGE = (
     "the request was ended. Retry it."
 )
 _HOP_HEADERS = {"content-type", "retry-after", "x-request-id"}
+
+
+class StreamReader(Protocol):
+    """What follows a stream on its way to the client: `feed` and `finish` return the bytes to
+    forward (`llmgw.core.usage.StreamUsage`, the Messages API's readers). A reader that says
+    `completed` ended the stream well without ``[DONE]`` (a Messages stream has none)."""
+
+    usage: Usage | None
+
+    def feed(self, chunk: bytes) -> bytes: ...
+
+    def finish(self) -> bytes: ...
 
 
 class UpstreamFailure(Exception):
@@ -185,7 +197,7 @@ class StreamRelay:
         timeouts: Timeouts,
         deadline: float,
         lease_lost: Callable[[], bool] = lambda: False,
-        usage: StreamUsage | None = None,
+        usage: StreamReader | None = None,
     ) -> None:
         self._response = response
         self._first = first
@@ -244,7 +256,7 @@ class StreamRelay:
                 yield rest
             if self._lease_lost():
                 yield self._lost()
-            elif _DONE_MARKER in tail:
+            elif _DONE_MARKER in tail or getattr(self._usage, "completed", False):
                 self.outcome = Outcome.SUCCESS
             else:
                 self.outcome = Outcome.UPSTREAM_BROKEN_STREAM

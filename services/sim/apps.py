@@ -51,6 +51,7 @@ def create_engine_app(
         embedding_dim=params.embedding_dim,
         max_model_len=params.max_model_len,
         fault_rng=fault_rng,
+        messages_api=params.messages_api,
     )
 
 
@@ -75,4 +76,5 @@ def create_provider_app(
         embedding_dim=params.embedding_dim,
         max_model_len=params.max_model_len,
         fault_rng=fault_rng,
+        messages_api=params.messages_api,
     )

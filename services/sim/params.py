@@ -77,6 +77,9 @@ class _GenerationParams(FaultKnobs):
     """Shape of the lognormal distribution (sigma of the underlying normal)."""
     embedding_dim: int = Field(default=64, ge=1, le=65536)
     seed: int = 0
+    messages_api: bool = True
+    """Whether it serves Anthropic's Messages API (``/v1/messages``); false: a 404 there, as from
+    a server that speaks only chat completions (what the gateway then translates to)."""
 
     @model_validator(mode="after")
     def _mean_within_max(self) -> Self:

@@ -14,9 +14,12 @@ from pydantic import Field, TypeAdapter, ValidationError, field_validator, model
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from llmgw.config.addresses import parse_http_url
-from llmgw.config.common import Feature, Name, Slug, StrictModel, fail
+from llmgw.config.common import Api, Feature, Name, Slug, StrictModel, fail
 
 # --- models, providers, endpoints -----------------------------------------------------------------
+
+# The APIs an OpenAI-compatible vLLM serves: a provider's `apis` unless it says otherwise.
+DEFAULT_APIS = ("chat_completions", "completions", "embeddings", "responses")
 
 
 class ModelConfig(StrictModel):
@@ -69,6 +72,9 @@ class ProviderConfig(StrictModel):
     # load) or "rate" (seed 001's rate balancer, learned from every edge's request stats).
     # Default: "score" for managed providers, "rate" for unlimited ones (which expose no load).
     strategy: Literal["score", "rate"] | None = None
+    # The wire APIs its endpoints serve. A request of an API the provider does not serve is
+    # translated to chat completions and back (docs/api.md).
+    apis: list[Api] = Field(default_factory=lambda: list(DEFAULT_APIS), min_length=1)
     models: list[ProviderModel] = Field(min_length=1)
 
     @property

@@ -13,6 +13,8 @@ Slug = Annotated[str, Field(pattern=SLUG_PATTERN, max_length=64)]
 # A non-empty name without surrounding whitespace.
 Name = Annotated[str, Field(min_length=1, pattern=r"^\S(.*\S)?$")]
 Feature = Literal["chat", "completions", "embeddings"]
+# The wire APIs a provider serves (`providers[].apis`).
+Api = Literal["chat_completions", "completions", "embeddings", "responses", "messages"]
 MASK = "***"
 
 Location = tuple[str | int, ...]

@@ -20,6 +20,7 @@ class Feature(enum.StrEnum):
     CHAT = "chat"
     COMPLETIONS = "completions"
     EMBEDDINGS = "embeddings"
+    MESSAGES = "messages"  # Anthropic's Messages API, admitted as chat
 
 
 class InvalidRequest(ValueError):

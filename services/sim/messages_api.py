@@ -1,0 +1,110 @@
+"""The simulators' Anthropic Messages API (``POST /v1/messages``), as vLLM serves it.
+
+A Messages request is run as the chat completion it corresponds to (`llmgw.core.anthropic`):
+same tokenizer, pacing, faults and metrics; its answer (whole or streamed) and its errors are
+written in the Messages API's shape (`llmgw.core.anthropic_chat`). A simulator with
+``messages_api: false`` has no such route (404), like a server that speaks chat completions only.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from llmgw.core.anthropic import parse_messages_request, to_chat
+from llmgw.core.anthropic_chat import ChatToMessages, message_from_chat, reshape_error
+from llmgw.core.requests import InvalidRequest
+from llmgw.services.sim.asgi import (
+    BodyTooLarge,
+    ClientGone,
+    Message,
+    Receive,
+    Send,
+    read_body,
+    send_bytes,
+)
+
+__all__ = ["serve_messages"]
+
+ChatHandler = Callable[[Receive, Send], Awaitable[None]]
+
+
+async def serve_messages(receive: Receive, send: Send, chat: ChatHandler) -> None:
+    """Answer one Messages request by running ``chat`` (the simulator's chat completions) on
+    its translation."""
+    try:
+        raw = await read_body(receive)
+    except ClientGone:
+        return
+    except BodyTooLarge:
+        await _error(send, 413, "request body too large")
+        return
+    try:
+        parsed = parse_messages_request(raw)
+        chat_body = to_chat(parsed.body, parsed.model)
+    except InvalidRequest as exc:
+        await _error(send, 400, exc.message)
+        return
+    sent = False
+
+    async def chat_receive() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": json.dumps(chat_body).encode()}
+        return await receive()  # the client's disconnect, while the answer is generated
+
+    writer = _Writer(send, parsed.model, parsed.body.get("stop_sequences"), parsed.stream)
+    await chat(chat_receive, writer)
+
+
+async def _error(send: Send, status: int, message: str) -> None:
+    body = reshape_error(json.dumps({"error": {"message": message}}).encode(), status)
+    await send_bytes(send, status, body, b"application/json")
+
+
+class _Writer:
+    """An ASGI send that rewrites a chat completions answer as the Messages API's."""
+
+    def __init__(self, send: Send, model: str, stop_sequences: Any, stream: bool) -> None:
+        self._send = send
+        self._model = model
+        self._stop = stop_sequences
+        self._stream = stream
+        self._start: Message | None = None
+        self._held = b""
+        self._events: ChatToMessages | None = None
+
+    async def __call__(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            if self._stream and message["status"] == 200:
+                self._events = ChatToMessages(self._model, self._stop)
+                headers = [(k, v) for k, v in message["headers"] if k != b"content-length"]
+                await self._send({**message, "headers": headers})
+            else:
+                self._start = message  # sent with the whole body, rewritten
+            return
+        if message["type"] != "http.response.body":
+            await self._send(message)
+            return
+        more = message.get("more_body", False)
+        if self._events is not None:
+            out = self._events.feed(message.get("body", b""))
+            if not more:
+                out += self._events.finish()
+            await self._send({"type": "http.response.body", "body": out, "more_body": more})
+            return
+        self._held += message.get("body", b"")
+        if more:
+            return
+        assert self._start is not None
+        status = self._start["status"]
+        if status == 200:
+            body, _ = message_from_chat(self._held, self._model, self._stop)
+        else:
+            body = reshape_error(self._held, status)
+        headers = [(k, v) for k, v in self._start["headers"] if k != b"content-length"]
+        headers.append((b"content-length", str(len(body)).encode()))
+        await self._send({**self._start, "headers": headers})
+        await self._send({"type": "http.response.body", "body": body})
