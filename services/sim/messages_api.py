@@ -2,7 +2,9 @@
 
 A Messages request is run as the chat completion it corresponds to (`llmgw.core.anthropic`):
 same tokenizer, pacing, faults and metrics; its answer (whole or streamed) and its errors are
-written in the Messages API's shape (`llmgw.core.anthropic_chat`). A simulator with
+written in the Messages API's shape (`llmgw.core.anthropic_chat`). What only Anthropic's own
+service does (extended thinking, server tools, documents, MCP...) is accepted and ignored, as
+an open engine serving the API does: the simulator generates text. A simulator with
 ``messages_api: false`` has no such route (404), like a server that speaks chat completions only.
 """
 
@@ -12,7 +14,7 @@ import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from llmgw.core.anthropic import parse_messages_request, to_chat
+from llmgw.core.anthropic import TRANSLATED_BLOCKS, parse_messages_request, to_chat
 from llmgw.core.anthropic_chat import ChatToMessages, message_from_chat, reshape_error
 from llmgw.core.requests import InvalidRequest
 from llmgw.services.sim.asgi import (
@@ -42,7 +44,7 @@ async def serve_messages(receive: Receive, send: Send, chat: ChatHandler) -> Non
         return
     try:
         parsed = parse_messages_request(raw)
-        chat_body = to_chat(parsed.body, parsed.model)
+        chat_body = to_chat(_generated_part(parsed.body), parsed.model)
     except InvalidRequest as exc:
         await _error(send, 400, exc.message)
         return
@@ -57,6 +59,33 @@ async def serve_messages(receive: Receive, send: Send, chat: ChatHandler) -> Non
 
     writer = _Writer(send, parsed.model, parsed.body.get("stop_sequences"), parsed.stream)
     await chat(chat_receive, writer)
+
+
+_IGNORED_FIELDS = ("thinking", "container", "mcp_servers", "context_management", "output_format")
+
+
+def _generated_part(body: dict[str, Any]) -> dict[str, Any]:
+    """The request without what the simulator ignores (see the module docstring)."""
+    kept = {k: v for k, v in body.items() if k not in _IGNORED_FIELDS}
+    if body.get("tools"):
+        kept["tools"] = [t for t in body["tools"] if t.get("type") in (None, "custom")]
+    kept["messages"] = [
+        {
+            **message,
+            "content": [
+                block if block.get("type") in TRANSLATED_BLOCKS else _as_text(block)
+                for block in message["content"]
+            ],
+        }
+        if isinstance(message["content"], list)
+        else message
+        for message in body["messages"]
+    ]
+    return kept
+
+
+def _as_text(block: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "text", "text": json.dumps(block)[:200]}
 
 
 async def _error(send: Send, status: int, message: str) -> None:

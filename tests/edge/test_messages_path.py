@@ -5,8 +5,17 @@ completions and back. `native_gateway`'s iris serves the Messages API: passed th
 """
 
 import httpx
+import nats
 import pytest
+import pytest_asyncio
 from anthropic import AsyncAnthropic
+from conftest import gateway_config
+from inproc import start_admission, start_edge, stop_servers
+from test_usage_path import collect_stats, until
+
+from llmgw.services.sim.apps import create_engine_app
+from llmgw.services.sim.params import EngineParams
+from llmgw.serving import start_server
 
 WEATHER_TOOL = {
     "name": "get_weather",
@@ -59,3 +68,163 @@ async def test_x_api_key_and_anthropic_errors(gateway):
     assert response.status_code == 404
     assert response.json()["type"] == "error"
     assert response.json()["error"]["type"] == "not_found_error"
+
+
+async def test_tool_use_history_translates_and_the_engine_gets_chat_tool_messages(client, gateway):
+    message = await client.messages.create(
+        model="m1",
+        max_tokens=4,
+        tools=[WEATHER_TOOL],
+        tool_choice={"type": "auto"},
+        messages=[
+            {"role": "user", "content": "Weather in Paris?"},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "text", "text": "Let me check."},
+                    {
+                        "type": "tool_use",
+                        "id": "toolu_1",
+                        "name": "get_weather",
+                        "input": {"location": "Paris"},
+                    },
+                ],
+            },
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "15C"}],
+            },
+        ],
+    )
+    assert message.content[0].type == "text" and message.usage.output_tokens == 4
+
+
+async def test_messages_are_measured_like_chat(gateway, nats_url):
+    nc, seen = await collect_stats(nats_url)
+    try:
+        async with httpx.AsyncClient() as http:
+            response = await http.post(
+                gateway.url + "/v1/messages",
+                json={
+                    "model": "m1",
+                    "max_tokens": 5,
+                    "stream": True,
+                    "messages": [{"role": "user", "content": "count"}],
+                },
+            )
+        assert response.status_code == 200
+        assert response.text.rstrip().endswith('data: {"type":"message_stop"}')
+        await until(lambda: len(seen) == 1)
+        assert seen[0].ok and seen[0].output_tokens == 5 and seen[0].input_tokens > 0
+    finally:
+        await nc.close()
+
+
+# -- a provider that serves the Messages API: passed through ------------------------------------
+
+
+class PathRecorder:
+    """ASGI middleware around an engine: the path of every POST it received."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+        self.paths: list[str] = []
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            self.paths.append(scope["path"])
+        await self.app(scope, receive, send)
+
+
+@pytest_asyncio.fixture
+async def native_gateway(nats_url, unique_id):
+    """`gateway_config` where iris serves the Messages API (its engines do) and tensorx does not."""
+    engines, recorders = {}, {}
+    for seed, name in enumerate(("engine-1", "engine-2", "tensorx-1")):
+        params = EngineParams.zero_delay().model_copy(
+            update={"seed": seed, "messages_api": name != "tensorx-1"}
+        )
+        recorders[name] = PathRecorder(create_engine_app(params, ["m1", "m2"]))
+        engines[name] = await start_server(recorders[name])
+    urls = {k: v.url for k, v in engines.items()}
+    config = gateway_config(nats_url, urls, f"routing_{unique_id}")
+    providers = [p.model_dump(exclude_none=True) for p in config.providers]
+    providers[0]["apis"] = ["chat_completions", "completions", "messages"]
+    config = gateway_config(nats_url, urls, f"routing_{unique_id}", providers=providers)
+    admission = await start_admission(config, nats_url, instance="adm-m", follow_load=False)
+    edge = await start_edge(config, nats_url, edge_id="edge-m")
+    try:
+        yield edge, recorders
+    finally:
+        await edge.stop()
+        await admission.stop()
+        nc = await nats.connect(nats_url)
+        await nc.jetstream().delete_key_value(config.pinning.bucket)
+        await nc.close()
+        await stop_servers(engines.values())
+
+
+async def test_an_engine_serving_messages_gets_them_as_they_are(native_gateway, nats_url):
+    edge, recorders = native_gateway
+    nc, seen = await collect_stats(nats_url)
+    try:
+        client = AsyncAnthropic(base_url=edge.url, api_key="unused", max_retries=0)
+        message = await client.messages.create(
+            model="small", max_tokens=6, messages=[{"role": "user", "content": "hi"}]
+        )
+        async with client.messages.stream(
+            model="m1", max_tokens=3, messages=[{"role": "user", "content": "again"}]
+        ) as stream:
+            final = await stream.get_final_message()
+        await until(lambda: len(seen) == 2)
+    finally:
+        await nc.close()
+    assert message.usage.output_tokens == 6 and final.usage.output_tokens == 3
+    assert recorders["engine-1"].paths == ["/v1/messages", "/v1/messages"]
+    assert all(s.ok and s.output_tokens in (3, 6) and s.input_tokens > 0 for s in seen)
+
+
+THINKING = {
+    "model": "m1",
+    "max_tokens": 3,
+    "thinking": {"type": "enabled", "budget_tokens": 1024},
+    "messages": [{"role": "user", "content": "think"}],
+}
+
+
+async def test_what_only_the_messages_api_expresses_runs_on_a_provider_serving_it(
+    native_gateway,
+):
+    edge, recorders = native_gateway
+    async with httpx.AsyncClient() as http:
+        response = await http.post(edge.url + "/v1/messages", json=THINKING)
+    assert response.status_code == 200, response.text
+    assert response.json()["type"] == "message"
+    assert recorders["engine-1"].paths == ["/v1/messages"]
+
+
+async def test_and_is_an_anthropic_400_when_placed_on_one_that_does_not(native_gateway):
+    """iris's engines are down: the retry lands on tensorx, which speaks chat completions only,
+    so the attempt ends (its lease released) with the 400, and tensorx is never called."""
+    edge, recorders = native_gateway
+    for name in ("engine-1", "engine-2"):
+        recorders[name].app = _Refuse()
+    async with httpx.AsyncClient() as http:
+        response = await http.post(edge.url + "/v1/messages", json=THINKING)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["type"] == "invalid_request_error"
+    assert "thinking" in response.json()["error"]["message"]
+    assert recorders["tensorx-1"].paths == []
+    assert response.headers["x-llmgw-provider"] == "tensorx"
+
+
+class _Refuse:
+    """An engine answering 503 to everything (an engine that is overloaded)."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        body = b'{"error": {"message": "overloaded", "type": "x", "code": 503}}'
+        headers = [(b"content-type", b"application/json")]
+        await send({"type": "http.response.start", "status": 503, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
