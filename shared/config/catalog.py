@@ -73,7 +73,7 @@ class ProviderConfig(StrictModel):
     # Default: "score" for managed providers, "rate" for unlimited ones (which expose no load).
     strategy: Literal["score", "rate"] | None = None
     # The wire APIs its endpoints serve. A request of an API the provider does not serve is
-    # translated to chat completions and back (docs/api.md).
+    # translated to chat completions and back (docs/messages.md).
     apis: list[Api] = Field(default_factory=lambda: list(DEFAULT_APIS), min_length=1)
     models: list[ProviderModel] = Field(min_length=1)
 

@@ -5,7 +5,7 @@ Pure. `parse_messages_request` checks a ``POST /v1/messages`` body the way Anthr
 types) before anything is admitted: a request that fails here takes no lease. `to_chat` turns a
 valid request into a chat completions body for a provider that does not serve the Messages API;
 what chat completions cannot express raises `Untranslatable` (a 400 in Anthropic's error shape,
-docs/api.md lists them). Block types Anthropic defines but chat completions cannot carry are
+docs/messages.md lists them). Block types Anthropic defines but chat completions cannot carry are
 valid input (a provider that serves the API natively gets them unchanged); a block type nobody
 defines is bad input everywhere.
 
