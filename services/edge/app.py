@@ -32,6 +32,7 @@ from llmgw.core.shards import shard_of
 from llmgw.logs import REQUEST_ID_HEADER, accept_request_id, request_id
 from llmgw.services.edge.attempts import _PATHS, Answer, Attempts, RoutedRequest
 from llmgw.services.edge.auth import KeyAuth
+from llmgw.services.edge.count_tokens import COUNT_TOKENS_PATH, count_tokens
 from llmgw.services.edge.drain import EdgeDrain, with_connection_close
 from llmgw.services.edge.errors import INTERNAL_ERROR_MESSAGE, error_body, error_response
 from llmgw.services.edge.hardening import OpenAIErrorsHttpTools, headers_refused
@@ -365,6 +366,10 @@ def create_app(config: Config, deps: EdgeDeps) -> HotPathApp:
     async def get_model(request: Request) -> Response:
         return edge.model_response(request.path_params["model_id"], authorization(request.headers))
 
+    async def messages_count_tokens(request: Request) -> Response:
+        return await count_tokens(edge, request)
+
+    app.add_route(COUNT_TOKENS_PATH, messages_count_tokens, methods=["POST"])
     app.add_route("/v1/models", list_models, methods=["GET"])
     app.add_route("/v1/models/{model_id:path}", get_model, methods=["GET"])
 

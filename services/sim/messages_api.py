@@ -16,7 +16,7 @@ from typing import Any
 
 from llmgw.core.anthropic import TRANSLATED_BLOCKS, parse_messages_request, to_chat
 from llmgw.core.anthropic_chat import ChatToMessages, message_from_chat, reshape_error
-from llmgw.core.requests import InvalidRequest
+from llmgw.core.requests import InvalidRequest, ParsedRequest
 from llmgw.services.sim.asgi import (
     BodyTooLarge,
     ClientGone,
@@ -26,8 +26,10 @@ from llmgw.services.sim.asgi import (
     read_body,
     send_bytes,
 )
+from llmgw.services.sim.generation import SimError
+from llmgw.services.sim.tokenizer import TokenizeError, render_chat, token_ids
 
-__all__ = ["serve_messages"]
+__all__ = ["count_tokens", "serve_messages"]
 
 ChatHandler = Callable[[Receive, Send], Awaitable[None]]
 
@@ -35,19 +37,10 @@ ChatHandler = Callable[[Receive, Send], Awaitable[None]]
 async def serve_messages(receive: Receive, send: Send, chat: ChatHandler) -> None:
     """Answer one Messages request by running ``chat`` (the simulator's chat completions) on
     its translation."""
-    try:
-        raw = await read_body(receive)
-    except ClientGone:
+    read = await _read(receive, send, count_only=False)
+    if read is None:
         return
-    except BodyTooLarge:
-        await _error(send, 413, "request body too large")
-        return
-    try:
-        parsed = parse_messages_request(raw)
-        chat_body = to_chat(_generated_part(parsed.body), parsed.model)
-    except InvalidRequest as exc:
-        await _error(send, 400, exc.message)
-        return
+    parsed, chat_body = read
     sent = False
 
     async def chat_receive() -> Message:
@@ -59,6 +52,26 @@ async def serve_messages(receive: Receive, send: Send, chat: ChatHandler) -> Non
 
     writer = _Writer(send, parsed.model, parsed.body.get("stop_sequences"), parsed.stream)
     await chat(chat_receive, writer)
+
+
+async def _read(
+    receive: Receive, send: Send, *, count_only: bool
+) -> tuple[ParsedRequest, dict[str, Any]] | None:
+    """The request and its chat completions form, or None once its error was answered."""
+    try:
+        raw = await read_body(receive)
+    except ClientGone:
+        return None
+    except BodyTooLarge:
+        await _error(send, 413, "request body too large")
+        return None
+    try:
+        parsed = parse_messages_request(raw, count_only=count_only)
+        body = {"max_tokens": 1, **parsed.body} if count_only else parsed.body
+        return parsed, to_chat(_generated_part(body), parsed.model)
+    except InvalidRequest as exc:
+        await _error(send, 400, exc.message)
+        return None
 
 
 _IGNORED_FIELDS = ("thinking", "container", "mcp_servers", "context_management", "output_format")
@@ -86,6 +99,25 @@ def _generated_part(body: dict[str, Any]) -> dict[str, Any]:
 
 def _as_text(block: dict[str, Any]) -> dict[str, Any]:
     return {"type": "text", "text": json.dumps(block)[:200]}
+
+
+async def count_tokens(receive: Receive, send: Send, check_model: Callable[[Any], str]) -> None:
+    """``POST /v1/messages/count_tokens``: the prompt's tokens as the simulator counts them."""
+    read = await _read(receive, send, count_only=True)
+    if read is None:
+        return
+    parsed, chat = read
+    try:
+        check_model(parsed.body)
+        count = len(token_ids(render_chat(chat["messages"])))
+    except SimError as exc:
+        await _error(send, exc.status, exc.message)
+        return
+    except TokenizeError as exc:
+        await _error(send, 400, str(exc))
+        return
+    body = json.dumps({"input_tokens": count}).encode()
+    await send_bytes(send, 200, body, b"application/json")
 
 
 async def _error(send: Send, status: int, message: str) -> None:

@@ -32,7 +32,7 @@ from llmgw.services.sim.asgi import (
 )
 from llmgw.services.sim.embeddings import embedding_item
 from llmgw.services.sim.generation import Backend, SimError
-from llmgw.services.sim.messages_api import serve_messages
+from llmgw.services.sim.messages_api import count_tokens, serve_messages
 from llmgw.services.sim.params import FaultKnobs
 from llmgw.services.sim.responses import (
     FaultPlan,
@@ -103,7 +103,14 @@ class SimApp:
             ("POST", "/v1/chat/completions"): self._chat,
             ("POST", "/v1/completions"): self._completions,
             ("POST", "/v1/embeddings"): self._embeddings,
-            **({("POST", "/v1/messages"): self._messages} if messages_api else {}),
+            **(
+                {
+                    ("POST", "/v1/messages"): self._messages,
+                    ("POST", "/v1/messages/count_tokens"): self._count_tokens,
+                }
+                if messages_api
+                else {}
+            ),
             ("GET", "/v1/models"): self._list_models,
             ("GET", "/health"): self._health,
             ("GET", "/ready"): self._health,  # an engine that is up can serve
@@ -147,6 +154,9 @@ class SimApp:
 
     async def _messages(self, scope: Scope, receive: Receive, send: Send) -> None:
         await serve_messages(receive, send, lambda r, s: self._generate(r, s, chat=True))
+
+    async def _count_tokens(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await count_tokens(receive, send, self._check_model)
 
     async def _completions(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self._generate(receive, send, chat=False)

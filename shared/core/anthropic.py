@@ -151,14 +151,17 @@ def _check_messages(messages: object) -> None:
             )
 
 
-def parse_messages_request(raw: bytes) -> ParsedRequest:
-    """Decode and validate a Messages API body; raises InvalidRequest (an Anthropic 400)."""
+def parse_messages_request(raw: bytes, *, count_only: bool = False) -> ParsedRequest:
+    """Decode and validate a Messages API body; raises InvalidRequest (an Anthropic 400).
+    `count_only`: a ``count_tokens`` body, which has no ``max_tokens``."""
     body = decode_json_object(raw)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise InvalidRequest("model: Field required (a non-empty string).", "model")
     max_tokens = body.get("max_tokens")
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+    if not count_only and (
+        not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1
+    ):
         raise InvalidRequest("max_tokens: Field required (an integer >= 1).", "max_tokens")
     _check_messages(body.get("messages"))
     for name, (check, expected) in _CHECKS.items():

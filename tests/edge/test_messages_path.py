@@ -4,12 +4,14 @@ In `gateway_config` no provider declares `messages`: every request here is trans
 completions and back. `native_gateway`'s iris serves the Messages API: passed through.
 """
 
+import json
+from pathlib import Path
+
 import httpx
 import nats
 import pytest
 import pytest_asyncio
 from anthropic import AsyncAnthropic
-from conftest import gateway_config
 from inproc import start_admission, start_edge, stop_servers
 from test_usage_path import collect_stats, until
 
@@ -17,15 +19,7 @@ from llmgw.services.sim.apps import create_engine_app
 from llmgw.services.sim.params import EngineParams
 from llmgw.serving import start_server
 
-WEATHER_TOOL = {
-    "name": "get_weather",
-    "description": "Get the current weather in a given location",
-    "input_schema": {
-        "type": "object",
-        "properties": {"location": {"type": "string"}},
-        "required": ["location"],
-    },
-}
+DATA = Path(__file__).parent.parent / "core" / "data" / "anthropic"  # recorded payloads
 
 
 @pytest.fixture
@@ -71,30 +65,13 @@ async def test_x_api_key_and_anthropic_errors(gateway):
 
 
 async def test_tool_use_history_translates_and_the_engine_gets_chat_tool_messages(client, gateway):
+    recorded = json.loads((DATA / "anthropic_request_tool_result.json").read_text())
     message = await client.messages.create(
         model="m1",
         max_tokens=4,
-        tools=[WEATHER_TOOL],
+        tools=recorded["tools"],
         tool_choice={"type": "auto"},
-        messages=[
-            {"role": "user", "content": "Weather in Paris?"},
-            {
-                "role": "assistant",
-                "content": [
-                    {"type": "text", "text": "Let me check."},
-                    {
-                        "type": "tool_use",
-                        "id": "toolu_1",
-                        "name": "get_weather",
-                        "input": {"location": "Paris"},
-                    },
-                ],
-            },
-            {
-                "role": "user",
-                "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "15C"}],
-            },
-        ],
+        messages=recorded["messages"],
     )
     assert message.content[0].type == "text" and message.usage.output_tokens == 4
 
@@ -137,7 +114,7 @@ class PathRecorder:
 
 
 @pytest_asyncio.fixture
-async def native_gateway(nats_url, unique_id):
+async def native_gateway(nats_url, unique_id, make_gateway_config):
     """`gateway_config` where iris serves the Messages API (its engines do) and tensorx does not."""
     engines, recorders = {}, {}
     for seed, name in enumerate(("engine-1", "engine-2", "tensorx-1")):
@@ -147,10 +124,10 @@ async def native_gateway(nats_url, unique_id):
         recorders[name] = PathRecorder(create_engine_app(params, ["m1", "m2"]))
         engines[name] = await start_server(recorders[name])
     urls = {k: v.url for k, v in engines.items()}
-    config = gateway_config(nats_url, urls, f"routing_{unique_id}")
+    config = make_gateway_config(nats_url, urls, f"routing_{unique_id}")
     providers = [p.model_dump(exclude_none=True) for p in config.providers]
     providers[0]["apis"] = ["chat_completions", "completions", "messages"]
-    config = gateway_config(nats_url, urls, f"routing_{unique_id}", providers=providers)
+    config = make_gateway_config(nats_url, urls, f"routing_{unique_id}", providers=providers)
     admission = await start_admission(config, nats_url, instance="adm-m", follow_load=False)
     edge = await start_edge(config, nats_url, edge_id="edge-m")
     try:
@@ -228,3 +205,37 @@ class _Refuse:
         headers = [(b"content-type", b"application/json")]
         await send({"type": "http.response.start", "status": 503, "headers": headers})
         await send({"type": "http.response.body", "body": body})
+
+
+# -- count_tokens -------------------------------------------------------------------------------
+
+
+async def test_count_tokens_is_asked_of_an_engine_serving_the_messages_api(native_gateway):
+    edge, recorders = native_gateway
+    client = AsyncAnthropic(base_url=edge.url, api_key="unused", max_retries=0)
+    short = await client.messages.count_tokens(
+        model="m1", messages=[{"role": "user", "content": "hi"}]
+    )
+    longer = await client.messages.count_tokens(
+        model="small",
+        system="You are a careful assistant who answers in full sentences.",
+        messages=[{"role": "user", "content": "hi there, how many tokens is this?"}],
+    )
+    assert 0 < short.input_tokens < longer.input_tokens
+    assert recorders["engine-1"].paths == ["/v1/messages/count_tokens"] * 2
+
+
+async def test_count_tokens_without_a_provider_serving_the_api_is_an_anthropic_404(gateway):
+    async with httpx.AsyncClient() as http:
+        response = await http.post(
+            gateway.url + "/v1/messages/count_tokens",
+            json={"model": "m1", "messages": [{"role": "user", "content": "x"}]},
+        )
+        bad = await http.post(
+            gateway.url + "/v1/messages/count_tokens",
+            json={"model": "m1", "messages": [{"role": "robot", "content": "x"}]},
+        )
+    assert response.status_code == 404
+    assert response.json()["error"]["type"] == "not_found_error"
+    assert "Messages API" in response.json()["error"]["message"]
+    assert bad.status_code == 400 and bad.json()["type"] == "error"

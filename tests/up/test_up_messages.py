@@ -4,6 +4,7 @@ the same calls are translated to chat completions and back."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,34 +18,12 @@ pytestmark = pytest.mark.e2e
 READY = (
     r"^llmgw is ready: OpenAI API at (http://\S+)/v1, API key (sk-llmgw-\w+) \(Ctrl-C to stop\)$"
 )
-TOOL = {
-    "name": "get_weather",
-    "description": "Get the current weather in a given location",
-    "input_schema": {
-        "type": "object",
-        "properties": {"location": {"type": "string"}},
-        "required": ["location"],
-    },
-}
-HISTORY = [
-    {"role": "user", "content": "What is the weather like in San Francisco?"},
-    {
-        "role": "assistant",
-        "content": [
-            {"type": "text", "text": "Let me look."},
-            {
-                "type": "tool_use",
-                "id": "toolu_01",
-                "name": "get_weather",
-                "input": {"location": "SF"},
-            },
-        ],
-    },
-    {
-        "role": "user",
-        "content": [{"type": "tool_result", "tool_use_id": "toolu_01", "content": "15 degrees"}],
-    },
-]
+# Anthropic's tool-use example: a turn returning a tool result (tests/core/data/anthropic)
+RECORDED = json.loads(
+    (
+        Path(__file__).parent.parent / "core/data/anthropic/anthropic_request_tool_result.json"
+    ).read_text()
+)
 
 
 def _sdk_calls(base_url: str, key: str) -> str:
@@ -66,7 +45,9 @@ def _sdk_calls(base_url: str, key: str) -> str:
         text = "".join(stream.text_stream)
         final = stream.get_final_message()
     assert text and text == final.content[0].text and final.usage.output_tokens > 0
-    turn = client.messages.create(model="llama", max_tokens=8, tools=[TOOL], messages=HISTORY)
+    turn = client.messages.create(
+        model="llama", max_tokens=8, tools=RECORDED["tools"], messages=RECORDED["messages"]
+    )
     assert turn.content and turn.stop_reason in ("end_turn", "max_tokens")
     return raw.headers["x-llmgw-provider"]
 
