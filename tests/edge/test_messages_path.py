@@ -13,6 +13,7 @@ import pytest
 import pytest_asyncio
 from anthropic import AsyncAnthropic
 from inproc import start_admission, start_edge, stop_servers
+from test_upstream import set_faults
 from test_usage_path import collect_stats, until
 
 from llmgw.services.sim.apps import create_engine_app
@@ -239,3 +240,46 @@ async def test_count_tokens_without_a_provider_serving_the_api_is_an_anthropic_4
     assert response.json()["error"]["type"] == "not_found_error"
     assert "Messages API" in response.json()["error"]["message"]
     assert bad.status_code == 400 and bad.json()["type"] == "error"
+
+
+# -- a stream that fails after it began ---------------------------------------------------------
+
+
+def anthropic_events(text: str) -> list[tuple[str, dict]]:
+    out = []
+    for block in text.strip().split("\n\n"):
+        lines = dict(line.split(": ", 1) for line in block.split("\n") if ": " in line)
+        out.append((lines.get("event", ""), json.loads(lines["data"])))
+    return out
+
+
+STREAM = {
+    "model": "m1",
+    "max_tokens": 10,
+    "stream": True,
+    "messages": [{"role": "user", "content": "x"}],
+}
+
+
+async def test_a_translated_stream_whose_engine_dies_ends_with_an_anthropic_error_event(gateway):
+    await set_faults(gateway.engines["engine-1"].url, die_at_token=3)
+    async with httpx.AsyncClient() as http:
+        response = await http.post(gateway.url + "/v1/messages", json=STREAM)
+    events = anthropic_events(response.text)
+    assert events[0][0] == "message_start" and "message_stop" not in [e for e, _ in events]
+    name, data = events[-1]
+    assert name == "error" and data["type"] == "error"
+    assert data["error"]["type"] == "api_error" and data["error"]["message"]
+
+
+async def test_a_passed_through_stream_whose_engine_dies_ends_with_an_anthropic_error_event(
+    native_gateway,
+):
+    edge, _ = native_gateway
+    await set_faults(edge.app.edge.config.endpoint("engine-1").url, die_at_token=3)
+    async with httpx.AsyncClient() as http:
+        response = await http.post(edge.url + "/v1/messages", json=STREAM)
+    events = anthropic_events(response.text)
+    assert events[0][0] == "message_start" and "message_stop" not in [e for e, _ in events]
+    name, data = events[-1]
+    assert name == "error" and data["error"]["type"] == "api_error"
