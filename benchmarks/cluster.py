@@ -84,7 +84,9 @@ def _config(
     flow: bool,
     auth: bool,
     colocated: bool = False,
+    apis: list[str] | None = None,
 ) -> dict:
+    provider_apis = {"apis": apis} if apis is not None else {}
     return {
         "auth": {"mode": "keys" if auth else "none"},
         "listen": f"127.0.0.1:{edge_port}",
@@ -100,6 +102,7 @@ def _config(
             {
                 "id": "local",
                 "kind": "managed",
+                **provider_apis,
                 "models": [
                     {
                         "name": "bench-model",
@@ -164,6 +167,7 @@ def running_cluster(
     auth: bool = False,
     key_options: tuple[str, ...] = (),
     python: str | None = None,
+    apis: list[str] | None = None,
 ):
     """Yield a Cluster; everything is stopped afterwards.
 
@@ -186,7 +190,7 @@ def running_cluster(
         config_path = logdir / "bench.yaml"
         config_path.write_text(
             yaml.safe_dump(
-                _config(nats.url, engine_url, edge_port, admin_port, flow, auth, colocated)
+                _config(nats.url, engine_url, edge_port, admin_port, flow, auth, colocated, apis)
             )
         )
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}

@@ -85,14 +85,16 @@ async def run_load(
     stream: bool,
     api_key: str | None = None,
     mark: Callable[[], None] | None = None,
+    path: str = "/v1/chat/completions",
+    payloads: list[bytes] | None = None,
 ) -> list[float]:
     """`total` requests at `concurrency`, after a warm-up (not measured) that opens every
     connection the run uses: clients of a gateway keep theirs alive. `mark` is called when the
     warm-up is done and when the measured requests are, before the connections close (what
     lies between the two calls is what a run measures)."""
-    url = base_url + "/v1/chat/completions"
+    url = base_url + path
     headers = {**_JSON, "authorization": f"Bearer {api_key}"} if api_key else _JSON
-    payloads = bodies(stream)
+    payloads = payloads or bodies(stream)
     latencies: list[float] = []
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
