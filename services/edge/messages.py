@@ -33,7 +33,7 @@ from llmgw.core.anthropic_chat import (
     MessagesStreamReader,
     anthropic_error,
     message_from_chat,
-    messages_usage,
+    messages_usage_in,
     reshape_error,
 )
 from llmgw.services.edge.streamed import StreamedAnswer
@@ -120,9 +120,8 @@ class MessagesExchange:
 
     def whole(self, payload: bytes, target: Target) -> tuple[bytes, Usage | None]:
         """A whole answer for the client and its usage; ValueError when it is not one."""
-        if self._native(target):
-            value = json.loads(payload)
-            return payload, messages_usage(value.get("usage") if isinstance(value, dict) else None)
+        if self._native(target):  # relayed as it is, read for its usage only
+            return payload, messages_usage_in(payload)
         return message_from_chat(
             payload, self._parsed.model, self._parsed.body.get("stop_sequences")
         )

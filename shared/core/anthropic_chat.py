@@ -32,10 +32,12 @@ __all__ = [
     "error_type",
     "message_from_chat",
     "messages_usage",
+    "messages_usage_in",
     "reshape_error",
 ]
 
 _EVENT_END = b"\n\n"
+_DECODER = json.JSONDecoder()
 _ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -320,6 +322,20 @@ class ChatToMessages:
                 },
             },
         )
+
+
+def messages_usage_in(payload: bytes) -> Usage | None:
+    """The usage of a whole Messages API response; only its ``usage`` object is decoded (the
+    last one: a content block's text may quote the key, the response's own comes after)."""
+    at = payload.rfind(b'"usage"')
+    start = payload.find(b"{", at) if at >= 0 else -1
+    if start < 0:
+        return None
+    try:
+        value, _ = _DECODER.raw_decode(payload[start:].decode("utf-8", "replace"))
+    except ValueError:
+        return None
+    return messages_usage(value)
 
 
 def messages_usage(usage: object) -> Usage | None:

@@ -14,6 +14,7 @@ from llmgw.core.anthropic_chat import (
     ChatToMessages,
     MessagesStreamReader,
     message_from_chat,
+    messages_usage_in,
     reshape_error,
 )
 from llmgw.core.usage import Usage
@@ -180,3 +181,16 @@ def test_openai_shaped_errors_are_reshaped_by_status(status, kind):
 def test_anthropic_shaped_errors_are_kept():
     body = b'{"type":"error","error":{"type":"overloaded_error","message":"busy"}}'
     assert reshape_error(body, 529) == body
+
+
+def test_the_usage_of_a_whole_messages_response_is_read_without_decoding_all_of_it():
+    body = json.dumps(
+        {
+            "id": "msg_1",
+            "type": "message",
+            "content": [{"type": "text", "text": 'a quoted "usage": {"input_tokens": 1}'}],
+            "usage": {"input_tokens": 25, "output_tokens": 7, "cache_read_input_tokens": 0},
+        }
+    ).encode()
+    assert messages_usage_in(body) == Usage(25, 7)
+    assert messages_usage_in(b'{"type": "message"}') is None
