@@ -16,6 +16,9 @@ from inproc import start_admission, start_edge, stop_servers
 from test_upstream import set_faults
 from test_usage_path import collect_stats, until
 
+from llmgw.core.anthropic import opening
+from llmgw.core.requests import Feature
+from llmgw.core.sessions import session_id
 from llmgw.services.sim.apps import create_engine_app
 from llmgw.services.sim.params import EngineParams
 from llmgw.serving import start_server
@@ -283,3 +286,52 @@ async def test_a_passed_through_stream_whose_engine_dies_ends_with_an_anthropic_
     assert events[0][0] == "message_start" and "message_stop" not in [e for e, _ in events]
     name, data = events[-1]
     assert name == "error" and data["error"]["type"] == "api_error"
+
+
+async def test_a_messages_conversation_is_one_pinned_session_and_its_leases_end(client, gateway):
+    history = [{"role": "user", "content": "Plan a trip"}]
+    routes = []
+    for i in range(3):
+        raw = await client.messages.with_raw_response.create(
+            model="m1", max_tokens=2, system="You are a travel agent.", messages=history
+        )
+        routes.append(raw.headers["x-llmgw-route"])
+        reply = (await raw.parse()).content[0].text
+        history = [
+            *history,
+            {"role": "assistant", "content": reply},
+            {"role": "user", "content": f"day {i}?"},
+        ]
+    assert routes == ["new_pin", "pinned", "pinned"]
+    session = session_id(
+        Feature.CHAT, "m1", opening({"system": "You are a travel agent.", "messages": history})
+    )
+    assert gateway.admission.ledger.pin("m1", session).provider == "iris"
+    await until(lambda: not gateway.admission.ledger.leases and not gateway.deps.leases.held)
+
+
+class _OverloadedStream:
+    """An engine whose Messages stream begins with Anthropic's overloaded error event."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        while (await receive()).get("more_body"):
+            pass
+        headers = [(b"content-type", b"text/event-stream")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        event = b'event: error\ndata: {"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}}\n\n'
+        await send({"type": "http.response.body", "body": event})
+
+
+async def test_a_passed_through_stream_that_begins_with_an_error_is_retried_elsewhere(
+    native_gateway,
+):
+    edge, recorders = native_gateway
+    recorders["engine-1"].app = _OverloadedStream()
+    async with httpx.AsyncClient() as http:
+        response = await http.post(edge.url + "/v1/messages", json=STREAM)
+    assert response.status_code == 200
+    assert response.headers["x-llmgw-endpoint"] == "engine-2"
+    assert [e for e, _ in anthropic_events(response.text)][-1] == "message_stop"
+    assert recorders["engine-1"].paths == ["/v1/messages"]
