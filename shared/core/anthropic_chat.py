@@ -20,6 +20,7 @@ chosen by HTTP status as Anthropic's API does (`error_type`).
 from __future__ import annotations
 
 import json
+from json.encoder import encode_basestring_ascii
 from typing import Any
 
 from llmgw.core.anthropic import stop_reason
@@ -38,6 +39,16 @@ __all__ = [
 
 _EVENT_END = b"\n\n"
 _DECODER = json.JSONDecoder()
+_ENCODER = json.JSONEncoder(separators=(",", ":"))
+# The events of every token, written from templates: a JSON string literal is all that varies.
+_TEXT_DELTA = (
+    b'event: content_block_delta\ndata: {"type":"content_block_delta","index":%d,'
+    b'"delta":{"type":"text_delta","text":%s}}\n\n'
+)
+_JSON_DELTA = (
+    b'event: content_block_delta\ndata: {"type":"content_block_delta","index":%d,'
+    b'"delta":{"type":"input_json_delta","partial_json":%s}}\n\n'
+)
 _ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -83,7 +94,7 @@ def reshape_error(body: bytes, status: int) -> bytes:
 
 
 def _event(name: str, payload: dict[str, Any]) -> bytes:
-    return f"event: {name}\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
+    return f"event: {name}\ndata: {_ENCODER.encode(payload)}\n\n".encode()
 
 
 def _usage_of(usage: object) -> Usage | None:
@@ -240,11 +251,8 @@ class ChatToMessages:
             {"type": "content_block_start", "index": self._index, "content_block": block},
         )
 
-    def _delta(self, delta: dict[str, Any]) -> bytes:
-        return _event(
-            "content_block_delta",
-            {"type": "content_block_delta", "index": self._index, "delta": delta},
-        )
+    def _delta(self, template: bytes, text: str) -> bytes:
+        return template % (self._index, encode_basestring_ascii(text).encode())
 
     def _translate(self, payload: bytes) -> bytes:
         if self._ended:
@@ -252,7 +260,7 @@ class ChatToMessages:
         if payload.strip() == b"[DONE]":
             return self._end()
         try:
-            value = json.loads(payload)
+            value = _DECODER.decode(payload.decode())
         except ValueError:
             return b""
         if not isinstance(value, dict):
@@ -269,7 +277,7 @@ class ChatToMessages:
             if isinstance(text, str) and text:
                 if self._open != "text":
                     out += self._open_block("text", {"type": "text", "text": ""})
-                out += self._delta({"type": "text_delta", "text": text})
+                out += self._delta(_TEXT_DELTA, text)
             for call in delta.get("tool_calls") or ():
                 key = f"tool:{call.get('index', 0)}"
                 function = call.get("function") or {}
@@ -283,7 +291,7 @@ class ChatToMessages:
                     out += self._open_block(key, block)
                 arguments = function.get("arguments")
                 if isinstance(arguments, str) and arguments:
-                    out += self._delta({"type": "input_json_delta", "partial_json": arguments})
+                    out += self._delta(_JSON_DELTA, arguments)
             if choice.get("finish_reason"):
                 self._reason = stop_reason(
                     choice["finish_reason"], choice.get("stop_reason"), self.stop_sequences
