@@ -99,6 +99,13 @@ async def test_messages_are_measured_like_chat(gateway, nats_url):
         assert seen[0].ok and seen[0].output_tokens == 5 and seen[0].input_tokens > 0
     finally:
         await nc.close()
+    counted = [
+        sample.labels
+        for metric in gateway.deps.metrics.registry.collect()
+        for sample in metric.samples
+        if sample.name == "llmgw_edge_requests_total" and sample.value > 0
+    ]
+    assert [(c["feature"], c["outcome"]) for c in counted] == [("messages", "success")]
 
 
 # -- a provider that serves the Messages API: passed through ------------------------------------
