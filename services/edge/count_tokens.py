@@ -2,9 +2,9 @@
 
 Counting tokens runs no generation and takes no batch slot, so it is not admitted: no lease, no
 session, no flow control. The request (checked as the Messages API checks it, the key's models
-applying) goes to the endpoints of the model's providers that serve the Messages API
-(``providers[].apis`` lists ``messages``), in priority order; an endpoint that cannot be reached
-is skipped for the next. A model none of whose providers serves the API has no token count: a
+applying) goes to the model's endpoints that serve the Messages API (their ``apis``, else their
+provider's, list ``messages``), in priority order; an endpoint that cannot be reached
+is skipped for the next. A model none of whose endpoints serves the API has no token count: a
 404 ``not_found_error`` saying so. Errors have Anthropic's shape (`anthropic_answer`).
 """
 
@@ -78,8 +78,9 @@ async def _count(edge: Edge, request: Request) -> Response:
     endpoints = [
         (provider.id, endpoint)
         for provider in config.providers_in_priority_order()
-        if "messages" in provider.apis and provider.model(model) is not None
+        if provider.model(model) is not None
         for endpoint in config.endpoints_for(provider.id, model)
+        if edge.messages.native[endpoint.id]
     ]
     if not endpoints:
         return Response(
@@ -87,7 +88,7 @@ async def _count(edge: Edge, request: Request) -> Response:
                 {
                     "error": {
                         "message": f"Token counting is not offered for '{parsed.model}': none "
-                        "of its providers serves the Messages API."
+                        "of its endpoints serves the Messages API."
                     }
                 }
             ),

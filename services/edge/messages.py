@@ -4,16 +4,17 @@ A Messages request takes the chat path: admitted as chat (same limits, bands, fl
 pins, leases, retries, usage), its session the chat session of its opening
 (`llmgw.core.anthropic.opening`). Where it runs decides its wire form, per attempt:
 
-- a provider whose ``apis`` lists ``messages`` gets the client's body unchanged (the model name
+- an endpoint whose ``apis`` (its own, else its provider's) list ``messages`` gets the client's
+  body unchanged (the model name
   rewritten when the provider's differs) on ``/v1/messages``; its answer is relayed as it is,
   read for usage and, streamed, for ``message_stop`` (`MessagesStreamReader`);
-- any other provider gets the request as chat completions (`llmgw.core.anthropic.to_chat`) and
+- any other gets the request as chat completions (`llmgw.core.anthropic.to_chat`) and
   its answer is translated back (`llmgw.core.anthropic_chat`).
 
 A request chat completions cannot express (a server tool, a document block, extended
-thinking...) is refused with a 400 before admission when no provider of its model serves the
-Messages API; otherwise it is admitted, and an attempt placed on a provider without the API ends
-with that 400 (its lease released at once).
+thinking...) is refused with a 400 before admission when no endpoint of its model serves the
+Messages API; otherwise it is admitted, and an attempt placed on an endpoint without the API
+ends with that 400 (its lease released at once).
 
 Every error the client sees is Anthropic-shaped (`anthropic_answer`): the gateway's own errors,
 a chat engine's, and the error events of a stream.
@@ -63,20 +64,22 @@ def authorization(headers: Mapping[str, str]) -> str | None:
 
 
 class MessagesApi:
-    """What the edge knows of the Messages API from the config: which providers serve it."""
+    """What the edge knows of the Messages API from the config: which endpoints serve it."""
 
     def __init__(self, config: Config) -> None:
-        self.native = {p.id: "messages" in p.apis for p in config.providers}
-        # per canonical model: does every provider serving it speak only chat completions?
+        # per endpoint: its own `apis`, else its provider's
+        self.native = {
+            e.id: "messages" in (e.apis or config.provider(e.provider).apis)
+            for e in config.endpoints
+        }
+        # per canonical model: does every endpoint serving it speak only chat completions?
         self.translated_only = {
-            m.name: not any(
-                self.native[p.id] for p in config.providers if p.model(m.name) is not None
-            )
+            m.name: not any(self.native[e.id] for e in config.endpoints if m.name in e.models)
             for m in config.models
         }
 
     def exchange(self, parsed: ParsedRequest, raw: bytes, model: str) -> MessagesExchange:
-        """The request's adapter; raises Untranslatable when no provider of the model could
+        """The request's adapter; raises Untranslatable when no endpoint of the model could
         run it (before admission: no lease is taken)."""
         chat = None
         if self.translated_only.get(model, True):
@@ -98,7 +101,7 @@ class MessagesExchange:
         self._chat = chat
 
     def _native(self, target: Target) -> bool:
-        return self._api.native.get(target.provider, False)
+        return self._api.native.get(target.endpoint, False)
 
     def upstream(self, target: Target) -> tuple[str, bytes]:
         """The path and body of an attempt on ``target``; raises Untranslatable."""

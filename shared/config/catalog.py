@@ -174,6 +174,9 @@ class EndpointConfig(StrictModel):
     # request's band as the `priority` field (lower runs first). Off by default: other engines
     # reject a non-zero priority.
     priority_scheduling: bool = False
+    # The wire APIs this endpoint serves, when they differ from its provider's `apis` (an
+    # engine of another version); null: the provider's.
+    apis: list[Api] | None = Field(None, min_length=1)
     upstream_model: dict[str, str] = Field(default_factory=dict)
     # EngineParams | ProviderParams, chosen by its `kind`; validated by `_validate_simulate`.
     simulate: Any = None

@@ -19,6 +19,7 @@ from test_usage_path import collect_stats, until
 from llmgw.core.anthropic import opening
 from llmgw.core.requests import Feature
 from llmgw.core.sessions import session_id
+from llmgw.services.edge.messages import MessagesApi
 from llmgw.services.sim.apps import create_engine_app
 from llmgw.services.sim.params import EngineParams
 from llmgw.serving import start_server
@@ -342,3 +343,18 @@ async def test_a_passed_through_stream_that_begins_with_an_error_is_retried_else
     assert response.headers["x-llmgw-endpoint"] == "engine-2"
     assert [e for e, _ in anthropic_events(response.text)][-1] == "message_stop"
     assert recorders["engine-1"].paths == ["/v1/messages"]
+
+
+def test_an_endpoint_may_say_it_serves_other_apis_than_its_provider(make_gateway_config):
+    urls = {name: "http://127.0.0.1:1" for name in ("engine-1", "engine-2", "tensorx-1")}
+    config = make_gateway_config("nats://127.0.0.1:1", urls)
+    providers = [p.model_dump(exclude_none=True) for p in config.providers]
+    providers[0]["apis"] = ["chat_completions", "messages"]
+    endpoints = [e.model_dump(exclude_none=True) for e in config.endpoints]
+    endpoints[1]["apis"] = ["chat_completions"]  # engine-2: an older engine
+    endpoints[2]["apis"] = ["chat_completions", "messages"]  # tensorx-1: newer than its provider
+    api = MessagesApi(
+        make_gateway_config("nats://127.0.0.1:1", urls, providers=providers, endpoints=endpoints)
+    )
+    assert api.native == {"engine-1": True, "engine-2": False, "tensorx-1": True}
+    assert api.translated_only == {"m1": False, "m2": False}
