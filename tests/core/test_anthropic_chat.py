@@ -9,6 +9,7 @@ from anthropic import AsyncAnthropic
 from anthropic.types import Message
 from hypothesis import given
 from hypothesis import strategies as st
+from sse_app import FixedStream
 
 from llmgw.core.anthropic_chat import (
     ChatToMessages,
@@ -27,17 +28,7 @@ TEXT_STREAM = (DATA / "openai_chat_stream_text.txt").read_bytes()
 
 async def sdk_final_message(events: bytes) -> Message:
     """What the official SDK's `messages.stream` makes of these bytes, served over HTTP."""
-
-    async def app(scope, receive, send):
-        if scope["type"] != "http":
-            return
-        while (await receive()).get("more_body"):
-            pass
-        headers = [(b"content-type", b"text/event-stream")]
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
-        await send({"type": "http.response.body", "body": events})
-
-    server = await start_server(app)
+    server = await start_server(FixedStream(events))
     try:
         client = AsyncAnthropic(base_url=server.url, api_key="k", max_retries=0)
         async with client.messages.stream(

@@ -13,6 +13,7 @@ import pytest
 import pytest_asyncio
 from anthropic import AsyncAnthropic
 from inproc import start_admission, start_edge, stop_servers
+from sse_app import FixedStream
 from test_upstream import set_faults
 from test_usage_path import collect_stats, until
 
@@ -318,25 +319,17 @@ async def test_a_messages_conversation_is_one_pinned_session_and_its_leases_end(
     await until(lambda: not gateway.admission.ledger.leases and not gateway.deps.leases.held)
 
 
-class _OverloadedStream:
-    """An engine whose Messages stream begins with Anthropic's overloaded error event."""
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return
-        while (await receive()).get("more_body"):
-            pass
-        headers = [(b"content-type", b"text/event-stream")]
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
-        event = b'event: error\ndata: {"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}}\n\n'
-        await send({"type": "http.response.body", "body": event})
+OVERLOADED = (  # Anthropic's overloaded error in place of a stream's first event
+    b'event: error\ndata: {"type":"error","error":{"type":"overloaded_error",'
+    b'"message":"Overloaded"}}\n\n'
+)
 
 
 async def test_a_passed_through_stream_that_begins_with_an_error_is_retried_elsewhere(
     native_gateway,
 ):
     edge, recorders = native_gateway
-    recorders["engine-1"].app = _OverloadedStream()
+    recorders["engine-1"].app = FixedStream(OVERLOADED)
     async with httpx.AsyncClient() as http:
         response = await http.post(edge.url + "/v1/messages", json=STREAM)
     assert response.status_code == 200
