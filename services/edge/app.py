@@ -332,6 +332,8 @@ class HotPathApp:
         except Exception:
             log.exception("unexpected error in the edge")
             response = error_response(Outcome.INTERNAL_ERROR, INTERNAL_ERROR_MESSAGE)
+            if feature is Feature.MESSAGES:
+                response = anthropic_answer(response)
         try:
             await response(scope, receive, send)
         finally:

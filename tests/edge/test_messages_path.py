@@ -351,3 +351,28 @@ def test_an_endpoint_may_say_it_serves_other_apis_than_its_provider(make_gateway
     )
     assert api.native == {"engine-1": True, "engine-2": False, "tensorx-1": True}
     assert api.translated_only == {"m1": False, "m2": False}
+
+
+async def test_failures_of_the_gateway_itself_are_anthropic_500s(gateway):
+    """A bug after the grant (the upstream client raising) and one before admission (in the
+    Messages adapter): each an Anthropic-shaped 500 `api_error`, no lease left behind."""
+
+    async def broken_post(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    def broken_exchange(*args, **kwargs):
+        raise RuntimeError("another bug")
+
+    body = {"model": "m1", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]}
+    async with httpx.AsyncClient(timeout=20) as http:
+        gateway.deps.upstream.post = broken_post
+        after_grant = await http.post(gateway.url + "/v1/messages", json=body)
+        gateway.app.edge.messages.exchange = broken_exchange
+        before_admission = await http.post(gateway.url + "/v1/messages", json=body)
+    for response in (after_grant, before_admission):
+        assert response.status_code == 500
+        assert response.json() == {
+            "type": "error",
+            "error": {"type": "api_error", "message": "The gateway failed unexpectedly."},
+        }
+    await until(lambda: not gateway.admission.ledger.leases and not gateway.deps.leases.held)
