@@ -98,7 +98,7 @@ def _check_blocks(blocks: list[Any], where: str) -> None:
         if not isinstance(block, dict):
             raise InvalidRequest(f"{param}: Input should be an object.", param)
         kind = block.get("type")
-        if kind not in _KNOWN_BLOCKS:
+        if not isinstance(kind, str) or kind not in _KNOWN_BLOCKS:
             raise InvalidRequest(
                 f"{param}.type: Input tag {json.dumps(kind)[:40]} found using 'type' does not "
                 "match any of the expected content block types.",

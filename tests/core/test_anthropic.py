@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmgw.core.anthropic import Untranslatable, opening, parse_messages_request, to_chat
@@ -225,3 +225,103 @@ def test_a_messages_session_is_the_chat_session_of_the_same_conversation(system,
     }
     messages = {"system": system, "messages": [{"role": "user", "content": question}]}
     assert session(messages) == session_id(Feature.CHAT, "m", chat)
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda children: (
+        st.lists(children, max_size=3)
+        | st.dictionaries(
+            st.sampled_from(["type", "text", "role", "content", "id", "name", "input", "source"]),
+            children,
+            max_size=4,
+        )
+    ),
+    max_leaves=12,
+)
+_TEXT = st.builds(lambda t: {"type": "text", "text": t}, st.text(max_size=6))
+_IMAGE = st.builds(
+    lambda source: {"type": "image", "source": source},
+    st.sampled_from(
+        [
+            {"type": "base64", "media_type": "image/png", "data": "AAA"},
+            {"type": "url", "url": "https://example.com/a.png"},
+            {"type": "file", "file_id": "f"},
+        ]
+    )
+    | _JSON,
+)
+_BLOCK = st.one_of(
+    _TEXT,
+    _IMAGE,
+    st.builds(
+        lambda i, n, a: {"type": "tool_use", "id": i, "name": n, "input": a},
+        st.text(max_size=4),
+        st.text(max_size=4),
+        st.dictionaries(st.text(max_size=3), _JSON, max_size=2),
+    ),
+    st.builds(
+        lambda i, c, e: {"type": "tool_result", "tool_use_id": i, "content": c, "is_error": e},
+        st.text(max_size=4),
+        st.none() | st.text(max_size=4) | st.lists(_TEXT | _IMAGE, max_size=2),
+        st.booleans(),
+    ),
+    st.just({"type": "thinking", "thinking": "hm", "signature": "s"}),
+    st.just({"type": "document", "source": {"type": "text", "data": "x"}}),
+    st.dictionaries(st.sampled_from(["type", "text", "id"]), _JSON, max_size=3),  # junk
+)
+_MESSAGE = st.fixed_dictionaries(
+    {
+        "role": st.sampled_from(["user", "assistant", "user", "assistant", "system"]),
+        "content": st.one_of(st.text(max_size=5), st.lists(_BLOCK, max_size=3), _JSON),
+    }
+)
+_TOOL = st.fixed_dictionaries(
+    {"name": st.text(max_size=4)},
+    optional={
+        "type": st.sampled_from(["custom", "web_search_20250305", "bash_20250124"]),
+        "description": st.text(max_size=4) | _JSON,
+        "input_schema": st.just({"type": "object"}) | _JSON,
+    },
+)
+_REQUEST = st.fixed_dictionaries(
+    {
+        "model": st.sampled_from(["m", "m", "m", "", 3]),
+        "max_tokens": st.integers(min_value=1, max_value=64) | st.sampled_from([0, "8"]),
+        "messages": st.lists(_MESSAGE, min_size=1, max_size=4) | _JSON,
+    },
+    optional={
+        "system": st.one_of(st.text(max_size=5), st.lists(_TEXT, max_size=2), _JSON),
+        "tools": st.lists(_TOOL, max_size=2) | _JSON,
+        "tool_choice": st.sampled_from(
+            [{"type": "auto"}, {"type": "any"}, {"type": "tool", "name": "t"}, {"type": "?"}]
+        )
+        | _JSON,
+        "thinking": st.sampled_from([{"type": "disabled"}, {"type": "enabled"}]) | _JSON,
+        "metadata": st.just({"user_id": "u"}) | _JSON,
+        "stop_sequences": st.lists(st.text(max_size=3), max_size=2) | _JSON,
+        "temperature": st.floats(min_value=0, max_value=1) | _JSON,
+        "stream": st.booleans() | _JSON,
+    },
+)
+
+
+@settings(max_examples=500)
+@given(_REQUEST)
+def test_any_body_is_a_request_or_a_400_and_a_request_is_chat_or_a_400(request):
+    """Whatever a client sends: parsing raises nothing but InvalidRequest, and a request that
+    parsed translates to chat completions or raises nothing but Untranslatable (or, for a
+    tool_choice of no known type, InvalidRequest): never a 500."""
+    try:
+        parsed = parse_messages_request(json.dumps(request).encode())
+    except InvalidRequest:
+        return
+    session_id(Feature.CHAT, "m", opening(parsed.body))  # a session, or none (no user message)
+    try:
+        chat = to_chat(parsed.body, "upstream")
+    except InvalidRequest:  # Untranslatable is one
+        return
+    json.dumps(chat)  # a body that can be sent
+    assert chat["messages"] and all(
+        m["role"] in ("system", "user", "assistant", "tool") for m in chat["messages"]
+    )
