@@ -121,6 +121,20 @@ def _cached_tokens(usage: object) -> object:
     return details.get("cached_tokens") if isinstance(details, dict) else None
 
 
+def _object(value: object) -> dict[str, Any]:
+    """``value`` when it is a JSON object, else an empty one (an upstream's odd answer is read
+    as far as it makes sense, never fails the translation)."""
+    return value if isinstance(value, dict) else {}
+
+
+def _objects(value: object) -> list[dict[str, Any]]:
+    return [item for item in value if isinstance(item, dict)] if isinstance(value, list) else []
+
+
+def _string(value: object) -> str:
+    return value if isinstance(value, str) else ""
+
+
 def _message_id(chat_id: object) -> str:
     if isinstance(chat_id, str) and chat_id:
         return "msg_" + chat_id.removeprefix("chatcmpl-")
@@ -145,19 +159,19 @@ def message_from_chat(
     value = json.loads(payload)
     if not isinstance(value, dict) or not isinstance(value.get("choices"), list):
         raise ValueError("not a chat completion")
-    choice = value["choices"][0] if value["choices"] else {}
-    message = choice.get("message") or {}
+    choice = _object(value["choices"][0]) if value["choices"] else {}
+    message = _object(choice.get("message"))
     content: list[dict[str, Any]] = []
     text = message.get("content")
     if isinstance(text, str) and text:
         content.append({"type": "text", "text": text})
-    for call in message.get("tool_calls") or ():
-        function = call.get("function") or {}
+    for call in _objects(message.get("tool_calls")):
+        function = _object(call.get("function"))
         content.append(
             {
                 "type": "tool_use",
-                "id": call.get("id") or "toolu_llmgw",
-                "name": function.get("name", ""),
+                "id": _string(call.get("id")) or "toolu_llmgw",
+                "name": _string(function.get("name")),
                 "input": _tool_input(function.get("arguments")),
             }
         )
@@ -271,21 +285,21 @@ class ChatToMessages:
         if value.get("usage"):
             self.usage = _usage_of(value["usage"]) or self.usage
             self._cached = _cached_tokens(value["usage"])
-        for choice in value.get("choices") or ():
-            delta = choice.get("delta") or {}
+        for choice in _objects(value.get("choices")):
+            delta = _object(choice.get("delta"))
             text = delta.get("content")
             if isinstance(text, str) and text:
                 if self._open != "text":
                     out += self._open_block("text", {"type": "text", "text": ""})
                 out += self._delta(_TEXT_DELTA, text)
-            for call in delta.get("tool_calls") or ():
+            for call in _objects(delta.get("tool_calls")):
                 key = f"tool:{call.get('index', 0)}"
-                function = call.get("function") or {}
+                function = _object(call.get("function"))
                 if self._open != key:
                     block: dict[str, Any] = {
                         "type": "tool_use",
-                        "id": call.get("id") or f"toolu_llmgw_{self._index + 1}",
-                        "name": function.get("name") or "",
+                        "id": _string(call.get("id")) or f"toolu_llmgw_{self._index + 1}",
+                        "name": _string(function.get("name")),
                         "input": {},
                     }
                     out += self._open_block(key, block)
@@ -386,12 +400,12 @@ class MessagesStreamReader:
             return
         kind = value.get("type") if isinstance(value, dict) else None
         if kind == "message_start":
-            usage = messages_usage((value.get("message") or {}).get("usage"))
+            usage = messages_usage(_object(value.get("message")).get("usage"))
             if usage is not None:
                 self._input = usage.input_tokens
                 self.usage = usage
         elif kind == "message_delta":
-            counts = value.get("usage") or {}
+            counts = _object(value.get("usage"))
             output = counts.get("output_tokens")
             if isinstance(output, int):
                 given = counts.get("input_tokens")

@@ -185,3 +185,46 @@ def test_the_usage_of_a_whole_messages_response_is_read_without_decoding_all_of_
     ).encode()
     assert messages_usage_in(body) == Usage(25, 7)
     assert messages_usage_in(b'{"type": "message"}') is None
+
+
+_ANY = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=6),
+    lambda children: st.lists(children, max_size=3)
+    | st.dictionaries(
+        st.sampled_from(
+            ["choices", "delta", "message", "content", "tool_calls", "function", "arguments",
+             "index", "id", "name", "finish_reason", "usage", "prompt_tokens", "error"]
+        ),
+        children,
+        max_size=4,
+    ),
+    max_leaves=16,
+)  # fmt: skip
+
+
+@given(st.lists(_ANY, max_size=5))
+def test_whatever_json_an_upstream_streams_the_translation_does_not_fail(values):
+    stream = b"".join(b"data: " + json.dumps(v).encode() + b"\n\n" for v in values)
+    translated(stream + b"data: [DONE]\n\n")
+
+
+@given(
+    st.lists(_ANY | st.sampled_from(["message_start", "message_delta", "message_stop"]), max_size=5)
+)
+def test_whatever_json_a_passed_through_stream_carries_the_reader_does_not_fail(values):
+    reader = MessagesStreamReader()
+    for value in values:
+        payload = {"type": value} if isinstance(value, str) else value
+        if isinstance(payload, dict) and len(payload) > 1:
+            payload = {"type": "message_start", "message": payload, "usage": payload}
+        reader.feed(b"data: " + json.dumps(payload).encode() + b"\n\n")
+    reader.finish()
+
+
+@given(_ANY)
+def test_whatever_json_an_upstream_answers_is_a_message_or_a_value_error(value):
+    try:
+        body, _ = message_from_chat(json.dumps(value).encode(), "m")
+    except ValueError:
+        return
+    Message.model_validate_json(body)
