@@ -19,7 +19,11 @@ from llmgw.config.common import Api, Feature, Name, Slug, StrictModel, fail
 # --- models, providers, endpoints -----------------------------------------------------------------
 
 # The APIs an OpenAI-compatible vLLM serves: a provider's `apis` unless it says otherwise.
-DEFAULT_APIS = ("chat_completions", "completions", "embeddings", "responses")
+DEFAULT_APIS: tuple[Api, ...] = ("chat_completions", "completions", "embeddings", "responses")
+
+
+def _default_apis() -> list[Api]:
+    return list(DEFAULT_APIS)
 
 
 class ModelConfig(StrictModel):
@@ -74,7 +78,7 @@ class ProviderConfig(StrictModel):
     strategy: Literal["score", "rate"] | None = None
     # The wire APIs its endpoints serve. A request of an API the provider does not serve is
     # translated to chat completions and back (docs/messages.md).
-    apis: list[Api] = Field(default_factory=lambda: list(DEFAULT_APIS), min_length=1)
+    apis: list[Api] = Field(default_factory=_default_apis, min_length=1)
     models: list[ProviderModel] = Field(min_length=1)
 
     @property
