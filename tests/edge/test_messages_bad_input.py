@@ -75,3 +75,14 @@ async def test_an_unreachable_engine_is_an_anthropic_error_too(fake_edge):
     assert_anthropic_error(response, 502, "api_error")
     assert {ask.feature for ask in fake_edge.admission.asked} == {"chat"}
     assert fake_edge.leases.held == {}
+
+
+async def test_an_unknown_band_is_an_anthropic_400_naming_the_header(fake_edge):
+    header = fake_edge.config.admission.band_header
+    async with httpx.AsyncClient() as http:
+        response = await http.post(
+            fake_edge.url + PATH, content=messages_body(), headers={header: "diamond"}
+        )
+    assert_anthropic_error(response, 400, "invalid_request_error")
+    assert header in response.json()["error"]["message"]
+    assert fake_edge.admission.asked == []
