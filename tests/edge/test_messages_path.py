@@ -376,3 +376,51 @@ async def test_failures_of_the_gateway_itself_are_anthropic_500s(gateway):
             "error": {"type": "api_error", "message": "The gateway failed unexpectedly."},
         }
     await until(lambda: not gateway.admission.ledger.leases and not gateway.deps.leases.held)
+
+
+async def test_claude_codes_beta_query_and_headers_are_accepted(gateway):
+    """Claude Code posts to /v1/messages?beta=true with anthropic-beta headers, its system
+    prompt as cached text blocks and its tools with cache_control marks."""
+    body = {
+        "model": "m1",
+        "max_tokens": 3,
+        "stream": True,
+        "temperature": 1,
+        "metadata": {"user_id": "user_abc_account__session_0f1e"},
+        "system": [
+            {"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}}
+        ],
+        "tools": [
+            {
+                "name": "Bash",
+                "description": "Run a command",
+                "input_schema": {
+                    "$schema": "http://json-schema.org/draft-07/schema#",
+                    "type": "object",
+                    "properties": {"command": {"type": "string"}},
+                    "required": ["command"],
+                    "additionalProperties": False,
+                },
+                "cache_control": {"type": "ephemeral"},
+            }
+        ],
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "list files", "cache_control": {"type": "ephemeral"}}
+                ],
+            }
+        ],
+    }
+    headers = {
+        "x-api-key": "unused",
+        "anthropic-version": "2023-06-01",
+        "anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14",
+    }
+    async with httpx.AsyncClient() as http:
+        response = await http.post(
+            gateway.url + "/v1/messages?beta=true", json=body, headers=headers
+        )
+    assert response.status_code == 200, response.text
+    assert [e for e, _ in anthropic_events(response.text)][-1] == "message_stop"
