@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.responses import Response
 
-from llmgw.core.anthropic import Untranslatable, to_chat
+from llmgw.core.anthropic import to_chat
 from llmgw.core.anthropic_chat import (
     ChatToMessages,
     MessagesStreamReader,
@@ -136,15 +136,6 @@ class MessagesExchange:
 
     def stream_ended(self, reader: StreamReader) -> None:
         """Nothing is kept of a Messages stream once it ended."""
-
-
-def untranslatable_response(exc: Untranslatable, headers: dict[str, str]) -> Response:
-    return Response(
-        anthropic_error(400, exc.message),
-        status_code=400,
-        media_type="application/json",
-        headers=headers,
-    )
 
 
 def anthropic_answer(answer: Response | StreamedAnswer) -> Response | StreamedAnswer:
