@@ -224,6 +224,7 @@ class ChatToMessages:
         self._ended = False
         self._index = -1  # the open block's index
         self._open: str | None = None  # "text", or "tool:<chat index>"
+        self._tool_id = ""  # the open tool_use block's id
         self._reason: tuple[str, Any] = ("end_turn", None)
 
     def feed(self, chunk: bytes) -> bytes:
@@ -295,10 +296,13 @@ class ChatToMessages:
             for call in _objects(delta.get("tool_calls")):
                 key = f"tool:{call.get('index', 0)}"
                 function = _object(call.get("function"))
-                if self._open != key:
+                call_id = _string(call.get("id"))
+                # a new call: another index, or (servers that send no index) another id
+                if self._open != key or (call_id and call_id != self._tool_id):
+                    self._tool_id = call_id or f"toolu_llmgw_{self._index + 1}"
                     block: dict[str, Any] = {
                         "type": "tool_use",
-                        "id": _string(call.get("id")) or f"toolu_llmgw_{self._index + 1}",
+                        "id": self._tool_id,
                         "name": _string(function.get("name")),
                         "input": {},
                     }

@@ -227,3 +227,23 @@ def test_whatever_json_an_upstream_answers_is_a_message_or_a_value_error(value):
     except ValueError:
         return
     Message.model_validate_json(body)
+
+
+async def test_tool_calls_without_an_index_are_told_apart_by_their_ids():
+    """Some chat servers send each call whole, without `index`: two calls, two tool_use blocks."""
+
+    def call(call_id: str, name: str, n: int) -> dict:
+        function = {"name": name, "arguments": json.dumps({"q": n})}
+        return {"id": call_id, "type": "function", "function": function}
+
+    chunks = [
+        {"choices": [{"index": 0, "delta": {"tool_calls": [call("call_a", "search", 1)]}}]},
+        {"choices": [{"index": 0, "delta": {"tool_calls": [call("call_b", "fetch", 2)]}}]},
+        {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]},
+    ]
+    stream = b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks)
+    message = await sdk_final_message(translated(stream + b"data: [DONE]\n\n")[0])
+    assert [(b.id, b.name, b.input) for b in message.content] == [
+        ("call_a", "search", {"q": 1}),
+        ("call_b", "fetch", {"q": 2}),
+    ]
