@@ -85,7 +85,9 @@ def _config(
     auth: bool,
     colocated: bool = False,
     spend: dict | None = None,
+    apis: list[str] | None = None,
 ) -> dict:
+    provider_apis = {"apis": apis} if apis is not None else {}
     config = {
         "auth": {"mode": "keys" if auth else "none"},
         "listen": f"127.0.0.1:{edge_port}",
@@ -101,6 +103,7 @@ def _config(
             {
                 "id": "local",
                 "kind": "managed",
+                **provider_apis,
                 "models": [
                     {
                         "name": "bench-model",
@@ -169,6 +172,7 @@ def running_cluster(
     key_options: tuple[str, ...] = (),
     python: str | None = None,
     spend: dict | None = None,
+    apis: list[str] | None = None,
 ):
     """Yield a Cluster; everything is stopped afterwards.
 
@@ -192,7 +196,9 @@ def running_cluster(
         config_path = logdir / "bench.yaml"
         config_path.write_text(
             yaml.safe_dump(
-                _config(nats.url, engine_url, edge_port, admin_port, flow, auth, colocated, spend)
+                _config(
+                    nats.url, engine_url, edge_port, admin_port, flow, auth, colocated, spend, apis
+                )
             )
         )
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}

@@ -24,6 +24,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from llmgw.config.credentials import provider_keys
+from llmgw.core.anthropic import opening, parse_messages_request
 from llmgw.core.outcomes import Outcome
 from llmgw.core.requests import Feature, InvalidRequest, parse_request
 from llmgw.core.responses import parse_responses_request
@@ -31,11 +32,13 @@ from llmgw.core.sessions import session_id, tenant_id
 from llmgw.core.shards import shard_of
 from llmgw.core.spend import estimate_input_tokens, estimated_output
 from llmgw.logs import REQUEST_ID_HEADER, accept_request_id, request_id
-from llmgw.services.edge.attempts import _PATHS, Answer, Attempts, RoutedRequest
+from llmgw.services.edge.attempts import _PATHS, Answer, ApiExchange, Attempts, RoutedRequest
 from llmgw.services.edge.auth import KeyAuth
+from llmgw.services.edge.count_tokens import COUNT_TOKENS_PATH, count_tokens
 from llmgw.services.edge.drain import EdgeDrain, with_connection_close
 from llmgw.services.edge.errors import INTERNAL_ERROR_MESSAGE, error_body, error_response
 from llmgw.services.edge.hardening import OpenAIErrorsHttpTools, headers_refused
+from llmgw.services.edge.messages import MessagesApi, anthropic_answer, authorization
 from llmgw.services.edge.metrics import EdgeMetrics
 from llmgw.services.edge.responses import ResponsesApi, owner_of
 from llmgw.services.edge.telemetry import EdgeTelemetry, RequestRecord
@@ -113,6 +116,7 @@ class Edge:
         self.responses = ResponsesApi(config, deps.responses, deps.rng)
         stored = deps.metrics.responses_stored
         deps.responses.on_result = lambda result: stored.labels(result).inc()
+        self.messages = MessagesApi(config)
 
     def upstream_headers_for(self, routed: RoutedRequest, provider: str) -> dict[str, str]:
         """The headers of an upstream call: the provider's, the client's request id, and with
@@ -147,6 +151,8 @@ class Edge:
         request_id.set(record.request_id)
         self.telemetry.began(record, request.headers)
         response, outcome = await self._handle(request, record)
+        if feature is Feature.MESSAGES:  # Anthropic's API: its error shape, streams too
+            response = anthropic_answer(response)
         if outcome is not None:  # streams record their outcome when they end
             status = response.status_code
             record.when_sent(lambda: self.telemetry.ended(record, outcome, status))
@@ -159,7 +165,7 @@ class Edge:
         ids = {REQUEST_ID_HEADER: record.request_id}
         caller = None
         if self.auth is not None:  # before the body is read
-            checked = self.auth.caller(request.headers.get("authorization"), ids)
+            checked = self.auth.caller(authorization(request.headers), ids)
             if isinstance(checked, Response):
                 return checked, (
                     Outcome.INVALID_API_KEY if checked.status_code == 401 else Outcome.RATE_LIMITED
@@ -179,6 +185,8 @@ class Edge:
         try:
             if feature is Feature.RESPONSES:
                 parsed, turn = parse_responses_request(raw)
+            elif feature is Feature.MESSAGES:
+                parsed = parse_messages_request(raw)
             else:
                 parsed = parse_request(feature, raw)
         except InvalidRequest as exc:
@@ -214,7 +222,7 @@ class Edge:
             ), Outcome.BAD_REQUEST
         if caller is not None and self.auth is not None:
             band = record.band = self.auth.band(caller, band)
-        exchange = None
+        exchange: ApiExchange | None = None
         session: str | None
         if turn is not None:  # the Responses API: its chain and session (404 before admission)
             prepared = await self.responses.prepare(
@@ -231,6 +239,19 @@ class Edge:
             if isinstance(prepared, tuple):
                 return prepared
             exchange, session = prepared, prepared.session
+        elif feature is Feature.MESSAGES:  # its session is the chat session of its opening
+            try:
+                exchange = self.messages.exchange(parsed, raw, model)
+            except InvalidRequest as exc:
+                return error_response(
+                    Outcome.BAD_REQUEST, exc.message, param=exc.param, headers=ids
+                ), Outcome.BAD_REQUEST
+            session = session_id(
+                Feature.CHAT,
+                model,
+                opening(parsed.body),
+                header_key=request.headers.get(self.session_header),
+            )
         else:
             session = session_id(
                 feature, model, parsed.body, header_key=request.headers.get(self.session_header)
@@ -243,7 +264,7 @@ class Edge:
         record.tenant = (
             caller.key.tenant
             if caller is not None
-            else tenant_id(request.headers.get("authorization"), parsed.user)
+            else tenant_id(authorization(request.headers), parsed.user)
         )
         if caller is not None and caller.key.tpm is not None and self.auth is not None:
             refused = self._hold_tokens(caller.key, parsed.body, record, ids)
@@ -402,6 +423,8 @@ class HotPathApp:
         except Exception:
             log.exception("unexpected error in the edge")
             response = error_response(Outcome.INTERNAL_ERROR, INTERNAL_ERROR_MESSAGE)
+            if feature is Feature.MESSAGES:
+                response = anthropic_answer(response)
         try:
             await response(scope, receive, send)
         finally:
@@ -433,12 +456,10 @@ def create_app(config: Config, deps: EdgeDeps) -> HotPathApp:
         app.add_route(path, route(feature), methods=["POST"])  # type: ignore[arg-type]
 
     async def list_models(request: Request) -> Response:
-        return edge.models_response(request.headers.get("authorization"))
+        return edge.models_response(authorization(request.headers))
 
     async def get_model(request: Request) -> Response:
-        return edge.model_response(
-            request.path_params["model_id"], request.headers.get("authorization")
-        )
+        return edge.model_response(request.path_params["model_id"], authorization(request.headers))
 
     async def stored_response(request: Request) -> Response:
         owner = edge.response_owner(request.headers.get("authorization"))
@@ -459,6 +480,11 @@ def create_app(config: Config, deps: EdgeDeps) -> HotPathApp:
 
     app.add_route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"])
     app.add_route("/v1/responses/{response_id}/input_items", input_items, methods=["GET"])
+
+    async def messages_count_tokens(request: Request) -> Response:
+        return await count_tokens(edge, request)
+
+    app.add_route(COUNT_TOKENS_PATH, messages_count_tokens, methods=["POST"])
     app.add_route("/v1/models", list_models, methods=["GET"])
     app.add_route("/v1/models/{model_id:path}", get_model, methods=["GET"])
 

@@ -32,7 +32,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from starlette.responses import Response
 
@@ -77,10 +77,24 @@ if TYPE_CHECKING:
     from llmgw.core.budget import Budget
     from llmgw.core.requests import Feature, ParsedRequest
     from llmgw.services.edge.app import Edge
-    from llmgw.services.edge.responses import Exchange
     from llmgw.services.edge.telemetry import RequestRecord
 
 Answer = Response | StreamedAnswer  # what the client gets: a whole response or a stream
+
+
+class ApiExchange(Protocol):
+    """A request of another wire API than the target's path (the Responses API's `Exchange`,
+    the Messages API's `MessagesExchange`): what it sends a provider (its own API, or chat
+    completions translated), and how the answer is read back, whole or streamed."""
+
+    def upstream(self, target: Target) -> tuple[str, bytes]: ...
+
+    def whole(self, payload: bytes, target: Target) -> tuple[bytes, Usage | None]: ...
+
+    def reader(self, target: Target) -> StreamReader: ...
+
+    def stream_ended(self, reader: StreamReader) -> None: ...
+
 
 log = logging.getLogger("llmgw.edge")
 
@@ -108,6 +122,7 @@ _PATHS = {
     "completions": "/v1/completions",
     "embeddings": "/v1/embeddings",
     "responses": "/v1/responses",
+    "messages": "/v1/messages",
 }
 
 
@@ -131,7 +146,8 @@ class RoutedRequest:
     key: str | None = None  # the API key's id (auth.mode keys)
     key_parallel: int | None = None  # its max_parallel_requests
     key_budget: Budget | None = None  # its budget (llmgw.core.budget)
-    exchange: Exchange | None = None  # the Responses API's (llmgw.services.edge.responses)
+    # The Responses or Messages API's exchange (services/edge/responses.py, messages.py)
+    exchange: ApiExchange | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,7 +209,7 @@ class Attempts:
                 request_id=routed.request_id,
                 edge=edge.edge_id,
                 model=routed.model,
-                # a Responses request needs what a chat request needs of the model
+                # a Responses or Messages request needs what a chat request needs of the model
                 feature="chat" if routed.exchange is not None else routed.feature.value,
                 shard=routed.shard,
                 stream=routed.parsed.stream,
@@ -369,16 +385,6 @@ class Attempts:
                 payload = await read_body(upstream, deadline)
             except UpstreamFailure as failure:
                 return self._failure(ending, failure.outcome, failure.message, headers)
-            ending.usage = usage_in(payload)
-            if edge.spend is not None and edge.spend_header and ending.usage is not None:
-                served = reply.served_model or routed.model
-                use = ending.usage
-                picos = edge.spend.prices.cost(
-                    target.provider,
-                    served,
-                    TokenUse(use.input_tokens, use.cached_tokens, use.output_tokens),
-                )
-                upstream_headers["x-llmgw-cost"] = edge.spend.cost_header(picos)
             if exchange is not None:
                 try:
                     payload, ending.usage = exchange.whole(payload, target)
@@ -391,6 +397,15 @@ class Attempts:
                     )
             else:
                 ending.usage = usage_in(payload)
+            if edge.spend is not None and edge.spend_header and ending.usage is not None:
+                served = reply.served_model or routed.model
+                use = ending.usage
+                picos = edge.spend.prices.cost(
+                    target.provider,
+                    served,
+                    TokenUse(use.input_tokens, use.cached_tokens, use.output_tokens),
+                )
+                upstream_headers["x-llmgw-cost"] = edge.spend.cost_header(picos)
             # The lease ends (and RequestEnded is reported) once the answer is on its way.
             routed.record.when_sent(lambda: ending.finish(Outcome.SUCCESS))
             return Response(payload, status_code=200, headers=upstream_headers), Outcome.SUCCESS

@@ -44,7 +44,7 @@ log = logging.getLogger("llmgw.edge.auth")
 
 _MESSAGES = {
     Denial.MISSING: "You didn't provide an API key. Provide it in the Authorization header "
-    "(Authorization: Bearer YOUR_KEY).",
+    "(Authorization: Bearer YOUR_KEY) or the x-api-key header.",
     Denial.UNKNOWN: "Incorrect API key provided.",
     Denial.DISABLED: "The API key provided is disabled.",
     Denial.EXPIRED: "The API key provided has expired.",

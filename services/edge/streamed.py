@@ -40,6 +40,10 @@ class StreamedAnswer:
         self._finished = False  # the last chunk went out: a disconnect now cancels nothing
         self._client_left = False
 
+    def map_body(self, wrap: Callable[[AsyncIterator[bytes]], AsyncIterator[bytes]]) -> None:
+        """Send the body through ``wrap`` (which closes the body when it is closed)."""
+        self._body = wrap(self._body)
+
     async def __call__(self, scope: Any, receive: Callable[[], Awaitable[Any]], send: Any) -> None:
         task = asyncio.current_task()
         assert task is not None

@@ -52,6 +52,7 @@ def create_engine_app(
         max_model_len=params.max_model_len,
         fault_rng=fault_rng,
         responses_api=params.responses_api,
+        messages_api=params.messages_api,
     )
 
 
@@ -77,4 +78,5 @@ def create_provider_app(
         max_model_len=params.max_model_len,
         fault_rng=fault_rng,
         responses_api=params.responses_api,
+        messages_api=params.messages_api,
     )

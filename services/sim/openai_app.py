@@ -32,6 +32,7 @@ from llmgw.services.sim.asgi import (
 )
 from llmgw.services.sim.embeddings import embedding_item
 from llmgw.services.sim.generation import Backend, Generation, SimError
+from llmgw.services.sim.messages_api import count_tokens, serve_messages
 from llmgw.services.sim.params import FaultKnobs
 from llmgw.services.sim.responses import (
     FaultPlan,
@@ -71,6 +72,7 @@ class SimApp:
         max_model_len: int,
         fault_rng: random.Random,
         responses_api: bool = True,
+        messages_api: bool = True,
     ) -> None:
         if not models:
             raise ValueError("a simulator needs at least one served model name")
@@ -104,6 +106,14 @@ class SimApp:
             ("POST", "/v1/completions"): self._completions,
             ("POST", "/v1/embeddings"): self._embeddings,
             **({("POST", "/v1/responses"): self._responses} if responses_api else {}),
+            **(
+                {
+                    ("POST", "/v1/messages"): self._messages,
+                    ("POST", "/v1/messages/count_tokens"): self._count_tokens,
+                }
+                if messages_api
+                else {}
+            ),
             ("GET", "/v1/models"): self._list_models,
             ("GET", "/health"): self._health,
             ("GET", "/ready"): self._health,  # an engine that is up can serve
@@ -146,6 +156,12 @@ class SimApp:
     # -- generation ------------------------------------------------------------------------
     async def _chat(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self._generate(receive, send, chat=True)
+
+    async def _messages(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await serve_messages(receive, send, lambda r, s: self._generate(r, s, chat=True))
+
+    async def _count_tokens(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await count_tokens(receive, send, self._check_model)
 
     async def _completions(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self._generate(receive, send, chat=False)

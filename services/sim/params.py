@@ -80,6 +80,9 @@ class _GenerationParams(FaultKnobs):
     responses_api: bool = True
     """Whether it serves the Responses API (``/v1/responses``); false: a 404 there, as from a
     server that speaks only chat completions (what the gateway then translates to)."""
+    messages_api: bool = True
+    """Whether it serves Anthropic's Messages API (``/v1/messages``); false: a 404 there, as from
+    a server that speaks only chat completions (what the gateway then translates to)."""
 
     @model_validator(mode="after")
     def _mean_within_max(self) -> Self:

@@ -22,6 +22,10 @@ from llmgw.config.common import Api, Feature, Name, Slug, StrictModel, fail
 DEFAULT_APIS: tuple[Api, ...] = ("chat_completions", "completions", "embeddings", "responses")
 
 
+def _default_apis() -> list[Api]:
+    return list(DEFAULT_APIS)
+
+
 class ModelConfig(StrictModel):
     name: Name
     aliases: list[Name] = Field(default_factory=list)
@@ -76,9 +80,10 @@ class ProviderConfig(StrictModel):
     # load) or "rate" (seed 001's rate balancer, learned from every edge's request stats).
     # Default: "score" for managed providers, "rate" for unlimited ones (which expose no load).
     strategy: Literal["score", "rate"] | None = None
-    # The wire APIs its endpoints serve. A Responses request placed on a provider without
-    # `responses` is translated to chat completions and back (docs/architecture.md).
-    apis: list[Api] = Field(default_factory=lambda: list(DEFAULT_APIS), min_length=1)
+    # The wire APIs its endpoints serve. A request of an API the provider does not serve
+    # (Responses, Messages) is translated to chat completions and back (docs/architecture.md,
+    # docs/messages.md).
+    apis: list[Api] = Field(default_factory=_default_apis, min_length=1)
     models: list[ProviderModel] = Field(min_length=1)
 
     @property
@@ -178,6 +183,9 @@ class EndpointConfig(StrictModel):
     # request's band as the `priority` field (lower runs first). Off by default: other engines
     # reject a non-zero priority.
     priority_scheduling: bool = False
+    # The wire APIs this endpoint serves, when they differ from its provider's `apis` (an
+    # engine of another version); null: the provider's.
+    apis: list[Api] | None = Field(None, min_length=1)
     upstream_model: dict[str, str] = Field(default_factory=dict)
     # EngineParams | ProviderParams, chosen by its `kind`; validated by `_validate_simulate`.
     simulate: Any = None

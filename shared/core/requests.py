@@ -21,6 +21,7 @@ class Feature(enum.StrEnum):
     COMPLETIONS = "completions"
     EMBEDDINGS = "embeddings"
     RESPONSES = "responses"  # admitted as chat: the model's capability is the same
+    MESSAGES = "messages"  # Anthropic's Messages API, admitted as chat
 
 
 class InvalidRequest(ValueError):

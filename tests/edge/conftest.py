@@ -135,6 +135,12 @@ def gateway_config(
 
 
 @pytest.fixture
+def make_gateway_config() -> Any:
+    """`gateway_config` itself, for a test module that builds a gateway of its own."""
+    return gateway_config
+
+
+@pytest.fixture
 def engine_params() -> EngineParams:
     """Simulator parameters of every engine in `gateway`; a test module may override this."""
     return EngineParams.zero_delay()
