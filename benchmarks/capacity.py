@@ -53,6 +53,7 @@ cpu_seconds, running_cluster = _cluster.cpu_seconds, _cluster.running_cluster
 
 ROUTING = "llmgw_routing"  # the default bucket names (the benchmark config keeps them)
 LOAD = "llmgw_load"
+SPEND = "llmgw_spend"
 
 # ---- the model ------------------------------------------------------------------------------
 
@@ -87,8 +88,12 @@ def classify(subject: str, data: bytes) -> str:
         return ".".join(parts[2:4])
     if subject.startswith(f"$KV.{ROUTING}."):
         return "kv." + subject.split(".")[2]
+    if subject.startswith(f"$KV.{LOAD}_fleet."):
+        return "kv.fleet"
     if subject.startswith(f"$KV.{LOAD}."):
         return "kv.load"
+    if subject.startswith(f"$KV.{SPEND}."):
+        return "kv.spend"
     if subject.startswith("_INBOX."):
         try:
             body = json.loads(data)

@@ -67,6 +67,10 @@ BACKGROUND = {
     "events.endpoint",
     "events.pool",
     "events.shard",
+    "spend.totals",  # each edge's spend totals, once per spend.interval
+    "spend.grant",
+    "kv.spend",  # admission writes them down, one put per edge per interval
+    "kv.fleet",
 }
 
 
