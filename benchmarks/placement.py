@@ -149,7 +149,7 @@ class Arrival:
     managed: bool
     waited: bool = False  # an engine: it could not start at once
     free_elsewhere: bool = False  # another engine (any, for a third party) had a free slot
-    engines_busy: int = 0  # a third party: the engines' running + waiting at that instant
+    engines_busy: int = 0  # the engines' running + waiting at that instant
 
 
 class SimFarm:
@@ -200,12 +200,12 @@ class SimFarm:
             generation = original(prompt, max_tokens, priority)
             others = [b for e, b in self.engines.items() if e != endpoint]
             arrival = Arrival(endpoint, managed)
+            arrival.engines_busy = self._busy()
             if managed:
                 arrival.waited = generation.seq.state is SeqState.WAITING
                 arrival.free_elsewhere = arrival.waited and any(self._free(b) for b in others)
             else:
                 arrival.free_elsewhere = any(self._free(b) for b in others)
-                arrival.engines_busy = self._busy()
             self.arrivals[prompt_key(prompt)] = arrival
             return generation
 
@@ -460,6 +460,9 @@ def mix_figures(
         "later_turns": len(later),
         "prefix_vs_ideal": share(cached, ideal),
         "prefix_lost": {where: share(n, ideal) for where, n in lost.items()},
+        # The engines' running + waiting seen by each arrival, on average: at one arrival rate,
+        # more means requests stayed longer (Little's law), e.g. engines slowed by the host.
+        "engines_busy_mean": sum(a.engines_busy for _, a in seen) / len(seen) if seen else 0.0,
         "third_party_by_route_band": dict(sorted(third_routes.items())),
         "interactive": len(interactive),
         "interactive_waited_while_free": share(len(waited_free), len(interactive)),
@@ -768,7 +771,8 @@ def summary(results: dict[str, Any]) -> str:
                 f"{percent(figures['turns_on_first_replica'])}); prefix hits vs ideal "
                 f"{percent(figures['prefix_vs_ideal'])} (lost: "
                 + ", ".join(f"{k} {percent(v)}" for k, v in figures["prefix_lost"].items())
-                + f"); third party by route/band {figures['third_party_by_route_band']}; "
+                + f"); engines' running + waiting at arrivals {figures['engines_busy_mean']:.1f}"
+                f"; third party by route/band {figures['third_party_by_route_band']}; "
                 f"interactive waited at an engine while "
                 f"the other had a free slot {percent(figures['interactive_waited_while_free'])} "
                 f"({figures['interactive_waited_while_free_n']} of {figures['interactive']}, "
