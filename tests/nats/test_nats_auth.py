@@ -60,10 +60,17 @@ def test_only_the_keys_role_may_write_the_key_bucket(config: Config) -> None:
     assert may == {"keys"}
 
 
-def test_the_edge_writes_no_bucket_and_creates_no_stream(config: Config) -> None:
+def test_the_edge_writes_and_creates_only_the_response_bucket(config: Config) -> None:
+    """It cannot write a pin, a lease, a quota, a key or a spend record; the Responses API's
+    stored responses are its own (docs/adr/0003)."""
     edge = role_permissions(config)["edge"]
-    assert not [s for s in edge.publish if s.startswith("$KV.")]
-    assert not [s for s in edge.publish if ".STREAM.CREATE." in s or ".STREAM.UPDATE." in s]
+    responses = config.responses.bucket
+    assert [s for s in edge.publish if s.startswith("$KV.")] == [f"$KV.{responses}.>"]
+    created = [s for s in edge.publish if ".STREAM.CREATE." in s or ".STREAM.UPDATE." in s]
+    assert created == [
+        f"$JS.API.STREAM.CREATE.KV_{responses}",
+        f"$JS.API.STREAM.UPDATE.KV_{responses}",
+    ]
 
 
 @pytest.mark.parametrize("role", ROLES)
