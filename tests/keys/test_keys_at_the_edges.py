@@ -258,7 +258,11 @@ async def test_max_parallel_requests_holds_across_both_edges_and_admission_insta
         for e in keyed.audit.events
         if e.lease is not None and e.lease.key == created["id"]
     }
-    assert granted_by == {"admission-0", "admission-1"}  # the limit was shared, not per instance
+    # Which instance's shards win the 3 slots of a 50-request burst is a race (with quota loans
+    # one instance may hold the key's whole limit for a while): that the limit is one across
+    # both, not one per instance, is what the engines' count above shows (the next test: 50
+    # at once when instances ignore it).
+    assert granted_by and granted_by <= {"admission-0", "admission-1"}
 
 
 async def test_the_checker_and_the_engines_catch_instances_that_ignore_the_key_limit(
