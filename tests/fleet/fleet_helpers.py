@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import nats
 import yaml
+from inproc import stop_servers
 
 from llmgw.config import Config, config_from_dict
+from llmgw.config.fleet import fleet_bucket
 
 REPO = Path(__file__).resolve().parents[2]
 LOCAL_CONFIG = REPO / "config" / "local.yaml"
@@ -93,3 +97,18 @@ async def add_following_admission(cluster: Any, config: Config) -> Any:
     apply_fleet(admission.service, config, mirror.fleet)
     mirror.on_change(FleetFollower(admission.service, config))
     return mirror
+
+
+async def stop_fleet_cluster(
+    mirrors: list[Any], cluster: Any, engines: Any, nats_url: str, config: Config
+) -> None:
+    """Stop a test's fleet mirrors, cluster and engines, and delete its fleet bucket."""
+
+    for mirror in mirrors:
+        await mirror.stop()
+    await cluster.stop()
+    await stop_servers(engines)
+    with contextlib.suppress(Exception):
+        cleanup = await nats.connect(nats_url)
+        await cleanup.jetstream().delete_key_value(fleet_bucket(config))
+        await cleanup.close()

@@ -6,18 +6,16 @@ change, its leases end exactly once, and the audit checker finds no breach of I1
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 import uuid
 from typing import Any
 
 import httpx
 import nats
-from fleet_helpers import add_following_admission, engines_values, eventually
-from inproc import Cluster, InFlight, stop_servers
+from fleet_helpers import add_following_admission, engines_values, eventually, stop_fleet_cluster
+from inproc import Cluster, InFlight
 
 from llmgw.config import config_from_dict
-from llmgw.config.fleet import fleet_bucket
 from llmgw.core.fleet import EndpointState
 from llmgw.services.admission.service import limits_from_config
 from llmgw.services.sim.apps import create_engine_app
@@ -105,14 +103,7 @@ async def test_a_drained_replicas_sessions_move_and_its_leases_end_exactly_once(
             )
     finally:
         stop.set()
-        for mirror in mirrors:
-            await mirror.stop()
-        await cluster.stop()
-        await stop_servers(engines.values())
-        with contextlib.suppress(Exception):
-            cleanup = await nats.connect(nats_url)
-            await cleanup.jetstream().delete_key_value(fleet_bucket(config))
-            await cleanup.close()
+        await stop_fleet_cluster(mirrors, cluster, engines.values(), nats_url, config)
     assert all(status == 200 for _, _, status, _, _ in answers), answers[:5]
     later = [(s, e, p) for at, s, _, e, p in answers if at > drained]
     assert later and all(e != "engine-2" for _, e, _ in later), later[:5]

@@ -7,18 +7,16 @@ checker finds no grant above the limit in force when it was made."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 import uuid
 from typing import Any
 
 import httpx
 import nats
-from fleet_helpers import add_following_admission, engines_values
-from inproc import Cluster, InFlight, stop_servers
+from fleet_helpers import add_following_admission, engines_values, stop_fleet_cluster
+from inproc import Cluster, InFlight
 
 from llmgw.config import config_from_dict
-from llmgw.config.fleet import fleet_bucket
 from llmgw.services.admission.service import limits_from_config
 from llmgw.services.fleet.apply import apply_file
 from llmgw.services.sim.apps import create_engine_app
@@ -88,14 +86,7 @@ async def test_halving_a_limit_under_load_never_starts_a_request_above_the_new_l
         await asyncio.gather(*workers)
     finally:
         stop.set()
-        for mirror in mirrors:
-            await mirror.stop()
-        await cluster.stop()
-        await stop_servers(engines.values())
-        with contextlib.suppress(Exception):
-            cleanup = await nats.connect(nats_url)
-            await cleanup.jetstream().delete_key_value(fleet_bucket(config))
-            await cleanup.close()
+        await stop_fleet_cluster(mirrors, cluster, engines.values(), nats_url, config)
     assert not errors, errors[:3]
     after = [count for at, count in ours["starts"] if at > acknowledged]
     assert after, "no request reached our engines after the change"
