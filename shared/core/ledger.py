@@ -18,8 +18,12 @@ Invariants (checked after every operation by the property tests, and across inst
 `llmgw.state.checker` over the observer's audit trail):
 
 - per pair with limits: live leases <= g, live unreserved leases <= u, pins <= p of this
-  instance's quota (`Quota`); ``u`` bounds new-pin and temporary leases and pinned leases that
-  did not fit the reserve (g - u), so across instances the reserve R holds;
+  instance's quota (`Quota`); the unreserved leases are the new-pin and temporary ones, so
+  across instances new sessions hold at most G - R (the book's Σu) and pinned sessions may use
+  any lease quota an instance holds. That is the reserve R as one instance holding the whole
+  limit keeps it (new <= G - R and new + pinned <= G), without splitting R into per-instance
+  parts: a pinned session whose instance used up "its" g - u does not eat into the unreserved
+  quota while another instance's share of the reserve is idle;
 - per pin of a pair with limits: its listed leases <= S (max_per_session_in_flight_request_slots);
 - per API key with `max_parallel_requests` (`set_key_limit`): its live leases <= g of this
   instance's quota of the key's pair (`llmgw.core.apikeys.key_pair`), so across instances the
@@ -144,7 +148,7 @@ class PairUse:
 class Room:
     """What a pair can take at this instance right now."""
 
-    pinned: bool  # a lease for a pinned session (reserve first, then unreserved quota)
+    pinned: bool  # a lease for a pinned session (any lease quota)
     unreserved: bool  # a new-pin or temporary lease
     pin: bool  # one more pin
 
@@ -249,11 +253,9 @@ class Ledger:
             quota = Quota(g, min(g, quota.u + extra.unreserved), quota.p + extra.pins)
         use = self.pair_use(pair)
         leases_left = use.leases < quota.g
-        reserve_left = (use.leases - use.unreserved) < (quota.g - quota.u)
-        unreserved_left = use.unreserved < quota.u
         return Room(
-            pinned=leases_left and (reserve_left or unreserved_left),
-            unreserved=leases_left and unreserved_left,
+            pinned=leases_left,
+            unreserved=leases_left and use.unreserved < quota.u,
             pin=use.pins < quota.p,
         )
 
@@ -426,7 +428,7 @@ class Ledger:
         if kind is LeaseKind.PINNED:
             if not room.pinned:
                 raise CapacityError(f"no room for a pinned lease on {provider}/{model}")
-            unreserved = quota is not None and (use.leases - use.unreserved) >= (quota.g - quota.u)
+            unreserved = False  # it never counts against u (the module's invariants)
         else:
             if not room.unreserved:
                 raise CapacityError(f"no unreserved room on {provider}/{model}")

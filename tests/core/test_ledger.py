@@ -15,7 +15,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from llmgw.core.ledger import CapacityError, EndReason, LeaseKind, Ledger
+from llmgw.core.ledger import CapacityError, EndReason, LeaseKind, Ledger, PairUse
 from llmgw.core.quota import Quota
 
 
@@ -261,6 +261,27 @@ def test_a_pinned_lease_takes_the_reserve_first_and_new_leases_never_do():
     assert not second.unreserved  # from the reserve
     with pytest.raises(CapacityError, match="unreserved"):
         lg.grant("l3", *LIMITED, LeaseKind.TEMPORARY, shard=0, edge="e", now=0)
+
+
+def test_pinned_leases_beyond_this_instances_share_of_the_reserve_never_count_against_u():
+    # g - u = 1 here, but the reserve R is the pair's, not this instance's: two pinned leases
+    # use lease quota only, so u stays whole for new sessions (and lendable to a peer's). New
+    # sessions are still held to new <= u and everything to leases <= g, as one instance
+    # holding the whole limit holds them.
+    lg = ledger()
+    lg.set_quota(LIMITED, Quota(g=4, u=3, p=3))
+    pin = lg.create_pin("pin.0.s", "p1", *LIMITED, "s", 0, 0.0)
+    for lease_id in ("l1", "l2"):
+        lease = lg.grant(
+            lease_id, *LIMITED, LeaseKind.PINNED, shard=0, edge="e", now=0, session="s", pin=pin
+        )
+        assert not lease.unreserved
+    assert lg.pair_use(LIMITED).unreserved == 0
+    lg.grant("l3", *LIMITED, LeaseKind.TEMPORARY, shard=0, edge="e", now=0)
+    lg.grant("l4", *LIMITED, LeaseKind.TEMPORARY, shard=0, edge="e", now=0)
+    assert lg.pair_use(LIMITED) == PairUse(4, 2, 1)
+    room = lg.room(*LIMITED)
+    assert not room.pinned and not room.unreserved  # g = 4 leases live
 
 
 def test_renewal_reports_lost_leases_and_ends_the_unlisted_old_ones():
