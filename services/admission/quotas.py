@@ -686,7 +686,16 @@ class QuotaKeeper:
                 )
             )
         ]
-        peers.sort(key=lambda item: (-item[0][0], -item[0][2], item[1]))
+        # Most of what is missing first (unreserved alone, when only that is: a peer whose
+        # leases pinned sessions hold may have it idle), then the most idle leases and pins.
+        peers.sort(
+            key=lambda item: (
+                -sum(min(i, n) for i, n in zip(item[0], left, strict=True)),
+                -item[0][0],
+                -item[0][2],
+                item[1],
+            )
+        )
         for _, peer in peers[:_MAX_LENDERS]:
             answer = await self.ask_loan(peer, pair, left)
             lent = answer[0] if answer is not None else QuotaCounts()
@@ -730,11 +739,14 @@ class QuotaKeeper:
                 entry = stored.value.quota(self.me)
                 spendable = self.ledger.pair_quota(pair) or Quota()
                 use = self.ledger.pair_use(pair)
-                g, u, p = lendable(entry, spendable, (use.leases, use.unreserved, use.pins), ask)
+                theirs = stored.value.quota(borrower)
+                g, u, p = lendable(
+                    entry, spendable, (use.leases, use.unreserved, use.pins), ask, theirs
+                )
                 if p < ask[2] and self.evict_idle is not None and self.evict_idle(pair, ask[2] - p):
                     use = self.ledger.pair_use(pair)  # fewer pins held now: lend what they had
                     g, u, p = lendable(
-                        entry, spendable, (use.leases, use.unreserved, use.pins), ask
+                        entry, spendable, (use.leases, use.unreserved, use.pins), ask, theirs
                     )
                 if g == 0 and u == 0 and p == 0:
                     return NO_COUNTS, 0

@@ -398,24 +398,35 @@ def headroom(limit: int, members: int) -> int:
 
 
 def lendable(
-    entry: Quota, spendable: Quota, used: tuple[int, int, int], ask: tuple[int, int, int]
+    entry: Quota,
+    spendable: Quota,
+    used: tuple[int, int, int],
+    ask: tuple[int, int, int],
+    borrower: Quota = NO_QUOTA,
 ) -> QuotaCounts:
     """What an instance can lend now of what `ask` (leases, unreserved, pins) asks for: never
     what it uses, never what it may not spend (``spendable``: its entry less what is set aside,
     as its ledger sees it), and never so much that its `entry` would be left with u > g (then
     more u goes with the g than was asked, as far as it does not use that u).
 
-    Returns (g, u, p) with 0 <= each <= `entry`'s, u <= g, and after lending: spendable.g - g
-    >= leases used, spendable.u - u >= unreserved used, spendable.p - p >= pins used.
+    Unreserved quota moves without lease quota as far as the `borrower`'s entry has lease
+    quota above its unreserved (``borrower.g - borrower.u``): an instance whose leases are all
+    taken by pinned sessions may still hold idle unreserved quota, and a borrower with idle
+    lease quota lacks only that (the two limits are one pool to a lone instance).
+
+    Returns (g, u, p) with 0 <= each <= `entry`'s, u <= g + (borrower.g - borrower.u), and
+    after lending: spendable.g - g >= leases used, spendable.u - u >= unreserved used,
+    spendable.p - p >= pins used; both entries keep u <= g.
     """
     leases, unreserved, pins = used
     ask_g, ask_u, ask_p = (max(0, a) for a in ask)
+    room_u = max(0, borrower.g - borrower.u)  # unreserved the borrower can take without g
     p = max(0, min(ask_p, spendable.p - pins, entry.p))
     cap_u = max(0, min(spendable.u - unreserved, entry.u))
-    g = max(0, min(max(ask_g, ask_u), spendable.g - leases, entry.g))
+    g = max(0, min(max(ask_g, ask_u - room_u), spendable.g - leases, entry.g))
     while g > 0 and entry.u - (entry.g - g) > cap_u:  # u that must go with g, beyond what is idle
         g -= 1
-    u = min(cap_u, g, max(ask_u, entry.u - (entry.g - g)))
+    u = min(cap_u, g + room_u, max(ask_u, entry.u - (entry.g - g)))
     return QuotaCounts(g, max(0, u), p)
 
 

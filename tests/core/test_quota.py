@@ -217,8 +217,10 @@ quotas = st.builds(
 counts = st.tuples(st.integers(0, 30), st.integers(0, 30), st.integers(0, 30))
 
 
-@given(entry=quotas, aside=counts, used=counts, ask=counts)
-def test_a_loan_never_takes_what_the_lender_uses_or_breaks_its_entry(entry, aside, used, ask):
+@given(entry=quotas, aside=counts, used=counts, ask=counts, borrower=quotas)
+def test_a_loan_never_takes_what_the_lender_uses_or_breaks_its_entry(
+    entry, aside, used, ask, borrower
+):
     # What the lender may spend: its entry less what is set aside (as `_sync` shows it).
     g = max(0, entry.g - aside[0])
     spendable = Quota(g, min(g, max(0, entry.u - aside[1])), max(0, entry.p - aside[2]))
@@ -228,20 +230,36 @@ def test_a_loan_never_takes_what_the_lender_uses_or_breaks_its_entry(entry, asid
         min(used[1], used[0], spendable.g, spendable.u),
         min(used[2], spendable.p),
     )
-    lent = lendable(entry, spendable, used, ask)
+    borrower = Quota(borrower.g, borrower.u, borrower.p, 5, 4, 3)
+    lent = lendable(entry, spendable, used, ask, borrower)
     lg, lu, lp = lent
-    assert 0 <= lu <= lg <= entry.g and 0 <= lp <= entry.p
+    assert 0 <= lg <= entry.g and 0 <= lu <= entry.u and 0 <= lp <= entry.p
+    assert lu <= lg + (borrower.g - borrower.u)  # u beyond g only into the borrower's room
     assert spendable.g - lg >= used[0]
     assert spendable.u - lu >= used[1]
     assert spendable.p - lp >= used[2]
     assert lg <= max(ask[0], ask[1]) and lp <= ask[2]
-    book = QuotaBook("iris", "m", {"lender": entry, "borrower": Quota(1, 1, 1, 5, 4, 3)})
+    book = QuotaBook("iris", "m", {"lender": entry, "borrower": borrower})
     after = book.lend("lender", "borrower", *lent, at=7.0)
     assert after.totals() == book.totals()  # a valid book stays valid
     left, got = after.quota("lender"), after.quota("borrower")
     assert left.u <= left.g and got.u <= got.g
     assert (left.wg, left.wu, left.wp) == (entry.wg, entry.wu, entry.wp)  # wants kept
-    assert (got.g, got.u, got.p) == (1 + lg, 1 + lu, 1 + lp)
+    assert (got.g, got.u, got.p) == (borrower.g + lg, borrower.u + lu, borrower.p + lp)
+
+
+def test_unreserved_quota_moves_alone_when_the_lenders_leases_are_all_in_use():
+    # The lender's 6 leases are all taken (4 of them by pinned sessions), 2 of its unreserved
+    # are idle; the borrower has an idle lease and lacks only unreserved quota: a lone instance
+    # would admit the new session, so the idle unreserved moves without lease quota.
+    lender = Quota(6, 4, 0)
+    borrower = Quota(5, 3, 0)
+    assert lendable(lender, lender, (6, 2, 0), (0, 1, 0), borrower) == (0, 1, 0)
+    # Without room above its unreserved the borrower needs the lease too, which is not idle.
+    assert lendable(lender, lender, (6, 2, 0), (0, 1, 0), Quota(3, 3, 0)) == (0, 0, 0)
+    # What was asked and the borrower's room bound it.
+    assert lendable(lender, lender, (6, 2, 0), (0, 5, 0), borrower) == (0, 2, 0)
+    assert lendable(lender, lender, (6, 0, 0), (0, 5, 0), Quota(5, 4, 0)) == (0, 1, 0)
 
 
 def test_a_loan_of_more_than_is_held_is_refused():
