@@ -150,6 +150,7 @@ class Arrival:
     waited: bool = False  # an engine: it could not start at once
     free_elsewhere: bool = False  # another engine (any, for a third party) had a free slot
     engines_busy: int = 0  # the engines' running + waiting at that instant
+    engines_holding: tuple[int, ...] = ()  # the prompt keys of those requests
 
 
 class SimFarm:
@@ -160,6 +161,7 @@ class SimFarm:
         self.engines: dict[str, EngineBackend] = {}
         self.apps: dict[str, Any] = {}
         self.arrivals: dict[int, Arrival] = {}
+        self._held: dict[int, Any] = {}  # prompt key -> sequence, of requests at the engines
         self.servers: dict[str, RunningServer] = {}
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
 
@@ -201,7 +203,14 @@ class SimFarm:
             others = [b for e, b in self.engines.items() if e != endpoint]
             arrival = Arrival(endpoint, managed)
             arrival.engines_busy = self._busy()
+            self._held = {
+                k: seq
+                for k, seq in self._held.items()
+                if seq.state in (SeqState.WAITING, SeqState.RUNNING)
+            }
+            arrival.engines_holding = tuple(self._held)
             if managed:
+                self._held[prompt_key(prompt)] = generation.seq
                 arrival.waited = generation.seq.state is SeqState.WAITING
                 arrival.free_elsewhere = arrival.waited and any(self._free(b) for b in others)
             else:
@@ -418,6 +427,17 @@ def mix_figures(
         s for s, a in third if s.route in NEW_SESSION_ROUTES and a.engines_busy < total - reserved
     ]
     avoidable_pinned = [s for s, a in third if s.route == "temporary" and a.engines_busy < total]
+    # Sharper: a new session sent away while the engines held fewer than G - R requests of
+    # unreserved leases (every route but "pinned"; a request of unknown route counts as one)
+    # and fewer than G in all: a lone instance had room for it, whatever the pins held.
+    routes = {s.key: s.route for s in phase.sent}
+    unreserved_new = [
+        s
+        for s, a in third
+        if s.route in NEW_SESSION_ROUTES
+        and a.engines_busy < total
+        and sum(routes.get(k) != "pinned" for k in a.engines_holding) < total - reserved
+    ]
     avoidable_routes: dict[str, int] = {}
     for sent in avoidable_new:
         avoidable_routes[sent.route] = avoidable_routes.get(sent.route, 0) + 1
@@ -455,6 +475,12 @@ def mix_figures(
         "avoidable_pinned_fallback": share(len(avoidable_pinned), len(done)),
         "avoidable_pinned_fallback_n": len(avoidable_pinned),
         "avoidable_routes": avoidable_routes,
+        "avoidable_unreserved_new_session": share(len(unreserved_new), len(done)),
+        "avoidable_unreserved_new_session_n": len(unreserved_new),
+        "avoidable_unreserved_by_band": {
+            band: sum(s.band == band for s in unreserved_new)
+            for band in sorted({s.band for s in unreserved_new})
+        },
         "turns_on_replica": share(len(on_replica), len(later)),
         "turns_on_first_replica": share(len(on_first), len(later)),
         "later_turns": len(later),
@@ -765,7 +791,11 @@ def summary(results: dict[str, Any]) -> str:
                 f"({figures['avoidable_new_session_n']}), pinned fallbacks "
                 f"{percent(figures['avoidable_pinned_fallback'])} "
                 f"({figures['avoidable_pinned_fallback_n']}, routes "
-                f"{figures['avoidable_routes']}); "
+                f"{figures['avoidable_routes']}); new sessions sent away while the engines held "
+                f"fewer than G - R unreserved "
+                f"{percent(figures['avoidable_unreserved_new_session'])} "
+                f"({figures['avoidable_unreserved_new_session_n']}, by band "
+                f"{figures['avoidable_unreserved_by_band']}); "
                 f"turns on the session's replica {percent(figures['turns_on_replica'])} "
                 f"(of {figures['later_turns']}; on its first turn's "
                 f"{percent(figures['turns_on_first_replica'])}); prefix hits vs ideal "
@@ -830,6 +860,7 @@ def main() -> int:
             if name.startswith("mix_"):
                 for key in (
                     "avoidable_new_session",
+                    "avoidable_unreserved_new_session",
                     "avoidable_pinned_fallback",
                     "third_party_while_free",
                     "turns_on_replica",
