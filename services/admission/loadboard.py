@@ -106,17 +106,20 @@ class LoadBoard:
 
     def peer_load(
         self, instance: str, at: float, inflight: dict[str, int], now: float, *, full: bool = True
-    ) -> None:
+    ) -> bool:
         """Another instance's live leases per endpoint (its gossip): all of them (`full`), or
-        the endpoints that changed."""
+        the endpoints that changed. True if it holds fewer on some endpoint than before (a
+        request of its ended: it may have quota idle again)."""
         previous = self._peers.get(instance)
-        counts = {} if full or previous is None else dict(previous[1])
+        before = previous[1] if previous is not None else {}
+        counts = {} if full or previous is None else dict(before)
         counts.update(inflight)
         self._peers[instance] = (at, counts)
-        touched = set(inflight) | (set(previous[1]) if previous else set())
+        touched = set(inflight) | set(before)
         for endpoint in touched:
             if endpoint in self._loads:
                 self._record(endpoint, now)
+        return any(counts.get(e, 0) < n for e, n in before.items())
 
     def forget_peer(self, instance: str) -> None:
         self._peers.pop(instance, None)

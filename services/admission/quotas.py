@@ -70,7 +70,9 @@ Counts = QuotaCounts  # (leases, unreserved leases, pins) of one pair
 T = TypeVar("T")
 _MAX_CAS = 20
 _MAX_LENDERS = 3  # peers asked in one borrowing round, most idle first
-_DRY_FOR = 0.25  # seconds a peer that lent nothing is not asked again for the pair
+# Seconds a peer that lent nothing is not asked again for the pair, unless one of its requests
+# ends meanwhile (`peer_freed`).
+_DRY_FOR = 0.25
 _LEND_LOCK_WAIT = 0.1  # a lender busy longer (a handover's transfer) lends nothing
 # Asks a peer for a loan: (peer, pair, counts asked) -> (counts lent, the book's revision with
 # the loan), or None when the peer did not answer.
@@ -558,6 +560,12 @@ class QuotaKeeper:
         if g <= 0 and u <= 0 and p <= 0:
             return None
         return QuotaCounts(max(0, g), max(0, u), max(0, p))
+
+    def peer_freed(self, peer: str) -> None:
+        """A request of `peer`'s ended (its load gossip): it is asked again at once, though it
+        lent nothing a moment ago (`_DRY_FOR` is for a peer whose quota is all in use)."""
+        for key in [k for k in self._dry if k[1] == peer]:
+            del self._dry[key]
 
     def _slack(self, pair: Pair) -> Counts:
         """The headroom every instance asks for beyond its use (`desired`), per count."""

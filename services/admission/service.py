@@ -1036,9 +1036,11 @@ class AdmissionService:
         except ValidationError:
             return
         if load.instance != self.instance and load.scope == self.config.pinning.bucket:
-            self.load.peer_load(
+            fewer = self.load.peer_load(
                 load.instance, load.at, load.inflight, self._clock(), full=load.full
             )
+            if fewer:  # a request of the peer's ended: it may lend again
+                self.quotas.peer_freed(load.instance)
 
     # ---- housekeeping -------------------------------------------------------------------------
 

@@ -109,6 +109,20 @@ async def test_the_reserve_serves_pinned_sessions_whatever_instance_owns_them(ri
     _checked(rig)
 
 
+async def test_a_peer_that_lent_nothing_is_asked_again_once_one_of_its_requests_ends(rig2):
+    rig = rig2
+    a, b = rig.admissions
+    await until(lambda: b.quotas.books[PAIR].value.quota(b.instance).u > 0, what="b's share")
+    held = await rig.ask(shard=rig.shard_of_instance(b))
+    assert admitted(held) and held.target.provider == "iris"
+    await until(lambda: a.load.inflight(held.target.endpoint, a._clock()) >= 1, what="gossip")
+    # `a` asked `b` a moment ago and got nothing: `b` is left out of a's loans for a while...
+    a.quotas._dry[(PAIR, b.instance)] = a.quotas._monotonic() + 3600
+    # ... until b's request ends (its load gossip shows one fewer): then it is asked at once.
+    await rig.finish_all()
+    await until(lambda: (PAIR, b.instance) not in a.quotas._dry, what="b asked again")
+
+
 @pytest.fixture
 async def rig_pins(nats_url, unique_id):
     audit = AuditLog()
