@@ -1,7 +1,9 @@
 """`llmgw config apply FILE`: a config changed without a restart (also `llmgw up` on SIGHUP).
 
 The file is validated as a service would load it (errors name the field, exit 2, nothing is
-stored); then its values are stored in the fleet bucket (`llmgw.fleet.APPLIED_KEY`), every
+stored); its endpoints seed the fleet as a start with the file would (`fleet.seed`: those
+the fleet lacks join it, a provider's added with the provider); then its values are stored in
+the fleet bucket (`llmgw.fleet.APPLIED_KEY`), every
 admission instance and scraper picks them up through its watch, and the command waits until
 every admission instance that answers runs on the new revision: that is the acknowledgement
 (`StateReply.config_revision`). What changes live and what needs a restart: docs/config.md,
@@ -91,6 +93,8 @@ async def apply_file(
     """Store a validated file's `values`; (revision, instances on it, instances answering)
     once every answering admission instance runs on it, or after `wait` seconds."""
     bucket = await open_fleet(nc, config)
+    if config.fleet.seed:  # its endpoints join as they would at a start with this file
+        await bucket.seed(config)
     revision = await bucket.apply_config(
         AppliedConfig(config=values, source=source, applied_at=time.time())
     )
