@@ -322,8 +322,9 @@ class Edge:
         return None
 
     def follow_config(self, config: Config) -> None:
-        """Run on `config`'s bands, models (names, aliases), retries and timeouts from the next
-        request on (at start, then each applied config: services/edge/live.py)."""
+        """Run on `config`'s bands, models (names, aliases; added or removed), retries and
+        timeouts from the next request on, with upstream headers for any provider it adds (at
+        start, then each applied config: services/edge/live.py)."""
         self.config = config
         self.bands = frozenset(b.name for b in config.admission.bands)
         if any(p.id not in self.upstream_headers for p in config.providers):  # providers added

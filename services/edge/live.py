@@ -1,7 +1,8 @@
 """The edge following the applied config (`llmgw config apply`): a read-only watch of the fleet
 bucket, and each new revision's live fields (`llmgw.fleet.applied_config`) swapped in between
-two requests (`Edge.follow_config`): the model names and aliases that `/v1/models` lists and
-requests are checked against, the bands of the band header, retries and timeouts.
+two requests (`Edge.follow_config`): the models and aliases that `/v1/models` lists and
+requests are checked against (added or removed), the bands of the band header, retries,
+timeouts and a new provider's upstream key.
 
 The edge only reads the bucket (its NATS role may read it, not create it): when it does not
 exist yet, or cannot be read, the edge runs on its file and says so, as before.

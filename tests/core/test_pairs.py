@@ -7,18 +7,10 @@ from dataclasses import dataclass
 
 from hypothesis import given
 from hypothesis import strategies as st
+from test_quota import Limits
 
 from llmgw.core.pairs import NOT_JOINED, Fits, first_entry, fits, joined, pair_changes
 from llmgw.core.quota import Quota, QuotaBook
-
-
-@dataclass(frozen=True)
-class Limits:
-    max_pinned_sessions: int
-    max_global_in_flight_request_slots: int
-    global_in_flight_request_slots_reserved_for_pinned_sessions: int
-    max_per_session_in_flight_request_slots: int = 2
-
 
 pairs = st.tuples(st.sampled_from("pq"), st.sampled_from("abc"))
 tables = st.dictionaries(pairs, st.sampled_from([None, Limits(8, 8, 2), Limits(8, 4, 1)]))
