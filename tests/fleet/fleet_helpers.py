@@ -166,7 +166,7 @@ class LoadRun:
         nc = await nats.connect(self.nats_url)
         try:
             valid = config_from_dict(values, env={})
-            revision, on_it, answering = await apply_file(nc, valid, values, "<test>", wait=10)
+            revision, on_it, answering, _ = await apply_file(nc, valid, values, "<test>", wait=10)
         finally:
             await nc.close()
         acknowledged = time.time()

@@ -106,9 +106,10 @@ async def _scenario(
         assert time.monotonic() - began < 5, "the new model was not served within 5 s"
     first_answer = time.monotonic() - began
     assert served.status_code == 200, served.text
-    revision, on_it, answering = await applying
+    revision, on_it, answering, edges = await applying
     acknowledged = time.monotonic() - began
     assert on_it == answering == 1, (revision, on_it, answering)
+    assert [(e.config_revision, e.follows) for e in edges] == [(revision, True)]  # the edge
     assert served.headers.get("x-llmgw-endpoint", "vela-1") == "vela-1"
     assert MODEL in await listed() and "mistral" in await listed()
     assert first_answer < 1.0, f"the new model was served {first_answer:.3f}s after the apply"
@@ -128,7 +129,7 @@ async def _scenario(
     assert (await _leases(nc)).get("vela-1") == 1
 
     original = config_from_dict(data, env={})
-    _, on_it, answering = await apply_file(nc, original, data, "<removed>", wait=10)
+    _, on_it, answering, _ = await apply_file(nc, original, data, "<removed>", wait=10)
     assert on_it == answering == 1
     assert not running.done(), "the stream ended before the provider was removed"
     gone = await http.post("/chat/completions", json=ask(MODEL))
