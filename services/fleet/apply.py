@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import sys
 import time
 from pathlib import Path
@@ -30,7 +29,7 @@ import yaml
 from llmgw import natsconn
 from llmgw.config import ConfigError, load_config
 from llmgw.fleet import AppliedConfig
-from llmgw.services.state.main import ask_instances
+from llmgw.services.state.main import ask_everyone, ask_instances
 from llmgw.state.fleet import open_fleet
 from llmgw.wire import EDGE_CONFIG_SUBJECT, EdgeConfigReply
 
@@ -122,18 +121,7 @@ class Applied(NamedTuple):
 
 async def ask_edges(nc: NATS, window: float) -> list[EdgeConfigReply]:
     """Every edge's answer (EDGE_CONFIG_SUBJECT) within `window` seconds."""
-    replies: list[EdgeConfigReply] = []
-
-    async def collect(msg: Any) -> None:
-        with contextlib.suppress(ValueError):
-            replies.append(EdgeConfigReply.model_validate_json(msg.data))
-
-    inbox = nc.new_inbox()
-    sub = await nc.subscribe(inbox, cb=collect)
-    await nc.publish(EDGE_CONFIG_SUBJECT, b"", reply=inbox)
-    await asyncio.sleep(window)  # a broadcast has no count of answers to wait for
-    await sub.unsubscribe()
-    return replies
+    return await ask_everyone(nc, EDGE_CONFIG_SUBJECT, EdgeConfigReply, window)
 
 
 async def apply_file(
