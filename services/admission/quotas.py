@@ -26,6 +26,12 @@ makes that quota spendable: the receiver goes on deciding its own shards meanwhi
 of several pairs awaits the store between them), and a grant into that quota would leave the
 handed leases without room (refused: their requests lost in a graceful handover).
 
+An applied config changes which pairs have limits (`keep`, `release`; `llmgw.core.pairs`): a
+pair that starts to have them is granted on from a quota only once its book holds every live
+instance's first entry (what runs there) and fits the limits, leases and pins apart; until
+then this instance only gives back, and evicts idle pins it holds above its share. A pair that
+stops having them is no longer counted at once; this instance's entry leaves its book.
+
 The sequences that call these operations, step by step, are `Handovers`' (``shards.py``; the
 lifecycle: docs/adr/0002-admission-at-memory-speed.md, "Shard lifecycle").
 """
