@@ -157,10 +157,12 @@ class LoadRun:
                 if response.status_code != 200:
                     self.errors.append(response.text[:200])
 
-    async def apply(self, values: dict[str, Any], settle: float) -> tuple[int, float]:
+    async def apply(
+        self, values: dict[str, Any], settle: float, *, then_stop: bool = True
+    ) -> tuple[int, float]:
         """Apply `values` as `llmgw config apply` does, check that every admission instance
-        (both) acknowledged it, let the load run `settle` seconds more, then stop it.
-        (The revision, acknowledged at: time.time.)"""
+        (both) acknowledged it, let the load run `settle` seconds more, then stop it (unless
+        not `then_stop`). (The revision, acknowledged at: time.time.)"""
         from llmgw.services.fleet.apply import apply_file
 
         nc = await nats.connect(self.nats_url)
@@ -172,8 +174,9 @@ class LoadRun:
         acknowledged = time.time()
         assert on_it == answering >= 2, (on_it, answering)
         await asyncio.sleep(settle)
-        self.stop.set()
-        await asyncio.gather(*self.workers)
+        if then_stop:
+            self.stop.set()
+            await asyncio.gather(*self.workers)
         return revision, acknowledged
 
     async def close(self, engines: Any) -> None:

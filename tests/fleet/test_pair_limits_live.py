@@ -1,13 +1,16 @@
 """`llmgw config apply` under load giving limits to a pair that had none and adding a managed
-provider with limits, with two admission instances following the fleet bucket as `llmgw
-admission` composes them: from the acknowledgement on, no request starts at the pair's engines
-while its new limit's worth run there (the requests granted before, without limits, count);
-the new provider never runs more than its limit, from its first request; no client sees an
-error, and the audit checker finds no grant above the limits in force when it was made."""
+provider with limits, then taking both back, with two admission instances following the fleet
+bucket as `llmgw admission` composes them: from the acknowledgement on, no request starts at
+the pair's engines while its new limit's worth run there (the requests granted before, without
+limits, count); the new provider never runs more than its limit, from its first request; once
+removed it takes no new work and what ran there finishes, and the pair runs without limits
+again; no client sees an error, and the audit checker finds no grant above the limits in
+force when it was made."""
 
 from __future__ import annotations
 
 import copy
+import time
 import uuid
 from typing import Any
 
@@ -67,25 +70,36 @@ async def test_a_pair_given_limits_and_a_provider_added_under_load_never_run_abo
         changed["endpoints"].append(
             {"id": "vega-1", "url": engines["vega-1"].url, "provider": "vega", "models": ["m1"]}
         )
-        _, acknowledged = await run.apply(changed, 2.5)
+        _, acknowledged = await run.apply(changed, 2.5, then_stop=False)
+        # vega removed, iris/m1's limits too: vega takes no new work, iris more than 4 again
+        final = copy.deepcopy(values)
+        removing = time.time()
+        _, removed = await run.apply(final, 1.5)
     finally:
         await run.close(engines.values())
     assert not run.errors, run.errors[:3]
-    after = [count for at, count in iris["starts"] if at > acknowledged]
+    after = [count for at, count in iris["starts"] if acknowledged < at < removing]
     assert after, "no request reached iris's engines after the change"
     assert max(after) <= G_IRIS, f"a request started with {max(after)} at iris's engines"
     assert vega["starts"], "the new provider took no request"
     assert vega["max"] <= G_VEGA, f"{vega['max']} requests ran at once on the new provider"
+    assert not [at for at, _ in vega["starts"] if at > removed], "vega took work once removed"
+    assert vega["now"] == 0  # what ran there finished
+    again = max(count for at, count in iris["starts"] if at > removed)
+    assert again > G_IRIS  # no limits any more
+    # limits given hold from the acknowledgement on; taken away, from the apply on
+    steps = [(acknowledged, config_from_dict(changed, env={})), (removing, run.config)]
     violations = check_audit(
         run.audit.events,
         limits_from_config(run.config),
         lease_timeout=run.config.pinning.lease_timeout,
-        changed=[(acknowledged, limits_from_config(config_from_dict(changed, env={})))],
+        changed=[(at, limits_from_config(config)) for at, config in steps],
     )
     assert not violations, [str(v) for v in violations[:5]]
     print(
         f"\nlimits given under load: iris/m1 ran {before} at once without limits; after the "
         f"acknowledgement at most {max(after)} (G={G_IRIS}) in {len(after)} starts; the new "
         f"vega/m1 served {len(vega['starts'])} requests, at most {vega['max']} at once "
-        f"(G={G_VEGA}); audit: {len(run.audit.events)} events, 0 violations"
+        f"(G={G_VEGA}); both taken back: vega took no new work, iris ran {again} at once; "
+        f"audit: {len(run.audit.events)} events, 0 violations"
     )
