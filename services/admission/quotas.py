@@ -79,6 +79,7 @@ T = TypeVar("T")
 _MAX_CAS = 20
 _MAX_LENDERS = 3  # peers asked in one borrowing round, most idle first
 _DRY_FOR = 0.25  # seconds a peer that lent nothing is not asked again for the pair
+_SLOW_JOIN = 10.0  # seconds a pair given limits may take to join before it is logged
 _LEND_LOCK_WAIT = 0.1  # a lender busy longer (a handover's transfer) lends nothing
 # Asks a peer for a loan: (peer, pair, counts asked) -> (counts lent, the book's revision with
 # the loan), or None when the peer did not answer.
@@ -126,6 +127,7 @@ class QuotaKeeper:
         self._joining: dict[Pair, Fits] = {}  # what of each has joined so far
         self._entered: set[Pair] = set()
         self._joins: dict[Pair, asyncio.Task[None]] = {}
+        self._joining_since: dict[Pair, float] = {}  # until it joined or was said to lag
         # Loans (`borrow`): the round of each pair that requests can still join, the round
         # running, what the next round is to ask for, and what the running round is getting for
         # its waiters (never given back by `adjust` until they are placed).
@@ -214,6 +216,7 @@ class QuotaKeeper:
         self.limits[pair] = limits
         self.ledger.keep_limits(pair, limits)  # zero quota: nothing granted until joined
         self._joining[pair] = NOT_JOINED
+        self._joining_since[pair] = self._monotonic()
         self._entered.discard(pair)
         self._caps.pop(pair, None)
         if pair not in self._joins:
@@ -262,6 +265,7 @@ class QuotaKeeper:
         if self.limits.pop(pair, None) is None:
             return
         self._joining.pop(pair, None)
+        self._joining_since.pop(pair, None)
         self._entered.discard(pair)
         self._caps.pop(pair, None)
         self.books.pop(pair, None)
@@ -530,6 +534,28 @@ class QuotaKeeper:
                     self._sync(pair)
                 else:  # its first read failed
                     self._joins[pair] = asyncio.create_task(self._join(pair), name="quota-join")
+            self._say_if_slow(pair)
+
+    def _say_if_slow(self, pair: Pair) -> None:
+        """Log once when a pair given limits waits long to join (an instance that does not
+        apply the config, or pins above P that are not idle): nothing is granted there."""
+        since = self._joining_since.get(pair)
+        if pair not in self._joining or since is None:
+            self._joining_since.pop(pair, None)
+            return
+        if self._monotonic() - since < _SLOW_JOIN:
+            return
+        del self._joining_since[pair]
+        stored = self.books.get(pair)
+        holders = set(stored.value.holders) if stored is not None else set()
+        missing = sorted(set(self.membership.live()) - holders)
+        log.warning(
+            "the quota book of %s/%s has not joined after %.0f s (%s): nothing is granted on "
+            "it until every live instance wrote its entry and the entries fit its limits",
+            *pair,
+            _SLOW_JOIN,
+            f"no entry yet from {', '.join(missing)}" if missing else "its entries exceed them",
+        )
 
     async def _adjust(self, pair: Pair, stopping: bool) -> None:
         for _ in range(_MAX_CAS):
