@@ -27,6 +27,7 @@ import nats
 from llmgw import natsconn
 from llmgw.config import Config
 from llmgw.core.fleet import EndpointState
+from llmgw.fleet import applied_config
 from llmgw.runtime import load_tool_config
 from llmgw.services.fleet.ops import FleetError, FleetOps, admission_leases
 from llmgw.state.fleet import open_fleet
@@ -54,7 +55,10 @@ def run(args: argparse.Namespace) -> int:
 async def _run(config: Config, args: argparse.Namespace, refusals: natsconn.Refusals) -> int:
     nc = await natsconn.connect_tool(config.nats, "llmgw-endpoints", refusals)
     try:
-        ops = FleetOps(await open_fleet(nc, config), config, lambda: admission_leases(nc))
+        bucket = await open_fleet(nc, config)
+        applied = await bucket.applied()  # checked against the providers the cluster runs on
+        running = config if applied is None else applied_config(config, applied)
+        ops = FleetOps(bucket, running, lambda: admission_leases(nc))
         result = await _act(ops, config, args)
     finally:
         await nc.close()

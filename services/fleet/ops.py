@@ -85,7 +85,7 @@ class FleetOps:
     def __init__(
         self,
         bucket: FleetBucket,
-        config: Config,
+        config: Config | Callable[[], Config],
         leases: Callable[[], Awaitable[dict[str, int] | None]],
         *,
         probe_client: httpx.AsyncClient | None = None,
@@ -93,11 +93,17 @@ class FleetOps:
         wall: Callable[[], float] = time.time,
     ) -> None:
         self.bucket = bucket
-        self.config = config
+        # what a change is checked against: the config the cluster runs on (an applied
+        # config's providers and models too), read at each change when given as a callable
+        self._config = config
         self._leases = leases
         self._probe_client = probe_client
         self._clock = clock
         self._wall = wall
+
+    @property
+    def config(self) -> Config:
+        return self._config() if callable(self._config) else self._config
 
     # ---- reading ----------------------------------------------------------------------------
 
