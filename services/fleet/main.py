@@ -27,9 +27,8 @@ import nats
 from llmgw import natsconn
 from llmgw.config import Config
 from llmgw.core.fleet import EndpointState
-from llmgw.fleet import applied_config
 from llmgw.runtime import load_tool_config
-from llmgw.services.fleet.ops import FleetError, FleetOps, admission_leases
+from llmgw.services.fleet.ops import FleetError, FleetOps, admission_leases, running_config
 from llmgw.state.fleet import open_fleet
 
 __all__ = ["run", "spec_from_args"]
@@ -56,8 +55,7 @@ async def _run(config: Config, args: argparse.Namespace, refusals: natsconn.Refu
     nc = await natsconn.connect_tool(config.nats, "llmgw-endpoints", refusals)
     try:
         bucket = await open_fleet(nc, config)
-        applied = await bucket.applied()  # checked against the providers the cluster runs on
-        running = config if applied is None else applied_config(config, applied)
+        running = await running_config(bucket, config)
         ops = FleetOps(bucket, running, lambda: admission_leases(nc))
         result = await _act(ops, config, args)
     finally:

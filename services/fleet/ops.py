@@ -31,7 +31,7 @@ from llmgw.core.fleet import (
     remove_verdict,
     served_models,
 )
-from llmgw.fleet import FleetRecord, Source, endpoint_problems
+from llmgw.fleet import FleetRecord, Source, applied_config, endpoint_problems
 from llmgw.services.state.main import ask_instances
 from llmgw.state.fleet import EndpointExists, EndpointNotFound, FleetBucket
 
@@ -79,6 +79,14 @@ async def admission_leases(nc: NATS, window: float = _ANSWER_WINDOW) -> dict[str
         for endpoint, count in reply.leases_by_endpoint.items():
             total[endpoint] = total.get(endpoint, 0) + count
     return total
+
+
+async def running_config(bucket: FleetBucket, config: Config) -> Config:
+    """What a tool checks a change against: its file's config with the applied config's live
+    fields on top (`llmgw.fleet.applied_config`), as the cluster runs it: a provider an
+    applied config added takes endpoints."""
+    applied = await bucket.applied()
+    return config if applied is None else applied_config(config, applied)
 
 
 class FleetOps:
