@@ -567,7 +567,7 @@ class QuotaKeeper:
             if pair in self._joining:
                 if pair not in self._entered:  # what runs here, whatever the book held
                     use = self.ledger.pair_use(pair)
-                    entry = first_entry(use.leases, use.pins, self._clock())
+                    entry = first_entry(use.leases, use.unreserved, use.pins, self._clock())
                     if await self._write_own(pair, stored, book.with_quota(self.me, entry)):
                         self._entered.add(pair)
                         return

@@ -345,12 +345,13 @@ class Ledger:
     def keep_limits(self, pair: Pair, limits: PairLimits) -> None:
         """Count `pair` against `limits` from now on, with no quota until one is set (an applied
         config added the pair with limits, or gave it limits). Its running leases, granted
-        without limits, count as unreserved: none is known to have used the reserve."""
+        without limits, count as they would have with them: the new-pin and temporary ones as
+        unreserved."""
         self.limits[pair] = limits
         self.quota[pair] = NO_QUOTA
         use = self.pair_use(pair)
         for lease_id, lease in list(self.leases.items()):
-            if lease.pair == pair and not lease.unreserved:
+            if lease.pair == pair and not lease.unreserved and lease.kind is not LeaseKind.PINNED:
                 self.leases[lease_id] = replace(lease, unreserved=True)
                 use.unreserved += 1
 

@@ -66,11 +66,11 @@ def pair_changes(old: Mapping[Pair, L | None], new: Mapping[Pair, L | None]) -> 
     )
 
 
-def first_entry(leases: int, pins: int, at: float) -> Quota:
+def first_entry(leases: int, unreserved: int, pins: int, at: float) -> Quota:
     """An instance's first entry in the book of a pair whose limits it starts to keep: what it
-    runs there, every lease counted as unreserved (granted without limits, none is known to
-    have used the reserve), and what it asks for no more than that."""
-    return Quota(leases, leases, pins, leases, leases, pins, at)
+    runs there (its leases, of which unreserved: new-pin and temporary ones; its pins), and
+    what it asks for no more than that."""
+    return Quota(leases, unreserved, pins, leases, unreserved, pins, at)
 
 
 class Fits(NamedTuple):

@@ -32,18 +32,18 @@ def test_pair_changes_name_each_pair_once_and_lead_from_the_old_limits_to_the_ne
         assert old[pair] is not None and old[pair] != new[pair]
 
 
-def test_a_first_entry_is_what_runs_every_lease_unreserved():
-    assert first_entry(5, 3, at=1.0) == Quota(5, 5, 3, 5, 5, 3, 1.0)
+def test_a_first_entry_is_what_runs_and_asks_for_no_more():
+    assert first_entry(5, 2, 3, at=1.0) == Quota(5, 2, 3, 5, 2, 3, 1.0)
 
 
 def test_a_book_joins_once_every_live_instance_holds_an_entry_and_each_count_apart():
     limits = Limits(4, 6, 2)
-    book = QuotaBook("p", "m", {"a": first_entry(3, 5, 0.0)})
+    book = QuotaBook("p", "m", {"a": first_entry(3, 3, 5, 0.0)})
     assert joined(book, limits, ["a", "b"]) == NOT_JOINED  # b has not written its own
-    book = book.with_quota("b", first_entry(1, 0, 0.0))
+    book = book.with_quota("b", first_entry(1, 1, 0, 0.0))
     assert joined(book, limits, ["a", "b"]) == Fits(True, False)  # 5 pins > P = 4
-    assert fits(book.with_quota("b", first_entry(2, 0, 0.0)), limits) == Fits(False, False)
-    assert joined(book.with_quota("a", first_entry(3, 4, 0.0)), limits, ["a", "b"]).both
+    assert fits(book.with_quota("b", first_entry(2, 2, 0, 0.0)), limits) == Fits(False, False)
+    assert joined(book.with_quota("a", first_entry(3, 3, 4, 0.0)), limits, ["a", "b"]).both
     assert joined(book, limits, ["a"]) == Fits(True, False)  # b is not live: not waited for
 
 
@@ -79,7 +79,7 @@ def test_a_pair_given_limits_never_runs_above_them_once_any_instance_grants_from
         me = instances[name]
         if action == "apply" and not me.applied:
             me.applied = True
-            book = book.with_quota(name, first_entry(me.use, 0, 0.0))
+            book = book.with_quota(name, first_entry(me.use, me.use, 0, 0.0))
         elif action == "end" and me.use > 0:
             me.use -= 1
         elif action == "work" and not me.applied:
