@@ -139,10 +139,19 @@ def live_config(base: Config, fleet: Fleet) -> Config:
     if fleet.applied is not None:
         base = applied_config(base, fleet.applied)
     endpoints = []
+    providers = {p.id for p in base.providers}
     for record in fleet.records.values():
         problems = endpoint_problems(base, record.endpoint)
         if problems:
-            log.warning("fleet endpoint %s left out: %s", record.id, "; ".join(problems))
+            # A provider an applied config removed: expected, said at each change at debug
+            # level (`llmgw endpoints list` shows the record; drain and remove it to delete it).
+            removed = fleet.applied is not None and record.endpoint.provider not in providers
+            log.log(
+                logging.DEBUG if removed else logging.WARNING,
+                "fleet endpoint %s left out: %s",
+                record.id,
+                "; ".join(problems),
+            )
             continue
         endpoints.append(record.endpoint)
     # No re-validation of the whole: each endpoint was checked above, and a fleet may have

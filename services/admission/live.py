@@ -99,7 +99,8 @@ class FleetFollower:
 
     def __call__(self, fleet: Fleet) -> None:
         started = time.perf_counter()
-        if fleet.applied is not None and fleet.config_revision != self.service.config_revision:
+        new_revision = fleet.config_revision != self.service.config_revision
+        if fleet.applied is not None and new_revision:
             restart = restart_only_changes(self.base, fleet.applied)
             if restart:
                 log.warning(
@@ -108,7 +109,19 @@ class FleetFollower:
                     fleet.config_revision,
                     ", ".join(restart),
                 )
-        apply_fleet(self.service, self.base, fleet)
+        config = apply_fleet(self.service, self.base, fleet)
+        if new_revision:
+            providers = {p.id for p in config.providers}
+            gone = sorted(
+                i for i, r in fleet.records.items() if r.endpoint.provider not in providers
+            )
+            if gone:
+                log.info(
+                    "endpoints of providers the applied config (revision %d) does not have take "
+                    "no work: %s (llmgw endpoints drain, then remove, deletes them)",
+                    fleet.config_revision,
+                    ", ".join(gone),
+                )
         self.applied += 1
         shape = (
             {i: (r.state, r.endpoint) for i, r in fleet.records.items()},
