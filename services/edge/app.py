@@ -107,7 +107,6 @@ class Edge:
         self.session_header = config.router.session_header
         self.inject_usage = config.router.inject_usage
         self.upstream_headers = _provider_auth_headers(config)
-        self.follow_config(config)
         self.spend = deps.spend
         self.budgets = deps.budgets
         self.spend_header = config.spend.cost_header
@@ -117,6 +116,7 @@ class Edge:
         stored = deps.metrics.responses_stored
         deps.responses.on_result = lambda result: stored.labels(result).inc()
         self.messages = MessagesApi(config)
+        self.follow_config(config)
 
     def upstream_headers_for(self, routed: RoutedRequest, provider: str) -> dict[str, str]:
         """The headers of an upstream call: the provider's, the client's request id, and with
@@ -323,12 +323,14 @@ class Edge:
 
     def follow_config(self, config: Config) -> None:
         """Run on `config`'s bands, models (names, aliases; added or removed), retries and
-        timeouts from the next request on, with upstream headers for any provider it adds (at
-        start, then each applied config: services/edge/live.py)."""
+        timeouts from the next request on, with the upstream headers and APIs of any provider
+        it adds (at start, then each applied config: services/edge/live.py)."""
         self.config = config
         self.bands = frozenset(b.name for b in config.admission.bands)
         if any(p.id not in self.upstream_headers for p in config.providers):  # providers added
             self.upstream_headers = _live_auth_headers(config, self.upstream_headers)
+        # the APIs each provider serves (a running provider's are read at start: `take_live`)
+        self.responses.apis = {p.id: frozenset(p.apis) for p in config.providers}
         if self.auth is not None:  # a key without a default band of its own takes this one
             self.auth.default_band = config.admission.default_band
         profiles = {m.name: config.profile_for_model(m.name) for m in config.models}

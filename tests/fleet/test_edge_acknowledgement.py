@@ -37,6 +37,13 @@ async def test_config_apply_waits_for_separate_edges_and_names_those_that_do_not
 
         values = config.model_dump(mode="json")
         values["models"][0]["aliases"] = ["llama", "big"]
+        # a provider too: the edge calls it with its own headers and APIs
+        vela = {"id": "vela", "kind": "unlimited", "apis": ["chat_completions", "responses"]}
+        values["providers"].append(vela | {"models": [{"name": "llama-3.3-70b"}]})
+        endpoint = values["endpoints"][0]["url"]
+        values["endpoints"].append(
+            {"id": "vela-1", "url": endpoint, "provider": "vela", "models": ["llama-3.3-70b"]}
+        )
         await followings[1].mirror.stop()  # type: ignore[union-attr]  # it stops following
         applied = await apply_file(nats_client, config, values, "<test>", wait=1.0)
         assert (applied.on_it, applied.answering) == (1, 1)
@@ -47,6 +54,8 @@ async def test_config_apply_waits_for_separate_edges_and_names_those_that_do_not
         async with httpx.AsyncClient(base_url=following.url) as http:  # no wait: it runs on it
             listed = (await http.get("/v1/models")).json()["data"]
         assert "big" in [m["id"] for m in listed]
+        assert "responses" in following.app.edge.responses.apis["vela"]
+        assert "vela" in following.app.edge.upstream_headers
 
         await followings.pop(1).stop()
         await lagging.stop()  # gone: nothing left to wait for
