@@ -139,10 +139,19 @@ def live_config(base: Config, fleet: Fleet) -> Config:
     if fleet.applied is not None:
         base = applied_config(base, fleet.applied)
     endpoints = []
+    providers = {p.id for p in base.providers}
     for record in fleet.records.values():
         problems = endpoint_problems(base, record.endpoint)
         if problems:
-            log.warning("fleet endpoint %s left out: %s", record.id, "; ".join(problems))
+            # A provider an applied config removed: expected, said at each change at debug
+            # level (`llmgw endpoints list` shows the record; drain and remove it to delete it).
+            removed = fleet.applied is not None and record.endpoint.provider not in providers
+            log.log(
+                logging.DEBUG if removed else logging.WARNING,
+                "fleet endpoint %s left out: %s",
+                record.id,
+                "; ".join(problems),
+            )
             continue
         endpoints.append(record.endpoint)
     # No re-validation of the whole: each endpoint was checked above, and a fleet may have
@@ -168,9 +177,13 @@ _RESTART_FIELDS = (
     "metrics",
     "events",
     "tracing",
-    "models",
-    "providers",
+    "providers",  # a provider's kind, key and apis (`_PROVIDER_RESTART_FIELDS`)
 )
+
+
+# What of a provider the running config has is read at start (the edge's upstream key, which
+# APIs its engines speak, whether admission counts it as managed).
+_PROVIDER_RESTART_FIELDS = ("kind", "api_key_env", "api_key_file", "apis")
 
 
 def _parsed(applied: AppliedConfig) -> Config:
@@ -208,45 +221,39 @@ def applied_config(base: Config, applied: AppliedConfig) -> Config:
 def take_live(base: Config, new: Config) -> Config:
     """`base` with the fields that change live taken from `new` (docs/config.md, "What changes
     without a restart"): the bands and the default band, `scoring`, `balancer`, `timeouts`,
-    `router.retries`; the models (aliases, fallbacks, routing profiles) when their names are
-    the same; `profiles` when they hold every profile the models and `router.default_profile`
-    name; of every provider both have, its priority and strategy, and the limits of every pair
-    both have (with limits before and after). `new` was validated as a whole, so what it
-    references exists in it; the parts taken reference only names `base` has too."""
+    `router.retries`; the models (names, aliases, fallbacks, routing profiles); `profiles` when
+    they hold every profile the models and `router.default_profile` name; the providers as `new`
+    lists them (added, removed, their pairs added, removed or with other limits, their priority
+    and strategy), except what a provider `base` has too is read at start: its kind, key and
+    apis stay `base`'s. `new` was validated as a whole, so what it references exists in it."""
     providers = []
-    for provider in base.providers:
+    for provider in new.providers:
         try:
-            changed = new.provider(provider.id)
+            running = base.provider(provider.id)
         except KeyError:
             providers.append(provider)
             continue
-        models = []
-        for model in provider.models:
-            fresh = changed.model(model.name)
-            if fresh is not None and (fresh.limits is None) == (model.limits is None):
-                model = model.model_copy(update={"limits": fresh.limits})
-            models.append(model)
-        update = {"models": models, "priority": changed.priority, "strategy": changed.strategy}
-        providers.append(provider.model_copy(update=update))
-    same_names = [m.name for m in base.models] == [m.name for m in new.models]
+        kept = {f: getattr(running, f) for f in _PROVIDER_RESTART_FIELDS}
+        providers.append(provider.model_copy(update=kept))
     admission = base.admission.model_copy(
         update={"bands": new.admission.bands, "default_band": new.admission.default_band}
     )
-    running = new.models if same_names else base.models
-    named = {m.routing_profile for m in running if m.routing_profile is not None}
+    named = {m.routing_profile for m in new.models if m.routing_profile is not None}
     named.add(base.router.default_profile)
     live = base.model_copy(
         update={
             "providers": providers,
-            "models": running,
+            "models": new.models,
             "admission": admission,
             "scoring": new.scoring,
             "balancer": new.balancer,
             "timeouts": new.timeouts,
-            "profiles": new.profiles if named <= set(new.profiles) else base.profiles,
+            # the running default profile when `new` lacks it (`router` is read at start)
+            "profiles": new.profiles
+            if named <= set(new.profiles)
+            else {**base.profiles, **new.profiles},
             "router": base.router.model_copy(update={"retries": new.router.retries}),
         }
     )
-    if same_names:  # the lookup of names and aliases, built when `new` was validated
-        live._canonical_models = dict(new._canonical_models)
+    live._canonical_models = dict(new._canonical_models)  # built when `new` was validated
     return live

@@ -54,6 +54,7 @@ from llmgw.wire import (
     ADMISSION_ROLLCALL_SUBJECT,
     ADMISSION_STATE_SUBJECT,
     BUDGET_GRANT_SUBJECT,
+    EDGE_CONFIG_SUBJECT,
     KEYS_USAGE_SUBJECT,
     REQUEST_STATS_SUBJECT,
     SPEND_TOTALS_SUBJECT,
@@ -148,7 +149,8 @@ def role_permissions(config: Config) -> dict[str, Permissions]:
                 *_read_bucket(fleet),  # the applied config's watch: read only
                 *_own_bucket(config.responses.bucket),  # the Responses API's stored responses
             ),
-            subscribe=(INBOX, ADMISSION_ROLLCALL_SUBJECT, KEYS_USAGE_SUBJECT),
+            # roll calls, and config apply asking which revision it runs on
+            subscribe=(INBOX, ADMISSION_ROLLCALL_SUBJECT, KEYS_USAGE_SUBJECT, EDGE_CONFIG_SUBJECT),
         ),
         "admission": Permissions(
             publish=(
@@ -228,7 +230,7 @@ def role_permissions(config: Config) -> dict[str, Permissions]:
             subscribe=(INBOX, ALL_EVENTS_SUBJECT, REQUEST_STATS_SUBJECT),
         ),
         "fleet": Permissions(
-            publish=(ADMISSION_STATE_SUBJECT, *_own_bucket(fleet)),
+            publish=(ADMISSION_STATE_SUBJECT, EDGE_CONFIG_SUBJECT, *_own_bucket(fleet)),
             subscribe=(INBOX,),
         ),
     }

@@ -38,6 +38,8 @@ ADMISSION_ROLLCALL_SUBJECT = "llmgw.v1.admission.rollcall"
 # Request/reply, every instance answers: liveness, and what it holds (`llmgw state`).
 ADMISSION_HEALTH_SUBJECT = "llmgw.v1.admission.health"
 ADMISSION_STATE_SUBJECT = "llmgw.v1.admission.state"
+# Request/reply, every edge answers: the applied config's revision it runs on (config apply).
+EDGE_CONFIG_SUBJECT = "llmgw.v1.edge.config"
 # Edge -> every admission instance: the client of a queued request has gone.
 ADMISSION_CANCEL_SUBJECT = "llmgw.v1.admission.cancel"
 # Admission instance -> the others: its queue depths, and its inflight per endpoint.
@@ -369,6 +371,17 @@ class StateReply(_Message):
     leases_by_endpoint: dict[str, int] = {}
     fleet_revision: int = 0
     config_revision: int = 0
+
+
+class EdgeConfigReply(_Message):
+    """Answer on EDGE_CONFIG_SUBJECT (every edge): the applied config's revision it runs on
+    (0: its file), and whether it follows the applied config at all (an edge that could not
+    read the fleet bucket runs on its file until it restarts)."""
+
+    v: Literal[1] = 1
+    edge: str
+    config_revision: int = 0
+    follows: bool = True
 
 
 class AdmitCancel(_Message):

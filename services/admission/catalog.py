@@ -187,8 +187,8 @@ class ProviderCatalog:
                 for s in endpoints
             ]
         room = self._ledger.room(provider, model)
-        evictable = not room.pin and (
-            self._ledger.evictable(provider, model, now, self.min_idle_before_evict) is not None
+        evictable = not room.pin and bool(
+            self._ledger.to_evict(provider, model, now, self.min_idle_before_evict)
         )
         return ProviderState(
             id=provider,

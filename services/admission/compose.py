@@ -54,7 +54,10 @@ class RunningAdmission:
     def fleet_ops(self) -> FleetOps:
         """Checked changes of the live fleet over this instance's connection (the admin API)."""
         assert self.fleet is not None
-        return FleetOps(self.fleet.bucket, self.service.config, lambda: admission_leases(self.nc))
+        service = self.service  # its config follows every applied config
+        return FleetOps(
+            self.fleet.bucket, lambda: service.config, lambda: admission_leases(self.nc)
+        )
 
     async def close(self) -> None:
         """Hand every shard over (or release it), say goodbye, close the connection."""

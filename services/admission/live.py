@@ -9,10 +9,14 @@ with the draining endpoints left out of placement, replaces the old one between 
 An applied config (`llmgw config apply`) changes the same way (`llmgw.fleet.take_live`): the
 models' fallbacks, the bands (flow control's table too: queued requests of a kept band keep
 their places, those of a removed band are answered and asked again), scoring, balancer and the
-providers' priorities reach the next decision. Changed limits go to the quota keeper: lowered
-ones cap this instance's grants at once (`QuotaKeeper.change_limits`), raised ones are taken up
-at its next adjustment. Nothing about leases and pins changes here: the ledger counts leases by endpoint id and ends
-them by lease id, so a lease on an endpoint that drained or left still ends exactly once.
+providers (added, removed, their pairs and priorities) reach the next decision. Limits go to
+the quota keeper: lowered ones cap this instance's grants at once (`QuotaKeeper.change_limits`),
+raised ones are taken up at its next adjustment; a pair that starts to have limits (added with
+them, or given them) is granted on only once its book counts what runs on it everywhere
+(`QuotaKeeper.keep`, `llmgw.core.pairs`); one that stops having them (removed, or its limits
+gone) stops counting at once (`QuotaKeeper.release`). Nothing about leases and pins changes
+here: the ledger counts leases by endpoint id and ends them by lease id, so a lease on an
+endpoint, provider or model that drained or left still ends exactly once.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import TYPE_CHECKING
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from llmgw.core.pairs import PairChanges, pair_changes
 from llmgw.fleet import Fleet, live_config, restart_only_changes
 from llmgw.services.admission.catalog import ProviderCatalog
 from llmgw.services.admission.service import limits_from_config
@@ -43,11 +48,20 @@ def apply_fleet(service: AdmissionService, base: Config, fleet: Fleet) -> Config
         answered = service.follow_config(config)
         if answered:
             log.info("%d queued requests of removed bands answered (asked again)", answered)
-    for pair, limits in limits_from_config(config).items():
-        if limits is not None and service.limits.get(pair) not in (None, limits):
-            log.info("limits of %s/%s changed: %s", *pair, limits)
-            service.limits[pair] = limits
-            service.quotas.change_limits(pair, limits)  # lowered: capped at once
+    table = limits_from_config(config)
+    changes = pair_changes(service.limits, table)
+    for pair, limits in changes.changed.items():
+        log.info("limits of %s/%s changed: %s", *pair, limits)
+        service.quotas.change_limits(pair, limits)  # lowered: capped at once
+    for pair in changes.released:
+        log.info("limits of %s/%s no longer kept (%s)", *pair, _gone(pair, changes))
+        service.quotas.release(pair)  # its leases stop counting against limits at once
+    for pair, limits in changes.kept.items():
+        log.info("limits of %s/%s kept from now on: %s", *pair, limits)
+        service.quotas.keep(pair, limits)  # no grant on it until its book has joined
+    for pair in changes.added - changes.kept.keys():
+        log.info("pair %s/%s added, without limits", *pair)
+    service.limits = table
     draining = fleet.view().draining
     service.load.reconfigure(config, draining)
     service.rates.reconfigure(config)
@@ -70,6 +84,10 @@ def apply_fleet(service: AdmissionService, base: Config, fleet: Fleet) -> Config
     return config
 
 
+def _gone(pair: tuple[str, str], changes: PairChanges[object]) -> str:
+    return "removed" if pair in changes.removed else "its limits removed"
+
+
 class FleetFollower:
     """Applies each fleet snapshot to one admission instance (`apply_fleet`)."""
 
@@ -81,7 +99,8 @@ class FleetFollower:
 
     def __call__(self, fleet: Fleet) -> None:
         started = time.perf_counter()
-        if fleet.applied is not None and fleet.config_revision != self.service.config_revision:
+        new_revision = fleet.config_revision != self.service.config_revision
+        if fleet.applied is not None and new_revision:
             restart = restart_only_changes(self.base, fleet.applied)
             if restart:
                 log.warning(
@@ -90,7 +109,19 @@ class FleetFollower:
                     fleet.config_revision,
                     ", ".join(restart),
                 )
-        apply_fleet(self.service, self.base, fleet)
+        config = apply_fleet(self.service, self.base, fleet)
+        if new_revision:
+            providers = {p.id for p in config.providers}
+            gone = sorted(
+                i for i, r in fleet.records.items() if r.endpoint.provider not in providers
+            )
+            if gone:
+                log.info(
+                    "endpoints of providers the applied config (revision %d) does not have take "
+                    "no work: %s (llmgw endpoints drain, then remove, deletes them)",
+                    fleet.config_revision,
+                    ", ".join(gone),
+                )
         self.applied += 1
         shape = (
             {i: (r.state, r.endpoint) for i, r in fleet.records.items()},

@@ -26,6 +26,12 @@ makes that quota spendable: the receiver goes on deciding its own shards meanwhi
 of several pairs awaits the store between them), and a grant into that quota would leave the
 handed leases without room (refused: their requests lost in a graceful handover).
 
+An applied config changes which pairs have limits (`keep`, `release`; `llmgw.core.pairs`): a
+pair that starts to have them is granted on from a quota only once its book holds every live
+instance's first entry (what runs there) and fits the limits, leases and pins apart; until
+then this instance only gives back, and evicts idle pins it holds above its share. A pair that
+stops having them is no longer counted at once; this instance's entry leaves its book.
+
 The sequences that call these operations, step by step, are `Handovers`' (``shards.py``; the
 lifecycle: docs/adr/0002-admission-at-memory-speed.md, "Shard lifecycle").
 """
@@ -43,8 +49,10 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from llmgw.core.apikeys import KeyLimits
 from llmgw.core.keys import QUOTA_PREFIX
+from llmgw.core.pairs import NOT_JOINED, Fits, first_entry, fits, joined
 from llmgw.core.quota import (
     NO_COUNTS,
+    NO_QUOTA,
     Quota,
     QuotaBook,
     QuotaCounts,
@@ -73,6 +81,7 @@ _MAX_LENDERS = 3  # peers asked in one borrowing round, most idle first
 # Seconds a peer that lent nothing is not asked again for the pair, unless one of its requests
 # ends meanwhile (`peer_freed`).
 _DRY_FOR = 0.25
+_SLOW_JOIN = 10.0  # seconds a pair given limits may take to join before it is logged
 _LEND_LOCK_WAIT = 0.1  # a lender busy longer (a handover's transfer) lends nothing
 # Asks a peer for a loan: (peer, pair, counts asked) -> (counts lent, the book's revision with
 # the loan), or None when the peer did not answer.
@@ -114,6 +123,13 @@ class QuotaKeeper:
         self._writing: dict[Pair, Quota] = {}  # this instance's entry while its write flies
         self._caps: dict[Pair, Quota] = {}  # limits lowered: the most it grants until the book fits
         self._tracking: dict[Pair, asyncio.Future[None]] = {}  # pairs added at run time
+        # Pairs whose limits an applied config started to be kept (`keep`): no grant until the
+        # book has joined (`llmgw.core.pairs.joined`); `_entered`: this instance's first entry
+        # is written.
+        self._joining: dict[Pair, Fits] = {}  # what of each has joined so far
+        self._entered: set[Pair] = set()
+        self._joins: dict[Pair, asyncio.Task[None]] = {}
+        self._joining_since: dict[Pair, float] = {}  # until it joined or was said to lag
         # Loans (`borrow`): the round of each pair that requests can still join, the round
         # running, what the next round is to ask for, and what the running round is getting for
         # its waiters (never given back by `adjust` until they are placed).
@@ -174,6 +190,11 @@ class QuotaKeeper:
         old = self.limits.get(pair)
         if old is None or old == limits:
             return
+        if pair in self._joining:  # not granting yet: the new limits are what it joins under
+            self.limits[pair] = limits
+            self.ledger.limits[pair] = limits
+            self.wake()
+            return
         self.limits[pair] = limits
         self.ledger.limits[pair] = limits
         if pair in self.books:
@@ -185,6 +206,90 @@ class QuotaKeeper:
             )
             self._sync(pair)
         self.wake()
+
+    def keep(self, pair: Pair, limits: PairLimits) -> None:
+        """Keep a quota of `pair` from now on: an applied config added it with limits, or gave
+        it limits. No grant on it from this call on until its book has joined
+        (`llmgw.core.pairs`): this instance writes what it runs there as its first entry, and
+        grants again once every live instance has and the entries fit the limits."""
+        if pair in self.limits:
+            self.change_limits(pair, limits)
+            return
+        self.limits[pair] = limits
+        self.ledger.keep_limits(pair, limits)  # zero quota: nothing granted until joined
+        self._joining[pair] = NOT_JOINED
+        self._joining_since[pair] = self._monotonic()
+        self._entered.discard(pair)
+        self._caps.pop(pair, None)
+        if pair not in self._joins:
+            self._joins[pair] = asyncio.create_task(self._join(pair), name="quota-join")
+
+    async def _join(self, pair: Pair) -> None:
+        from llmgw.core.keys import quota_key
+
+        try:
+            stored = await self.store.quota_book(*pair)
+            if pair not in self.limits:
+                return  # released meanwhile
+            if pair not in self.books or stored.revision > self.books[pair].revision:
+                self.books[pair] = stored
+            self._by_key[quota_key(*pair)] = pair
+            async with self._lock:
+                await self._adjust(pair, False)
+            self._sync(pair)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.warning("joining the quota book of %s failed; retried", pair, exc_info=True)
+        finally:
+            self._joins.pop(pair, None)
+        self.wake()
+
+    def _evict_excess(self, pair: Pair, book: QuotaBook) -> None:
+        """Pins held above P (taken while the pair had no limits): evict idle ones here, down
+        to this instance's even share of P at most, so that the pins join (they are sessions
+        between requests; the next request of each pins again)."""
+        limits = self.limits[pair]
+        excess = book.totals().pins - limits.max_pinned_sessions
+        if excess <= 0 or self.evict_idle is None:
+            return
+        share = limits.max_pinned_sessions // max(1, len(self.membership.live()))
+        over = self.ledger.pair_use(pair).pins - share
+        if over > 0:
+            self.evict_idle(pair, min(excess, over))
+
+    def release(self, pair: Pair) -> None:
+        """Stop keeping a quota of `pair`: an applied config removed it, or its limits. Its
+        leases stop counting against limits here at once (they end as they would); this
+        instance's entry leaves the book soon after (a later `keep` starts from a clean one)."""
+        from llmgw.core.keys import quota_key
+
+        if self.limits.pop(pair, None) is None:
+            return
+        self._joining.pop(pair, None)
+        self._joining_since.pop(pair, None)
+        self._entered.discard(pair)
+        self._caps.pop(pair, None)
+        self.books.pop(pair, None)
+        self._by_key.pop(quota_key(*pair), None)
+        self.ledger.drop_limits(pair)
+        self._tasks.append(asyncio.create_task(self._leave(pair), name="quota-leave"))
+
+    async def _leave(self, pair: Pair) -> None:
+        """Drop this instance's entry from a book it no longer keeps (by CAS)."""
+        for _ in range(_MAX_CAS):
+            if pair in self.limits or self._closed:
+                return  # kept again meanwhile: its own first entry replaces the old one
+            try:
+                stored = await self.store.quota_book(*pair)
+                if self.me not in stored.value.holders:
+                    return
+                book = stored.value.drop(self.me)
+                if await self.store.write_quota_book(book, stored.revision) is not None:
+                    return
+            except Exception:
+                log.warning("leaving the quota book of %s failed", pair, exc_info=True)
+                return
 
     async def track_keys(self, leases: Iterable[LeaseRecord]) -> None:
         """Track the API keys whose leases a shard brings in, before their counts move here."""
@@ -208,7 +313,7 @@ class QuotaKeeper:
 
     async def stop(self) -> None:
         self._closed = True
-        await cancel_and_wait(self._tasks)
+        await cancel_and_wait([*self._tasks, *self._joins.values()])
         self._tasks.clear()
 
     def wake(self) -> None:
@@ -217,8 +322,24 @@ class QuotaKeeper:
 
     def _sync(self, pair: Pair) -> None:
         """Show the ledger this instance's entry of the book, less what is on its way out; while
-        a smaller entry is being written, the smaller of the two."""
-        book = self.books[pair].value
+        a smaller entry is being written, the smaller of the two. Nothing while a pair whose
+        limits started to be kept has not joined (`keep`)."""
+        stored = self.books.get(pair)
+        if stored is None:
+            return
+        book = stored.value
+        joining = self._joining.get(pair)
+        if joining is not None:
+            if pair not in self._entered:
+                self.ledger.set_quota(pair, NO_QUOTA)
+                return
+            now = joining.join(joined(book, self.limits[pair], self.membership.live()))
+            if now != joining:
+                log.info("the quota book of %s/%s joined: %s", *pair, now)
+                self.wake()
+            joining = self._joining[pair] = now
+            if now.both:
+                del self._joining[pair]
         quota = book.quota(self.me)
         cap = self._caps.get(pair)
         if cap is not None:  # limits lowered (`change_limits`): until the book fits them
@@ -238,6 +359,12 @@ class QuotaKeeper:
             g = max(0, quota.g - aside.leases)
             quota = Quota(
                 g, min(g, max(0, quota.u - aside.unreserved)), max(0, quota.p - aside.pins)
+            )
+        if joining is not None and not joining.both:  # nothing of what has not joined yet
+            quota = Quota(
+                quota.g if joining.leases else 0,
+                quota.u if joining.leases else 0,
+                quota.p if joining.pins else 0,
             )
         self.ledger.set_quota(pair, quota)
 
@@ -306,7 +433,9 @@ class QuotaKeeper:
         from llmgw.state.store import Stored
 
         for _ in range(_MAX_CAS):
-            stored = self.books[pair]
+            stored = self.books.get(pair)
+            if stored is None:
+                return None  # no longer kept
             changed = change(stored.value)
             if changed is None:
                 return None
@@ -330,7 +459,7 @@ class QuotaKeeper:
             try:
                 async for entry in self.store.watch(QUOTA_PREFIX):
                     pair = self._by_key.get(entry.key)
-                    if pair is None or entry.deleted:
+                    if pair is None or entry.deleted or pair not in self.books:
                         continue
                     if entry.revision <= self.books[pair].revision:
                         continue
@@ -401,13 +530,57 @@ class QuotaKeeper:
         async with self._lock:
             for pair in list(self.limits):  # track() may add pairs meanwhile
                 await self._adjust(pair, stopping)
+        for pair in list(self._joining):  # a member that left may be all it waited for
+            if pair not in self._joins:
+                if pair in self.books:
+                    self._sync(pair)
+                else:  # its first read failed
+                    self._joins[pair] = asyncio.create_task(self._join(pair), name="quota-join")
+            self._say_if_slow(pair)
+
+    def _say_if_slow(self, pair: Pair) -> None:
+        """Log once when a pair given limits waits long to join (an instance that does not
+        apply the config, or pins above P that are not idle): nothing is granted there."""
+        since = self._joining_since.get(pair)
+        if pair not in self._joining or since is None:
+            self._joining_since.pop(pair, None)
+            return
+        if self._monotonic() - since < _SLOW_JOIN:
+            return
+        del self._joining_since[pair]
+        stored = self.books.get(pair)
+        holders = set(stored.value.holders) if stored is not None else set()
+        missing = sorted(set(self.membership.live()) - holders)
+        log.warning(
+            "the quota book of %s/%s has not joined after %.0f s (%s): nothing is granted on "
+            "it until every live instance wrote its entry and the entries fit its limits",
+            *pair,
+            _SLOW_JOIN,
+            f"no entry yet from {', '.join(missing)}" if missing else "its entries exceed them",
+        )
 
     async def _adjust(self, pair: Pair, stopping: bool) -> None:
         for _ in range(_MAX_CAS):
-            stored = self.books[pair]
+            stored = self.books.get(pair)
+            if stored is None or pair not in self.limits:
+                return  # released meanwhile, or its book not read yet (`keep`)
             book = stored.value
             mine = book.quota(self.me)
-            want = self.desired(pair, book, stopping)
+            if pair in self._joining:
+                if pair not in self._entered:  # what runs here, whatever the book held
+                    use = self.ledger.pair_use(pair)
+                    entry = first_entry(use.leases, use.unreserved, use.pins, self._clock())
+                    if await self._write_own(pair, stored, book.with_quota(self.me, entry)):
+                        self._entered.add(pair)
+                        return
+                    continue
+                joining = self._joining[pair]
+                if not joining.pins:
+                    self._evict_excess(pair, book)
+                # only given back, of what has not joined yet
+                want = _held(self.desired(pair, book, stopping), mine, joining)
+            else:
+                want = self.desired(pair, book, stopping)
             changed = (want.g, want.u, want.p) != (mine.g, mine.u, mine.p)
             limits = self.limits[pair]
             slack = max(1, headroom(limits.max_global_in_flight_request_slots, 1) // 2)
@@ -423,9 +596,10 @@ class QuotaKeeper:
             try:
                 new_book.check(limits)
             except QuotaError:
-                # A limit lowered under what is held (an API key's): giving back is still safe.
-                if entry.g > mine.g or entry.u > mine.u or entry.p > mine.p:
-                    raise
+                # A limit lowered under what is held (an API key's, pins held while a pair had
+                # no limits): giving back is still safe, and so is raising a count that fits.
+                entry = _held(entry, mine, fits(new_book, limits))
+                new_book = book.with_quota(self.me, entry)
             if await self._write_own(pair, stored, new_book) is not None:
                 return
 
@@ -542,7 +716,7 @@ class QuotaKeeper:
         a moment). None: nothing, or not a kept pair."""
         limits = self.limits.get(pair)
         stored = self.books.get(pair)
-        if limits is None or stored is None:
+        if limits is None or stored is None or pair in self._joining:
             return None
         book = stored.value
         g, u, p = book.free(limits)
@@ -811,6 +985,14 @@ class _Use:
     leases: int
     unreserved: int
     pins: int
+
+
+def _held(want: Quota, mine: Quota, fit: Fits) -> Quota:
+    """`want`, but no count raised above `mine` where `fit` says it does not fit (yet)."""
+    g = want.g if fit.leases else min(want.g, mine.g)
+    u = want.u if fit.leases else min(want.u, mine.u)
+    p = want.p if fit.pins else min(want.p, mine.p)
+    return Quota(g, min(g, u), p, want.wg, want.wu, want.wp, want.at)
 
 
 def _toward(current: int, target: int, *, floor: int, free: int) -> int:

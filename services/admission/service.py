@@ -787,20 +787,26 @@ class AdmissionService:
         )
 
     def _evict(self, provider: str, model: str, now: float) -> None:
-        if not self._evict_one(provider, model, now):
-            # placement saw one: nothing changed in between (same turn)
+        victims = self.ledger.to_evict(provider, model, now, self.catalog.min_idle_before_evict)
+        if not victims:
+            # placement saw them: nothing changed in between (same turn)
             raise RuntimeError("no pin to evict")
+        for victim in victims:
+            self._evict_pin(victim, now)
 
     def _evict_one(self, provider: str, model: str, now: float) -> bool:
         """Evict the pair's least recently used evictable pin, if it has one."""
         victim = self.ledger.evictable(provider, model, now, self.catalog.min_idle_before_evict)
         if victim is None:
             return False
+        self._evict_pin(victim, now)
+        return True
+
+    def _evict_pin(self, victim: PinRecord, now: float) -> None:
         self.ledger.remove_pin(victim, now, "evicted")
         self.pins.delete(victim)
-        self.metrics.pins_evicted.labels(provider).inc()
+        self.metrics.pins_evicted.labels(victim.provider).inc()
         self._pin_event(PinEvent, victim, "pin.evicted")
-        return True
 
     def _pin_event(self, kind: type[PinEvent], pin: PinRecord, event: str) -> None:
         self.events.emit(

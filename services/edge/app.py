@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
-from llmgw.config.credentials import provider_keys
+from llmgw.config.credentials import CredentialsError, provider_keys
 from llmgw.core.anthropic import opening, parse_messages_request
 from llmgw.core.outcomes import Outcome
 from llmgw.core.requests import Feature, InvalidRequest, parse_request
@@ -106,7 +106,6 @@ class Edge:
         self.band_header = config.admission.band_header
         self.session_header = config.router.session_header
         self.inject_usage = config.router.inject_usage
-        self.follow_config(config)
         self.upstream_headers = _provider_auth_headers(config)
         self.spend = deps.spend
         self.budgets = deps.budgets
@@ -117,11 +116,15 @@ class Edge:
         stored = deps.metrics.responses_stored
         deps.responses.on_result = lambda result: stored.labels(result).inc()
         self.messages = MessagesApi(config)
+        self.follow_config(config)
 
     def upstream_headers_for(self, routed: RoutedRequest, provider: str) -> dict[str, str]:
         """The headers of an upstream call: the provider's, the client's request id, and with
         tracing the attempt's ``traceparent`` (its upstream span starts here)."""
-        headers = {**self.upstream_headers[provider], REQUEST_ID_HEADER: routed.request_id}
+        # A provider an applied config added reaches admission first: until this edge runs
+        # on that config too, its calls carry no key of its own.
+        own = self.upstream_headers.get(provider, _JSON)
+        headers = {**own, REQUEST_ID_HEADER: routed.request_id}
         return self.telemetry.upstream_headers(routed.record, headers)
 
     def timeouts_for(self, model: str) -> Timeouts:
@@ -319,10 +322,15 @@ class Edge:
         return None
 
     def follow_config(self, config: Config) -> None:
-        """Run on `config`'s bands, models (names, aliases), retries and timeouts from the next
-        request on (at start, then each applied config: services/edge/live.py)."""
+        """Run on `config`'s bands, models (names, aliases; added or removed), retries and
+        timeouts from the next request on, with the upstream headers and APIs of any provider
+        it adds (at start, then each applied config: services/edge/live.py)."""
         self.config = config
         self.bands = frozenset(b.name for b in config.admission.bands)
+        if any(p.id not in self.upstream_headers for p in config.providers):  # providers added
+            self.upstream_headers = _live_auth_headers(config, self.upstream_headers)
+        # the APIs each provider serves (a running provider's are read at start: `take_live`)
+        self.responses.apis = {p.id: frozenset(p.apis) for p in config.providers}
         if self.auth is not None:  # a key without a default band of its own takes this one
             self.auth.default_band = config.admission.default_band
         profiles = {m.name: config.profile_for_model(m.name) for m in config.models}
@@ -375,6 +383,9 @@ class Edge:
         return JSONResponse({"id": model_id, "object": "model", "created": 0, "owned_by": "llmgw"})
 
 
+_JSON = {"content-type": "application/json"}
+
+
 def _provider_auth_headers(config: Config) -> dict[str, dict[str, str]]:
     """Upstream headers per provider: JSON, plus a bearer key where one is configured
     (`provider_keys`: CredentialsError when a configured key is missing)."""
@@ -386,6 +397,20 @@ def _provider_auth_headers(config: Config) -> dict[str, dict[str, str]]:
             h["authorization"] = f"Bearer {keys[provider.id]}"
         headers[provider.id] = h
     return headers
+
+
+def _live_auth_headers(
+    config: Config, running: dict[str, dict[str, str]]
+) -> dict[str, dict[str, str]]:
+    """The upstream headers once an applied config added providers: a provider that runs keeps
+    its own (its key is read at start); a new one gets its key now, or, when its key cannot be
+    read here, goes without one (logged: its upstream then answers 401, a failed attempt)."""
+    try:
+        fresh = _provider_auth_headers(config)
+    except CredentialsError as exc:
+        log.error("an applied config's provider key cannot be read here: %s", exc)
+        fresh = {p.id: dict(_JSON) for p in config.providers}
+    return {p.id: running.get(p.id) or fresh[p.id] for p in config.providers}
 
 
 class HotPathApp:

@@ -201,7 +201,8 @@ class BudgetGuard:
     ) -> None:
         period = self._period(budget.period)
         if budget.max_spend is not None:
-            estimate = self._worst[model].cost(use)
+            # a model an applied config added has no price here until a restart: free
+            estimate = self._worst.get(model, _NO_PRICE).cost(use)
             account = self._account("spend", scope, period, budget.max_spend)
             if not await self._reserve(account, estimate):
                 self._count("spend", "refused")
@@ -212,7 +213,7 @@ class BudgetGuard:
             hold.parts.append((account, estimate))
             self._count("spend", "reserved")
         if budget.max_overflow_spend is not None and not hold.no_overflow:
-            estimate = self._worst_third[model].cost(use)
+            estimate = self._worst_third.get(model, _NO_PRICE).cost(use)
             account = self._account("overflow", scope, period, budget.max_overflow_spend)
             try:
                 fits = await self._reserve(account, estimate)
@@ -355,6 +356,9 @@ class BudgetGuard:
 
 class BudgetRefused(Exception):
     """`max_spend` cannot fit the request: 429 insufficient_quota (the message says whose)."""
+
+
+_NO_PRICE = TokenPrices()
 
 
 def _dearest(book: PriceBook, providers: list[str], models: list[str]) -> TokenPrices:

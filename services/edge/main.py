@@ -135,8 +135,7 @@ def run(args: argparse.Namespace) -> int:
             await drain(deps, api, router.drain_delay, router.drain_timeout)
         finally:
             await asyncio.gather(api.stop(timeout=_CUT_GRACE), admin.stop())
-            if applied is not None:
-                await applied.stop()
+            await applied.stop()
             await close_edge_deps(deps)  # the cut requests' releases are sent before this ends
             if colocated is not None:  # after the edge's releases: then its shards move
                 await colocated.close()

@@ -1,10 +1,13 @@
 """`llmgw config apply FILE`: a config changed without a restart (also `llmgw up` on SIGHUP).
 
 The file is validated as a service would load it (errors name the field, exit 2, nothing is
-stored); then its values are stored in the fleet bucket (`llmgw.fleet.APPLIED_KEY`), every
+stored); its endpoints seed the fleet as a start with the file would (`fleet.seed`: those
+the fleet lacks join it, a provider's added with the provider); then its values are stored in
+the fleet bucket (`llmgw.fleet.APPLIED_KEY`), every
 admission instance and scraper picks them up through its watch, and the command waits until
-every admission instance that answers runs on the new revision: that is the acknowledgement
-(`StateReply.config_revision`). What changes live and what needs a restart: docs/config.md,
+every admission instance that answers runs on the new revision, and every edge that answers
+and follows the applied config too: that is the acknowledgement (`StateReply.config_revision`;
+each edge's `EdgeConfigReply`, on EDGE_CONFIG_SUBJECT). What changes live and what needs a restart: docs/config.md,
 "What changes without a restart".
 
 Exit codes: 0 applied and acknowledged; 1 NATS unreachable, or not acknowledged in time (the
@@ -18,7 +21,7 @@ import asyncio
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import nats
 import yaml
@@ -26,15 +29,16 @@ import yaml
 from llmgw import natsconn
 from llmgw.config import ConfigError, load_config
 from llmgw.fleet import AppliedConfig
-from llmgw.services.state.main import ask_instances
+from llmgw.services.state.main import ask_everyone, ask_instances
 from llmgw.state.fleet import open_fleet
+from llmgw.wire import EDGE_CONFIG_SUBJECT, EdgeConfigReply
 
 if TYPE_CHECKING:
     from nats.aio.client import Client as NATS
 
     from llmgw.config import Config
 
-__all__ = ["apply_file", "file_values", "run"]
+__all__ = ["Applied", "apply_file", "ask_edges", "file_values", "run"]
 
 _ACK_WINDOW = 0.3  # seconds each round of state answers is collected
 
@@ -55,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     refusals = natsconn.Refusals()
     values = file_values(args.file)
 
-    async def main() -> tuple[int, int, int]:
+    async def main() -> Applied:
         nc = await natsconn.connect_tool(config.nats, "llmgw-config", refusals)
         try:
             return await apply_file(nc, config, values, str(args.file), wait=args.wait)
@@ -63,19 +67,28 @@ def run(args: argparse.Namespace) -> int:
             await nc.close()
 
     try:
-        revision, acknowledged, instances = asyncio.run(main())
+        applied = asyncio.run(main())
     except (OSError, TimeoutError, nats.errors.Error) as exc:
         refused = refusals.explain("config apply")
         print(refused or f"llmgw config apply: cannot reach NATS: {exc}", file=sys.stderr)
         return 1
-    if acknowledged < instances or instances == 0:
+    revision, acknowledged, instances = applied.revision, applied.on_it, applied.answering
+    edges = len(applied.edges) - len(applied.unfollowing_edges)
+    for edge in applied.unfollowing_edges:
+        print(f"llmgw config apply: edge {edge} runs on its file (restart it)", file=sys.stderr)
+    if acknowledged < instances or instances == 0 or applied.lagging_edges:
+        lagging = applied.lagging_edges
         print(
             f"llmgw config apply: stored (revision {revision}), but only {acknowledged} of "
-            f"{instances} admission instances run on it after {args.wait:g}s",
+            f"{instances} admission instances and {edges - len(lagging)} of {edges} edges run "
+            f"on it after {args.wait:g}s" + (f" (not: {', '.join(lagging)})" if lagging else ""),
             file=sys.stderr,
         )
         return 1
-    print(f"applied {args.file} (revision {revision}): {instances} admission instances run on it")
+    print(
+        f"applied {args.file} (revision {revision}): {instances} admission instances run on "
+        f"it, and {edges} edges"
+    )
     return 0
 
 
@@ -85,18 +98,51 @@ def file_values(path: str | Path) -> dict[str, Any]:
     return values
 
 
+class Applied(NamedTuple):
+    """What `apply_file` stored and who runs on it: the revision, the admission instances
+    that run on it of those that answered, and the edges that answered (each edge's own
+    answer: the revision it runs on, and whether it follows the applied config at all)."""
+
+    revision: int
+    on_it: int
+    answering: int
+    edges: tuple[EdgeConfigReply, ...] = ()
+
+    @property
+    def lagging_edges(self) -> list[str]:
+        """Edges that follow the applied config and do not run on this revision yet."""
+        return sorted(e.edge for e in self.edges if e.follows and e.config_revision < self.revision)
+
+    @property
+    def unfollowing_edges(self) -> list[str]:
+        """Edges that run on their file (they could not read the fleet bucket)."""
+        return sorted(e.edge for e in self.edges if not e.follows)
+
+
+async def ask_edges(nc: NATS, window: float) -> list[EdgeConfigReply]:
+    """Every edge's answer (EDGE_CONFIG_SUBJECT) within `window` seconds."""
+    return await ask_everyone(nc, EDGE_CONFIG_SUBJECT, EdgeConfigReply, window)
+
+
 async def apply_file(
     nc: NATS, config: Config, values: dict[str, Any], source: str, *, wait: float
-) -> tuple[int, int, int]:
-    """Store a validated file's `values`; (revision, instances on it, instances answering)
-    once every answering admission instance runs on it, or after `wait` seconds."""
+) -> Applied:
+    """Store a validated file's `values`; what runs on it once every answering admission
+    instance and every answering edge that follows the applied config runs on it, or after
+    `wait` seconds."""
     bucket = await open_fleet(nc, config)
+    if config.fleet.seed:  # its endpoints join as they would at a start with this file
+        await bucket.seed(config)
     revision = await bucket.apply_config(
         AppliedConfig(config=values, source=source, applied_at=time.time())
     )
     deadline = time.monotonic() + wait
     while True:
-        replies = await ask_instances(nc, _ACK_WINDOW)
+        replies, edges = await asyncio.gather(
+            ask_instances(nc, _ACK_WINDOW), ask_edges(nc, _ACK_WINDOW)
+        )
         on_it = sum(reply.config_revision >= revision for reply in replies)
-        if (replies and on_it == len(replies)) or time.monotonic() >= deadline:
-            return revision, on_it, len(replies)
+        applied = Applied(revision, on_it, len(replies), tuple(edges))
+        done = replies and on_it == len(replies) and not applied.lagging_edges
+        if done or time.monotonic() >= deadline:
+            return applied

@@ -28,7 +28,7 @@ from llmgw import natsconn
 from llmgw.config import Config
 from llmgw.core.fleet import EndpointState
 from llmgw.runtime import load_tool_config
-from llmgw.services.fleet.ops import FleetError, FleetOps, admission_leases
+from llmgw.services.fleet.ops import FleetError, FleetOps, admission_leases, running_config
 from llmgw.state.fleet import open_fleet
 
 __all__ = ["run", "spec_from_args"]
@@ -54,7 +54,9 @@ def run(args: argparse.Namespace) -> int:
 async def _run(config: Config, args: argparse.Namespace, refusals: natsconn.Refusals) -> int:
     nc = await natsconn.connect_tool(config.nats, "llmgw-endpoints", refusals)
     try:
-        ops = FleetOps(await open_fleet(nc, config), config, lambda: admission_leases(nc))
+        bucket = await open_fleet(nc, config)
+        running = await running_config(bucket, config)
+        ops = FleetOps(bucket, running, lambda: admission_leases(nc))
         result = await _act(ops, config, args)
     finally:
         await nc.close()

@@ -31,7 +31,7 @@ from llmgw.core.fleet import (
     remove_verdict,
     served_models,
 )
-from llmgw.fleet import FleetRecord, Source, endpoint_problems
+from llmgw.fleet import FleetRecord, Source, applied_config, endpoint_problems
 from llmgw.services.state.main import ask_instances
 from llmgw.state.fleet import EndpointExists, EndpointNotFound, FleetBucket
 
@@ -81,11 +81,19 @@ async def admission_leases(nc: NATS, window: float = _ANSWER_WINDOW) -> dict[str
     return total
 
 
+async def running_config(bucket: FleetBucket, config: Config) -> Config:
+    """What a tool checks a change against: its file's config with the applied config's live
+    fields on top (`llmgw.fleet.applied_config`), as the cluster runs it: a provider an
+    applied config added takes endpoints."""
+    applied = await bucket.applied()
+    return config if applied is None else applied_config(config, applied)
+
+
 class FleetOps:
     def __init__(
         self,
         bucket: FleetBucket,
-        config: Config,
+        config: Config | Callable[[], Config],
         leases: Callable[[], Awaitable[dict[str, int] | None]],
         *,
         probe_client: httpx.AsyncClient | None = None,
@@ -93,11 +101,17 @@ class FleetOps:
         wall: Callable[[], float] = time.time,
     ) -> None:
         self.bucket = bucket
-        self.config = config
+        # what a change is checked against: the config the cluster runs on (an applied
+        # config's providers and models too), read at each change when given as a callable
+        self._config = config
         self._leases = leases
         self._probe_client = probe_client
         self._clock = clock
         self._wall = wall
+
+    @property
+    def config(self) -> Config:
+        return self._config() if callable(self._config) else self._config
 
     # ---- reading ----------------------------------------------------------------------------
 

@@ -26,7 +26,7 @@ from llmgw import natsconn
 from llmgw.core.fleet import EndpointState
 from llmgw.runtime import load_tool_config
 from llmgw.services.fleet.main import spec_from_args
-from llmgw.services.fleet.ops import FleetError, FleetOps, admission_leases
+from llmgw.services.fleet.ops import FleetError, FleetOps, admission_leases, running_config
 from llmgw.state.fleet import open_fleet
 
 __all__ = ["run"]
@@ -39,7 +39,9 @@ def run(args: argparse.Namespace) -> int:
     async def main() -> int:
         nc = await natsconn.connect_tool(config.nats, "llmgw-register", refusals)
         try:
-            ops = FleetOps(await open_fleet(nc, config), config, lambda: admission_leases(nc))
+            bucket = await open_fleet(nc, config)
+            running = await running_config(bucket, config)
+            ops = FleetOps(bucket, running, lambda: admission_leases(nc))
             spec = {"id": args.id, **spec_from_args(args)}
             await ops.register(spec, args.ttl, probe=not args.no_probe)
             print(f"llmgw register: {args.id} registered (heartbeat every {args.ttl / 3:g}s)")

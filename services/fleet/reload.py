@@ -58,15 +58,13 @@ class Reloader:
         try:
             nc = await nats.connect(**options)
             try:
-                revision, on_it, answering = await apply_file(
-                    nc, self.config, values, self.path, wait=10
-                )
+                applied = await apply_file(nc, self.config, values, self.path, wait=10)
             finally:
                 await nc.close()
         except Exception as exc:  # NATS down: the supervisor keeps running
             self.say(f"llmgw up: SIGHUP: could not apply {self.path}: {exc!r}")
             return
         self.say(
-            f"llmgw up: SIGHUP: applied {self.path} (revision {revision}); "
-            f"{on_it} of {answering} admission instances run on it"
+            f"llmgw up: SIGHUP: applied {self.path} (revision {applied.revision}); "
+            f"{applied.on_it} of {applied.answering} admission instances run on it"
         )

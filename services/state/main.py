@@ -19,11 +19,12 @@ import dataclasses
 import json
 import sys
 import time
-from typing import Any
+from typing import Any, TypeVar
 
 import nats
 from nats.aio.client import Client as NATS
 from nats.js.errors import NotFoundError
+from pydantic import BaseModel
 
 from llmgw import natsconn
 from llmgw.config import Config
@@ -35,6 +36,8 @@ from llmgw.services.state.report import StateReport, build_report, format_report
 from llmgw.state.nats_kv import NatsKV
 from llmgw.state.store import RoutingStore
 from llmgw.wire import ADMISSION_STATE_SUBJECT, StateReply
+
+M = TypeVar("M", bound=BaseModel)
 
 ANSWER_WINDOW = 0.5  # seconds the admission instances have to answer the state request
 LOAD_READ_TIMEOUT = 2.0  # seconds for the (optional) read of the load bucket
@@ -148,17 +151,23 @@ async def _endpoint_reports(js: Any, config: Config) -> tuple[str | None, list[E
 
 async def ask_instances(nc: NATS, window: float = ANSWER_WINDOW) -> list[StateReply]:
     """Every admission instance's answer to a state request within `window` seconds."""
-    replies: list[StateReply] = []
+    return await ask_everyone(nc, ADMISSION_STATE_SUBJECT, StateReply, window)
+
+
+async def ask_everyone(nc: NATS, subject: str, answer: type[M], window: float) -> list[M]:
+    """Every answer (of type `answer`) to an empty request on `subject` within `window`
+    seconds; answers that do not decode are left out."""
+    replies: list[M] = []
 
     async def collect(msg: Any) -> None:
         try:
-            replies.append(StateReply.model_validate_json(msg.data))
+            replies.append(answer.model_validate_json(msg.data))
         except ValueError:
             pass
 
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox, cb=collect)
-    await nc.publish(ADMISSION_STATE_SUBJECT, b"", reply=inbox)
+    await nc.publish(subject, b"", reply=inbox)
     await asyncio.sleep(window)  # a broadcast has no count of answers to wait for
     await sub.unsubscribe()
     return replies

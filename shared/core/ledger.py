@@ -301,6 +301,28 @@ class Ledger:
                 return pin
         return None
 
+    def to_evict(self, provider: str, model: str, now: float, min_idle: float) -> list[PinRecord]:
+        """The pins whose eviction makes room for one more pin of the pair, least recently used
+        first (`evictable`'s candidates); empty when there are not enough. One, unless the
+        pair holds more pins than its quota (pins taken while it had no limits, or above
+        lowered ones)."""
+        quota = self.pair_quota((provider, model))
+        idle = self._idle.get((provider, model))
+        if quota is None or not idle:
+            return []
+        need = self.pair_use((provider, model)).pins - quota.p + 1
+        if need == 1:
+            pin = self.evictable(provider, model, now, min_idle)
+            return [] if pin is None else [pin]
+        victims = []
+        for key in idle:
+            pin = self.pins[key]
+            if pin.uses <= 1 or now - pin.last_used >= min_idle:
+                victims.append(pin)
+                if len(victims) == need:
+                    return victims
+        return []
+
     def endpoint_leases(self, endpoint: str) -> int:
         """Live leases of this instance's requests on `endpoint` (its own exact inflight)."""
         return self._endpoint_leases.get(endpoint, 0)
@@ -319,6 +341,25 @@ class Ledger:
 
     def set_quota(self, pair: Pair, quota: Quota) -> None:
         self.quota[pair] = quota
+
+    def keep_limits(self, pair: Pair, limits: PairLimits) -> None:
+        """Count `pair` against `limits` from now on, with no quota until one is set (an applied
+        config added the pair with limits, or gave it limits). Its running leases, granted
+        without limits, count as they would have with them: the new-pin and temporary ones as
+        unreserved."""
+        self.limits[pair] = limits
+        self.quota[pair] = NO_QUOTA
+        use = self.pair_use(pair)
+        for lease_id, lease in list(self.leases.items()):
+            if lease.pair == pair and not lease.unreserved and lease.kind is not LeaseKind.PINNED:
+                self.leases[lease_id] = replace(lease, unreserved=True)
+                use.unreserved += 1
+
+    def drop_limits(self, pair: Pair) -> None:
+        """Stop counting `pair` against limits (removed, or its limits gone); its leases end as
+        they would."""
+        self.limits.pop(pair, None)
+        self.quota.pop(pair, None)
 
     # ---- pins -------------------------------------------------------------------------------
 

@@ -125,6 +125,11 @@ class FleetBucket:
         """Store the config document every service applies; its revision."""
         return await self.kv.put(APPLIED_KEY, applied.to_bytes())
 
+    async def applied(self) -> AppliedConfig | None:
+        """The config document last applied (None: none, or one that does not decode)."""
+        entry = await self.kv.get(APPLIED_KEY)
+        return None if entry is None else _decode_applied(entry.value)
+
     async def get(self, endpoint_id: str) -> tuple[FleetRecord, int]:
         entry = await self.kv.get(endpoint_key(endpoint_id))
         record = None if entry is None else _decode(entry.key, entry.value)

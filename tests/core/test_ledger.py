@@ -15,7 +15,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from llmgw.core.ledger import CapacityError, EndReason, LeaseKind, Ledger, PairUse
+from llmgw.core.ledger import CapacityError, EndReason, LeaseKind, Ledger, PairUse, Room
 from llmgw.core.quota import Quota
 
 
@@ -302,3 +302,33 @@ def test_expiry_ends_leases_not_renewed_and_a_pin_outlives_its_last_lease_by_its
     lg.grant("l1", *LIMITED, LeaseKind.NEW_PIN, shard=0, edge="e", now=0.0, session="s", pin=pin)
     assert lg.expired_leases(29.9) == [] and [x.lease_id for x in lg.expired_leases(30.0)] == ["l1"]
     assert lg.idle_pins(299.0) == [] and lg.idle_pins(300.0) == [pin]
+
+
+def test_a_pair_given_limits_counts_its_running_leases_and_grants_from_quota():
+    lg = ledger()
+    pin = lg.create_pin("pin.0.s", "p1", *OPEN, "s", 0, 0.0)
+    lg.grant("a", *OPEN, LeaseKind.PINNED, shard=0, edge="e", now=0.0, pin=pin)
+    lg.grant("b", *OPEN, LeaseKind.TEMPORARY, shard=0, edge="e", now=0.0)
+    assert lg.pair_use(OPEN).unreserved == 0  # no limits: nothing is unreserved
+    lg.keep_limits(OPEN, Limits())
+    use = lg.pair_use(OPEN)
+    assert (use.leases, use.unreserved, use.pins) == (2, 1, 1)  # the temporary one
+    assert lg.room(*OPEN) == Room(False, False, False)  # no quota yet
+    lg.set_quota(OPEN, Quota(3, 3, 1))
+    assert lg.room(*OPEN) == Room(True, True, False)
+    lg.release("b", 1.0, refresh=True)
+    assert (use.leases, use.unreserved) == (1, 0)  # it ends as it counts now, once
+    lg.drop_limits(OPEN)
+    assert lg.room(*OPEN) == Room(True, True, True) and lg.pair_quota(OPEN) is None
+
+
+def test_pins_above_the_quota_are_evicted_together_to_make_room_for_one():
+    lg = ledger()
+    lg.set_quota(LIMITED, Quota(6, 4, 4))
+    for n, session in enumerate(SESSIONS[:4]):
+        lg.create_pin(f"pin.0.{session}", f"p{n}", *LIMITED, session, 0, 0.0)
+    assert len(lg.to_evict(*LIMITED, 1.0, 60.0)) == 1  # at its quota: one makes room
+    lg.set_quota(LIMITED, Quota(6, 4, 2))  # held above it: three must go for one more
+    assert [p.pin_id for p in lg.to_evict(*LIMITED, 1.0, 60.0)] == ["p0", "p1", "p2"]
+    lg.set_quota(LIMITED, Quota(6, 4, 0))
+    assert lg.to_evict(*LIMITED, 1.0, 60.0) == []  # five would have to go: only four can

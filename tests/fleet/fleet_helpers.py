@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import nats
 import yaml
 from inproc import stop_servers
@@ -112,3 +113,73 @@ async def stop_fleet_cluster(
         cleanup = await nats.connect(nats_url)
         await cleanup.jetstream().delete_key_value(fleet_bucket(config))
         await cleanup.close()
+
+
+class LoadRun:
+    """A cluster on `values` whose ledgers' audit trail is recorded: two admission instances
+    following the fleet bucket as `llmgw admission` composes them, an edge, and 24 clients
+    sending one-shot chat requests for `m1` through it (`start`) until `apply` stops them."""
+
+    def __init__(self, values: dict[str, Any], nats_url: str) -> None:
+        from inproc import Cluster
+
+        from llmgw.state.checker import AuditLog
+
+        self.nats_url = nats_url
+        self.config = config_from_dict(values, env={})
+        self.audit = AuditLog()
+        self.cluster = Cluster(self.config, nats_url, observer_for=self.audit.observer)
+        self.mirrors: list[Any] = []
+        self.errors: list[str] = []  # the text of every answer but a 200
+        self.stop = asyncio.Event()
+        self.workers: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        for _ in range(2):
+            self.mirrors.append(await add_following_admission(self.cluster, self.config))
+        await self.cluster.balanced()
+        edge = await self.cluster.add_edge()
+        self.workers = [asyncio.create_task(self._client(edge.url, w)) for w in range(24)]
+
+    async def _client(self, url: str, worker: int) -> None:
+        async with httpx.AsyncClient(base_url=url, timeout=20) as http:
+            n = 0
+            while not self.stop.is_set():
+                n += 1
+                response = await http.post(
+                    "/v1/chat/completions",
+                    json={
+                        "model": "m1",
+                        "messages": [{"role": "user", "content": f"w{worker} r{n}"}],
+                        "max_tokens": 24,
+                    },
+                )
+                if response.status_code != 200:
+                    self.errors.append(response.text[:200])
+
+    async def apply(
+        self, values: dict[str, Any], settle: float, *, then_stop: bool = True
+    ) -> tuple[int, float]:
+        """Apply `values` as `llmgw config apply` does, check that every admission instance
+        (both) acknowledged it, let the load run `settle` seconds more, then stop it (unless
+        not `then_stop`). (The revision, acknowledged at: time.time.)"""
+        from llmgw.services.fleet.apply import apply_file
+
+        nc = await nats.connect(self.nats_url)
+        try:
+            valid = config_from_dict(values, env={})
+            revision, on_it, answering, _ = await apply_file(nc, valid, values, "<test>", wait=10)
+        finally:
+            await nc.close()
+        acknowledged = time.time()
+        assert on_it == answering >= 2, (on_it, answering)
+        await asyncio.sleep(settle)
+        if then_stop:
+            self.stop.set()
+            await asyncio.gather(*self.workers)
+        return revision, acknowledged
+
+    async def close(self, engines: Any) -> None:
+        self.stop.set()
+        await asyncio.gather(*self.workers, return_exceptions=True)
+        await stop_fleet_cluster(self.mirrors, self.cluster, engines, self.nats_url, self.config)

@@ -164,36 +164,63 @@ def test_an_applied_config_changes_its_live_fields_and_names_what_needs_a_restar
     assert restart_only_changes(config, applied) == ["listen", "router", "admission"]
 
 
-def test_profiles_are_taken_only_with_every_profile_the_running_models_name(
-    config: Config,
-) -> None:
+def test_profiles_without_the_running_default_profile_keep_it(config: Config) -> None:
     values = config.model_dump(mode="json")
     values["profiles"]["fast"] = {"retries": 0}
-    values["models"][0]["routing_profile"] = "fast"
+    values["router"]["default_profile"] = "fast"
     base = config_from_dict(values, env={})
     del values["profiles"]["fast"]
-    values["models"][0]["routing_profile"] = "chat"
-    values["models"].append({"name": "mistral-7b"})  # not live: the running models stay
+    values["router"]["default_profile"] = "chat"
+    values["models"].append({"name": "mistral-7b", "routing_profile": "batch"})
     for provider in values["providers"]:
         provider["models"].append({"name": "mistral-7b", "features": ["chat"]})
     for endpoint in values["endpoints"]:
         endpoint["models"].append("mistral-7b")
     live = take_live(base, config_from_dict(values, env={}))
-    assert live.models == base.models and live.profile_for_model("llama").retries == 0
+    assert live.resolve_model("mistral-7b") == "mistral-7b"
+    assert live.profile_for_model("mistral-7b") == live.resolve_profile("batch")
+    assert live.profiles["fast"].retries == 0  # `router` is read at start: its default stays
 
 
-def test_an_applied_config_with_a_new_model_or_pair_leaves_them_for_a_restart(
-    config: Config,
-) -> None:
+def test_an_applied_config_adds_and_removes_models_providers_and_pairs(config: Config) -> None:
     values = config.model_dump(mode="json")
-    values["models"].append({"name": "mistral-7b"})
-    values["providers"][1]["models"].append({"name": "mistral-7b", "features": ["chat"]})
-    for endpoint in values["endpoints"]:
-        if endpoint["provider"] == values["providers"][1]["id"]:
-            endpoint["models"].append("mistral-7b")
+    values["models"].append({"name": "mistral-7b", "aliases": ["mistral"]})
+    values["models"] = [m for m in values["models"] if m["name"] != "qwen2.5-32b"]
+    values["spend"]["prices"] = [p for p in values["spend"]["prices"] if "qwen" not in p["model"]]
+    for model in values["models"]:
+        model["fallbacks"] = []
+    for provider in values["providers"]:
+        provider["models"] = [m for m in provider["models"] if m["name"] != "qwen2.5-32b"]
+    values["providers"].append(
+        {
+            "id": "vela",
+            "kind": "unlimited",
+            "priority": 40,
+            "api_key_env": "VELA_KEY",
+            "models": [{"name": "mistral-7b"}, {"name": "llama-3.3-70b"}],
+        }
+    )
+    values["providers"][0]["kind"] = "unlimited"  # read at start
+    values["endpoints"] = [
+        {**e, "models": [m for m in e["models"] if m != "qwen2.5-32b"]} for e in values["endpoints"]
+    ]
+    values["endpoints"].append(
+        {
+            "id": "vela-1",
+            "url": "http://127.0.0.1:1",
+            "provider": "vela",
+            "models": ["mistral-7b", "llama-3.3-70b"],
+        }
+    )
+    new = config_from_dict(values, env={"VELA_KEY": "k"})
     applied = AppliedConfig(config=values, source="new.yaml")
-    live = live_config(config, Fleet(applied=applied))
-    assert live.resolve_model("mistral-7b") is None and live.providers == config.providers
-    assert restart_only_changes(config, applied) == ["models", "providers"]
+    live = take_live(config, new)
+    assert [p.id for p in live.providers] == [p.id for p in new.providers]
+    assert live.provider("vela").api_key_env == "VELA_KEY"
+    assert live.providers[0].kind == config.providers[0].kind
+    assert live.resolve_model("mistral") == "mistral-7b"
+    assert live.resolve_model("qwen2.5-32b") is None and live.resolve_model("qwen") is None
+    assert all(p.model("qwen2.5-32b") is None for p in live.providers)
+    assert restart_only_changes(config, applied) == ["providers"]  # iris's kind
     broken = AppliedConfig(config={**values, "providers": "nope"})
     assert live_config(config, Fleet(applied=broken)).providers == config.providers

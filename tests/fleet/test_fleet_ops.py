@@ -4,12 +4,16 @@ error shape) and changes nothing."""
 
 from __future__ import annotations
 
+import asyncio
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import pytest
 import pytest_asyncio
+import yaml
 from fastapi import FastAPI
 from fleet_helpers import Leases
 from inproc import stop_servers
@@ -18,8 +22,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from llmgw.config import Config
+from llmgw.config import Config, config_from_dict
 from llmgw.core.fleet import EndpointState
+from llmgw.services.fleet.apply import apply_file
 from llmgw.services.fleet.http import add_fleet_routes
 from llmgw.services.fleet.janitor import HeartbeatJanitor
 from llmgw.services.fleet.ops import FleetError, FleetOps
@@ -247,3 +252,28 @@ async def test_an_endpoint_added_without_models_serves_what_its_engine_lists_und
         assert record.endpoint.upstream_name("qwen2.5-32b") == "qwen2.5-32b"
     finally:
         await stop_servers([engine, stranger])
+
+
+async def test_config_apply_seeds_a_new_providers_endpoints_and_endpoints_add_knows_it(
+    fleet: FleetBucket, config: Config, engine: RunningServer, nats_client: Any, tmp_path: Any
+) -> None:
+    """A provider an applied config added: its endpoints in the file join the fleet with the
+    apply, and `llmgw endpoints add` (run with the file the cluster started from) checks a new
+    endpoint against the providers the cluster runs on, so it takes one of that provider."""
+    values = config.model_dump(mode="json")
+    values["providers"].append(
+        {"id": "vela", "kind": "unlimited", "models": [{"name": "llama-3.3-70b"}]}
+    )
+    vela = {"id": "vela-1", "url": engine.url, "provider": "vela", "models": ["llama-3.3-70b"]}
+    values["endpoints"].append(vela)
+    await apply_file(nats_client, config_from_dict(values, env={}), values, "<test>", wait=0.1)
+    assert (await fleet.get("vela-1"))[0].endpoint.provider == "vela"
+    started = tmp_path / "started.yaml"  # the file as the cluster started: no vela
+    started.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    add = ["add", "vela-2", "--url", engine.url, "--provider", "vela", "--models", "llama-3.3-70b"]
+    command = [sys.executable, "-m", "llmgw", "endpoints", "--config", str(started), *add]
+    done = await asyncio.to_thread(
+        subprocess.run, command, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert (await fleet.get("vela-2"))[0].endpoint.provider == "vela"

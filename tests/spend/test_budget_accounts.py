@@ -137,3 +137,19 @@ async def test_an_account_forgotten_while_idle_keeps_what_the_edge_spent(account
         assert (admitted + 1) * estimate <= limit < (admitted + 2) * estimate
     finally:
         await nc.close()
+
+
+async def test_a_model_an_applied_config_added_reserves_nothing_until_it_has_a_price(
+    accounts,
+) -> None:
+    """Prices are read at start: a model added live has none here yet, so a tenant's budget
+    reserves nothing for it (its spend counts as free) instead of failing the request."""
+    config, _ = accounts
+    nc = await nats.connect(config.nats.url)
+    try:
+        guard = BudgetGuard(nc, "edge-new-model", config)
+        hold = await guard.reserve("t", "mistral-7b", BODY)
+        assert hold is not None and [estimate for _, estimate in hold.parts] == [0]
+        hold.release()
+    finally:
+        await nc.close()

@@ -1,0 +1,148 @@
+"""A provider and a model added and removed by `llmgw config apply` through `llmgw up` with the
+shipped config, without a restart: the new model is listed and served through the new provider
+as soon as the command returns; once it is removed again it is answered like a model that never
+existed (404 model_not_found), a request that ran on it finishes, and no lease is left."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import nats
+import pytest
+import yaml
+from test_up_operability import NATS, READY
+from up_harness import UpProcess, write_cluster_config
+
+from llmgw.config import config_from_dict
+from llmgw.services.fleet.apply import apply_file
+from llmgw.services.sim.apps import create_provider_app
+from llmgw.services.sim.params import ProviderParams
+from llmgw.services.state.main import ask_instances
+from llmgw.serving import start_server
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "mistral-7b"
+
+
+def _with_provider(data: dict[str, Any], url: str) -> dict[str, Any]:
+    """The shipped config plus a second third party, `vela`, serving a new model."""
+    added = copy.deepcopy(data)
+    added["models"].append({"name": MODEL, "aliases": ["mistral"]})
+    added["providers"].append(
+        {"id": "vela", "kind": "unlimited", "priority": 40, "models": [{"name": MODEL}]}
+    )
+    added["endpoints"].append({"id": "vela-1", "url": url, "provider": "vela", "models": [MODEL]})
+    return added
+
+
+async def _leases(nc: Any) -> dict[str, int]:
+    """Live leases per endpoint, summed over the admission instances that answer."""
+    held: dict[str, int] = {}
+    for reply in await ask_instances(nc, 0.3):
+        for endpoint, count in reply.leases_by_endpoint.items():
+            held[endpoint] = held.get(endpoint, 0) + count
+    return {e: n for e, n in held.items() if n}
+
+
+def test_a_provider_and_model_applied_live_are_served_at_once_and_removed_cleanly(
+    tmp_path: Path, start_up: Callable[..., UpProcess]
+) -> None:
+    path = write_cluster_config(tmp_path / "cluster.yaml")
+    data = yaml.safe_load(path.read_text())
+    up = start_up(path)
+    api, key = up.wait_for(READY, timeout=90).groups()
+    nats_url = up.wait_for(NATS).group(1)
+    headers = {"authorization": f"Bearer {key}"}
+
+    async def main() -> dict[str, float]:
+        # 20 tokens/s: a 40-token answer streams for about 2 s
+        params = ProviderParams(tokens_per_second=20, base_latency=0.02, seed=7)
+        vela = await start_server(create_provider_app(params, [MODEL]))
+        nc = await nats.connect(nats_url)
+        http = httpx.AsyncClient(base_url=api, headers=headers, timeout=30)
+        try:
+            return await _scenario(data, vela.url, nc, http)
+        finally:
+            await http.aclose()
+            await nc.close()
+            await vela.stop()
+
+    figures = asyncio.run(main())
+    print(
+        f"\nprovider + model applied live: first answer from the new model (1 token) "
+        f"{figures['served']:.3f}s after the apply began, acknowledged after {figures['ack']:.3f}s; "
+        f"removed: 404 model_not_found, the running stream finished, no lease left"
+    )
+
+
+async def _scenario(
+    data: dict[str, Any], url: str, nc: Any, http: httpx.AsyncClient
+) -> dict[str, float]:
+    def ask(model: str, **extra: Any) -> dict[str, Any]:
+        body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+        return body | extra
+
+    async def listed() -> list[str]:
+        return [m["id"] for m in (await http.get("/models")).json()["data"]]
+
+    unknown = await http.post("/chat/completions", json=ask(MODEL))
+    assert unknown.status_code == 404 and MODEL not in await listed()
+
+    added = _with_provider(data, url)
+    config = config_from_dict(added, env={})
+    began = time.monotonic()
+    applying = asyncio.create_task(apply_file(nc, config, added, "<added>", wait=10))
+    while (
+        served := await http.post("/chat/completions", json=ask("mistral", max_tokens=1))
+    ).status_code == 404:
+        assert time.monotonic() - began < 5, "the new model was not served within 5 s"
+    first_answer = time.monotonic() - began
+    assert served.status_code == 200, served.text
+    revision, on_it, answering, edges = await applying
+    acknowledged = time.monotonic() - began
+    assert on_it == answering == 1, (revision, on_it, answering)
+    assert [(e.config_revision, e.follows) for e in edges] == [(revision, True)]  # the edge
+    assert served.headers.get("x-llmgw-endpoint", "vela-1") == "vela-1"
+    assert MODEL in await listed() and "mistral" in await listed()
+    assert first_answer < 1.0, f"the new model was served {first_answer:.3f}s after the apply"
+
+    # A stream on the new provider runs while it is removed: it finishes, nothing new starts.
+    async def stream() -> list[str]:
+        body = ask(MODEL, stream=True, max_tokens=40)
+        async with http.stream("POST", "/chat/completions", json=body) as response:
+            assert response.status_code == 200
+            return [line async for line in response.aiter_lines() if line.startswith("data:")]
+
+    running = asyncio.create_task(stream())
+    for _ in range(200):
+        if (await _leases(nc)).get("vela-1"):
+            break
+        await asyncio.sleep(0.01)
+    assert (await _leases(nc)).get("vela-1") == 1
+
+    original = config_from_dict(data, env={})
+    _, on_it, answering, _ = await apply_file(nc, original, data, "<removed>", wait=10)
+    assert on_it == answering == 1
+    assert not running.done(), "the stream ended before the provider was removed"
+    gone = await http.post("/chat/completions", json=ask(MODEL))
+    assert gone.status_code == 404, gone.text
+    assert gone.json()["error"]["code"] == unknown.json()["error"]["code"] == "model_not_found"
+    assert MODEL not in await listed() and "mistral" not in await listed()
+
+    lines = await running
+    assert lines[-1] == "data: [DONE]", lines[-3:]
+    assert any(json.loads(x[5:]).get("choices") for x in lines[:-1])
+    for _ in range(200):  # its lease ends with the request (the edge's end message)
+        if not await _leases(nc):
+            break
+        await asyncio.sleep(0.01)
+    assert await _leases(nc) == {}
+    return {"ack": acknowledged, "served": first_answer}
