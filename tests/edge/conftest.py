@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 from fakes import FakeAdmission, FakeLeases, RecordingReporter, target
-from inproc import Admission, Edge, start_admission, start_edge, stop_servers
+from inproc import Admission, Edge, before_any_lease, start_admission, start_edge, stop_servers
 
 from llmgw.config import Config, config_from_dict
 from llmgw.services.admission.service import AdmissionService
@@ -166,9 +166,14 @@ async def gateway(
         nats_url, {k: v.url for k, v in engines.items()}, f"routing_{unique_id}"
     )
     edge_tracing, admission_tracing = tracers
-    admission = await start_admission(
-        config, nats_url, instance="admission-test", follow_load=False, tracing=admission_tracing
-    )
+    with before_any_lease(config):
+        admission = await start_admission(
+            config,
+            nats_url,
+            instance="admission-test",
+            follow_load=False,
+            tracing=admission_tracing,
+        )
     edge = await start_edge(config, nats_url, edge_id="edge-test", tracing=edge_tracing)
     gw = Gateway(config, edge, admission, engines, received)
     try:
