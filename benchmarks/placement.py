@@ -765,10 +765,12 @@ async def until_serving(url: str, instances: int, timeout: float = 60) -> None:
                     break
                 health = HealthReply.model_validate_json(msg.data)
                 answers[health.instance] = health.shards
+                if len(answers) >= instances and all(answers.values()):
+                    break  # every instance answered: no need to listen out the window
             await sub.unsubscribe()
             if len(answers) >= instances and all(answers.values()):
                 return
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.1)
         raise RuntimeError(f"{instances} admission instances never all served shards")
     finally:
         await nc.close()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +54,26 @@ async def stop_servers(servers: Iterable[RunningServer]) -> None:
     """Stop uvicorn servers together: each stop waits for uvicorn's 0.1 s tick and its 0.1 s
     shutdown pause, so one after another a fixture's engines add ~0.2 s each to every test."""
     await asyncio.gather(*(server.stop() for server in servers))
+
+
+# A tick: the roll calls of instances that start before anything holds a lease.
+QUIET_ROLLCALL_WINDOW = 0.01
+
+
+@contextlib.contextmanager
+def before_any_lease(config: Config) -> Iterator[None]:
+    """Admission instances started inside this block start on a fresh routing bucket before
+    any request was sent: no lease exists anywhere. An instance that claims shards nobody
+    hands it roll-calls the edges for their leases there and listens for
+    ``admission.rollcall_window`` (300 ms as shipped); here no answer can name a lease, so the
+    window is a tick while they start. It is the config's own again for every roll call after
+    the block (a successor's, an adoption's): the instances read it from the config each time."""
+    window = config.admission.rollcall_window
+    config.admission.rollcall_window = QUIET_ROLLCALL_WINDOW
+    try:
+        yield
+    finally:
+        config.admission.rollcall_window = window
 
 
 @dataclass

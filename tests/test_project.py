@@ -75,7 +75,8 @@ def test_the_package_type_checks_strictly(tmp_path: Path, pytestconfig: pytest.C
         if entry.name != "__pycache__":
             (package / entry.name).symlink_to(entry)
     (package / "services").symlink_to(ROOT / "services", target_is_directory=True)
-    kept = pytestconfig.cache.mkdir("mypy") if pytestconfig.cache is not None else tmp_path
+    cache = getattr(pytestconfig, "cache", None)  # none under -p no:cacheprovider
+    kept = cache.mkdir("mypy") if cache is not None else tmp_path
     env = {**os.environ, "MYPYPATH": str(tmp_path)}
     _run(
         sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"),

@@ -18,7 +18,7 @@ import time
 import httpx
 import pytest
 import yaml
-from cluster import MODEL, Service, edge_url, eventually, write_config
+from cluster import MODEL, Service, edge_url, eventually, stop_all, write_config
 
 from llmgw.core.keys import PIN_PREFIX
 from llmgw.events import EVENTS_SUBJECT_PREFIX, parse_event
@@ -75,14 +75,15 @@ async def world(tmp_path, nats_url, nats_client, unique_id, engine, request):
         events.append(parse_event(msg.data))
 
     sub = await nats_client.subscribe(LEASE_EVENTS_SUBJECT, cb=record)
-    services = {}
-    for name in ("admission", "scraper", "reaper", "edge"):
-        services[name] = Service(name, config)
-        await asyncio.to_thread(services[name].wait_ready)
+    # One tier at a time, as `llmgw up` starts them: admission, scraper and reaper together,
+    # then the edge.
+    services = {name: Service(name, config) for name in ("admission", "scraper", "reaper")}
+    await asyncio.gather(*(asyncio.to_thread(s.wait_ready) for s in services.values()))
+    services["edge"] = Service("edge", config)
+    await asyncio.to_thread(services["edge"].wait_ready)
     kv = await open_routing_bucket(nats_client.jetstream(), bucket, history=64)
     yield config, kv, services, events
-    for service in services.values():
-        service.stop()
+    stop_all(services.values())
     await sub.unsubscribe()
     await nats_client.jetstream().delete_key_value(bucket)
 

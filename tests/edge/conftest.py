@@ -6,6 +6,7 @@ the HTTP layer that need an admission decision but nothing of NATS.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -13,7 +14,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 from fakes import FakeAdmission, FakeLeases, RecordingReporter, target
-from inproc import Admission, Edge, start_admission, start_edge, stop_servers
+from inproc import Admission, Edge, before_any_lease, start_admission, start_edge, stop_servers
 
 from llmgw.config import Config, config_from_dict
 from llmgw.services.admission.service import AdmissionService
@@ -166,23 +167,31 @@ async def gateway(
         nats_url, {k: v.url for k, v in engines.items()}, f"routing_{unique_id}"
     )
     edge_tracing, admission_tracing = tracers
-    admission = await start_admission(
-        config, nats_url, instance="admission-test", follow_load=False, tracing=admission_tracing
-    )
+    with before_any_lease(config):
+        admission = await start_admission(
+            config,
+            nats_url,
+            instance="admission-test",
+            follow_load=False,
+            tracing=admission_tracing,
+        )
     edge = await start_edge(config, nats_url, edge_id="edge-test", tracing=edge_tracing)
     gw = Gateway(config, edge, admission, engines, received)
     try:
         yield gw
     finally:
-        await edge.stop()
-        await admission.stop()
-        nc = admission.nc
-        import nats
 
-        nc = await nats.connect(nats_url)
-        await nc.jetstream().delete_key_value(config.pinning.bucket)
-        await nc.close()
-        await stop_servers(engines.values())
+        async def stop_gateway() -> None:
+            await edge.stop()  # first: its releases reach the instance
+            await admission.stop()
+            import nats
+
+            nc = await nats.connect(nats_url)
+            await nc.jetstream().delete_key_value(config.pinning.bucket)
+            await nc.close()
+
+        # The engines stop meanwhile: each stop is a uvicorn shutdown of ~0.15 s.
+        await asyncio.gather(stop_gateway(), stop_servers(engines.values()))
 
 
 def unused_url() -> str:

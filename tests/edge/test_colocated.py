@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest_asyncio
 from gated import GatedEngine, gated_config
-from inproc import Admission, Edge, connect, start_admission
+from inproc import Admission, Edge, before_any_lease, connect, start_admission
 
 from llmgw.config import Config
 from llmgw.core.requests import Feature
@@ -86,7 +86,8 @@ async def running_rig(nats_url: str, bucket: str, g: int, capacity: int) -> Asyn
         serve_scraper(config, stop=stop_scraper, ready=scraped, instance="scraper-coloc")
     )
     await asyncio.wait_for(scraped.wait(), 10)
-    edges = [await start_colocated_edge(config, nats_url, f"edge-{i}") for i in range(2)]
+    with before_any_lease(config):
+        edges = [await start_colocated_edge(config, nats_url, f"edge-{i}") for i in range(2)]
     try:
         shards = config.admission.shards
 

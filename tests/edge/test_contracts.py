@@ -75,19 +75,25 @@ def test_every_implementation_has_its_ports_members() -> None:
     assert isinstance(EventPublisher(NOT_NATS, "i"), EventSink)  # type: ignore[arg-type]
 
 
-def test_every_implementation_type_checks_as_its_port(tmp_path: Path) -> None:
+def test_every_implementation_type_checks_as_its_port(
+    tmp_path: Path, pytestconfig: pytest.Config
+) -> None:
     """mypy --strict on conformance.py (and the fakes). The repository keeps shared/ as the
-    `llmgw` package and services/ as `llmgw.services`: mypy reads them through links."""
+    `llmgw` package and services/ as `llmgw.services`: mypy reads them through links. The cache
+    is the one tests/test_project.py's whole-package check keeps with pytest's (same options):
+    whichever runs second rechecks only what the first did not."""
     package = tmp_path / "llmgw"
     package.mkdir()
     for entry in (ROOT / "shared").iterdir():
         (package / entry.name).symlink_to(entry)
     (package / "services").symlink_to(ROOT / "services", target_is_directory=True)
+    cache = getattr(pytestconfig, "cache", None)  # none under -p no:cacheprovider
+    kept = cache.mkdir("mypy") if cache is not None else tmp_path
     env = {**os.environ, "MYPYPATH": f"{tmp_path}{os.pathsep}{HERE}"}
     result = subprocess.run(
         [
             sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"),
-            "--cache-dir", str(tmp_path / "cache"),
+            "--cache-dir", str(kept),
             str(HERE / "conformance.py"), str(HERE / "fakes.py"),
         ],
         cwd=ROOT, capture_output=True, text=True, env=env,

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import nats
-from inproc import Cluster
+from inproc import Cluster, before_any_lease
 
 from llmgw.config import Config, config_from_dict
 from llmgw.config.sections import default_bands
@@ -291,11 +291,12 @@ async def open_rig(
     nc = await nats.connect(nats_url)
     load_kv = await open_load_bucket(nc, config)
     cluster = Cluster(config, nats_url, observer_for=observer_for)
-    for _ in range(instances):
-        await cluster.add_admission()
-    await cluster.settled()
-    if instances > 1:
-        await cluster.balanced()
+    with before_any_lease(config):
+        for _ in range(instances):
+            await cluster.add_admission()
+        await cluster.settled()
+        if instances > 1:
+            await cluster.balanced()
     client = NatsAdmission(
         nc, request_timeout=config.nats.request_timeout, queue_ttl=config.admission.queue_ttl
     )

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest_asyncio
-from inproc import Cluster, InFlight, stop_servers
+from inproc import Cluster, InFlight, before_any_lease, stop_servers
 
 from llmgw.services.sim.apps import create_engine_app
 from llmgw.services.sim.params import EngineParams
@@ -105,9 +105,10 @@ async def keyed_cluster(nats_url: str) -> AsyncIterator[KeyedGateway]:
     cluster = Cluster(config, nats_url, observer_for=audit.observer)
     gateway = KeyedGateway(cluster, engines, nats_url, bucket, in_flight, audit)
     try:
-        for _ in range(2):
-            await cluster.add_admission(follow_load=False)
-        await cluster.balanced()
+        with before_any_lease(config):
+            for _ in range(2):
+                await cluster.add_admission(follow_load=False)
+            await cluster.balanced()
         for _ in range(2):
             await cluster.add_edge()
         yield gateway

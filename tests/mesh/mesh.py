@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from inproc import Cluster, connect, stop_servers
+from inproc import Cluster, before_any_lease, connect, stop_servers
 
 from llmgw.config import Config, config_from_dict
 from llmgw.core.apikeys import ApiKey
@@ -227,9 +227,10 @@ async def start_mesh(
         serve_scraper(config, stop=mesh._scraper_stop, ready=ready, instance="scraper-mesh")
     )
     await asyncio.wait_for(ready.wait(), 10)
-    for i in range(admissions):
-        await cluster.add_admission(f"admission-{i}")
-    await cluster.settled()
+    with before_any_lease(config):
+        for i in range(admissions):
+            await cluster.add_admission(f"admission-{i}")
+        await cluster.settled()
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 10
     while not all(a.load.reports >= 2 for a in cluster.live_admissions()):

@@ -9,6 +9,7 @@ here = Path(__file__).parent
 sys.path.insert(0, str(here))
 sys.path.insert(0, str(here.parent / "chaos"))  # the process rig (cluster.Service)
 
+from cluster import stop_all  # noqa: E402
 from rolling_rig import Gateway, start_simulators, write_config  # noqa: E402
 
 from llmgw.state.nats_kv import open_routing_bucket  # noqa: E402
@@ -32,8 +33,7 @@ async def gateway(request, tmp_path, nats_url, nats_client, unique_id):
         yield gateway
     finally:
         gateway.stop()
-        for sim in simulators:
-            sim.stop()
+        stop_all(simulators)
         for name in (bucket, f"load_{bucket}"):
             with contextlib.suppress(Exception):
                 await js.delete_key_value(name)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import nats
 import pytest
-from inproc import Cluster, stop_servers
+from inproc import Cluster, before_any_lease, stop_servers
 from scraper_helpers import WAIT, LoadGenerator, running_scraper
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -126,8 +126,9 @@ async def gateway(nats_url: str, unique_id: str, urls: dict[str, str]) -> AsyncI
         nc, request_timeout=config.nats.request_timeout, queue_ttl=config.admission.queue_ttl
     )
     try:
-        admission = await cluster.add_admission()
-        await cluster.settled()
+        with before_any_lease(config):
+            admission = await cluster.add_admission()
+            await cluster.settled()
         await client.start()
         async with running_scraper(config, instance="scraper-e2e"):
             yield Gateway(config, admission.service.load, client)

@@ -133,6 +133,9 @@ class SpendCluster:
         path.write_text(yaml.safe_dump(data, sort_keys=False))
         env = {k: v for k, v in os.environ.items() if not k.upper().startswith("LLMGW_")}
         env["PYTHONUNBUFFERED"] = "1"
+        # No load balancer in front of it either: it drains at once on SIGTERM, as `llmgw up`
+        # has its own edge do (router.drain_delay 0 unless set), instead of serving 2 s more.
+        env["LLMGW_ROUTER__DRAIN_DELAY"] = "0s"
         listen, admin = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
         process = subprocess.Popen(
             [
