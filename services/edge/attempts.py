@@ -438,9 +438,7 @@ class Attempts:
             if ending.ended:
                 return
             ending.usage = usage.usage
-            # Data events relayed: what a stream cut short is billed on (the Responses and
-            # Messages readers count none: such a stream is billed its prompt only).
-            ending.relayed = getattr(usage, "events", 0)
+            ending.relayed = usage.events  # what a stream cut short is billed on
             if exchange is not None:
                 exchange.stream_ended(usage)
             outcome = relay.outcome

@@ -50,6 +50,9 @@ class StreamReader(Protocol):
     that says `completed` ended the stream well without ``[DONE]`` (their streams have none)."""
 
     usage: Usage | None
+    # The upstream's output events read so far (one per token for most engines; a stream cut
+    # short before its usage is billed on them, llmgw.core.spend.billed_use).
+    events: int
 
     def feed(self, chunk: bytes) -> bytes: ...
 

@@ -218,6 +218,7 @@ class ChatToMessages:
         self.model = model
         self.stop_sequences = stop_sequences
         self.usage: Usage | None = None
+        self.events = 0  # the chat stream's data events read (one per token for most engines)
         self._cached: object = None
         self._buffer = b""
         self._started = False
@@ -229,10 +230,12 @@ class ChatToMessages:
 
     def feed(self, chunk: bytes) -> bytes:
         payloads, self._buffer = _data_events(self._buffer + chunk)
+        self.events += len(payloads)
         return b"".join(self._translate(p) for p in payloads)
 
     def finish(self) -> bytes:
         payloads, self._buffer = _data_events(self._buffer + b"\n\n")
+        self.events += len(payloads)
         return b"".join(self._translate(p) for p in payloads)
 
     def _start(self, chat_id: object) -> bytes:
@@ -380,6 +383,7 @@ class MessagesStreamReader:
     def __init__(self) -> None:
         self.usage: Usage | None = None
         self.completed = False  # message_stop arrived: the stream ended well
+        self.events = 0  # content_block_delta events read
         self._input = 0
         self._buffer = b""
 
@@ -397,7 +401,9 @@ class MessagesStreamReader:
 
     def _read(self, payload: bytes) -> None:
         if b'"message_' not in payload:
-            return  # deltas and pings: nothing to read
+            if b'"content_block_delta"' in payload:
+                self.events += 1
+            return  # deltas and pings: nothing more to read
         try:
             value = json.loads(payload)
         except ValueError:

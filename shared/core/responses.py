@@ -325,6 +325,7 @@ class ResponsesStream:
         self.response: dict[str, Any] | None = None
         self.completed = False
         self.usage: Usage | None = None
+        self.events = 0  # output deltas read (`response.*.delta`)
         self._buffer = b""
 
     def feed(self, chunk: bytes) -> bytes:
@@ -351,7 +352,9 @@ class ResponsesStream:
             elif line.startswith(b"data:"):
                 data.append(line[5:].removeprefix(b" "))
         if name is not None and name.decode("ascii", "replace") not in LIFECYCLE_EVENTS:
-            return event + _EVENT_END  # a delta: as it came
+            if name.endswith(b".delta"):
+                self.events += 1
+            return event + _EVENT_END  # a delta (or another item event): as it came
         if not data:
             return event + _EVENT_END
         try:

@@ -56,6 +56,7 @@ class ChatToResponsesStream:
         self.response: dict[str, Any] | None = None
         self.completed = False
         self.usage: Usage | None = None
+        self.events = 0  # the chat stream's data events read (one per token for most engines)
 
     # -- SSE plumbing -------------------------------------------------------------------------
     def _emit(self, kind: str, **fields: Any) -> bytes:
@@ -75,6 +76,7 @@ class ChatToResponsesStream:
                 if line.startswith(b"data:")
             )
             if data:
+                self.events += 1
                 out.append(self._data(data))
         return b"".join(out)
 

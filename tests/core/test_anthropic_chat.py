@@ -129,6 +129,13 @@ def test_a_stream_cut_before_done_never_says_message_stop():
     assert b"message_stop" not in events
 
 
+def test_a_translated_stream_counts_the_chat_streams_data_events_wherever_it_is_cut():
+    stream = (DATA / "openai_chat_stream_text.txt").read_bytes()
+    for cuts in ([], [5, 40, 41, 300], list(range(0, len(stream), 9))):
+        _, events = translated(stream, cuts)
+        assert events.events == stream.count(b"data:") > 0  # billed on them if cut short
+
+
 @pytest.mark.parametrize(
     ("name", "usage"),
     [
@@ -142,10 +149,12 @@ def test_a_passed_through_stream_is_read_for_usage_and_end_unchanged(name, usage
     out = b"".join(reader.feed(stream[i : i + 7]) for i in range(0, len(stream), 7))
     out += reader.finish()
     assert out == stream and reader.usage == usage and reader.completed
+    # Its output events, counted for a stream cut short (billed on them): the deltas.
+    assert reader.events == stream.count(b"event: content_block_delta") > 0
     cut = MessagesStreamReader()
     cut.feed(stream[: stream.index(b"event: message_stop")])
     cut.finish()
-    assert not cut.completed
+    assert not cut.completed and cut.events == reader.events
 
 
 @pytest.mark.parametrize(

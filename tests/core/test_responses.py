@@ -82,6 +82,8 @@ def test_the_stream_reader_gives_lifecycle_events_our_id_and_passes_the_rest_as_
     assert reader.completed and reader.response is not None
     assert reader.response["output"] == RECORDED["output"]
     assert (reader.usage.input_tokens, reader.usage.output_tokens) == (14, 50)
+    # The deltas, counted for a stream cut short (billed on them).
+    assert reader.events == stream.count(b"event: response.output_text.delta") > 0
 
 
 @settings(max_examples=60, deadline=None)

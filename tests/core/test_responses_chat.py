@@ -53,6 +53,8 @@ def events_of(sse: bytes) -> list:
 
 def test_a_recorded_text_stream_becomes_the_typed_events_with_text_and_usage():
     reader, out = translate(TEXT_STREAM, [])
+    # The chat stream's data events, counted for a stream cut short (billed on them).
+    assert reader.events == TEXT_STREAM.count(b"data:") > 0
     events = events_of(out)
     kinds = [e.type for e in events]
     assert kinds[:4] == [
