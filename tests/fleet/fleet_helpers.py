@@ -56,7 +56,7 @@ def engines_values(nats_url: str, urls: dict[str, str], bucket: str) -> dict[str
     """Two managed engines (iris) and a third party (tensorx) serving `m1`; iris/m1 has
     G = 8 (R = 2, P = 8, S = 2). No scraper runs: flow control is off."""
     return {
-        "nats": {"url": nats_url, "request_timeout": "500ms"},
+        "nats": {"url": nats_url},  # the shipped request_timeout (1 s)
         "router": {"load_bucket": f"load_{bucket}"},
         "pinning": {"bucket": bucket, "lease_timeout": "3s"},
         "admission": {"enabled": False},
