@@ -33,7 +33,7 @@ from llmgw.core.shards import shard_of
 from llmgw.core.spend import estimate_input_tokens, estimated_output
 from llmgw.logs import REQUEST_ID_HEADER, accept_request_id, request_id
 from llmgw.services.edge.attempts import _PATHS, Answer, ApiExchange, Attempts, RoutedRequest
-from llmgw.services.edge.auth import KeyAuth
+from llmgw.services.edge.auth import Caller, KeyAuth
 from llmgw.services.edge.count_tokens import COUNT_TOKENS_PATH, count_tokens
 from llmgw.services.edge.drain import EdgeDrain, with_connection_close
 from llmgw.services.edge.errors import INTERNAL_ERROR_MESSAGE, error_body, error_response
@@ -65,6 +65,16 @@ _ROUTES = {path: Feature(name) for name, path in _PATHS.items()}
 
 class BodyTooLarge(Exception):
     pass
+
+
+def model_not_found(asked: str, headers: dict[str, str]) -> Response:
+    """The 404 for a model that does not exist or that the caller may not use."""
+    return error_response(
+        Outcome.MODEL_NOT_FOUND,
+        f"The model '{asked}' does not exist or you do not have access to it.",
+        param="model",
+        headers=headers,
+    )
 
 
 @dataclass
@@ -198,18 +208,9 @@ class Edge:
             ), Outcome.BAD_REQUEST
         record.asked_model = parsed.model
         record.stream = parsed.stream
-        model = self._canonical.get(parsed.model)
-        if model is None or (
-            caller is not None
-            and self.auth is not None
-            and self.auth.model_denied(caller, parsed.model, model)
-        ):
-            return error_response(
-                Outcome.MODEL_NOT_FOUND,
-                f"The model '{parsed.model}' does not exist or you do not have access to it.",
-                param="model",
-                headers=ids,
-            ), Outcome.MODEL_NOT_FOUND
+        model = self.model_for(caller, parsed.model)
+        if model is None:
+            return model_not_found(parsed.model, ids), Outcome.MODEL_NOT_FOUND
         record.model = model
         band = request.headers.get(self.band_header)
         if caller is not None and self.auth is not None and not caller.key.band_header:
@@ -343,6 +344,18 @@ class Edge:
             for m in config.public_model_ids()
             if (canonical := config.resolve_model(m)) is not None  # each public id resolves
         }
+
+    def model_for(self, caller: Caller | None, asked: str) -> str | None:
+        """The canonical model `asked` names, or None when it is unknown or `caller`'s key may
+        not use it (both answered alike: `model_not_found`)."""
+        model = self._canonical.get(asked)
+        if model is None or (
+            caller is not None
+            and self.auth is not None
+            and self.auth.model_denied(caller, asked, model)
+        ):
+            return None
+        return model
 
     # -- non-routed endpoints -------------------------------------------------------------------
 

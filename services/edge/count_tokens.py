@@ -40,7 +40,10 @@ async def count_tokens(edge: Edge, request: Request) -> Response:
 
 
 async def _count(edge: Edge, request: Request) -> Response:
-    from llmgw.services.edge.app import BodyTooLarge  # the edge's module, loaded already
+    from llmgw.services.edge.app import (  # the edge's module, loaded already
+        BodyTooLarge,
+        model_not_found,
+    )
 
     ids = {REQUEST_ID_HEADER: accept_request_id(request.headers.get(REQUEST_ID_HEADER))}
     caller = None
@@ -63,18 +66,9 @@ async def _count(edge: Edge, request: Request) -> Response:
             headers=ids,
         )
     config = edge.config
-    model = config.resolve_model(parsed.model)
-    if model is None or (
-        caller is not None
-        and edge.auth is not None
-        and edge.auth.model_denied(caller, parsed.model, model)
-    ):
-        return error_response(
-            Outcome.MODEL_NOT_FOUND,
-            f"The model '{parsed.model}' does not exist or you do not have access to it.",
-            param="model",
-            headers=ids,
-        )
+    model = edge.model_for(caller, parsed.model)
+    if model is None:
+        return model_not_found(parsed.model, ids)
     endpoints = [
         (provider.id, endpoint)
         for provider in config.providers_in_priority_order()
