@@ -13,7 +13,11 @@ are `llmgw.core.flow`'s; this adapter owns the asyncio side:
   `plan_dispatch`. Each dispatched waiter is handed to ``dispatch`` *synchronously, inside the
   tick*: the service places it and counts it on its endpoint before the next waiter is
   considered, so the tick never grants on a load that does not include its own grants. The
-  waiter's future then carries whatever ``dispatch`` returned;
+  waiter's future then carries whatever ``dispatch`` returned, unless that was `Held`: only
+  quota kept it off our engines and its band waits rather than overflows, so it goes back to
+  the head of its queue, and that model's held bands wait until `room_freed` (or
+  `HOLD_RECHECK`) before the tick lets any go again (`hold` does the same for a request that
+  was not in the queue: it arrived, or waited for a loan);
 - a queued request's future resolves to a `QueueResult`: `Dispatched` (the reply the service
   placed it with), `Borrowing` (placement waits for a loan of quota first), `Expired`,
   `Cancelled` or `Moved` (its shard went to another instance: its edge asks the new owner);
@@ -61,6 +65,9 @@ log = logging.getLogger("llmgw.admission.flow")
 STATE_HEARTBEAT = 1.0  # seconds between FlowState messages while anything waits
 STATE_FORGET_AFTER = 3.0  # a peer's state older than this is dropped (the peer is gone)
 CANCEL_MEMORY = 5.0  # seconds a cancel for a request not (yet) queued here is remembered
+# Seconds a model's held bands (`Held`) wait at most for news that room may have come back
+# (`room_freed`: a lease ended here, a peer's request ended) before the tick tries them again.
+HOLD_RECHECK = 0.1
 IDLE_TICK = 1.0  # seconds between ticks while nothing waits here (housekeeping only)
 
 L = TypeVar("L")
@@ -82,6 +89,18 @@ class Borrowing(Generic[L]):
 
     loan: L
     label: ClassVar[str] = "granted"
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """The tick let it go, but only quota kept it off our engines and its band waits rather
+    than overflows (the service's placement would have sent it to a third party): it goes back
+    to the head of its queue. Never a future's result."""
+
+    label: ClassVar[str] = "held"
+
+
+HELD = Held()
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +128,7 @@ EXPIRED, CANCELLED, MOVED = Expired(), Cancelled(), Moved()
 # What a queued request's future resolves to: closed, one case per way a wait ends.
 QueueResult = Dispatched | Borrowing[Any] | Expired | Cancelled | Moved
 # Places a waiter the tick let go, synchronously inside the tick.
-Dispatch = Callable[[Waiter, GateDecision], Dispatched | Borrowing[Any]]
+Dispatch = Callable[[Waiter, GateDecision], Dispatched | Borrowing[Any] | Held]
 
 
 def band_policies(config: Config) -> list[BandPolicy]:
@@ -158,6 +177,9 @@ class FlowControl:
         self._clock = clock
         self._peers: dict[str, FlowState] = {}
         self._cancelled: dict[str, float] = {}
+        # model -> when a waiter of it was last put back (`Held`): its held bands wait for
+        # `room_freed` or HOLD_RECHECK before the tick lets any of them go again.
+        self._held: dict[str, float] = {}
         self._published: dict[str, dict[str, int]] = {}
         self._published_at = 0.0
         self._subs: list[Subscription] = []
@@ -255,6 +277,40 @@ class FlowControl:
         self._resolve(waiter, CANCELLED, self._clock())
         return True
 
+    def hold(
+        self,
+        request_id: str,
+        model: str,
+        band: str,
+        tenant: str,
+        enqueued_at: float,
+        context: Any,
+    ) -> asyncio.Future[QueueResult]:
+        """Queue again, at the head of its queue, a request that left it (or never waited) and
+        that only quota keeps off our engines (`Held`); it expires `queue_ttl` after
+        `enqueued_at`, when it first arrived. The future resolves as a queued request's does."""
+        now = self._clock()
+        future: asyncio.Future[QueueResult] = asyncio.get_running_loop().create_future()
+        waiter = Waiter(
+            request_id, model, band, tenant, enqueued_at, Ticket(future, False, context)
+        )
+        self._metrics.queue_depth.labels(band).inc()
+        if self._cancelled.pop(request_id, None) is not None:  # its client left meanwhile
+            self._resolve(waiter, CANCELLED, now)
+            return future
+        self.queues.offer(waiter, first=True)
+        self._held[model] = now
+        future.add_done_callback(functools.partial(self._abandoned, waiter=waiter))
+        if self._idle is not None and not self._idle.done():
+            self._idle.set_result(None)
+        return future
+
+    def room_freed(self) -> None:
+        """Room may have come back (a lease ended here, a peer's request ended): held bands
+        may be tried again at the next tick."""
+        if self._held:
+            self._held.clear()
+
     def drop(self, wanted: Callable[[Any], bool], result: QueueResult = MOVED) -> int:
         """Answer every queued request whose context `wanted` accepts with `result` (`Moved`:
         their shard moved away, they ask its new owner)."""
@@ -297,17 +353,30 @@ class FlowControl:
             self._cancelled = {r: t for r, t in self._cancelled.items() if now - t < CANCEL_MEMORY}
         return answered
 
-    def _run_dispatch(self, waiter: Waiter, decision: GateDecision, now: float) -> None:
-        result: QueueResult
+    def _run_dispatch(self, waiter: Waiter, decision: GateDecision, now: float) -> bool:
+        """Let `waiter` go with `decision`; False if it came back to the head of its queue
+        (`Held`)."""
+        result: QueueResult | Held
         try:
             result = self._dispatch(waiter, decision)
         except Exception:
             log.exception("dispatching request %s failed", waiter.request_id)
             result = EXPIRED
+        if isinstance(result, Held):
+            self.queues.offer(waiter, first=True)
+            self._held[waiter.model] = now
+            return False
         self._resolve(waiter, result, now, decision=decision.value)
+        return True
 
     def _dispatch_pool(self, model: str, now: float) -> int:
         local = self.queues.waiting(model)
+        held_at = self._held.get(model)
+        if held_at is not None:
+            if now - held_at < HOLD_RECHECK:  # no news of room yet: overflow bands only
+                local = {b: n for b, n in local.items() if self._band[b].overflow}
+            else:
+                del self._held[model]
         remote = self._remote_waiting(model, now) if self._peers else {}
         pool = self._board.pool(model, now)
         quota = plan_dispatch(self.bands, pool, local, remote)
@@ -317,7 +386,8 @@ class FlowControl:
                 waiter = self.queues.take(model, band_name)
                 if waiter is None:
                     break
-                self._run_dispatch(waiter, GateDecision.GRANTED, now)
+                if not self._run_dispatch(waiter, GateDecision.GRANTED, now):
+                    break  # the band's next waiters would be held too
                 answered += 1
         # Overflow bands held back (saturation above the ceiling, or no room for one more once
         # the grants above were made) leave for an unlimited provider: they do not wait. Those

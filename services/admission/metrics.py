@@ -86,6 +86,14 @@ class AdmissionMetrics:
             buckets=_TICK_BUCKETS,
             registry=r,
         )
+        self.quota_holds = Counter(
+            "llmgw_admission_quota_holds",
+            "Requests of a band that waits (no overflow, or its overflow budget used up) put "
+            "back at the head of their queue because only the pair's quota kept them off our "
+            "engines, by band (each time).",
+            ["band"],
+            registry=r,
+        )
         self.cancellations = Counter(
             "llmgw_admission_cancellations",
             "Queued requests dropped because their client went away.",

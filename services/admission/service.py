@@ -70,11 +70,13 @@ from llmgw.logs import request_id
 from llmgw.services.admission.balancing import UPSTREAM_FAILURES, RateBoard
 from llmgw.services.admission.catalog import ProviderCatalog
 from llmgw.services.admission.flow import (
+    HELD,
     Borrowing,
     Cancelled,
     Dispatched,
     Expired,
     FlowControl,
+    Held,
     Moved,
     QueueResult,
 )
@@ -149,6 +151,9 @@ _ENDED_MEMORY_MAX = 32_768
 # MALFORMED (no attempt id to remember).
 _ASKED_ANEW = frozenset({Refusal.NOT_OWNER, Refusal.MALFORMED})
 _LOAN_ROUNDS = 2  # borrowing rounds a request may wait for, per pair
+# Why a request runs on a third party when it is only our quota that is full: a new session
+# (or unpinned request) no managed provider took, a pinned turn over the pair's lease limit.
+_QUOTA_OFFLOADS = frozenset({"no_managed_room", "global_limit"})
 _ANSWERED_MAX = 65_536  # answers remembered for asks again (they are kept 2 request timeouts)
 
 
@@ -179,6 +184,15 @@ def _held_back(snapshot: Snapshot, outcome: Placement | Refusal) -> bool:
     return False
 
 
+def _held_pair(snapshot: Snapshot, model: str) -> tuple[str, str] | None:
+    """The first usable managed provider's pair that lacks room (`_held_back`'s)."""
+    for state in snapshot.providers:
+        room = state.room
+        if state.managed and state.usable and not (room.pinned and room.unreserved and room.pin):
+            return (state.id, model)
+    return None
+
+
 def new_token(rng: random.Random) -> str:
     """A fresh 64-bit id (pins, leases): 16 hex digits, a safe key token."""
     return f"{rng.getrandbits(64):016x}"
@@ -193,6 +207,7 @@ class _Request:
     band: Band
     reply_to: str | None
     started: float
+    arrived: float = 0.0  # the service clock's time it arrived (a held request expires by it)
     borrowing: bool = False  # waiting for a loan of quota (`_Loan`), not in a queue
 
 
@@ -207,6 +222,17 @@ class _Loan:
     pair: tuple[str, str]
     need: QuotaCounts
     overflow: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class _QuotaWait:
+    """Placement would send a request of a band that waits rather than overflows (a batch band,
+    or a request whose overflow budget is used up) to a third party, or refuse it, only because
+    our quota of `pair` is used up (this instance's share, and no loan came): it waits in its
+    queue for room instead (`FlowControl.hold`), as it waits there for engine room. Batch bands
+    wait for our engines; a third party is for bands that overflow."""
+
+    pair: tuple[str, str]
 
 
 class AdmissionService:
@@ -476,7 +502,7 @@ class AdmissionService:
             return self._refusal(
                 request.id, Refusal.UNKNOWN_BAND, f"Unknown priority band '{request.band}'."
             )
-        context = _Request(request, Feature(request.feature), band, None, started)
+        context = _Request(request, Feature(request.feature), band, None, started, now)
         if self.flow is None:
             return self._placed(context, overflow=False)
         policy = self.flow.band(band.name)
@@ -512,30 +538,62 @@ class AdmissionService:
         placed = self._place_or_borrow(context, overflow=overflow)
         if isinstance(placed, AdmitReply):
             return self._finish(context, placed)
+        if isinstance(placed, _QuotaWait):
+            return context, self._hold(context)
         context.borrowing = True
         return context, asyncio.ensure_future(self._borrowed(context, placed))
+
+    def _hold(self, context: _Request) -> asyncio.Future[QueueResult]:
+        """Queue `context` at the head of its band's queue (`_QuotaWait`)."""
+        assert self.flow is not None  # only requests of a band that waits are held
+        request = context.request
+        self.metrics.child(self.metrics.quota_holds, context.band.name).inc()
+        return self.flow.hold(
+            request.id,
+            request.model,
+            context.band.name,
+            request.tenant or ANONYMOUS_TENANT,
+            context.arrived,
+            context,
+        )
 
     async def _borrowed(self, context: _Request, loan: _Loan) -> QueueResult:
         """`_after_loan` as a wait's result (a request that waits for a loan, not a queue)."""
         return Dispatched(await self._after_loan(context, loan))
 
-    async def _after_loan(self, context: _Request, loan: _Loan) -> AdmitReply:
+    async def _after_loan(self, context: _Request, loan: _Loan | _QuotaWait) -> AdmitReply:
         """Borrow `loan.need`, then place the request in the turn the loan lands (placement
         decides again: the loan may have brought nothing, or others may have used it). A
         request may need a loan of each of its pairs (its API key's, then a provider's), and a
         second round of a pair when requests that did not wait took what the first brought:
-        `_LOAN_ROUNDS` per pair at most."""
+        `_LOAN_ROUNDS` per pair at most. A request held for quota (`_QuotaWait`) waits in its
+        queue, and borrows afresh when the tick lets it go again."""
         request = context.request
         tried: list[tuple[str, str]] = []  # one entry per round waited for, by pair
+        overflow = isinstance(loan, _Loan) and loan.overflow
 
-        def place_now() -> AdmitReply | _Loan:
+        def place_now() -> AdmitReply | _Loan | _QuotaWait:
             if not (self.shards.serves(request.shard) and self.membership.can_serve()):
                 return self._refusal(request.id, Refusal.NOT_OWNER)
-            placed = self._place(context, overflow=loan.overflow, loans=True, tried=tried)
+            placed = self._place(context, overflow=overflow, loans=True, tried=tried)
             return self._finish(context, placed) if isinstance(placed, AdmitReply) else placed
 
-        result: AdmitReply | _Loan = loan
-        while isinstance(result, _Loan):
+        result: AdmitReply | _Loan | _QuotaWait = loan
+        while not isinstance(result, AdmitReply):
+            if isinstance(result, _QuotaWait):
+                if context.borrowing:  # it waits in a queue now: its edge waits longer
+                    context.borrowing = False
+                    queued = AdmitReply(id=request.id, status=ReplyStatus.QUEUED)
+                    await self._respond(context.reply_to, queued)
+                match await self._hold(context):
+                    case Dispatched(reply):
+                        return reply
+                    case Borrowing(again):
+                        tried.clear()
+                        result = again
+                        continue
+                    case ended:
+                        return self._final(context, ended)
             tried.append(result.pair)
             try:
                 result = await self.quotas.borrow(result.pair, result.need, place_now)
@@ -543,7 +601,7 @@ class AdmissionService:
                 raise
             except Exception:
                 log.warning("borrowing for request %s failed", request.id, exc_info=True)
-                return self._finish(context, self.place(context, overflow=loan.overflow))
+                return self._finish(context, self.place(context, overflow=overflow))
         return result
 
     async def _outcome(self, context: _Request, result: QueueResult) -> AdmitReply:
@@ -581,12 +639,16 @@ class AdmissionService:
 
     def _dispatch_waiter(
         self, waiter: Waiter, decision: GateDecision
-    ) -> Dispatched | Borrowing[_Loan]:
-        """The tick let a queued request go: place it now (synchronously, inside the tick), or
-        say which loan it waits for first (`_outcome`)."""
+    ) -> Dispatched | Borrowing[_Loan] | Held:
+        """The tick let a queued request go: place it now (synchronously, inside the tick), say
+        which loan it waits for first (`_outcome`), or send it back to the head of its queue
+        (`_QuotaWait`)."""
         context: _Request = waiter.token.context
-        self.metrics.child(self.metrics.flow_decisions, context.band.name, decision.value).inc()
         placed = self._place_or_borrow(context, overflow=decision is GateDecision.OVERFLOW)
+        if isinstance(placed, _QuotaWait):
+            self.metrics.child(self.metrics.quota_holds, context.band.name).inc()
+            return HELD
+        self.metrics.child(self.metrics.flow_decisions, context.band.name, decision.value).inc()
         if isinstance(placed, AdmitReply):
             return Dispatched(self._finish(context, placed))
         return Borrowing(placed)
@@ -595,11 +657,19 @@ class AdmissionService:
         self.metrics.decision_duration.observe(time.perf_counter() - context.started)
         return reply
 
-    def _place_or_borrow(self, context: _Request, *, overflow: bool) -> AdmitReply | _Loan:
+    def _place_or_borrow(
+        self, context: _Request, *, overflow: bool
+    ) -> AdmitReply | _Loan | _QuotaWait:
         """`place`, unless this instance's share of a limit is all that keeps the request off
         the provider a lone instance holding the whole limit would run it on: then the loan
-        it needs first."""
+        it needs first; or, for a request of a band that waits, quota alone keeps it off our
+        engines: then it waits (`_QuotaWait`)."""
         return self._place(context, overflow=overflow, loans=True)
+
+    def _waits_for_ours(self, context: _Request) -> bool:
+        """Whether the request waits for our engines rather than runs on a third party: its
+        band does not overflow (or its overflow budget is used up), and flow control runs."""
+        return self.flow is not None and (not context.band.overflow or context.request.no_overflow)
 
     def place(self, context: _Request, *, overflow: bool) -> AdmitReply:
         """Place the request, take its lease and change its pin: one synchronous step."""
@@ -614,10 +684,12 @@ class AdmissionService:
         overflow: bool,
         loans: bool,
         tried: Sequence[tuple[str, str]] = (),
-    ) -> AdmitReply | _Loan:
+    ) -> AdmitReply | _Loan | _QuotaWait:
         """`place`; with `loans`, a request that only this instance's share of a limit keeps
         from its place gets the `_Loan` it needs instead (nothing taken or changed), at most
-        `_LOAN_ROUNDS` per pair (`tried`: the pairs of the rounds it waited for already)."""
+        `_LOAN_ROUNDS` per pair (`tried`: the pairs of the rounds it waited for already); past
+        those, a request of a band that waits (`_QuotaWait`) is held rather than sent to a
+        third party or refused."""
         request = context.request
         now = self._clock()
         if not self.ledger.key_room(request.key):  # checked and granted in this one step
@@ -634,6 +706,8 @@ class AdmissionService:
         outcome: Placement | Refusal = Refusal.NO_CAPACITY
         served = request.model
         pin: PinRecord | None = None
+        waits = loans and not overflow and self._waits_for_ours(context)
+        held: tuple[str, str] | None = None  # a managed pair whose quota alone held it back
         for candidate in (request.model, *self._fallbacks.get(request.model, ())):
             snapshot, pin = self.catalog.snapshot(
                 candidate, context.feature, request.session, request.exclude, now
@@ -646,6 +720,8 @@ class AdmissionService:
                 loan = self._loan_for(snapshot, asked, outcome, candidate)
                 if loan is not None and tried.count(loan.pair) < _LOAN_ROUNDS:
                     return loan
+                if waits and held is None:
+                    held = _held_pair(snapshot, candidate)
             if isinstance(outcome, Placement):
                 served = candidate
                 break
@@ -655,6 +731,14 @@ class AdmissionService:
                     Refusal.UNSUPPORTED,
                     f"No provider serves '{request.model}' for {request.feature} requests.",
                 )
+        if held is not None and (
+            not isinstance(outcome, Placement)
+            or (
+                self.catalog.is_unlimited(outcome.provider)
+                and offload_reason(outcome) in _QUOTA_OFFLOADS
+            )
+        ):
+            return _QuotaWait(held)
         if not isinstance(outcome, Placement):
             return self._refusal(
                 request.id,
@@ -935,6 +1019,8 @@ class AdmissionService:
                 settled = False
                 if ended.shard is not None and not self.shards.serves(ended.shard):
                     self._remember_ended(ended.lease, now)
+            elif self.flow is not None:
+                self.flow.room_freed()
         if not ended.sent:
             return settled
         self.rates.add(ended)
@@ -1047,6 +1133,8 @@ class AdmissionService:
             )
             if fewer:  # a request of the peer's ended: it may lend again
                 self.quotas.peer_freed(load.instance)
+                if self.flow is not None:
+                    self.flow.room_freed()
 
     # ---- housekeeping -------------------------------------------------------------------------
 

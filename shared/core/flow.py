@@ -238,10 +238,11 @@ def plan_dispatch(
 class FlowQueues:
     """Bounded per-band queues of one instance, keyed by model, with tenant round robin.
 
-    Invariants: `depth(band)` counts live waiters of the band over all models and never exceeds
-    ``capacity_per_band``; a waiter leaves exactly once (taken, cancelled or expired), after
-    which its ``done`` is True; within a (model, band), tenants are served in rotation and each
-    tenant's waiters in arrival order.
+    Invariants: `depth(band)` counts live waiters of the band over all models and a new waiter
+    is refused once it reaches ``capacity_per_band`` (only a waiter put back `first` may pass
+    it); a waiter leaves exactly once per time it was offered (taken, cancelled or expired),
+    after which its ``done`` is True; within a (model, band), tenants are served in rotation and
+    each tenant's waiters in arrival order, a waiter put back `first` ahead of them.
     """
 
     def __init__(self, bands: Sequence[BandPolicy], capacity_per_band: int, ttl: float) -> None:
@@ -297,17 +298,25 @@ class FlowQueues:
         """Models with waiters."""
         return sorted({model for (model, _), n in self._count.items() if n})
 
-    def offer(self, waiter: Waiter) -> bool:
-        """Queue a waiter; False (and nothing queued) when its band is full."""
+    def offer(self, waiter: Waiter, *, first: bool = False) -> bool:
+        """Queue a waiter; False (and nothing queued) when its band is full. `first`: a waiter
+        taken earlier goes back where it was taken from, at the head of its tenant's queue and
+        its tenant first in the rotation, whatever the band's depth (it was counted in it); it
+        still expires `ttl` after its ``enqueued_at``."""
         if waiter.band not in self._band:
             raise ValueError(f"unknown band {waiter.band!r}")
         if waiter.request_id in self._by_id:
             raise ValueError(f"request {waiter.request_id!r} is already queued")
-        if self._depth[waiter.band] >= self.capacity_per_band:
+        if not first and self._depth[waiter.band] >= self.capacity_per_band:
             return False
+        waiter.done = False
         key = (waiter.model, waiter.band)
         tenants = self._rotation.setdefault(key, OrderedDict())
-        tenants.setdefault(waiter.tenant, deque()).append(waiter)
+        if first:
+            tenants.setdefault(waiter.tenant, deque()).appendleft(waiter)
+            tenants.move_to_end(waiter.tenant, last=False)
+        else:
+            tenants.setdefault(waiter.tenant, deque()).append(waiter)
         self._count[key] = self._count.get(key, 0) + 1
         self._depth[waiter.band] += 1
         self._by_id[waiter.request_id] = waiter

@@ -273,6 +273,23 @@ def test_take_matching_removes_only_what_it_wants_and_leaves_the_rest_in_place()
     assert rest == ["r2", "r1", "r4", "r5"]  # t0 first, then turns; each tenant in order
 
 
+def test_a_waiter_put_back_first_is_next_again_and_still_expires_when_it_first_would():
+    queues = FlowQueues(BANDS, 3, 30)
+    for i in range(3):
+        queues.offer(waiter(i, f"t{i}", at=NOW + i))
+    held = queues.take("m", "bronze")
+    assert held is not None and held.request_id == "r0" and held.done
+    queues.offer(waiter(3, "t3", at=NOW + 3))  # the band fills up again meanwhile
+    assert queues.offer(held, first=True)  # back in, past the capacity: it was counted there
+    assert not held.done and queues.depth("bronze") == 4 and "r0" in queues
+    assert not queues.offer(waiter(4, "t4"))  # a new waiter still finds the band full
+    assert queues.take("m", "bronze") is held  # next again, ahead of every other tenant
+    queues.offer(held, first=True)
+    expired = [w.request_id for w in queues.expire(NOW + 30)]
+    assert expired == ["r0"]  # 30 s after it first arrived, not after it was put back
+    assert [queues.take("m", "bronze").request_id for _ in range(3)] == ["r1", "r2", "r3"]
+
+
 def test_a_new_band_table_keeps_the_waiters_of_kept_bands_and_returns_a_removed_bands():
     queues = FlowQueues(BANDS, 100, 30)
     for i in range(4):

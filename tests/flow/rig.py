@@ -45,6 +45,13 @@ EDGE_LIMITS = {
     "global_in_flight_request_slots_reserved_for_pinned_sessions": 10,
     "max_per_session_in_flight_request_slots": 10,
 }
+# Limits that bind: G = 8 (R = 2) for engines reported with room for 64.
+BINDING_LIMITS = {
+    "max_pinned_sessions": 50,
+    "max_global_in_flight_request_slots": 8,
+    "global_in_flight_request_slots_reserved_for_pinned_sessions": 2,
+    "max_per_session_in_flight_request_slots": 4,
+}
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 # The default bands without their batch headroom: the rig's tests count what the saturation
 # ceilings let through (reports of full batches with nothing waiting are "room"); the headroom
@@ -218,27 +225,32 @@ class Rig:
         the engines' next reports no longer see the gateway's own requests of before."""
         ended = 0
         for service in self.admissions:
-            for lease in list(service.ledger.leases.values()):
-                message = RequestEnded(
-                    id=uuid.uuid4().hex,
-                    edge=lease.edge,
-                    lease=lease.lease_id,
-                    shard=lease.shard,
-                    ok=True,
-                    outcome="success",
-                    model=lease.model,
-                    provider=lease.provider,
-                    endpoint=lease.endpoint or "?",
-                    ended_at=time.time(),
-                    sent=False,
-                )
-                await self.nc.publish(REQUEST_STATS_SUBJECT, message.model_dump_json().encode())
+            for lease_id in list(service.ledger.leases):
+                await self.end(service, lease_id)
                 ended += 1
         await self.nc.flush()
         await until(lambda: all(not a.ledger.leases for a in self.admissions), what="releases")
         # Past the window in which admission compares an engine reading with its own count.
         await asyncio.sleep(2 * FOREIGN_WINDOW + 0.06)
         return ended
+
+    async def end(self, service: AdmissionService, lease_id: str) -> None:
+        """The request of `service`'s lease `lease_id` ends, as its edge reports it."""
+        lease = service.ledger.leases[lease_id]
+        message = RequestEnded(
+            id=uuid.uuid4().hex,
+            edge=lease.edge,
+            lease=lease.lease_id,
+            shard=lease.shard,
+            ok=True,
+            outcome="success",
+            model=lease.model,
+            provider=lease.provider,
+            endpoint=lease.endpoint or "?",
+            ended_at=time.time(),
+            sent=False,
+        )
+        await self.nc.publish(REQUEST_STATS_SUBJECT, message.model_dump_json().encode())
 
     def shard_of_instance(self, service: AdmissionService) -> int:
         """A shard `service` serves (to send a request to that instance)."""
@@ -314,4 +326,13 @@ async def until(
         await asyncio.sleep(0.002)
 
 
-__all__ = ["ENDPOINTS", "MODEL", "Rig", "admitted", "contextlib", "open_rig", "until"]
+__all__ = [
+    "BINDING_LIMITS",
+    "ENDPOINTS",
+    "MODEL",
+    "Rig",
+    "admitted",
+    "contextlib",
+    "open_rig",
+    "until",
+]

@@ -14,19 +14,15 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from rig import MODEL, admitted, open_rig, until
+from rig import BINDING_LIMITS, MODEL, admitted, open_rig, until
 
 from llmgw.core.shards import shard_of
 from llmgw.state.checker import AuditLog, check_audit
 
 PAIR = ("iris", MODEL)
-G, R = 8, 2
-LIMITS = {
-    "max_pinned_sessions": 50,
-    "max_global_in_flight_request_slots": G,
-    "global_in_flight_request_slots_reserved_for_pinned_sessions": R,
-    "max_per_session_in_flight_request_slots": 4,
-}
+LIMITS = BINDING_LIMITS
+G = LIMITS["max_global_in_flight_request_slots"]
+R = LIMITS["global_in_flight_request_slots_reserved_for_pinned_sessions"]
 
 
 @pytest.fixture
