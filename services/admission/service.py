@@ -209,6 +209,7 @@ class _Request:
     started: float
     arrived: float = 0.0  # the service clock's time it arrived (a held request expires by it)
     borrowing: bool = False  # waiting for a loan of quota (`_Loan`), not in a queue
+    grace_spent: bool = False  # its `limit_grace` ran out while it waited for room
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,13 +227,16 @@ class _Loan:
 
 @dataclass(frozen=True, slots=True)
 class _QuotaWait:
-    """Placement would send a request of a band that waits rather than overflows (a batch band,
-    or a request whose overflow budget is used up) to a third party, or refuse it, only because
-    our quota of `pair` is used up (this instance's share, and no loan came): it waits in its
-    queue for room instead (`FlowControl.hold`), as it waits there for engine room. Batch bands
-    wait for our engines; a third party is for bands that overflow."""
+    """Placement would send the request to a third party, or refuse it, only because our quota
+    of `pair` is used up (this instance's share, and no loan came). A request of a band that
+    waits rather than overflows (a batch band, or one whose overflow budget is used up) waits
+    in its queue for room (`FlowControl.hold`; `until` None), as it waits there for engine room:
+    batch bands wait for our engines. One of a band that overflows waits for a lease to end
+    until `until` (``admission.limit_grace`` after it arrived), then goes where placement
+    sends it: a lease's end may be on its way to its owner."""
 
     pair: tuple[str, str]
+    until: float | None = None
 
 
 class AdmissionService:
@@ -343,6 +347,7 @@ class AdmissionService:
         self._answered: OrderedDict[str, tuple[float, bytes, str | None]] = OrderedDict()
         self._answered_for = 2 * config.nats.request_timeout
         self._waiting: dict[str, _Request] = {}
+        self._room: asyncio.Future[None] | None = None  # `_room_freed_or`'s, while one waits
         self.answered_again = 0  # asks of an attempt granted or queued here, answered again
         self._subs: list[Subscription] = []
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -538,7 +543,7 @@ class AdmissionService:
         placed = self._place_or_borrow(context, overflow=overflow)
         if isinstance(placed, AdmitReply):
             return self._finish(context, placed)
-        if isinstance(placed, _QuotaWait):
+        if isinstance(placed, _QuotaWait) and placed.until is None:
             return context, self._hold(context)
         context.borrowing = True
         return context, asyncio.ensure_future(self._borrowed(context, placed))
@@ -557,7 +562,7 @@ class AdmissionService:
             context,
         )
 
-    async def _borrowed(self, context: _Request, loan: _Loan) -> QueueResult:
+    async def _borrowed(self, context: _Request, loan: _Loan | _QuotaWait) -> QueueResult:
         """`_after_loan` as a wait's result (a request that waits for a loan, not a queue)."""
         return Dispatched(await self._after_loan(context, loan))
 
@@ -580,6 +585,12 @@ class AdmissionService:
 
         result: AdmitReply | _Loan | _QuotaWait = loan
         while not isinstance(result, AdmitReply):
+            if isinstance(result, _QuotaWait) and result.until is not None:
+                if not await self._room_freed_or(result.until):
+                    context.grace_spent = True
+                tried.clear()
+                result = place_now()
+                continue
             if isinstance(result, _QuotaWait):
                 if context.borrowing:  # it waits in a queue now: its edge waits longer
                     context.borrowing = False
@@ -639,13 +650,13 @@ class AdmissionService:
 
     def _dispatch_waiter(
         self, waiter: Waiter, decision: GateDecision
-    ) -> Dispatched | Borrowing[_Loan] | Held:
+    ) -> Dispatched | Borrowing[_Loan | _QuotaWait] | Held:
         """The tick let a queued request go: place it now (synchronously, inside the tick), say
         which loan it waits for first (`_outcome`), or send it back to the head of its queue
         (`_QuotaWait`)."""
         context: _Request = waiter.token.context
         placed = self._place_or_borrow(context, overflow=decision is GateDecision.OVERFLOW)
-        if isinstance(placed, _QuotaWait):
+        if isinstance(placed, _QuotaWait) and placed.until is None:
             self.metrics.child(self.metrics.quota_holds, context.band.name).inc()
             return HELD
         self.metrics.child(self.metrics.flow_decisions, context.band.name, decision.value).inc()
@@ -665,6 +676,30 @@ class AdmissionService:
         it needs first; or, for a request of a band that waits, quota alone keeps it off our
         engines: then it waits (`_QuotaWait`)."""
         return self._place(context, overflow=overflow, loans=True)
+
+    def _room_freed(self) -> None:
+        """A lease ended here, or a peer's request ended: room may be back for requests held
+        for quota (the queue's, at the next tick; those in their `limit_grace`, at once)."""
+        if self.flow is not None:
+            self.flow.room_freed()
+        if self._room is not None:
+            if not self._room.done():
+                self._room.set_result(None)
+            self._room = None
+
+    async def _room_freed_or(self, until: float) -> bool:
+        """Until `_room_freed` (True), or for as long as the service clock took to reach `until`
+        (False)."""
+        remaining = until - self._clock()
+        if remaining <= 0:
+            return False
+        if self._room is None:
+            self._room = asyncio.get_running_loop().create_future()
+        try:
+            await asyncio.wait_for(asyncio.shield(self._room), remaining)
+        except TimeoutError:
+            return False
+        return True
 
     def _waits_for_ours(self, context: _Request) -> bool:
         """Whether the request waits for our engines rather than runs on a third party: its
@@ -707,6 +742,10 @@ class AdmissionService:
         served = request.model
         pin: PinRecord | None = None
         waits = loans and not overflow and self._waits_for_ours(context)
+        grace_until = context.arrived + self.config.admission.limit_grace
+        brief = (
+            loans and not overflow and not waits and not context.grace_spent and now < grace_until
+        )
         held: tuple[str, str] | None = None  # a managed pair whose quota alone held it back
         for candidate in (request.model, *self._fallbacks.get(request.model, ())):
             snapshot, pin = self.catalog.snapshot(
@@ -720,7 +759,7 @@ class AdmissionService:
                 loan = self._loan_for(snapshot, asked, outcome, candidate)
                 if loan is not None and tried.count(loan.pair) < _LOAN_ROUNDS:
                     return loan
-                if waits and held is None:
+                if (waits or brief) and held is None:
                     held = _held_pair(snapshot, candidate)
             if isinstance(outcome, Placement):
                 served = candidate
@@ -738,7 +777,7 @@ class AdmissionService:
                 and offload_reason(outcome) in _QUOTA_OFFLOADS
             )
         ):
-            return _QuotaWait(held)
+            return _QuotaWait(held, None if waits else grace_until)
         if not isinstance(outcome, Placement):
             return self._refusal(
                 request.id,
@@ -1019,8 +1058,8 @@ class AdmissionService:
                 settled = False
                 if ended.shard is not None and not self.shards.serves(ended.shard):
                     self._remember_ended(ended.lease, now)
-            elif self.flow is not None:
-                self.flow.room_freed()
+            else:
+                self._room_freed()
         if not ended.sent:
             return settled
         self.rates.add(ended)
@@ -1133,8 +1172,7 @@ class AdmissionService:
             )
             if fewer:  # a request of the peer's ended: it may lend again
                 self.quotas.peer_freed(load.instance)
-                if self.flow is not None:
-                    self.flow.room_freed()
+                self._room_freed()
 
     # ---- housekeeping -------------------------------------------------------------------------
 

@@ -223,6 +223,12 @@ class AdmissionConfig(StrictModel):
     rollcall_window: PositiveDuration = 0.3
     # How often an instance re-checks its quotas against the fair split (and at once on change).
     quota_interval: PositiveDuration = 0.25
+    # Seconds a request of a band that overflows waits for a lease to end, when only a
+    # provider/model's limits (and no loan) keep it off our engines, before it runs on a third
+    # party; 0: at once. Covers the moment a lease's end is on its way to its owner (bands that
+    # do not overflow wait in their queue instead, up to queue_ttl). docs/architecture.md,
+    # "Held for quota".
+    limit_grace: Duration = Field(0.05, ge=0, le=0.5)
     # What an edge does while it cannot reach NATS: `reject` answers 503 with Retry-After at
     # once; `local` serves with conservative local limits (docs/architecture.md, "NATS outage").
     on_nats_outage: Literal["reject", "local"] = "reject"

@@ -88,3 +88,31 @@ async def test_a_held_request_can_be_cancelled_and_expires_like_any_queued_one(r
     assert 1.5 < time.monotonic() - started < 4
     assert set(service.ledger.leases) == leases_before  # neither took a lease
     assert len(service.flow.queues) == 0
+
+
+async def test_an_overflow_band_waits_limit_grace_for_a_lease_to_end_then_runs_elsewhere(
+    nats_url, unique_id
+):
+    """`admission.limit_grace` (0.5 s here): a gold request that only the limits keep off our
+    engines takes a lease that ends meanwhile; without one it goes to the third party once the
+    grace is over, not before."""
+    rig = await open_rig(nats_url, unique_id, limits=LIMITS, limit_grace=0.5)
+    try:
+        await rig.report_all(running=0, capacity=32)
+        (service,) = rig.admissions
+        leases = await fill_unreserved(rig)
+        started = time.monotonic()
+        waiting = asyncio.ensure_future(rig.ask(band="gold", session="chat-2"))
+        await asyncio.sleep(0.15)
+        assert not waiting.done()
+        await rig.end(service, leases[0])
+        reply = await asyncio.wait_for(waiting, 5)
+        assert admitted(reply) and reply.target.provider == "iris", reply
+        assert time.monotonic() - started < 0.45  # the lease's end, not the grace's
+        started = time.monotonic()
+        elsewhere = await rig.ask(band="gold", session="chat-3")
+        assert admitted(elsewhere) and elsewhere.target.provider == "tensorx", elsewhere
+        assert 0.45 <= time.monotonic() - started < 2
+        assert len(service.flow.queues) == 0  # it never queued
+    finally:
+        await rig.close()
