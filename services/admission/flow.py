@@ -20,7 +20,8 @@ are `llmgw.core.flow`'s; this adapter owns the asyncio side:
   was not in the queue: it arrived, or waited for a loan);
 - a queued request's future resolves to a `QueueResult`: `Dispatched` (the reply the service
   placed it with), `Borrowing` (placement waits for a loan of quota first), `Expired`,
-  `Cancelled` or `Moved` (its shard went to another instance: its edge asks the new owner);
+  `Cancelled` or `Moved` (its shard went to another instance, or this instance fenced itself:
+  its edge asks the owner; the tick hands such a waiter back instead of placing it);
 - this instance's waiting counts go to the others on ADMISSION_FLOW_SUBJECT when they change
   (at most once per tick) and every second while non-empty; theirs feed `plan_dispatch`'s
   ``remote`` and the arrival check, so a band waiting in another instance is not overtaken.
@@ -119,7 +120,8 @@ class Cancelled:
 
 @dataclass(frozen=True, slots=True)
 class Moved:
-    """Its shard went to another instance while it waited: its edge asks the new owner."""
+    """Its shard went to another instance while it waited, or this instance fenced itself: its
+    edge asks the owner."""
 
     label: ClassVar[str] = "dropped"
 
@@ -127,8 +129,9 @@ class Moved:
 EXPIRED, CANCELLED, MOVED = Expired(), Cancelled(), Moved()
 # What a queued request's future resolves to: closed, one case per way a wait ends.
 QueueResult = Dispatched | Borrowing[Any] | Expired | Cancelled | Moved
-# Places a waiter the tick let go, synchronously inside the tick.
-Dispatch = Callable[[Waiter, GateDecision], Dispatched | Borrowing[Any] | Held]
+# Places a waiter the tick let go, synchronously inside the tick (or hands it back, `Moved`:
+# this instance no longer decides its shard).
+Dispatch = Callable[[Waiter, GateDecision], Dispatched | Borrowing[Any] | Held | Moved]
 
 
 def band_policies(config: Config) -> list[BandPolicy]:
@@ -366,7 +369,8 @@ class FlowControl:
             self.queues.offer(waiter, first=True)
             self._held[waiter.model] = now
             return False
-        self._resolve(waiter, result, now, decision=decision.value)
+        label = None if isinstance(result, Moved) else decision.value  # handed back: "dropped"
+        self._resolve(waiter, result, now, decision=label)
         return True
 
     def _dispatch_pool(self, model: str, now: float) -> int:

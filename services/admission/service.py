@@ -71,6 +71,7 @@ from llmgw.services.admission.balancing import UPSTREAM_FAILURES, RateBoard
 from llmgw.services.admission.catalog import ProviderCatalog
 from llmgw.services.admission.flow import (
     HELD,
+    MOVED,
     Borrowing,
     Cancelled,
     Dispatched,
@@ -440,7 +441,13 @@ class AdmissionService:
         request_id.set(request.request_id or request.id)
         if request.key is not None and request.key_parallel is not None:
             await self.quotas.track(key_pair(request.key), KeyLimits(request.key_parallel))
-        return self.shards.serves(request.shard) and self.membership.can_serve()
+        return self.decides(request.shard)
+
+    def decides(self, shard: int) -> bool:
+        """Whether this instance decides `shard`'s requests now: it serves the shard and is not
+        fenced. Asked again in the same turn as every decision (on arrival, after a loan, when
+        the tick lets a queued request go): either may have changed while it waited."""
+        return self.shards.serves(shard) and self.membership.can_serve()
 
     def _started(
         self, request: AdmitRequest
@@ -578,7 +585,7 @@ class AdmissionService:
         overflow = isinstance(loan, _Loan) and loan.overflow
 
         def place_now() -> AdmitReply | _Loan | _QuotaWait:
-            if not (self.shards.serves(request.shard) and self.membership.can_serve()):
+            if not self.decides(request.shard):
                 return self._refusal(request.id, Refusal.NOT_OWNER)
             placed = self._place(context, overflow=overflow, loans=True, tried=tried)
             return self._finish(context, placed) if isinstance(placed, AdmitReply) else placed
@@ -612,6 +619,8 @@ class AdmissionService:
                 raise
             except Exception:
                 log.warning("borrowing for request %s failed", request.id, exc_info=True)
+                if not self.decides(request.shard):
+                    return self._refusal(request.id, Refusal.NOT_OWNER)
                 return self._finish(context, self.place(context, overflow=overflow))
         return result
 
@@ -650,11 +659,15 @@ class AdmissionService:
 
     def _dispatch_waiter(
         self, waiter: Waiter, decision: GateDecision
-    ) -> Dispatched | Borrowing[_Loan | _QuotaWait] | Held:
+    ) -> Dispatched | Borrowing[_Loan | _QuotaWait] | Held | Moved:
         """The tick let a queued request go: place it now (synchronously, inside the tick), say
         which loan it waits for first (`_outcome`), or send it back to the head of its queue
-        (`_QuotaWait`)."""
+        (`_QuotaWait`). Not if this instance no longer decides its shard (fenced, or the shard
+        is leaving): it goes back to its edge, which asks the owner; another instance may have
+        claimed the shard and pinned the session already."""
         context: _Request = waiter.token.context
+        if not self.decides(context.request.shard):
+            return MOVED
         placed = self._place_or_borrow(context, overflow=decision is GateDecision.OVERFLOW)
         if isinstance(placed, _QuotaWait) and placed.until is None:
             self.metrics.child(self.metrics.quota_holds, context.band.name).inc()
@@ -1101,7 +1114,7 @@ class AdmissionService:
             renewal = LeaseRenewal.model_validate_json(msg.data)
         except ValidationError:
             return
-        if not self.shards.serves(renewal.shard) or not self.membership.can_serve():
+        if not self.decides(renewal.shard):
             return  # no answer: the edge tries again (the new owner answers)
         now = self._clock()
         refused: list[str] = []
