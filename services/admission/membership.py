@@ -14,8 +14,9 @@
   its shards and moved its quota meanwhile; it deletes its old key first), or the member watch
   showing its own key removed (a successor took it for dead: `--supersedes`, or a second
   process under its stable name; it stops deciding at once instead of at the next heartbeat):
-  `on_lost` drops everything it held and it joins again under a new id. A fenced instance never
-  resumes deciding with what it held before.
+  it decides nothing from then on (`fenced_at`: since when, its fence's moment if the fence
+  came first), and `on_lost` drops everything it held and it joins again under a new id. A
+  fenced instance never resumes deciding with what it held before.
 - **View**: watches of ``member.`` and ``shard.`` keep `members` and `owners` current; every
   change calls `on_change`.
 
@@ -76,6 +77,9 @@ class Membership:
         # The deployment's stable name for this process (MemberValue.name), if it gave one.
         self.name: str | None = None
         self._lost = False  # on_lost called for the current id (once per id)
+        # When it last stopped deciding (wall clock): its fence, or the moment it learnt it was
+        # lost, whichever came first. For the audit trail: nothing it held is used after it.
+        self.fenced_at: float | None = None
         self._epoch = 0  # one heartbeat loop per id: a loop of an earlier id stops
 
     # ---- state ------------------------------------------------------------------------------
@@ -83,6 +87,15 @@ class Membership:
     def can_serve(self) -> bool:
         """Renewed recently enough to decide (see fencing in the module docstring)."""
         return self._monotonic() - self._renewed_mono < self.fence_after
+
+    def _stop_deciding(self) -> None:
+        """Lost: `can_serve` is False from here on (if the fence has not made it so already),
+        and `fenced_at` says since when (the fence's moment, if it came first)."""
+        if self._renewed_mono == float("-inf"):
+            return  # stopped already (or never joined)
+        late = self._monotonic() - (self._renewed_mono + self.fence_after)
+        self.fenced_at = self._clock() - max(late, 0.0)  # late > 0: the fence came first
+        self._renewed_mono = float("-inf")
 
     def live(self) -> dict[str, Member]:
         members = live_members(self.members.values(), self._clock(), self.ttl)
@@ -125,10 +138,12 @@ class Membership:
         and again when it lands). A fenced instance must not pick up where it stopped: others
         may have claimed its shards and moved its quota meanwhile, so what its ledger holds can
         no longer be trusted. It deletes its member key (its remaining shards can be claimed at
-        once) and is dropped and joins again under a new id, like a lost one.
+        once) and is dropped and joins again under a new id, like a lost one. Lost, it decides
+        nothing more from here on (`fenced_at`: since when).
         """
         started = self._monotonic()
         if started - self._renewed_mono >= self.fence_after:
+            self._stop_deciding()
             await self._abandon()
             return False
         now = self._clock()
@@ -136,10 +151,12 @@ class Membership:
             MemberValue(self.instance, self._joined_at, now, self.stopping, self.name),
             self._revision,
         )
-        if revision is None:
+        if revision is None:  # the key changed hands: not this instance's to decide with
+            self._stop_deciding()
             return False
         self._revision = revision
         if self._monotonic() - self._renewed_mono >= self.fence_after:
+            self._stop_deciding()
             await self._abandon()  # it landed after the previous renewal's protection ran out
             return False
         self._renewed_mono = started
@@ -169,10 +186,10 @@ class Membership:
                     return  # the member watch saw the key go first
                 log.error(
                     "member %s is lost (fenced, or its key was taken away: it could not renew "
-                    "it for too long; last renewed %.1f s ago): dropping everything and joining "
-                    "again",
+                    "it for too long; stopped deciding %.1f s ago): dropping everything and "
+                    "joining again",
                     self.instance,
-                    self._monotonic() - self._renewed_mono,
+                    self._clock() - (self.fenced_at or self._clock()),
                 )
                 self._lost = True
                 self.on_lost()
@@ -245,7 +262,7 @@ class Membership:
             "everything and joining again",
             self.instance,
         )
-        self._renewed_mono = float("-inf")  # can_serve() is False from here on
+        self._stop_deciding()
         self._lost = True
         self.on_lost()
 

@@ -1353,6 +1353,8 @@ class AdmissionService:
     def _lost(self) -> None:
         """Fenced, or the member key was taken away: drop everything and join again under a new
         id (unless stopping: then the shards are left to be claimed)."""
+        if self.membership.fenced_at is not None:
+            self.ledger.observer.fenced(self.membership.fenced_at)
         if self._stopping:
             return
         self._spawn(self._rejoin())

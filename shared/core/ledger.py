@@ -199,6 +199,10 @@ class LedgerObserver:
 
     def pin_removed(self, pin: PinRecord, at: float, reason: str) -> None: ...
 
+    def fenced(self, at: float) -> None:
+        """Its instance stopped deciding at ``at`` (its fence, or it learnt it was lost): what
+        this ledger holds then is used by nobody; it drops it and joins again under a new id."""
+
 
 class Ledger:
     """The in-memory admission state of one instance (see the module docstring)."""

@@ -35,7 +35,11 @@ granted after its crash was recorded (a decision in flight while it was being ki
 stop counting against P at the crash (nobody routes with a pin that only the bucket holds) and
 count again when the shard's next owner adopts them; for I3 they are not live at all. An
 instance that *stopped* (`AuditLog.stopped`) decides nothing more either: whatever its ledger
-still held (a shard it could not hand over or release) is treated as a crashed instance's.
+still held (a shard it could not hand over or release) is treated as a crashed instance's. An
+instance *fenced* (`LedgerObserver.fenced`, stamped when its fence took effect, which it may
+learn later) keeps its leases (their edges still run them) but not the pins it held then: it
+decides nothing with them, and another instance may have claimed the shard and pinned the
+session again where a pin's write had not landed. Pins it adds after its fence count.
 """
 
 from __future__ import annotations
@@ -215,6 +219,9 @@ class _InstanceObserver(LedgerObserver):
             shard=pin.shard,
         )
 
+    def fenced(self, at: float) -> None:
+        self._log.add(self.instance, "fenced", at=at)
+
 
 @dataclass
 class AuditLog:
@@ -239,12 +246,14 @@ class AuditLog:
     def observer(self, instance: str) -> LedgerObserver:
         return _InstanceObserver(self, instance)
 
-    def add(self, instance: str, kind: str, **fields: object) -> None:
+    def add(self, instance: str, kind: str, at: float | None = None, **fields: object) -> None:
         """Record an event, stamped now: in one process the recording order is the real
-        order (a ledger's own `now` may have been taken before an await)."""
+        order (a ledger's own `now` may have been taken before an await). ``at``: when it
+        happened, if earlier (a fence is learnt after the fact)."""
         with self._lock:
             self._seq += 1
-            at = self.clock()  # type: ignore[operator]
+            if at is None:
+                at = self.clock()  # type: ignore[operator]
             self.events.append(AuditEvent(at, self._seq, instance, kind, **fields))  # type: ignore[arg-type]
 
     def crash(self, instance: str) -> None:
@@ -367,6 +376,16 @@ def check_audit(
             # owner adopts them (pin_added, within that owner's quota) or refuses them.
             for skey, (provider, _, holder) in pins.items():
                 if holder == event.instance:
+                    pins_per_pair[(provider, skey[0])].discard(skey)
+            continue
+        if event.kind == "fenced":
+            # It decides nothing from its fence on: the pins its ledger holds then are used by
+            # nobody until it drops them (the shard's next owner adopts their bucket copies, or
+            # the session pins again where a write had not landed). A pin it adds later counts.
+            lifecycle.append(event)
+            for skey, (provider, _, holder) in list(pins.items()):
+                if holder == event.instance:
+                    del pins[skey]
                     pins_per_pair[(provider, skey[0])].discard(skey)
             continue
         if event.kind in ("granted", "adopted"):

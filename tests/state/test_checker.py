@@ -71,6 +71,24 @@ def test_two_live_pins_of_one_session_are_caught_with_the_first_one_named():
     assert "p1" in found[0].context
 
 
+def test_a_fenced_instances_pins_leave_the_count_but_a_pin_it_adds_after_is_caught():
+    """Fenced, an instance decides nothing with the pins it holds; the shard's next owner may
+    have found no copy of one in the bucket (its write had not landed) and pinned the session
+    again. That is no second pin in use: it was reported as I3 before fences were recorded."""
+    Clock.t = 0.0
+    log = AuditLog(clock=Clock())
+    add(log, "g", "s1", "p1")  # t=1: its write is still on its way to the bucket
+    add(log, "g", "s2", "p2")  # t=2
+    log.observer("g").fenced(2.5)  # learnt at its next heartbeat, stamped with the fence
+    add(log, "r", "s1", "p3")  # t=4, r claimed the shard: no copy of p1, s1 pins again
+    add(log, "r", "s2", "p2")  # t=5: p2's copy adopted
+    assert check(log) == []
+    add(log, "g", "s1", "p4")  # t=6: a fenced instance that still decides
+    found = check(log)
+    assert [v.invariant for v in found] == ["I3"]
+    assert "added by g while pin p3 lives at r" in found[0].message
+
+
 def lease(lease_id: str, key: str = "k1") -> LeaseRecord:
     return LeaseRecord(
         lease_id, "a", "m", LeaseKind.TEMPORARY, True, 0, "edge", 0.0, 0.0, key=key, key_limit=1

@@ -68,6 +68,7 @@ async def test_a_fenced_instance_is_lost_and_leaves_its_key(kv_store):
         assert not membership.can_serve()
         assert not await membership.renew_now()  # lost: never resumes with what it held
         assert not membership.can_serve()
+        assert membership.fenced_at == 1012.0  # it stopped deciding at its fence
         assert await members(store) == []  # its shards can be claimed at once
     finally:
         await membership.leave()
@@ -80,7 +81,23 @@ async def test_a_renewal_that_lands_after_the_fence_does_not_unfence_it(kv_store
         store.delay = 5.0  # ... but lands 15 s after the last renewal: others may have claimed
         assert not await membership.renew_now()
         assert not membership.can_serve()
+        assert membership.fenced_at == 1012.0  # at its fence, learnt 3 s later
         assert await members(store) == []
+    finally:
+        await membership.leave()
+
+
+async def test_a_heartbeat_whose_key_changed_hands_stops_it_deciding_at_once(kv_store):
+    """The CAS fails inside the fence (the key was removed or rewritten by another process):
+    the instance decides nothing more from that moment, not from its fence's."""
+    membership, store, clock = await joined(kv_store)
+    try:
+        clock.t += 5.0
+        [stored] = await store.members()
+        assert await store.remove_member("adm-1", stored.revision)  # taken for dead
+        assert not await membership.renew_now()
+        assert not membership.can_serve()
+        assert membership.fenced_at == 1005.0
     finally:
         await membership.leave()
 
