@@ -41,6 +41,8 @@ grant (`ShardContext.answers_for`), never a second lease. G takes an earmark bac
 once R has answered (what R took is gone from it by then) or, without an answer, after
 ``member_ttl`` (by then R has taken it, or adopted the shard without it); which of the two got
 it is decided by the book's CAS, not by that timing (docs/adr/0002, "Handover and adoption").
+A handover that reaches R after the shard moved on (R adopted it, then handed it on) finds the
+key no longer saying G handed it to R, and R takes nothing in.
 
 **Adoption** (G is gone: a crash, or G released the shard with no member to take it; or G's
 handover did not arrive in time): R claims the shard, loads its pins from the bucket, asks every
@@ -585,6 +587,16 @@ class Handovers:
         shard = state.shard
         refused: list[str] = []
         stopping = keeper.stopping
+        if keeper.record(shard) is None and not await self._handed_here(shard, handover.source):
+            # Stale: the shard moved on since it was sent (this instance adopted it when the
+            # message was late, and handed it on). Taken in, its old pins and leases would be
+            # decided here beside the shard's owner until the next round dropped it.
+            log.warning(
+                "shard %d: a handover from %s came after it moved on", shard, handover.source
+            )
+            lost = tuple(lease.lease_id for lease in state.leases)
+            await self._answer(msg, HandoverReply(accepted=False, refused=lost))
+            return
         record = keeper.record(shard)
         if record is not None and record.phase is not ShardPhase.CLAIMING:
             # Adopted meanwhile (the handover came late), or held here already: that adoption
@@ -640,6 +652,16 @@ class Handovers:
                 await self.release(record)
                 return
         await self._answer(msg, HandoverReply(accepted=True, refused=tuple(refused)))
+
+    async def _handed_here(self, shard: int, giver: str) -> bool:
+        """Whether the shard's key still says `giver` handed it to this instance (the giver
+        writes that before it sends the handover; read from the store, as the watch may lag)."""
+        stored = await self.ctx.store.shard(shard)
+        return (
+            stored is not None
+            and stored.value.owner == self.ctx.instance
+            and stored.value.previous == giver
+        )
 
     async def _answer(self, msg: Msg, reply: HandoverReply) -> None:
         if msg.reply:
