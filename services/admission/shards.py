@@ -42,7 +42,8 @@ once R has answered (what R took is gone from it by then) or, without an answer,
 ``member_ttl`` (by then R has taken it, or adopted the shard without it); which of the two got
 it is decided by the book's CAS, not by that timing (docs/adr/0002, "Handover and adoption").
 A handover that reaches R after the shard moved on (R adopted it, then handed it on) finds the
-key no longer saying G handed it to R, and R takes nothing in.
+key no longer saying G handed it to R, and R takes nothing in. Nor does a handover or an
+adoption whose instance was lost while it ran (`drop_all` waits for the round in flight).
 
 **Adoption** (G is gone: a crash, or G released the shard with no member to take it; or G's
 handover did not arrive in time): R claims the shard, loads its pins from the bucket, asks every
@@ -294,8 +295,12 @@ class ShardKeeper:
                 log.warning("shard %d not released (%s): left to be claimed", record.number, exc)
 
     async def drop_all(self) -> None:
-        for record in self._held():
-            await self._drop(record)
+        """Lost: every shard out without a handover. After the round in flight, whose claims
+        and adoptions were made under the id being given up (an adoption that sees the loss
+        takes nothing in; one past that check holds its shard by now, dropped here)."""
+        async with self._lock:
+            for record in self._held():
+                await self._drop(record)
 
     async def on_handover(self, msg: Msg) -> None:
         """A handover to this instance (``llmgw.v1.admission.handover.<instance>``)."""
@@ -310,6 +315,8 @@ class ShardKeeper:
         if not membership.can_serve():
             return
         async with self._lock:
+            if not membership.can_serve():
+                return  # lost while this round waited for the lock
             me = membership.instance
             owners = {k: v.owner for k, v in membership.owners.items()}
             for record in self._held():
@@ -585,6 +592,7 @@ class Handovers:
             return
         state = ctx.without_ended(handover.state)  # ends that overtook the handover
         shard = state.shard
+        me = ctx.instance
         refused: list[str] = []
         stopping = keeper.stopping
         if keeper.record(shard) is None and not await self._handed_here(shard, handover.source):
@@ -623,9 +631,13 @@ class Handovers:
                     handover.source, ctx.instance, state.counts(), shard=shard, plain=False
                 )
                 # 3. Taken in: leases and pins in this ledger and their quota spendable, in one
-                #    step. Leases: this ledger's (what does not fit is refused: lost).
-                dropped, unpinned = ctx.quotas.take_in(state, ctx.clock())
-                if stopping:
+                #    step. Leases: this ledger's (what does not fit is refused: lost). Not if
+                #    this instance was lost meanwhile: the shard's next owner adopts it.
+                may = self._may_take_in(me)
+                dropped, unpinned = ctx.quotas.take_in(state, ctx.clock()) if may else ([], [])
+                if not may:
+                    refused = [lease.lease_id for lease in state.leases]
+                elif stopping:
                     # Handed a shard while stopping (the giver had not seen it yet): release it
                     # at once (below); the next claimant adopts its leases from the edges.
                     keeper.move(record, ShardStep.LEAVE)
@@ -652,6 +664,11 @@ class Handovers:
                 await self.release(record)
                 return
         await self._answer(msg, HandoverReply(accepted=True, refused=tuple(refused)))
+
+    def _may_take_in(self, me: str) -> bool:
+        """Whether an intake begun as `me` may still take its shard in: not lost (nor fenced)
+        and not joined again under another id meanwhile (the shard key names `me`)."""
+        return self.ctx.instance == me and self.ctx.membership.can_serve()
 
     async def _handed_here(self, shard: int, giver: str) -> bool:
         """Whether the shard's key still says `giver` handed it to this instance (the giver
@@ -705,6 +722,8 @@ class Handovers:
                     shard=state.shard,
                     plain=not ctx.membership.is_live(previous),
                 )
+            if not self._may_take_in(me):
+                return  # lost meanwhile (the records are abandoned below): nothing taken in
             # 3. Taken in, all in one step with the quota moved in for them. Leases: this
             #    ledger's (what does not fit is refused: lost at its edge's next renewal).
             adopted = refused = pins_in = 0
