@@ -88,6 +88,19 @@ async def _load_at(api: str, key: str, share: float, engines: int) -> PoissonLoa
     return load
 
 
+# Answered requests before a step under load: two full batches of both engines, several
+# service times at the load's full rate (the engines' batches in their steady state).
+WARM_ANSWERS = 2 * 2 * SLOTS_PER_ENGINE
+
+
+async def _warmed(records: list[Sent], timeout: float = 60.0) -> None:
+    """Until the load has had `WARM_ANSWERS` requests answered (however long this host takes)."""
+    deadline = time.monotonic() + timeout
+    while len(records) < WARM_ANSWERS:
+        assert time.monotonic() < deadline, f"{len(records)} requests answered in {timeout:g}s"
+        await asyncio.sleep(0.05)
+
+
 def _errors(records: list[Sent]) -> list[Sent]:
     return [r for r in records if r.status != 200]
 
@@ -107,7 +120,7 @@ def test_an_engine_added_under_load_serves_within_2s_and_no_client_sees_an_error
 
     async def scenario() -> tuple[list[Sent], float]:
         load = await _load_at(api, key, 0.7, engines=2)
-        await asyncio.sleep(5)
+        await _warmed(load.records)
         body = {"id": "engine-3", "url": url, "provider": "iris"}
         body["models"] = ["llama-3.3-70b", "qwen2.5-32b"]
         issued = time.monotonic()
@@ -153,7 +166,7 @@ def test_an_engine_drained_under_load_finishes_its_requests_and_is_removed_with_
     async def scenario() -> tuple[list[Sent], float, float]:
         # 70% of what is left once engine-3 is out: the two other engines.
         load = await _load_at(api, key, 0.7, engines=2)
-        await asyncio.sleep(5)
+        await _warmed(load.records)
         async with httpx.AsyncClient(timeout=10) as client:
             drained = await client.post(f"http://{admin}/admin/endpoints/engine-3/drain")
         acknowledged = time.monotonic()
@@ -241,7 +254,7 @@ def test_halving_a_limit_on_sighup_under_load_keeps_the_engines_within_the_new_l
                 records.append(await load.one())
 
         workers = [asyncio.create_task(worker()) for _ in range(40)]
-        await asyncio.sleep(5)
+        await _warmed(records)
         limits["max_global_in_flight_request_slots"] = new
         config.write_text(yaml.safe_dump(data, sort_keys=False))
         up.process.send_signal(signal.SIGHUP)
