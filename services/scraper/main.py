@@ -3,7 +3,7 @@
 Connects to NATS, opens the load bucket (``router.load_bucket``, memory storage, history 1),
 creates the one HTTP client every scrape shares, and runs `Scraper` rounds every
 ``router.scrape_interval`` until SIGTERM/SIGINT, which lets the current round finish before
-exiting 0. Prints "llmgw scraper ready (...)" once its first round's reports are published. Several scrapers may run at once:
+exiting 0. Prints "llmgw scraper ready (...)" once running. Several scrapers may run at once:
 duplicates are harmless (see `llmgw.load`).
 """
 
@@ -33,7 +33,6 @@ from llmgw.services.scraper.reports import saturation_settings, scrape_targets
 from llmgw.services.scraper.service import Scraper, new_http_client
 from llmgw.state.fleet import start_fleet
 from llmgw.state.setup import open_events_stream, open_load_bucket
-from llmgw.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
     from llmgw.contracts import Clock
@@ -125,23 +124,14 @@ async def serve(
                 create_admin_app(scraper.metrics, nc, scraper), *admin
             )
             where = f", admin {admin_server.url}"
-        running = asyncio.create_task(scraper.run(stop), name="scrape-rounds")
-        # Ready once the first round's reports are in the load bucket: an endpoint no report
-        # has mentioned counts as saturated, and `llmgw up` is ready when its scraper is.
-        first = asyncio.create_task(scraper.wait_for_rounds(1))
-        try:
-            await asyncio.wait([running, first], return_when=asyncio.FIRST_COMPLETED)
-            if not running.done():
-                print(
-                    f"llmgw scraper ready ({instance}, bucket {router.load_bucket}, "
-                    f"{len(targets)} endpoints every {router.scrape_interval:g}s{where})",
-                    flush=True,
-                )
-                if ready is not None:
-                    ready.set()
-            await running
-        finally:
-            await cancel_and_wait([running, first])
+        print(
+            f"llmgw scraper ready ({instance}, bucket {router.load_bucket}, "
+            f"{len(targets)} endpoints every {router.scrape_interval:g}s{where})",
+            flush=True,
+        )
+        if ready is not None:
+            ready.set()
+        await scraper.run(stop)
         log.info("stopping after %d rounds", scraper.rounds)
     finally:
         if signal_task is not None:

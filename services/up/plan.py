@@ -12,18 +12,10 @@ nodes on `embedded_port + i`. It starts before every tier and stops after them. 
 the services get the whole server list and `nats.replicas` (3 unless the config sets it), so
 every bucket they create is replicated.
 
-Start: each child starts as soon as the children it needs are ready (`START_AFTER`), all the
-others at once: the simulators (a `llmgw sim engine|provider` per endpoint that has a `simulate`
-block), the reaper, an admission process, and the edge with admission in process. The scraper
-waits for the simulators (its first round must find them answering: an endpoint no report has
-mentioned counts as saturated, and a fresh cluster would send requests to the third party), and
-a separate admission process's edge for it. The cluster is ready when every child is; the
-scraper prints its ready line after its first round, so its reports are in the load bucket then.
-
-Stop (tiers, in this order; each tier's children together):
-  1. the edge (first: it drains while everything behind it still serves),
-  2. the admission service, the reaper and the scraper,
-  3. the simulators.
+Order (tiers start in this order and stop in reverse):
+  1. a simulator per endpoint that has a `simulate` block (`llmgw sim engine|provider`),
+  2. the admission service, the reaper and the scraper (together: none needs another),
+  3. the edge (last: when it is ready, the whole cluster is).
 """
 
 from __future__ import annotations
@@ -60,13 +52,6 @@ TIER_OF_KIND: dict[str, int] = {
 }
 
 
-# The kinds a child waits for (every child of them ready) before it starts; the others start at once.
-START_AFTER: dict[str, frozenset[str]] = {
-    "scraper": frozenset({"sim-engine", "sim-provider"}),
-    "edge": frozenset({"admission"}),
-}
-
-
 @dataclass(frozen=True, slots=True)
 class ListenAddress:
     """A host:port a service binds, with what it is for (used in error messages)."""
@@ -97,12 +82,7 @@ class ServiceSpec:
 
     @property
     def tier(self) -> int:
-        """Its place in the stop order: tier 2 stops first, tier 0 last."""
         return TIER_OF_KIND[self.kind]
-
-    @property
-    def starts_after(self) -> frozenset[str]:
-        return START_AFTER.get(self.kind, frozenset())
 
 
 CLUSTER_NAME = "llmgw-up"

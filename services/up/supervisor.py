@@ -7,12 +7,10 @@ supervisor owns every process it spawned and, on every way out of `run()`
 (signal, startup failure, crash loop, cancellation), stops them in reverse tier
 order: SIGTERM to the child's process group, SIGKILL after `grace` seconds.
 
-Startup: each child starts once every child of the kinds it needs
-(`ServiceSpec.starts_after`: the scraper the simulators, an edge a separate
-admission process) printed its ready line, all others at once; the cluster is
-ready when every child is. A child that exits or stays silent past
-`ready_timeout` during startup fails the whole start (restarting cannot fix a
-bad port or config); a child that needs it is never started.
+Startup: tiers start in order (simulators, admission, edge); the children of a
+tier start together and the next tier starts when all of them printed their
+ready line. A child that exits or stays silent past `ready_timeout` during
+startup fails the whole start (restarting cannot fix a bad port or config).
 """
 
 from __future__ import annotations
@@ -159,39 +157,37 @@ class ClusterSupervisor:
     # -- startup --------------------------------------------------------------------------
 
     async def _start_all(self) -> None:
-        """Return when every child is ready; raise at the first one that cannot be."""
-        starts = {asyncio.create_task(self._start_when_needed(c)): c for c in self._children}
-        pending = set(starts)
+        tiers = sorted({c.spec.tier for c in self._children})
+        for tier in tiers:
+            members = [c for c in self._children if c.spec.tier == tier]
+            for child in members:
+                await self._spawn(child)
+            await self._wait_tier_ready(members)
+            if self._stop.is_set():
+                return
+            for child in members:
+                child.keeper = asyncio.create_task(self._keep_alive(child))
+            if self._failure.is_set():
+                raise StartupError(self._failure_reason)
+
+    async def _wait_tier_ready(self, members: list[_Child]) -> None:
+        """Return when every member is ready; raise at the first one that cannot be."""
+        waits = {asyncio.create_task(self._wait_ready(c)): c for c in members}
+        pending = set(waits)
         try:
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
                     problem = task.result()
-                    if self._stop.is_set():
-                        return
-                    child = starts[task]
-                    if problem is not None:
-                        raise StartupError(f"[{child.name}] {problem}")
-                    child.keeper = asyncio.create_task(self._keep_alive(child))
-                if self._failure.is_set():
-                    raise StartupError(self._failure_reason)
+                    if problem is not None and not self._stop.is_set():
+                        raise StartupError(f"[{waits[task].name}] {problem}")
         finally:
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
 
-    async def _start_when_needed(self, child: _Child) -> str | None:
-        """Start `child` once the children it needs are ready; None once it is ready too,
-        otherwise why not."""
-        for need in [c for c in self._children if c.spec.kind in child.spec.starts_after]:
-            await _first_of(need.ready.wait(), self._stop.wait())
-            if self._stop.is_set():
-                return "stopped before it was ready"
-        await self._spawn(child)
-        return await self._wait_ready(child)
-
     async def _spawn(self, child: _Child) -> None:
-        child.ready.clear()  # one event per child: a start waiting for it sees every process's
+        child.ready = asyncio.Event()
         child.ready_url = None
         argv = [*self._command_prefix, *child.spec.argv, *self.incarnation_args(child)]
         child.spawns += 1

@@ -75,8 +75,8 @@ async def world(tmp_path, nats_url, nats_client, unique_id, engine, request):
         events.append(parse_event(msg.data))
 
     sub = await nats_client.subscribe(LEASE_EVENTS_SUBJECT, cb=record)
-    # As `llmgw up` starts them with a separate admission process: admission, scraper and
-    # reaper together, the edge once admission is ready.
+    # One tier at a time, as `llmgw up` starts them: admission, scraper and reaper together,
+    # then the edge.
     services = {name: Service(name, config) for name in ("admission", "scraper", "reaper")}
     await asyncio.gather(*(asyncio.to_thread(s.wait_ready) for s in services.values()))
     services["edge"] = Service("edge", config)

@@ -114,23 +114,6 @@ async def test_reports_land_in_the_bucket_with_the_capacity_learned_under_load(
     assert await kv.get(report_key("third-party")) is None  # unlimited providers: not scraped
 
 
-async def test_its_first_reports_are_in_the_bucket_when_it_says_it_is_ready(
-    nats_url: str,
-    load_bucket: str,
-    unique_id: str,
-    nats_client: NatsClient,
-    start_engine: StartEngine,
-) -> None:
-    """`llmgw up` is ready when its scraper is: an endpoint no report mentions would count as
-    saturated, and a fresh cluster's first requests would go to the third party."""
-    engine = await start_engine()
-    config = make_config(nats_url, load_bucket, unique_id, {"fresh": engine.url})
-    async with running_scraper(config, instance="scraper-one"):
-        kv = await open_load_bucket(nats_client, load_bucket)
-        report = await stored_report(kv, "fresh")
-        assert report.healthy and report.sample is not None
-
-
 async def test_an_engine_turning_unhealthy_is_reported_and_announced(
     nats_url: str,
     load_bucket: str,

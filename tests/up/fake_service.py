@@ -43,7 +43,6 @@ def main(argv: list[str]) -> int:
             "sim": f"llmgw sim {argv[1] if len(argv) > 1 else 'engine'} ready on "
             "http://127.0.0.1:1",
             "admission": "llmgw admission ready",
-            "scraper": "llmgw scraper ready",
             "edge": "llmgw edge ready on http://127.0.0.1:18080",
         }[argv[0]]
         print(ready, flush=True)

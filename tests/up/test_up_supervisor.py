@@ -69,7 +69,6 @@ def _specs() -> list[ServiceSpec]:
             "sim-provider",
         ),
         ServiceSpec("admission", ("admission", "--config", "c.yaml"), "admission"),
-        ServiceSpec("scraper", ("scraper", "--config", "c.yaml"), "scraper"),
         ServiceSpec("edge", ("edge", "--config", "c.yaml"), "edge"),
     ]
 
@@ -125,47 +124,19 @@ async def _run_until_ready(supervisor: ClusterSupervisor) -> asyncio.Task[int]:
     return task
 
 
-def _ready_at(out: LineRecorder, name: str) -> int:
-    return next(i for i, line in enumerate(out.lines) if line.startswith(f"[{name}] llmgw "))
-
-
-def _started_at(out: LineRecorder, name: str) -> int:
-    return next(i for i, line in enumerate(out.lines) if line.startswith(f"[{name}] started pid"))
-
-
-async def test_starts_each_child_after_what_it_needs_prefixes_output_and_stops_in_reverse(
-    tmp_path: Path,
-) -> None:
+async def test_starts_tiers_in_order_prefixes_output_and_stops_in_reverse(tmp_path: Path) -> None:
     supervisor, out, events = _make(tmp_path)
     task = await _run_until_ready(supervisor)
     assert supervisor.ready_url("edge") == "http://127.0.0.1:18080"
     assert "[engine-1] hello from engine-1" in out.lines
     assert "[admission] llmgw admission ready" in out.lines
-    # The scraper once every simulator is ready, the edge once admission is.
-    assert _started_at(out, "scraper") > max(_ready_at(out, "engine-1"), _ready_at(out, "remote-1"))
-    assert _started_at(out, "edge") > _ready_at(out, "admission")
     starts = [name for kind, name, _ in _events(events) if kind == "start"]
-    assert sorted(starts) == ["admission", "edge", "engine-1", "remote-1", "scraper"]
+    assert set(starts[:2]) == {"engine-1", "remote-1"} and starts[2:] == ["admission", "edge"]
 
     supervisor.request_stop()
     assert await asyncio.wait_for(task, 20) == 0
     stops = [name for kind, name, _ in _events(events) if kind == "sigterm"]
-    assert stops[0] == "edge" and set(stops[1:3]) == {"admission", "scraper"}
-    assert set(stops[3:]) == {"engine-1", "remote-1"}
-    assert not any(_alive(pid) for _, _, pid in _events(events))
-
-
-async def test_what_needs_no_simulator_starts_without_waiting_for_them(tmp_path: Path) -> None:
-    """Admission and the edge start while a simulator is still silent; the scraper, which
-    needs every simulator answering, never does."""
-    supervisor, out, events = _make(tmp_path, {"remote-1": "silent"}, ready_timeout=60)
-    task = asyncio.create_task(supervisor.run())
-    await out.wait_for(r"^\[edge\] llmgw edge ready", timeout=20)
-    assert "[remote-1] hello from remote-1" in out.lines
-    assert not any(line.startswith("[remote-1] llmgw ") for line in out.lines)
-    supervisor.request_stop()
-    assert await asyncio.wait_for(task, 20) == 0
-    assert "scraper" not in {name for _, name, _ in _events(events)}
+    assert stops[:2] == ["edge", "admission"] and set(stops[2:]) == {"engine-1", "remote-1"}
     assert not any(_alive(pid) for _, _, pid in _events(events))
 
 
