@@ -69,6 +69,14 @@ def test_no_avoidable_offload_with_four_instances_at_the_fleets_real_capacity(re
     # lone instance would offload too are pinned on the third party, where their later turns
     # hit no prefix cache of ours (docs/benchmarks.md, "Placement", compares N = 1 and 4).
     assert mix["prefix_vs_ideal"] >= (0.87 if load == 50 else 0.65), mix
+    # Batch bands wait for our engines when only the limits are full (ADR 0002, "a band that
+    # waits is held for quota"): none starts a session on the third party.
+    batch = {
+        route: n
+        for route, n in mix["third_party_by_route_band"].items()
+        if route.startswith("new_pin/") and route.split("/")[1] in ("silver", "bronze")
+    }
+    assert not batch, mix
     # The instances really borrowed: their shares alone would not have held the load.
     loans = results["quota_loans"]
     assert loans.get("loans_total:free", 0) + loans.get("loans_total:lent", 0) > 0, loans
