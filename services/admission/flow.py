@@ -301,12 +301,16 @@ class FlowControl:
         if self._cancelled.pop(request_id, None) is not None:  # its client left meanwhile
             self._resolve(waiter, CANCELLED, now)
             return future
-        self.queues.offer(waiter, first=True)
-        self._held[model] = now
+        self._put_back(waiter, now)
         future.add_done_callback(functools.partial(self._abandoned, waiter=waiter))
         if self._idle is not None and not self._idle.done():
             self._idle.set_result(None)
         return future
+
+    def _put_back(self, waiter: Waiter, now: float) -> None:
+        """`waiter` to the head of its queue, its model's held bands waiting for news of room."""
+        self.queues.offer(waiter, first=True)
+        self._held[waiter.model] = now
 
     def room_freed(self) -> None:
         """Room may have come back (a lease ended here, a peer's request ended): held bands
@@ -366,8 +370,7 @@ class FlowControl:
             log.exception("dispatching request %s failed", waiter.request_id)
             result = EXPIRED
         if isinstance(result, Held):
-            self.queues.offer(waiter, first=True)
-            self._held[waiter.model] = now
+            self._put_back(waiter, now)
             return False
         label = None if isinstance(result, Moved) else decision.value  # handed back: "dropped"
         self._resolve(waiter, result, now, decision=label)

@@ -172,25 +172,17 @@ def offload_reason(placement: Placement) -> str:
     return "no_managed_room"  # a new pin or an unpinned request that no managed provider took
 
 
-def _held_back(snapshot: Snapshot, outcome: Placement | Refusal) -> bool:
-    """Whether a managed provider ahead of where the request goes (or every provider, for a
-    refusal) lacked room here: only then could a loan of quota change the placement."""
+def _held_back(snapshot: Snapshot, outcome: Placement | Refusal) -> str | None:
+    """The first usable managed provider ahead of where the request goes (or of every
+    provider, for a refusal) that lacked room here, if any: only then could a loan of quota
+    change the placement."""
     chosen = outcome.provider if isinstance(outcome, Placement) else None
     for state in snapshot.providers:
         if state.id == chosen:
-            return False
+            return None
         room = state.room
         if state.managed and state.usable and not (room.pinned and room.unreserved and room.pin):
-            return True
-    return False
-
-
-def _held_pair(snapshot: Snapshot, model: str) -> tuple[str, str] | None:
-    """The first usable managed provider's pair that lacks room (`_held_back`'s)."""
-    for state in snapshot.providers:
-        room = state.room
-        if state.managed and state.usable and not (room.pinned and room.unreserved and room.pin):
-            return (state.id, model)
+            return state.id
     return None
 
 
@@ -238,6 +230,11 @@ class _QuotaWait:
 
     pair: tuple[str, str]
     until: float | None = None
+
+    @property
+    def in_queue(self) -> bool:
+        """It waits in its band's queue (no `until`), not for a lease end."""
+        return self.until is None
 
 
 class AdmissionService:
@@ -550,7 +547,7 @@ class AdmissionService:
         placed = self._place_or_borrow(context, overflow=overflow)
         if isinstance(placed, AdmitReply):
             return self._finish(context, placed)
-        if isinstance(placed, _QuotaWait) and placed.until is None:
+        if isinstance(placed, _QuotaWait) and placed.in_queue:
             return context, self._hold(context)
         context.borrowing = True
         return context, asyncio.ensure_future(self._borrowed(context, placed))
@@ -592,7 +589,7 @@ class AdmissionService:
 
         result: AdmitReply | _Loan | _QuotaWait = loan
         while not isinstance(result, AdmitReply):
-            if isinstance(result, _QuotaWait) and result.until is not None:
+            if isinstance(result, _QuotaWait) and result.until is not None:  # not in_queue
                 if not await self._room_freed_or(result.until):
                     context.grace_spent = True
                 tried.clear()
@@ -669,7 +666,7 @@ class AdmissionService:
         if not self.decides(context.request.shard):
             return MOVED
         placed = self._place_or_borrow(context, overflow=decision is GateDecision.OVERFLOW)
-        if isinstance(placed, _QuotaWait) and placed.until is None:
+        if isinstance(placed, _QuotaWait) and placed.in_queue:
             self.metrics.child(self.metrics.quota_holds, context.band.name).inc()
             return HELD
         self.metrics.child(self.metrics.flow_decisions, context.band.name, decision.value).inc()
@@ -768,12 +765,13 @@ class AdmissionService:
                 request.session, context.band.interactive, overflow, self._rng.random()
             )
             outcome = place(snapshot, asked)
-            if loans and not overflow and _held_back(snapshot, outcome):
+            lacking = _held_back(snapshot, outcome) if loans and not overflow else None
+            if lacking is not None:
                 loan = self._loan_for(snapshot, asked, outcome, candidate)
                 if loan is not None and tried.count(loan.pair) < _LOAN_ROUNDS:
                     return loan
                 if (waits or brief) and held is None:
-                    held = _held_pair(snapshot, candidate)
+                    held = (lacking, candidate)
             if isinstance(outcome, Placement):
                 served = candidate
                 break
