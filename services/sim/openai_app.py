@@ -130,6 +130,10 @@ class SimApp:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             handler = self._routes.get((scope["method"], scope["path"]))
+            if self.faults.api_keys and scope["path"].startswith("/v1/"):
+                if _presented_key(scope) not in self.faults.api_keys:
+                    await _send_error(send, _BAD_KEY)
+                    return
             if handler is not None:
                 await handler(scope, receive, send)
             elif scope["path"] in self._paths:
@@ -372,6 +376,20 @@ class SimApp:
         except ClientGone:
             return
         await send_json(send, 200, self.faults.model_dump())
+
+
+_BAD_KEY = SimError(401, "Incorrect API key provided.", code="invalid_api_key")
+
+
+def _presented_key(scope: Scope) -> str | None:
+    """The key a request presents: ``Authorization: Bearer <key>``, else ``x-api-key``."""
+    for name, value in scope["headers"]:
+        if name == b"authorization" and value[:7].lower() == b"bearer ":
+            return bytes(value[7:]).decode("latin-1").strip()
+    for name, value in scope["headers"]:
+        if name == b"x-api-key":
+            return bytes(value).decode("latin-1").strip()
+    return None
 
 
 def _max_tokens(body: dict[str, Any], param: str) -> int | None:

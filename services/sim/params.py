@@ -58,6 +58,10 @@ class FaultKnobs(BaseModel):
     """Fraction of requests `die_at_token` applies to."""
     unhealthy: bool = False
     """``GET /health`` answers 503 while set."""
+    api_keys: list[str] = Field(default_factory=list)
+    """Keys the ``/v1/`` routes accept (``Authorization: Bearer <key>`` or ``x-api-key``), as a
+    third party checks them: any other gets 401 ``invalid_api_key``. Empty: no key needed.
+    Changed at run time, it revokes a key (a provider's key rotation)."""
 
     def faults(self) -> FaultKnobs:
         """The fault knobs alone (a copy), e.g. to seed the runtime-mutable fault state."""

@@ -13,8 +13,8 @@ import openai
 import pytest
 from sim_helpers import Serve, content_of, metric, read_sse, wait_until
 
-from llmgw.services.sim.apps import create_engine_app
-from llmgw.services.sim.params import EngineParams
+from llmgw.services.sim.apps import create_engine_app, create_provider_app
+from llmgw.services.sim.params import EngineParams, ProviderParams
 
 MODEL = "sim-llama"
 
@@ -278,6 +278,21 @@ async def test_fault_knobs_rate_limit_and_errors_can_be_flipped_at_runtime(serve
     bad = await client.post("/sim/faults", json={"error_rate": 2})
     assert bad.status_code == 400
     assert "error_rate" in bad.json()["error"]["message"]
+
+
+async def test_api_keys_are_checked_on_the_v1_routes_and_can_be_revoked_at_runtime(
+    serve: Serve,
+) -> None:
+    client = await serve(create_provider_app(ProviderParams(api_keys=["sk-1"]), [MODEL]))
+    body = chat("x", max_tokens=1)
+    assert (await client.post("/v1/chat/completions", json=body)).status_code == 401
+    bearer = {"authorization": "Bearer sk-1"}
+    assert (await client.post("/v1/chat/completions", json=body, headers=bearer)).status_code == 200
+    assert (await client.get("/v1/models", headers={"x-api-key": "sk-1"})).status_code == 200
+    assert (await client.get("/health")).status_code == 200  # not an API route: no key
+    await client.post("/sim/faults", json={"api_keys": ["sk-2"]})  # sk-1 revoked
+    refused = await client.post("/v1/chat/completions", json=body, headers=bearer)
+    assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
 
 
 async def test_error_rate_is_a_seeded_fraction(serve: Serve) -> None:
