@@ -107,7 +107,10 @@ _RETRYABLE = frozenset(
         Outcome.UPSTREAM_BROKEN_STREAM,
     }
 )
-_RETRYABLE_STATUSES = frozenset({429, 500, 502, 503, 504})
+# The provider refused the gateway's own key for it (a key revoked, rotated, or missing): the
+# endpoint's failure, never the client's answer (its key is the gateway's business).
+_CREDENTIALS_REFUSED = frozenset({401, 403})
+_RETRYABLE_STATUSES = frozenset({429, 500, 502, 503, 504}) | _CREDENTIALS_REFUSED
 # Outcomes of an attempt that never reached an upstream (a retry found nowhere else to go).
 _ADMISSION_OUTCOMES = frozenset(
     {
@@ -362,16 +365,23 @@ class Attempts:
                 payload = await read_body(upstream, deadline)
             except UpstreamFailure as failure:
                 return self._failure(ending, failure.outcome, failure.message, headers)
-            if upstream.status < 500 and upstream.status != 429:
+            refused = upstream.status in _CREDENTIALS_REFUSED
+            if upstream.status < 500 and upstream.status != 429 and not refused:
                 # The engine judged the request itself (e.g. prompt too long): its answer is the
                 # client's answer.
                 ending.finish(Outcome.BAD_REQUEST)
                 return Response(
                     payload, status_code=upstream.status, headers=upstream_headers
                 ), Outcome.BAD_REQUEST
+            message = error_message_from_upstream(payload, upstream.status)
+            if refused:
+                message = (
+                    f"The provider {target.provider!r} refused the gateway's credentials "
+                    f"({upstream.status}): {message}"
+                )
             response = Response(
                 error_body(
-                    error_message_from_upstream(payload, upstream.status),
+                    message,
                     "upstream_error",
                     "upstream_error",
                 ),

@@ -137,3 +137,24 @@ async def test_engine_500_becomes_502_with_the_engine_message(gateway):
         response = await http.post(gateway.url + CHAT_PATH, json=chat(stream=False))
     assert response.status_code == 502
     assert response.json()["error"]["code"] == "upstream_error"
+
+
+async def test_an_engine_refusing_the_gateways_key_is_retried_elsewhere_never_a_client_401(
+    gateway,
+):
+    """A 401/403 from upstream is about the gateway's key for that provider (revoked, rotated):
+    the attempt is the endpoint's failure, retried on another; where none is left the client
+    gets a 502 naming the provider, never a 401 that would blame its own key."""
+    await set_faults(gateway.engines["engine-1"].url, api_keys=["a-key-we-do-not-have"])
+    async with httpx.AsyncClient() as http:
+        retried = await http.post(gateway.url + CHAT_PATH, json=chat(stream=False))
+        assert retried.status_code == 200 and retried.headers["x-llmgw-endpoint"] == "engine-2"
+        for engine in ("engine-2", "tensorx-1"):
+            await set_faults(gateway.engines[engine].url, api_keys=["a-key-we-do-not-have"])
+        for stream in (False, True):
+            response = await http.post(gateway.url + CHAT_PATH, json=chat(stream=stream))
+            assert response.status_code == 502, response.text
+            error = response.json()["error"]
+            assert error["code"] == "upstream_error"
+            assert "refused the gateway's credentials (401)" in error["message"], error
+    assert gateway.deps.metrics.retries.labels("upstream_error")._value.get() >= 1
