@@ -39,6 +39,7 @@ __all__ = [
     "restart_only_changes",
     "seed_key",
     "take_live",
+    "with_fleet_endpoints",
 ]
 
 log = logging.getLogger("llmgw.fleet")
@@ -133,15 +134,22 @@ def endpoint_problems(config: Config, endpoint: EndpointConfig) -> list[str]:
 
 
 def live_config(base: Config, fleet: Fleet) -> Config:
-    """`base` with the fleet applied: its endpoints replaced by the fleet's (active and draining
-    alike; placement leaves draining ones out), and the applied config's live fields on top
-    (`applied_config`). Records that do not fit are left out, with a warning."""
+    """`base` with the fleet applied: the applied config's live fields (`applied_config`),
+    then the fleet's endpoints (`with_fleet_endpoints`)."""
     if fleet.applied is not None:
         base = applied_config(base, fleet.applied)
+    return with_fleet_endpoints(base, fleet)
+
+
+def with_fleet_endpoints(config: Config, fleet: Fleet) -> Config:
+    """`config` with its endpoints replaced by the fleet's (active and draining alike;
+    placement leaves draining ones out). Records that do not fit `config` are left out, with a
+    warning. A service that applied the applied config's live fields once per revision calls
+    this alone at each endpoint change (no document to validate again)."""
     endpoints = []
-    providers = {p.id for p in base.providers}
+    providers = {p.id for p in config.providers}
     for record in fleet.records.values():
-        problems = endpoint_problems(base, record.endpoint)
+        problems = endpoint_problems(config, record.endpoint)
         if problems:
             # A provider an applied config removed: expected, said at each change at debug
             # level (`llmgw endpoints list` shows the record; drain and remove it to delete it).
@@ -156,11 +164,11 @@ def live_config(base: Config, fleet: Fleet) -> Config:
         endpoints.append(record.endpoint)
     # No re-validation of the whole: each endpoint was checked above, and a fleet may have
     # drained a provider's last endpoint (its pairs are then degraded, as with a dead engine).
-    return base.model_copy(update={"endpoints": endpoints})
+    return config.model_copy(update={"endpoints": endpoints})
 
 
 # Sections an applied config may hold; what of them `take_live` does not take is read only at
-# start (`endpoints` are the live fleet's, `spend` and `fleet` are not compared here).
+# start (`endpoints` are the live fleet's, `fleet` is not compared here).
 _RESTART_FIELDS = (
     "listen",
     "admin_listen",
@@ -172,18 +180,40 @@ _RESTART_FIELDS = (
     "scoring",
     "pinning",
     "balancer",
+    "spend",
     "auth",
     "log",
     "metrics",
     "events",
     "tracing",
-    "providers",  # a provider's kind, key and apis (`_PROVIDER_RESTART_FIELDS`)
+    "providers",  # a provider's kind (`_PROVIDER_RESTART_FIELDS`)
 )
 
 
-# What of a provider the running config has is read at start (the edge's upstream key, which
-# APIs its engines speak, whether admission counts it as managed).
-_PROVIDER_RESTART_FIELDS = ("kind", "api_key_env", "api_key_file", "apis")
+# What of a provider the running config has is read at start: whether admission counts it as
+# managed (its leases, pins and quota books are kept as one kind or the other).
+_PROVIDER_RESTART_FIELDS = ("kind",)
+
+# The fields of a section that change live (docs/config.md, "What changes without a
+# restart"); the section's other fields stay the running config's.
+_LIVE_FIELDS = {
+    "admission": ("bands", "default_band", "queue_ttl", "queue_capacity_per_band", "limit_grace"),
+    "pinning": (
+        "pin_inactivity_timeout",
+        "min_idle_before_evict",
+        "return_home",
+        "return_home_after",
+        "return_home_saturation",
+    ),
+    "spend": (
+        "prices",
+        "budgets",
+        "cost_header",
+        "default_output_tokens",
+        "cheaper_overflow_min_speed",
+    ),
+    "router": ("retries",),
+}
 
 
 def _parsed(applied: AppliedConfig) -> Config:
@@ -220,12 +250,14 @@ def applied_config(base: Config, applied: AppliedConfig) -> Config:
 
 def take_live(base: Config, new: Config) -> Config:
     """`base` with the fields that change live taken from `new` (docs/config.md, "What changes
-    without a restart"): the bands and the default band, `scoring`, `balancer`, `timeouts`,
-    `router.retries`; the models (names, aliases, fallbacks, routing profiles); `profiles` when
-    they hold every profile the models and `router.default_profile` name; the providers as `new`
-    lists them (added, removed, their pairs added, removed or with other limits, their priority
-    and strategy), except what a provider `base` has too is read at start: its kind, key and
-    apis stay `base`'s. `new` was validated as a whole, so what it references exists in it."""
+    without a restart"): `scoring`, `balancer`, `timeouts`; the `_LIVE_FIELDS` of `admission`
+    (bands, default band, queue sizes and TTL, `limit_grace`), `pinning` (pin expiry, eviction,
+    return home), `spend` (prices, budgets, the cost header) and `router` (retries); the models
+    (names, aliases, fallbacks, routing profiles); `profiles` when they hold every profile the
+    models and `router.default_profile` name; the providers as `new` lists them (added,
+    removed, their pairs added, removed or with other limits, their priority, strategy, key and
+    APIs), except that a provider `base` has too keeps its kind. `new` was validated as a
+    whole, so what it references exists in it."""
     providers = []
     for provider in new.providers:
         try:
@@ -235,16 +267,19 @@ def take_live(base: Config, new: Config) -> Config:
             continue
         kept = {f: getattr(running, f) for f in _PROVIDER_RESTART_FIELDS}
         providers.append(provider.model_copy(update=kept))
-    admission = base.admission.model_copy(
-        update={"bands": new.admission.bands, "default_band": new.admission.default_band}
-    )
+    sections = {
+        name: getattr(base, name).model_copy(
+            update={f: getattr(getattr(new, name), f) for f in fields}
+        )
+        for name, fields in _LIVE_FIELDS.items()
+    }
     named = {m.routing_profile for m in new.models if m.routing_profile is not None}
     named.add(base.router.default_profile)
     live = base.model_copy(
         update={
+            **sections,
             "providers": providers,
             "models": new.models,
-            "admission": admission,
             "scoring": new.scoring,
             "balancer": new.balancer,
             "timeouts": new.timeouts,
@@ -252,7 +287,6 @@ def take_live(base: Config, new: Config) -> Config:
             "profiles": new.profiles
             if named <= set(new.profiles)
             else {**base.profiles, **new.profiles},
-            "router": base.router.model_copy(update={"retries": new.router.retries}),
         }
     )
     live._canonical_models = dict(new._canonical_models)  # built when `new` was validated

@@ -194,13 +194,14 @@ class FlowControl:
             metrics.queue_depth.labels(band.name).set(0)
 
     def reconfigure(self, config: Config) -> int:
-        """Run on `config`'s band table and default band (an applied config), between two
-        ticks: queued requests of a kept band keep their places; those of a removed band are
+        """Run on `config`'s band table, default band, queue capacity and TTL (an applied
+        config), between two ticks: queued requests of a kept band keep their places; those of a removed band are
         answered `Moved`, so their edges ask again and get what any request of a band that
         does not exist gets (refused, unknown band). Returns how many were answered."""
         self.bands = band_policies(config)
         self._band = {b.name: b for b in self.bands}
         self.default_band = config.admission.default_band
+        self.queues.resize(config.admission.queue_capacity_per_band, config.admission.queue_ttl)
         now = self._clock()
         gone = self.queues.reband(self.bands)
         for waiter in gone:

@@ -1004,10 +1004,12 @@ class AdmissionService:
         self._fallbacks = {m.name: tuple(m.fallbacks) for m in config.models}
 
     def follow_config(self, config: Config) -> int:
-        """Decide by `config`'s models (names, fallbacks) and bands from the next decision on
-        (an applied config; `live.apply_fleet` swaps the rest). Queued requests of a removed
-        band are answered (`FlowControl.reconfigure`); returns how many."""
+        """Decide by `config`'s models (names, fallbacks), bands and queue bounds from the next
+        decision on, and expire idle pins after its `pin_inactivity_timeout` (an applied
+        config; `live.apply_fleet` swaps the rest). Queued requests of a removed band are
+        answered (`FlowControl.reconfigure`); returns how many."""
         self._follow_models_and_bands(config)
+        self.ledger.pin_inactivity_timeout = config.pinning.pin_inactivity_timeout
         return self.flow.reconfigure(config) if self.flow is not None else 0
 
     def _drop_queued(self, shard: int) -> None:

@@ -67,6 +67,8 @@ if TYPE_CHECKING:
     from nats.aio.msg import Msg
     from nats.aio.subscription import Subscription
 
+    from llmgw.config.schema import Config
+
 log = logging.getLogger("llmgw.edge.admission")
 
 _NO_RESPONDERS = "503"
@@ -325,6 +327,10 @@ class NatsAdmission:
         )
         with contextlib.suppress(Exception):
             await self._nc.publish(REQUEST_STATS_SUBJECT, ended.model_dump_json().encode())
+
+    def follow(self, config: Config, draining: frozenset[str] = frozenset()) -> None:
+        """Wait for a queued request as long as `config`'s queue TTL (an applied config)."""
+        self.queue_ttl = config.admission.queue_ttl
 
     async def _queued(
         self,

@@ -15,6 +15,7 @@ import logging
 import random
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
-from llmgw.config.credentials import CredentialsError, provider_keys
+from llmgw.config.credentials import provider_keys, read_keys
 from llmgw.core.anthropic import opening, parse_messages_request
 from llmgw.core.outcomes import Outcome
 from llmgw.core.requests import Feature, InvalidRequest, parse_request
@@ -46,7 +47,7 @@ from llmgw.state.memory_kv import MemoryKV
 from llmgw.state.responses import ResponseStore
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable
+    from collections.abc import Awaitable
 
     from starlette.types import Receive, Scope, Send
 
@@ -59,6 +60,10 @@ if TYPE_CHECKING:
     from llmgw.tracing import Tracing
 
 log = logging.getLogger("llmgw.edge")
+
+# A part of the edge that follows the config it runs on: the config (the live fleet's
+# endpoints in it, draining ones too) and the ids of the draining endpoints.
+ConfigFollower = Callable[["Config", frozenset[str]], None]
 
 _ROUTES = {path: Feature(name) for name, path in _PATHS.items()}
 
@@ -95,6 +100,10 @@ class EdgeDeps:
     budgets: BudgetGuard | None = None  # reserves and settles budgets (services/edge/budgets.py)
     # Stored Responses API responses (llmgw.state.responses); in memory unless composed on NATS
     responses: ResponseStore = field(default_factory=lambda: ResponseStore(MemoryKV()))
+    # Parts that keep tables of their own from the config (prices, budgets, the outage
+    # fallback's endpoints, the admission client's queue wait): each takes the config the edge
+    # runs on, then each applied config and fleet change (`Edge.follow_config`).
+    followers: list[ConfigFollower] = field(default_factory=list)
 
 
 class Edge:
@@ -116,16 +125,13 @@ class Edge:
         self.band_header = config.admission.band_header
         self.session_header = config.router.session_header
         self.inject_usage = config.router.inject_usage
-        self.upstream_headers = _provider_auth_headers(config)
+        self.upstream_headers = _provider_auth_headers(config, provider_keys(config))
         self.spend = deps.spend
         self.budgets = deps.budgets
-        self.spend_header = config.spend.cost_header
-        self.default_output = config.spend.default_output_tokens
         self.attempts = Attempts(self)
         self.responses = ResponsesApi(config, deps.responses, deps.rng)
         stored = deps.metrics.responses_stored
         deps.responses.on_result = lambda result: stored.labels(result).inc()
-        self.messages = MessagesApi(config)
         self.follow_config(config)
 
     def upstream_headers_for(self, routed: RoutedRequest, provider: str) -> dict[str, str]:
@@ -322,16 +328,20 @@ class Edge:
         record.when_sent(lambda: limiter.release_tokens(key_id, estimate, window))
         return None
 
-    def follow_config(self, config: Config) -> None:
-        """Run on `config`'s bands, models (names, aliases; added or removed), retries and
-        timeouts from the next request on, with the upstream headers and APIs of any provider
-        it adds (at start, then each applied config: services/edge/live.py)."""
+    def follow_config(self, config: Config, draining: frozenset[str] = frozenset()) -> None:
+        """Run on `config` from the next request on (at start, then at each applied config and
+        fleet change: services/edge/live.py): its bands, models (names, aliases; added or
+        removed), retries, timeouts, the cost header, the upstream key of each provider (read
+        again: a rotated key file is taken) and the APIs its providers and endpoints speak; the
+        `followers` take it too. `draining`: endpoints that take no new work."""
+        if config is not self.config:  # a follow: read every key again, keep what fails
+            self.upstream_headers = _live_auth_headers(config, self.upstream_headers)
         self.config = config
         self.bands = frozenset(b.name for b in config.admission.bands)
-        if any(p.id not in self.upstream_headers for p in config.providers):  # providers added
-            self.upstream_headers = _live_auth_headers(config, self.upstream_headers)
-        # the APIs each provider serves (a running provider's are read at start: `take_live`)
         self.responses.apis = {p.id: frozenset(p.apis) for p in config.providers}
+        self.messages = MessagesApi(config)
+        self.spend_header = config.spend.cost_header
+        self.default_output = config.spend.default_output_tokens
         if self.auth is not None:  # a key without a default band of its own takes this one
             self.auth.default_band = config.admission.default_band
         profiles = {m.name: config.profile_for_model(m.name) for m in config.models}
@@ -344,6 +354,8 @@ class Edge:
             for m in config.public_model_ids()
             if (canonical := config.resolve_model(m)) is not None  # each public id resolves
         }
+        for follower in self.deps.followers:
+            follower(config, draining)
 
     def model_for(self, caller: Caller | None, asked: str) -> str | None:
         """The canonical model `asked` names, or None when it is unknown or `caller`'s key may
@@ -399,10 +411,8 @@ class Edge:
 _JSON = {"content-type": "application/json"}
 
 
-def _provider_auth_headers(config: Config) -> dict[str, dict[str, str]]:
-    """Upstream headers per provider: JSON, plus a bearer key where one is configured
-    (`provider_keys`: CredentialsError when a configured key is missing)."""
-    keys = provider_keys(config)
+def _provider_auth_headers(config: Config, keys: dict[str, str]) -> dict[str, dict[str, str]]:
+    """Upstream headers per provider: JSON, plus a bearer key where `keys` has one."""
     headers = {}
     for provider in config.providers:
         h = {"content-type": "application/json"}
@@ -415,15 +425,22 @@ def _provider_auth_headers(config: Config) -> dict[str, dict[str, str]]:
 def _live_auth_headers(
     config: Config, running: dict[str, dict[str, str]]
 ) -> dict[str, dict[str, str]]:
-    """The upstream headers once an applied config added providers: a provider that runs keeps
-    its own (its key is read at start); a new one gets its key now, or, when its key cannot be
-    read here, goes without one (logged: its upstream then answers 401, a failed attempt)."""
-    try:
-        fresh = _provider_auth_headers(config)
-    except CredentialsError as exc:
-        log.error("an applied config's provider key cannot be read here: %s", exc)
-        fresh = {p.id: dict(_JSON) for p in config.providers}
-    return {p.id: running.get(p.id) or fresh[p.id] for p in config.providers}
+    """The upstream headers of a config the edge follows: every configured key read again (a
+    new provider's, a rotated key file's, another variable's); a key that cannot be read now
+    keeps what that provider ran with, and a new provider's goes without one (logged: its
+    upstream then answers 401, a failed attempt)."""
+    keys, problems = read_keys(config)
+    fresh = _provider_auth_headers(config, keys)
+    for provider, problem in problems.items():
+        kept = provider in running
+        log.error(
+            "a provider key cannot be read here (%s): %s",
+            "its calls keep the key they had" if kept else "its calls go without a key",
+            problem,
+        )
+        if kept:
+            fresh[provider] = running[provider]
+    return fresh
 
 
 class HotPathApp:

@@ -127,9 +127,21 @@ class BudgetGuard:
         self._clock = clock
         self.interval = config.spend.interval
         self.request_timeout = config.nats.request_timeout
+        self._accounts: dict[str, _Account] = {}
+        self._periods: dict[str, tuple[int, str]] = {}
+        self._keys: dict[tuple[str, str, str], str] = {}
+        self._task: asyncio.Task[None] | None = None
+        self.follow(config)
+
+    def follow(self, config: Config, draining: frozenset[str] = frozenset()) -> None:
+        """Reserve by `config`'s budgets and prices from the next request on (at start, then
+        each applied config and fleet change). Reservations made before settle as they were
+        made; an account takes a tenant's new limit at its next reservation."""
         self.default_output = config.spend.default_output_tokens
         self.tenants: dict[str, Budget] = {b.tenant: b.budget() for b in config.spend.budgets}
         book = config.spend.price_book(config.resolve_model)
+        # per model: the third parties' endpoints (draining ones too: a request kept off
+        # third parties must not reach one that still serves)
         self.third_party_endpoints: dict[str, tuple[str, ...]] = {}
         self._worst: dict[str, TokenPrices] = {}
         self._worst_third: dict[str, TokenPrices] = {}
@@ -142,10 +154,6 @@ class BudgetGuard:
             self.third_party_endpoints[model.name] = tuple(
                 e.id for e in config.endpoints if e.provider in third
             )
-        self._accounts: dict[str, _Account] = {}
-        self._periods: dict[str, tuple[int, str]] = {}
-        self._keys: dict[tuple[str, str, str], str] = {}
-        self._task: asyncio.Task[None] | None = None
 
     @property
     def active(self) -> bool:
@@ -153,7 +161,8 @@ class BudgetGuard:
         return bool(self.tenants)
 
     async def start(self) -> None:
-        if self._nc is not None and self.tenants:
+        # Always: a tenant's budget may come with an applied config, and keys carry their own.
+        if self._nc is not None:
             self._task = asyncio.create_task(self._sync_loop(), name="budget-sync")
 
     async def stop(self) -> None:
@@ -201,7 +210,6 @@ class BudgetGuard:
     ) -> None:
         period = self._period(budget.period)
         if budget.max_spend is not None:
-            # a model an applied config added has no price here until a restart: free
             estimate = self._worst.get(model, _NO_PRICE).cost(use)
             account = self._account("spend", scope, period, budget.max_spend)
             if not await self._reserve(account, estimate):

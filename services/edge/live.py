@@ -1,8 +1,10 @@
-"""The edge following the applied config (`llmgw config apply`): a read-only watch of the fleet
-bucket, and each new revision's live fields (`llmgw.fleet.applied_config`) swapped in between
-two requests (`Edge.follow_config`): the models and aliases that `/v1/models` lists and
-requests are checked against (added or removed), the bands of the band header, retries,
-timeouts and a new provider's upstream key.
+"""The edge following the applied config (`llmgw config apply`) and the live fleet: a read-only
+watch of the fleet bucket, and each new revision's live fields (`llmgw.fleet.applied_config`)
+with the fleet's endpoints swapped in between two requests (`Edge.follow_config`): the models
+and aliases that `/v1/models` lists and requests are checked against (added or removed), the
+bands of the band header, retries, timeouts, the providers' upstream keys, prices and budgets,
+which endpoints speak the Messages API, and the endpoints the edge falls back on while NATS is
+unreachable (`admission.on_nats_outage: local`).
 
 The edge only reads the bucket (its NATS role may read it, not create it): when it does not
 exist yet, or cannot be read, the edge runs on its file and says so, as before. Every edge
@@ -16,7 +18,7 @@ import contextlib
 import logging
 from typing import TYPE_CHECKING
 
-from llmgw.fleet import Fleet, applied_config
+from llmgw.fleet import Fleet, applied_config, with_fleet_endpoints
 from llmgw.state.fleet import FleetMirror, open_fleet
 from llmgw.wire import EDGE_CONFIG_SUBJECT, EdgeConfigReply
 
@@ -32,19 +34,33 @@ log = logging.getLogger("llmgw.edge.config")
 
 
 class AppliedConfigFollower:
-    """Applies each new applied-config revision to one edge (`Edge.follow_config`)."""
+    """Applies each fleet snapshot to one edge (`Edge.follow_config`): the applied config's
+    live fields, parsed once per revision, with the fleet's endpoints. A snapshot that changes
+    neither (a registered engine's heartbeat) changes nothing. Until the fleet holds an
+    endpoint (not seeded yet) the edge keeps its file's."""
 
     def __init__(self, edge: Edge, base: Config) -> None:
         self.edge = edge
         self.base = base
         self.revision = 0  # the applied config's revision in force here (0: the file)
+        self._running = base  # `base` with the applied config's live fields
+        self._shape: object = None
 
     def __call__(self, fleet: Fleet) -> None:
-        if fleet.applied is None or fleet.config_revision == self.revision:
-            return  # an endpoint's change: not the edge's business (admission places)
-        self.edge.follow_config(applied_config(self.base, fleet.applied))
-        self.revision = fleet.config_revision
-        log.info("applied config revision %d in force", self.revision)
+        if fleet.applied is not None and fleet.config_revision != self.revision:
+            self._running = applied_config(self.base, fleet.applied)
+        shape = (
+            {i: (r.state, r.endpoint) for i, r in fleet.records.items()},
+            fleet.config_revision,
+        )
+        if shape == self._shape:
+            return
+        self._shape = shape
+        config = with_fleet_endpoints(self._running, fleet) if fleet.records else self._running
+        self.edge.follow_config(config, fleet.view().draining)
+        if fleet.config_revision != self.revision:
+            self.revision = fleet.config_revision
+            log.info("applied config revision %d in force", self.revision)
 
 
 class Following:

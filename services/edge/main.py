@@ -32,7 +32,7 @@ from llmgw.runtime import (
 from llmgw.services.admission.compose import open_admission
 from llmgw.services.edge.admin import create_admin_app
 from llmgw.services.edge.admission_client import NatsAdmission
-from llmgw.services.edge.app import EdgeDeps, create_app
+from llmgw.services.edge.app import ConfigFollower, EdgeDeps, create_app
 from llmgw.services.edge.auth import (
     TokenCountingReporter,
     close_key_auth,
@@ -174,10 +174,13 @@ async def open_edge_deps(
     )
     budget = LocalBudget() if config.admission.on_nats_outage == "local" else None
     admission: AdmissionClient = over_nats
+    followers: list[ConfigFollower] = [over_nats.follow]
     if budget is not None:
-        admission = OutageAdmission(
+        outage = OutageAdmission(
             over_nats, config, edge_id, budget, is_connected=lambda: nc.is_connected
         )
+        admission = outage
+        followers.append(outage.follow)
     if colocated is not None:
         colocated.serve_edge(edge_id)  # its ends are handed over in process (NatsReporter)
         admission = ColocatedAdmission(colocated, admission)
@@ -203,7 +206,9 @@ async def open_edge_deps(
     await spend.start()
     budgets = BudgetGuard(nc, edge_id, config, metrics=metrics.spend, scale=spend.scaled_input)
     await budgets.start()
+    followers += [spend.follow, budgets.follow]
     return EdgeDeps(
+        followers=followers,
         spend=spend,
         budgets=budgets,
         admission=admission,

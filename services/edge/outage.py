@@ -87,6 +87,16 @@ class OutageAdmission:
         self.local_grants = 0
         self._outage_logged = False
 
+    def follow(self, config: Config, draining: frozenset[str] = frozenset()) -> None:
+        """Decide alone by `config`'s providers, limits and endpoints from the next local
+        decision on (each applied config and fleet change, while NATS was reachable): the
+        fleet's endpoints as last seen, draining ones left out."""
+        if draining:
+            kept = [e for e in config.endpoints if e.id not in draining]
+            config = config.model_copy(update={"endpoints": kept})
+        self._config = config
+        self._providers = {}
+
     # The NatsAdmission lifecycle passes through (start, stop, probe).
     async def start(self) -> None:
         await self.inner.start()

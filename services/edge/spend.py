@@ -104,10 +104,8 @@ class SpendBook:
     ) -> None:
         self._nc = nc
         self.edge_id = edge_id
-        self.prices: PriceBook = config.spend.price_book(config.resolve_model)
         self.currency = config.spend.currency
         self.interval = config.spend.interval
-        self.third_party = frozenset(p.id for p in config.providers if not p.is_managed)
         self._metrics = metrics
         self._clock = clock
         self.day = period_of(clock())
@@ -118,6 +116,17 @@ class SpendBook:
         self._task: asyncio.Task[None] | None = None
         self._calibration: dict[tuple[str, str], PromptCalibration] = {}
         self._children: dict[tuple[str | None, str, str, str | None], tuple[Any, ...]] = {}
+        self.third_party: frozenset[str] = frozenset()
+        self.follow(config)
+
+    def follow(self, config: Config, draining: frozenset[str] = frozenset()) -> None:
+        """Price by `config`'s prices from the next attempt on (at start, then each applied
+        config): an attempt that ended before is counted at the prices it ended under."""
+        self.prices: PriceBook = config.spend.price_book(config.resolve_model)
+        third_party = frozenset(p.id for p in config.providers if not p.is_managed)
+        if third_party != self.third_party:
+            self._children.clear()  # which providers count as overflow changed
+        self.third_party = third_party
 
     async def start(self) -> None:
         if self._nc is not None:

@@ -1,9 +1,12 @@
-"""Upstream API keys of providers, read once when the edge starts.
+"""Upstream API keys of providers, read when the edge starts and at each applied config.
 
 `provider_keys` reads each provider's `api_key_env` (from the environment) or `api_key_file`
 and fails with every problem at once when a configured source is missing or empty: a provider
-whose key did not arrive is an error at start, never a stream of upstream 401s. The keys are
-returned, never logged; problems name the variable or file, never a value.
+whose key did not arrive is an error at start, never a stream of upstream 401s. `read_keys`
+reads the same, provider by provider, for an edge that runs already (an applied config: a new
+provider's key, a key file rotated): it returns the keys it read and the problems by provider,
+so the caller keeps what runs where a source cannot be read now. The keys are returned, never
+logged; problems name the variable or file, never a value.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from llmgw.config.schema import Config
 
-__all__ = ["CredentialsError", "provider_keys"]
+__all__ = ["CredentialsError", "provider_keys", "read_keys"]
 
 
 class CredentialsError(ValueError):
@@ -28,15 +31,26 @@ class CredentialsError(ValueError):
 
 def provider_keys(config: Config, environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """provider id -> its upstream API key, for the providers that configure one."""
+    keys, problems = read_keys(config, environ)
+    if problems:
+        raise CredentialsError(list(problems.values()))
+    return keys
+
+
+def read_keys(
+    config: Config, environ: Mapping[str, str] | None = None
+) -> tuple[dict[str, str], dict[str, str]]:
+    """(provider id -> key, provider id -> problem): each provider that configures a key has
+    one or the other; a provider without `api_key_env` or `api_key_file` has neither."""
     environ = os.environ if environ is None else environ
     keys: dict[str, str] = {}
-    problems: list[str] = []
+    problems: dict[str, str] = {}
     for index, provider in enumerate(config.providers):
         where = f"providers[{index}] ({provider.id})"
         if provider.api_key_env is not None:
             value = environ.get(provider.api_key_env, "").strip()
             if not value:
-                problems.append(
+                problems[provider.id] = (
                     f"{where}.api_key_env: environment variable {provider.api_key_env} is not set"
                 )
         elif provider.api_key_file is not None:
@@ -44,14 +58,14 @@ def provider_keys(config: Config, environ: Mapping[str, str] | None = None) -> d
                 with open(provider.api_key_file, encoding="utf-8") as handle:
                     value = handle.read().strip()
             except OSError as exc:
-                problems.append(f"{where}.api_key_file: {provider.api_key_file}: {exc.strerror}")
+                problems[provider.id] = (
+                    f"{where}.api_key_file: {provider.api_key_file}: {exc.strerror}"
+                )
                 continue
             if not value:
-                problems.append(f"{where}.api_key_file: {provider.api_key_file} is empty")
+                problems[provider.id] = f"{where}.api_key_file: {provider.api_key_file} is empty"
         else:
             continue
         if value:
             keys[provider.id] = value
-    if problems:
-        raise CredentialsError(problems)
-    return keys
+    return keys, problems

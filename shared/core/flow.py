@@ -281,6 +281,18 @@ class FlowQueues:
         self._depth = {b.name: self._depth.get(b.name, 0) for b in self.bands}
         return gone
 
+    def resize(self, capacity_per_band: int, ttl: float) -> None:
+        """New bounds (an applied config): a band over its new capacity keeps its waiters and
+        takes no more until it is under again; every waiter, queued before or after, expires
+        `ttl` after its ``enqueued_at`` (a shorter ttl expires the overdue at the next
+        `expire`)."""
+        if capacity_per_band < 1:
+            raise ValueError("capacity_per_band must be >= 1")
+        if not ttl > 0:
+            raise ValueError("ttl must be > 0")
+        self.capacity_per_band = capacity_per_band
+        self.ttl = ttl
+
     def depth(self, band: str) -> int:
         return self._depth[band]
 

@@ -309,6 +309,22 @@ def test_a_new_band_table_keeps_the_waiters_of_kept_bands_and_returns_a_removed_
         queues.offer(waiter(10, band="silver"))
 
 
+def test_new_bounds_expire_by_the_new_ttl_and_refuse_past_the_new_capacity():
+    queues = FlowQueues(BANDS, 4, 30)
+    for i in range(4):
+        queues.offer(waiter(i, f"t{i}", at=NOW + i))
+    queues.resize(2, 10)
+    assert len(queues) == 4 and not queues.offer(waiter(4, "t4"))  # over: kept, no more taken
+    assert [w.request_id for w in queues.expire(NOW + 11)] == ["r0", "r1"]  # 10 s, not 30
+    assert not queues.offer(waiter(5, "t5"))  # two left: at the new capacity
+    assert queues.take("m", "bronze") is not None and queues.offer(waiter(6, "t6", at=NOW + 20))
+    assert [w.request_id for w in queues.expire(NOW + 30)] == ["r3", "r6"]
+    with pytest.raises(ValueError):
+        queues.resize(0, 10)
+    with pytest.raises(ValueError):
+        queues.resize(2, 0)
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     st.lists(st.tuples(st.integers(1, 10), st.integers(0, 12)), min_size=1, max_size=3),

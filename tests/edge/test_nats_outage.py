@@ -24,8 +24,11 @@ from gated import GatedEngine, gated_config
 from inproc import Admission, Edge, start_admission, start_edge
 
 from llmgw.config import Config
+from llmgw.core.fleet import EndpointState
+from llmgw.fleet import Fleet, FleetRecord
 from llmgw.nats_embedded import EmbeddedNats
 from llmgw.services.edge.leases import is_local_lease
+from llmgw.services.edge.live import AppliedConfigFollower
 from llmgw.services.scraper.main import serve as serve_scraper
 from llmgw.serving import RunningServer, free_port, start_server
 
@@ -176,3 +179,35 @@ async def test_local_serves_within_the_share_and_the_owner_takes_the_grants_back
         after = await client.post("/v1/chat/completions", **chat("after"))
         assert after.status_code == 200 and after.headers["x-llmgw-route"] != "local"
     assert engine.peak == G
+
+
+async def test_local_decides_on_the_fleet_as_the_edge_last_saw_it(local_rig: Rig) -> None:
+    """The edge follows the live fleet (services/edge/live.py), so while NATS is down it
+    decides on the endpoints the fleet had: one added since the start serves, a drained one
+    takes nothing (the file lists only the drained one)."""
+    rig = local_rig
+    added = GatedEngine()
+    added.gate.set()
+    upstream = await start_server(added)
+    try:
+        edge = rig.edge.app.edge
+        file_endpoint = edge.config.endpoints[0]
+        new = file_endpoint.model_copy(update={"id": "engine-2", "url": upstream.url})
+        fleet = Fleet(
+            records={
+                file_endpoint.id: FleetRecord(endpoint=file_endpoint, state=EndpointState.DRAINING),
+                new.id: FleetRecord(endpoint=new),
+            },
+            revision=3,
+        )
+        AppliedConfigFollower(edge, edge.config)(fleet)
+        await stop_nats(rig)
+        async with httpx.AsyncClient(base_url=rig.edge.url, timeout=10) as client:
+            for i in range(3):
+                response = await client.post("/v1/chat/completions", **chat(f"s{i}"))
+                assert response.status_code == 200, response.text
+                assert response.headers["x-llmgw-route"] == "local"
+                assert response.headers["x-llmgw-endpoint"] == "engine-2"
+        assert added.served == 3 and rig.engine.served == 0
+    finally:
+        await upstream.stop()

@@ -141,7 +141,15 @@ def test_an_applied_config_changes_its_live_fields_and_names_what_needs_a_restar
     values = config.model_dump(mode="json")
     values["providers"][0]["models"][0]["limits"]["max_global_in_flight_request_slots"] = 32
     values["providers"][1]["priority"] = 120
-    values["admission"]["queue_capacity_per_band"] = 7  # needs a restart
+    values["admission"]["queue_capacity_per_band"] = 7
+    values["admission"]["queue_ttl"] = "5s"
+    values["admission"]["shards"] = 64  # needs a restart
+    values["pinning"]["pin_inactivity_timeout"] = "90s"
+    values["pinning"]["return_home"] = False
+    values["pinning"]["lease_timeout"] = "7s"  # needs a restart
+    values["spend"]["cost_header"] = True
+    values["spend"]["prices"][0]["output"] = 99
+    values["spend"]["currency"] = "EUR"  # needs a restart
     values["admission"]["bands"][-1]["saturation_ceiling"] = 0.25
     values["models"][0]["aliases"] = ["llama", "big"]
     values["models"][1]["fallbacks"] = ["llama-3.3-70b"]
@@ -156,12 +164,23 @@ def test_an_applied_config_changes_its_live_fields_and_names_what_needs_a_restar
     assert limits is not None and limits.max_global_in_flight_request_slots == 32
     assert live.provider("tensorx").priority == 120
     assert live.admission.bands[-1].saturation_ceiling == 0.25
-    assert live.admission.queue_capacity_per_band == config.admission.queue_capacity_per_band
+    assert live.admission.queue_capacity_per_band == 7 and live.admission.queue_ttl == 5
+    assert live.admission.shards == config.admission.shards
+    assert live.pinning.pin_inactivity_timeout == 90 and live.pinning.return_home is False
+    assert live.pinning.lease_timeout == config.pinning.lease_timeout
+    assert live.spend.cost_header and live.spend.prices[0].output == 99
+    assert live.spend.currency == config.spend.currency
     assert live.resolve_model("big") == "llama-3.3-70b"
     assert live.models[1].fallbacks == ["llama-3.3-70b"] and live.scoring.kv_ceiling == 0.5
     assert live.timeouts.total == 9 and live.router.retries == 5
     assert live.listen == config.listen and live.router.session_header != "x-conversation"
-    assert restart_only_changes(config, applied) == ["listen", "router", "admission"]
+    assert restart_only_changes(config, applied) == [
+        "listen",
+        "router",
+        "admission",
+        "pinning",
+        "spend",
+    ]
 
 
 def test_profiles_without_the_running_default_profile_keep_it(config: Config) -> None:
@@ -201,6 +220,8 @@ def test_an_applied_config_adds_and_removes_models_providers_and_pairs(config: C
         }
     )
     values["providers"][0]["kind"] = "unlimited"  # read at start
+    values["providers"][1]["api_key_env"] = "TENSORX_NEW_KEY"
+    values["providers"][1]["apis"] = ["chat_completions"]
     values["endpoints"] = [
         {**e, "models": [m for m in e["models"] if m != "qwen2.5-32b"]} for e in values["endpoints"]
     ]
@@ -212,12 +233,14 @@ def test_an_applied_config_adds_and_removes_models_providers_and_pairs(config: C
             "models": ["mistral-7b", "llama-3.3-70b"],
         }
     )
-    new = config_from_dict(values, env={"VELA_KEY": "k"})
+    new = config_from_dict(values, env={"VELA_KEY": "k", "TENSORX_NEW_KEY": "k2"})
     applied = AppliedConfig(config=values, source="new.yaml")
     live = take_live(config, new)
     assert [p.id for p in live.providers] == [p.id for p in new.providers]
     assert live.provider("vela").api_key_env == "VELA_KEY"
     assert live.providers[0].kind == config.providers[0].kind
+    assert live.provider("tensorx").api_key_env == "TENSORX_NEW_KEY"  # a key is read again
+    assert live.provider("tensorx").apis == ["chat_completions"]
     assert live.resolve_model("mistral") == "mistral-7b"
     assert live.resolve_model("qwen2.5-32b") is None and live.resolve_model("qwen") is None
     assert all(p.model("qwen2.5-32b") is None for p in live.providers)

@@ -267,3 +267,24 @@ async def test_a_band_removed_live_answers_its_queued_requests_and_the_kept_ones
     await open_headroom(rig)
     await ticks(service)
     assert all(t.done() and admitted(t.result()) for t in silver)
+
+
+async def test_queue_bounds_applied_live_expire_and_refuse_by_the_new_values(rig):
+    """An applied config's `queue_ttl` and `queue_capacity_per_band` (30 s and 2000 in the
+    rig) take the requests already queued: the shortened TTL expires them, the lowered capacity
+    refuses the next one at once while the band is over it."""
+    await saturate(rig)
+    service = rig.admissions[0]
+    queued = [asyncio.create_task(rig.ask(band="bronze")) for _ in range(3)]
+    await until(lambda: rig.queued() == 3, what="bronze queued")
+    admission = service.config.admission
+    shorter = admission.model_copy(update={"queue_ttl": 0.4, "queue_capacity_per_band": 2})
+    applied = service.config.model_copy(update={"admission": shorter})
+    service.follow_config(applied)
+    rig.client.follow(applied)  # the edge's wait follows too
+    full = await rig.ask(band="bronze")
+    assert (admitted(full), full.refusal) == (False, Refusal.QUEUE_FULL)
+    started = time.monotonic()
+    expired = await asyncio.gather(*queued)
+    assert all(r.refusal is Refusal.QUEUE_TIMEOUT for r in expired), expired
+    assert time.monotonic() - started < 1.5 and rig.queued() == 0  # 0.4 s after they came
