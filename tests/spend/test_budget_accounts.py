@@ -139,11 +139,13 @@ async def test_an_account_forgotten_while_idle_keeps_what_the_edge_spent(account
         await nc.close()
 
 
-async def test_a_model_an_applied_config_added_reserves_nothing_until_it_has_a_price(
+async def test_an_applied_config_prices_a_new_model_and_its_third_partys_new_endpoints(
     accounts,
 ) -> None:
-    """Prices are read at start: a model added live has none here yet, so a tenant's budget
-    reserves nothing for it (its spend counts as free) instead of failing the request."""
+    """The guard follows the config the edge runs on: a model with no price reserves nothing
+    (its spend counts as free) instead of failing the request; once an applied config prices
+    it, the next reservation is priced, and a third party's endpoint that joined the fleet is
+    one a request kept off third parties excludes."""
     config, _ = accounts
     nc = await nats.connect(config.nats.url)
     try:
@@ -151,5 +153,21 @@ async def test_a_model_an_applied_config_added_reserves_nothing_until_it_has_a_p
         hold = await guard.reserve("t", "mistral-7b", BODY)
         assert hold is not None and [estimate for _, estimate in hold.parts] == [0]
         hold.release()
+
+        data = config.model_dump(mode="json")
+        data["models"].append({"name": "mistral-7b"})
+        data["providers"][1]["models"].append({"name": "mistral-7b"})
+        data["spend"]["prices"].append(
+            {"provider": "tensorx", "model": "mistral-7b", "input": 1, "output": 4}
+        )
+        joined = {**data["endpoints"][-1], "id": "tensorx-west-2", "models": ["mistral-7b"]}
+        data["endpoints"].append(joined)
+        guard.follow(config_from_dict(data, env={}))
+        hold = await guard.reserve("t", "mistral-7b", BODY)
+        assert hold is not None
+        [(_, estimate)] = hold.parts
+        assert estimate >= 100 * 4_000_000  # 100 output tokens at 4 per million, in picos
+        hold.release()
+        assert "tensorx-west-2" in guard.third_party_endpoints["mistral-7b"]
     finally:
         await nc.close()
