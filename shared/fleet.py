@@ -112,6 +112,15 @@ class Fleet:
     def view(self) -> FleetView:
         return FleetView({i: r.state for i, r in self.records.items()}, self.revision)
 
+    def shape(self) -> object:
+        """What a follower runs on from this snapshot, heartbeats aside: the endpoints, their
+        states and the applied config's revision (a registered engine's heartbeat is a write
+        that changes none of them)."""
+        return (
+            {i: (r.state, r.endpoint) for i, r in self.records.items()},
+            self.config_revision,
+        )
+
 
 def endpoint_problems(config: Config, endpoint: EndpointConfig) -> list[str]:
     """Why `endpoint` cannot join a fleet running `config` (empty: it can). The same checks

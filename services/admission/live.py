@@ -123,10 +123,7 @@ class FleetFollower:
                     ", ".join(gone),
                 )
         self.applied += 1
-        shape = (
-            {i: (r.state, r.endpoint) for i, r in fleet.records.items()},
-            fleet.config_revision,
-        )
+        shape = fleet.shape()
         changed, self._shape = shape != self._shape, shape
         # A registered engine's heartbeat is a write too: logged only when it changed more.
         log.log(

@@ -49,10 +49,7 @@ class AppliedConfigFollower:
     def __call__(self, fleet: Fleet) -> None:
         if fleet.applied is not None and fleet.config_revision != self.revision:
             self._running = applied_config(self.base, fleet.applied)
-        shape = (
-            {i: (r.state, r.endpoint) for i, r in fleet.records.items()},
-            fleet.config_revision,
-        )
+        shape = fleet.shape()
         if shape == self._shape:
             return
         self._shape = shape
