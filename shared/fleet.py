@@ -63,6 +63,9 @@ class FleetRecord(BaseModel):
     # An endpoint that registered itself: drained once it has not heartbeaten for `ttl`
     # seconds, removed after as long again (`llmgw register`). None: kept until removed.
     heartbeat_ttl: float | None = Field(None, gt=0)
+    # Its last heartbeat, by its registrant's clock (unix seconds): shown, and each new
+    # value is a heartbeat; the reaper measures silence on its own clock, from when it saw
+    # this change (`HeartbeatJanitor`), never against another host's time.
     heartbeat_at: float | None = None
 
     @property

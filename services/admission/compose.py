@@ -176,7 +176,8 @@ async def _compose(
 
 def watch_service(metrics: AdmissionMetrics, service: AdmissionService) -> None:
     """Export what `service` holds: breakers, ledger (leases, pins, quotas), loans."""
-    metrics.watch_breakers(service.breakers, [e.id for e in service.config.endpoints])
+    # The endpoints it runs on at each scrape: its config follows every fleet change.
+    metrics.watch_breakers(service.breakers, lambda: [e.id for e in service.config.endpoints])
     metrics.watch_ledger(service.ledger, lambda: len(service.shards.serving))
     metrics.watch_quotas(service.quotas)
     metrics.registry.register(FleetCollector(service))

@@ -153,16 +153,21 @@ class AdmissionMetrics:
     def watch_breakers(
         self,
         breakers: BreakerBoard,
-        endpoints: Iterable[str],
+        endpoints: Callable[[], Iterable[str]],
         clock: Callable[[], float] = time.time,
     ) -> None:
-        """Export each endpoint's breaker state (1 for its current state, 0 for the others)."""
-        self.registry.register(_BreakerCollector(breakers, list(endpoints), clock))
+        """Export each endpoint's breaker state (1 for its current state, 0 for the others):
+        of the endpoints `endpoints()` names at each scrape (the live fleet the instance runs
+        on, so an endpoint added or removed at run time appears or leaves)."""
+        self.registry.register(_BreakerCollector(breakers, endpoints, clock))
 
 
 class _BreakerCollector(Collector):
     def __init__(
-        self, breakers: BreakerBoard, endpoints: list[str], clock: Callable[[], float]
+        self,
+        breakers: BreakerBoard,
+        endpoints: Callable[[], Iterable[str]],
+        clock: Callable[[], float],
     ) -> None:
         self._breakers = breakers
         self._endpoints = endpoints
@@ -177,7 +182,7 @@ class _BreakerCollector(Collector):
             "Circuit breaker of each endpoint as this instance sees it (1 = its current state).",
             labels=["endpoint", "state"],
         )
-        for endpoint in self._endpoints:
+        for endpoint in self._endpoints():
             current = self._breakers.state(endpoint, now)
             for state in BreakerState:
                 family.add_metric([endpoint, state.value], 1.0 if state is current else 0.0)

@@ -4,8 +4,17 @@ Every `interval` the janitor reads the fleet and, for each endpoint that registe
 with a heartbeat TTL (`llmgw register`, `POST /admin/register`), applies
 `llmgw.core.fleet.heartbeat_verdict`: silent for its TTL, it is drained (no new work; what
 runs on it ends); silent for twice its TTL, drained and with no lease left at any admission
-instance, it is removed. Each change is one CAS on the record as read, so a heartbeat that
-lands meanwhile wins. Several reapers may run: their changes are the same and CAS keeps one.
+instance, it is removed.
+
+Silence is measured on the janitor's own monotonic clock: the time since it saw the record's
+heartbeat change (a new ``heartbeat_at``, or any new write of the record but its own drain),
+never the registrant's ``heartbeat_at`` against this host's wall clock, so the hosts' clocks
+need not agree (`llmgw.core.fleet.heard`). A record it sees for the first time (a new
+registration, or every one after the reaper restarted) counts as heard then: a registration
+that died while no reaper ran is drained a TTL after the reaper is back.
+
+Each change is one CAS on the record as read, so a heartbeat that lands meanwhile wins.
+Several reapers may run: their changes are the same and CAS keeps one.
 """
 
 from __future__ import annotations
@@ -14,10 +23,9 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Hashable
 
-from llmgw.core.fleet import EndpointState, HeartbeatVerdict, heartbeat_verdict
-from llmgw.fleet import FleetRecord
+from llmgw.core.fleet import EndpointState, HeartbeatVerdict, heard, heartbeat_verdict
 from llmgw.state.fleet import FleetBucket
 from llmgw.state.kv import CasConflict
 
@@ -27,18 +35,22 @@ log = logging.getLogger("llmgw.fleet")
 
 
 class HeartbeatJanitor:
+    """`clock`: this process's monotonic clock (seconds); only its differences are used."""
+
     def __init__(
         self,
         bucket: FleetBucket,
         leases: Callable[[], Awaitable[dict[str, int] | None]],
         *,
         interval: float = 1.0,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.bucket = bucket
         self._leases = leases
         self.interval = interval
         self._clock = clock
+        # endpoint id -> (its heartbeat as last seen, when this janitor first saw it)
+        self._heard: dict[str, tuple[Hashable, float]] = {}
         self.drained = 0
         self.removed = 0
 
@@ -52,38 +64,35 @@ class HeartbeatJanitor:
                 async with asyncio.timeout(self.interval):
                     await stop.wait()
 
+    def silent_for(self, endpoint_id: str) -> float | None:
+        """Seconds since this janitor last heard `endpoint_id`'s heartbeat (None: not seen)."""
+        seen = self._heard.get(endpoint_id)
+        return None if seen is None else self._clock() - seen[1]
+
     async def sweep(self) -> None:
-        fleet = await self.bucket.fleet()
-        registered = [
-            r for r in fleet.records.values() if r.heartbeat_ttl is not None and r.heartbeat_at
-        ]
+        entries = await self.bucket.revisions()
+        registered = {i: e for i, e in entries.items() if e[0].heartbeat_ttl is not None}
+        now = self._clock()
+        tokens = {i: (r.heartbeat_at, revision) for i, (r, revision) in registered.items()}
+        self._heard = heard(self._heard, tokens, now)
         if not registered:
             return
         leases = await self._leases()
-        now = self._clock()
-        for record in registered:
-            assert record.heartbeat_ttl is not None and record.heartbeat_at is not None
-            held = None if leases is None else leases.get(record.id, 0)
-            verdict = heartbeat_verdict(
-                record.state, record.heartbeat_at, record.heartbeat_ttl, now, held
-            )
+        for endpoint_id, (record, revision) in registered.items():
+            assert record.heartbeat_ttl is not None
+            held = None if leases is None else leases.get(endpoint_id, 0)
+            heard_at = self._heard[endpoint_id][1]
+            verdict = heartbeat_verdict(record.state, now - heard_at, record.heartbeat_ttl, held)
             with contextlib.suppress(CasConflict, LookupError):  # it changed meanwhile
                 if verdict is HeartbeatVerdict.DRAIN:
-                    await self.bucket.change(record.id, _draining_if(record))
+                    draining = record.model_copy(update={"state": EndpointState.DRAINING})
+                    written = await self.bucket.replace(draining, revision)
+                    # Its own write is no heartbeat: the silence goes on counting.
+                    self._heard[endpoint_id] = ((record.heartbeat_at, written), heard_at)
                     self.drained += 1
-                    log.info("endpoint %s stopped heartbeating: draining it", record.id)
+                    log.info("endpoint %s stopped heartbeating: draining it", endpoint_id)
                 elif verdict is HeartbeatVerdict.REMOVE:
-                    await self.bucket.remove(record.id, expected=record)
+                    await self.bucket.remove(endpoint_id, expected=record)
+                    self._heard.pop(endpoint_id, None)
                     self.removed += 1
-                    log.info("endpoint %s drained and silent: removed", record.id)
-
-
-def _draining_if(expected: FleetRecord) -> Callable[[FleetRecord], FleetRecord]:
-    """The change to draining, refused (CasConflict) if a heartbeat landed since the read."""
-
-    def change(record: FleetRecord) -> FleetRecord:
-        if record.heartbeat_at != expected.heartbeat_at:
-            raise CasConflict(record.id, None, "heartbeat since")
-        return record.model_copy(update={"state": EndpointState.DRAINING})
-
-    return change
+                    log.info("endpoint %s drained and silent: removed", endpoint_id)

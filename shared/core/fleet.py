@@ -8,13 +8,14 @@ An endpoint of the live fleet is in one of two states:
   once no lease is left on it (or by force).
 
 Every function here is pure: the caller passes what it read (the fleet's records, the leases
-counted by the admission instances, `now`) and acts on the answer.
+counted by the admission instances, how long it has not heard from an endpoint) and acts on the
+answer.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Mapping
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "HeartbeatVerdict",
     "RemoveVerdict",
     "ServedModel",
+    "heard",
     "heartbeat_verdict",
     "match_served",
     "placeable",
@@ -92,14 +94,32 @@ class HeartbeatVerdict(enum.StrEnum):
     REMOVE = "remove"  # silent for twice its ttl, drained, no lease left
 
 
+def heard(
+    previous: Mapping[str, tuple[Hashable, float]], tokens: Mapping[str, Hashable], now: float
+) -> dict[str, tuple[Hashable, float]]:
+    """When each endpoint was last heard from, on the caller's own clock: ``{id: (token, at)}``
+    where `token` is what changes with each heartbeat (the time its registrant wrote, the
+    record's revision) and `at` when the caller first saw that token. A new token is heard
+    `now`; so is an endpoint seen for the first time (after a restart the caller knows nothing
+    older: it waits a whole ttl before judging it silent). Endpoints not in `tokens` are
+    forgotten."""
+    return {
+        endpoint: kept
+        if (kept := previous.get(endpoint)) is not None and kept[0] == token
+        else (token, now)
+        for endpoint, token in tokens.items()
+    }
+
+
 def heartbeat_verdict(
-    state: EndpointState, heartbeat_at: float, ttl: float, now: float, leases: int | None
+    state: EndpointState, silent: float, ttl: float, leases: int | None
 ) -> HeartbeatVerdict:
-    """What becomes of a self-registered endpoint that heartbeats every so often: drained once
-    silent for `ttl`, removed once silent for 2 x `ttl` with no lease left (`leases` None: no
-    admission instance answered, so nothing is removed). A heartbeat after a drain by silence
-    does not undrain it: the registrant registers again."""
-    silent = now - heartbeat_at
+    """What becomes of a self-registered endpoint that heartbeats every so often, `silent`
+    seconds after its last heartbeat was heard: drained once silent for `ttl`, removed once
+    silent for 2 x `ttl` with no lease left (`leases` None: no admission instance answered, so
+    nothing is removed). The caller measures `silent` on its own clock, from when it saw the
+    heartbeat change, never from a time the registrant's host wrote (hosts' clocks differ). A
+    heartbeat after a drain by silence does not undrain it: the registrant registers again."""
     if silent <= ttl:
         return HeartbeatVerdict.KEEP
     if state is EndpointState.ACTIVE:

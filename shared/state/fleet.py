@@ -121,6 +121,15 @@ class FleetBucket:
             revision = max(revision, entry.revision)
         return Fleet(records, revision)
 
+    async def revisions(self) -> dict[str, tuple[FleetRecord, int]]:
+        """Every record with the revision of its last write (what a CAS on it expects)."""
+        found = {}
+        for entry in await self.kv.list(ENDPOINT_PREFIX):
+            record = _decode(entry.key, entry.value)
+            if record is not None:
+                found[record.id] = (record, entry.revision)
+        return found
+
     async def apply_config(self, applied: AppliedConfig) -> int:
         """Store the config document every service applies; its revision."""
         return await self.kv.put(APPLIED_KEY, applied.to_bytes())
@@ -149,15 +158,35 @@ class FleetBucket:
         self, endpoint_id: str, change: Callable[[FleetRecord], FleetRecord]
     ) -> FleetRecord:
         """Apply `change` to the record by CAS (re-read and re-applied on a conflict)."""
+        changed = await self.change_if(endpoint_id, change)
+        assert changed is not None
+        return changed[0]
+
+    async def change_if(
+        self, endpoint_id: str, change: Callable[[FleetRecord], FleetRecord | None]
+    ) -> tuple[FleetRecord, int] | None:
+        """Apply `change` to the record by CAS (re-read and re-applied on a conflict); None
+        from `change`: nothing to write. The record written and its revision, or None."""
         for _ in range(_MAX_CAS):
             record, revision = await self.get(endpoint_id)
-            changed = change(record).model_copy(update={"changed_at": self._clock()})
+            changed = change(record)
+            if changed is None:
+                return None
+            changed = changed.model_copy(update={"changed_at": self._clock()})
             try:
-                await self.kv.update(endpoint_key(endpoint_id), changed.to_bytes(), revision)
-                return changed
+                written = await self.kv.update(
+                    endpoint_key(endpoint_id), changed.to_bytes(), revision
+                )
+                return changed, written
             except CasConflict:
                 continue
         raise CasConflict(endpoint_key(endpoint_id), None, "too many concurrent writers")
+
+    async def replace(self, record: FleetRecord, revision: int) -> int:
+        """Write `record` only if its key's last write is still `revision` (one CAS, no retry:
+        CasConflict when anything wrote it since it was read); the new revision."""
+        stamped = record.model_copy(update={"changed_at": self._clock()})
+        return await self.kv.update(endpoint_key(record.id), stamped.to_bytes(), revision)
 
     async def update(self, endpoint: EndpointConfig) -> FleetRecord:
         return await self.change(

@@ -11,6 +11,7 @@ from llmgw.core.fleet import (
     HeartbeatVerdict,
     RemoveVerdict,
     ServedModel,
+    heard,
     heartbeat_verdict,
     match_served,
     placeable,
@@ -55,22 +56,39 @@ def test_seeding_writes_exactly_the_configured_endpoints_the_fleet_lacks(configu
 
 @given(
     states,
-    st.floats(0, 100),
-    st.floats(0.1, 30),
     st.floats(0, 200),
+    st.floats(0.1, 30),
     st.one_of(st.none(), st.integers(0, 5)),
 )
 def test_a_silent_registration_is_drained_after_its_ttl_and_removed_only_drained_and_empty(
-    state, heartbeat_at, ttl, now, leases
+    state, silent, ttl, leases
 ):
-    verdict = heartbeat_verdict(state, heartbeat_at, ttl, now, leases)
-    silent = now - heartbeat_at
+    verdict = heartbeat_verdict(state, silent, ttl, leases)
     if silent <= ttl:
         assert verdict is HeartbeatVerdict.KEEP
     elif state is EndpointState.ACTIVE:
         assert verdict is HeartbeatVerdict.DRAIN
     if verdict is HeartbeatVerdict.REMOVE:
         assert state is EndpointState.DRAINING and leases == 0 and silent > 2 * ttl
+
+
+endpoint_ids = st.sampled_from([f"e{i}" for i in range(6)])
+
+
+@given(
+    st.dictionaries(endpoint_ids, st.tuples(st.integers(0, 3), st.floats(0, 100))),
+    st.dictionaries(endpoint_ids, st.integers(0, 3)),
+    st.floats(100, 200),
+)
+def test_an_endpoint_is_heard_when_its_heartbeat_changes_or_is_first_seen(previous, tokens, now):
+    """Silence counts from the caller's own reading: a token seen before keeps the time it
+    was first seen, a new token or a new endpoint is heard now, a gone endpoint is forgotten."""
+    got = heard(previous, tokens, now)
+    assert set(got) == set(tokens)
+    for endpoint, token in tokens.items():
+        kept = previous.get(endpoint)
+        expected = kept if kept is not None and kept[0] == token else (token, now)
+        assert got[endpoint] == expected
 
 
 VLLM_MODELS = {

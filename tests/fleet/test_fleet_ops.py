@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -161,11 +162,11 @@ async def test_the_admin_api_answers_the_apis_error_shape_and_changes_the_fleet(
         await server.stop()
 
 
-class Wall:
-    """A stepped wall clock (heartbeats and their expiry)."""
+class Stepped:
+    """A clock a test steps: a registrant host's wall clock, or the reaper's monotonic one."""
 
-    def __init__(self) -> None:
-        self.now = 1_000.0
+    def __init__(self, now: float) -> None:
+        self.now = now
 
     def __call__(self) -> float:
         return self.now
@@ -188,22 +189,45 @@ async def test_a_registration_needs_a_heartbeat_and_cannot_take_over_an_endpoint
     assert await snapshot(fleet) == before
 
 
-async def test_a_silent_registration_is_drained_after_its_ttl_then_removed_once_empty(
-    fleet: FleetBucket, config: Config, leases: Leases, engine: RunningServer
+SKEWS = [
+    pytest.param(5 * 3600.0, id="registrant-5h-ahead"),
+    pytest.param(-5 * 3600.0, id="registrant-5h-behind"),
+]
+
+
+async def state_of(fleet: FleetBucket, endpoint_id: str) -> EndpointState | None:
+    record = (await fleet.fleet()).records.get(endpoint_id)
+    return None if record is None else record.state
+
+
+@pytest.mark.parametrize("skew", SKEWS)
+async def test_a_registration_is_judged_silent_on_the_reapers_clock_whatever_the_registrants(
+    fleet: FleetBucket, config: Config, leases: Leases, engine: RunningServer, skew: float
 ) -> None:
-    wall = Wall()
+    """The registrant's host writes `heartbeat_at` by a clock hours off the reaper's (and
+    stepping back an hour meanwhile): heartbeats keep it, and silence is counted on the
+    reaper's own clock from when it saw the last heartbeat."""
+    wall = Stepped(time.time() + skew)  # the registrant's host
+    mono = Stepped(500.0)  # the reaper's monotonic clock
     ops = FleetOps(fleet, config, leases, wall=wall)
-    janitor = HeartbeatJanitor(fleet, leases, clock=wall)
+    janitor = HeartbeatJanitor(fleet, leases, clock=mono)
     await ops.register(spec("engine-9", engine.url), 2)
-    wall.now += 1.5
-    await ops.heartbeat("engine-9")  # alive: its ttl counts from here
-    wall.now += 1.9
+    await janitor.sweep()  # first seen: heard now
+    for step in range(6):  # a heartbeat every 1.5 s for 9 s: kept all along
+        mono.now += 1.5
+        wall.now += 1.5 if step != 3 else -3600.0  # its clock steps back an hour once
+        await ops.heartbeat("engine-9")
+        await janitor.sweep()
+        assert await state_of(fleet, "engine-9") is EndpointState.ACTIVE
+    mono.now += 1.9  # silent for 1.9 s of the reaper's clock: within its ttl
+    wall.now += 7200.0  # whatever the registrant's clock says meanwhile
     await janitor.sweep()
-    assert (await fleet.get("engine-9"))[0].state is EndpointState.ACTIVE
-    wall.now += 0.2  # silent for 2.1 s > ttl
+    assert await state_of(fleet, "engine-9") is EndpointState.ACTIVE
+    mono.now += 0.2  # silent for 2.1 s > ttl
     await janitor.sweep()
-    assert (await fleet.get("engine-9"))[0].state is EndpointState.DRAINING
-    wall.now += 2.0  # silent for 4.1 s > 2 ttl, but a request still runs there
+    assert await state_of(fleet, "engine-9") is EndpointState.DRAINING
+    assert janitor.silent_for("engine-9") == pytest.approx(2.1)  # its drain is no heartbeat
+    mono.now += 2.0  # silent for 4.1 s > 2 ttl, but a request still runs there
     leases.held = {"engine-9": 1}
     await janitor.sweep()
     assert "engine-9" in (await fleet.fleet()).records
@@ -215,7 +239,68 @@ async def test_a_silent_registration_is_drained_after_its_ttl_then_removed_once_
     assert "engine-9" not in (await fleet.fleet()).records
     assert (janitor.drained, janitor.removed) == (1, 1)
     await ops.register(spec("engine-9", engine.url), 2)  # back: active again
-    assert (await fleet.get("engine-9"))[0].state is EndpointState.ACTIVE
+    assert await state_of(fleet, "engine-9") is EndpointState.ACTIVE
+
+
+async def test_a_restarted_reaper_counts_a_registration_as_heard_when_it_first_reads_it(
+    fleet: FleetBucket, config: Config, leases: Leases, engine: RunningServer
+) -> None:
+    """A reaper that starts knows nothing older than its first read: a registration whose
+    last heartbeat was written hours ago by its registrant's clock gets a whole ttl."""
+    ops = FleetOps(fleet, config, leases, wall=lambda: time.time() - 3 * 3600.0)
+    await ops.register(spec("engine-9", engine.url), 2)
+    mono = Stepped(0.0)
+    restarted = HeartbeatJanitor(fleet, leases, clock=mono)
+    await restarted.sweep()
+    mono.now += 2.0
+    await restarted.sweep()
+    assert await state_of(fleet, "engine-9") is EndpointState.ACTIVE
+    mono.now += 0.1
+    await restarted.sweep()
+    assert await state_of(fleet, "engine-9") is EndpointState.DRAINING
+
+
+class WriteWhenAsked(Leases):
+    """Leases asked for between the janitor's read and its change: once `armed` with a write,
+    the registrant makes it then (a heartbeat, or registering again), as a write landing in
+    that window would."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed: Callable[[], Awaitable[object]] | None = None
+
+    async def __call__(self) -> dict[str, int] | None:
+        if self.armed is not None:
+            write, self.armed = self.armed, None
+            await write()
+        return self.held
+
+
+async def test_a_heartbeat_that_lands_between_the_janitors_read_and_its_change_wins(
+    fleet: FleetBucket, config: Config, engine: RunningServer
+) -> None:
+    ops = FleetOps(fleet, config, Leases(), wall=lambda: time.time() + 3600.0)
+    await ops.register(spec("engine-9", engine.url), 2)
+    mono, window = Stepped(0.0), WriteWhenAsked()
+    janitor = HeartbeatJanitor(fleet, window, clock=mono)
+    await janitor.sweep()
+    mono.now += 2.5  # silent by what it read, but a heartbeat lands before the drain
+    window.armed = lambda: ops.heartbeat("engine-9")
+    await janitor.sweep()
+    assert await state_of(fleet, "engine-9") is EndpointState.ACTIVE
+    assert janitor.drained == 0 and janitor.silent_for("engine-9") == 2.5
+    await janitor.sweep()  # and it counts: heard at this read
+    assert await state_of(fleet, "engine-9") is EndpointState.ACTIVE
+    assert janitor.silent_for("engine-9") == 0.0
+
+    mono.now += 2.5  # drained by silence
+    await janitor.sweep()
+    assert await state_of(fleet, "engine-9") is EndpointState.DRAINING
+    mono.now += 2.5  # silent for 5 s > 2 ttl, no lease: removed, unless it registers again
+    window.armed = lambda: ops.register(spec("engine-9", engine.url), 2)
+    await janitor.sweep()
+    assert await state_of(fleet, "engine-9") is EndpointState.ACTIVE
+    assert (janitor.drained, janitor.removed) == (1, 0)
 
 
 def model_list(*served: tuple[str, str | None]) -> Starlette:

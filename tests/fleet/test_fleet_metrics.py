@@ -1,0 +1,80 @@
+"""An admission instance's metrics follow the live fleet: composed as `llmgw admission
+--admin-listen` composes it (its admin port serves /metrics and the fleet API), an endpoint
+added through the admin API gets its breaker gauge, and one drained and removed loses it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import httpx
+from inproc import before_any_lease, stop_servers
+from prometheus_client.parser import text_string_to_metric_families
+
+from llmgw.config import Config
+from llmgw.services.admission.admin import create_admin_app
+from llmgw.services.admission.compose import open_admission
+from llmgw.services.fleet.http import add_fleet_routes
+from llmgw.services.sim.apps import create_engine_app
+from llmgw.services.sim.params import EngineParams
+from llmgw.serving import start_server
+from llmgw.state.fleet import FleetBucket
+
+BREAKER = "llmgw_admission_endpoint_breaker"
+
+
+async def breaker_endpoints(http: httpx.AsyncClient) -> dict[str, str]:
+    """Each endpoint the breaker gauge names, with its current state (the one at 1)."""
+    text = (await http.get("/metrics")).text
+    found: dict[str, str] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == BREAKER:
+            for sample in family.samples:
+                found.setdefault(sample.labels["endpoint"], "?")
+                if sample.value == 1.0:
+                    found[sample.labels["endpoint"]] = sample.labels["state"]
+    return found
+
+
+async def until_metrics(
+    http: httpx.AsyncClient, check: Callable[[dict[str, str]], bool], what: str
+) -> dict[str, str]:
+    deadline = time.monotonic() + 10.0
+    while not check(seen := await breaker_endpoints(http)):
+        assert time.monotonic() < deadline, f"not within 10 s: {what} ({seen})"
+        await asyncio.sleep(0.02)
+    return seen
+
+
+async def test_the_breaker_gauge_names_the_endpoints_an_instance_runs_on_after_a_fleet_change(
+    config: Config, fleet: FleetBucket
+) -> None:
+    engine = await start_server(create_engine_app(EngineParams.zero_delay(max_num_seqs=4)))
+    with before_any_lease(config):
+        running = await open_admission(config, "adm-metrics", "adm-metrics")
+    admin_app = create_admin_app(running.service, running.nc)
+    add_fleet_routes(admin_app, running.fleet_ops())
+    admin = await start_server(admin_app)
+    try:
+        async with httpx.AsyncClient(base_url=admin.url, timeout=10) as http:
+            seeded = {e.id for e in config.endpoints}
+            assert set(await breaker_endpoints(http)) == seeded
+            body = {"id": "engine-9", "url": engine.url, "provider": "iris"}
+            added = await http.post("/admin/endpoints", json={**body, "models": ["qwen2.5-32b"]})
+            assert added.status_code == 201, added.text
+            shown = await until_metrics(http, lambda m: "engine-9" in m, "engine-9 shown")
+            assert shown["engine-9"] == "closed" and set(shown) == seeded | {"engine-9"}
+            for endpoint in ("engine-9", "engine-2"):  # one added live, one the file seeded
+                drained = await http.post(f"/admin/endpoints/{endpoint}/drain")
+                assert drained.status_code == 200, drained.text
+                removed = await http.delete(f"/admin/endpoints/{endpoint}", params={"wait": 5})
+                assert removed.status_code == 200, removed.text
+            left = await until_metrics(
+                http, lambda m: not {"engine-9", "engine-2"} & set(m), "both gone"
+            )
+            assert set(left) == seeded - {"engine-2"}
+    finally:
+        await admin.stop()
+        await running.close()
+        await stop_servers([engine])
