@@ -64,6 +64,9 @@ class Membership:
         self._clock = clock
         self._monotonic = monotonic
         self._revision = 0
+        # One renewal at a time: two at the same revision (the heartbeat's and
+        # announce_leaving's) would have the second refused and the instance think itself lost.
+        self._renewing = asyncio.Lock()
         self._joined_at = 0.0
         self._renewed_mono = float("-inf")
         self.members: dict[str, Member] = {}
@@ -141,30 +144,31 @@ class Membership:
         once) and is dropped and joins again under a new id, like a lost one. Lost, it decides
         nothing more from here on (`fenced_at`: since when).
         """
-        started = self._monotonic()
-        if started - self._renewed_mono >= self.fence_after:
-            self._stop_deciding()
-            await self._abandon()
-            return False
-        now = self._clock()
-        revision = await self.store.renew_member(
-            MemberValue(self.instance, self._joined_at, now, self.stopping, self.name),
-            self._revision,
-        )
-        if revision is None:  # the key changed hands: not this instance's to decide with
-            self._stop_deciding()
-            return False
-        self._revision = revision
-        if self._monotonic() - self._renewed_mono >= self.fence_after:
-            self._stop_deciding()
-            await self._abandon()  # it landed after the previous renewal's protection ran out
-            return False
-        self._renewed_mono = started
-        return True
+        async with self._renewing:
+            started = self._monotonic()
+            if started - self._renewed_mono >= self.fence_after:
+                self._stop_deciding()
+                await self._abandon()
+                return False
+            now = self._clock()
+            revision = await self.store.renew_member(
+                MemberValue(self.instance, self._joined_at, now, self.stopping, self.name),
+                self._revision,
+            )
+            if revision is None:  # the key changed hands: not this instance's to decide with
+                self._stop_deciding()
+                return False
+            self._revision = revision
+            if self._monotonic() - self._renewed_mono >= self.fence_after:
+                self._stop_deciding()
+                await self._abandon()  # it landed after the previous renewal's protection ran out
+                return False
+            self._renewed_mono = started
+            return True
 
     async def _abandon(self) -> None:
         with contextlib.suppress(CasConflict, Exception):
-            await self.store.leave(self.instance, self._revision)
+            await self.store.leave(self.instance, self._revision, self._joined_at)
 
     async def _beat(self) -> None:
         epoch = self._epoch
@@ -300,4 +304,4 @@ class Membership:
         if not write:
             return
         with contextlib.suppress(CasConflict, Exception):
-            await self.store.leave(self.instance, self._revision)
+            await self.store.leave(self.instance, self._revision, self._joined_at)

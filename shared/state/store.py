@@ -104,9 +104,28 @@ class RoutingStore:
         except CasConflict:
             return None
 
-    async def leave(self, instance: str, revision: int) -> None:
-        with contextlib.suppress(CasConflict):
-            await self.kv.delete(member_key(instance), revision)
+    async def leave(self, instance: str, revision: int, joined_at: float) -> None:
+        """Delete this instance's member key. `revision` is the last one its heartbeat saw
+        written; a renewal cancelled in flight may have landed after it (written, but its answer
+        never read), so on a conflict the key is read again and deleted at its revision if it is
+        still this incarnation's (same `joined_at`). Left behind, it would make the peers keep
+        a share of every quota for an instance that is gone until its TTL runs out."""
+        key = member_key(instance)
+        try:
+            await self.kv.delete(key, revision)
+            return
+        except CasConflict:
+            pass
+        entry = await self.kv.get(key)
+        if entry is None:
+            return
+        try:
+            found = MemberValue.from_json(entry.value)
+        except ValueFormatError:
+            return
+        if found.joined_at == joined_at:
+            with contextlib.suppress(CasConflict):
+                await self.kv.delete(key, entry.revision)
 
     async def members(self) -> list[Stored[MemberValue]]:
         return _decoded(await self.kv.list(MEMBER_PREFIX), MemberValue.from_json)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from llmgw.core.keys import MemberValue
 from llmgw.services.admission.membership import Membership
 from llmgw.state.store import RoutingStore
 
@@ -143,3 +144,66 @@ async def test_a_joining_instance_beats_while_it_lists_the_members(kv_store):
         store.go.set()
         await join
         await membership.leave()
+
+
+class AnswerLost(SlowStore):
+    """A store whose next renewal is written, and then the renewing task is cancelled before
+    it reads the answer (the instance stops while a heartbeat is in flight)."""
+
+    lose_next = False
+
+    async def renew_member(self, member, revision):  # type: ignore[no-untyped-def]
+        result = await super().renew_member(member, revision)
+        if self.lose_next:
+            self.lose_next = False
+            raise asyncio.CancelledError
+        return result
+
+
+async def test_leaving_deletes_the_key_a_renewal_cancelled_in_flight_rewrote(kv_store):
+    """The renewal landed but its revision was never read: the delete at the revision the
+    instance knows conflicts, and the key must still go (left, the peers would keep a share
+    of every quota for an instance that is gone until its TTL ran out)."""
+    clock = Clock()
+    store = AnswerLost(kv_store, clock)
+    membership = Membership(store, "adm-1", heartbeat=1.0, ttl=15.0, clock=clock, monotonic=clock)
+    await membership.join()
+    store.lose_next = True
+    try:
+        await membership.renew_now()
+    except asyncio.CancelledError:
+        pass
+    else:
+        raise AssertionError("the renewal's answer was not lost")
+    [stored] = await store.members()
+    assert stored.revision > 1  # it was written
+    await membership.leave()
+    assert await members(store) == []
+
+
+async def test_leaving_spares_a_later_incarnations_key(kv_store):
+    """The re-read deletes the key only if it is still this incarnation's (same joined_at)."""
+    membership, store, clock = await joined(kv_store)
+    [stored] = await store.members()
+    assert await store.remove_member("adm-1", stored.revision)
+    clock.t += 1.0
+    await store.join(MemberValue("adm-1", clock.t, clock.t))  # another process, same id
+    await membership.leave()
+    [left] = await store.members()
+    assert left.value.joined_at == clock.t
+
+
+async def test_two_renewals_at_once_both_land(kv_store):
+    """The heartbeat and announce_leaving renew at the same moment: serialized, neither is
+    refused at a stale revision (which would make the instance think itself lost)."""
+    membership, store, _clock = await joined(kv_store)
+    try:
+        for _ in range(5):
+            assert await asyncio.gather(membership.renew_now(), membership.renew_now()) == [
+                True,
+                True,
+            ]
+            assert membership.can_serve()
+    finally:
+        await membership.leave()
+    assert await members(store) == []
