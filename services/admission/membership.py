@@ -144,6 +144,11 @@ class Membership:
         once) and is dropped and joins again under a new id, like a lost one. Lost, it decides
         nothing more from here on (`fenced_at`: since when).
         """
+        if self._monotonic() - self._renewed_mono >= self.fence_after:
+            # Fenced already: no need to wait behind a renewal that hangs in flight.
+            self._stop_deciding()
+            await self._abandon()
+            return False
         async with self._renewing:
             started = self._monotonic()
             if started - self._renewed_mono >= self.fence_after:
@@ -291,8 +296,9 @@ class Membership:
     async def announce_leaving(self) -> None:
         """Say in the member key that this instance is stopping, so nobody hands it shards."""
         self.stopping = True
+        # Bounded: a heartbeat hung in flight holds the renewal; past the fence it is moot.
         with contextlib.suppress(Exception):
-            await self.renew_now()
+            await asyncio.wait_for(self.renew_now(), timeout=self.fence_after)
 
     async def leave(self, *, write: bool = True) -> None:
         """Stop the heartbeat and watches; delete the member key (unless `write` is False:
