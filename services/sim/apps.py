@@ -26,6 +26,12 @@ def _served(params_models: Sequence[str], models: Sequence[str] | None) -> list[
     return list(dict.fromkeys(served))  # unique, in order
 
 
+def _adapter(module: str) -> tuple[str, str]:
+    """``NAME=PATH`` (or ``NAME``) as vLLM's ``--lora-modules`` writes one adapter."""
+    name, _, path = module.partition("=")
+    return name.strip(), path.strip() or name.strip()
+
+
 def create_engine_app(
     params: EngineParams,
     models: Sequence[str] | None = None,
@@ -47,6 +53,7 @@ def create_engine_app(
         backend,
         kind="engine",
         models=served,
+        adapters=dict(_adapter(module) for module in params.lora_modules),
         faults=params.faults(),
         embedding_dim=params.embedding_dim,
         max_model_len=params.max_model_len,

@@ -73,7 +73,10 @@ class SimApp:
         fault_rng: random.Random,
         responses_api: bool = True,
         messages_api: bool = True,
+        adapters: dict[str, str] | None = None,
     ) -> None:
+        """`adapters`: LoRA adapters served from the start (name -> path), on an engine; an
+        engine also loads and unloads them at run time, as vLLM's runtime LoRA API does."""
         if not models:
             raise ValueError("a simulator needs at least one served model name")
         self.backend = backend
@@ -82,25 +85,12 @@ class SimApp:
         self.faults = faults
         self.embedding_dim = embedding_dim
         self.fault_rng = fault_rng
-        self._model_set = frozenset(models)
+        self.max_model_len = max_model_len
+        self.adapters = dict(adapters or {})  # LoRA adapter name -> path
         self._ids = itertools.count(1)
         self._id_prefix = os.urandom(3).hex()
-        created = int(time.time())
-        self._models_body = json.dumps(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": name,
-                        "object": "model",
-                        "created": created,
-                        "owned_by": f"llmgw-sim-{kind}",
-                        "max_model_len": max_model_len,
-                    }
-                    for name in models
-                ],
-            }
-        ).encode()
+        self._created = int(time.time())
+        self._list_served()
         self._routes: dict[tuple[str, str], Handler] = {
             ("POST", "/v1/chat/completions"): self._chat,
             ("POST", "/v1/completions"): self._completions,
@@ -115,6 +105,14 @@ class SimApp:
                 else {}
             ),
             ("GET", "/v1/models"): self._list_models,
+            **(
+                {
+                    ("POST", "/v1/load_lora_adapter"): self._load_adapter,
+                    ("POST", "/v1/unload_lora_adapter"): self._unload_adapter,
+                }
+                if kind == "engine"
+                else {}
+            ),
             ("GET", "/health"): self._health,
             ("GET", "/ready"): self._health,  # an engine that is up can serve
             ("GET", "/metrics"): self._metrics,
@@ -330,6 +328,55 @@ class SimApp:
     async def _list_models(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send_bytes(send, 200, self._models_body, b"application/json")
 
+    def _list_served(self) -> None:
+        """The names requests may use and the `GET /v1/models` body, after a change: the served
+        models, then the adapters with their base (the first served model) as `parent`, as
+        vLLM lists them."""
+        self._model_set = frozenset(self.models) | frozenset(self.adapters)
+        entry = {"object": "model", "created": self._created, "owned_by": f"llmgw-sim-{self.kind}"}
+        data = [
+            {"id": name, **entry, "root": name, "parent": None, "max_model_len": self.max_model_len}
+            for name in self.models
+        ] + [
+            {"id": name, **entry, "root": path, "parent": self.models[0], "max_model_len": None}
+            for name, path in self.adapters.items()
+        ]
+        self._models_body = json.dumps({"object": "list", "data": data}).encode()
+
+    async def _load_adapter(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """vLLM's ``POST /v1/load_lora_adapter`` (``{"lora_name", "lora_path"}``)."""
+        try:
+            body = await _json_object(receive)
+            name, path = body.get("lora_name"), body.get("lora_path")
+            if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+                raise SimError(400, "Both 'lora_name' and 'lora_path' must be provided.")
+            if name in self._model_set:
+                raise SimError(400, f"The lora adapter '{name}' has already been loaded.")
+        except SimError as exc:
+            await _send_error(send, exc)
+            return
+        self.adapters[name] = path
+        self._list_served()
+        message = f"Success: LoRA adapter '{name}' added successfully."
+        await send_bytes(send, 200, message.encode(), b"text/plain; charset=utf-8")
+
+    async def _unload_adapter(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """vLLM's ``POST /v1/unload_lora_adapter`` (``{"lora_name"}``)."""
+        try:
+            body = await _json_object(receive)
+            name = body.get("lora_name")
+            if not isinstance(name, str) or not name:
+                raise SimError(400, "'lora_name' must be provided.", param="lora_name")
+            if name not in self.adapters:
+                raise SimError(404, f"The lora adapter '{name}' cannot be found.")
+        except SimError as exc:
+            await _send_error(send, exc)
+            return
+        del self.adapters[name]
+        self._list_served()
+        message = f"Success: LoRA adapter '{name}' removed successfully."
+        await send_bytes(send, 200, message.encode(), b"text/plain; charset=utf-8")
+
     async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.faults.unhealthy:
             await send_bytes(send, 503, b"unhealthy", b"text/plain; charset=utf-8")
@@ -349,6 +396,7 @@ class SimApp:
     async def _state(self, scope: Scope, receive: Receive, send: Send) -> None:
         state = dict(self.backend.state())
         state["models"] = self.models
+        state["adapters"] = self.adapters
         state["faults"] = self.faults.model_dump()
         await send_json(send, 200, state)
 

@@ -121,6 +121,11 @@ class EngineParams(_GenerationParams):
     ``llamacpp`` (llama-server with ``--metrics``: no KV gauge), ``tgi`` (no KV gauge), or
     ``partial`` (vLLM's running and waiting only). The values always come from the model's
     own batch, queue and KV cache."""
+    lora_modules: list[str] = Field(default_factory=list)
+    """LoRA adapters served from the start, as vLLM's ``--lora-modules`` writes them
+    (``NAME=PATH``, or ``NAME``): listed at ``GET /v1/models`` with the first served model as
+    their ``parent``, and served like it. More are loaded and unloaded at run time with
+    ``POST /v1/load_lora_adapter`` / ``/v1/unload_lora_adapter`` (vLLM's runtime LoRA API)."""
     max_num_seqs: int = Field(default=64, ge=1)
     num_gpu_blocks: int = Field(default=4096, ge=1)
     block_size: int = Field(default=16, ge=1)

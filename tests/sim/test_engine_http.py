@@ -359,3 +359,43 @@ async def test_slow_headers_delays_the_response(serve: Serve) -> None:
     response = await client.post("/v1/chat/completions", json=chat("x", max_tokens=1))
     assert response.status_code == 200
     assert time.monotonic() - started >= 0.2
+
+
+async def test_loras_load_and_unload_at_run_time_as_vllms_runtime_lora_api_does(
+    serve: Serve,
+) -> None:
+    params = EngineParams.zero_delay(lora_modules=["sql-lora=/adapters/sql"])
+    client = await serve(create_engine_app(params, [MODEL]))
+
+    async def lora(action: str, name: str) -> httpx.Response:
+        body = {"lora_name": name, "lora_path": f"/adapters/{name}"}
+        return await client.post(f"/v1/{action}_lora_adapter", json=body)
+
+    listed = (await client.get("/v1/models")).json()["data"]
+    assert [(m["id"], m["parent"], m["root"]) for m in listed] == [
+        (MODEL, None, MODEL),
+        ("sql-lora", MODEL, "/adapters/sql"),
+    ]
+    missing = await client.post("/v1/load_lora_adapter", json={"lora_name": "x"})
+    assert missing.status_code == 400 and "lora_path" in missing.json()["error"]["message"]
+    assert (await lora("load", "chat-lora")).text == (
+        "Success: LoRA adapter 'chat-lora' added successfully."
+    )
+    again = await lora("load", "chat-lora")
+    assert again.status_code == 400 and "already been loaded" in again.text
+    ids = [m["id"] for m in (await client.get("/v1/models")).json()["data"]]
+    assert ids == [MODEL, "sql-lora", "chat-lora"]
+    answered = await client.post("/v1/chat/completions", json={**chat("hi"), "model": "chat-lora"})
+    assert answered.status_code == 200 and answered.json()["model"] == "chat-lora"
+    assert (await lora("unload", "chat-lora")).status_code == 200
+    gone = await lora("unload", "chat-lora")
+    assert gone.status_code == 404 and "cannot be found" in gone.text
+    refused = await client.post("/v1/chat/completions", json={**chat("hi"), "model": "chat-lora"})
+    assert refused.status_code == 404
+    assert (await client.get("/sim/state")).json()["adapters"] == {"sql-lora": "/adapters/sql"}
+
+
+async def test_a_provider_has_no_runtime_lora_api(serve: Serve) -> None:
+    client = await serve(create_provider_app(ProviderParams(), [MODEL]))
+    body = {"lora_name": "x", "lora_path": "/x"}
+    assert (await client.post("/v1/load_lora_adapter", json=body)).status_code == 404
