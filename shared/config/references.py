@@ -113,17 +113,27 @@ def _provider_problems(config: Config) -> list[Problem]:
                         f"{', '.join(sorted(model_names))}",
                     )
                 )
-    served = {(e.provider, name) for e in config.endpoints for name in e.models}
-    for index, provider in enumerate(config.providers):
-        for model_index, model in enumerate(provider.models):
-            if model.name in model_names and (provider.id, model.name) not in served:
-                problems.append(
-                    (
-                        ("providers", index, "models", model_index, "name"),
-                        f"no endpoint of provider {provider.id!r} serves model {model.name!r}",
-                    )
-                )
     return problems
+
+
+def unserved_pairs(config: Config) -> list[str]:
+    """Provider models no endpoint of the file serves: legal (the file's endpoints only seed
+    the live fleet; engines that join later, by `llmgw endpoints add`, registration,
+    Kubernetes discovery or a LoRA adapter loaded at run time, serve them), but a typo as
+    often, so each is a warning. A provider whose engines Kubernetes discovery brings in
+    (`fleet.kubernetes.provider`) is expected to have none in the file."""
+    discovered = config.fleet.kubernetes.provider if config.fleet.kubernetes else None
+    model_names = {model.name for model in config.models}
+    served = {(e.provider, name) for e in config.endpoints for name in e.models}
+    return [
+        f"providers[{index}].models[{model_index}].name: no endpoint in this file serves model "
+        f"{model.name!r} of provider {provider.id!r}: it is served once an endpoint that "
+        "serves it joins the live fleet"
+        for index, provider in enumerate(config.providers)
+        if provider.id != discovered
+        for model_index, model in enumerate(provider.models)
+        if model.name in model_names and (provider.id, model.name) not in served
+    ]
 
 
 def _endpoint_problems(config: Config) -> list[Problem]:

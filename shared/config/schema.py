@@ -7,8 +7,8 @@ Invariants every consumer may rely on once a `Config` exists:
 - provider and endpoint ids are slugs ([a-z0-9][a-z0-9_-]*) and unique, because they become parts of
   NATS subjects and KV keys;
 - every cross reference resolves (see `references.config_problems`): fallbacks, routing profiles, the
-  default band and profile, endpoint -> provider, endpoint models served by that provider, and every
-  provider model has at least one endpoint;
+  default band and profile, endpoint -> provider, endpoint models served by that provider (a
+  provider model no endpoint of the file serves is a warning: engines may join the live fleet later);
 - values come from the file, overridden by LLMGW_* environment variables ("__" for nesting).
 
 The models are plain data plus read-only lookups; loading files and formatting errors live in `loader`.
@@ -16,6 +16,7 @@ The models are plain data plus read-only lookups; loading files and formatting e
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from contextvars import ContextVar
 from typing import Any
@@ -146,7 +147,9 @@ class Config(BaseSettings):
     responses: ResponsesConfig = Field(default_factory=ResponsesConfig)
     models: list[ModelConfig] = Field(min_length=1)
     providers: list[ProviderConfig] = Field(min_length=1)
-    endpoints: list[EndpointConfig] = Field(min_length=1)
+    # The live fleet's seed: empty when every engine joins at run time (discovered, registered
+    # or added; a provider model no endpoint here serves is a warning, `unserved_pairs`).
+    endpoints: list[EndpointConfig] = Field(default_factory=list)
 
     _canonical_models: dict[str, str] = PrivateAttr(default_factory=dict)
 
@@ -186,9 +189,11 @@ class Config(BaseSettings):
 
     @model_validator(mode="after")
     def _check_references(self) -> Config:
-        from llmgw.config.references import config_problems
+        from llmgw.config.references import config_problems, unserved_pairs
 
         fail(config_problems(self))
+        for message in unserved_pairs(self):
+            warnings.warn(message, ConfigWarning, stacklevel=2)
         self._canonical_models = {}
         for model in self.models:
             self._canonical_models[model.name] = model.name

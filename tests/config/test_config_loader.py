@@ -143,10 +143,31 @@ def test_check_reports_errors_on_stderr_with_exit_code_2(tmp_path):
         f"{path}: endpoints[0].provider: unknown provider 'q'; known providers: p\n"
         in err.getvalue()
     )
-    assert (
-        f"{path}: providers[0].models[0].name: no endpoint of provider 'p' serves model 'm1'\n"
-        in (err.getvalue())
+
+
+def test_a_provider_model_no_endpoint_of_the_file_serves_is_a_warning_not_an_error(tmp_path):
+    """Engines may join the live fleet later (added, registered, discovered, an adapter
+    loaded): the file is valid, and `llmgw config check` says what no endpoint serves yet."""
+    unserved = MINIMAL.replace("models: [{name: m1}]", "models: [{name: m1}, {name: m2}]")
+    unserved = unserved.replace("    aliases: [one]\n", "    aliases: [one]\n  - name: m2\n")
+    path = write(tmp_path, unserved)
+    out, err = io.StringIO(), io.StringIO()
+    assert check_file(str(path), env={}, stdout=out, stderr=err) == 0
+    assert err.getvalue() == (
+        f"{path}: warning: providers[0].models[1].name: no endpoint in this file serves model "
+        "'m2' of provider 'p': it is served once an endpoint that serves it joins the live fleet\n"
     )
+    # Kubernetes discovery brings the provider's engines in: none in the file is expected.
+    discovered = unserved.replace("endpoints:\n  - id: e", "endpoints:\n  - id: e\n", 1)
+    discovered = unserved.split("endpoints:")[0] + (
+        "endpoints: []\nfleet:\n  kubernetes: {service: vllm, provider: p}\n"
+    )
+    out, err = io.StringIO(), io.StringIO()
+    assert (
+        check_file(str(write(tmp_path, discovered, "k8s.yaml")), env={}, stdout=out, stderr=err)
+        == 0
+    )
+    assert err.getvalue() == ""
 
 
 def test_check_command_line(tmp_path):

@@ -317,12 +317,6 @@ BAD = [
         "does not serve",
     ),
     (
-        "provider-model-without-endpoint",
-        mutate(endpoints__4__provider="third"),
-        "providers[3].models[0].name",
-        "no endpoint",
-    ),
-    (
         "provider-model-unknown",
         mutate(providers__1__models=[{"name": "big"}, {"name": "tiny"}]),
         "providers[1].models[1].name",
@@ -374,12 +368,6 @@ BAD = [
         "does not list",
     ),
     ("no-models", mutate(models=[]), "models", "at least 1"),
-    (
-        "missing-endpoints",
-        {k: v for k, v in sample().items() if k != "endpoints"},
-        "endpoints",
-        "required",
-    ),
     (
         "negative-retries",
         mutate(router={"retries": -1}),
@@ -437,6 +425,20 @@ def test_invalid_configs_name_the_field(data, path, fragment):
     problems = problems_of(data)
     matching = [p for p in problems if p.startswith(f"{path}") and fragment in p]
     assert matching, problems
+
+
+def test_a_fleet_that_starts_empty_or_leaves_a_pair_unserved_loads_with_a_warning_naming_it():
+    """The file's endpoints only seed the live fleet: none at all (every engine joins at run
+    time), or none for a pair, is valid; each pair nobody serves yet is named in a warning."""
+    for data, where in (
+        (mutate(endpoints__4__provider="third"), "providers[3].models[0].name"),
+        ({k: v for k, v in sample().items() if k != "endpoints"}, "providers[0].models[0].name"),
+    ):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ConfigWarning)
+            build(data)
+        said = [str(w.message) for w in caught if issubclass(w.category, ConfigWarning)]
+        assert any(m.startswith(f"{where}: no endpoint in this file serves") for m in said), said
 
 
 def test_replicas_come_from_nats_replicas_unless_pinning_overrides_the_routing_bucket():
