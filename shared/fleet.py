@@ -67,6 +67,10 @@ class FleetRecord(BaseModel):
     # value is a heartbeat; the reaper measures silence on its own clock, from when it saw
     # this change (`HeartbeatJanitor`), never against another host's time.
     heartbeat_at: float | None = None
+    # Its models came from its engine's `GET /v1/models` (none were given): the reaper reads
+    # that list again every `fleet.models_refresh` and follows it (a LoRA adapter loaded or
+    # unloaded at run time). False: the models given are kept until changed by hand.
+    models_from_engine: bool = False
 
     @property
     def id(self) -> str:

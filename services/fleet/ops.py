@@ -47,6 +47,11 @@ _ANSWER_WINDOW = 0.3  # seconds to collect every admission instance's state answ
 _POLL = 0.25
 
 
+def _models_from_engine(spec: Mapping[str, Any]) -> bool:
+    """Whether `spec`'s models will come from its engine (`FleetOps._with_models`)."""
+    return isinstance(spec, Mapping) and "models" not in spec
+
+
 class FleetError(Exception):
     """A refused change: nothing was written. `status`/`code`/`param` shape the API's answer."""
 
@@ -133,6 +138,7 @@ class FleetOps:
     async def add(
         self, spec: Mapping[str, Any], *, probe: bool = True, source: Source = "api"
     ) -> dict[str, Any]:
+        from_engine = _models_from_engine(spec)
         spec = await self._with_models(spec)
         endpoint = self._validate(spec)
         fleet = await self.bucket.fleet()
@@ -145,7 +151,7 @@ class FleetOps:
             )
         if probe:
             await self._probe(endpoint)
-        record = FleetRecord(endpoint=endpoint, source=source)
+        record = FleetRecord(endpoint=endpoint, source=source, models_from_engine=from_engine)
         try:
             await self.bucket.add(record)
         except EndpointExists as exc:
@@ -170,6 +176,7 @@ class FleetOps:
                 code="invalid_value",
                 param="heartbeat_ttl",
             )
+        from_engine = _models_from_engine(spec)
         spec = await self._with_models(spec)
         endpoint = self._validate(spec)
         fleet = await self.bucket.fleet()
@@ -190,6 +197,7 @@ class FleetOps:
             source="register",
             heartbeat_ttl=float(ttl),
             heartbeat_at=self._wall(),
+            models_from_engine=from_engine,
         )
         if known is None:
             try:
@@ -202,6 +210,7 @@ class FleetOps:
             "state": EndpointState.ACTIVE,
             "heartbeat_ttl": registered.heartbeat_ttl,
             "heartbeat_at": registered.heartbeat_at,
+            "models_from_engine": from_engine,
         }
         return describe(
             await self._changed(endpoint.id, lambda r: r.model_copy(update=fields)), None
@@ -236,9 +245,11 @@ class FleetOps:
         endpoint = self._validate(merged)
         if probe and endpoint.url != record.endpoint.url:
             await self._probe(endpoint)
-        changed = await self._changed(
-            endpoint_id, lambda r: r.model_copy(update={"endpoint": endpoint})
-        )
+        # Models given by hand end following the engine's list.
+        fields: dict[str, Any] = {"endpoint": endpoint}
+        if "models" in changes:
+            fields["models_from_engine"] = False
+        changed = await self._changed(endpoint_id, lambda r: r.model_copy(update=fields))
         return describe(changed, None)
 
     async def set_state(self, endpoint_id: str, state: EndpointState) -> dict[str, Any]:
@@ -400,6 +411,7 @@ def describe(record: FleetRecord, leases: int | None) -> dict[str, Any]:
         "weight": endpoint.weight,
         "capacity": endpoint.capacity,
         "leases": leases,
+        "models_from_engine": record.models_from_engine,
     }
     if record.heartbeat_ttl is not None:
         described["heartbeat_ttl"] = record.heartbeat_ttl

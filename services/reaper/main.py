@@ -24,7 +24,8 @@ from llmgw.config import Config, parse_hostport
 from llmgw.events import EventPublisher
 from llmgw.runtime import load_or_exit, run_service, setup_logging
 from llmgw.services.fleet.janitor import HeartbeatJanitor
-from llmgw.services.fleet.ops import admission_leases
+from llmgw.services.fleet.ops import admission_leases, running_config
+from llmgw.services.fleet.served import ServedModelsFollower
 from llmgw.services.reaper.metrics import ReaperMetrics
 from llmgw.services.reaper.service import Reaper
 from llmgw.state.fleet import open_fleet
@@ -135,6 +136,13 @@ async def serve(
             await open_fleet(nc, config), lambda: admission_leases(nc), interval=reaper.interval
         )
         loops = [reaper.run(stop), janitor.run(stop)]
+        if config.fleet.models_refresh is not None:  # engines' model lists, read again
+            followed = ServedModelsFollower(
+                janitor.bucket,
+                lambda: running_config(janitor.bucket, config),
+                interval=config.fleet.models_refresh,
+            )
+            loops.append(followed.run(stop))
         discovery = config.fleet.kubernetes
         client = None
         if discovery is not None:  # the engines behind a Kubernetes Service

@@ -61,6 +61,10 @@ class FleetConfig(StrictModel):
     # How long `llmgw endpoints remove` (and the admin API) waits for a draining endpoint's
     # leases to end before it refuses; `--force` removes at once.
     drain_timeout: PositiveDuration = 60.0
+    # How often the reaper reads again the `GET /v1/models` of each endpoint whose models came
+    # from its engine, and follows what it serves (a LoRA adapter loaded or unloaded at run
+    # time, a model renamed); null: read once, when the endpoint joins.
+    models_refresh: PositiveDuration | None = 15.0
     # Follow a Kubernetes Service's EndpointSlices (docs/deployment.md, "Discovery"); off: null.
     kubernetes: KubernetesDiscovery | None = None
 

@@ -31,6 +31,7 @@ __all__ = [
     "placeable",
     "remove_verdict",
     "seed_missing",
+    "served_change",
     "served_models",
     "slice_endpoints",
 ]
@@ -181,6 +182,40 @@ def match_served(
     models = tuple(m for m in offered_list if m in chosen)
     renames = {m: chosen[m] for m in models if chosen[m] != m}
     return Discovered(models, renames, tuple(unmatched))
+
+
+def served_change(
+    models: Iterable[str],
+    upstream_model: Mapping[str, str],
+    served: Iterable[ServedModel],
+    canonical: Mapping[str, str],
+    offered: Iterable[str],
+) -> Discovered | None:
+    """What an endpoint whose models came from its engine serves now, when that differs from
+    `models` and `upstream_model` (the record's): the engine's served names read again
+    (`match_served`). A model still served keeps the name it goes upstream under while the
+    engine still lists that name (a rename given by hand stays). None: nothing changed, or
+    the engine serves none of the provider's models now (an engine restarting, or one whose
+    list is empty for a moment, keeps what it had: placement's health checks judge it)."""
+    served_list = list(served)
+    found = match_served(served_list, canonical, offered)
+    if not found.models:
+        return None
+    names = {s.id for s in served_list}
+    current = list(models)
+    renames = dict(found.upstream_model)
+    for model in found.models:
+        kept = upstream_model.get(model, model)  # the name it goes upstream under now
+        if model in current and kept in names:
+            if kept == model:
+                renames.pop(model, None)
+            else:
+                renames[model] = kept
+    now = Discovered(found.models, renames, found.unmatched)
+    unchanged = {m: n for m, n in upstream_model.items() if m in now.models and n != m}
+    if list(now.models) == current and dict(now.upstream_model) == unchanged:
+        return None
+    return now
 
 
 def slice_endpoints(

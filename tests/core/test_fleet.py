@@ -17,6 +17,7 @@ from llmgw.core.fleet import (
     placeable,
     remove_verdict,
     seed_missing,
+    served_change,
     served_models,
     slice_endpoints,
 )
@@ -141,6 +142,55 @@ def test_discovered_models_are_offered_and_each_reached_by_a_name_the_engine_ser
         upstream = found.upstream_model.get(model, model)
         assert upstream in ids and canonical.get(upstream) == model
     assert all(canonical.get(s.id) not in found.models for s in found.unmatched)
+
+
+def test_an_adapter_loaded_then_unloaded_is_followed_and_a_hand_rename_stays_while_served():
+    canonical = {**CANONICAL, "llama": "llama-3.3-70b"}
+    offered = ["llama-3.3-70b", "sql"]
+    base = [ServedModel("llama", None)]
+    lora = [*base, ServedModel("sql-lora", "llama")]
+    assert (
+        served_change(["llama-3.3-70b"], {"llama-3.3-70b": "llama"}, base, canonical, offered)
+        is None
+    )
+    loaded = served_change(["llama-3.3-70b"], {"llama-3.3-70b": "llama"}, lora, canonical, offered)
+    assert loaded is not None and loaded.models == ("llama-3.3-70b", "sql")
+    assert loaded.upstream_model == {"llama-3.3-70b": "llama", "sql": "sql-lora"}
+    unloaded = served_change(loaded.models, loaded.upstream_model, base, canonical, offered)
+    assert unloaded is not None and unloaded.models == ("llama-3.3-70b",)
+    assert unloaded.upstream_model == {"llama-3.3-70b": "llama"}
+    # An engine listing nothing of ours (restarting, or emptied for a moment) keeps its models.
+    assert served_change(["llama-3.3-70b"], {}, [], canonical, offered) is None
+    assert served_change(["llama-3.3-70b"], {}, [ServedModel("gpt-9")], canonical, offered) is None
+    # A rename given by hand to a name the engine serves is kept over the alias it matched by.
+    both = [ServedModel("llama"), ServedModel("meta-llama/Llama-3.3-70B-Instruct")]
+    hand = {"llama-3.3-70b": "meta-llama/Llama-3.3-70B-Instruct"}
+    assert served_change(["llama-3.3-70b"], hand, both, canonical, offered) is None
+
+
+@given(
+    st.lists(st.builds(ServedModel, names, st.one_of(st.none(), names))),
+    st.dictionaries(names, st.sampled_from(["a", "b", "c"])),
+    st.lists(st.sampled_from(["a", "b", "c"]), unique=True),
+    st.lists(st.sampled_from(["a", "b", "c"]), unique=True),
+    st.dictionaries(st.sampled_from(["a", "b", "c"]), names),
+)
+def test_following_an_engines_list_serves_what_it_lists_and_settles_after_one_change(
+    served, canonical, offered, models, upstream
+):
+    upstream = {m: n for m, n in upstream.items() if m in models}
+    change = served_change(models, upstream, served, canonical, offered)
+    found = match_served(served, canonical, offered)
+    if change is None:  # nothing of ours is served, or the record says what is served
+        assert not found.models or list(found.models) == list(models)
+        return
+    ids = {s.id for s in served}
+    assert change.models and set(change.models) <= set(offered)
+    assert change.models == found.models
+    for model in change.models:
+        assert change.upstream_model.get(model, model) in ids  # reached by a served name
+    assert set(change.upstream_model) <= set(change.models)
+    assert served_change(change.models, change.upstream_model, served, canonical, offered) is None
 
 
 def test_an_endpoint_slices_ready_engines_become_urls_by_pod_name():

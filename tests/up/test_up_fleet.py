@@ -342,3 +342,126 @@ def test_an_engine_that_registers_itself_serves_and_is_drained_then_removed_once
     print(
         f"\nregistered engine-3 served; killed: drained after {drained:.1f}s, removed {removed:.1f}s"
     )
+
+
+def test_a_lora_adapter_loaded_on_a_running_engine_is_served_through_the_gateway_and_unloaded_leaves(
+    tmp_path: Path, start_up: Callable[..., UpProcess], extra_engine: Callable[[Path], str]
+) -> None:
+    """The shipped config with one more model, `sql-assistant` (alias `sql-lora`, the
+    adapter's name), that iris offers and no engine of the file serves, and the reaper reading
+    engines' model lists every second: an engine added without models serves what its
+    `/v1/models` lists; the adapter loaded there through vLLM's runtime LoRA API is served
+    through the gateway within a refresh, on that engine; unloaded, it is no longer placed."""
+    values = yaml.safe_load((REPO / "config" / "local.yaml").read_text())
+    values["models"].append({"name": "sql-assistant", "aliases": ["sql-lora"]})
+    iris = next(p for p in values["providers"] if p["id"] == "iris")
+    iris["models"].append({"name": "sql-assistant", "features": ["chat", "completions"]})
+    config = write_cluster_config(
+        tmp_path / "cluster.yaml",
+        models=values["models"],
+        providers=values["providers"],
+        fleet={"models_refresh": "1s"},
+    )
+    up = start_up(config)
+    api, key = up.wait_for(READY, timeout=90).groups()
+    nats_url = up.wait_for(NATS).group(1)
+    url = extra_engine(config)
+    added = _cli(
+        config,
+        nats_url,
+        "endpoints",
+        "--json",
+        "add",
+        "engine-3",
+        "--url",
+        url,
+        "--provider",
+        "iris",
+    )
+    assert added.returncode == 0, added.stderr
+    assert json.loads(added.stdout)["models"] == ["llama-3.3-70b", "qwen2.5-32b"]
+    chat = {"model": "sql-lora", "max_tokens": 8, "messages": [{"role": "user", "content": "q"}]}
+    with httpx.Client(timeout=30, headers={"authorization": f"Bearer {key}"}) as http:
+        before = http.post(f"{api}/chat/completions", json=chat)
+        assert before.status_code != 200
+        lora = {"lora_name": "sql-lora", "lora_path": "/adapters/sql"}
+        assert http.post(f"{url}/v1/load_lora_adapter", json=lora).status_code == 200
+        loaded = time.monotonic()
+        while (answer := http.post(f"{api}/chat/completions", json=chat)).status_code != 200:
+            assert time.monotonic() - loaded < 5, f"not served 5 s after the load: {answer.text}"
+            time.sleep(0.05)
+        served_after = time.monotonic() - loaded
+        assert answer.headers["x-llmgw-endpoint"] == "engine-3"
+        assert answer.json()["model"] == "sql-lora"
+        shown = json.loads(_cli(config, nats_url, "endpoints", "--json", "show", "engine-3").stdout)
+        assert shown["models"] == ["llama-3.3-70b", "qwen2.5-32b", "sql-assistant"]
+        assert http.post(f"{url}/v1/unload_lora_adapter", json=lora).status_code == 200
+        unloaded = time.monotonic()
+        # Until the next refresh the gateway still places it there, and the engine answers
+        # 404 (docs/architecture.md, "Model discovery"); then the gateway refuses it as before.
+        passed_on = []
+        while (after := http.post(f"{api}/chat/completions", json=chat)).status_code != (
+            before.status_code
+        ):
+            assert after.status_code == 404, after.text
+            assert after.json()["error"]["code"] == "model_not_found", after.text
+            passed_on.append(after)
+            assert time.monotonic() - unloaded < 5, "still placed there 5 s after the unload"
+            time.sleep(0.05)
+        left_after = time.monotonic() - unloaded
+        assert after.json()["error"]["type"] == before.json()["error"]["type"]
+        base = http.post(f"{api}/chat/completions", json={**chat, "model": "llama"})
+        assert base.status_code == 200, base.text
+    print(
+        f"\nLoRA adapter loaded on engine-3: served through the gateway {served_after:.2f}s "
+        f"later; unloaded: no longer placed {left_after:.2f}s later ({len(passed_on)} requests "
+        f"got the engine's 404 meanwhile); unserved: {before.status_code}"
+    )
+
+
+def test_a_cluster_whose_file_has_no_endpoint_starts_and_serves_the_engines_that_join(
+    tmp_path: Path, start_up: Callable[..., UpProcess]
+) -> None:
+    """The shipped config with `endpoints: []` (a fleet that Kubernetes discovery or
+    registration fills): `llmgw up` starts, a request is refused with 503 while nothing serves
+    it, and an engine added without models serves at once what its `/v1/models` lists."""
+    config = write_cluster_config(tmp_path / "cluster.yaml", endpoints=[])
+    up = start_up(config)
+    api, key = up.wait_for(READY, timeout=90).groups()
+    nats_url = up.wait_for(NATS).group(1)
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("LLMGW_")}
+    engine = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "llmgw", "sim", "engine", "--port", str(port)),
+            *("--model", "llama-3.3-70b", "--model", "qwen2.5-32b"),
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert engine.stdout is not None
+        assert any("ready on" in line for line in engine.stdout), "the engine did not start"
+        chat = {"model": "llama", "max_tokens": 4, "messages": [{"role": "user", "content": "q"}]}
+        with httpx.Client(timeout=30, headers={"authorization": f"Bearer {key}"}) as http:
+            empty = http.post(f"{api}/chat/completions", json=chat)
+            assert empty.status_code == 503, empty.text
+            assert _listed(config, nats_url) == {}
+            url = f"http://127.0.0.1:{port}"
+            added = _cli(
+                config, nats_url, "endpoints", "add", "gpu-1", "--url", url, "--provider", "iris"
+            )
+            assert added.returncode == 0, added.stderr
+            issued = time.monotonic()
+            while (answer := http.post(f"{api}/chat/completions", json=chat)).status_code != 200:
+                assert time.monotonic() - issued < 2, answer.text
+                time.sleep(0.02)
+            served_after = time.monotonic() - issued
+            assert answer.headers["x-llmgw-endpoint"] == "gpu-1"
+    finally:
+        engine.send_signal(signal.SIGTERM)
+        engine.wait(10)
+    print(f"\nno endpoint in the file: 503, then served by gpu-1 {served_after:.2f}s after the add")

@@ -1,0 +1,159 @@
+"""Endpoints whose models came from their engine follow what it serves (in the reaper).
+
+Every `interval` the follower reads the fleet and, for each active endpoint added, registered
+or discovered without `models` (`FleetRecord.models_from_engine`), reads its engine's
+`GET /v1/models` again and matches the served names against the config the cluster runs on
+(`llmgw.core.fleet.served_change`): a LoRA adapter loaded at run time (vLLM's
+`/v1/load_lora_adapter`) whose name is a model or an alias of the config is served there from
+then on; one unloaded is no longer placed there (requests running on it finish: their leases
+are never revoked). An engine that does not answer, or lists none of the provider's models,
+keeps what it had: health checks and the scraper judge an engine that is down.
+
+Each change is one CAS on the record as read, so a change by hand that lands meanwhile wins
+(the follower reads again next time). Several reapers may run: their changes are the same and
+CAS keeps one. One HTTP client is kept for the follower's life.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+
+import httpx
+from pydantic import ValidationError
+
+from llmgw.config.catalog import EndpointConfig
+from llmgw.config.schema import Config
+from llmgw.core.fleet import EndpointState, ServedModel, served_change, served_models
+from llmgw.fleet import FleetRecord, endpoint_problems
+from llmgw.state.fleet import FleetBucket
+from llmgw.state.kv import CasConflict
+
+__all__ = ["ServedModelsFollower"]
+
+log = logging.getLogger("llmgw.fleet")
+
+_TIMEOUT = 3.0
+_AT_ONCE = 16  # engines asked at the same time
+
+
+class ServedModelsFollower:
+    """`config`: what the cluster runs on, read at each sweep (the file's config with the
+    applied one's live fields on top: an alias added by `llmgw config apply` counts)."""
+
+    def __init__(
+        self,
+        bucket: FleetBucket,
+        config: Callable[[], Awaitable[Config]],
+        *,
+        interval: float,
+        client: httpx.AsyncClient | None = None,
+    ) -> None:
+        self.bucket = bucket
+        self._config = config
+        self.interval = interval
+        self._client = client
+        self._gate = asyncio.Semaphore(_AT_ONCE)
+        self.changed = 0  # records this follower rewrote
+        self._unmatched: set[str] = set()  # endpoints logged as serving none of ours
+
+    async def run(self, stop: asyncio.Event) -> None:
+        own = self._client is None
+        if own:
+            self._client = httpx.AsyncClient(timeout=_TIMEOUT, trust_env=False)
+        try:
+            while not stop.is_set():
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self.interval):
+                        await stop.wait()
+                if stop.is_set():
+                    break
+                try:
+                    await self.sweep()
+                except Exception:  # NATS trouble: try again next time
+                    log.warning("served-models sweep failed", exc_info=True)
+        finally:
+            if own and self._client is not None:
+                await self._client.aclose()
+                self._client = None
+
+    async def sweep(self) -> None:
+        entries = await self.bucket.revisions()
+        following = {
+            endpoint_id: entry
+            for endpoint_id, entry in entries.items()
+            if entry[0].models_from_engine and entry[0].state is EndpointState.ACTIVE
+        }
+        if not following:
+            return
+        config = await self._config()
+        served = await asyncio.gather(
+            *(self._served(r.endpoint.url) for r, _ in following.values())
+        )
+        for (record, revision), names in zip(following.values(), served, strict=True):
+            if names is not None:
+                await self._follow(config, record, revision, names)
+
+    async def _served(self, url: str) -> list[ServedModel] | None:
+        """The engine's served names; None when it does not answer a model list."""
+        assert self._client is not None, "sweep runs inside run(), or with a client given"
+        async with self._gate:
+            try:
+                response = await self._client.get(f"{url}/v1/models")
+                if response.status_code != 200:
+                    return None
+                return served_models(response.json())
+            except (httpx.HTTPError, OSError, ValueError):
+                return None
+
+    async def _follow(
+        self, config: Config, record: FleetRecord, revision: int, served: list[ServedModel]
+    ) -> None:
+        endpoint = record.endpoint
+        try:
+            provider = config.provider(endpoint.provider)
+        except KeyError:
+            return  # the live config left this endpoint out already (llmgw.fleet.live_config)
+        canonical = {}
+        for model in config.models:
+            canonical.update({name: model.name for name in (model.name, *model.aliases)})
+        offered = [m.name for m in provider.models]
+        change = served_change(endpoint.models, endpoint.upstream_model, served, canonical, offered)
+        if change is None:
+            if not served or not any(canonical.get(s.id) in offered for s in served):
+                if endpoint.id not in self._unmatched:
+                    self._unmatched.add(endpoint.id)
+                    listed = ", ".join(s.id for s in served) or "nothing"
+                    log.warning(
+                        "endpoint %s serves %s: none of provider %s's models; keeping %s",
+                        endpoint.id,
+                        listed,
+                        endpoint.provider,
+                        ", ".join(endpoint.models),
+                    )
+            else:
+                self._unmatched.discard(endpoint.id)
+            return
+        self._unmatched.discard(endpoint.id)
+        fields = endpoint.model_dump(mode="json", exclude_none=True)
+        fields.update(models=list(change.models), upstream_model=dict(change.upstream_model))
+        try:
+            followed = EndpointConfig.model_validate(fields)
+        except ValidationError as exc:
+            log.warning("endpoint %s: what its engine serves does not fit: %s", endpoint.id, exc)
+            return
+        problems = endpoint_problems(config, followed)
+        if problems:
+            log.warning("endpoint %s: %s", endpoint.id, "; ".join(problems))
+            return
+        with contextlib.suppress(CasConflict, LookupError):  # changed meanwhile: next time
+            await self.bucket.replace(record.model_copy(update={"endpoint": followed}), revision)
+            self.changed += 1
+            log.info(
+                "endpoint %s serves %s now (was %s)",
+                endpoint.id,
+                ", ".join(followed.models),
+                ", ".join(endpoint.models),
+            )

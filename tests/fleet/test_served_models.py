@@ -1,0 +1,174 @@
+"""Endpoints whose models came from their engine follow its `GET /v1/models` (the reaper's
+`ServedModelsFollower`), on a real nats-server and a real engine simulator that loads and
+unloads LoRA adapters at run time through vLLM's API: an adapter loaded is served there, one
+unloaded is no longer, models given by hand are never touched, and an engine that does not
+answer or lists nothing of ours keeps what it had."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+import pytest_asyncio
+import yaml
+from fleet_helpers import LOCAL_CONFIG, Leases
+from inproc import stop_servers
+from nats.aio.client import Client as NatsClient
+
+from llmgw.config import Config, config_from_dict
+from llmgw.services.fleet.apply import apply_file
+from llmgw.services.fleet.ops import FleetOps, running_config
+from llmgw.services.fleet.served import ServedModelsFollower
+from llmgw.services.sim.apps import create_engine_app
+from llmgw.services.sim.params import EngineParams
+from llmgw.serving import RunningServer, start_server
+from llmgw.state.fleet import FleetBucket
+
+# The config names a model only an adapter loaded at run time serves: warned of, as expected.
+pytestmark = pytest.mark.filterwarnings("ignore::llmgw.config.ConfigWarning")
+
+
+def with_sql_adapter_model(values: dict[str, Any]) -> dict[str, Any]:
+    """`values` with a model `sql-assistant` (alias `sql-lora`, an adapter's name) that iris
+    offers, as a config names a LoRA adapter it routes to."""
+    values["models"].append({"name": "sql-assistant", "aliases": ["sql-lora"]})
+    iris = next(p for p in values["providers"] if p["id"] == "iris")
+    iris["models"].append({"name": "sql-assistant", "features": ["chat", "completions"]})
+    return values
+
+
+def local_values(nats_url: str, bucket: str) -> dict[str, Any]:
+    values: dict[str, Any] = yaml.safe_load(LOCAL_CONFIG.read_text())
+    values["nats"] = {"url": nats_url, "connect_timeout": "1s"}
+    values["pinning"] = {"bucket": bucket}
+    values["router"] = {"load_bucket": f"load_{bucket}"}
+    return values
+
+
+@pytest.fixture
+def config(nats_url: str, unique_id: str) -> Config:
+    return config_from_dict(with_sql_adapter_model(local_values(nats_url, unique_id)), env={})
+
+
+@pytest_asyncio.fixture
+async def engine() -> AsyncIterator[RunningServer]:
+    """An engine serving the base model under the alias `llama` (vLLM's --served-model-name)."""
+    server = await start_server(
+        create_engine_app(EngineParams.zero_delay(served_models=["llama"], max_num_seqs=4))
+    )
+    try:
+        yield server
+    finally:
+        await server.stop()
+
+
+@pytest.fixture
+def ops(fleet: FleetBucket, config: Config) -> FleetOps:
+    return FleetOps(fleet, config, Leases())
+
+
+@pytest_asyncio.fixture
+async def follower(fleet: FleetBucket, config: Config) -> AsyncIterator[ServedModelsFollower]:
+    async with httpx.AsyncClient(timeout=3.0) as client:
+        yield ServedModelsFollower(
+            fleet, lambda: running_config(fleet, config), interval=1.0, client=client
+        )
+
+
+async def lora(engine: RunningServer, action: str, name: str) -> httpx.Response:
+    body = {"lora_name": name, "lora_path": f"/adapters/{name}"}
+    async with httpx.AsyncClient() as http:
+        return await http.post(f"{engine.url}/v1/{action}_lora_adapter", json=body)
+
+
+async def served_at(fleet: FleetBucket, endpoint_id: str) -> tuple[list[str], dict[str, str]]:
+    record, _ = await fleet.get(endpoint_id)
+    return list(record.endpoint.models), dict(record.endpoint.upstream_model)
+
+
+async def test_an_adapter_loaded_at_run_time_is_served_there_and_one_unloaded_is_not(
+    ops: FleetOps, fleet: FleetBucket, engine: RunningServer, follower: ServedModelsFollower
+) -> None:
+    added = await ops.add({"id": "engine-9", "url": engine.url, "provider": "iris"})
+    assert added["models"] == ["llama-3.3-70b"] and added["models_from_engine"] is True
+    await follower.sweep()
+    assert follower.changed == 0  # what it serves is what the record says
+
+    loaded = await lora(engine, "load", "sql-lora")
+    assert loaded.status_code == 200, loaded.text
+    await follower.sweep()
+    assert await served_at(fleet, "engine-9") == (
+        ["llama-3.3-70b", "sql-assistant"],
+        {"llama-3.3-70b": "llama", "sql-assistant": "sql-lora"},
+    )
+    await follower.sweep()  # settled: no rewrite while the engine lists the same
+    assert follower.changed == 1
+
+    assert (await lora(engine, "unload", "sql-lora")).status_code == 200
+    await follower.sweep()
+    assert await served_at(fleet, "engine-9") == (["llama-3.3-70b"], {"llama-3.3-70b": "llama"})
+    assert follower.changed == 2
+
+
+async def test_models_given_by_hand_are_never_followed_and_an_update_of_models_stops_it(
+    ops: FleetOps, fleet: FleetBucket, engine: RunningServer, follower: ServedModelsFollower
+) -> None:
+    by_hand = {"url": engine.url, "provider": "iris", "upstream_model": {"llama-3.3-70b": "llama"}}
+    await ops.add({"id": "engine-8", **by_hand, "models": ["llama-3.3-70b"]})
+    await ops.add({"id": "engine-9", "url": engine.url, "provider": "iris"})
+    await ops.update("engine-9", {"models": ["llama-3.3-70b"]})  # the operator takes over
+    assert (await fleet.get("engine-9"))[0].models_from_engine is False
+    assert (await lora(engine, "load", "sql-lora")).status_code == 200
+    await follower.sweep()
+    assert follower.changed == 0
+    for endpoint_id in ("engine-8", "engine-9"):
+        assert (await served_at(fleet, endpoint_id))[0] == ["llama-3.3-70b"]
+
+
+async def test_an_engine_that_does_not_answer_or_lists_nothing_of_ours_keeps_its_models(
+    ops: FleetOps, fleet: FleetBucket, follower: ServedModelsFollower
+) -> None:
+    app = create_engine_app(EngineParams.zero_delay(served_models=["llama"], max_num_seqs=4))
+    engine = await start_server(app)
+    try:
+        await ops.add({"id": "engine-9", "url": engine.url, "provider": "iris"})
+        before = await fleet.get("engine-9")
+        # An engine whose list holds nothing of ours for a moment (its base renamed, say).
+        app.models[:] = ["gpt-9"]
+        app._list_served()
+        await follower.sweep()
+        assert await fleet.get("engine-9") == before
+    finally:
+        await stop_servers([engine])
+    await follower.sweep()  # nothing answers there now
+    assert await fleet.get("engine-9") == before and follower.changed == 0
+
+
+async def test_a_model_an_applied_config_adds_is_served_where_an_engine_already_lists_it(
+    ops: FleetOps,
+    fleet: FleetBucket,
+    engine: RunningServer,
+    follower: ServedModelsFollower,
+    nats_client: NatsClient,
+    nats_url: str,
+    unique_id: str,
+) -> None:
+    """The cluster started without `sql-assistant`; the engine already serves the adapter.
+    `llmgw config apply` adds the model: the next sweep matches against what the cluster runs
+    on, so the adapter is served there without touching the endpoint."""
+    started = config_from_dict(local_values(nats_url, unique_id), env={})
+    follower_started = ServedModelsFollower(
+        fleet, lambda: running_config(fleet, started), interval=1.0, client=follower._client
+    )
+    assert (await lora(engine, "load", "sql-lora")).status_code == 200
+    await FleetOps(fleet, started, Leases()).add(
+        {"id": "engine-9", "url": engine.url, "provider": "iris"}
+    )
+    await follower_started.sweep()
+    assert (await served_at(fleet, "engine-9"))[0] == ["llama-3.3-70b"]
+    values = with_sql_adapter_model(local_values(nats_url, unique_id))
+    await apply_file(nats_client, config_from_dict(values, env={}), values, "<test>", wait=0.1)
+    await follower_started.sweep()
+    assert (await served_at(fleet, "engine-9"))[0] == ["llama-3.3-70b", "sql-assistant"]
