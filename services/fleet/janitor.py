@@ -77,7 +77,15 @@ class HeartbeatJanitor:
         self._heard = heard(self._heard, tokens, now)
         if not registered:
             return
-        leases = await self._leases()
+        # Only a removal needs the leases (asking the admission instances takes their answer
+        # window): a sweep with nothing to remove keeps to its interval.
+        removable = any(
+            heartbeat_verdict(r.state, now - self._heard[i][1], r.heartbeat_ttl, 0)
+            is HeartbeatVerdict.REMOVE
+            for i, (r, _) in registered.items()
+            if r.heartbeat_ttl is not None
+        )
+        leases = await self._leases() if removable else None
         for endpoint_id, (record, revision) in registered.items():
             assert record.heartbeat_ttl is not None
             held = None if leases is None else leases.get(endpoint_id, 0)

@@ -260,20 +260,30 @@ async def test_a_restarted_reaper_counts_a_registration_as_heard_when_it_first_r
     assert await state_of(fleet, "engine-9") is EndpointState.DRAINING
 
 
-class WriteWhenAsked(Leases):
-    """Leases asked for between the janitor's read and its change: once `armed` with a write,
-    the registrant makes it then (a heartbeat, or registering again), as a write landing in
-    that window would."""
+class WriteBeforeChange:
+    """The fleet bucket, but once `armed` with a write, the registrant makes it just before the
+    janitor's change (a heartbeat, or registering again), as a write landing between the
+    janitor's read and its CAS would."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, bucket: FleetBucket) -> None:
+        self._bucket = bucket
         self.armed: Callable[[], Awaitable[object]] | None = None
 
-    async def __call__(self) -> dict[str, int] | None:
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._bucket, name)
+
+    async def _land(self) -> None:
         if self.armed is not None:
             write, self.armed = self.armed, None
             await write()
-        return self.held
+
+    async def replace(self, record: Any, revision: int) -> int:
+        await self._land()
+        return await self._bucket.replace(record, revision)
+
+    async def remove(self, endpoint_id: str, expected: Any = None) -> Any:
+        await self._land()
+        return await self._bucket.remove(endpoint_id, expected=expected)
 
 
 async def test_a_heartbeat_that_lands_between_the_janitors_read_and_its_change_wins(
@@ -281,8 +291,8 @@ async def test_a_heartbeat_that_lands_between_the_janitors_read_and_its_change_w
 ) -> None:
     ops = FleetOps(fleet, config, Leases(), wall=lambda: time.time() + 3600.0)
     await ops.register(spec("engine-9", engine.url), 2)
-    mono, window = Stepped(0.0), WriteWhenAsked()
-    janitor = HeartbeatJanitor(fleet, window, clock=mono)
+    mono, window = Stepped(0.0), WriteBeforeChange(fleet)
+    janitor = HeartbeatJanitor(window, Leases(), clock=mono)  # type: ignore[arg-type]
     await janitor.sweep()
     mono.now += 2.5  # silent by what it read, but a heartbeat lands before the drain
     window.armed = lambda: ops.heartbeat("engine-9")
@@ -362,3 +372,36 @@ async def test_config_apply_seeds_a_new_providers_endpoints_and_endpoints_add_kn
     )
     assert done.returncode == 0, done.stderr
     assert (await fleet.get("vela-2"))[0].endpoint.provider == "vela"
+
+
+class CountedLeases(Leases):
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked = 0
+
+    async def __call__(self) -> dict[str, int] | None:
+        self.asked += 1
+        return self.held
+
+
+async def test_the_janitor_asks_for_leases_only_when_a_removal_is_due(
+    fleet: FleetBucket, config: Config, engine: RunningServer
+) -> None:
+    """Asking every admission instance takes their answer window: a sweep that can only keep
+    or drain does not, so drains keep to the sweep's interval."""
+    ops = FleetOps(fleet, config, Leases())
+    await ops.register(spec("engine-9", engine.url), 2)
+    mono, leases = Stepped(0.0), CountedLeases()
+    janitor = HeartbeatJanitor(fleet, leases, clock=mono)
+    await janitor.sweep()
+    mono.now += 2.5
+    await janitor.sweep()  # drained by silence, no lease asked for
+    assert await state_of(fleet, "engine-9") is EndpointState.DRAINING
+    assert leases.asked == 0
+    mono.now += 2.0  # 4.5 s > 2 ttl: removal is due, once no lease is left
+    leases.held = {"engine-9": 1}
+    await janitor.sweep()
+    assert leases.asked == 1 and await state_of(fleet, "engine-9") is EndpointState.DRAINING
+    leases.held = {}
+    await janitor.sweep()
+    assert janitor.removed == 1 and "engine-9" not in (await fleet.fleet()).records
