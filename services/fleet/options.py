@@ -45,7 +45,8 @@ def _spec_args(parser: argparse.ArgumentParser, *, creating: bool) -> None:
     parser.add_argument(
         "--models",
         help="comma-separated model names (default: what the engine's /v1/models serves, "
-        "matched against the config's models and aliases)",
+        "matched against the config's models and aliases, and followed as it changes: "
+        "fleet.models_refresh)",
     )
     parser.add_argument("--pool", help="its pool (default: default)")
     parser.add_argument("--weight", type=int, help="relative weight (default 100)")
