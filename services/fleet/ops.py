@@ -344,9 +344,7 @@ class FleetOps:
                 param="models",
             ) from None
         served = served_models(body)
-        canonical = {}
-        for model in self.config.models:
-            canonical.update({name: model.name for name in (model.name, *model.aliases)})
+        canonical = self.config.model_names()
         found = match_served(served, canonical, [m.name for m in provider.models])
         if not found.models:
             listed = ", ".join(s.id for s in served) or "nothing"

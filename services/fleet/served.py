@@ -116,9 +116,7 @@ class ServedModelsFollower:
             provider = config.provider(endpoint.provider)
         except KeyError:
             return  # the live config left this endpoint out already (llmgw.fleet.live_config)
-        canonical = {}
-        for model in config.models:
-            canonical.update({name: model.name for name in (model.name, *model.aliases)})
+        canonical = config.model_names()
         offered = [m.name for m in provider.models]
         change = served_change(endpoint.models, endpoint.upstream_model, served, canonical, offered)
         if change is None:

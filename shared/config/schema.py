@@ -19,6 +19,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping
 from contextvars import ContextVar
+from types import MappingProxyType
 from typing import Any
 
 from pydantic import Field, PrivateAttr, field_validator, model_validator
@@ -233,6 +234,10 @@ class Config(BaseSettings):
     def resolve_model(self, name_or_alias: str) -> str | None:
         """The canonical model name for a name or alias, or None when unknown."""
         return self._canonical_models.get(name_or_alias)
+
+    def model_names(self) -> Mapping[str, str]:
+        """Every model name and alias -> its model name (read only)."""
+        return MappingProxyType(self._canonical_models)
 
     def model(self, name_or_alias: str) -> ModelConfig | None:
         canonical = self.resolve_model(name_or_alias)
