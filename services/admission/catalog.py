@@ -121,8 +121,15 @@ class ProviderCatalog:
             for e in self._endpoints.get((provider, model), ())
         )
 
-    def can_overflow(self, model: str, feature: Feature, now: float) -> bool:
-        return any(self.is_unlimited(p) and self.supports(p, model, feature) for p in self.order)
+    def can_overflow(self, model: str, feature: Feature) -> bool:
+        """Whether a third party (an unlimited provider with an endpoint) serves `model` for
+        `feature`: somewhere for a band that overflows to go."""
+        return any(
+            self.is_unlimited(p)
+            and self.supports(p, model, feature)
+            and bool(self._endpoints.get((p, model)))
+            for p in self.order
+        )
 
     # ---- the snapshot -------------------------------------------------------------------------
 

@@ -203,6 +203,9 @@ class _Request:
     arrived: float = 0.0  # the service clock's time it arrived (a held request expires by it)
     borrowing: bool = False  # waiting for a loan of quota (`_Loan`), not in a queue
     grace_spent: bool = False  # its `limit_grace` ran out while it waited for room
+    # It may run on a third party: its band overflows, its overflow budget is not used up, and
+    # an unlimited provider serves its model (or a fallback). When not, it waits for our engines.
+    can_overflow: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -511,16 +514,20 @@ class AdmissionService:
             return self._refusal(
                 request.id, Refusal.UNKNOWN_BAND, f"Unknown priority band '{request.band}'."
             )
-        context = _Request(request, Feature(request.feature), band, None, started, now)
+        feature = Feature(request.feature)
+        can_overflow = (
+            band.overflow
+            and not request.no_overflow  # its overflow budget is used up: it waits for ours
+            and any(
+                self.catalog.can_overflow(candidate, feature)
+                for candidate in (model, *self._fallbacks.get(model, ()))
+            )
+        )
+        context = _Request(request, feature, band, None, started, now, can_overflow=can_overflow)
         if self.flow is None:
             return self._placed(context, overflow=False)
         policy = self.flow.band(band.name)
         assert policy is not None
-        can_overflow = (
-            band.overflow
-            and not request.no_overflow  # its overflow budget is used up: it waits for ours
-            and self.catalog.can_overflow(model, context.feature, now)
-        )
         decision = self.flow.check(
             request.id,
             model,
@@ -712,9 +719,11 @@ class AdmissionService:
         return True
 
     def _waits_for_ours(self, context: _Request) -> bool:
-        """Whether the request waits for our engines rather than runs on a third party: its
-        band does not overflow (or its overflow budget is used up), and flow control runs."""
-        return self.flow is not None and (not context.band.overflow or context.request.no_overflow)
+        """Whether the request waits for our engines rather than runs on a third party: it may
+        not overflow (its band does not, its overflow budget is used up, or no third party
+        serves its model: a band with nowhere to overflow waits like any other), and flow
+        control runs."""
+        return self.flow is not None and not context.can_overflow
 
     def place(self, context: _Request, *, overflow: bool) -> AdmitReply:
         """Place the request, take its lease and change its pin: one synchronous step."""

@@ -68,9 +68,11 @@ def rig_config(
     router: dict[str, Any] | None = None,
     timeouts: dict[str, Any] | None = None,
     endpoints: dict[str, dict[str, Any]] | None = None,
+    third_party: bool = True,
     **admission: Any,
 ) -> Config:
-    """Managed `iris` (two engines; lease limits only if given) and unlimited `tensorx`, for m1.
+    """Managed `iris` (two engines; lease limits only if given) and unlimited `tensorx`, for m1
+    (``third_party`` False: no `tensorx`, a fleet of our own engines only).
 
     ``urls`` maps endpoint ids (engine-1, engine-2, tensorx-1) to real servers where requests
     are relayed; without them nothing listens (tests that only ask admission). ``endpoints``:
@@ -99,7 +101,10 @@ def rig_config(
             "models": [{"name": MODEL}],
             "providers": [
                 {"id": "iris", "kind": "managed", "priority": 100, "models": [iris_model]},
-                {"id": "tensorx", "kind": "unlimited", "models": [{"name": MODEL}]},
+                *(
+                    [{"id": "tensorx", "kind": "unlimited", "models": [{"name": MODEL}]}]
+                    * third_party
+                ),
             ],
             "endpoints": [
                 {
@@ -119,7 +124,8 @@ def rig_config(
                     "models": [MODEL],
                     **extra.get("tensorx-1", {}),
                 }
-            ],
+            ]
+            * third_party,
             **({"timeouts": timeouts} if timeouts else {}),
         },
         source="<flow rig>",
@@ -286,6 +292,7 @@ async def open_rig(
     router: dict[str, Any] | None = None,
     timeouts: dict[str, Any] | None = None,
     endpoints: dict[str, dict[str, Any]] | None = None,
+    third_party: bool = True,
     observer_for: Any = None,
     **admission: Any,
 ) -> Rig:
@@ -298,6 +305,7 @@ async def open_rig(
         router=router,
         timeouts=timeouts,
         endpoints=endpoints,
+        third_party=third_party,
         **admission,
     )
     nc = await nats.connect(nats_url)

@@ -116,3 +116,44 @@ async def test_an_overflow_band_waits_limit_grace_for_a_lease_to_end_then_runs_e
         assert len(service.flow.queues) == 0  # it never queued
     finally:
         await rig.close()
+
+
+async def test_an_overflow_band_with_nowhere_to_overflow_waits_in_its_queue(nats_url, unique_id):
+    """A fleet of our own engines only: gold overflows by default, but no third party serves
+    the model, so a gold request that only the limits keep off our engines waits in its queue
+    (as a batch band does) and runs when a lease ends, instead of a 503 `no_capacity` once
+    `limit_grace` is over; it expires with the queue's ttl like any queued request."""
+    audit = AuditLog()
+    rig = await open_rig(
+        nats_url,
+        unique_id,
+        limits=LIMITS,
+        third_party=False,
+        observer_for=audit.observer,
+        queue_ttl=2.0,
+        limit_grace=0.05,
+    )
+    try:
+        await rig.report_all(running=0, capacity=32)
+        (service,) = rig.admissions
+        leases = await fill_unreserved(rig)
+        waiting = [
+            asyncio.ensure_future(rig.ask(band="gold", session=f"new-{i}")) for i in range(2)
+        ]
+        await until(lambda: holds(service, "gold") >= 2, what="both gold requests held")
+        await asyncio.sleep(0.3)  # six times limit_grace: they still wait, holding nothing
+        assert not any(w.done() for w in waiting)
+        assert service.ledger.pair_use(PAIR).unreserved == G - R
+        for lease in leases[:2]:
+            await rig.end(service, lease)
+        replies = await asyncio.wait_for(asyncio.gather(*waiting), 5)
+        assert all(admitted(r) and r.target.provider == "iris" for r in replies), replies
+        # With no lease ending, the next one waits out the queue's ttl: 504, never 503.
+        started = time.monotonic()
+        expired = await rig.ask(band="gold", session="new-late")
+        assert expired.refusal is Refusal.QUEUE_TIMEOUT, expired
+        assert 1.5 < time.monotonic() - started < 4
+        violations = check_audit(audit.events, rig.cluster.limits, lease_timeout=30.0)
+        assert violations == [], [str(v) for v in violations[:3]]
+    finally:
+        await rig.close()
