@@ -27,7 +27,7 @@ from llmgw.runtime import (
 from llmgw.services.admission.admin import create_admin_app
 from llmgw.services.admission.compose import open_admission
 from llmgw.services.admission.successor import NameInUse
-from llmgw.services.fleet.http import add_fleet_routes
+from llmgw.services.fleet.http import add_fleet_routes, admin_guard
 from llmgw.serving import start_server
 
 log = logging.getLogger("llmgw.admission")
@@ -39,6 +39,7 @@ def run(args: argparse.Namespace) -> int:
     require_nats_server(config, "admission")
     admin_listen = getattr(args, "admin_listen", None)
     admin = parse_hostport(admin_listen) if admin_listen else None
+    guard = admin_guard(config, "admission") if admin is not None else None
 
     name = getattr(args, "instance_name", None) or config.admission.instance_name
     if name is not None and not is_safe_token(name):
@@ -65,7 +66,8 @@ def run(args: argparse.Namespace) -> int:
         admin_server = None
         if admin is not None:
             admin_app = create_admin_app(service, running.nc)
-            add_fleet_routes(admin_app, running.fleet_ops())
+            assert guard is not None
+            add_fleet_routes(admin_app, running.fleet_ops(), guard)
             admin_server = await start_server(admin_app, *admin)
         suffix = f", admin {admin_server.url}" if admin_server is not None else ""
         print(

@@ -47,7 +47,7 @@ from llmgw.services.edge.outage import OutageAdmission
 from llmgw.services.edge.reporting import NatsReporter
 from llmgw.services.edge.spend import SpendBook
 from llmgw.services.edge.upstream import new_pool
-from llmgw.services.fleet.http import add_fleet_routes
+from llmgw.services.fleet.http import add_fleet_routes, admin_guard
 from llmgw.serving import RunningServer, start_server
 from llmgw.state.responses import open_response_store
 from llmgw.tracing import open_tracing
@@ -74,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
     except CredentialsError as exc:
         print(f"llmgw edge: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+    guard = admin_guard(config, "edge") if config.admission.colocated else None
     if config.auth.mode == "none":
         log.warning(
             "auth.mode is none: every caller is accepted and may choose its band "
@@ -125,7 +126,8 @@ def run(args: argparse.Namespace) -> int:
         registries = [colocated.metrics.registry] if colocated is not None else []
         admin_app = create_admin_app(deps, nc, registries)
         if colocated is not None:  # the fleet's admin API, where an admission instance runs
-            add_fleet_routes(admin_app, colocated.fleet_ops())
+            assert guard is not None
+            add_fleet_routes(admin_app, colocated.fleet_ops(), guard)
         admin = await start_server(admin_app, admin_host, admin_port)
         await wait_for_admission(deps.admission)
         print(f"llmgw edge ready on {api.url} (admin {admin.url})", flush=True)

@@ -93,8 +93,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def file_values(path: str | Path) -> dict[str, Any]:
-    """A config file's own values (no environment): what is stored and applied."""
+    """A config file's own values (no environment): what is stored and applied. An admin
+    token written in the file is left out: every service reads it at its start only, and the
+    fleet bucket is readable by roles that must not learn it."""
     values: dict[str, Any] = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    auth = values.get("auth") if isinstance(values, dict) else None
+    if isinstance(auth, dict):
+        auth.pop("admin_token", None)
     return values
 
 

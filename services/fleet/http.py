@@ -1,9 +1,12 @@
 """The live fleet over HTTP, for automation: the same checked changes as `llmgw endpoints`.
 
 Served on the admin port of every process that runs an admission instance (the edge's with
-``admission.colocated``, else ``llmgw admission --admin-listen``); like the rest of the admin
-port it is for the operator's network only. JSON in and out; a refused change answers the
-API's error shape (``{"error": {"message", "type", "code", "param"}}``) and writes nothing.
+``admission.colocated``, else ``llmgw admission --admin-listen``). Every route needs the admin
+token (``auth.admin_token`` / ``admin_token_file``) as ``Authorization: Bearer TOKEN``, compared
+in constant time: without it 401 ``missing_admin_token``, with another 403
+``invalid_admin_token``, and with no token configured 403 ``admin_api_disabled``; a refused
+call reads and writes nothing. JSON in and out; a refused change answers the API's error shape
+(``{"error": {"message", "type", "code", "param"}}``) and writes nothing.
 
     GET    /admin/endpoints                   every endpoint, with its live leases
     GET    /admin/endpoints/{id}
@@ -18,29 +21,92 @@ API's error shape (``{"error": {"message", "type", "code", "param"}}``) and writ
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
+import logging
+import sys
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from llmgw.config.credentials import CredentialsError, admin_token
 from llmgw.core.fleet import EndpointState
 from llmgw.services.fleet.ops import FleetError
 
 if TYPE_CHECKING:
     from starlette.applications import Starlette
 
+    from llmgw.config import Config
     from llmgw.services.fleet.ops import FleetOps
 
-__all__ = ["add_fleet_routes"]
+__all__ = ["AdminGuard", "add_fleet_routes", "admin_guard"]
+
+log = logging.getLogger("llmgw.fleet.admin")
 
 
-def add_fleet_routes(app: Starlette, ops: FleetOps) -> None:
+class AdminGuard:
+    """Who may call the admin API: the holder of its token. Only digests of the token are
+    kept and compared (`hmac.compare_digest`), so the time a refusal takes does not depend on
+    how much of the token a caller got right, nor on its length."""
+
+    def __init__(self, token: str | None) -> None:
+        self._digest = None if token is None else _digest(token)
+
+    def refusal(self, request: Request) -> FleetError | None:
+        """Why `request` may not call the admin API, or None when it may."""
+        if self._digest is None:
+            return FleetError(
+                "The admin API is off: no admin token is configured (auth.admin_token, "
+                "auth.admin_token_file or LLMGW_AUTH__ADMIN_TOKEN).",
+                status=403,
+                code="admin_api_disabled",
+            )
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not given.strip():
+            return FleetError(
+                "The admin API needs the admin token: Authorization: Bearer TOKEN.",
+                status=401,
+                code="missing_admin_token",
+            )
+        if not hmac.compare_digest(_digest(given.strip()), self._digest):
+            return FleetError(
+                "The admin token is not valid.", status=403, code="invalid_admin_token"
+            )
+        return None
+
+
+def admin_guard(config: Config, service: str) -> AdminGuard:
+    """The guard of `service`'s admin API, from its config's token, read once at its start; a
+    token file that cannot be read stops the service (exit 2), naming the field."""
+    try:
+        token = admin_token(config)
+    except CredentialsError as exc:
+        print(f"llmgw {service}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if token is None:
+        log.warning(
+            "no admin token is configured: the admin API (/admin/...) refuses every call "
+            "(set auth.admin_token_file or LLMGW_AUTH__ADMIN_TOKEN; docs/security.md)"
+        )
+    return AdminGuard(token)
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()
+
+
+def add_fleet_routes(app: Starlette, ops: FleetOps, guard: AdminGuard) -> None:
     def answer(
         act: Callable[[Request], Awaitable[Any]], status: int = 200
     ) -> Callable[[Request], Awaitable[Response]]:
         async def route(request: Request) -> Response:
+            refused = guard.refusal(request)
+            if refused is not None:
+                headers = {"www-authenticate": "Bearer"} if refused.status == 401 else None
+                return JSONResponse(refused.body(), status_code=refused.status, headers=headers)
             try:
                 return JSONResponse(await act(request), status_code=status)
             except FleetError as exc:

@@ -7,6 +7,9 @@ reads the same, provider by provider, for an edge that runs already (an applied 
 provider's key, a key file rotated): it returns the keys it read and the problems by provider,
 so the caller keeps what runs where a source cannot be read now. The keys are returned, never
 logged; problems name the variable or file, never a value.
+
+`admin_token` reads the admin API's token (`auth.admin_token` or `auth.admin_token_file`) the
+same way, once at a service's start.
 """
 
 from __future__ import annotations
@@ -15,10 +18,12 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from llmgw.config.sections import MIN_ADMIN_TOKEN
+
 if TYPE_CHECKING:
     from llmgw.config.schema import Config
 
-__all__ = ["CredentialsError", "provider_keys", "read_keys"]
+__all__ = ["CredentialsError", "admin_token", "provider_keys", "read_keys"]
 
 
 class CredentialsError(ValueError):
@@ -69,3 +74,24 @@ def read_keys(
         if value:
             keys[provider.id] = value
     return keys, problems
+
+
+def admin_token(config: Config) -> str | None:
+    """The admin API's bearer token, None when none is configured (the API then refuses every
+    call). A token file that cannot be read, is empty or too short is a `CredentialsError`."""
+    auth = config.auth
+    if auth.admin_token is not None:
+        return auth.admin_token.get_secret_value().strip()
+    if auth.admin_token_file is None:
+        return None
+    where = f"auth.admin_token_file: {auth.admin_token_file}"
+    try:
+        with open(auth.admin_token_file, encoding="utf-8") as handle:
+            token = handle.read().strip()
+    except OSError as exc:
+        raise CredentialsError([f"{where}: {exc.strerror}"]) from None
+    if len(token) < MIN_ADMIN_TOKEN:
+        raise CredentialsError(
+            [f"{where}: holds {len(token)} characters; at least {MIN_ADMIN_TOKEN} expected"]
+        )
+    return token

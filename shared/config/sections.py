@@ -361,6 +361,33 @@ class AuthConfig(StrictModel):
     # Edges publish their per-key request and token counts this often; the rpm/tpm tolerance
     # is what the other edges admit within one interval (docs/keys.md, "Limits").
     usage_interval: PositiveDuration = 0.1
+    # The admin API's bearer token (`/admin/...` on an admin port: the live fleet's writes and
+    # reads; docs/security.md): here, in LLMGW_AUTH__ADMIN_TOKEN, or in a file read at start
+    # (`admin_token_file`, e.g. a mounted secret). With neither the admin API refuses every
+    # call (403); /metrics, /health and /ready need no token. `llmgw up` makes one.
+    admin_token: SecretStr | None = None
+    admin_token_file: str | None = None
+
+    @field_validator("admin_token")
+    @classmethod
+    def _check_admin_token(cls, token: SecretStr | None) -> SecretStr | None:
+        if token is not None and len(token.get_secret_value().strip()) < MIN_ADMIN_TOKEN:
+            raise ValueError(f"at least {MIN_ADMIN_TOKEN} characters (a random token)")
+        return token
+
+    @model_validator(mode="after")
+    def _one_admin_token_source(self) -> AuthConfig:
+        if self.admin_token is not None and self.admin_token_file is not None:
+            fail([(("admin_token_file",), "set admin_token or admin_token_file, not both")])
+        return self
+
+    @field_serializer("admin_token", when_used="json")
+    def _mask(self, secret: SecretStr | None) -> str | None:
+        return None if secret is None else MASK
+
+
+# The shortest admin token accepted (`auth.admin_token`, or its file's content).
+MIN_ADMIN_TOKEN = 16
 
 
 # --- the Responses API ----------------------------------------------------------------------------

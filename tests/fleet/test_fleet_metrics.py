@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from llmgw.config import Config
 from llmgw.services.admission.admin import create_admin_app
 from llmgw.services.admission.compose import open_admission
-from llmgw.services.fleet.http import add_fleet_routes
+from llmgw.services.fleet.http import AdminGuard, add_fleet_routes
 from llmgw.services.sim.apps import create_engine_app
 from llmgw.services.sim.params import EngineParams
 from llmgw.serving import start_server
@@ -54,10 +54,12 @@ async def test_the_breaker_gauge_names_the_endpoints_an_instance_runs_on_after_a
     with before_any_lease(config):
         running = await open_admission(config, "adm-metrics", "adm-metrics")
     admin_app = create_admin_app(running.service, running.nc)
-    add_fleet_routes(admin_app, running.fleet_ops())
+    token = "admin-token-of-the-metrics-test"
+    add_fleet_routes(admin_app, running.fleet_ops(), AdminGuard(token))
     admin = await start_server(admin_app)
     try:
-        async with httpx.AsyncClient(base_url=admin.url, timeout=10) as http:
+        headers = {"authorization": f"Bearer {token}"}
+        async with httpx.AsyncClient(base_url=admin.url, timeout=10, headers=headers) as http:
             seeded = {e.id for e in config.endpoints}
             assert set(await breaker_endpoints(http)) == seeded
             body = {"id": "engine-9", "url": engine.url, "provider": "iris"}

@@ -26,7 +26,7 @@ from starlette.routing import Route
 from llmgw.config import Config, config_from_dict
 from llmgw.core.fleet import EndpointState
 from llmgw.services.fleet.apply import apply_file
-from llmgw.services.fleet.http import add_fleet_routes
+from llmgw.services.fleet.http import AdminGuard, add_fleet_routes
 from llmgw.services.fleet.janitor import HeartbeatJanitor
 from llmgw.services.fleet.ops import FleetError, FleetOps
 from llmgw.services.sim.apps import create_engine_app
@@ -133,10 +133,10 @@ async def test_the_admin_api_answers_the_apis_error_shape_and_changes_the_fleet(
     ops: FleetOps, fleet: FleetBucket, engine: RunningServer
 ) -> None:
     app = FastAPI()
-    add_fleet_routes(app, ops)
+    add_fleet_routes(app, ops, AdminGuard(TOKEN))
     server = await start_server(app)
     try:
-        async with httpx.AsyncClient(base_url=server.url, timeout=10) as http:
+        async with httpx.AsyncClient(base_url=server.url, timeout=10, headers=ADMIN) as http:
             before = await snapshot(fleet)
             for body in (b"{oops", b"[1]", b'{"id": "engine-9", "probe": "yes"}'):
                 refused = await http.post("/admin/endpoints", content=body)
@@ -158,6 +158,74 @@ async def test_the_admin_api_answers_the_apis_error_shape_and_changes_the_fleet(
             missing = await http.get("/admin/endpoints/engine-9")
             assert missing.status_code == 404
             assert missing.json()["error"]["code"] == "endpoint_not_found"
+    finally:
+        await server.stop()
+
+
+TOKEN = "admin-token-for-the-tests-0123456789"
+ADMIN = {"authorization": f"Bearer {TOKEN}"}
+
+# Every admin route, each with a body that would change the fleet were it let through.
+ADMIN_CALLS: list[tuple[str, str, dict[str, Any] | None]] = [
+    ("GET", "/admin/endpoints", None),
+    ("GET", "/admin/endpoints/engine-1", None),
+    ("POST", "/admin/endpoints", {"probe": False, **spec("engine-9", "http://127.0.0.1:1")}),
+    ("PATCH", "/admin/endpoints/engine-1", {"weight": 7, "probe": False}),
+    ("DELETE", "/admin/endpoints/engine-1?force=true", None),
+    ("POST", "/admin/endpoints/engine-1/drain", None),
+    ("POST", "/admin/endpoints/engine-1/undrain", None),
+    (
+        "POST",
+        "/admin/register",
+        {"probe": False, "heartbeat_ttl": 10, **spec("engine-8", "http://127.0.0.1:1")},
+    ),
+    ("POST", "/admin/endpoints/engine-1/heartbeat", None),
+]
+
+
+@pytest.mark.parametrize(
+    ("token", "headers", "status", "code"),
+    [
+        (TOKEN, {}, 401, "missing_admin_token"),
+        (TOKEN, {"authorization": TOKEN}, 401, "missing_admin_token"),  # not a Bearer token
+        (TOKEN, {"authorization": "Bearer"}, 401, "missing_admin_token"),
+        (TOKEN, {"authorization": f"Bearer {TOKEN}x"}, 403, "invalid_admin_token"),
+        (TOKEN, {"authorization": f"Bearer {TOKEN[:-1]}"}, 403, "invalid_admin_token"),
+        (TOKEN, {"authorization": "Bearer guess"}, 403, "invalid_admin_token"),
+        (None, ADMIN, 403, "admin_api_disabled"),  # no token configured: nobody may call it
+    ],
+)
+async def test_the_admin_api_refuses_a_caller_without_its_token_and_changes_nothing(
+    ops: FleetOps,
+    fleet: FleetBucket,
+    token: str | None,
+    headers: dict[str, str],
+    status: int,
+    code: str,
+) -> None:
+    app = FastAPI()
+    add_fleet_routes(app, ops, AdminGuard(token))
+    server = await start_server(app)
+    try:
+        before = await snapshot(fleet)
+        async with httpx.AsyncClient(base_url=server.url, timeout=10, headers=headers) as http:
+            for method, path, body in ADMIN_CALLS:
+                refused = await http.request(method, path, json=body)
+                assert refused.status_code == status, (method, path, refused.text)
+                error = refused.json()["error"]
+                assert set(error) == {"message", "type", "code", "param"}
+                assert error["code"] == code, (method, path, error)
+                assert TOKEN not in refused.text
+                if status == 401:
+                    assert refused.headers["www-authenticate"] == "Bearer"
+        assert await snapshot(fleet) == before  # no write took effect
+        # The same calls with the token go through (the guard, not the routes, refused them).
+        if token is not None:
+            async with httpx.AsyncClient(base_url=server.url, timeout=10, headers=ADMIN) as http:
+                listed = await http.get("/admin/endpoints")
+                assert listed.status_code == 200, listed.text
+                drained = await http.post("/admin/endpoints/engine-1/drain")
+                assert drained.json()["state"] == "draining"
     finally:
         await server.stop()
 
