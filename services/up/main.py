@@ -27,6 +27,7 @@ from llmgw.nats_cluster import EmbeddedNatsCluster
 from llmgw.nats_embedded import EmbeddedNats, NatsServerError, port_is_free
 from llmgw.runtime import load_or_exit
 from llmgw.services.fleet.reload import Reloader
+from llmgw.services.up.admintoken import AdminToken
 from llmgw.services.up.devkey import create_dev_key
 from llmgw.services.up.nats_keeper import NatsKeeper, OneServer, node_label
 from llmgw.services.up.offset import write_shifted
@@ -99,8 +100,16 @@ def _run(args: argparse.Namespace, config_path: str) -> int:
         except (PlanError, ValueError, OSError) as exc:
             print(f"llmgw up: {exc}", file=sys.stderr)
             return 2
+    try:
+        admin_token = AdminToken.prepare(config)
+    except OSError as exc:
+        print(f"llmgw up: auth.admin_token_file: {exc}", file=sys.stderr)
+        if secure is not None:
+            secure.cleanup()
+        return 2
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"  # children's lines (and ready lines) arrive as printed
+    env.update(admin_token.env)
     nats: EmbeddedNats | EmbeddedNatsCluster | None = None
     try:
         nats = _start_nats(nats_plan, secure)
@@ -108,6 +117,7 @@ def _run(args: argparse.Namespace, config_path: str) -> int:
         print(f"llmgw up: cannot start the embedded NATS server: {exc}", file=sys.stderr)
         if secure is not None:
             secure.cleanup()
+        admin_token.cleanup()
         return 1
     if nats is not None:
         env.update(nats_plan.child_env(nats.url))
@@ -128,12 +138,21 @@ def _run(args: argparse.Namespace, config_path: str) -> int:
         )
         return asyncio.run(
             _supervise(
-                specs, env, config, args, nats, dev_key, spec_env, (config_path, reload_config)
+                specs,
+                env,
+                config,
+                args,
+                nats,
+                dev_key,
+                spec_env,
+                (config_path, reload_config),
+                admin_token.announcement,
             )
         )
     finally:
         if secure is not None:
             secure.cleanup()
+        admin_token.cleanup()
         if nats is not None:
             # Stop NATS last and let a second Ctrl-C not interrupt it half-way.
             previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -261,6 +280,7 @@ async def _supervise(
     dev_key: str | None = None,
     spec_env: dict[str, Mapping[str, str]] | None = None,
     reload: tuple[str, Config] | None = None,
+    admin_note: str | None = None,
 ) -> int:
     supervisor = ClusterSupervisor(
         specs,
@@ -302,6 +322,8 @@ async def _supervise(
         supervisor.say(f"llmgw is ready: OpenAI API at {edge_url}/v1{key} (Ctrl-C to stop)")
         if dev_key:
             supervisor.say(f"llmgw up: try it with  export OPENAI_API_KEY={dev_key}")
+        if admin_note:
+            supervisor.say(admin_note)
 
     try:
         code = await supervisor.run(on_ready=announce)

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from llmgw.config import Config
     from llmgw.services.up.plan import ServiceSpec
 
-__all__ = ["PROBE_ROLE", "SecureNats", "role_env"]
+__all__ = ["PROBE_ROLE", "SecureNats", "role_env", "write_private"]
 
 # The role `llmgw up` checks the servers' readiness with (it may read JetStream account info).
 PROBE_ROLE = "state"
@@ -54,7 +54,7 @@ def _load_passwords(path: Path) -> dict[str, str]:
     return dict(data)
 
 
-def _write_private(path: Path, text: str) -> None:
+def write_private(path: Path, text: str) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_CREAT: make it private too
     with os.fdopen(fd, "w", encoding="utf-8") as handle:
@@ -84,9 +84,9 @@ class SecureNats:
         runtime = Path(tempfile.mkdtemp(prefix="llmgw-up-secure-"))  # mode 0700
         passwords_path = given if given is not None else runtime / "nats-passwords.yaml"
         if missing or given is None:
-            _write_private(passwords_path, yaml.safe_dump(passwords, sort_keys=False))
+            write_private(passwords_path, yaml.safe_dump(passwords, sort_keys=False))
         config_path = runtime / "nats-auth.conf"
-        _write_private(config_path, render_server_config(config, passwords))
+        write_private(config_path, render_server_config(config, passwords))
         return cls(passwords, config_path, passwords_path, runtime)
 
     @property

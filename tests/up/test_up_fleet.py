@@ -127,7 +127,7 @@ def test_an_engine_added_under_load_serves_within_2s_and_no_client_sees_an_error
         body = {"id": "engine-3", "url": url, "provider": "iris"}
         body["models"] = ["llama-3.3-70b", "qwen2.5-32b"]
         issued = time.monotonic()
-        async with httpx.AsyncClient(timeout=10) as client:
+        async with httpx.AsyncClient(timeout=10, headers=up.admin_headers()) as client:
             added = await client.post(f"http://{admin}/admin/endpoints", json=body)
         assert added.status_code == 201, added.text
         await asyncio.sleep(8)
@@ -170,7 +170,7 @@ def test_an_engine_drained_under_load_finishes_its_requests_and_is_removed_with_
         # 70% of what is left once engine-3 is out: the two other engines.
         load = await _load_at(api, key, 0.7, engines=2)
         await _warmed(load.records)
-        async with httpx.AsyncClient(timeout=10) as client:
+        async with httpx.AsyncClient(timeout=10, headers=up.admin_headers()) as client:
             drained = await client.post(f"http://{admin}/admin/endpoints/engine-3/drain")
         acknowledged = time.monotonic()
         assert drained.status_code == 200, drained.text
@@ -292,9 +292,9 @@ def _listed(config: Path, nats_url: str) -> dict[str, str]:
     return {e["id"]: e["state"] for e in json.loads(done.stdout)}
 
 
-def _states(admin: str) -> dict[str, str]:
+def _states(admin: str, headers: dict[str, str]) -> dict[str, str]:
     """The fleet's endpoints and their states, as the admin HTTP API lists them."""
-    listed = httpx.get(f"http://{admin}/admin/endpoints", timeout=10)
+    listed = httpx.get(f"http://{admin}/admin/endpoints", timeout=10, headers=headers)
     assert listed.status_code == 200, listed.text
     return {e["id"]: e["state"] for e in listed.json()["data"]}
 
@@ -339,13 +339,14 @@ def test_an_engine_that_registers_itself_serves_and_is_drained_then_removed_once
         assert "engine-3" in served
         time.sleep(2 * ttl)  # heartbeats keep it: still active after its ttl
         assert _listed(config, nats_url)["engine-3"] == "active"
+        headers = up.admin_headers()
         sidecar.kill()  # the engine's sidecar dies: no more heartbeats
         silent = time.monotonic()
         # Read through the admin API (a CLI run costs a second of imports on this host).
-        while _states(admin).get("engine-3") == "active":
+        while _states(admin, headers).get("engine-3") == "active":
             assert time.monotonic() - silent < ttl + 3, "not drained after its ttl"
         drained = time.monotonic() - silent
-        while "engine-3" in _states(admin):
+        while "engine-3" in _states(admin, headers):
             assert time.monotonic() - silent < 2 * ttl + 4, "not removed after twice its ttl"
         removed = time.monotonic() - silent
     finally:

@@ -21,6 +21,9 @@ REPO = Path(__file__).resolve().parents[2]
 LOCAL_CONFIG = REPO / "config" / "local.yaml"
 
 
+# What `llmgw up` prints once ready about the admin token it made (never the token itself).
+ADMIN_TOKEN_LINE = r"^llmgw up: admin API token in (\S+) "
+
 ADMIN_PORTS = 4  # `llmgw up` gives admission, reaper and scraper the three after the edge's
 
 
@@ -137,6 +140,15 @@ class UpProcess:
                         + "\n".join(self.lines)
                     )
                 self._changed.wait(left)
+
+    def admin_token_file(self, timeout: float = 90.0) -> str:
+        """The file of the admin token this run made (the line `llmgw up` prints at ready)."""
+        return self.wait_for(ADMIN_TOKEN_LINE, timeout).group(1)
+
+    def admin_headers(self, timeout: float = 90.0) -> dict[str, str]:
+        """Headers that let a client call the admin API of this run."""
+        token = Path(self.admin_token_file(timeout)).read_text().strip()
+        return {"authorization": f"Bearer {token}"}
 
     def pids(self) -> dict[str, int]:
         """Latest pid of every process it reported ("[name] started pid N", "[nats-0] ... pid N")."""
