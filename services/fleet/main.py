@@ -8,30 +8,44 @@
     llmgw endpoints remove ID [--wait SECONDS] [--force]
 
 Every admission instance, scraper and edge follows the change within a second, no restart.
-With `nats.url: embedded` (the local config) the CLI talks to `llmgw up`'s server.
+With `nats.url: embedded` (the local config) the CLI talks to `llmgw up`'s server. With
+`--admin-url URL` it calls that admin port's API instead (no NATS needed), with the admin
+token (`auth.admin_token`, `auth.admin_token_file` or their LLMGW_AUTH__ variables).
 
-Exit codes: 0 done; 1 NATS unreachable, or no such endpoint; 2 a refused change (bad input,
-a duplicate id, an unreachable URL, an endpoint still running requests): nothing was written.
+Exit codes: 0 done; 1 NATS (or the admin port) unreachable, or no such endpoint; 2 a refused
+change (bad input, a duplicate id, an unreachable URL, an endpoint still running requests, a
+missing or wrong admin token): nothing was written.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import sys
+from collections.abc import AsyncIterator
 from typing import Any
 
+import httpx
 import nats
 
 from llmgw import natsconn
 from llmgw.config import Config
+from llmgw.config.credentials import CredentialsError, admin_token
 from llmgw.core.fleet import EndpointState
 from llmgw.runtime import load_tool_config
-from llmgw.services.fleet.ops import FleetError, FleetOps, admission_leases, running_config
+from llmgw.services.fleet.adminclient import AdminApi
+from llmgw.services.fleet.ops import (
+    FleetCalls,
+    FleetError,
+    FleetOps,
+    admission_leases,
+    running_config,
+)
 from llmgw.state.fleet import open_fleet
 
-__all__ = ["run", "spec_from_args"]
+__all__ = ["fleet_calls", "run", "spec_from_args"]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -42,6 +56,9 @@ def run(args: argparse.Namespace) -> int:
     except FleetError as exc:
         print(f"llmgw endpoints: {exc.message}", file=sys.stderr)
         return 1 if exc.status == 404 else 2
+    except httpx.TransportError as exc:
+        print(f"llmgw endpoints: cannot reach the admin API: {exc!r}", file=sys.stderr)
+        return 1
     except (OSError, TimeoutError, nats.errors.Error) as exc:
         refused = refusals.explain("endpoints")
         print(
@@ -52,19 +69,46 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _run(config: Config, args: argparse.Namespace, refusals: natsconn.Refusals) -> int:
-    nc = await natsconn.connect_tool(config.nats, "llmgw-endpoints", refusals)
-    try:
-        bucket = await open_fleet(nc, config)
-        running = await running_config(bucket, config)
-        ops = FleetOps(bucket, running, lambda: admission_leases(nc))
+    async with fleet_calls(config, args, "llmgw-endpoints", refusals) as ops:
         result = await _act(ops, config, args)
-    finally:
-        await nc.close()
     _print(result, as_json=bool(args.json), action=args.endpoints_command)
     return 0
 
 
-async def _act(ops: FleetOps, config: Config, args: argparse.Namespace) -> Any:
+@contextlib.asynccontextmanager
+async def fleet_calls(
+    config: Config, args: argparse.Namespace, name: str, refusals: natsconn.Refusals
+) -> AsyncIterator[FleetCalls]:
+    """The fleet's calls: the admin API at ``--admin-url`` (with the config's admin token),
+    else `FleetOps` on a NATS connection of its own; closed at the end."""
+    url = getattr(args, "admin_url", None)
+    if url:
+        try:
+            token = admin_token(config)
+        except CredentialsError as exc:
+            raise FleetError(str(exc), code="admin_token_unreadable") from None
+        if token is None:
+            raise FleetError(
+                "--admin-url needs the admin token: set LLMGW_AUTH__ADMIN_TOKEN_FILE (llmgw up "
+                "prints where its token is), auth.admin_token_file or LLMGW_AUTH__ADMIN_TOKEN",
+                code="missing_admin_token",
+            )
+        api = AdminApi(url, token)
+        try:
+            yield api
+        finally:
+            await api.close()
+        return
+    nc = await natsconn.connect_tool(config.nats, name, refusals)
+    try:
+        bucket = await open_fleet(nc, config)
+        running = await running_config(bucket, config)
+        yield FleetOps(bucket, running, lambda: admission_leases(nc))
+    finally:
+        await nc.close()
+
+
+async def _act(ops: FleetCalls, config: Config, args: argparse.Namespace) -> Any:
     command = args.endpoints_command
     probe = not getattr(args, "no_probe", False)
     if command == "list":

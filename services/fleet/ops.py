@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import httpx
 from pydantic import ValidationError
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
     from llmgw.config.schema import Config
 
-__all__ = ["FleetError", "FleetOps", "admission_leases"]
+__all__ = ["FleetCalls", "FleetError", "FleetOps", "admission_leases"]
 
 _PROBE_TIMEOUT = 3.0
 _ANSWER_WINDOW = 0.3  # seconds to collect every admission instance's state answer
@@ -50,6 +50,34 @@ _POLL = 0.25
 def _models_from_engine(spec: Mapping[str, Any]) -> bool:
     """Whether `spec`'s models will come from its engine (`FleetOps._with_models`)."""
     return isinstance(spec, Mapping) and "models" not in spec
+
+
+class FleetCalls(Protocol):
+    """The fleet's calls as the CLI makes them: `FleetOps` over NATS, or the admin API over
+    HTTP (`llmgw.services.fleet.adminclient.AdminApi`). Each returns the endpoint as
+    `describe` shows it (`list`: every endpoint), or raises `FleetError`."""
+
+    async def list(self) -> list[dict[str, Any]]: ...
+
+    async def show(self, endpoint_id: str) -> dict[str, Any]: ...
+
+    async def add(self, spec: Mapping[str, Any], *, probe: bool = True) -> dict[str, Any]: ...
+
+    async def update(
+        self, endpoint_id: str, changes: Mapping[str, Any], *, probe: bool = True
+    ) -> dict[str, Any]: ...
+
+    async def set_state(self, endpoint_id: str, state: EndpointState) -> dict[str, Any]: ...
+
+    async def remove(
+        self, endpoint_id: str, *, force: bool = False, wait: float = 0.0
+    ) -> dict[str, Any]: ...
+
+    async def register(
+        self, spec: Mapping[str, Any], ttl: Any, *, probe: bool = True
+    ) -> dict[str, Any]: ...
+
+    async def heartbeat(self, endpoint_id: str) -> dict[str, Any]: ...
 
 
 class FleetError(Exception):

@@ -7,8 +7,20 @@ import argparse
 __all__ = ["add_endpoints_arguments", "add_register_arguments"]
 
 
+def _admin_url_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--admin-url",
+        default=None,
+        metavar="URL",
+        help="call this admin port's API (e.g. http://127.0.0.1:9090) instead of NATS, with the "
+        "admin token (LLMGW_AUTH__ADMIN_TOKEN_FILE, auth.admin_token_file or "
+        "LLMGW_AUTH__ADMIN_TOKEN; `llmgw up` prints where its token is)",
+    )
+
+
 def add_endpoints_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="machine-readable output")
+    _admin_url_arg(parser)
     sub = parser.add_subparsers(dest="endpoints_command", required=True, metavar="ACTION")
     sub.add_parser("list", help="every endpoint: state, provider, url, models, leases")
     show = sub.add_parser("show", help="one endpoint")
@@ -75,3 +87,4 @@ def add_register_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--once", action="store_true", help="register and exit (heartbeat by HTTP yourself)"
     )
+    _admin_url_arg(parser)

@@ -7,9 +7,13 @@ again brings the record up to date and active), then heartbeats every TTL/3 unti
 SIGINT, when it drains the endpoint and exits 0: no new work goes there, what runs finishes,
 and the reaper removes it once silent for twice the TTL. An engine that dies stops
 heartbeating: the reaper drains it after the TTL and removes it after twice the TTL.
-`--once` registers and exits (heartbeat by HTTP: `POST /admin/endpoints/ID/heartbeat`).
+`--once` registers and exits (heartbeat by HTTP: `POST /admin/endpoints/ID/heartbeat`, with
+the admin token). `--admin-url URL` registers and heartbeats through that admin port's API
+instead of NATS, with the admin token (`auth.admin_token_file`, LLMGW_AUTH__ADMIN_TOKEN_FILE
+or LLMGW_AUTH__ADMIN_TOKEN): a sidecar needs no NATS credentials.
 
-Exit codes: 0 done; 1 NATS unreachable; 2 a refused registration (nothing written).
+Exit codes: 0 done; 1 NATS (or the admin port) unreachable; 2 a refused registration (nothing
+written; a missing or wrong admin token too).
 """
 
 from __future__ import annotations
@@ -20,16 +24,19 @@ import contextlib
 import signal
 import sys
 
+import httpx
 import nats
 
 from llmgw import natsconn
 from llmgw.core.fleet import EndpointState
 from llmgw.runtime import load_tool_config
-from llmgw.services.fleet.main import spec_from_args
-from llmgw.services.fleet.ops import FleetError, FleetOps, admission_leases, running_config
-from llmgw.state.fleet import open_fleet
+from llmgw.services.fleet.main import fleet_calls, spec_from_args
+from llmgw.services.fleet.ops import FleetError
 
 __all__ = ["run"]
+
+# A heartbeat that did not arrive: the next one may (the TTL allows two more).
+_UNREACHABLE = (OSError, TimeoutError, nats.errors.Error, httpx.TransportError)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -37,11 +44,7 @@ def run(args: argparse.Namespace) -> int:
     refusals = natsconn.Refusals()
 
     async def main() -> int:
-        nc = await natsconn.connect_tool(config.nats, "llmgw-register", refusals)
-        try:
-            bucket = await open_fleet(nc, config)
-            running = await running_config(bucket, config)
-            ops = FleetOps(bucket, running, lambda: admission_leases(nc))
+        async with fleet_calls(config, args, "llmgw-register", refusals) as ops:
             spec = {"id": args.id, **spec_from_args(args)}
             await ops.register(spec, args.ttl, probe=not args.no_probe)
             print(f"llmgw register: {args.id} registered (heartbeat every {args.ttl / 3:g}s)")
@@ -62,19 +65,20 @@ def run(args: argparse.Namespace) -> int:
                     except FleetError as exc:  # removed meanwhile: register again
                         print(f"llmgw register: {exc.message}; registering again", flush=True)
                         await ops.register(spec, args.ttl, probe=False)
-                    except (OSError, TimeoutError, nats.errors.Error) as exc:
+                    except _UNREACHABLE as exc:
                         print(f"llmgw register: heartbeat failed: {exc!r}", flush=True)
             await ops.set_state(args.id, EndpointState.DRAINING)
             print(f"llmgw register: {args.id} draining", flush=True)
             return 0
-        finally:
-            await nc.close()
 
     try:
         return asyncio.run(main())
     except FleetError as exc:
         print(f"llmgw register: {exc.message}", file=sys.stderr)
         return 2
+    except httpx.TransportError as exc:
+        print(f"llmgw register: cannot reach the admin API: {exc!r}", file=sys.stderr)
+        return 1
     except (OSError, TimeoutError, nats.errors.Error) as exc:
         refused = refusals.explain("register")
         print(refused or f"llmgw register: cannot reach NATS: {exc}", file=sys.stderr)
