@@ -76,12 +76,19 @@ def _generated_config_maps(kustomization: dict[str, Any], folder: Path) -> list[
     return maps
 
 
-def _base_resources() -> list[dict[str, Any]]:
+def _base_documents() -> list[tuple[str, dict[str, Any]]]:
+    """(file in the base, resource) for every resource of the base: the generated ConfigMaps'
+    file is kustomization.yaml."""
     kustomization = _kustomization(BASE)
-    resources = []
+    documents = []
     for file in kustomization["resources"]:
-        resources += [doc for doc in yaml.safe_load_all((BASE / file).read_text()) if doc]
-    return resources + _generated_config_maps(kustomization, BASE)
+        documents += [(file, doc) for doc in yaml.safe_load_all((BASE / file).read_text()) if doc]
+    generated = _generated_config_maps(kustomization, BASE)
+    return documents + [("kustomization.yaml", config_map) for config_map in generated]
+
+
+def _base_resources() -> list[dict[str, Any]]:
+    return [resource for _, resource in _base_documents()]
 
 
 @pytest.fixture(scope="module")
