@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, SecretStr, ValidationError
 from pydantic_settings import SettingsError
 
 from llmgw.config.schema import (
@@ -132,9 +132,20 @@ def _message(item: Mapping[str, Any], loc: tuple[str | int, ...]) -> str:
         kind != "config"
         and isinstance(value, str | int | float | bool)
         and repr(value) not in message
+        and not _is_secret(loc)
     ):
         message += f" (got {value!r})"
     return message
+
+
+def _is_secret(loc: tuple[str | int, ...]) -> bool:
+    """Whether `loc` is a secret field (a password, a token): its value is never echoed."""
+    model = _model_at(loc[:-1])
+    field = model.model_fields.get(str(loc[-1])) if model is not None and loc else None
+    if field is None:
+        return False
+    annotation = field.annotation
+    return annotation is SecretStr or SecretStr in typing.get_args(annotation)
 
 
 def _unknown_field_message(loc: tuple[str | int, ...]) -> str:

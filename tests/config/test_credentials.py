@@ -87,6 +87,7 @@ def test_a_bad_admin_token_is_refused_naming_its_field(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as short:
         _with_auth(admin_token="short")
     assert "auth.admin_token" in str(short.value) and "16 characters" in str(short.value)
+    assert "short" not in str(short.value)  # a secret is never echoed
     with pytest.raises(ConfigError) as both:
         _with_auth(admin_token="t" * 24, admin_token_file="/x")
     assert "auth.admin_token_file" in str(both.value)

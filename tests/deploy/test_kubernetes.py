@@ -157,6 +157,7 @@ def test_the_base_has_what_an_llmgw_deployment_needs(resources: list[dict[str, A
             ("Secret", "llmgw-provider-keys"),
             ("Secret", "llmgw-nats-users"),
             ("Secret", "llmgw-api-keys"),
+            ("Secret", "llmgw-admin-token"),
             ("Job", "llmgw-keys-seed"),
             ("ServiceAccount", "llmgw"),
         ]
@@ -247,7 +248,7 @@ def _environment(container: dict[str, Any]) -> dict[str, str]:
     """The container's environment, a Secret's value standing in for each secretKeyRef."""
     env = {}
     for var in container.get("env", []):
-        env[var["name"]] = var.get("value", "from-a-secret")
+        env[var["name"]] = var.get("value", "from-a-secret-of-32-characters-x")
     return env
 
 
