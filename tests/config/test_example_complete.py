@@ -9,7 +9,6 @@ own indentation (`#  key: value`); those lines count, and uncommented they are v
 """
 
 import re
-import types
 import typing
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ import yaml
 from pydantic import BaseModel
 
 from llmgw.config import Config, config_from_dict, load_config
+from llmgw.config.loader import _unwrap  # X of `X | None` and of `Annotated[X, ...]`
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "config" / "example.yaml"
 
@@ -49,21 +49,6 @@ def with_alternatives(text: str) -> str:
             out.append(lines[i])
             i += 1
     return "\n".join(out) + "\n"
-
-
-def _unwrap(annotation: Any) -> Any:
-    """`X` of `X | None` and of `Annotated[X, ...]`."""
-    while True:
-        origin = typing.get_origin(annotation)
-        if origin is typing.Annotated:
-            annotation = typing.get_args(annotation)[0]
-        elif origin in (typing.Union, types.UnionType):
-            options = [a for a in typing.get_args(annotation) if a is not type(None)]
-            if len(options) != 1:
-                return annotation
-            annotation = options[0]
-        else:
-            return annotation
 
 
 def _section(annotation: Any) -> type[BaseModel] | None:
