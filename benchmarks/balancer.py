@@ -1,4 +1,4 @@
-"""Seed 001's rate balancer against round robin and an oracle, on drifting simulated deployments.
+"""The rate balancer against round robin and an oracle, on drifting simulated deployments.
 
 Three simulated third-party deployments (`llmgw sim provider` apps on uvicorn, in this process)
 whose output rates differ 3x and drift: `a` starts slow (30 tokens/s) and recovers to 90 halfway

@@ -1,4 +1,4 @@
-"""Seed 002's exit criterion as a benchmark: platinum latency under a 500-request bronze flood.
+"""Flow control's promise as a benchmark: platinum latency under a 500-request bronze flood.
 
 The scenario (shared with tests/up/test_interference.py, which asserts on one run of it): a whole
 cluster under `llmgw up` (embedded NATS, two simulated engines, scraper, admission, reaper,
@@ -14,13 +14,13 @@ edge), driven through the edge's HTTP API like any client:
 
 Sizing (2 cores, about a minute per run): 8 sequences run at once per engine (FIFO, as vLLM's
 default scheduling); a probe is 64 tokens, ~0.65 s of engine time. Two bronze mixes
-(`--lengths`): `similar` (issue 9's case, the default: 32..96 tokens, a probe's length on
+(`--lengths`): `similar` (the hard case, the default: 32..96 tokens, a probe's length on
 average, so 500 bronze requests are ~20 s of engine work queued ahead of a probe when nothing
 holds them back) and `long` (the first version: 8..40 tokens, ~0.25 s; the probe ~2.6x longer). `--engine-priority` adds
 the variant where the engines run vLLM's priority scheduling and the edge sends each band's
 `priority` (`endpoints[].priority_scheduling`); `--without-headroom` the variant where silver and
-bronze keep no batch slot free for the bands above them (`batch_headroom: 0`, seed 002's full
-work conservation).
+bronze keep no batch slot free for the bands above them (`batch_headroom: 0`: full work
+conservation, every slot used while work waits).
 
     python benchmarks/interference.py [--runs 3] [--lengths similar|long] [--engine-priority]
         [--without-headroom]
@@ -60,7 +60,7 @@ MAX_NUM_SEQS = 8
 PROBE_TOKENS = 64  # ~0.65 s
 # Bronze lengths vary, as real requests do: equal lengths would make a batch start and finish in
 # lockstep cohorts, and a probe arriving mid-cohort would wait for the whole cohort. Drawn from a
-# seeded generator: every run sends the same lengths. `similar` (issue 9's case, the default):
+# seeded generator: every run sends the same lengths. `similar` (the hard case, the default):
 # 32..96 tokens, a probe's length on average; `long`: 8..40 (~0.25 s), the probe ~2.6x longer.
 BRONZE_LENGTHS = {"similar": (32, 96), "long": (8, 40)}
 BRONZE_TOKENS = BRONZE_LENGTHS["similar"]
@@ -419,8 +419,8 @@ def main() -> int:
     parser.add_argument(
         "--without-headroom",
         action="store_true",
-        help="also run admission on with the batch bands' batch_headroom 0 (seed 002's full "
-        "work conservation), with --engine-priority also with the engines' priority",
+        help="also run admission on with the batch bands' batch_headroom 0 (full work "
+        "conservation), with --engine-priority also with the engines' priority",
     )
     parser.add_argument(
         "--bronze-ceiling",

@@ -1,4 +1,4 @@
-"""Placement with every policy on at once (issue 9's "Measure"): a realistic mix on our engines.
+"""Placement with every policy on at once: a realistic mix on our engines.
 
 The cluster is `llmgw up` with the shipped defaults (config/local.yaml: flow control on, its
 providers, limits and models; every other section at its default), but its four upstreams run in

@@ -167,7 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     admission.set_defaults(target="llmgw.services.admission.main:run")
 
     reaper = sub.add_parser(
-        "reaper", help="expires leases and idle pins, repairs interrupted transitions"
+        "reaper",
+        help="clears what dead admission instances left (member keys, unadopted quota), drains "
+        "silent registered engines, follows engines' model lists and Kubernetes discovery",
     )
     _config_arg(reaper)
     reaper.add_argument(

@@ -1,4 +1,4 @@
-"""Seed 001's rate balancer inside admission: deployment rates learned from every edge's traffic.
+"""The rate balancer inside admission: deployment rates learned from every edge's traffic.
 
 `RateBoard` keeps one `RateWindows` (llmgw.core.balancer) over all endpoints, fed (by the
 service) with the per-request stats every edge publishes on llmgw.v1.stats.request, so each

@@ -7,7 +7,7 @@ the `llmgw.core.placement.Snapshot` a request is placed on. Nothing here decides
 
 A managed provider is *degraded* for a model when none of its endpoints serving the model is
 healthy with a breaker that lets a request through (or an operator or test marked it so by
-hand); unlimited providers are never degraded (seed 000: no health checks).
+hand); unlimited providers are never degraded (third parties are not health-checked).
 
 A catalog is immutable once built: a change of the live fleet builds a new one
 (`services/admission/live.py`) that the service swaps in between two decisions. An endpoint

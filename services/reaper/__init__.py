@@ -1,4 +1,9 @@
-"""`llmgw reaper`: expires leases and idle pins, repairs interrupted operations, announces it.
+"""`llmgw reaper`: clears what dead admission instances left in the routing bucket, announces it.
+
+Leases and idle pins expire at the admission instance that owns their shard, not here. The
+reaper removes member keys that stopped being renewed and quota nobody adopted; beside it the
+same process drains and removes self-registered endpoints that stopped heartbeating, follows
+engines' model lists (`fleet.models_refresh`) and, when configured, Kubernetes EndpointSlices.
 
 - `service.Reaper`: the loop over the routing state's reaper primitives (one pass per interval);
 - `metrics.ReaperMetrics`: its Prometheus metrics in a registry of their own;

@@ -34,7 +34,7 @@ class ModelConfig(StrictModel):
 
 
 class Limits(StrictModel):
-    """Capacity of one provider/model pair (seed 000); absent limits mean unlimited."""
+    """Capacity of one provider/model pair; absent limits mean unlimited."""
 
     max_pinned_sessions: int = Field(ge=0)
     max_global_in_flight_request_slots: int = Field(ge=1)
@@ -77,7 +77,7 @@ class ProviderConfig(StrictModel):
     api_key_env: str | None = None
     api_key_file: str | None = None
     # How an endpoint of this provider is picked: "score" (least saturated, from scraped engine
-    # load) or "rate" (seed 001's rate balancer, learned from every edge's request stats).
+    # load) or "rate" (the rate balancer, learned from every edge's request stats).
     # Default: "score" for managed providers, "rate" for unlimited ones (which expose no load).
     strategy: Literal["score", "rate"] | None = None
     # The wire APIs its endpoints serve. A request of an API the provider does not serve

@@ -300,7 +300,9 @@ class PinningConfig(StrictModel):
     replicas: int | None = Field(None, ge=1, le=5)
     # Revisions kept per key: 1 in production; tests raise it so a recorder never misses one.
     history: int = Field(1, ge=1, le=64)
-    # How often the reaper looks for expired leases and idle pins.
+    # How often each admission instance expires its shards' unrenewed leases and idle pins
+    # (its housekeeping round), and how often the reaper sweeps dead members' keys and quota
+    # and silent registered endpoints.
     reaper_interval: PositiveDuration = 1.0
     # A full pin table evicts its least recently used pin that has no running request and has
     # been idle at least this long (so one-shot conversations cannot lock our engines out).

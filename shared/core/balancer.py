@@ -1,5 +1,5 @@
-"""The probabilistic rate balancer of seed 001: pick the deployment most likely to deliver a good
-token rate.
+"""The probabilistic rate balancer: pick the deployment most likely to deliver a good token
+rate.
 
 Pure: samples, ``now`` and the randomness (a `random.Random`) come from the caller.
 
@@ -11,18 +11,19 @@ failed request is a sample with zero tokens (rate 0). On each choice:
 - weight of a deployment = P(rate > SLA) under a normal fit of its own rates;
 - one deployment is drawn at random with those weights.
 
-Where the seed stops, and what this does instead (docs/architecture.md, "Rate balancer"):
+The edge cases, and the choices made there (docs/architecture.md, "Rate balancer"):
 
-- ``window`` 0 or ``greediness`` 0: unordered round robin (equal weights), as the seed says;
-- *exploration instead of a global bootstrap*: the seed gives every deployment equal weight while
-  any one lacks samples, and cannot avoid a deployment that went quiet (limitation 2). Here a
+- ``window`` 0 or ``greediness`` 0: unordered round robin (equal weights);
+- *exploration instead of a global bootstrap*: a global bootstrap gives every deployment equal
+  weight while any one lacks samples (forgetting what was learned), and a deployment that went
+  quiet is never sampled again, so it can never win its traffic back. Here a
   deployment without samples in the window (new, or ignored for longer than the window because it
   was slow or failing) is explored: it gets the best learned weight, so it is tried again soon,
   while the others keep their learned weights, but only ``max_exploring`` requests at a time go
   to it until its first sample returns (no herd onto an unknown, possibly slow deployment). A
   deployment that degraded stops being chosen within a few samples; one that recovered is found
   again within one window;
-- *no NaN*: a window whose rates are all equal has no spread (the seed's normal fit divides by
+- *no NaN*: a window whose rates are all equal has no spread (a normal fit would divide by
   zero); it is taken as a point mass: weight 1 if its rate is above the SLA, else 0. If every
   weight is 0, all deployments share equally;
 - rates are learned from every edge's traffic: edges publish per-request samples on NATS and
@@ -46,7 +47,7 @@ __all__ = [
     "weights",
 ]
 
-EPSILON_RATE = 1e-10  # keeps a sample's rate strictly positive, as the seed does
+EPSILON_RATE = 1e-10  # keeps a sample's rate strictly positive
 _MIN_LATENCY = 1e-6
 
 
@@ -54,8 +55,8 @@ _MIN_LATENCY = 1e-6
 class BalancerSettings:
     """``window`` seconds >= 0; ``input_to_output_token_ratio`` > 0; 0 <= ``greediness`` <= 1.
 
-    The seed's warnings for extreme greediness (below 0.2: close to unordered round robin; above
-    0.95: may stick to a local maximum for a whole window) are the config's (`balancer`).
+    The warnings for extreme greediness (below 0.2: close to unordered round robin; above 0.95:
+    may stick to a local maximum for a whole window) are the config's (`balancer`).
     """
 
     window: float = 120.0

@@ -1,4 +1,4 @@
-"""Flow control: *when* a request may proceed (seed 002). Where it goes is the pinning algorithm's.
+"""Flow control: *when* a request may proceed. Where it goes is the pinning algorithm's.
 
 Pure: no clock, no I/O. Callers pass ``now`` (seconds, one clock for every call) and a `PoolView`
 of the managed endpoints that would serve the request.

@@ -66,7 +66,8 @@ SessionKey = tuple[str, str]  # (model, session)
 
 
 class LeaseKind(enum.StrEnum):
-    """Why a lease exists (seed 000); also decides which quota it may use."""
+    """Why a lease exists (on its session's pin, creating a pin, or running elsewhere once);
+    also decides which quota it may use."""
 
     PINNED = "pinned"  # a request of a pinned session on its pin's provider (may use the reserve)
     NEW_PIN = "new_pin"  # the request that created (or moved) its session's pin

@@ -7,12 +7,12 @@ conservatively, from its config and what it last heard:
   this edge's requests at once, where ``edges`` is the number of edges the admission instances
   last reported hearing from (at least 1): all edges together stay within G;
 - a session gets at most S (``max_per_session_in_flight_request_slots``) of them;
-- no pin is created, moved or used (the request runs once, like seed 000's request without a
-  session), so pins and their limit P are untouched;
+- no pin is created, moved or used (the request runs once, as placement runs a request without
+  a session), so pins and their limit P are untouched;
 - providers in the config's priority order (managed first), the first with room wins; within it
   the endpoint with the fewest of this edge's local requests per unit of weight, skipping the
   endpoints the request already tried;
-- unlimited providers have no limits (seed 000), so a request a managed provider cannot take
+- unlimited providers have no limits, so a request a managed provider cannot take
   here runs on the first unlimited one that serves the model.
 
 This is coarser than admission (no engine load, no health, no flow control, no fallbacks), and

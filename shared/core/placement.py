@@ -1,5 +1,5 @@
 """One placement decision: which provider and which endpoint a request runs on, and what it does
-to its session's pin. Seed 000's algorithm, decided in memory over one snapshot.
+to its session's pin, decided in memory over one snapshot.
 
 Pure: `place` takes a `Snapshot` (providers in priority order with their endpoints' load, health
 and breakers, the pair room this admission instance has, the session's pin) and a
@@ -7,20 +7,20 @@ and breakers, the pair room this admission instance has, the session's pin) and 
 snapshot), no randomness (a uniform ``draw`` is in the request). The admission service applies
 the result to its ledger in the same event-loop turn, so decision and transition are atomic.
 
-Seed 000, step for step (the names in brackets are the seed's):
+The pinning rules, step by step:
 
-- no session: the first usable provider with room runs it once [execute_request_without_pinning];
-- no pin: the first usable provider with pin and request room gets the session's pin
-  [execute_not_yet_pinned_request]; a full pin table evicts its least recently used idle pin
+- no session: the first usable provider with room runs it once;
+- no pin: the first usable provider with pin and request room gets the session's pin; a full
+  pin table evicts its least recently used idle pin
   that served one request, or has been idle `min_idle_before_evict` (`ProviderState.evictable`,
   `llmgw.core.ledger.Ledger.evictable`) instead of refusing;
 - a pin on a provider that no longer serves the model, or is degraded: the pin moves to the next
-  usable provider with room [try_repin_to_other_provider_and_retry_execute];
+  usable provider with room;
 - a pin whose session or provider is at its in-flight limit: the request runs elsewhere once and
-  the pin stays [execute_pinned_request, execute_temporary_fallback];
+  the pin stays;
 - otherwise the request runs on its pin.
 
-Beyond the seed:
+Beyond those rules:
 
 - *return home*: a session pinned to a lower-priority provider (a third party, or a lower
   managed provider) moves back to a higher-priority managed provider that is usable, has pin

@@ -1,9 +1,9 @@
 """Capacity quotas: how a provider/model pair's limits are shared by the admission instances.
 
-A pair with limits (seed 000) has G global in-flight request slots, R of them reserved for
-pinned sessions, and P pins at most. Instead of one key per slot written on every request,
-each admission instance holds a *quota* of the pair, and grants request leases and pins from
-it in memory (the shape of YouTube's Doorman capacity leases):
+A pair with limits (`providers[].models[].limits`) has G global in-flight request slots, R of
+them reserved for pinned sessions, and P pins at most. Instead of one key per slot written on
+every request, each admission instance holds a *quota* of the pair, and grants request leases
+and pins from it in memory (the shape of YouTube's Doorman capacity leases):
 
 - ``g``: how many leases it may have live at once;
 - ``u`` <= ``g``: how many of those may be unpinned, new-pin or temporary (the rest need a pin:

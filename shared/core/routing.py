@@ -1,4 +1,4 @@
-"""Provider kinds: ours (managed) and third parties (unlimited), seed 000's two families."""
+"""Provider kinds: ours (managed: health-checked, capacity-limited) and third parties (unlimited)."""
 
 from __future__ import annotations
 

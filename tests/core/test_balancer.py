@@ -1,4 +1,4 @@
-"""The rate balancer of seed 001, and where it goes beyond the seed."""
+"""The rate balancer: its weights, and exploration, no NaN and the exploring cap beyond them."""
 
 from __future__ import annotations
 
@@ -55,7 +55,8 @@ def test_window_zero_or_greediness_zero_is_round_robin(config):
 
 
 def test_a_deployment_without_samples_is_explored_while_the_others_keep_their_weights():
-    """The seed would give every deployment equal weight here; that forgets what it learned."""
+    """A global bootstrap would give every deployment equal weight here; that forgets what it
+    learned."""
     w = weights({"fast": [100, 110, 90], "slow": [10, 12, 11], "quiet": []}, SETTINGS)
     assert w["quiet"] == w["fast"] == max(w.values())
     assert w["slow"] < 0.01
@@ -100,8 +101,8 @@ def test_a_degraded_deployment_is_dropped_and_found_again_after_it_recovers():
         {span: round(share(*span), 2) for span in ((0, 5), (5, 10), (10, 15), (15, 25), (30, 40))}
     )
     assert share(0, 5) > 0.6  # the faster one, while healthy
-    # Dropped once its slow samples outweigh the fast ones still in the window (the seed's
-    # median SLA adapts within about half a window).
+    # Dropped once its slow samples outweigh the fast ones still in the window (the median
+    # SLA adapts within about half a window).
     assert share(10, 15) < 0.5
     assert share(30, 40) > 0.6  # back as the favourite once healthy again
 
@@ -112,7 +113,7 @@ def test_a_degraded_deployment_is_dropped_and_found_again_after_it_recovers():
     st.floats(min_value=0, max_value=1e6),
 )
 def test_the_weight_is_the_normal_fits_survival_function(rates, sla):
-    """The seed's weight, P(rate > SLA) under a normal fit, against scipy's own norm.sf."""
+    """The weight, P(rate > SLA) under a normal fit, against scipy's own norm.sf."""
     from scipy.stats import norm
 
     mu = math.fsum(rates) / len(rates)
@@ -158,8 +159,7 @@ def test_settings_are_validated():
 def test_an_unexplored_deployment_never_has_more_than_max_exploring_requests_in_flight(
     max_exploring, workers, seed, finish
 ):
-    """Issue 9, observation 11: concurrent picks while an unexplored deployment's first sample
-    is out. Each pick counts as in flight until a drawn `finish` ends one; the unexplored
+    """Concurrent picks while an unexplored deployment's first sample is out. Each pick counts as in flight until a drawn `finish` ends one; the unexplored
     deployment's in-flight count never passes the cap, and the explored ones still get picks."""
     rng = random.Random(seed)
     rates = {"fast": [100.0, 110.0, 90.0], "slow": [60.0, 70.0, 65.0], "new": []}

@@ -1,4 +1,4 @@
-"""Placement: seed 000 step for step, plus affinity, free batch slots and return home.
+"""Placement: the pinning rules step by step, plus affinity, free batch slots and return home.
 
 Properties (hypothesis, over generated snapshots):
 - a session's home replica (where its last request ran) is kept whenever it has a free batch
@@ -217,7 +217,7 @@ def test_work_without_a_cache_here_starts_where_there_is_most_room(loads, intera
         assert chosen.score == min(e.score for e in endpoints)
 
 
-# ---- seed 000, route by route -----------------------------------------------------------------
+# ---- the pinning rules, route by route ---------------------------------------------------------
 
 
 def test_no_session_runs_on_the_first_provider_with_room_without_a_pin():

@@ -39,7 +39,7 @@ async def test_a_drained_replicas_sessions_move_and_its_leases_end_exactly_once(
     values = engines_values(nats_url, {k: v.url for k, v in engines.items()}, f"d_{unique}")
     # G = 16: each instance's share (8) holds all six sessions' turns, so a turn's place shows
     # the drain alone, never a loan that a loaded host answered late (a pinned turn's temporary
-    # fallback; measured as issue 19's avoidable fallbacks by benchmarks/placement.py).
+    # fallback; measured as avoidable fallbacks by benchmarks/placement.py).
     values["providers"][0]["models"][0]["limits"]["max_global_in_flight_request_slots"] = 16
     config = config_from_dict(values, env={})
     audit = AuditLog()

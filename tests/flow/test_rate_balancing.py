@@ -1,4 +1,4 @@
-"""Admission picks third-party deployments with seed 001's balancer, learning from edges' stats."""
+"""Admission picks third-party deployments with the rate balancer, learning from edges' stats."""
 
 from __future__ import annotations
 

@@ -61,9 +61,9 @@ async def test_a_session_keeps_its_replica_and_sessions_spread(rig):
 
 
 async def test_sessions_sent_one_at_a_time_land_on_their_ring_home_from_the_first_request(rig):
-    """Issue: flow control used to reserve the least loaded endpoint (a tie: the first) and the
-    affinity choice then counted that reservation as load, so no session ever started on the
-    first endpoint in config order."""
+    """A regression: flow control used to reserve the least loaded endpoint (a tie: the first)
+    and the affinity choice then counted that reservation as load, so no session ever started
+    on the first endpoint in config order."""
     await rig.report_all(running=0, capacity=8)
     firsts = Counter()
     for n in range(30):
@@ -102,8 +102,8 @@ async def limited_rig(nats_url, unique_id, *, pins: int, per_session: int):
 
 
 async def test_a_retry_never_finds_its_own_session_at_the_limit(nats_url, unique_id):
-    """Issue 9, observation 10: the failed attempt's lease is released with the retry's
-    decision (one step), so a session at its in-flight limit retries on its pin, not elsewhere."""
+    """The failed attempt's lease is released with the retry's decision (one step), so a
+    session at its in-flight limit retries on its pin, not elsewhere."""
     async with limited_rig(nats_url, unique_id, pins=10, per_session=1) as rig:
         session = "c" * 32
         first = await rig.ask(session=session, band="gold")

@@ -6,10 +6,10 @@
 2. One NATS node is SIGKILLed under steady load: the node that leads the routing bucket's
    stream. Components (an edge and an admission instance per node) are spread over the nodes
    (each talks to the first server of its list and moves to the next when it fails), so an
-   edge and an admission instance lose their server. No request fails. The issue would let
-   one fail that was in flight on a connection to the dead node (running at the kill, through
-   the edge connected there or its shard's owner there: its admission ask or answer may die in
-   that connection's buffers), but the edge asks again for an attempt without an answer and
+   edge and an admission instance lose their server. No request fails, not even one in flight
+   on a connection to the dead node (running at the kill, through the edge connected there or
+   its shard's owner there: its admission ask or answer may die in that connection's buffers):
+   the edge asks again for an attempt without an answer and
    admission answers an attempt it knows the same way (tests/flow/test_asked_again.py); a
    request that reaches that edge while it reconnects waits for the reconnection. Requests
    keep being routed while the routing bucket elects a new leader (decisions need no KV write)
@@ -210,7 +210,7 @@ async def test_losing_the_routing_stream_leader_fails_only_requests_in_flight_on
 
     def in_flight_on_dead_node(d: Done) -> bool:
         """Running at the kill, through the edge on the killed node or its shard's owner there
-        (what the issue would let fail)."""
+        (the requests that could have failed)."""
         through = {f"edge-{d.edge}", owner(d)} & on_dead.keys()
         return bool(through) and d.started <= killed and d.ended >= killing
 

@@ -1,4 +1,5 @@
-"""Issue 9's measures, end to end, with the shipped defaults (flow control on).
+"""Placement with every policy on at once, end to end, with the shipped defaults (flow control
+on).
 
 One scenario (benchmarks/placement.py, which reports the figures) on one fresh `llmgw up`
 cluster: config/local.yaml on free ports, its two engines (8 and 16 batch slots) and two

@@ -1,4 +1,4 @@
-"""Issue 19's measures: several admission instances are as generous as one, end to end.
+"""Several admission instances are as generous as one, end to end.
 
 The same scenario as test_placement_e2e.py (benchmarks/placement.py), with the shipped
 defaults on, but with limits as a platform team sets them (the managed pair's G = the engines'
@@ -7,8 +7,8 @@ one and three `llmgw admission` processes join it, so each limit is split four w
 sent to the third party is *avoidable* when the engines' own running + waiting count, read at
 that instant, was below G - R (a new session) or G (a pinned session's temporary fallback): a
 lone instance holding the whole limit would have kept it. Before instances borrowed from each
-other, 9.8-13% of requests were avoidable offloads at 90% load; the bounds below are the
-issue's 1% with a margin for a short run on a shared host.
+other, 9.8-13% of requests were avoidable offloads at 90% load; the bounds below are the goal,
+1%, with a margin for a short run on a shared host.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""Seed 002's exit criterion, end to end: a bronze flood must not hurt platinum's latency.
+"""Flow control's promise, end to end: a bronze flood must not hurt platinum's latency.
 
 The scenario lives in benchmarks/interference.py (the benchmark repeats it and reports figures):
 a whole cluster under `llmgw up` with the shipped defaults, two 8-slot engines, 500 bronze
-requests running continuously, platinum probes of similar length at a fixed rate (issue 9's
-case). Both directions are asserted, so the test fails if admission regresses and also if the
+requests running continuously, platinum probes of similar length at a fixed rate (the hard
+case: a bronze request holds a slot as long as a probe needs one). Both directions are asserted, so the test fails if admission regresses and also if the
 load stops being a real load:
 
 - admission on, the engines running vLLM's priority scheduling and the edge sending each band's
