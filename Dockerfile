@@ -15,10 +15,11 @@ ARG PYTHON_IMAGE=python:3.11-slim
 FROM ${PYTHON_IMAGE} AS builder
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
-COPY pyproject.toml setup.py README.md ./
+COPY pyproject.toml setup.py README.md constraints.txt ./
 COPY shared ./shared
 COPY services ./services
-RUN pip wheel --wheel-dir /wheels .
+# The dependencies at the versions the tests pass with (constraints.txt).
+RUN pip wheel --wheel-dir /wheels --constraint constraints.txt .
 
 FROM ${PYTHON_IMAGE} AS runtime
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1

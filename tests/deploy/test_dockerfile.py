@@ -104,6 +104,7 @@ def test_builder_builds_wheels_that_the_runtime_installs_offline(stages: list[St
     (wheel,) = [run for run in builder.args("RUN") if "pip wheel" in run]
     wheel_dir = re.search(r"--wheel-dir[= ](\S+)", wheel)
     assert wheel_dir and shlex.split(wheel)[-1] == ".", wheel  # the project and its dependencies
+    assert "--constraint constraints.txt" in wheel  # at the versions the tests pass with
     (install,) = [run for run in runtime.args("RUN") if "pip install" in run]
     mount = re.search(r"--mount=(\S+)", install)
     assert mount, "the wheels are mounted, so they never become a layer"
