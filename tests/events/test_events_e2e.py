@@ -107,13 +107,15 @@ def _body(stream: bool = False) -> dict[str, object]:
     }
 
 
-def _sessions_in(shards: set[int], count: int, total: int) -> list[str]:
-    """Session header values whose sessions fall into `shards`."""
-    found = []
+def _sessions_in(shards: set[int], count: int, total: int) -> dict[str, str]:
+    """Session header values whose sessions fall into `shards`, with those sessions' ids."""
+    found = {}
     for n in range(10_000):
         key = f"lease-{n}"
-        if shard_of(session_id(Feature.CHAT, MODEL, {}, header_key=key) or "", total) in shards:
-            found.append(key)
+        session = session_id(Feature.CHAT, MODEL, {}, header_key=key)
+        assert session is not None
+        if shard_of(session, total) in shards:
+            found[key] = session
             if len(found) == count:
                 return found
     raise AssertionError(f"no session in shards {shards}")
@@ -177,8 +179,9 @@ def test_the_doc_subscriber_sees_every_documented_kind_from_its_publishers(
             # Streams whose leases the second instance granted, stalled on the engines; the
             # edge is killed under them and never renews them.
             _faults(engines, stall_after_headers=60)
+            stalled = _sessions_in(theirs, 2, shard_count)
             with contextlib.ExitStack() as streams:
-                for session in _sessions_in(theirs, 2, shard_count):
+                for session in stalled:
                     response = streams.enter_context(
                         http.stream(
                             "POST",
@@ -197,7 +200,7 @@ def test_the_doc_subscriber_sees_every_documented_kind_from_its_publishers(
             _wait_events(subscriber, "shard.claimed")
             _wait_events(subscriber, "quota.reclaimed")
             expired = _wait_events(subscriber, "lease.expired", count=2)
-            assert {m.group(2) for m in expired} == {joined}  # the leases' owner expired them
+            assert {m.group(3).split()[0] for m in expired} == set(stalled.values())
 
             # The edge's new instance, settled in, is handed its share by the second one, which
             # then stops and leaves.
