@@ -1,27 +1,15 @@
-"""Routing events: every change of a pin, a lease's expiry, and shard and member changes, on NATS.
+"""Routing events: pin changes, lease expiries, shard and member changes, and the scraper's
+endpoint and pool reports, on NATS (docs/events.md is the reference).
 
-Subjects (one vocabulary with KV keys and metrics; docs/events.md is the reference):
+Subjects (one vocabulary with KV keys and metrics): ``llmgw.v1.events.<noun>.<verb>.<token>``.
+`EVENT_KINDS` is the one table of kinds: each one's payload model, the services that publish it
+and the payload field that is its subject's last token; tests/events/test_events_doc.py holds
+docs/events.md to it (kinds, publishers, tokens, every field, the version).
 
-    llmgw.v1.events.<noun>.<verb>.<token>
-
-    pin.created.<provider>      the shard owner created a session's pin
-    pin.moved.<provider>        ... moved it (its provider degraded or stopped serving the
-                                model: reason "degraded"/"unsupported"; or back to a higher-
-                                priority managed provider: "return_home"); <provider> is the new one
-    pin.evicted.<provider>      ... evicted an idle pin to make room for a new one (table full)
-    pin.expired.<provider>      ... removed a pin idle for pin_inactivity_timeout
-    lease.expired.<provider>    ... ended a lease its edge did not renew within lease_timeout
-    shard.claimed.<instance>    an admission instance took a shard whose owner was gone
-    shard.handed.<instance>     an admission instance handed a shard over to <instance>
-    member.joined.<instance>    an admission instance joined
-    member.left.<instance>      ... left gracefully
-    member.expired.<instance>   the reaper removed a member key that stopped being renewed (or
-                                the successor of an exited process removed it: llmgw up)
-    quota.reclaimed.<provider>  the reaper dropped what a long-dead instance still held of a pair
-    endpoint.scraped.<provider> the scraper's report of one endpoint, every round (`report`)
-    endpoint.healthy.<provider> ... whose health verdict became healthy (or its first verdict)
-    endpoint.unhealthy.<provider> ... became unhealthy
-    pool.measured.<provider>    the scraper's report of one pool, after every round (`report`)
+Versions: every payload carries `v` (2). It changes only with a change a receiver written for the
+previous version could misread: a field or kind removed or renamed, a field's type or meaning
+changed. A new optional field or a new kind keeps it. `parse_event` ignores unknown fields and
+raises on an unknown `v` or kind: receivers skip those.
 
 Guarantees: core NATS publish, no acknowledgement awaited; the events stream
 (`llmgw.event_stream`, ``events.*`` settings) keeps them for a late subscriber to replay. A
@@ -35,10 +23,13 @@ from __future__ import annotations
 import enum
 import functools
 import logging
+import operator
 import random
 import time
-from collections.abc import Callable
-from typing import Annotated, Literal, Protocol
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Annotated, Final, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
@@ -47,8 +38,10 @@ from llmgw.load import EndpointReport, PoolReport
 __all__ = [
     "ALL_EVENTS_SUBJECT",
     "EVENTS_SUBJECT_PREFIX",
+    "EVENT_KINDS",
     "EndpointEvent",
     "Event",
+    "EventKind",
     "EventName",
     "EventPublisher",
     "EventTransport",
@@ -57,6 +50,7 @@ __all__ = [
     "PinEvent",
     "PinMoved",
     "PoolMeasured",
+    "Publisher",
     "QuotaReclaimed",
     "RoutingEvent",
     "ShardEvent",
@@ -102,7 +96,7 @@ def event_id(rng: random.Random | None = None) -> str:
 
 class RoutingEvent(BaseModel):
     """Fields every event has. Receivers ignore fields they do not know (new optional fields
-    do not bump `v`) and must reject a `v` they do not know."""
+    and new kinds do not bump `v`) and must reject a `v` they do not know."""
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 
@@ -114,7 +108,9 @@ class RoutingEvent(BaseModel):
 
     @property
     def subject_token(self) -> str:
-        raise NotImplementedError
+        """The subject's last token: the value of the kind's `token` field (`EVENT_KINDS`)."""
+        token: str = operator.attrgetter(EVENT_KINDS[self.event].token)(self)
+        return token
 
     @property
     def subject(self) -> str:
@@ -134,10 +130,6 @@ class PinEvent(RoutingEvent):
     pin_id: str
     shard: int
 
-    @property
-    def subject_token(self) -> str:
-        return self.provider
-
 
 class PinMoved(RoutingEvent):
     event: Literal[EventName.PIN_MOVED] = EventName.PIN_MOVED
@@ -150,10 +142,6 @@ class PinMoved(RoutingEvent):
     from_pin_id: str
     reason: str  # degraded | unsupported | return_home
 
-    @property
-    def subject_token(self) -> str:
-        return self.provider
-
 
 class LeaseExpired(RoutingEvent):
     event: Literal[EventName.LEASE_EXPIRED] = EventName.LEASE_EXPIRED
@@ -164,10 +152,6 @@ class LeaseExpired(RoutingEvent):
     shard: int
     session: str | None = None
     pin_id: str | None = None
-
-    @property
-    def subject_token(self) -> str:
-        return self.provider
 
 
 class ShardEvent(RoutingEvent):
@@ -181,18 +165,10 @@ class ShardEvent(RoutingEvent):
     leases: int = 0  # leases that moved with them (adopted from edges, or handed over)
     pins: int = 0
 
-    @property
-    def subject_token(self) -> str:
-        return self.owner
-
 
 class MemberEvent(RoutingEvent):
     event: Literal[EventName.MEMBER_JOINED, EventName.MEMBER_LEFT, EventName.MEMBER_EXPIRED]
     member: str
-
-    @property
-    def subject_token(self) -> str:
-        return self.member
 
 
 class QuotaReclaimed(RoutingEvent):
@@ -203,10 +179,6 @@ class QuotaReclaimed(RoutingEvent):
     leases: int
     unreserved: int
     pins: int
-
-    @property
-    def subject_token(self) -> str:
-        return self.provider
 
 
 class EndpointEvent(RoutingEvent):
@@ -219,20 +191,12 @@ class EndpointEvent(RoutingEvent):
     ]
     report: EndpointReport
 
-    @property
-    def subject_token(self) -> str:
-        return self.report.provider
-
 
 class PoolMeasured(RoutingEvent):
     """The scraper's report of one (provider, pool) after a round (`llmgw.load.PoolReport`)."""
 
     event: Literal[EventName.POOL_MEASURED] = EventName.POOL_MEASURED
     report: PoolReport
-
-    @property
-    def subject_token(self) -> str:
-        return self.report.provider
 
 
 Event = Annotated[
@@ -246,6 +210,55 @@ Event = Annotated[
     | PoolMeasured,
     Field(discriminator="event"),
 ]
+
+
+class Publisher(enum.StrEnum):
+    """The service that sends a kind of event. An admission instance runs in `llmgw admission`
+    or, with ``admission.colocated``, in an edge's process."""
+
+    ADMISSION = "admission"
+    REAPER = "reaper"
+    SCRAPER = "scraper"
+
+
+@dataclass(frozen=True, slots=True)
+class EventKind:
+    """One kind of event: its payload model, who publishes it, and the payload field whose value
+    is its subject's last token (dotted for a field of a nested report)."""
+
+    model: type[RoutingEvent]
+    publishers: tuple[Publisher, ...]
+    token: str
+
+
+_ADMISSION = (Publisher.ADMISSION,)
+_SCRAPER = (Publisher.SCRAPER,)
+_ADMISSION_OR_REAPER = (Publisher.ADMISSION, Publisher.REAPER)
+
+# Every kind there is: docs/events.md is checked against this table and the models (the kinds,
+# their publishers and tokens, every field and the version), so a kind or a field added here
+# without its documentation fails a test.
+EVENT_KINDS: Final[Mapping[EventName, EventKind]] = MappingProxyType(
+    {
+        EventName.PIN_CREATED: EventKind(PinEvent, _ADMISSION, "provider"),
+        EventName.PIN_MOVED: EventKind(PinMoved, _ADMISSION, "provider"),
+        EventName.PIN_EVICTED: EventKind(PinEvent, _ADMISSION, "provider"),
+        EventName.PIN_EXPIRED: EventKind(PinEvent, _ADMISSION, "provider"),
+        EventName.LEASE_EXPIRED: EventKind(LeaseExpired, _ADMISSION, "provider"),
+        EventName.SHARD_CLAIMED: EventKind(ShardEvent, _ADMISSION, "owner"),
+        EventName.SHARD_HANDED: EventKind(ShardEvent, _ADMISSION, "owner"),
+        EventName.MEMBER_JOINED: EventKind(MemberEvent, _ADMISSION, "member"),
+        EventName.MEMBER_LEFT: EventKind(MemberEvent, _ADMISSION, "member"),
+        # The reaper, or the successor of an exited process (`llmgw up`, a stable instance name).
+        EventName.MEMBER_EXPIRED: EventKind(MemberEvent, _ADMISSION_OR_REAPER, "member"),
+        # The adopter of the dead instance's shards, or the reaper after `quota_grace`.
+        EventName.QUOTA_RECLAIMED: EventKind(QuotaReclaimed, _ADMISSION_OR_REAPER, "provider"),
+        EventName.ENDPOINT_SCRAPED: EventKind(EndpointEvent, _SCRAPER, "report.provider"),
+        EventName.ENDPOINT_HEALTHY: EventKind(EndpointEvent, _SCRAPER, "report.provider"),
+        EventName.ENDPOINT_UNHEALTHY: EventKind(EndpointEvent, _SCRAPER, "report.provider"),
+        EventName.POOL_MEASURED: EventKind(PoolMeasured, _SCRAPER, "report.provider"),
+    }
+)
 
 
 @functools.cache

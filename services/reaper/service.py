@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 from llmgw.core.quota import reclaimable
 from llmgw.core.shards import live_members
-from llmgw.events import EventPublisher, MemberEvent, QuotaReclaimed
+from llmgw.events import EventPublisher, MemberEvent, QuotaReclaimed, RoutingEvent
 from llmgw.services.reaper.metrics import ReaperMetrics
 from llmgw.state.store import RoutingStore
 
@@ -88,9 +88,7 @@ class Reaper:
             if await self.store.remove_member(member.instance, stored.revision):
                 removed.append(member.instance)
                 self.metrics.count_action("member_expired")
-                await self.events.publish(
-                    self.events.build(MemberEvent, event="member.expired", member=member.instance)
-                )
+                await self._announce(MemberEvent, event="member.expired", member=member.instance)
         return removed
 
     async def reclaim_quota(self, now: float) -> list[tuple[str, str, str]]:
@@ -116,18 +114,22 @@ class Reaper:
                 held = book.quota(instance)
                 done.append((book.provider, book.model, instance))
                 self.metrics.count_action("quota_reclaimed")
-                await self.events.publish(
-                    self.events.build(
-                        QuotaReclaimed,
-                        provider=book.provider,
-                        model=book.model,
-                        member=instance,
-                        leases=held.g,
-                        unreserved=held.u,
-                        pins=held.p,
-                    )
+                await self._announce(
+                    QuotaReclaimed,
+                    provider=book.provider,
+                    model=book.model,
+                    member=instance,
+                    leases=held.g,
+                    unreserved=held.u,
+                    pins=held.p,
                 )
         return done
+
+    async def _announce(self, kind: type[RoutingEvent], **fields: object) -> None:
+        """Publish a change made; one that cannot be published (logged by the publisher) is
+        counted in `llmgw_reaper_unpublished_events_total`, and the change stands."""
+        if not await self.events.publish(self.events.build(kind, **fields)):
+            self.metrics.unpublished_events.inc()
 
     async def run_pass(self) -> PassResult:
         """One pass over every step; never raises but cancellation."""

@@ -12,7 +12,7 @@ from reaper_helpers import IRIS, MODEL, WAIT, Connect, EventLog
 from llmgw.config import Config
 from llmgw.core.keys import MemberValue
 from llmgw.core.quota import Quota, QuotaBook
-from llmgw.events import EventName
+from llmgw.events import EventName, EventPublisher
 from llmgw.services.reaper.main import open_reaper, quota_grace, serve
 from llmgw.services.reaper.metrics import ReaperMetrics
 from llmgw.state.setup import open_routing_store
@@ -68,6 +68,27 @@ async def test_a_dead_instances_leftover_quota_returns_to_the_pool_after_the_gra
     events = await event_log.sync(reaper.events._nc)
     (reclaimed,) = [e for e in events if e.event == EventName.QUOTA_RECLAIMED]
     assert (reclaimed.member, reclaimed.leases, reclaimed.pins) == ("admission-gone", 4, 20)
+
+
+async def test_an_event_that_cannot_be_published_is_counted_and_the_change_stands(
+    config: Config, connect: Connect, store
+):
+    await store.join(MemberValue("admission-dead", 0.0, NOW - 3 * config.admission.member_ttl - 1))
+    metrics = ReaperMetrics()
+    reaper = await open_reaper(
+        await connect(),
+        config,
+        instance="reaper-a",
+        clock=lambda: NOW,
+        timer=time.perf_counter,
+        metrics=metrics,
+    )
+    lost = await connect()
+    await lost.close()  # its events' connection is gone; its bucket's is not
+    reaper.events = EventPublisher(lost, "reaper-a")
+    result = await reaper.run_pass()
+    assert result.members_removed == ("admission-dead",)
+    assert metrics.registry.get_sample_value("llmgw_reaper_unpublished_events_total") == 1.0
 
 
 async def test_two_reapers_make_each_change_once(

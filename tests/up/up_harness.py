@@ -90,16 +90,18 @@ def config_apply(
     )
 
 
-class UpProcess:
-    """`python -m llmgw up` as a subprocess; its output is collected line by line."""
+class WatchedProcess:
+    """A Python subprocess (`python ARGS`) whose output is collected line by line, with no
+    LLMGW_ variable of ours but those in `env`."""
 
-    def __init__(self, config: Path, *extra_args: str) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.upper().startswith("LLMGW_")}
-        env["PYTHONUNBUFFERED"] = "1"
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+        full = {k: v for k, v in os.environ.items() if not k.upper().startswith("LLMGW_")}
+        full.update(env or {})
+        full["PYTHONUNBUFFERED"] = "1"
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "llmgw", "up", "--config", str(config), *extra_args],
+            [sys.executable, *args],
             cwd=REPO,
-            env=env,
+            env=full,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -141,6 +143,19 @@ class UpProcess:
                     )
                 self._changed.wait(left)
 
+    def stop(self, sig: signal.Signals = signal.SIGTERM, timeout: float = 30.0) -> int:
+        self.process.send_signal(sig)
+        code = self.process.wait(timeout)
+        self._reader.join(5)
+        return code
+
+
+class UpProcess(WatchedProcess):
+    """`python -m llmgw up` as a subprocess; its output is collected line by line."""
+
+    def __init__(self, config: Path, *extra_args: str) -> None:
+        super().__init__("-m", "llmgw", "up", "--config", str(config), *extra_args)
+
     def admin_token_file(self, timeout: float = 90.0) -> str:
         """The file of the admin token this run made (the line `llmgw up` prints at ready)."""
         return self.wait_for(ADMIN_TOKEN_LINE, timeout).group(1)
@@ -163,12 +178,6 @@ class UpProcess:
     def all_pids(self) -> set[int]:
         pids = {int(m) for line in list(self.lines) for m in re.findall(r"started pid (\d+)", line)}
         return pids | set(self.pids().values())
-
-    def stop(self, sig: signal.Signals = signal.SIGTERM, timeout: float = 30.0) -> int:
-        self.process.send_signal(sig)
-        code = self.process.wait(timeout)
-        self._reader.join(5)
-        return code
 
     def kill_everything(self) -> None:
         """Last-resort cleanup: SIGKILL `llmgw up` and every process it reported."""
