@@ -14,6 +14,29 @@ if TYPE_CHECKING:
     from llmgw.config.schema import NatsConfig
 
 
+class _Client(NATS):
+    """nats-py's client, but a PONG for a flush that gave up (its timeout passed, or its caller
+    was cancelled) is consumed quietly. nats-py (2.16) sets a result on that flush's cancelled
+    future, which raises in its read loop and ends it: the connection then looks connected
+    and reads nothing. PONGs come back in the order of their PINGs, so the first waiter is
+    this PONG's."""
+
+    async def _process_pong(self) -> None:
+        if self._pongs and self._pongs[0].done():
+            self._pongs.pop(0)
+            self._pongs_received += 1
+            self._pings_outstanding = 0
+            return
+        await super()._process_pong()
+
+
+async def open_connection(**options: Any) -> NATS:
+    """`nats.connect(**options)`, with the client every llmgw connection uses (`_Client`)."""
+    nc = _Client()
+    await nc.connect(**options)
+    return nc
+
+
 def connect_options(cfg: NatsConfig, name: str) -> dict[str, Any]:
     """Keyword arguments for `nats.connect` from the config section."""
     if cfg.url == "embedded":
@@ -52,7 +75,7 @@ def connect_options(cfg: NatsConfig, name: str) -> dict[str, Any]:
 
 async def connect(cfg: NatsConfig, name: str) -> NATS:
     """Connect with the configured servers, credentials and TLS; reconnects forever."""
-    return await nats.connect(**connect_options(cfg, name))
+    return await open_connection(**connect_options(cfg, name))
 
 
 def embedded_servers(cfg: NatsConfig) -> list[str]:
@@ -100,7 +123,7 @@ async def connect_tool(cfg: NatsConfig, name: str, refusals: Refusals | None = N
     options.update(max_reconnect_attempts=1, reconnect_time_wait=0.1, error_cb=refusals.record)
     try:
         async with asyncio.timeout(cfg.connect_timeout * 2 + 5):
-            return await nats.connect(**options)
+            return await open_connection(**options)
     except (OSError, TimeoutError, nats.errors.Error) as exc:
         if refusals.denied:  # the server answered: say it refused, not that it is unreachable
             raise nats.errors.Error(

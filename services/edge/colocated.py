@@ -17,10 +17,9 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
-import nats
 from nats.js.errors import APIError
 
-from llmgw.natsconn import Refusals, connect_options
+from llmgw.natsconn import Refusals, connect_options, open_connection
 from llmgw.state.nats_kv import open_routing_bucket
 from llmgw.wire import ADMISSION_HANDOVER_PREFIX
 
@@ -86,7 +85,7 @@ async def instance_grants_problem(config: Config) -> str | None:
     options.update(max_reconnect_attempts=1, reconnect_time_wait=0.1, error_cb=refusals.record)
     timeout = config.nats.request_timeout
     try:
-        nc = await nats.connect(**options)
+        nc = await open_connection(**options)
     except Exception:
         return None  # unreachable: the edge's own connection says so
     try:

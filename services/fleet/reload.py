@@ -8,8 +8,6 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-import nats
-
 from llmgw import natsconn
 from llmgw.config import ConfigError, load_config
 from llmgw.services.fleet.apply import apply_file, file_values
@@ -56,7 +54,7 @@ class Reloader:
         options = natsconn.connect_options(cfg, "llmgw-up-reload")
         options.update(max_reconnect_attempts=1)
         try:
-            nc = await nats.connect(**options)
+            nc = await natsconn.open_connection(**options)
             try:
                 applied = await apply_file(nc, self.config, values, self.path, wait=10)
             finally:

@@ -69,7 +69,7 @@ async def _run(config: Config, args: argparse.Namespace, refusals: natsconn.Refu
     options: dict[str, Any] = natsconn.connect_options(cfg, "llmgw-keys")
     options.update(max_reconnect_attempts=1, reconnect_time_wait=0.1, error_cb=refusals.record)
     async with asyncio.timeout(cfg.connect_timeout * 2 + 5):
-        nc = await nats.connect(**options)
+        nc = await natsconn.open_connection(**options)
     try:
         bucket = await open_key_bucket(nc, config)
         if args.keys_command == "usage":

@@ -12,8 +12,6 @@ import secrets
 import time
 from typing import TYPE_CHECKING
 
-import nats
-
 from llmgw import natsconn
 from llmgw.core.apikeys import ApiKey, digest_of, new_secret
 from llmgw.state.apikeys import open_key_bucket
@@ -31,7 +29,7 @@ async def create_dev_key(config: Config, nats_url: str, secret: str | None = Non
     """Store a development key (random unless `secret` is given) and return its secret."""
     secret = secret or new_secret(secrets.token_bytes(24))
     options = natsconn.connect_options(config.nats.model_copy(update={"url": nats_url}), "llmgw-up")
-    nc = await nats.connect(**options)
+    nc = await natsconn.open_connection(**options)
     try:
         bucket = await open_key_bucket(nc, config)
         for old in await bucket.list():
