@@ -8,7 +8,10 @@ else `spend.default_output_tokens`), priced at the dearest provider that may ser
 `max_spend`) or the dearest third party (for `max_overflow_spend`). The reservation is taken
 from this edge's grant, in memory; when the grant cannot fit it, the edge asks admission for a
 larger one (`BudgetGrantRequest`: one CAS of the account, shared by the requests that wait for
-it) and the request waits for the answer, like a first quota share.
+it) and the request waits for the answer, like a first quota share. When the account's room
+is held by other edges, the edge asks them for a loan (`BudgetLoanAsk`, most held first): each
+gives back what it holds idle, and the edge asks the account again. A request whose grant
+fits makes no NATS call.
 
 - `max_spend` cannot fit the estimate: 429 ``insufficient_quota``, before admission (no lease,
   nothing spent).
@@ -34,7 +37,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from llmgw.core.budget import Budget, BudgetKind, Period, Purse, account_key, period_id
+from llmgw.core.budget import (
+    Budget,
+    BudgetKind,
+    Period,
+    Purse,
+    account_key,
+    loan_order,
+    period_id,
+)
 from llmgw.core.spend import (
     PriceBook,
     TokenPrices,
@@ -43,10 +54,19 @@ from llmgw.core.spend import (
     estimated_output,
 )
 from llmgw.tasks import cancel_and_wait
-from llmgw.wire import BUDGET_GRANT_SUBJECT, BudgetGrantReply, BudgetGrantRequest
+from llmgw.wire import (
+    BUDGET_GRANT_SUBJECT,
+    BudgetGrantReply,
+    BudgetGrantRequest,
+    BudgetLoan,
+    BudgetLoanAsk,
+    budget_lend_subject,
+)
 
 if TYPE_CHECKING:
     from nats.aio.client import Client as NATS
+    from nats.aio.msg import Msg
+    from nats.aio.subscription import Subscription
 
     from llmgw.config.schema import Config
     from llmgw.services.edge.spend import SpendMetrics
@@ -57,6 +77,7 @@ _SPARE_REQUESTS = 4  # a grant asks room for this many more like the last, while
 _AMPLE = 16  # ... i.e. while the account's room is at least this many such requests
 _ROUNDS = 8  # asks one request may wait for while others take what each brought
 _IDLE_PERIODS = 3  # intervals without use before an account is forgotten (grant returned)
+_MAX_LENDERS = 4  # holders one ask borrows from at most, one after the other
 
 
 class BudgetUnavailable(Exception):
@@ -73,6 +94,7 @@ class _Account:
     reported: int = -1  # spent as last reported
     demand: int = 0  # estimates of the requests waiting here for a larger grant
     used_at: float = 0.0  # monotonic time of the last reservation
+    lenders: dict[str, int] = field(default_factory=dict)  # as the account last said
 
 
 @dataclass(slots=True)
@@ -131,6 +153,7 @@ class BudgetGuard:
         self._periods: dict[str, tuple[int, str]] = {}
         self._keys: dict[tuple[str, str, str], str] = {}
         self._task: asyncio.Task[None] | None = None
+        self._lend_sub: Subscription | None = None
         self.follow(config)
 
     def follow(self, config: Config, draining: frozenset[str] = frozenset()) -> None:
@@ -163,9 +186,16 @@ class BudgetGuard:
     async def start(self) -> None:
         # Always: a tenant's budget may come with an applied config, and keys carry their own.
         if self._nc is not None:
+            self._lend_sub = await self._nc.subscribe(
+                budget_lend_subject(self.edge_id), cb=self._on_lend
+            )
             self._task = asyncio.create_task(self._sync_loop(), name="budget-sync")
 
     async def stop(self) -> None:
+        if self._lend_sub is not None:
+            sub, self._lend_sub = self._lend_sub, None
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
         if self._task is not None:
             await cancel_and_wait([self._task])
             self._task = None
@@ -260,38 +290,54 @@ class BudgetGuard:
         account = self._accounts.get(key)
         if account is None:
             account = self._accounts[key] = _Account(key, kind, limit)
-        account.limit = limit
+        if account.limit != limit:
+            account.limit = limit
+            account.purse.elsewhere = -1  # what was heard of the account bounds the old limit
         return account
 
     async def _reserve(self, account: _Account, estimate: int) -> bool:
-        """Reserve `estimate`, asking for a larger grant while the account has room for it:
-        refused only when the account itself cannot fit it (every holder's commitments)."""
+        """Reserve `estimate`, asking for a larger grant (and loans) while the account may fit
+        it: refused when, as last heard, the account cannot (every holder's spend; no ask
+        then), or when an ask of this request's brought nothing (the others' grants are
+        reserved, not idle)."""
         account.used_at = time.monotonic()
         purse = account.purse
         if purse.reserve(estimate):
             return True
+        if not purse.may_fit(estimate):
+            return False
         account.demand += estimate  # what the requests waiting here need, asked together
         try:
             for _ in range(_ROUNDS):
                 spare = estimate * _SPARE_REQUESTS if purse.room >= estimate * _AMPLE else 0
-                await self._regrant(account, purse.want(account.demand, spare))
+                before = purse.grant
+                asked = await self._regrant(
+                    account,
+                    purse.want(account.demand, spare),
+                    need=purse.want(account.demand, 0),
+                )
                 if purse.reserve(estimate):
                     return True
-                if purse.room < estimate:  # the account is (nearly) spent: no more to ask
+                if not purse.may_fit(estimate) or (asked and purse.grant <= before):
                     return False
             return False
         finally:
             account.demand -= estimate
 
-    async def _regrant(self, account: _Account, want: int) -> None:
-        """Ask for a grant of `want` in all; requests that need one meanwhile share the ask."""
+    async def _regrant(self, account: _Account, want: int, need: int = 0) -> bool:
+        """Ask for a grant of `want` in all, and loans up to `need` if the account has less room;
+        requests that need one meanwhile share the ask. False: an ask in flight was shared."""
         if account.pending is not None:
             await asyncio.shield(account.pending)
-            return
+            return False
         future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         account.pending = future
         try:
-            future.set_result(await self._ask(account, want))
+            await self._ask(account, want)
+            if need > account.purse.grant and account.lenders:
+                if await self._borrow(account, need - account.purse.grant):
+                    await self._ask(account, want)  # take what the lenders gave back
+            future.set_result(True)
         except BaseException as exc:
             if not future.done():
                 future.set_exception(exc)
@@ -299,11 +345,52 @@ class BudgetGuard:
             raise
         finally:
             account.pending = None
+        return True
 
-    async def _ask(self, account: _Account, want: int) -> bool:
+    async def _borrow(self, account: _Account, short: int) -> int:
+        """Ask the holders that hold more than they spent, most first, to give back what they
+        hold idle, until `short` came back; returns what did."""
+        assert self._nc is not None  # an ask was answered
+        lent = 0
+        for lender in loan_order(account.lenders)[:_MAX_LENDERS]:
+            ask = BudgetLoanAsk(borrower=self.edge_id, account=account.key, want=short - lent)
+            try:
+                msg = await self._nc.request(
+                    budget_lend_subject(lender),
+                    ask.model_dump_json().encode(),
+                    timeout=self.request_timeout,
+                )
+                lent += BudgetLoan.model_validate_json(msg.data).lent
+            except Exception as exc:  # gone, or slow: the next one may have it
+                log.debug("budget loan from %s: %s", lender, exc)
+            if lent >= short:
+                break
+        return lent
+
+    async def _on_lend(self, msg: Msg) -> None:
+        """Another holder is short: give back what this edge holds idle of the account, unless
+        its own requests wait for a grant of it (an ask in flight: it is not idle then)."""
+        lent = 0
+        try:
+            ask = BudgetLoanAsk.model_validate_json(msg.data)
+        except ValueError:
+            return
+        account = self._accounts.get(ask.account)
+        if account is not None and account.pending is None and account.demand == 0:
+            lent = account.purse.lend(ask.want)  # lowered here before the write is sent
+            if lent:
+                try:
+                    await self._regrant(account, account.purse.grant)
+                except BudgetUnavailable:
+                    lent = 0  # not written: the account still holds it (the next sync writes)
+        with contextlib.suppress(Exception):
+            await msg.respond(BudgetLoan(lent=lent).model_dump_json().encode())
+
+    async def _ask(self, account: _Account, want: int) -> None:
         if self._nc is None:
             raise BudgetUnavailable("no NATS connection")
         purse = account.purse
+        purse.lower(want)  # a smaller grant applies before the account hears of it
         request = BudgetGrantRequest(
             edge=self.edge_id,
             account=account.key,
@@ -324,11 +411,12 @@ class BudgetGuard:
             raise BudgetUnavailable(reply.error or "the budget account was not written")
         purse.grant = reply.grant
         purse.room = reply.room
+        account.lenders = dict(reply.lenders)
+        purse.elsewhere = sum(account.lenders.values())
         # An account this edge forgot while idle and uses again: what it spent there stays
         # spent (the account kept it), so its new purse starts from it.
         purse.spent = max(purse.spent, reply.mine)
         account.reported = max(request.spent, reply.mine)
-        return True
 
     # ---- housekeeping ---------------------------------------------------------------------------
 

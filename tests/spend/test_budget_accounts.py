@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import random
 import time
 import uuid
@@ -25,11 +26,13 @@ REPO = Path(__file__).resolve().parents[2]
 BODY = {"messages": [{"role": "user", "content": "what is a cache"}], "max_tokens": 100}
 
 
-def _config(nats_url: str, bucket: str, max_spend: str):  # type: ignore[no-untyped-def]
+def _config(  # type: ignore[no-untyped-def]
+    nats_url: str, bucket: str, max_spend: str, *, interval: str = "100ms"
+):
     data = yaml.safe_load((REPO / "config" / "local.yaml").read_text())
     data["nats"] = {"url": nats_url}
     data["spend"]["bucket"] = bucket
-    data["spend"]["interval"] = "100ms"
+    data["spend"]["interval"] = interval
     data["spend"]["budgets"] = [{"tenant": "t", "period": "daily", "max_spend": max_spend}]
     return config_from_dict(data, env={})
 
@@ -171,3 +174,42 @@ async def test_an_applied_config_prices_a_new_model_and_its_third_partys_new_end
         assert "tensorx-west-2" in guard.third_party_endpoints["mistral-7b"]
     finally:
         await nc.close()
+
+
+async def _started(config, name: str):  # type: ignore[no-untyped-def]
+    nc = await nats.connect(config.nats.url)
+    guard = BudgetGuard(nc, name, config)
+    await guard.start()  # answers loans from here on
+    return nc, guard
+
+
+async def test_a_grant_moves_to_the_edge_that_has_the_request(accounts) -> None:
+    """Requests one at a time, at one edge and then alternating between two edges that report
+    only once a minute, each costing a fourth of its estimate: what an edge's grant holds idle
+    is lent to the other when it is short, so every request the budget can fit is served, and
+    a request that fits its edge's grant sends no message at all."""
+    config, _ = accounts
+    slow = _config(config.nats.url, config.spend.bucket, "0.01", interval="60s")
+    edges = [await _started(slow, f"edge-{index}") for index in range(2)]
+    model = "llama-3.3-70b"
+    try:
+        served, estimate = 0, 0
+        with contextlib.suppress(BudgetRefused):
+            for index in itertools.count():
+                edge = 0 if index < 6 else index % 2  # edge-0 holds the larger grant
+                nc, guard = edges[edge]
+                sent = nc.stats["out_msgs"]
+                hold = await guard.reserve("t", model, BODY)
+                if index == 2:  # its second ask took room for a few more: no message now
+                    assert nc.stats["out_msgs"] == sent
+                assert hold is not None and not hold.no_overflow
+                [(_, estimate)] = hold.parts
+                hold.settle(estimate // 4, third_party=True)  # it cost a fourth of its estimate
+                served += 1
+        limit = 10_000_000_000
+        # Served while what was spent left room for one more estimate, wherever that room was.
+        assert served == (limit - estimate) // (estimate // 4) + 1, (served, estimate)
+    finally:
+        for nc, guard in edges:
+            await guard.stop()
+            await nc.close()
