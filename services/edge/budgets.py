@@ -13,12 +13,16 @@ is held by other edges, the edge asks them for a loan (`BudgetLoanAsk`, most hel
 gives back what it holds idle, and the edge asks the account again. A request whose grant
 fits makes no NATS call.
 
-- `max_spend` cannot fit the estimate: 429 ``insufficient_quota``, before admission (no lease,
-  nothing spent).
+- `max_spend` cannot fit the estimate, but fits it at our engines' prices (the dearest managed
+  provider that may serve it): the attempt reserves that and is admitted with ``no_overflow``.
+- `max_spend` cannot fit even that (or no managed provider serves the model): 429
+  ``insufficient_quota``, before admission (no lease, nothing spent).
 - `max_overflow_spend` cannot fit it: the attempt is admitted with ``no_overflow``, so it never
   goes to a third party (its endpoints are excluded) and waits for our engines in its band.
-- An attempt placed on our engines gives its overflow reservation back at once; every attempt
-  settles its real cost (`SpendBook`'s price) when it ends, and the reservation is released.
+- An attempt placed on our engines (or kept to them) needs no more than our engines' price:
+  its overflow reservation goes back at once, its spend reservation shrinks to that price;
+  every attempt settles its real cost (`SpendBook`'s price) when it ends, and the reservation
+  is released.
 
 Every `spend.interval` the edge reports each account's spend and shrinks its grant to what it
 has spent and reserved (plus a few requests' worth while the account has room), so grants
@@ -99,22 +103,36 @@ class _Account:
 
 @dataclass(slots=True)
 class BudgetHold:
-    """One attempt's reservations; `no_overflow`: its overflow budget could not fit it."""
+    """One attempt's reservations; `no_overflow`: a budget could not fit it at a third party's
+    price, so it is kept to our engines. `home`: its estimate at our engines' prices (None: no
+    managed provider serves its model)."""
 
     parts: list[tuple[_Account, int]] = field(default_factory=list)
     no_overflow: bool = False
+    home: int | None = None
     done: bool = False
 
+    def stay_home(self) -> None:
+        """Kept off third parties from now on: what only a third party would cost goes back."""
+        self.no_overflow = True
+        self._home_only()
+
     def admitted(self, *, third_party: bool) -> None:
-        """Placed: on our engines, the overflow reservation is not needed."""
-        if third_party:
-            return
+        """Placed: on our engines, the overflow reservation and what the spend reservation
+        holds beyond our engines' price are not needed."""
+        if not third_party:
+            self._home_only()
+
+    def _home_only(self) -> None:
         kept = []
         for account, estimate in self.parts:
             if account.kind == "overflow":
                 account.purse.release(estimate)
-            else:
-                kept.append((account, estimate))
+                continue
+            if self.home is not None and estimate > self.home:
+                account.purse.release(estimate - self.home)
+                estimate = self.home
+            kept.append((account, estimate))
         self.parts = kept
 
     def settle(self, picos: int, *, third_party: bool) -> None:
@@ -168,12 +186,16 @@ class BudgetGuard:
         self.third_party_endpoints: dict[str, tuple[str, ...]] = {}
         self._worst: dict[str, TokenPrices] = {}
         self._worst_third: dict[str, TokenPrices] = {}
+        self._worst_home: dict[str, TokenPrices] = {}  # models some managed provider serves
         for model in config.models:
             names = [model.name, *(config.resolve_model(f) or f for f in model.fallbacks)]
             serving = [p for p in config.providers if any(p.model(n) for n in names)]
             self._worst[model.name] = _dearest(book, [p.id for p in serving], names)
             third = [p.id for p in serving if not p.is_managed]
             self._worst_third[model.name] = _dearest(book, third, names)
+            home = [p.id for p in serving if p.is_managed]
+            if home:
+                self._worst_home[model.name] = _dearest(book, home, names)
             self.third_party_endpoints[model.name] = tuple(
                 e.id for e in config.endpoints if e.provider in third
             )
@@ -226,7 +248,8 @@ class BudgetGuard:
             return None
         prompt = self._scale(model, estimate_input_tokens(body))
         use = TokenUse(input=prompt, output=self._output(body))
-        hold = BudgetHold()
+        home = self._worst_home.get(model)
+        hold = BudgetHold(home=home.cost(use) if home is not None else None)
         try:
             for scope, whose, budget in budgets:
                 await self._reserve_in(hold, scope, whose, budget, model, use)
@@ -240,16 +263,25 @@ class BudgetGuard:
     ) -> None:
         period = self._period(budget.period)
         if budget.max_spend is not None:
+            home = hold.home
             estimate = self._worst.get(model, _NO_PRICE).cost(use)
+            if hold.no_overflow and home is not None:
+                estimate = home
             account = self._account("spend", scope, period, budget.max_spend)
-            if not await self._reserve(account, estimate):
+            if await self._reserve(account, estimate):
+                hold.parts.append((account, estimate))
+                self._count("spend", "reserved")
+            elif home is not None and home < estimate and await self._reserve(account, home):
+                # A third party's price does not fit, our engines' does: run home.
+                hold.parts.append((account, home))
+                hold.stay_home()
+                self._count("spend", "kept_home")
+            else:
                 self._count("spend", "refused")
                 raise BudgetRefused(
                     f"The budget of {whose} ({budget.period}) is used up: this request would "
                     "take its spend past max_spend."
                 )
-            hold.parts.append((account, estimate))
-            self._count("spend", "reserved")
         if budget.max_overflow_spend is not None and not hold.no_overflow:
             estimate = self._worst_third.get(model, _NO_PRICE).cost(use)
             account = self._account("overflow", scope, period, budget.max_overflow_spend)
@@ -260,7 +292,7 @@ class BudgetGuard:
             if fits:
                 hold.parts.append((account, estimate))
             else:
-                hold.no_overflow = True
+                hold.stay_home()
             self._count("overflow", "reserved" if fits else "kept_home")
 
     def _count(self, kind: str, decision: str) -> None:

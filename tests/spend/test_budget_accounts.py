@@ -27,13 +27,19 @@ BODY = {"messages": [{"role": "user", "content": "what is a cache"}], "max_token
 
 
 def _config(  # type: ignore[no-untyped-def]
-    nats_url: str, bucket: str, max_spend: str, *, interval: str = "100ms"
+    nats_url: str, bucket: str, max_spend: str, *, interval: str = "100ms", home_output: float = 2.4
 ):
+    """The shipped config, tenant `t` with `max_spend`; our engines priced for llama-3.3-70b
+    as the third party is, but `home_output` per million output tokens (equal by default:
+    every estimate is the same wherever the request may run)."""
     data = yaml.safe_load((REPO / "config" / "local.yaml").read_text())
     data["nats"] = {"url": nats_url}
     data["spend"]["bucket"] = bucket
     data["spend"]["interval"] = interval
     data["spend"]["budgets"] = [{"tenant": "t", "period": "daily", "max_spend": max_spend}]
+    data["spend"]["prices"].append(
+        {"provider": "iris", "model": "llama-3.3-70b", "input": 0.60, "output": home_output}
+    )
     return config_from_dict(data, env={})
 
 
@@ -213,3 +219,41 @@ async def test_a_grant_moves_to_the_edge_that_has_the_request(accounts) -> None:
         for nc, guard in edges:
             await guard.stop()
             await nc.close()
+
+
+async def test_a_request_our_engines_can_afford_runs_home_instead_of_being_refused(
+    accounts,
+) -> None:
+    """Our engines at a tenth of the third party's output price: while the budget fits a
+    third-party estimate, that is reserved; after, our engines' estimate is, and the request
+    is kept off third parties; when not even that fits, it is refused. An attempt placed on
+    our engines holds no more than our engines' estimate."""
+    config, _ = accounts
+    cheap = _config(config.nats.url, config.spend.bucket, "0.001", home_output=0.24)
+    nc = await nats.connect(cheap.nats.url)
+    try:
+        guard = BudgetGuard(nc, "edge-home", cheap)
+        model = "llama-3.3-70b"
+        hold = await guard.reserve("t", model, BODY)
+        assert hold is not None and not hold.no_overflow and hold.home is not None
+        [(account, worst)] = hold.parts
+        home = hold.home
+        assert home < worst
+        hold.admitted(third_party=False)  # placed on our engines: only their price is held
+        assert hold.parts == [(account, home)] and account.purse.reserved == home
+        hold.settle(home, third_party=False)
+        kinds = []
+        with contextlib.suppress(BudgetRefused):
+            while True:
+                hold = await guard.reserve("t", model, BODY)
+                assert hold is not None
+                kinds.append("home" if hold.no_overflow else "any")
+                [(_, estimate)] = hold.parts
+                assert estimate == (home if hold.no_overflow else worst)
+                hold.settle(estimate, third_party=False)
+        limit = 1_000_000_000
+        assert kinds[0] == "any" and "home" in kinds
+        assert kinds == sorted(kinds, key=lambda kind: kind == "home")  # then home only
+        assert account.purse.spent <= limit < account.purse.spent + home
+    finally:
+        await nc.close()
