@@ -56,6 +56,9 @@ SPEND_TOTALS_SUBJECT = "llmgw.v1.spend.totals"
 # Edge -> one admission instance of the queue group (request/reply): report what it spent from a
 # budget account and ask for a new grant (llmgw.core.budget.regrant, by CAS on the account).
 BUDGET_GRANT_SUBJECT = "llmgw.v1.spend.grant"
+# Edge -> one edge (request/reply): give back to a budget account what you hold of it idle, for
+# an edge whose grant cannot fit a request (llmgw.core.budget, loans).
+BUDGET_LEND_PREFIX = "llmgw.v1.spend.lend."
 
 
 def admission_subject(shard: int) -> str:
@@ -72,6 +75,10 @@ def handover_subject(instance: str) -> str:
 
 def loan_subject(instance: str) -> str:
     return f"{ADMISSION_LOAN_PREFIX}{instance}"
+
+
+def budget_lend_subject(edge: str) -> str:
+    return f"{BUDGET_LEND_PREFIX}{edge}"
 
 
 class _Message(BaseModel):
@@ -473,7 +480,8 @@ class BudgetGrantRequest(_Message):
 class BudgetGrantReply(_Message):
     """The holder's grant (picos it may commit in all), the account's room after it and what the
     account has spent as far as its holders have told (`ok` False: not written, `error` says
-    why; the holder keeps its grant)."""
+    why; the holder keeps its grant). `lenders`: what each other holder holds beyond its spend
+    (llmgw.core.budget.Account.lenders), whom a holder short of room may ask for a loan."""
 
     v: Literal[2] = 2
     ok: bool = True
@@ -481,4 +489,25 @@ class BudgetGrantReply(_Message):
     room: int = 0
     spent: int = 0
     mine: int = 0  # what the account holds as this holder's spend (it never goes back)
+    lenders: tuple[tuple[str, int], ...] = ()  # (holder, picos) pairs
     error: str | None = None
+
+
+class BudgetLoanAsk(_Message):
+    """Edge -> a holder of budget account `account` (`budget_lend_subject`): a request of
+    `borrower`'s does not fit its grant and the account's room is held by others; give back up
+    to `want` picos of what you hold idle (never what you spent or reserved) by lowering your
+    own grant in the account, before you answer."""
+
+    v: Literal[2] = 2
+    borrower: str
+    account: str = Field(pattern=r"^budget\.[A-Za-z0-9_.:@-]+$")
+    want: int = Field(ge=0)
+
+
+class BudgetLoan(_Message):
+    """The answer: what the holder gave back (0: nothing idle, or it waits for a grant itself);
+    the account shows it as room by the time the answer is sent."""
+
+    v: Literal[2] = 2
+    lent: int = 0

@@ -123,7 +123,8 @@ class BudgetAccounts:
     admission instance): one CAS write of the account per request (`llmgw.core.budget.regrant`),
     retried on a conflict with a racing instance. An edge asks when its grant cannot fit a
     request, and every `spend.interval` while it holds one, so the writes follow the edges'
-    needs, not their requests."""
+    needs, not their requests. The answer names the other holders that hold more than they
+    spent: an edge left short asks them for a loan (edge to edge, not through here)."""
 
     def __init__(self, nc: NATS, bucket: NatsKV, *, ttl: float, clock: Any = time.time) -> None:
         self._nc = nc
@@ -185,6 +186,7 @@ class BudgetAccounts:
                 room=after.room,
                 spent=after.spent,
                 mine=after.holders[asked.edge].spent,
+                lenders=tuple(after.lenders(asked.edge).items()),
             )
         return BudgetGrantReply(ok=False, error="too many concurrent writers")
 

@@ -8,14 +8,21 @@ else `spend.default_output_tokens`), priced at the dearest provider that may ser
 `max_spend`) or the dearest third party (for `max_overflow_spend`). The reservation is taken
 from this edge's grant, in memory; when the grant cannot fit it, the edge asks admission for a
 larger one (`BudgetGrantRequest`: one CAS of the account, shared by the requests that wait for
-it) and the request waits for the answer, like a first quota share.
+it) and the request waits for the answer, like a first quota share. When the account's room
+is held by other edges, the edge asks them for a loan (`BudgetLoanAsk`, most held first): each
+gives back what it holds idle, and the edge asks the account again. A request whose grant
+fits makes no NATS call.
 
-- `max_spend` cannot fit the estimate: 429 ``insufficient_quota``, before admission (no lease,
-  nothing spent).
+- `max_spend` cannot fit the estimate, but fits it at our engines' prices (the dearest managed
+  provider that may serve it): the attempt reserves that and is admitted with ``no_overflow``.
+- `max_spend` cannot fit even that (or no managed provider serves the model): 429
+  ``insufficient_quota``, before admission (no lease, nothing spent).
 - `max_overflow_spend` cannot fit it: the attempt is admitted with ``no_overflow``, so it never
   goes to a third party (its endpoints are excluded) and waits for our engines in its band.
-- An attempt placed on our engines gives its overflow reservation back at once; every attempt
-  settles its real cost (`SpendBook`'s price) when it ends, and the reservation is released.
+- An attempt placed on our engines (or kept to them) needs no more than our engines' price:
+  its overflow reservation goes back at once, its spend reservation shrinks to that price;
+  every attempt settles its real cost (`SpendBook`'s price) when it ends, and the reservation
+  is released.
 
 Every `spend.interval` the edge reports each account's spend and shrinks its grant to what it
 has spent and reserved (plus a few requests' worth while the account has room), so grants
@@ -34,7 +41,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from llmgw.core.budget import Budget, BudgetKind, Period, Purse, account_key, period_id
+from llmgw.core.budget import (
+    Budget,
+    BudgetKind,
+    Period,
+    Purse,
+    account_key,
+    loan_order,
+    period_id,
+)
 from llmgw.core.spend import (
     PriceBook,
     TokenPrices,
@@ -43,10 +58,19 @@ from llmgw.core.spend import (
     estimated_output,
 )
 from llmgw.tasks import cancel_and_wait
-from llmgw.wire import BUDGET_GRANT_SUBJECT, BudgetGrantReply, BudgetGrantRequest
+from llmgw.wire import (
+    BUDGET_GRANT_SUBJECT,
+    BudgetGrantReply,
+    BudgetGrantRequest,
+    BudgetLoan,
+    BudgetLoanAsk,
+    budget_lend_subject,
+)
 
 if TYPE_CHECKING:
     from nats.aio.client import Client as NATS
+    from nats.aio.msg import Msg
+    from nats.aio.subscription import Subscription
 
     from llmgw.config.schema import Config
     from llmgw.services.edge.spend import SpendMetrics
@@ -57,6 +81,7 @@ _SPARE_REQUESTS = 4  # a grant asks room for this many more like the last, while
 _AMPLE = 16  # ... i.e. while the account's room is at least this many such requests
 _ROUNDS = 8  # asks one request may wait for while others take what each brought
 _IDLE_PERIODS = 3  # intervals without use before an account is forgotten (grant returned)
+_MAX_LENDERS = 4  # holders one ask borrows from at most, one after the other
 
 
 class BudgetUnavailable(Exception):
@@ -73,26 +98,41 @@ class _Account:
     reported: int = -1  # spent as last reported
     demand: int = 0  # estimates of the requests waiting here for a larger grant
     used_at: float = 0.0  # monotonic time of the last reservation
+    lenders: dict[str, int] = field(default_factory=dict)  # as the account last said
 
 
 @dataclass(slots=True)
 class BudgetHold:
-    """One attempt's reservations; `no_overflow`: its overflow budget could not fit it."""
+    """One attempt's reservations; `no_overflow`: a budget could not fit it at a third party's
+    price, so it is kept to our engines. `home`: its estimate at our engines' prices (None: no
+    managed provider serves its model)."""
 
     parts: list[tuple[_Account, int]] = field(default_factory=list)
     no_overflow: bool = False
+    home: int | None = None
     done: bool = False
 
+    def stay_home(self) -> None:
+        """Kept off third parties from now on: what only a third party would cost goes back."""
+        self.no_overflow = True
+        self._home_only()
+
     def admitted(self, *, third_party: bool) -> None:
-        """Placed: on our engines, the overflow reservation is not needed."""
-        if third_party:
-            return
+        """Placed: on our engines, the overflow reservation and what the spend reservation
+        holds beyond our engines' price are not needed."""
+        if not third_party:
+            self._home_only()
+
+    def _home_only(self) -> None:
         kept = []
         for account, estimate in self.parts:
             if account.kind == "overflow":
                 account.purse.release(estimate)
-            else:
-                kept.append((account, estimate))
+                continue
+            if self.home is not None and estimate > self.home:
+                account.purse.release(estimate - self.home)
+                estimate = self.home
+            kept.append((account, estimate))
         self.parts = kept
 
     def settle(self, picos: int, *, third_party: bool) -> None:
@@ -131,6 +171,7 @@ class BudgetGuard:
         self._periods: dict[str, tuple[int, str]] = {}
         self._keys: dict[tuple[str, str, str], str] = {}
         self._task: asyncio.Task[None] | None = None
+        self._lend_sub: Subscription | None = None
         self.follow(config)
 
     def follow(self, config: Config, draining: frozenset[str] = frozenset()) -> None:
@@ -145,12 +186,16 @@ class BudgetGuard:
         self.third_party_endpoints: dict[str, tuple[str, ...]] = {}
         self._worst: dict[str, TokenPrices] = {}
         self._worst_third: dict[str, TokenPrices] = {}
+        self._worst_home: dict[str, TokenPrices] = {}  # models some managed provider serves
         for model in config.models:
             names = [model.name, *(config.resolve_model(f) or f for f in model.fallbacks)]
             serving = [p for p in config.providers if any(p.model(n) for n in names)]
             self._worst[model.name] = _dearest(book, [p.id for p in serving], names)
             third = [p.id for p in serving if not p.is_managed]
             self._worst_third[model.name] = _dearest(book, third, names)
+            home = [p.id for p in serving if p.is_managed]
+            if home:
+                self._worst_home[model.name] = _dearest(book, home, names)
             self.third_party_endpoints[model.name] = tuple(
                 e.id for e in config.endpoints if e.provider in third
             )
@@ -163,9 +208,16 @@ class BudgetGuard:
     async def start(self) -> None:
         # Always: a tenant's budget may come with an applied config, and keys carry their own.
         if self._nc is not None:
+            self._lend_sub = await self._nc.subscribe(
+                budget_lend_subject(self.edge_id), cb=self._on_lend
+            )
             self._task = asyncio.create_task(self._sync_loop(), name="budget-sync")
 
     async def stop(self) -> None:
+        if self._lend_sub is not None:
+            sub, self._lend_sub = self._lend_sub, None
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
         if self._task is not None:
             await cancel_and_wait([self._task])
             self._task = None
@@ -196,7 +248,8 @@ class BudgetGuard:
             return None
         prompt = self._scale(model, estimate_input_tokens(body))
         use = TokenUse(input=prompt, output=self._output(body))
-        hold = BudgetHold()
+        home = self._worst_home.get(model)
+        hold = BudgetHold(home=home.cost(use) if home is not None else None)
         try:
             for scope, whose, budget in budgets:
                 await self._reserve_in(hold, scope, whose, budget, model, use)
@@ -210,16 +263,25 @@ class BudgetGuard:
     ) -> None:
         period = self._period(budget.period)
         if budget.max_spend is not None:
+            home = hold.home
             estimate = self._worst.get(model, _NO_PRICE).cost(use)
+            if hold.no_overflow and home is not None:
+                estimate = home
             account = self._account("spend", scope, period, budget.max_spend)
-            if not await self._reserve(account, estimate):
+            if await self._reserve(account, estimate):
+                hold.parts.append((account, estimate))
+                self._count("spend", "reserved")
+            elif home is not None and home < estimate and await self._reserve(account, home):
+                # A third party's price does not fit, our engines' does: run home.
+                hold.parts.append((account, home))
+                hold.stay_home()
+                self._count("spend", "kept_home")
+            else:
                 self._count("spend", "refused")
                 raise BudgetRefused(
                     f"The budget of {whose} ({budget.period}) is used up: this request would "
                     "take its spend past max_spend."
                 )
-            hold.parts.append((account, estimate))
-            self._count("spend", "reserved")
         if budget.max_overflow_spend is not None and not hold.no_overflow:
             estimate = self._worst_third.get(model, _NO_PRICE).cost(use)
             account = self._account("overflow", scope, period, budget.max_overflow_spend)
@@ -230,7 +292,7 @@ class BudgetGuard:
             if fits:
                 hold.parts.append((account, estimate))
             else:
-                hold.no_overflow = True
+                hold.stay_home()
             self._count("overflow", "reserved" if fits else "kept_home")
 
     def _count(self, kind: str, decision: str) -> None:
@@ -260,38 +322,54 @@ class BudgetGuard:
         account = self._accounts.get(key)
         if account is None:
             account = self._accounts[key] = _Account(key, kind, limit)
-        account.limit = limit
+        if account.limit != limit:
+            account.limit = limit
+            account.purse.elsewhere = -1  # what was heard of the account bounds the old limit
         return account
 
     async def _reserve(self, account: _Account, estimate: int) -> bool:
-        """Reserve `estimate`, asking for a larger grant while the account has room for it:
-        refused only when the account itself cannot fit it (every holder's commitments)."""
+        """Reserve `estimate`, asking for a larger grant (and loans) while the account may fit
+        it: refused when, as last heard, the account cannot (every holder's spend; no ask
+        then), or when an ask of this request's brought nothing (the others' grants are
+        reserved, not idle)."""
         account.used_at = time.monotonic()
         purse = account.purse
         if purse.reserve(estimate):
             return True
+        if not purse.may_fit(estimate):
+            return False
         account.demand += estimate  # what the requests waiting here need, asked together
         try:
             for _ in range(_ROUNDS):
                 spare = estimate * _SPARE_REQUESTS if purse.room >= estimate * _AMPLE else 0
-                await self._regrant(account, purse.want(account.demand, spare))
+                before = purse.grant
+                asked = await self._regrant(
+                    account,
+                    purse.want(account.demand, spare),
+                    need=purse.want(account.demand, 0),
+                )
                 if purse.reserve(estimate):
                     return True
-                if purse.room < estimate:  # the account is (nearly) spent: no more to ask
+                if not purse.may_fit(estimate) or (asked and purse.grant <= before):
                     return False
             return False
         finally:
             account.demand -= estimate
 
-    async def _regrant(self, account: _Account, want: int) -> None:
-        """Ask for a grant of `want` in all; requests that need one meanwhile share the ask."""
+    async def _regrant(self, account: _Account, want: int, need: int = 0) -> bool:
+        """Ask for a grant of `want` in all, and loans up to `need` if the account has less room;
+        requests that need one meanwhile share the ask. False: an ask in flight was shared."""
         if account.pending is not None:
             await asyncio.shield(account.pending)
-            return
+            return False
         future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         account.pending = future
         try:
-            future.set_result(await self._ask(account, want))
+            await self._ask(account, want)
+            if need > account.purse.grant and account.lenders:
+                if await self._borrow(account, need - account.purse.grant):
+                    await self._ask(account, want)  # take what the lenders gave back
+            future.set_result(True)
         except BaseException as exc:
             if not future.done():
                 future.set_exception(exc)
@@ -299,11 +377,52 @@ class BudgetGuard:
             raise
         finally:
             account.pending = None
+        return True
 
-    async def _ask(self, account: _Account, want: int) -> bool:
+    async def _borrow(self, account: _Account, short: int) -> int:
+        """Ask the holders that hold more than they spent, most first, to give back what they
+        hold idle, until `short` came back; returns what did."""
+        assert self._nc is not None  # an ask was answered
+        lent = 0
+        for lender in loan_order(account.lenders)[:_MAX_LENDERS]:
+            ask = BudgetLoanAsk(borrower=self.edge_id, account=account.key, want=short - lent)
+            try:
+                msg = await self._nc.request(
+                    budget_lend_subject(lender),
+                    ask.model_dump_json().encode(),
+                    timeout=self.request_timeout,
+                )
+                lent += BudgetLoan.model_validate_json(msg.data).lent
+            except Exception as exc:  # gone, or slow: the next one may have it
+                log.debug("budget loan from %s: %s", lender, exc)
+            if lent >= short:
+                break
+        return lent
+
+    async def _on_lend(self, msg: Msg) -> None:
+        """Another holder is short: give back what this edge holds idle of the account, unless
+        its own requests wait for a grant of it (an ask in flight: it is not idle then)."""
+        lent = 0
+        try:
+            ask = BudgetLoanAsk.model_validate_json(msg.data)
+        except ValueError:
+            return
+        account = self._accounts.get(ask.account)
+        if account is not None and account.pending is None and account.demand == 0:
+            lent = account.purse.lend(ask.want)  # lowered here before the write is sent
+            if lent:
+                try:
+                    await self._regrant(account, account.purse.grant)
+                except BudgetUnavailable:
+                    lent = 0  # not written: the account still holds it (the next sync writes)
+        with contextlib.suppress(Exception):
+            await msg.respond(BudgetLoan(lent=lent).model_dump_json().encode())
+
+    async def _ask(self, account: _Account, want: int) -> None:
         if self._nc is None:
             raise BudgetUnavailable("no NATS connection")
         purse = account.purse
+        purse.lower(want)  # a smaller grant applies before the account hears of it
         request = BudgetGrantRequest(
             edge=self.edge_id,
             account=account.key,
@@ -324,11 +443,12 @@ class BudgetGuard:
             raise BudgetUnavailable(reply.error or "the budget account was not written")
         purse.grant = reply.grant
         purse.room = reply.room
+        account.lenders = dict(reply.lenders)
+        purse.elsewhere = sum(account.lenders.values())
         # An account this edge forgot while idle and uses again: what it spent there stays
         # spent (the account kept it), so its new purse starts from it.
         purse.spent = max(purse.spent, reply.mine)
         account.reported = max(request.spent, reply.mine)
-        return True
 
     # ---- housekeeping ---------------------------------------------------------------------------
 

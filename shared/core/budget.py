@@ -17,6 +17,15 @@ the one change of an account: a holder reports what it spent, and asks for a new
 given what it asks for as far as the other holders leave room, never less than it spent. A
 holder not heard from for `ttl` is gone: its spent moves to `closed` and its grant is free.
 
+Grants move to where the requests are. A holder whose grant cannot fit a request while the
+account's room is held by others (`Account.lenders`: what each holds beyond its spend) asks
+them to *lend*: a lender gives back what it holds idle (`Purse.lend`: never what it spent or
+reserved), lowering its grant in memory before it writes the account, and the borrower then
+asks the account again. Only a holder lowers its own grant, so a loan is two ordinary
+`regrant` writes and the invariant holds through it. The same rule keeps any shrinking write
+safe (`Purse.lower`): the lower grant applies in memory before the write is sent, so nothing
+is reserved meanwhile into what the account is told is free.
+
 Pure: values in, values out, no clock or I/O.
 """
 
@@ -40,6 +49,7 @@ __all__ = [
     "Period",
     "Purse",
     "account_key",
+    "loan_order",
     "period_id",
     "regrant",
 ]
@@ -113,6 +123,16 @@ class Account:
         """What no holder may commit yet (never negative)."""
         return max(0, self.limit - self.committed())
 
+    def lenders(self, holder: str) -> dict[str, int]:
+        """What each holder but `holder` holds beyond what it has spent, as of its last write
+        (those that hold nothing beyond are left out): the most it could lend. An upper bound,
+        not a promise: what it has reserved since is known to it only."""
+        return {
+            name: held.grant - held.spent
+            for name, held in self.holders.items()
+            if name != holder and held.grant > held.spent
+        }
+
     def to_json(self) -> bytes:
         return json.dumps(
             {
@@ -172,16 +192,58 @@ def regrant(
     return Account(limit, closed, holders), grant
 
 
+def loan_order(lenders: Mapping[str, int]) -> list[str]:
+    """Whom to ask for a loan first: who holds the most beyond its spend (then by name)."""
+    return sorted(lenders, key=lambda name: (-lenders[name], name))
+
+
 @dataclass(slots=True)
 class Purse:
     """One holder's side of one account, in memory: its grant, what it spent and what its
-    requests in flight have reserved. Invariant while no request overshot its estimate:
-    spent + reserved <= grant."""
+    requests in flight have reserved. Invariants while no request overshot its estimate:
+    spent + reserved <= grant, and grant <= the holder's grant in the account (a larger grant
+    applies here only once the account was written with it; a smaller one at once, `lower`)."""
 
     grant: int = 0
     spent: int = 0
     reserved: int = 0
     room: int = 0  # the account's room when last heard (how generous to ask)
+    # what the other holders held beyond their spend when last heard (-1: not heard yet)
+    elsewhere: int = -1
+
+    @property
+    def idle(self) -> int:
+        """What the grant has that is neither spent nor reserved."""
+        return max(0, self.grant - self.spent - self.reserved)
+
+    def may_fit(self, estimate: int) -> bool:
+        """Whether the account may still fit `estimate` more here, as last heard: this idle
+        grant, the account's room and what the others hold beyond their spend (loans). What
+        was heard is an upper bound: spend only grows, and grants moving between holders or
+        to the room keep the sum. So a no, however old, needs no ask (until the limit
+        changes: `elsewhere` is then -1 again); a yes is worth one."""
+        if self.elsewhere < 0:
+            return True
+        return self.idle + self.room + self.elsewhere >= estimate
+
+    def lower(self, want: int) -> None:
+        """Before asking the account for a grant of `want` in all: a smaller grant applies here
+        at once (never below what is spent and reserved), so nothing is reserved meanwhile
+        into what the account is about to call free. What is given back counts as the
+        account's room (as it will be), so `may_fit` says the same as before."""
+        self._give_back(max(0, self.grant - max(want, self.spent + self.reserved)))
+
+    def lend(self, ask: int) -> int:
+        """Give up to `ask` of the idle grant back (a loan to another holder; the caller then
+        writes the account with the lowered grant). Returns what was given: 0 <= it <= `ask`,
+        and spent + reserved <= grant still holds."""
+        amount = max(0, min(ask, self.idle))
+        self._give_back(amount)
+        return amount
+
+    def _give_back(self, amount: int) -> None:
+        self.grant -= amount
+        self.room += amount
 
     def reserve(self, estimate: int) -> bool:
         if self.spent + self.reserved + estimate > self.grant:

@@ -4,7 +4,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmgw.core.budget import Account, AccountError, Purse, account_key, period_id, regrant
+from llmgw.core.budget import (
+    Account,
+    AccountError,
+    Purse,
+    account_key,
+    loan_order,
+    period_id,
+    regrant,
+)
 
 TTL = 30.0
 
@@ -146,3 +154,143 @@ def test_without_the_others_commitments_two_holders_pass_the_limit():
     assert grant_a + grant_b == 100  # held
     _, naive_b = regrant(None, holder="b", limit=100, spent=0, want=100, now=0.0, ttl=TTL)
     assert grant_a + naive_b == 200  # what a lost update (no CAS) would give
+
+
+def test_an_account_names_who_holds_more_than_it_spent_and_loans_ask_them_most_first():
+    account, _ = regrant(None, holder="a", limit=100, spent=10, want=40, now=0.0, ttl=TTL)
+    account, _ = regrant(account, holder="b", limit=100, spent=5, want=5, now=1.0, ttl=TTL)
+    account, _ = regrant(account, holder="c", limit=100, spent=0, want=20, now=2.0, ttl=TTL)
+    assert account.lenders("b") == {"a": 30, "c": 20}  # b holds nothing beyond its spend
+    assert account.lenders("a") == {"c": 20}
+    assert loan_order({"x": 5, "a": 30, "c": 30}) == ["a", "c", "x"]
+
+
+def test_a_purse_lends_only_what_is_idle_and_gives_back_before_the_account_hears():
+    purse = Purse(grant=100, spent=30, room=7, elsewhere=3)
+    assert purse.reserve(20)
+    assert purse.may_fit(60) and not purse.may_fit(61)  # idle 50 + room 7 + elsewhere 3
+    assert purse.lend(80) == 50  # never what is spent or reserved
+    assert (purse.grant, purse.idle, purse.room) == (50, 0, 57)
+    assert purse.may_fit(60) and not purse.may_fit(61)  # what was given back is room now
+    purse.release(20)
+    purse.lower(35)  # a smaller grant asked for applies here at once, never below spent
+    assert (purse.grant, purse.room) == (35, 72)
+    purse.lower(10)
+    assert purse.grant == 30
+    purse.lower(90)  # a larger one only once the account gave it
+    assert purse.grant == 30
+    assert Purse().may_fit(10**9)  # never heard: worth an ask
+
+
+def _reach(account: Account, holder: str) -> int:
+    """What `holder` could still get of the account: its grant beyond its spend, the room and
+    what every other holder holds beyond its spend."""
+    mine = account.holders.get(holder)
+    own = max(0, mine.grant - mine.spent) if mine is not None else 0
+    return own + account.room + sum(account.lenders(holder).values())
+
+
+writes = st.lists(
+    st.tuples(st.sampled_from("abc"), st.integers(0, 30), st.integers(0, 120)),
+    max_size=60,
+)
+
+
+@settings(max_examples=300)
+@given(writes, st.integers(0, 300))
+def test_what_a_holder_heard_bounds_what_it_may_still_get(run, limit):
+    """Whatever the holders write (spending within their grants, asking for any grant), what a
+    holder could still get of the account (its own idle grant, the room, the others' grants
+    beyond their spend) never grows: an old answer bounds every later one, so a holder that
+    heard its estimate cannot fit need not ask again (`Purse.may_fit`)."""
+    account: Account | None = None
+    spent = dict.fromkeys("abc", 0)
+    for step, (holder, spend, want) in enumerate(run):
+        if account is not None:
+            held = account.holders.get(holder)
+            spent[holder] += min(spend, held.grant - held.spent if held is not None else 0)
+        before = {h: _reach(account, h) for h in "abc"} if account is not None else None
+        account, _ = regrant(
+            account,
+            holder=holder,
+            limit=limit,
+            spent=spent[holder],
+            want=want,
+            now=step * 0.01,
+            ttl=TTL,
+        )
+        if before is not None:
+            for h in "abc":
+                assert _reach(account, h) <= before[h], h
+
+
+# One step of a run in which writes travel: a holder reserves (and asks for more, with as much
+# again to spare, when its grant cannot fit), settles one of its reservations (its real cost
+# `error` off the estimate: less, or up to 5 more), asks to shrink to what it spent and
+# reserved, or lends what it holds idle to another holder; an ask is written by CAS later
+# (`write`), and its answer reaches the holder later still.
+flights = st.lists(
+    st.tuples(
+        st.sampled_from("ab"),
+        st.sampled_from(["reserve", "settle", "shrink", "lend", "write", "reply"]),
+        st.integers(1, 40),
+        st.integers(-40, 5),
+    ),
+    min_size=10,
+    max_size=150,
+)
+
+
+@settings(max_examples=500)
+@given(flights, st.integers(0, 300))
+def test_grants_moved_while_writes_travel_never_let_the_holders_pass_the_limit(run, limit):
+    """A holder has one ask in flight at most; a smaller grant applies in memory before its
+    ask is sent (`Purse.lower`, `Purse.lend`), a larger one when its answer arrives. Whatever
+    the interleaving, what the holders have spent and reserved stays within the limit plus
+    the estimate errors, and no holder commits more than the account holds for it."""
+    account: Account | None = None
+    purses = {h: Purse() for h in "ab"}
+    open_: dict[str, list[tuple[int, int]]] = {h: [] for h in "ab"}
+    sent: dict[str, tuple[int, int]] = {}  # holder -> (spent, want) of its ask in flight
+    answered: dict[str, int] = {}  # holder -> the grant written for it, not yet heard
+    overshoot = 0
+    for step, (holder, action, amount, error) in enumerate(run):
+        purse = purses[holder]
+        busy = holder in sent or holder in answered
+
+        def ask(want: int, purse: Purse = purse, holder: str = holder) -> None:
+            purse.lower(want)
+            sent[holder] = (purse.spent, want)
+
+        if action == "reserve":
+            if purse.reserve(amount):
+                open_[holder].append((amount, error))
+            elif not busy:
+                ask(purse.want(amount, amount))
+        elif action == "settle" and open_[holder]:
+            estimate, error = open_[holder].pop(0)
+            purse.settle(estimate, max(0, estimate + error))
+            overshoot += max(0, error)
+        elif action == "shrink" and not busy:
+            ask(purse.spent + purse.reserved)
+        elif action == "lend" and not busy and purse.lend(amount):
+            ask(purse.grant)
+        elif action == "write" and holder in sent:
+            spent, want = sent.pop(holder)
+            account, answered[holder] = regrant(
+                account,
+                holder=holder,
+                limit=limit,
+                spent=spent,
+                want=want,
+                now=step * 0.01,
+                ttl=TTL,
+            )
+        elif action == "reply" and holder in answered:
+            purse.grant = answered.pop(holder)
+        committed = sum(p.spent + p.reserved for p in purses.values())
+        assert committed <= limit + overshoot
+        if overshoot == 0:
+            for name, other in purses.items():
+                held = account.holders.get(name) if account is not None else None
+                assert other.grant <= (held.grant if held is not None else 0), name

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from decimal import Decimal
 from pathlib import Path
@@ -96,8 +97,12 @@ class SpendCluster:
 
     def third_party_bill(self) -> dict[str, dict[str, int]]:
         """The third party's own count, per model, summed over its deployments."""
+        return self.bill(self.third_parties())
+
+    def bill(self, endpoints: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+        """What `endpoints` counted they served (`GET /sim/usage`), per model, summed."""
         total: dict[str, dict[str, int]] = {}
-        for endpoint in self.third_parties():
+        for endpoint in endpoints:
             bill = httpx.get(endpoint["url"] + "/sim/usage", timeout=10).json()["models"]
             for model, row in bill.items():
                 mine = total.setdefault(model, dict.fromkeys(row, 0))
@@ -187,11 +192,18 @@ class SpendCluster:
         self.up.stop(signal.SIGTERM, timeout=60)
 
 
-def start_cluster(tmp_path: Path, spend: dict[str, Any] | None = None) -> SpendCluster:
-    """`llmgw up` with config/local.yaml on free ports; `spend` replaces keys of its spend."""
+def start_cluster(
+    tmp_path: Path,
+    spend: dict[str, Any] | None = None,
+    edit: Callable[[dict[str, Any]], None] | None = None,
+) -> SpendCluster:
+    """`llmgw up` with config/local.yaml on free ports; `spend` replaces keys of its spend,
+    `edit` changes the rest of the config (in place) before it starts."""
     path = write_cluster_config(tmp_path / "cluster.yaml")
     data = yaml.safe_load(path.read_text())
     data["spend"] = {**data["spend"], **(spend or {})}
+    if edit is not None:
+        edit(data)
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     up = UpProcess(path)
     try:

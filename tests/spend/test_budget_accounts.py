@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import random
 import time
 import uuid
@@ -25,12 +26,20 @@ REPO = Path(__file__).resolve().parents[2]
 BODY = {"messages": [{"role": "user", "content": "what is a cache"}], "max_tokens": 100}
 
 
-def _config(nats_url: str, bucket: str, max_spend: str):  # type: ignore[no-untyped-def]
+def _config(  # type: ignore[no-untyped-def]
+    nats_url: str, bucket: str, max_spend: str, *, interval: str = "100ms", home_output: float = 2.4
+):
+    """The shipped config, tenant `t` with `max_spend`; our engines priced for llama-3.3-70b
+    as the third party is, but `home_output` per million output tokens (equal by default:
+    every estimate is the same wherever the request may run)."""
     data = yaml.safe_load((REPO / "config" / "local.yaml").read_text())
     data["nats"] = {"url": nats_url}
     data["spend"]["bucket"] = bucket
-    data["spend"]["interval"] = "100ms"
+    data["spend"]["interval"] = interval
     data["spend"]["budgets"] = [{"tenant": "t", "period": "daily", "max_spend": max_spend}]
+    data["spend"]["prices"].append(
+        {"provider": "iris", "model": "llama-3.3-70b", "input": 0.60, "output": home_output}
+    )
     return config_from_dict(data, env={})
 
 
@@ -169,5 +178,82 @@ async def test_an_applied_config_prices_a_new_model_and_its_third_partys_new_end
         assert estimate >= 100 * 4_000_000  # 100 output tokens at 4 per million, in picos
         hold.release()
         assert "tensorx-west-2" in guard.third_party_endpoints["mistral-7b"]
+    finally:
+        await nc.close()
+
+
+async def _started(config, name: str):  # type: ignore[no-untyped-def]
+    nc = await nats.connect(config.nats.url)
+    guard = BudgetGuard(nc, name, config)
+    await guard.start()  # answers loans from here on
+    return nc, guard
+
+
+async def test_a_grant_moves_to_the_edge_that_has_the_request(accounts) -> None:
+    """Requests one at a time, at one edge and then alternating between two edges that report
+    only once a minute, each costing a fourth of its estimate: what an edge's grant holds idle
+    is lent to the other when it is short, so every request the budget can fit is served, and
+    a request that fits its edge's grant sends no message at all."""
+    config, _ = accounts
+    slow = _config(config.nats.url, config.spend.bucket, "0.01", interval="60s")
+    edges = [await _started(slow, f"edge-{index}") for index in range(2)]
+    model = "llama-3.3-70b"
+    try:
+        served, estimate = 0, 0
+        with contextlib.suppress(BudgetRefused):
+            for index in itertools.count():
+                edge = 0 if index < 6 else index % 2  # edge-0 holds the larger grant
+                nc, guard = edges[edge]
+                sent = nc.stats["out_msgs"]
+                hold = await guard.reserve("t", model, BODY)
+                if index == 2:  # its second ask took room for a few more: no message now
+                    assert nc.stats["out_msgs"] == sent
+                assert hold is not None and not hold.no_overflow
+                [(_, estimate)] = hold.parts
+                hold.settle(estimate // 4, third_party=True)  # it cost a fourth of its estimate
+                served += 1
+        limit = 10_000_000_000
+        # Served while what was spent left room for one more estimate, wherever that room was.
+        assert served == (limit - estimate) // (estimate // 4) + 1, (served, estimate)
+    finally:
+        for nc, guard in edges:
+            await guard.stop()
+            await nc.close()
+
+
+async def test_a_request_our_engines_can_afford_runs_home_instead_of_being_refused(
+    accounts,
+) -> None:
+    """Our engines at a tenth of the third party's output price: while the budget fits a
+    third-party estimate, that is reserved; after, our engines' estimate is, and the request
+    is kept off third parties; when not even that fits, it is refused. An attempt placed on
+    our engines holds no more than our engines' estimate."""
+    config, _ = accounts
+    cheap = _config(config.nats.url, config.spend.bucket, "0.001", home_output=0.24)
+    nc = await nats.connect(cheap.nats.url)
+    try:
+        guard = BudgetGuard(nc, "edge-home", cheap)
+        model = "llama-3.3-70b"
+        hold = await guard.reserve("t", model, BODY)
+        assert hold is not None and not hold.no_overflow and hold.home is not None
+        [(account, worst)] = hold.parts
+        home = hold.home
+        assert home < worst
+        hold.admitted(third_party=False)  # placed on our engines: only their price is held
+        assert hold.parts == [(account, home)] and account.purse.reserved == home
+        hold.settle(home, third_party=False)
+        kinds = []
+        with contextlib.suppress(BudgetRefused):
+            while True:
+                hold = await guard.reserve("t", model, BODY)
+                assert hold is not None
+                kinds.append("home" if hold.no_overflow else "any")
+                [(_, estimate)] = hold.parts
+                assert estimate == (home if hold.no_overflow else worst)
+                hold.settle(estimate, third_party=False)
+        limit = 1_000_000_000
+        assert kinds[0] == "any" and "home" in kinds
+        assert kinds == sorted(kinds, key=lambda kind: kind == "home")  # then home only
+        assert account.purse.spent <= limit < account.purse.spent + home
     finally:
         await nc.close()

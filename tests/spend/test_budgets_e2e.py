@@ -2,8 +2,9 @@
 shipped config, a tenant with an overflow budget and one without, traffic that overflows our two
 engines. The third party's own count of what the tenant cost ends within one request's estimate
 of the budget; after that, the tenant's overflow waits for our engines while the other tenant's
-still goes to the third party. A tenant whose max_spend is used up gets 429 insufficient_quota,
-before admission (no lease, no spend), and so does a key whose own max_spend is."""
+still goes to the third party. A tenant whose max_spend cannot fit a request even at our
+engines' price gets 429 insufficient_quota, before admission (no lease, no spend), and so does a
+key whose own max_spend cannot."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ BUDGETED, FREE = "llama-3.3-70b", "qwen2.5-32b"  # one model per tenant: the bil
 PRICES = [
     {"provider": "tensorx", "model": BUDGETED, "input": 30, "cached_input": 15, "output": 60},
     {"provider": "tensorx", "model": FREE, "input": 30, "cached_input": 15, "output": 60},
+    # our engines cost something for BUDGETED only: a max_spend too small for that refuses it
+    {"provider": "iris", "model": BUDGETED, "input": 3, "cached_input": 3, "output": 6},
 ]
 BUDGET = Decimal("0.1")
 MAX_TOKENS = 160
@@ -132,7 +135,7 @@ def test_a_spend_budget_used_up_is_a_429_insufficient_quota_that_costs_nothing(
 ) -> None:
     key = cluster.key_for("team-broke")
     for edge in range(len(cluster.apis)):
-        response = cluster.chat(key, edge=edge, max_tokens=64)
+        response = cluster.chat(key, edge=edge, model=BUDGETED, max_tokens=64)
         assert response.status_code == 429, response.text
         error = response.json()["error"]
         assert error["code"] == "insufficient_quota" and error["type"] == "insufficient_quota"
@@ -143,7 +146,7 @@ def test_a_spend_budget_used_up_is_a_429_insufficient_quota_that_costs_nothing(
     made = cluster.cli(
         "keys", "create", "--tenant", "team-c", "--max-spend", "0.0001", "--budget-period", "daily"
     )
-    response = cluster.chat(made["secret"], edge=1, max_tokens=64)
+    response = cluster.chat(made["secret"], edge=1, model=BUDGETED, max_tokens=64)
     assert response.status_code == 429, response.text
     assert f"API key {made['id']}" in response.json()["error"]["message"]
     time.sleep(2.5)  # two spend intervals: anything counted would be written down by now
