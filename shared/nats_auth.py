@@ -54,6 +54,7 @@ from llmgw.wire import (
     ADMISSION_ROLLCALL_SUBJECT,
     ADMISSION_STATE_SUBJECT,
     BUDGET_GRANT_SUBJECT,
+    BUDGET_LEND_PREFIX,
     EDGE_CONFIG_SUBJECT,
     KEYS_USAGE_SUBJECT,
     REQUEST_STATS_SUBJECT,
@@ -144,13 +145,20 @@ def role_permissions(config: Config) -> dict[str, Permissions]:
                 KEYS_USAGE_SUBJECT,
                 SPEND_TOTALS_SUBJECT,  # its spend totals; admission writes them down
                 BUDGET_GRANT_SUBJECT,  # budget grants: admission writes the account
-                INBOX,  # answers to admission's roll calls
+                f"{BUDGET_LEND_PREFIX}*",  # asks another edge to lend budget it holds idle
+                INBOX,  # answers to admission's roll calls, and to loans asked of it
                 *_read_bucket(keys),  # the key mirror's watch: read only
                 *_read_bucket(fleet),  # the applied config's watch: read only
                 *_own_bucket(config.responses.bucket),  # the Responses API's stored responses
             ),
             # roll calls, and config apply asking which revision it runs on
-            subscribe=(INBOX, ADMISSION_ROLLCALL_SUBJECT, KEYS_USAGE_SUBJECT, EDGE_CONFIG_SUBJECT),
+            subscribe=(
+                INBOX,
+                ADMISSION_ROLLCALL_SUBJECT,
+                KEYS_USAGE_SUBJECT,
+                EDGE_CONFIG_SUBJECT,
+                f"{BUDGET_LEND_PREFIX}*",  # budget loans other edges ask of this one
+            ),
         ),
         "admission": Permissions(
             publish=(
