@@ -60,6 +60,21 @@ BUDGET_GRANT_SUBJECT = "llmgw.v1.spend.grant"
 # an edge whose grant cannot fit a request (llmgw.core.budget, loans).
 BUDGET_LEND_PREFIX = "llmgw.v1.spend.lend."
 
+# What an endpoint's prefix cache holds, for every admission instance; both are kept in the
+# JetStream stream `prefix.stream`, so an instance that starts catches up.
+# Admission instance -> everyone: the text chain of a prompt it placed on an endpoint.
+PREFIX_SENT_PREFIX = "llmgw.v1.prefix.sent."
+# Scraper -> everyone: the blocks an engine's KV cache events say it stored and removed.
+PREFIX_HELD_PREFIX = "llmgw.v1.prefix.held."
+
+
+def prefix_sent_subject(endpoint: str) -> str:
+    return f"{PREFIX_SENT_PREFIX}{endpoint}"
+
+
+def prefix_held_subject(endpoint: str) -> str:
+    return f"{PREFIX_HELD_PREFIX}{endpoint}"
+
 
 def admission_subject(shard: int) -> str:
     return f"{ADMISSION_REQUEST_PREFIX}{shard}"
@@ -511,3 +526,40 @@ class BudgetLoan(_Message):
 
     v: Literal[2] = 2
     lent: int = 0
+
+
+class PrefixSent(_Message):
+    """Admission instance -> everyone (`prefix_sent_subject`, kept in the prefix stream): it
+    placed a prompt whose text chain is `chain` (`llmgw.core.prefix.pack`) on `endpoint`, for
+    `model`, at `at` (its wall clock). Every instance records it in its `SentIndex`."""
+
+    model_config = ConfigDict(
+        extra="ignore", frozen=True, ser_json_bytes="base64", val_json_bytes="base64"
+    )
+
+    v: Literal[1] = 1
+    instance: str
+    endpoint: str
+    model: str
+    at: float
+    chain: bytes
+
+
+class PrefixHeld(_Message):
+    """Scraper -> everyone (`prefix_held_subject`, kept in the prefix stream): what `endpoint`'s
+    KV cache events said, in order, as token chains (`llmgw.core.prefix.token_chain`, packed):
+    `cleared` first (the engine cleared its cache, restarted, or events were lost: forget what
+    it held), then the blocks it `stored`, then those it `removed`. `seq` is the engine's batch
+    sequence number of the last event applied; `block_size` its KV block in tokens."""
+
+    model_config = ConfigDict(
+        extra="ignore", frozen=True, ser_json_bytes="base64", val_json_bytes="base64"
+    )
+
+    v: Literal[1] = 1
+    endpoint: str
+    seq: int
+    block_size: int = Field(ge=1)
+    cleared: bool = False
+    stored: bytes = b""
+    removed: bytes = b""

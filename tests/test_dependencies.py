@@ -14,7 +14,13 @@ from packaging.utils import canonicalize_name
 from test_project import readme_setup_commands
 
 ROOT = Path(__file__).resolve().parents[1]
-EXTRAS = ("test", "tracing", "bench")  # what constraints.txt was resolved with
+EXTRAS = (
+    "test",
+    "tracing",
+    "bench",
+    "kv-events",
+    "tokenizer",
+)  # what constraints.txt was resolved with
 REFRESH = "constraints.txt's header says how to refresh it"
 
 

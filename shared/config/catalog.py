@@ -31,6 +31,11 @@ class ModelConfig(StrictModel):
     aliases: list[Name] = Field(default_factory=list)
     fallbacks: list[Name] = Field(default_factory=list)
     routing_profile: str | None = None
+    # How the gateway gets the engine's tokens of a prompt, to match its KV cache events:
+    # a directory with the model's tokenizer.json and tokenizer_config.json (its chat
+    # template; the `tokenizers` and `jinja2` packages), or "engine" (the engine's /tokenize).
+    # null: endpoints with KV events are matched as those without (by what was sent there).
+    tokenizer: str | None = None
 
 
 class Limits(StrictModel):
@@ -167,6 +172,22 @@ def _validate_simulate(value: Any) -> Any:
         raise ValidationError.from_exception_data("simulate", details) from None
 
 
+class KvEventsSource(StrictModel):
+    """Where an engine publishes its KV cache events (vLLM's ``--kv-events-config``): its ZMQ
+    PUB socket, the ROUTER socket that replays missed batches, and the topic it publishes on."""
+
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = ""
+
+    @field_validator("endpoint", "replay_endpoint")
+    @classmethod
+    def _check_zmq(cls, address: str | None) -> str | None:
+        if address is not None and not address.startswith(("tcp://", "ipc://")):
+            raise ValueError(f"expected tcp://HOST:PORT or ipc://PATH, got {address!r}")
+        return address
+
+
 class EndpointConfig(StrictModel):
     id: Slug
     url: str
@@ -187,6 +208,9 @@ class EndpointConfig(StrictModel):
     # engine of another version); null: the provider's.
     apis: list[Api] | None = Field(None, min_length=1)
     upstream_model: dict[str, str] = Field(default_factory=dict)
+    # The engine's KV cache events (vLLM): what its prefix cache holds, exactly. Without them
+    # placement goes by what was sent there (docs/architecture.md, "Cache-aware placement").
+    kv_events: KvEventsSource | None = None
     # EngineParams | ProviderParams, chosen by its `kind`; validated by `_validate_simulate`.
     simulate: Any = None
 

@@ -43,6 +43,7 @@ from llmgw.config.sections import (
     NatsConfig,
     NatsTls,
     PinningConfig,
+    PrefixConfig,
     ProfileConfig,
     ResolvedProfile,
     ResponsesConfig,
@@ -146,6 +147,7 @@ class Config(BaseSettings):
     spend: SpendConfig = Field(default_factory=SpendConfig)
     fleet: FleetConfig = Field(default_factory=FleetConfig)
     responses: ResponsesConfig = Field(default_factory=ResponsesConfig)
+    prefix: PrefixConfig = Field(default_factory=PrefixConfig)
     models: list[ModelConfig] = Field(min_length=1)
     providers: list[ProviderConfig] = Field(min_length=1)
     # The live fleet's seed: empty when every engine joins at run time (discovered, registered

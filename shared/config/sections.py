@@ -392,6 +392,34 @@ class AuthConfig(StrictModel):
 MIN_ADMIN_TOKEN = 16
 
 
+# --- cache-aware placement -----------------------------------------------------------------------
+
+
+class PrefixConfig(StrictModel):
+    """Cache-aware placement (docs/architecture.md, "Cache-aware placement"): each request's
+    prompt as a chain of blocks, what each endpoint's prefix cache holds, and how placement
+    trades a cached prefix against load."""
+
+    enabled: bool = True
+    # The canonical prompt is cut into blocks of this many bytes (about a quarter as many
+    # tokens), at most `max_blocks` of them (the rest of a longer prompt is not matched).
+    block_bytes: int = Field(256, ge=16, le=65536)
+    max_blocks: int = Field(512, ge=1, le=65536)
+    # Placement's cost of an endpoint: its load minus `weight` times the share of the prompt it
+    # holds (0..1). 0: cache-blind.
+    weight: float = Field(1.0, ge=0)
+    # What an endpoint holds, for every admission instance (placements, and the engines' KV
+    # cache events): a JetStream stream kept this long and at most this large.
+    stream: str = Field("llmgw_prefix", pattern=r"^[A-Za-z0-9_-]+$")
+    max_age: PositiveDuration = 600.0
+    max_bytes: int = Field(256 * 1024 * 1024, ge=1024 * 1024)
+    # An engine's KV cache in tokens when its metrics do not say (vllm:cache_config_info).
+    default_kv_tokens: int = Field(262_144, ge=1)
+    # With KV cache events, a placement still counts for this long: the engine's events about
+    # a prompt arrive after its prefill.
+    predicted_ttl: PositiveDuration = 30.0
+
+
 # --- the Responses API ----------------------------------------------------------------------------
 
 

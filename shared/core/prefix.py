@@ -1,0 +1,333 @@
+"""Prefix chains, and what each endpoint's prefix cache is believed to hold. Pure: no I/O, no
+clock (callers pass ``now``).
+
+An engine's prefix cache keeps the KV blocks of prompts it computed; a request whose prompt
+starts with a cached prefix skips that part of its prefill. Placement prefers the endpoint
+that holds the longest prefix of the request (`llmgw.core.placement`), which needs two things:
+
+- **chains**: a prompt cut into fixed blocks, each block's hash covering every block before it
+  (``h[i] = xxh3_64(block i, seed=h[i-1])``, ``h[-1] = ROOT``). Two prompts share ``h[i]``
+  exactly when their first ``i + 1`` blocks are equal (up to 64-bit collisions), so the length
+  of the common prefix of a request and what an endpoint holds is the number of leading hashes
+  it holds. A *text chain* cuts the canonical bytes of a prompt (`canonical_prompt`: the same
+  conversation gives the same bytes whatever API it came through) into ``block_bytes`` blocks;
+  a *token chain* cuts the engine's token ids into its own KV blocks (``block_size`` tokens,
+  each id as 4 little-endian bytes), the engine's own unit;
+- **indexes**, per (endpoint, model): `SentIndex`, the text chains recently sent there, an LRU
+  bounded by what the engine can hold (its KV capacity), learned from placements, for any
+  engine; `HeldIndex`, the token chains the engine says it holds (vLLM's KV cache events,
+  reference-counted: an engine may hold the same block twice).
+
+Invariants: an LRU touches a chain deepest block first, so a chain's shallower blocks are always
+at least as recent as its deeper ones and eviction takes the tail of a prefix first (what
+engines do): what a `SentIndex` holds of one chain is always a prefix of it. `match` never
+counts a block past the first one missing.
+"""
+
+from __future__ import annotations
+
+import array
+import json
+import sys
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import xxhash
+
+__all__ = [
+    "ROOT",
+    "HeldIndex",
+    "PromptPrefix",
+    "SentIndex",
+    "canonical_chat",
+    "canonical_prompt",
+    "pack",
+    "text_chain",
+    "token_chain",
+    "token_root",
+    "unpack",
+]
+
+ROOT = 0  # the parent of a chain's first block
+
+_hash = xxhash.xxh3_64_intdigest
+
+# Separators of the canonical form: bytes that never occur in UTF-8 text of a message.
+_MESSAGE = b"\x1e"
+_FIELD = b"\x1f"
+_PART = b"\x1d"
+
+
+def text_chain(data: bytes, block_bytes: int, max_blocks: int) -> tuple[int, ...]:
+    """The chain of `data`'s full `block_bytes` blocks (at most `max_blocks`; a partial last
+    block is left out: no engine caches half a block either)."""
+    count = min(len(data) // block_bytes, max_blocks)
+    chain = []
+    parent = ROOT
+    for start in range(0, count * block_bytes, block_bytes):
+        parent = _hash(data[start : start + block_bytes], seed=parent)
+        chain.append(parent)
+    return tuple(chain)
+
+
+def token_chain(
+    tokens: Sequence[int], block_size: int, parent: int = ROOT, max_blocks: int | None = None
+) -> list[int]:
+    """The chain of `tokens`' full blocks of `block_size` ids, continuing from `parent` (the
+    hash of the block before the first one; ROOT at a prompt's start)."""
+    count = len(tokens) // block_size
+    if max_blocks is not None:
+        count = min(count, max_blocks)
+    packed = array.array("I", tokens[: count * block_size])
+    if sys.byteorder != "little":
+        packed.byteswap()
+    data = packed.tobytes()
+    step = block_size * 4
+    chain = []
+    for start in range(0, count * step, step):
+        parent = _hash(data[start : start + step], seed=parent)
+        chain.append(parent)
+    return chain
+
+
+def token_root(adapter: str | None) -> int:
+    """The parent of a token chain's first block: ROOT for the base model, else a seed of the
+    LoRA adapter's name (an engine keys an adapter's blocks apart from the base model's)."""
+    return ROOT if adapter is None else _hash(adapter.encode())
+
+
+def pack(chain: Sequence[int]) -> bytes:
+    """A chain as 8 bytes per hash (big-endian): its form on the wire."""
+    packed = array.array("Q", chain)
+    if sys.byteorder != "big":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def unpack(data: bytes) -> tuple[int, ...]:
+    """`pack`'s inverse; a length that is not a multiple of 8 is a ValueError."""
+    if len(data) % 8:
+        raise ValueError(f"a packed chain has 8 bytes per hash, got {len(data)} bytes")
+    packed = array.array("Q")
+    packed.frombytes(data)
+    if sys.byteorder != "big":
+        packed.byteswap()
+    return tuple(packed)
+
+
+# -- the canonical form of a prompt -------------------------------------------------------------
+
+
+def _json(value: Any) -> bytes:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode(
+        "utf-8", "surrogatepass"
+    )
+
+
+def _text(value: str) -> bytes:
+    return value.encode("utf-8", "surrogatepass")
+
+
+def _content(content: Any) -> bytes:
+    if content is None:
+        return b""
+    if isinstance(content, str):
+        return _text(content)
+    if not isinstance(content, list):
+        return _PART + _json(content)
+    pieces = []
+    for part in content:
+        if isinstance(part, Mapping) and isinstance(part.get("text"), str):
+            pieces.append(_text(part["text"]))
+        else:  # an image, a file, audio: the part itself (its URL or data) is its identity
+            pieces.append(_PART + _json(part))
+    return b"\n".join(pieces)
+
+
+def canonical_chat(messages: Any, tools: Any = None) -> bytes | None:
+    """The canonical bytes of a chat conversation: its tools, then each message's role and
+    content (text parts joined by newlines, other parts and tool calls as sorted JSON). None
+    when `messages` is not a list of messages. Field order, whitespace in JSON and keys a
+    prompt does not depend on (``name`` aside) do not change the result."""
+    if not isinstance(messages, list):
+        return None
+    pieces: list[bytes] = []
+    if tools:
+        pieces += (_MESSAGE, b"tools", _FIELD, _json(tools))
+    for message in messages:
+        if not isinstance(message, Mapping):
+            return None
+        role = message.get("role")
+        pieces += (_MESSAGE, _text(role) if isinstance(role, str) else b"?", _FIELD)
+        name = message.get("name")
+        if isinstance(name, str):
+            pieces += (_text(name), _FIELD)
+        pieces.append(_content(message.get("content")))
+        for key in ("tool_calls", "tool_call_id"):
+            if message.get(key) is not None:
+                pieces += (_PART, _json(message[key]))
+    return b"".join(pieces)
+
+
+def canonical_prompt(feature: str, body: Mapping[str, Any]) -> bytes | None:
+    """The canonical bytes of a chat (``messages``, ``tools``) or completions (``prompt``)
+    request body; None for anything else (embeddings: no prefix cache to aim at)."""
+    if feature == "chat":
+        return canonical_chat(body.get("messages"), body.get("tools"))
+    if feature == "completions":
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return _text(prompt)
+        if isinstance(prompt, list) and all(type(t) is int for t in prompt):
+            return _PART + b",".join(str(t).encode() for t in prompt)
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class PromptPrefix:
+    """What placement knows of a request's prompt: its text chain and the length it covers of
+    the canonical bytes (``length``: all of them, with the partial last block)."""
+
+    chain: tuple[int, ...]
+    length: int
+    block_bytes: int
+
+    def share(self, blocks: int) -> float:
+        """The part of the prompt `blocks` leading blocks cover, 0..1."""
+        if self.length <= 0:
+            return 0.0
+        return min(1.0, blocks * self.block_bytes / self.length)
+
+
+# -- the indexes ---------------------------------------------------------------------------------
+
+
+class SentIndex:
+    """The text chains recently sent to each key (an (endpoint, model) pair): an LRU per key,
+    bounded by the key's capacity in blocks (`set_capacity`; `default_capacity` until then).
+    Each entry remembers when it was last sent (``now`` of `record`).
+
+    Memory: one OrderedDict entry per block held (about 100 bytes with its int key and float
+    value in CPython), so the bound is the sum of the keys' capacities."""
+
+    def __init__(self, default_capacity: int) -> None:
+        if default_capacity < 1:
+            raise ValueError("default_capacity must be >= 1")
+        self.default_capacity = default_capacity
+        self._lru: dict[Hashable, OrderedDict[int, float]] = {}
+        self._capacity: dict[Hashable, int] = {}
+
+    def capacity(self, key: Hashable) -> int:
+        return self._capacity.get(key, self.default_capacity)
+
+    def set_capacity(self, key: Hashable, blocks: int) -> None:
+        """The most blocks `key` holds; a smaller bound evicts its least recent blocks now."""
+        self._capacity[key] = max(1, blocks)
+        lru = self._lru.get(key)
+        if lru is not None:
+            self._evict(lru, self._capacity[key])
+
+    def record(self, key: Hashable, chain: Sequence[int], now: float) -> None:
+        """`chain` was sent to `key` at `now`: its blocks become the most recent there."""
+        if not chain:
+            return
+        lru = self._lru.get(key)
+        if lru is None:
+            lru = self._lru[key] = OrderedDict()
+        capacity = self.capacity(key)
+        for block in reversed(chain[:capacity]):  # deepest first: the root ends most recent
+            lru[block] = now
+            lru.move_to_end(block)
+        self._evict(lru, capacity)
+
+    @staticmethod
+    def _evict(lru: OrderedDict[int, float], capacity: int) -> None:
+        while len(lru) > capacity:
+            lru.popitem(last=False)
+
+    def match(self, key: Hashable, chain: Sequence[int], since: float | None = None) -> int:
+        """How many leading blocks of `chain` `key` holds (sent at or after `since`, if
+        given)."""
+        lru = self._lru.get(key)
+        if not lru:
+            return 0
+        held = 0
+        for block in chain:
+            sent = lru.get(block)
+            if sent is None or (since is not None and sent < since):
+                break
+            held += 1
+        return held
+
+    def drop(self, key: Hashable) -> None:
+        self._lru.pop(key, None)
+
+    def keys(self) -> list[Hashable]:
+        return list(self._lru)
+
+    def size(self, key: Hashable | None = None) -> int:
+        """Blocks held by `key`, or by every key."""
+        if key is not None:
+            return len(self._lru.get(key, ()))
+        return sum(len(lru) for lru in self._lru.values())
+
+    def top(self, key: Hashable, roots: int) -> list[tuple[int, float]]:
+        """The most recent chain roots of `key` (first blocks: blocks no other block of the
+        same chain precedes cannot be told apart here, so this is its most recent blocks)."""
+        lru = self._lru.get(key)
+        if not lru:
+            return []
+        return [(block, lru[block]) for block in reversed(list(lru)[-roots:])]
+
+
+class HeldIndex:
+    """The token chains each key's engine says it holds (its KV cache events), with a count per
+    block: a block stored twice (two requests computed it at once) is held until removed twice.
+    `cleared` drops a key's blocks (the engine restarted, or cleared its cache)."""
+
+    def __init__(self) -> None:
+        self._held: dict[Hashable, dict[int, int]] = {}
+
+    def store(self, key: Hashable, blocks: Iterable[int]) -> None:
+        held = self._held.setdefault(key, {})
+        for block in blocks:
+            held[block] = held.get(block, 0) + 1
+
+    def remove(self, key: Hashable, blocks: Iterable[int]) -> None:
+        held = self._held.get(key)
+        if not held:
+            return
+        for block in blocks:
+            count = held.get(block)
+            if count is None:
+                continue
+            if count <= 1:
+                del held[block]
+            else:
+                held[block] = count - 1
+
+    def clear(self, key: Hashable) -> None:
+        self._held.pop(key, None)
+
+    def match(self, key: Hashable, chain: Sequence[int]) -> int:
+        held = self._held.get(key)
+        if not held:
+            return 0
+        count = 0
+        for block in chain:
+            if block not in held:
+                break
+            count += 1
+        return count
+
+    def keys(self) -> list[Hashable]:
+        return list(self._held)
+
+    def size(self, key: Hashable | None = None) -> int:
+        if key is not None:
+            return len(self._held.get(key, ()))
+        return sum(len(held) for held in self._held.values())
