@@ -13,7 +13,6 @@ events stay live-only.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -28,9 +27,9 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import NotFoundError
 
 from llmgw.events import ALL_EVENTS_SUBJECT
+from llmgw.state.streams import ensure_stream
 
 if TYPE_CHECKING:
     from nats.js.client import JetStreamContext
@@ -38,8 +37,6 @@ if TYPE_CHECKING:
     from llmgw.config.schema import Config
 
 __all__ = ["StoredEvent", "ensure_events_stream", "events_stream_config", "read_events"]
-
-_log = logging.getLogger(__name__)
 
 
 def events_stream_config(config: Config) -> StreamConfig:
@@ -61,28 +58,7 @@ async def ensure_events_stream(js: JetStreamContext, config: Config) -> bool:
     """Create or update the events stream; True when it exists as configured afterwards."""
     if not config.events.enabled:
         return False
-    wanted = events_stream_config(config)
-    try:
-        try:
-            info = await js.stream_info(wanted.name)  # type: ignore[arg-type]
-        except NotFoundError:
-            await js.add_stream(wanted)
-            return True
-        have = info.config
-        if (have.max_age, have.max_bytes, have.num_replicas) != (
-            wanted.max_age,
-            wanted.max_bytes,
-            wanted.num_replicas,
-        ):
-            await js.update_stream(wanted)
-        return True
-    except Exception as exc:
-        _log.warning(
-            "events stream %s not available (%s): events are published live only",
-            wanted.name,
-            exc,
-        )
-        return False
+    return await ensure_stream(js, events_stream_config(config), "events are published live only")
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,10 +13,10 @@ that holds the longest prefix of the request (`llmgw.core.placement`), which nee
   conversation gives the same bytes whatever API it came through) into ``block_bytes`` blocks;
   a *token chain* cuts the engine's token ids into its own KV blocks (``block_size`` tokens,
   each id as 4 little-endian bytes), the engine's own unit;
-- **indexes**, per (endpoint, model): `SentIndex`, the text chains recently sent there, an LRU
-  bounded by what the engine can hold (its KV capacity), learned from placements, for any
-  engine; `HeldIndex`, the token chains the engine says it holds (vLLM's KV cache events,
-  reference-counted: an engine may hold the same block twice).
+- **indexes**, per endpoint: `SentIndex`, the text chains recently sent there (each rooted at
+  its model, `model_root`), an LRU bounded by what the engine can hold (its KV capacity),
+  learned from placements, for any engine; `HeldIndex`, the token chains the engine says it
+  holds (vLLM's KV cache events, reference-counted: an engine may hold the same block twice).
 
 Invariants: an LRU touches a chain deepest block first, so a chain's shallower blocks are always
 at least as recent as its deeper ones and eviction takes the tail of a prefix first (what
@@ -43,6 +43,7 @@ __all__ = [
     "SentIndex",
     "canonical_chat",
     "canonical_prompt",
+    "model_root",
     "pack",
     "text_chain",
     "token_chain",
@@ -60,12 +61,18 @@ _FIELD = b"\x1f"
 _PART = b"\x1d"
 
 
-def text_chain(data: bytes, block_bytes: int, max_blocks: int) -> tuple[int, ...]:
+def model_root(model: str) -> int:
+    """The parent of a text chain's first block for `model`: the same prompt for two models
+    gives two chains (an engine's cache holds one model's KV)."""
+    return _hash(model.encode())
+
+
+def text_chain(data: bytes, block_bytes: int, max_blocks: int, root: int = ROOT) -> tuple[int, ...]:
     """The chain of `data`'s full `block_bytes` blocks (at most `max_blocks`; a partial last
-    block is left out: no engine caches half a block either)."""
+    block is left out: no engine caches half a block either), from `root`."""
     count = min(len(data) // block_bytes, max_blocks)
     chain = []
-    parent = ROOT
+    parent = root
     for start in range(0, count * block_bytes, block_bytes):
         parent = _hash(data[start : start + block_bytes], seed=parent)
         chain.append(parent)
@@ -207,7 +214,7 @@ class PromptPrefix:
 
 
 class SentIndex:
-    """The text chains recently sent to each key (an (endpoint, model) pair): an LRU per key,
+    """The text chains recently sent to each key (an endpoint): an LRU per key,
     bounded by the key's capacity in blocks (`set_capacity`; `default_capacity` until then).
     Each entry remembers when it was last sent (``now`` of `record`).
 
