@@ -181,6 +181,10 @@ class AdmitRequest(_Message):
     endpoint this request already tried.
     """
 
+    model_config = ConfigDict(
+        extra="ignore", frozen=True, ser_json_bytes="base64", val_json_bytes="base64"
+    )
+
     v: Literal[2] = 2
     id: str  # the attempt's id, unique across edges (its RequestEnded carries the same)
     edge: str
@@ -202,6 +206,10 @@ class AdmitRequest(_Message):
     # The tenant's or key's overflow budget is used up: never a third party, wait for ours
     # (flow control queues it in its band; `exclude` lists the third parties' endpoints too).
     no_overflow: bool = False
+    # The prompt's text chain (llmgw.core.prefix: `pack`ed, base64 in JSON) and the length of
+    # its canonical bytes: placement prefers the endpoint that holds most of it. Empty: none.
+    prefix: bytes = b""
+    prompt_bytes: int = Field(0, ge=0)
 
 
 class Target(_Message):

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from llmgw.core.affinity import HashRing
 from llmgw.core.placement import EndpointState, PinState, PlacementSettings, ProviderState, Snapshot
+from llmgw.core.prefix import PromptPrefix
 from llmgw.core.requests import Feature
 from llmgw.core.routing import ProviderKind
 from llmgw.core.spend import cheaper_first
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from llmgw.core.ledger import Ledger, PinRecord
     from llmgw.services.admission.balancing import RateBoard
     from llmgw.services.admission.loadboard import LoadBoard
+    from llmgw.services.admission.prefixes import PrefixBoard
 
 
 class ProviderCatalog:
@@ -47,8 +49,10 @@ class ProviderCatalog:
         *,
         clock: Callable[[], float] = time.time,
         draining: Collection[str] = frozenset(),
+        prefixes: PrefixBoard | None = None,
     ) -> None:
         self._config = config
+        self.prefixes = prefixes
         self.draining = frozenset(draining)
         self._health = health
         self._load = load
@@ -62,6 +66,7 @@ class ProviderCatalog:
             return_home=pinning.return_home,
             return_home_after=pinning.return_home_after,
             return_home_saturation=pinning.return_home_saturation,
+            prefix_weight=config.prefix.weight if config.prefix.enabled else 0.0,
         )
         self.min_idle_before_evict = pinning.min_idle_before_evict
         self.forced_degraded: set[tuple[str, str]] = set()  # (provider, model) marked by hand
@@ -140,9 +145,13 @@ class ProviderCatalog:
         session: str | None,
         exclude: Collection[str],
         now: float,
+        prompt: PromptPrefix | None = None,
     ) -> tuple[Snapshot, PinRecord | None]:
-        """The placement snapshot of one request, and the session's pin it shows."""
-        providers = tuple(self._provider(p, model, feature, exclude, now) for p in self.order)
+        """The placement snapshot of one request, and the session's pin it shows; `prompt`:
+        the request's prompt, matched against what each managed endpoint holds."""
+        providers = tuple(
+            self._provider(p, model, feature, exclude, now, prompt) for p in self.order
+        )
         if self._overflow_costs is not None:
             costs, priorities = self._overflow_costs
             providers = cheaper_first(providers, costs.get(model, {}), priorities, self._min_speed)
@@ -155,9 +164,16 @@ class ProviderCatalog:
         return Snapshot(providers, pin_state, now, self.settings), pin
 
     def _provider(
-        self, provider: str, model: str, feature: Feature, exclude: Collection[str], now: float
+        self,
+        provider: str,
+        model: str,
+        feature: Feature,
+        exclude: Collection[str],
+        now: float,
+        prompt: PromptPrefix | None = None,
     ) -> ProviderState:
         managed = not self.is_unlimited(provider)
+        prefixes = self.prefixes if managed and prompt is not None else None
         configs = self._endpoints.get((provider, model), [])
         strategy = self._strategy[provider]
         endpoints = []
@@ -174,8 +190,11 @@ class ProviderCatalog:
             else:
                 inflight = self._ledger.endpoint_leases(e.id)
                 saturation, capacity = 0.0, max(1, e.capacity or 1)
+            cached = prefixes.share(e.id, prompt, now) if prefixes is not None and prompt else 0.0
             endpoints.append(
-                EndpointState(e.id, e.priority, usable, inflight, capacity, saturation)
+                EndpointState(
+                    e.id, e.priority, usable, inflight, capacity, saturation, cached=cached
+                )
             )
         if strategy == "rate" and len(endpoints) > 1:
             usable_ids = [s.id for s in endpoints if s.usable]
@@ -190,6 +209,7 @@ class ProviderCatalog:
                     s.capacity,
                     s.saturation,
                     weights.get(s.id),
+                    s.cached,
                 )
                 for s in endpoints
             ]

@@ -65,6 +65,7 @@ def apply_fleet(service: AdmissionService, base: Config, fleet: Fleet) -> Config
     draining = fleet.view().draining
     service.load.reconfigure(config, draining)
     service.rates.reconfigure(config)
+    service.prefixes.reconfigure(config)
     old = service.catalog
     catalog = ProviderCatalog(
         config,
@@ -75,6 +76,7 @@ def apply_fleet(service: AdmissionService, base: Config, fleet: Fleet) -> Config
         service.ledger,
         clock=old.clock,
         draining=draining,
+        prefixes=old.prefixes,
     )
     catalog.forced_degraded = old.forced_degraded
     service.catalog = catalog

@@ -63,6 +63,7 @@ from llmgw.core.placement import (
     Snapshot,
     place,
 )
+from llmgw.core.prefix import PromptPrefix, unpack
 from llmgw.core.quota import QuotaCounts
 from llmgw.core.requests import Feature
 from llmgw.events import EventPublisher, LeaseExpired, PinEvent, PinMoved
@@ -86,6 +87,7 @@ from llmgw.services.admission.loadboard import PEER_FORGET_AFTER, LoadBoard
 from llmgw.services.admission.membership import Membership
 from llmgw.services.admission.metrics import AdmissionMetrics
 from llmgw.services.admission.pins import PinWriter
+from llmgw.services.admission.prefixes import PrefixBoard
 from llmgw.services.admission.quotas import QuotaKeeper
 from llmgw.services.admission.shards import ShardContext, ShardKeeper
 from llmgw.services.admission.tracing import DecisionSpans
@@ -206,6 +208,7 @@ class _Request:
     # It may run on a third party: its band overflows, its overflow budget is not used up, and
     # an unlimited provider serves its model (or a fallback). When not, it waits for our engines.
     can_overflow: bool = True
+    prompt: PromptPrefix | None = None  # its prompt's chain, for cache-aware placement
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,8 +290,16 @@ class AdmissionService:
             ),
             self._rng.random,
         )
+        self.prefixes = PrefixBoard(config, self.load, instance, clock=clock)
         self.catalog = ProviderCatalog(
-            config, self.health, self.load, self.rates, self.breakers, self.ledger, clock=clock
+            config,
+            self.health,
+            self.load,
+            self.rates,
+            self.breakers,
+            self.ledger,
+            clock=clock,
+            prefixes=self.prefixes,
         )
         self.fleet_revision = 0  # the live fleet's revision applied (services/admission/live.py)
         self.config_revision = 0  # the applied config's revision in force here (0: the file)
@@ -523,7 +534,14 @@ class AdmissionService:
                 for candidate in (model, *self._fallbacks.get(model, ()))
             )
         )
-        context = _Request(request, feature, band, None, started, now, can_overflow=can_overflow)
+        prompt = (
+            PromptPrefix(unpack(request.prefix), request.prompt_bytes, self.prefixes.block_bytes)
+            if request.prefix and self.prefixes.enabled
+            else None
+        )
+        context = _Request(
+            request, feature, band, None, started, now, can_overflow=can_overflow, prompt=prompt
+        )
         if self.flow is None:
             return self._placed(context, overflow=False)
         policy = self.flow.band(band.name)
@@ -768,7 +786,7 @@ class AdmissionService:
         held: tuple[str, str] | None = None  # a managed pair whose quota alone held it back
         for candidate in (request.model, *self._fallbacks.get(request.model, ())):
             snapshot, pin = self.catalog.snapshot(
-                candidate, context.feature, request.session, request.exclude, now
+                candidate, context.feature, request.session, request.exclude, now, context.prompt
             )
             asked = PlacementRequest(
                 request.session, context.band.interactive, overflow, self._rng.random()
@@ -808,6 +826,8 @@ class AdmissionService:
             self.metrics.child(self.metrics.fallbacks, request.model, served).inc()
         lease = self._apply(request, outcome, served, pin, now)
         endpoint = self.catalog.endpoint_config(outcome.endpoint)
+        if context.prompt is not None and not self.catalog.is_unlimited(outcome.provider):
+            self.prefixes.placed(endpoint.id, served, context.prompt, now)
         self.breakers.take(endpoint.id, now)  # half open: this request is the probe
         self.metrics.child(self.metrics.placements, outcome.provider, outcome.route.value).inc()
         if outcome.affinity_break is not None:
@@ -1355,6 +1375,7 @@ class AdmissionService:
         await self.quotas.start()
         if self.flow is not None:
             await self.flow.start()
+        await self.prefixes.start(self.nc)  # reads the recent past while the shards come in
         await self.shards.start()
         self._loops.append(asyncio.create_task(self._housekeeping(), name="housekeeping"))
         await self.nc.flush()
@@ -1396,6 +1417,7 @@ class AdmissionService:
             await self.pins.drain()
             await self.quotas.leave()
         await self.quotas.stop()
+        await self.prefixes.stop()
         for sub in self._subs:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()

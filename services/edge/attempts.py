@@ -95,6 +95,11 @@ class ApiExchange(Protocol):
 
     def stream_ended(self, reader: StreamReader) -> None: ...
 
+    def prompt(self) -> bytes | None:
+        """The canonical bytes of its conversation in chat completions form
+        (`llmgw.core.prefix.canonical_chat`), None when it has none."""
+        ...
+
 
 log = logging.getLogger("llmgw.edge")
 
@@ -151,6 +156,9 @@ class RoutedRequest:
     key_budget: Budget | None = None  # its budget (llmgw.core.budget)
     # The Responses or Messages API's exchange (services/edge/responses.py, messages.py)
     exchange: ApiExchange | None = None
+    # The prompt's packed text chain and canonical length (services/edge/prompts.py)
+    prefix: bytes = b""
+    prompt_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,6 +233,8 @@ class Attempts:
                 retry_of=previous.lease if previous is not None else None,
                 failed=previous.failed if previous is not None else None,
                 no_overflow=hold is not None and hold.no_overflow,
+                prefix=routed.prefix,
+                prompt_bytes=routed.prompt_bytes,
             )
             asked = time.perf_counter()
             try:

@@ -37,6 +37,8 @@ from llmgw.core.anthropic_chat import (
     messages_usage_in,
     reshape_error,
 )
+from llmgw.core.prefix import canonical_chat
+from llmgw.core.requests import InvalidRequest
 from llmgw.services.edge.streamed import StreamedAnswer
 
 if TYPE_CHECKING:
@@ -99,6 +101,16 @@ class MessagesExchange:
         self._parsed = parsed
         self._raw = raw
         self._chat = chat
+
+    def prompt(self) -> bytes | None:
+        """The conversation in the chat form a translated attempt sends (its system prompt
+        first), whether or not an attempt is translated."""
+        if self._chat is None:
+            try:
+                self._chat = to_chat(self._parsed.body, self._parsed.model)
+            except InvalidRequest:
+                return None
+        return canonical_chat(self._chat["messages"], self._chat.get("tools"))
 
     def _native(self, target: Target) -> bool:
         return self._api.native.get(target.endpoint, False)

@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Any
 from starlette.responses import JSONResponse, Response
 
 from llmgw.core.outcomes import Outcome
+from llmgw.core.prefix import canonical_chat
+from llmgw.core.requests import InvalidRequest
 from llmgw.core.responses import (
     ResponsesStream,
     StoredResponse,
@@ -98,6 +100,14 @@ class Exchange:
 
     def translated(self, target: Target) -> bool:
         return "responses" not in self.api.apis.get(target.provider, ())
+
+    def prompt(self) -> bytes | None:
+        """The conversation (every turn of the chain, then this input) in chat form."""
+        try:
+            chat = chat_request(self.body, self.items, "", stream=False)
+        except InvalidRequest:
+            return None
+        return canonical_chat(chat["messages"], chat.get("tools"))
 
     def upstream(self, target: Target) -> tuple[str, bytes]:
         """The path and body of an attempt on `target`; raises `Untranslatable`."""

@@ -40,10 +40,16 @@ Beyond those rules:
     is within the load bound: at most ``session_load_factor`` times its share, by batch
     capacity, of the tier's load (bounded loads, Mirrokni et al., weighted by capacity).
     Otherwise it goes to the endpoint with the most room (`AffinityBreak` says why);
-  - work with no cache of its own there (no session, or a session's first request on this
-    provider, e.g. a one-shot conversation) goes to the endpoint with the most room: a free
-    batch slot first, then the lowest score max(saturation, inflight / capacity), ties broken
-    by the session's ring order so that idle endpoints share new sessions;
+  - work with no conversation of its own there (no session, or a session's first request on
+    this provider, e.g. a one-shot conversation) goes where its prompt is cached, traded
+    against room: a free batch slot first, then the lowest *cost*
+    ``max(saturation, inflight / capacity) - prefix_weight * cached`` (``cached``: the share of
+    the prompt the endpoint's prefix cache holds, 0..1, `llmgw.core.prefix`), ties broken by
+    the session's ring order so that idle endpoints share new sessions. A prompt's engine
+    takes it while it has a free slot; once full, the prompt spreads (no herding);
+  - a session whose home lost its prompt (evicted, or the engine restarted) follows it to an
+    endpoint it may go to that holds ``FOLLOW_CACHE_MARGIN`` more of it (`AffinityBreak`
+    HOME_COLD);
   - an *interactive* request (its band's flag) never goes to an endpoint without a free batch
     slot while another usable endpoint of the provider has one: queueing behind a full batch
     costs more than a prefix-cache miss.
@@ -55,7 +61,8 @@ Properties (tests/core/test_placement.py, hypothesis):
 
 - a session's home replica is kept whenever it has a free batch slot, or has room under the
   load bound unless the request is interactive and another usable endpoint of the provider has
-  a free slot; work without a cache of its own starts where there is most room;
+  a free slot (or its home lost its prompt to another endpoint); work without a cache of its
+  own starts at the lowest cost, on a free slot whenever one exists;
 - no interactive request is placed on an endpoint without a free batch slot while another usable
   endpoint of the same provider has one;
 - an unlimited provider is chosen only when no managed provider can take the request now (usable,
@@ -115,6 +122,12 @@ class AffinityBreak(enum.StrEnum):
     HOME_UNUSABLE = "home_unusable"  # unhealthy, breaker open, or failed for this request
     HOME_OVER_BOUND = "home_over_bound"  # over the bounded-load cap
     HOME_BUSY = "home_busy"  # interactive: no free batch slot there, one elsewhere
+    HOME_COLD = "home_cold"  # its prefix cache lost the prompt; another endpoint holds it
+
+
+# A pinned session follows its prompt to another endpoint when that one holds at least this
+# much more of the prompt than its home (whose cache lost it: evicted, or the engine restarted).
+FOLLOW_CACHE_MARGIN = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +147,7 @@ class EndpointState:
     capacity: int = 1
     saturation: float = 0.0
     rate_weight: float | None = None
+    cached: float = 0.0  # the share of the request's prompt its prefix cache holds, 0..1
 
     @property
     def free_slot(self) -> bool:
@@ -142,6 +156,10 @@ class EndpointState:
     @property
     def score(self) -> float:
         return max(self.saturation, self.inflight / self.capacity if self.capacity else 0.0)
+
+    def cost(self, prefix_weight: float) -> float:
+        """Its load traded against what it holds of the prompt: ``score - weight * cached``."""
+        return self.score - prefix_weight * self.cached
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,6 +202,7 @@ class PlacementSettings:
     return_home: bool = True
     return_home_after: float = 30.0
     return_home_saturation: float = 0.5
+    prefix_weight: float = 1.0  # `EndpointState.cost`: 0 is cache-blind
 
 
 @dataclass(frozen=True, slots=True)
@@ -406,15 +425,18 @@ def _bound(endpoint: EndpointState, tier: Sequence[EndpointState], factor: float
     return math.ceil(factor * load * endpoint.capacity / slots)
 
 
-def _best(endpoints: Sequence[EndpointState], walk: Sequence[str] = ()) -> EndpointState:
-    """Free batch slots first, then the lowest score, then the most free slots, then the
-    session's ring order (so equally idle endpoints share new sessions)."""
+def _best(
+    endpoints: Sequence[EndpointState], walk: Sequence[str] = (), prefix_weight: float = 0.0
+) -> EndpointState:
+    """Free batch slots first, then the lowest cost (load traded against the share of the
+    prompt held, `EndpointState.cost`), then the most free slots, then the session's ring
+    order (so equally idle endpoints share new sessions)."""
     order = {endpoint: index for index, endpoint in enumerate(walk)}
     return min(
         endpoints,
         key=lambda e: (
             not e.free_slot,
-            e.score,
+            e.cost(prefix_weight),
             e.inflight - e.capacity,
             order.get(e.id, len(order)),
         ),
@@ -448,10 +470,12 @@ def _managed_endpoint(
         home = home_hint  # where the session's last request ran: its prefix cache
     elif pinned and walk:
         home = walk[0]  # a pin whose endpoint is unknown (adopted)
+    weight = settings.prefix_weight
     if home is None:
-        # No prefix cache of its own here (no session, or its first request here): the
-        # endpoint with the most room, so new work fills free slots first.
-        return _best(free if interactive and free else tier, walk).id, None
+        # No conversation of its own here (no session, or its first request here): where its
+        # prompt is cached, traded against room, so new work starts on its prefix and fills
+        # free slots first.
+        return _best(free if interactive and free else tier, walk, weight).id, None
     in_tier = {e.id: e for e in tier}
     fits = [e for e in tier if e.inflight + 1 <= _bound(e, tier, settings.session_load_factor)]
     fitting = {e.id for e in fits}
@@ -459,6 +483,8 @@ def _managed_endpoint(
     brk: AffinityBreak | None = None
     if target is None:
         brk = AffinityBreak.HOME_UNUSABLE
+    elif _lost_its_prompt(target, free if interactive and free else fits, weight):
+        brk = AffinityBreak.HOME_COLD
     elif target.free_slot:
         pass  # a free batch slot at home: staying costs nothing, leaving costs its cache
     elif target.id not in fitting:
@@ -472,4 +498,12 @@ def _managed_endpoint(
         pool = free
     else:
         pool = fits or tier
-    return _best(pool).id, brk
+    return _best(pool, (), weight).id, brk
+
+
+def _lost_its_prompt(home: EndpointState, others: Sequence[EndpointState], weight: float) -> bool:
+    """Whether a session should follow its prompt away from `home`: another endpoint it may go
+    to (a free slot, or within the load bound) holds `FOLLOW_CACHE_MARGIN` more of it."""
+    if weight <= 0:
+        return False
+    return any(e.id != home.id and e.cached - home.cached >= FOLLOW_CACHE_MARGIN for e in others)

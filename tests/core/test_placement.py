@@ -23,6 +23,7 @@ from llmgw.core.affinity import HashRing
 from llmgw.core.ledger import LeaseKind, Room
 from llmgw.core.outcomes import Refusal
 from llmgw.core.placement import (
+    FOLLOW_CACHE_MARGIN,
     AffinityBreak,
     EndpointState,
     PinAction,
@@ -82,6 +83,7 @@ endpoint_states = st.builds(
     inflight=st.integers(0, 20),
     capacity=st.integers(1, 16),
     saturation=st.floats(0, 0.99),
+    cached=st.floats(0, 1),
 )
 rooms = st.builds(Room, st.booleans(), st.booleans(), st.booleans())
 
@@ -90,7 +92,9 @@ rooms = st.builds(Room, st.booleans(), st.booleans(), st.booleans())
 def managed_providers(draw, name):
     states = draw(st.lists(endpoint_states, min_size=1, max_size=4))
     endpoints = [
-        EndpointState(f"{name}-e{i}", 100, s.usable, s.inflight, s.capacity, s.saturation)
+        EndpointState(
+            f"{name}-e{i}", 100, s.usable, s.inflight, s.capacity, s.saturation, cached=s.cached
+        )
         for i, s in enumerate(states)
     ]
     return managed(
@@ -215,6 +219,69 @@ def test_work_without_a_cache_here_starts_where_there_is_most_room(loads, intera
         assert chosen.score == min(e.score for e in endpoints if e.free_slot)
     else:
         assert chosen.score == min(e.score for e in endpoints)
+
+
+@given(
+    loads=st.lists(
+        st.tuples(st.integers(0, 20), st.integers(1, 16), st.floats(0, 1)), min_size=2, max_size=5
+    ),
+    interactive=st.booleans(),
+    session=st.one_of(st.none(), st.text("0123456789abcdef", min_size=32, max_size=32)),
+    weight=st.sampled_from([0.0, 0.5, 1.0, 2.0]),
+)
+def test_new_work_starts_where_its_prompt_is_cached_traded_against_load(
+    loads, interactive, session, weight
+):
+    endpoints = [
+        EndpointState(f"e{i}", inflight=n, capacity=c, cached=held)
+        for i, (n, c, held) in enumerate(loads)
+    ]
+    settings = PlacementSettings(prefix_weight=weight)
+    outcome = place(
+        snap(managed("iris", endpoints), settings=settings), PlacementRequest(session, interactive)
+    )
+    assert isinstance(outcome, Placement) and outcome.affinity_break is None
+    chosen = next(e for e in endpoints if e.id == outcome.endpoint)
+    free = [e for e in endpoints if e.free_slot]
+    # A cached prefix never makes it queue where another endpoint has a free slot (no herding):
+    # a popular prefix spreads once its engines are full.
+    assert chosen.free_slot or not free
+    pool = free or endpoints
+    assert chosen.cost(weight) == min(e.cost(weight) for e in pool)
+    if weight == 0:  # cache-blind: the endpoint with most room, as before
+        assert chosen.score == min(e.score for e in pool)
+
+
+def test_a_new_session_starts_on_the_engine_that_holds_its_prompt_until_that_one_is_full():
+    busy_with_it = EndpointState("e0", inflight=3, capacity=4, cached=1.0)
+    idle_without = EndpointState("e1", inflight=0, capacity=4, cached=0.0)
+    chosen = place(snap(managed("iris", [busy_with_it, idle_without])), PlacementRequest("s"))
+    assert isinstance(chosen, Placement) and chosen.endpoint == "e0"  # 0.75 - 1.0 < 0
+    full = EndpointState("e0", inflight=4, capacity=4, cached=1.0)
+    spread = place(snap(managed("iris", [full, idle_without])), PlacementRequest("s"))
+    assert isinstance(spread, Placement) and spread.endpoint == "e1"
+    blind = PlacementSettings(prefix_weight=0.0)
+    cold = place(
+        snap(managed("iris", [busy_with_it, idle_without]), settings=blind), PlacementRequest("s")
+    )
+    assert isinstance(cold, Placement) and cold.endpoint == "e1"
+
+
+@given(home_held=st.floats(0, 1), other_held=st.floats(0, 1), other_busy=st.integers(0, 4))
+def test_a_pinned_session_follows_its_prompt_only_when_its_home_lost_it(
+    home_held, other_held, other_busy
+):
+    home = EndpointState("e0", inflight=1, capacity=4, cached=home_held)
+    other = EndpointState("e1", inflight=other_busy, capacity=4, cached=other_held)
+    outcome = place(
+        snap(managed("iris", [home, other]), pin=PinState("iris", False, NOW, "e0")),
+        PlacementRequest("s", interactive=True),
+    )
+    assert isinstance(outcome, Placement) and outcome.route is Route.PINNED
+    if other.free_slot and other_held - home_held >= FOLLOW_CACHE_MARGIN:
+        assert outcome.endpoint == "e1" and outcome.affinity_break is AffinityBreak.HOME_COLD
+    else:
+        assert outcome.endpoint == "e0" and outcome.affinity_break is None
 
 
 # ---- the pinning rules, route by route ---------------------------------------------------------

@@ -1,0 +1,218 @@
+"""What each endpoint's prefix cache holds, as one admission instance knows it, for placement.
+
+`PrefixBoard` keeps the two indexes of `llmgw.core.prefix` and answers one question for the
+catalog: what share of a request's prompt does this endpoint hold (`share`, 0..1)?
+
+- **sent** (any engine): every prompt an instance places on a managed endpoint is recorded
+  there (`placed`): in this instance's `SentIndex` at once, and for the others as a
+  `PrefixSent` on the prefix stream (`llmgw.prefix_stream`), published after the decision,
+  never waited for. Each endpoint's LRU is bounded by its engine's KV cache
+  (`vllm:cache_config_info`: num_gpu_blocks x block_size tokens, about 4 bytes of prompt per
+  token) or `prefix.default_kv_tokens`;
+- **held** (engines with KV cache events, `endpoints[].kv_events`): the scraper republishes
+  what the engine says it stored and removed (`PrefixHeld`), which every instance applies to
+  its `HeldIndex`.
+
+Every instance reads the stream from `prefix.max_age` ago when it starts (an ordered
+consumer), then follows it: N instances hold the same index, up to the stream's delivery
+delay, so they send a tenant's prefix to the same engines. Its own `PrefixSent` messages come
+back to it and are skipped (recorded already). A message that does not parse is counted and
+skipped. Soft state: a lost message costs a cache miss, never a wrong answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from nats.js.api import DeliverPolicy
+from pydantic import ValidationError
+
+from llmgw.core.prefix import HeldIndex, PromptPrefix, SentIndex, pack, unpack
+from llmgw.prefix_stream import PREFIX_SUBJECTS, ensure_prefix_stream
+from llmgw.wire import (
+    PREFIX_HELD_PREFIX,
+    PREFIX_SENT_PREFIX,
+    PrefixHeld,
+    PrefixSent,
+    prefix_sent_subject,
+)
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client as NATS
+    from nats.aio.msg import Msg
+
+    from llmgw.config.schema import Config
+    from llmgw.services.admission.loadboard import LoadBoard
+
+__all__ = ["BYTES_PER_TOKEN", "PrefixBoard"]
+
+log = logging.getLogger("llmgw.admission.prefixes")
+
+BYTES_PER_TOKEN = 4  # of prompt text per engine token, to size an LRU by the engine's KV cache
+
+
+class PrefixBoard:
+    """The sent and held indexes of one admission instance, and their stream."""
+
+    def __init__(
+        self,
+        config: Config,
+        load: LoadBoard,
+        instance: str,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.instance = instance
+        self._load = load
+        self._clock = clock
+        self.reconfigure(config)
+        self.sent = SentIndex(self._blocks_of(config.prefix.default_kv_tokens))
+        self.held = HeldIndex()
+        self._held_block_size: dict[str, int] = {}
+        self._held_seq: dict[str, int] = {}
+        self._outbox: list[tuple[str, bytes]] = []
+        self._flushing: asyncio.Task[None] | None = None
+        self._nc: NATS | None = None
+        self._sub: Any = None
+        self.received = {"sent": 0, "held": 0, "own": 0, "malformed": 0}
+        self.published = 0
+
+    def reconfigure(self, config: Config) -> None:
+        prefix = config.prefix
+        self.enabled = prefix.enabled
+        self.block_bytes = prefix.block_bytes
+        self.predicted_ttl = prefix.predicted_ttl
+        self._config = config
+
+    def _blocks_of(self, tokens: int) -> int:
+        return max(1, tokens * BYTES_PER_TOKEN // self.block_bytes)
+
+    # ---- the stream ---------------------------------------------------------------------------
+
+    async def start(self, nc: NATS) -> None:
+        """Make sure the stream exists, then read what it keeps (`prefix.max_age`) and follow it."""
+        self._nc = nc
+        if not self.enabled:
+            return
+        js = nc.jetstream()
+        if not await ensure_prefix_stream(js, self._config):
+            return
+        try:  # the stream keeps `prefix.max_age`: all of it is the recent past
+            self._sub = await js.subscribe(
+                PREFIX_SUBJECTS,
+                stream=self._config.prefix.stream,
+                cb=self._on_message,
+                ordered_consumer=True,
+                deliver_policy=DeliverPolicy.ALL,
+                idle_heartbeat=5.0,
+                inactive_threshold=60.0,
+            )
+        except Exception:
+            log.warning("the prefix stream cannot be followed: placements only", exc_info=True)
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            sub, self._sub = self._sub, None
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        if self._flushing is not None:
+            with contextlib.suppress(Exception):
+                await self._flushing
+
+    async def _on_message(self, msg: Msg) -> None:
+        try:
+            if msg.subject.startswith(PREFIX_SENT_PREFIX):
+                sent = PrefixSent.model_validate_json(msg.data)
+                if sent.instance == self.instance:
+                    self.received["own"] += 1
+                    return
+                self.sent.record(sent.endpoint, unpack(sent.chain), sent.at)
+                self.received["sent"] += 1
+            elif msg.subject.startswith(PREFIX_HELD_PREFIX):
+                self._apply_held(PrefixHeld.model_validate_json(msg.data))
+                self.received["held"] += 1
+        except (ValidationError, ValueError):
+            self.received["malformed"] += 1
+            log.debug("a prefix message that does not parse: %s", msg.subject, exc_info=True)
+
+    def _apply_held(self, held: PrefixHeld) -> None:
+        endpoint = held.endpoint
+        if held.cleared:
+            self.held.clear(endpoint)
+        self._held_block_size[endpoint] = held.block_size
+        self._held_seq[endpoint] = held.seq
+        if held.stored:
+            self.held.store(endpoint, unpack(held.stored))
+        if held.removed:
+            self.held.remove(endpoint, unpack(held.removed))
+
+    # ---- placement's questions ----------------------------------------------------------------
+
+    def share(self, endpoint: str, prompt: PromptPrefix, now: float) -> float:
+        """The share of `prompt` that `endpoint` is believed to hold, 0..1."""
+        if not self.enabled or not prompt.chain:
+            return 0.0
+        sent = self.sent.match(endpoint, prompt.chain)
+        return prompt.share(sent)
+
+    def placed(self, endpoint: str, model: str, prompt: PromptPrefix, now: float) -> None:
+        """`prompt` was placed on `endpoint` (for `model`): recorded here at once, and for
+        every other instance on the stream after this decision."""
+        if not self.enabled or not prompt.chain:
+            return
+        capacity = self._capacity(endpoint)
+        if capacity != self.sent.capacity(endpoint):
+            self.sent.set_capacity(endpoint, capacity)
+        self.sent.record(endpoint, prompt.chain, now)
+        if self._nc is None:
+            return
+        message = PrefixSent(
+            instance=self.instance, endpoint=endpoint, model=model, at=now, chain=pack(prompt.chain)
+        )
+        self._outbox.append((prefix_sent_subject(endpoint), message.model_dump_json().encode()))
+        if self._flushing is None or self._flushing.done():
+            self._flushing = asyncio.get_running_loop().create_task(self._flush())
+
+    def _capacity(self, endpoint: str) -> int:
+        """The most blocks `endpoint`'s LRU keeps: its engine's KV cache, as its metrics say."""
+        sample = self._load.load(endpoint).sample if self._load.knows(endpoint) else None
+        if sample is not None and sample.block_size and sample.num_gpu_blocks:
+            return self._blocks_of(sample.block_size * sample.num_gpu_blocks)
+        return self.sent.default_capacity
+
+    async def _flush(self) -> None:
+        """Publish what the decisions of this event-loop turn placed (one task at a time)."""
+        await asyncio.sleep(0)  # the rest of this turn's decisions join the batch
+        nc = self._nc
+        while self._outbox and nc is not None:
+            batch, self._outbox = self._outbox, []
+            for subject, data in batch:
+                try:
+                    await nc.publish(subject, data)
+                    self.published += 1
+                except Exception:
+                    log.debug("a placement not published to the prefix stream", exc_info=True)
+
+    # ---- operability --------------------------------------------------------------------------
+
+    def endpoints(self) -> list[str]:
+        return sorted({str(k) for k in self.sent.keys()} | {str(k) for k in self.held.keys()})
+
+    def describe(self, endpoint: str, roots: int = 5) -> dict[str, Any]:
+        """What `llmgw state` shows of an endpoint: blocks held by each index, its capacity,
+        and its most recent blocks (their hashes and when they were last sent)."""
+        return {
+            "sent_blocks": self.sent.size(endpoint),
+            "capacity_blocks": self.sent.capacity(endpoint),
+            "held_blocks": self.held.size(endpoint),
+            "events_seq": self._held_seq.get(endpoint),
+            "recent": [
+                {"block": f"{block:016x}", "sent_at": at}
+                for block, at in self.sent.top(endpoint, roots)
+            ],
+        }
