@@ -55,6 +55,7 @@ from llmgw.wire import (
     ADMISSION_STATE_SUBJECT,
     BUDGET_GRANT_SUBJECT,
     BUDGET_LEND_PREFIX,
+    PREFIX_SENT_PREFIX,
     EDGE_CONFIG_SUBJECT,
     KEYS_USAGE_SUBJECT,
     REQUEST_STATS_SUBJECT,
@@ -175,6 +176,11 @@ def role_permissions(config: Config) -> dict[str, Permissions]:
                 *_own_bucket(fleet),  # seeds and follows it; the admin API writes it
                 *_events_stream(config),
                 *_own_bucket(spend),  # the edges' spend totals, written down
+                # Cache-aware placement: its placements on the prefix stream, which it creates
+                # (as the scraper does) and reads back from the start (an ordered consumer).
+                f"{PREFIX_SENT_PREFIX}*",
+                *_create_stream(config.prefix.stream),
+                *_read_stream(config.prefix.stream),
             ),
             subscribe=(
                 INBOX,

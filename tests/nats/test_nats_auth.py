@@ -23,6 +23,7 @@ from llmgw.config import Config, load_config
 from llmgw.core.apikeys import ApiKey, digest_of
 from llmgw.nats_auth import ROLES, SERVICE_ROLES, render_server_config, role_permissions
 from llmgw.nats_embedded import EmbeddedNats
+from llmgw.prefix_stream import PREFIX_SUBJECTS
 from llmgw.state.apikeys import open_key_bucket
 from llmgw.state.nats_kv import NatsKV
 from llmgw.state.setup import open_load_bucket, open_routing_store
@@ -93,9 +94,14 @@ def test_every_wire_subject_has_a_role_that_publishes_it_and_one_that_listens(
         if name.endswith(("_SUBJECT", "_PREFIX")) and isinstance(value, str)
     ]
     assert subjects
+    # The prefix stream's subjects are read through the stream (a consumer), not subscribed.
+    prefix_stream_reader = f"$JS.API.CONSUMER.CREATE.{config.prefix.stream}"
     for subject in subjects:
         assert subject in published, f"no role may publish {subject}"
-        assert subject in subscribed, f"no role may subscribe to {subject}"
+        if subject.startswith(PREFIX_SUBJECTS.removesuffix(">")):
+            assert prefix_stream_reader in published, f"no role may read {subject}'s stream"
+        else:
+            assert subject in subscribed, f"no role may subscribe to {subject}"
 
 
 def test_the_bucket_names_come_from_the_config(config: Config) -> None:
