@@ -386,6 +386,27 @@ class PairHolding(_Message):
     p: int | None = None
 
 
+class PrefixTop(_Message):
+    """One prompt prefix an endpoint takes (`llmgw state`): its first block's hash, how many
+    placements started with it there, the longest of their chains (blocks) and the last
+    time."""
+
+    prefix: str
+    placements: int
+    blocks: int
+    last_at: float
+
+
+class EndpointPrefixes(_Message):
+    """What an instance's prefix indexes hold of one endpoint (`llmgw state`)."""
+
+    endpoint: str
+    sent_blocks: int
+    capacity_blocks: int
+    held_blocks: int
+    top: tuple[PrefixTop, ...] = ()
+
+
 class StateReply(_Message):
     """Answer on ADMISSION_STATE_SUBJECT (every instance): what it holds, for `llmgw state`."""
 
@@ -401,6 +422,8 @@ class StateReply(_Message):
     leases_by_endpoint: dict[str, int] = {}
     fleet_revision: int = 0
     config_revision: int = 0
+    # Its prefix indexes per endpoint (cache-aware placement): sizes and the top prefixes.
+    prefixes: tuple[EndpointPrefixes, ...] = ()
 
 
 class EdgeConfigReply(_Message):

@@ -21,7 +21,7 @@ SERVICES = ("edge", "admission", "scraper", "reaper")
 NAME = re.compile(
     r"^llmgw_(?:(?:edge|admission|scraper|reaper|spend)_[a-z][a-z0-9_]*[a-z0-9]|build_info)$"
 )
-UNITS = ("_seconds", "_bytes", "_tokens")
+UNITS = ("_seconds", "_bytes", "_tokens", "_ratio")
 # Labels whose values are unbounded: never a label of ours (the tenant only where configured).
 UNBOUNDED = {"request_id", "session", "lease", "pin_id", "user", "id"}
 

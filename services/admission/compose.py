@@ -180,4 +180,5 @@ def watch_service(metrics: AdmissionMetrics, service: AdmissionService) -> None:
     metrics.watch_breakers(service.breakers, lambda: [e.id for e in service.config.endpoints])
     metrics.watch_ledger(service.ledger, lambda: len(service.shards.serving))
     metrics.watch_quotas(service.quotas)
+    metrics.watch_prefixes(service.prefixes)
     metrics.registry.register(FleetCollector(service))

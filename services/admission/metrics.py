@@ -22,11 +22,13 @@ if TYPE_CHECKING:
     from llmgw.core.breaker import BreakerBoard
     from llmgw.core.ledger import Ledger
     from llmgw.services.admission.loadboard import LoadBoard
+    from llmgw.services.admission.prefixes import PrefixBoard
     from llmgw.services.admission.quotas import QuotaKeeper
 
 _WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _DECISION_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5, 30)
 _TICK_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05)
+_SHARE_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
 
 
 class AdmissionMetrics:
@@ -103,7 +105,8 @@ class AdmissionMetrics:
             "llmgw_admission_affinity_breaks",
             "Session requests placed off their home replica, by provider and why: home_unusable "
             "(unhealthy, breaker open, failed for this request), home_over_bound (over the "
-            "bounded-load cap), home_busy (interactive: no free batch slot there, one elsewhere).",
+            "bounded-load cap), home_busy (interactive: no free batch slot there, one elsewhere), "
+            "home_cold (its prefix cache lost the prompt, another endpoint holds it).",
             ["provider", "reason"],
             registry=r,
         )
@@ -128,6 +131,14 @@ class AdmissionMetrics:
             ["provider"],
             registry=r,
         )
+        self.prefix_share = Histogram(
+            "llmgw_admission_prefix_share_ratio",
+            "Share of each placed prompt the chosen managed endpoint held, by the index that "
+            "said so (cache-aware placement; 0: nothing of it was cached there).",
+            ["index"],
+            buckets=_SHARE_BUCKETS,
+            registry=r,
+        )
         self.leases_expired = Counter(
             "llmgw_admission_leases_expired",
             "Leases ended because their edge did not renew them within lease_timeout.",
@@ -150,6 +161,11 @@ class AdmissionMetrics:
         made to peers."""
         self.registry.register(_LoanCollector(keeper))
 
+    def watch_prefixes(self, board: PrefixBoard) -> None:
+        """Export the prefix indexes: blocks held per endpoint and index, each endpoint's
+        bound, their memory, and the stream messages applied."""
+        self.registry.register(_PrefixCollector(board))
+
     def watch_breakers(
         self,
         breakers: BreakerBoard,
@@ -160,6 +176,53 @@ class AdmissionMetrics:
         of the endpoints `endpoints()` names at each scrape (the live fleet the instance runs
         on, so an endpoint added or removed at run time appears or leaves)."""
         self.registry.register(_BreakerCollector(breakers, endpoints, clock))
+
+
+class _PrefixCollector(Collector):
+    def __init__(self, board: PrefixBoard) -> None:
+        self._board = board
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        board = self._board
+        blocks = GaugeMetricFamily(
+            "llmgw_admission_prefix_blocks",
+            "Prompt blocks each endpoint's prefix cache is believed to hold, by index: sent "
+            "(placements, any engine) or held (the engine's KV cache events).",
+            labels=["endpoint", "index"],
+        )
+        bound = GaugeMetricFamily(
+            "llmgw_admission_prefix_capacity_blocks",
+            "The most blocks of the sent index an endpoint keeps (its engine's KV cache).",
+            labels=["endpoint"],
+        )
+        for endpoint in board.endpoints():
+            blocks.add_metric([endpoint, "sent"], board.sent.size(endpoint))
+            blocks.add_metric([endpoint, "held"], board.held.size(endpoint))
+            bound.add_metric([endpoint], board.sent.capacity(endpoint))
+        yield blocks
+        yield bound
+        memory = GaugeMetricFamily(
+            "llmgw_admission_prefix_memory_bytes",
+            "Estimated memory of this instance's prefix indexes.",
+        )
+        memory.add_metric([], board.memory_bytes())
+        yield memory
+        messages = CounterMetricFamily(
+            "llmgw_admission_prefix_messages",
+            "Prefix stream messages this instance read, by kind: sent (another instance's "
+            "placement), held (an engine's KV cache events), own (its own placement, skipped), "
+            "malformed (skipped).",
+            labels=["kind"],
+        )
+        for kind, count in sorted(board.received.items()):
+            messages.add_metric([kind], float(count))
+        yield messages
+        published = CounterMetricFamily(
+            "llmgw_admission_prefix_published",
+            "Placements this instance published to the prefix stream.",
+        )
+        published.add_metric([], float(board.published))
+        yield published
 
 
 class _BreakerCollector(Collector):

@@ -37,8 +37,10 @@ from llmgw.prefix_stream import PREFIX_SUBJECTS, ensure_prefix_stream
 from llmgw.wire import (
     PREFIX_HELD_PREFIX,
     PREFIX_SENT_PREFIX,
+    EndpointPrefixes,
     PrefixHeld,
     PrefixSent,
+    PrefixTop,
     prefix_sent_subject,
 )
 
@@ -49,11 +51,16 @@ if TYPE_CHECKING:
     from llmgw.config.schema import Config
     from llmgw.services.admission.loadboard import LoadBoard
 
-__all__ = ["BYTES_PER_TOKEN", "PrefixBoard"]
+__all__ = ["BYTES_PER_TOKEN", "HELD_BYTES_PER_BLOCK", "SENT_BYTES_PER_BLOCK", "PrefixBoard"]
 
 log = logging.getLogger("llmgw.admission.prefixes")
 
 BYTES_PER_TOKEN = 4  # of prompt text per engine token, to size an LRU by the engine's KV cache
+TOP_KEPT = 256  # first blocks counted per endpoint for `llmgw state`
+# Memory of one block in each index (CPython 3.11, measured by tests/core/test_prefix.py): an
+# OrderedDict entry with its int key and float time; a dict entry with its int key and count.
+SENT_BYTES_PER_BLOCK = 130
+HELD_BYTES_PER_BLOCK = 80
 
 
 class PrefixBoard:
@@ -80,6 +87,8 @@ class PrefixBoard:
         self._nc: NATS | None = None
         self._sub: Any = None
         self.received = {"sent": 0, "held": 0, "own": 0, "malformed": 0}
+        # Per endpoint: placements by their chain's first block (`llmgw state`'s top prefixes).
+        self._top: dict[str, dict[int, list[float]]] = {}
         self.published = 0
 
     def reconfigure(self, config: Config) -> None:
@@ -131,7 +140,9 @@ class PrefixBoard:
                 if sent.instance == self.instance:
                     self.received["own"] += 1
                     return
-                self.sent.record(sent.endpoint, unpack(sent.chain), sent.at)
+                chain = unpack(sent.chain)
+                self.sent.record(sent.endpoint, chain, sent.at)
+                self._count(sent.endpoint, chain, sent.at)
                 self.received["sent"] += 1
             elif msg.subject.startswith(PREFIX_HELD_PREFIX):
                 self._apply_held(PrefixHeld.model_validate_json(msg.data))
@@ -160,23 +171,41 @@ class PrefixBoard:
         sent = self.sent.match(endpoint, prompt.chain)
         return prompt.share(sent)
 
-    def placed(self, endpoint: str, model: str, prompt: PromptPrefix, now: float) -> None:
+    def placed(self, endpoint: str, model: str, prompt: PromptPrefix, now: float) -> float:
         """`prompt` was placed on `endpoint` (for `model`): recorded here at once, and for
-        every other instance on the stream after this decision."""
+        every other instance on the stream after this decision. Returns the share of it the
+        endpoint held before."""
         if not self.enabled or not prompt.chain:
-            return
+            return 0.0
+        share = self.share(endpoint, prompt, now)
         capacity = self._capacity(endpoint)
         if capacity != self.sent.capacity(endpoint):
             self.sent.set_capacity(endpoint, capacity)
         self.sent.record(endpoint, prompt.chain, now)
+        self._count(endpoint, prompt.chain, now)
         if self._nc is None:
-            return
+            return share
         message = PrefixSent(
             instance=self.instance, endpoint=endpoint, model=model, at=now, chain=pack(prompt.chain)
         )
         self._outbox.append((prefix_sent_subject(endpoint), message.model_dump_json().encode()))
         if self._flushing is None or self._flushing.done():
             self._flushing = asyncio.get_running_loop().create_task(self._flush())
+        return share
+
+    def _count(self, endpoint: str, chain: tuple[int, ...], at: float) -> None:
+        """One more placement of a chain starting with `chain[0]` on `endpoint` (at most
+        `TOP_KEPT` first blocks per endpoint: the least placed goes)."""
+        top = self._top.setdefault(endpoint, {})
+        entry = top.get(chain[0])
+        if entry is None:
+            if len(top) >= TOP_KEPT:
+                del top[min(top, key=lambda root: top[root][0])]
+            top[chain[0]] = [1, len(chain), at]
+            return
+        entry[0] += 1
+        entry[1] = max(entry[1], len(chain))
+        entry[2] = max(entry[2], at)
 
     def _capacity(self, endpoint: str) -> int:
         """The most blocks `endpoint`'s LRU keeps: its engine's KV cache, as its metrics say."""
@@ -200,19 +229,36 @@ class PrefixBoard:
 
     # ---- operability --------------------------------------------------------------------------
 
+    def memory_bytes(self) -> int:
+        """An estimate: 1M blocks cost about 130 MB in the sent index, 80 MB in the held one.
+        The sent index is bounded by its endpoints' capacities (an engine of 30,000 16-token
+        KV blocks: 7,500 blocks here, about 1 MB); the held one by what the engines hold."""
+        return SENT_BYTES_PER_BLOCK * self.sent.size() + HELD_BYTES_PER_BLOCK * self.held.size()
+
     def endpoints(self) -> list[str]:
         return sorted({str(k) for k in self.sent.keys()} | {str(k) for k in self.held.keys()})
 
-    def describe(self, endpoint: str, roots: int = 5) -> dict[str, Any]:
-        """What `llmgw state` shows of an endpoint: blocks held by each index, its capacity,
-        and its most recent blocks (their hashes and when they were last sent)."""
-        return {
-            "sent_blocks": self.sent.size(endpoint),
-            "capacity_blocks": self.sent.capacity(endpoint),
-            "held_blocks": self.held.size(endpoint),
-            "events_seq": self._held_seq.get(endpoint),
-            "recent": [
-                {"block": f"{block:016x}", "sent_at": at}
-                for block, at in self.sent.top(endpoint, roots)
-            ],
-        }
+    def summary(self, top: int = 5) -> tuple[EndpointPrefixes, ...]:
+        """What `llmgw state` shows: each endpoint's index sizes and its `top` prefixes by
+        placements."""
+        rows = []
+        for endpoint in self.endpoints():
+            kept = sorted(self._top.get(endpoint, {}).items(), key=lambda item: -item[1][0])[:top]
+            rows.append(
+                EndpointPrefixes(
+                    endpoint=endpoint,
+                    sent_blocks=self.sent.size(endpoint),
+                    capacity_blocks=self.sent.capacity(endpoint),
+                    held_blocks=self.held.size(endpoint),
+                    top=tuple(
+                        PrefixTop(
+                            prefix=f"{root:016x}",
+                            placements=int(count),
+                            blocks=int(blocks),
+                            last_at=at,
+                        )
+                        for root, (count, blocks, at) in kept
+                    ),
+                )
+            )
+        return tuple(rows)

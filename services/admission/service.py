@@ -827,7 +827,8 @@ class AdmissionService:
         lease = self._apply(request, outcome, served, pin, now)
         endpoint = self.catalog.endpoint_config(outcome.endpoint)
         if context.prompt is not None and not self.catalog.is_unlimited(outcome.provider):
-            self.prefixes.placed(endpoint.id, served, context.prompt, now)
+            share = self.prefixes.placed(endpoint.id, served, context.prompt, now)
+            self.metrics.child(self.metrics.prefix_share, "sent").observe(share)
         self.breakers.take(endpoint.id, now)  # half open: this request is the probe
         self.metrics.child(self.metrics.placements, outcome.provider, outcome.route.value).inc()
         if outcome.affinity_break is not None:
@@ -1303,6 +1304,7 @@ class AdmissionService:
             leases_by_kind=kinds,
             edges=len(self.ledger.edges()),
             leases_by_endpoint=by_endpoint,
+            prefixes=self.prefixes.summary(),
             fleet_revision=self.fleet_revision,
             config_revision=self.config_revision,
         )

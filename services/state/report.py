@@ -20,7 +20,7 @@ from llmgw.config.durations import format_duration
 from llmgw.core.keys import MemberValue, PinValue, ShardValue
 from llmgw.core.quota import PairLimits, QuotaBook
 from llmgw.load import EndpointReport
-from llmgw.wire import StateReply
+from llmgw.wire import EndpointPrefixes, StateReply
 
 __all__ = [
     "EndpointState",
@@ -112,6 +112,10 @@ class StateReport:
     leases_by_kind: Mapping[str, int] = field(default_factory=dict)
     endpoints: tuple[EndpointState, ...] = ()
     load_bucket: str | None = None  # None: not read (no such bucket)
+    # What the prefix indexes hold, as one answering instance sees it (every instance builds
+    # the same from the prefix stream), and which instance that is.
+    prefixes: tuple[EndpointPrefixes, ...] = ()
+    prefixes_of: str | None = None
 
 
 def build_report(
@@ -215,6 +219,8 @@ def build_report(
             )
         )
     pin_reports.sort(key=lambda p: (p.model, p.provider, p.session))
+    # The index of the instance that knows most (all read the same stream).
+    seer = max(answered.values(), key=lambda r: len(r.prefixes), default=None)
     return StateReport(
         bucket,
         now,
@@ -228,6 +234,8 @@ def build_report(
         kinds,
         tuple(_endpoint_state(r, now) for r in sorted(endpoints, key=lambda r: r.endpoint)),
         load_bucket,
+        seer.prefixes if seer is not None else (),
+        seer.instance if seer is not None and seer.prefixes else None,
     )
 
 
@@ -254,6 +262,7 @@ def _endpoint_state(report: EndpointReport, now: float) -> EndpointState:
 def report_json(report: StateReport, *, with_pins: bool) -> dict[str, Any]:
     """The machine-readable form (`llmgw state --json`); durations in seconds."""
     data = {"v": 2, **asdict(report)}
+    data["prefixes"] = [endpoint.model_dump() for endpoint in report.prefixes]
     if not with_pins:
         del data["pins"]
     return data
@@ -319,6 +328,7 @@ def format_report(report: StateReport, *, with_pins: bool) -> str:
     else:
         lines.append("  none (start `llmgw admission`, or `llmgw up`)")
     lines += _endpoint_lines(report)
+    lines += _prefix_lines(report)
     if with_pins:
         lines += ["", f"pins ({len(report.pins)}):"]
     if with_pins and report.pins:
@@ -384,4 +394,32 @@ def _endpoint_lines(report: StateReport) -> list[str]:
             ]
             for e in report.endpoints
         ],
+    )
+
+
+def _prefix_lines(report: StateReport) -> list[str]:
+    """What each endpoint's prefix cache is believed to hold, and the prompt prefixes placed
+    there most (by their first block's hash: prompts are never shown)."""
+    if not report.prefixes:
+        return []
+    lines = ["", f"prefix caches (as {report.prefixes_of} sees them):"]
+    rows = []
+    for endpoint in report.prefixes:
+        rows.append(
+            [
+                endpoint.endpoint,
+                f"{endpoint.sent_blocks}/{endpoint.capacity_blocks}",
+                str(endpoint.held_blocks),
+                "",
+                "",
+                "",
+            ]
+        )
+        for top in endpoint.top:
+            ago = max(0.0, report.at - top.last_at)
+            rows.append(
+                ["", "", "", top.prefix, f"{top.placements} ({top.blocks} blocks)", f"{ago:.0f}s"]
+            )
+    return lines + _table(
+        ["endpoint", "sent blocks", "held blocks", "top prefixes", "placements", "last"], rows
     )

@@ -135,3 +135,28 @@ def test_a_prompt_prefix_says_what_share_a_match_covers():
     prefix = PromptPrefix(chain=(1, 2, 3), length=800, block_bytes=256)
     assert prefix.share(0) == 0.0 and prefix.share(2) == 512 / 800 and prefix.share(9) == 1.0
     assert PromptPrefix((), 0, 256).share(3) == 0.0
+
+
+def test_a_block_costs_what_the_board_says_it_does():
+    """The memory figures `PrefixBoard.memory_bytes` reports (and docs/architecture.md
+    states): measured, with a margin for the interpreter's allocator."""
+    import random
+    import tracemalloc
+
+    from llmgw.services.admission.prefixes import HELD_BYTES_PER_BLOCK, SENT_BYTES_PER_BLOCK
+
+    blocks = 100_000
+    draw = random.Random(7).getrandbits
+    chain = [draw(64) for _ in range(blocks)]
+    tracemalloc.start()
+    try:
+        sent = SentIndex(blocks)
+        sent.record("e", chain, 1.0)
+        sent_bytes = tracemalloc.get_traced_memory()[0]
+        held = HeldIndex()
+        held.store("e", chain)
+        held_bytes = tracemalloc.get_traced_memory()[0] - sent_bytes
+    finally:
+        tracemalloc.stop()
+    assert 0.7 * SENT_BYTES_PER_BLOCK <= sent_bytes / blocks <= 1.2 * SENT_BYTES_PER_BLOCK
+    assert 0.5 * HELD_BYTES_PER_BLOCK <= held_bytes / blocks <= 1.2 * HELD_BYTES_PER_BLOCK
