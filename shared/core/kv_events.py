@@ -52,6 +52,7 @@ __all__ = [
     "KvSync",
     "KvTranslator",
     "Received",
+    "ReplayResult",
     "decode_batch",
     "decode_seq",
 ]
@@ -428,6 +429,19 @@ class BatchResult(enum.Enum):
     RESTARTED = "restarted"  # the sequence went back: the engine restarted; cleared
     MALFORMED = "malformed"  # unreadable: left out (the batches after it see a gap)
     OTHER_TOPIC = "other_topic"  # another publisher's topic that shares our topic's prefix
+
+
+class ReplayResult(enum.Enum):
+    """What became of one replay asked of an engine (a metrics label)."""
+
+    FILLED = "filled"  # it brought every missed batch
+    LOST = "lost"  # it answered without all of them (older than its buffer, or unreadable)
+    FAILED = "failed"  # no answer in time, or one that is not a replay's
+
+    @classmethod
+    def of(cls, filled: bool | None) -> ReplayResult:
+        """The result of a replay that answered, by `Received.filled`."""
+        return cls.FILLED if filled else cls.LOST
 
 
 @dataclass(frozen=True, slots=True)
