@@ -33,8 +33,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
-
 from llmgw.core.prefix import token_chain, token_root
 
 __all__ = [
@@ -147,6 +145,10 @@ def decode_seq(frame: bytes) -> int:
 
 def decode_batch(payload: bytes) -> KvBatch:
     """`payload` (msgpack) as a batch; `KvEventsError` says what is wrong with a bad one."""
+    # Imported here: msgpack comes with the kv-events extra, and this module's enums are
+    # the scraper's metric labels whether it is installed or not.
+    import msgpack
+
     try:
         raw = msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=True)
     except Exception as exc:  # msgpack's own errors, bad UTF-8, a truncated payload...
