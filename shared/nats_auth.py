@@ -57,6 +57,7 @@ from llmgw.wire import (
     BUDGET_LEND_PREFIX,
     EDGE_CONFIG_SUBJECT,
     KEYS_USAGE_SUBJECT,
+    PREFIX_HELD_PREFIX,
     PREFIX_SENT_PREFIX,
     REQUEST_STATS_SUBJECT,
     SPEND_TOTALS_SUBJECT,
@@ -122,9 +123,14 @@ def _own_bucket(bucket: str) -> list[str]:
     return [*_create_stream(f"KV_{bucket}"), *_read_bucket(bucket), f"$KV.{bucket}.>"]
 
 
+def _ensure_stream(stream: str) -> list[str]:
+    """Create or update the stream `stream` at start (`llmgw.state.streams.ensure_stream`)."""
+    return [*_create_stream(stream), f"{_API}.STREAM.INFO.{stream}"]
+
+
 def _events_stream(config: Config) -> list[str]:
     """Create the events stream at start and publish events (a service's part)."""
-    return [*_create_stream(config.events.stream), f"{_API}.STREAM.INFO.{config.events.stream}"]
+    return _ensure_stream(config.events.stream)
 
 
 def role_permissions(config: Config) -> dict[str, Permissions]:
@@ -218,6 +224,10 @@ def role_permissions(config: Config) -> dict[str, Permissions]:
                 *_own_bucket(load),
                 *_own_bucket(fleet),  # seeds and follows it
                 *_events_stream(config),
+                # Engines' KV cache events, republished into the prefix stream (acked on
+                # _INBOX); it creates the stream when it starts first.
+                f"{PREFIX_HELD_PREFIX}*",
+                *_ensure_stream(config.prefix.stream),
             ),
             subscribe=(INBOX,),
         ),

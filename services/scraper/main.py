@@ -3,8 +3,12 @@
 Connects to NATS, opens the load bucket (``router.load_bucket``, memory storage, history 1),
 creates the one HTTP client every scrape shares, and runs `Scraper` rounds every
 ``router.scrape_interval`` until SIGTERM/SIGINT, which lets the current round finish before
-exiting 0. Prints "llmgw scraper ready (...)" once running. Several scrapers may run at once:
-duplicates are harmless (see `llmgw.load`).
+exiting 0. With cache-aware placement on (``prefix.enabled``), it also reads the KV cache events
+of every endpoint that publishes them (``endpoints[].kv_events``; `kv_events.KvEvents`, which
+needs the ``kv-events`` extra) into the prefix stream, which it creates if missing. Both follow
+the live fleet. Prints "llmgw scraper ready (...)" once running. Several scrapers may run at
+once: duplicates are harmless (see `llmgw.load`; two scrapers' KV cache updates count each
+block twice and remove it twice).
 """
 
 from __future__ import annotations
@@ -29,13 +33,16 @@ from llmgw.runtime import (
     wait_for_stop_signal,
 )
 from llmgw.services.scraper.metrics import ScraperMetrics
-from llmgw.services.scraper.reports import saturation_settings, scrape_targets
+from llmgw.services.scraper.reports import kv_event_sources, saturation_settings, scrape_targets
 from llmgw.services.scraper.service import Scraper, new_http_client
 from llmgw.state.fleet import start_fleet
 from llmgw.state.setup import open_events_stream, open_load_bucket
 
 if TYPE_CHECKING:
+    from nats.aio.client import Client as NATS
+
     from llmgw.contracts import Clock
+    from llmgw.services.scraper.kv_events import KvEvents
 
 __all__ = ["run", "serve"]
 
@@ -54,6 +61,36 @@ def run(args: argparse.Namespace) -> int:
 async def _set_on_signal(stop: asyncio.Event) -> None:
     await wait_for_stop_signal()
     stop.set()
+
+
+async def start_kv_events(
+    nc: NATS, config: Config, metrics: ScraperMetrics, *, clock: Clock, timer: Clock
+) -> KvEvents | None:
+    """The KV cache events' readers (none yet: `retarget` starts them), publishing to the
+    prefix stream (created if missing); None when cache-aware placement is off or the
+    ``kv-events`` extra (pyzmq, msgpack) is not installed."""
+    if not config.prefix.enabled:
+        return None
+    try:
+        from llmgw.services.scraper.kv_events import (
+            KvEvents,
+            KvEventsSettings,
+            LiveSink,
+            StreamSink,
+        )
+    except ImportError as exc:
+        log.info("KV cache events cannot be read (%s): the kv-events extra is missing", exc)
+        return None
+    from llmgw.prefix_stream import ensure_prefix_stream
+
+    settings = KvEventsSettings.of(config)
+    js = nc.jetstream()
+    sink: StreamSink | LiveSink
+    if await ensure_prefix_stream(js, config):
+        sink = StreamSink(js, ack_timeout=settings.ack_timeout, timer=timer)
+    else:
+        sink = LiveSink(nc)
+    return KvEvents(sink=sink, metrics=metrics, settings=settings, clock=clock, timer=timer)
 
 
 async def serve(
@@ -88,7 +125,9 @@ async def serve(
     if not targets:
         log.warning("no endpoint of a managed provider in the fleet yet: nothing to scrape")
     client = new_http_client(router.scrape_timeout, max(len(targets), 8))
+    metrics = metrics or ScraperMetrics()
     admin_server = None
+    kv_events: KvEvents | None = None
     try:
         bucket = await open_load_bucket(nc, config)
         await open_events_stream(nc, config)
@@ -97,7 +136,7 @@ async def serve(
             client=client,
             bucket=bucket,
             publisher=nc,
-            metrics=metrics or ScraperMetrics(),
+            metrics=metrics,
             settings=saturation_settings(config),
             instance=instance,
             interval=router.scrape_interval,
@@ -107,10 +146,24 @@ async def serve(
             timer=timer,
         )
         await scraper.adopt_known_capacity()
+        kv_events = await start_kv_events(nc, config, metrics, clock=clock, timer=timer)
+        missing_extra_said = False
 
         def follow(snapshot: Fleet) -> None:
+            nonlocal missing_extra_said
             live = live_config(base, snapshot)
             scraper.retarget(scrape_targets(live), capacity_floors(live))
+            sources = kv_event_sources(live)
+            if kv_events is not None:
+                kv_events.retarget(sources)
+            elif sources and config.prefix.enabled and not missing_extra_said:
+                missing_extra_said = True
+                log.warning(
+                    "endpoints %s publish KV cache events, but the kv-events extra is not "
+                    "installed (pip install 'llmgw[kv-events]'): placement goes by what was "
+                    "sent there",
+                    ", ".join(sorted(sources)),
+                )
 
         fleet.on_change(follow)
         follow(fleet.fleet)  # a change between the first snapshot and now
@@ -140,6 +193,8 @@ async def serve(
                 await signal_task
         if admin_server is not None:
             await admin_server.stop()
+        if kv_events is not None:
+            await kv_events.stop()
         await fleet.stop()
         await client.aclose()
         await natsconn.drain_or_close(nc)

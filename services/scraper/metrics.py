@@ -2,8 +2,9 @@
 
 Per endpoint (label ``endpoint``): scrapes by result, scrape duration, scrape age, health,
 saturation, learned capacity, the engine's metrics dialect and how much of it it shows, and the
-engine's own running / waiting / KV usage (a gauge the engine does not report has no series).
-Per pool
+engine's own running / waiting / KV usage (a gauge the engine does not report has no series);
+for an engine with KV cache events, its batches by result, events left out by reason, replays
+by result, the lag of republishing, the last batch's time and the blocks it holds. Per pool
 (labels ``provider``, ``pool``): saturation. Endpoints are a config-bounded set, so the labels
 stay low-cardinality.
 """
@@ -16,6 +17,7 @@ from collections.abc import Callable, Iterable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 
+from llmgw.core.kv_events import BatchResult, Dropped, ReplayResult
 from llmgw.load import EndpointReport, PoolReport
 from llmgw.services.scraper.reports import ScrapeOutcome
 from llmgw.telemetry import service_registry
@@ -23,7 +25,8 @@ from llmgw.telemetry import service_registry
 __all__ = ["PUBLISH_KINDS", "ScraperMetrics"]
 
 _DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
-PUBLISH_KINDS = ("kv", "event")
+_LAG_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+PUBLISH_KINDS = ("kv", "event", "prefix")
 
 AgeSource = Callable[[], Iterable[tuple[str, float | None]]]
 
@@ -109,7 +112,8 @@ class ScraperMetrics:
         )
         self.publish_failures = Counter(
             "llmgw_scraper_publish_failures",
-            "Reports that could not be written to the load bucket (kv) or published (event).",
+            "Reports that could not be written to the load bucket (kv) or published (event), "
+            "and KV cache updates the prefix stream did not store (prefix).",
             ["kind"],
             registry=r,
         )
@@ -117,6 +121,43 @@ class ScraperMetrics:
             self.publish_failures.labels(kind)
         self._ages = _AgeCollector()
         r.register(self._ages)
+        self.kv_batches = Counter(
+            "llmgw_scraper_kv_batches",
+            "KV cache event batches read from the endpoint's engine, by result.",
+            ["endpoint", "result"],
+            registry=r,
+        )
+        self.kv_events_dropped = Counter(
+            "llmgw_scraper_kv_events_dropped",
+            "KV cache events left out, by reason.",
+            ["endpoint", "reason"],
+            registry=r,
+        )
+        self.kv_replays = Counter(
+            "llmgw_scraper_kv_replays",
+            "Replays of missed batches asked of the endpoint's engine, by result.",
+            ["endpoint", "result"],
+            registry=r,
+        )
+        self.kv_lag = Histogram(
+            "llmgw_scraper_kv_lag_seconds",
+            "From a batch's timestamp (the engine's clock) to its republishing (the scraper's).",
+            ["endpoint"],
+            buckets=_LAG_BUCKETS,
+            registry=r,
+        )
+        self.kv_last_batch = Gauge(
+            "llmgw_scraper_kv_last_batch_timestamp_seconds",
+            "Unix time at which the endpoint's last KV cache event batch was read.",
+            ["endpoint"],
+            registry=r,
+        )
+        self.kv_blocks = Gauge(
+            "llmgw_scraper_kv_blocks",
+            "Blocks the endpoint's engine holds as its KV cache events said (those republished).",
+            ["endpoint"],
+            registry=r,
+        )
 
     def watch_ages(self, source: AgeSource) -> None:
         """Read scrape ages from `source` at collection time: (endpoint, age or None if never)."""
@@ -127,6 +168,16 @@ class ScraperMetrics:
         for endpoint in endpoints:
             for outcome in ScrapeOutcome:
                 self.scrapes.labels(endpoint, outcome.value)
+
+    def declare_kv(self, endpoint: str) -> None:
+        """Pre-create an endpoint's KV cache event series (zeros from the start)."""
+        for result in BatchResult:
+            self.kv_batches.labels(endpoint, result.value)
+        for reason in Dropped:
+            self.kv_events_dropped.labels(endpoint, reason.value)
+        for replay in ReplayResult:
+            self.kv_replays.labels(endpoint, replay.value)
+        self.kv_blocks.labels(endpoint).set(0)
 
     def observe_scrape(
         self, report: EndpointReport, outcome: ScrapeOutcome, duration: float

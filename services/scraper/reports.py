@@ -26,6 +26,7 @@ from llmgw.load import EndpointReport, LoadSample, MetricsMode, PoolReport
 
 if TYPE_CHECKING:
     from llmgw.config import Config
+    from llmgw.config.catalog import KvEventsSource
 
 __all__ = [
     "ERROR_TEXT_LIMIT",
@@ -40,6 +41,7 @@ __all__ = [
     "health_event_verb",
     "health_verdict",
     "known_capacities",
+    "kv_event_sources",
     "pool_reports",
     "read_sample",
     "saturation_settings",
@@ -107,6 +109,11 @@ def scrape_targets(config: Config) -> list[ScrapeTarget]:
         for e in config.endpoints
         if config.provider(e.provider).kind == "managed"
     ]
+
+
+def kv_event_sources(config: Config) -> dict[str, KvEventsSource]:
+    """Where each endpoint's engine publishes its KV cache events (those that do), by id."""
+    return {e.id: e.kv_events for e in config.endpoints if e.kv_events is not None}
 
 
 def saturation_settings(config: Config) -> SaturationSettings:

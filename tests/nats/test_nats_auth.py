@@ -23,7 +23,7 @@ from llmgw.config import Config, load_config
 from llmgw.core.apikeys import ApiKey, digest_of
 from llmgw.nats_auth import ROLES, SERVICE_ROLES, render_server_config, role_permissions
 from llmgw.nats_embedded import EmbeddedNats
-from llmgw.prefix_stream import PREFIX_SUBJECTS
+from llmgw.prefix_stream import PREFIX_SUBJECTS, ensure_prefix_stream
 from llmgw.state.apikeys import open_key_bucket
 from llmgw.state.nats_kv import NatsKV
 from llmgw.state.setup import open_load_bucket, open_routing_store
@@ -249,3 +249,17 @@ async def test_the_events_role_taps_the_public_subjects_live(connect) -> None:
     assert reader.violations == [] and edge.violations == []
     await reader.nc.publish(wire.REQUEST_STATS_SUBJECT, b"{}")  # a reader, not a publisher
     assert wire.REQUEST_STATS_SUBJECT in await reader.denied()
+
+
+@pytestmark_async
+async def test_the_scraper_creates_the_prefix_stream_and_publishes_only_held_updates(
+    connect, config: Config
+) -> None:
+    scraper = await connect("scraper")
+    js = scraper.nc.jetstream(timeout=2)
+    assert await ensure_prefix_stream(js, config)  # created, then found as configured
+    assert await ensure_prefix_stream(js, config)
+    ack = await js.publish(wire.prefix_held_subject("engine-1"), b"{}")
+    assert ack.stream == config.prefix.stream and scraper.violations == []
+    await scraper.nc.publish(wire.prefix_sent_subject("engine-1"), b"{}")  # admission's
+    assert wire.prefix_sent_subject("engine-1") in await scraper.denied()
