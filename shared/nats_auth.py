@@ -57,10 +57,10 @@ from llmgw.wire import (
     BUDGET_LEND_PREFIX,
     EDGE_CONFIG_SUBJECT,
     KEYS_USAGE_SUBJECT,
-    PREFIX_HELD_PREFIX,
-    PREFIX_SENT_PREFIX,
     REQUEST_STATS_SUBJECT,
     SPEND_TOTALS_SUBJECT,
+    prefix_held_subject,
+    prefix_sent_subject,
 )
 
 if TYPE_CHECKING:
@@ -184,9 +184,9 @@ def role_permissions(config: Config) -> dict[str, Permissions]:
                 *_own_bucket(spend),  # the edges' spend totals, written down
                 # Cache-aware placement: its placements on the prefix stream, which it creates
                 # (as the scraper does) and reads back from the start (an ordered consumer).
-                f"{PREFIX_SENT_PREFIX}*",
-                *_create_stream(config.prefix.stream),
-                *_read_stream(config.prefix.stream),
+                prefix_sent_subject(config.prefix_stream, "*"),
+                *_create_stream(config.prefix_stream),
+                *_read_stream(config.prefix_stream),
             ),
             subscribe=(
                 INBOX,
@@ -226,8 +226,8 @@ def role_permissions(config: Config) -> dict[str, Permissions]:
                 *_events_stream(config),
                 # Engines' KV cache events, republished into the prefix stream (acked on
                 # _INBOX); it creates the stream when it starts first.
-                f"{PREFIX_HELD_PREFIX}*",
-                *_ensure_stream(config.prefix.stream),
+                prefix_held_subject(config.prefix_stream, "*"),
+                *_ensure_stream(config.prefix_stream),
             ),
             subscribe=(INBOX,),
         ),

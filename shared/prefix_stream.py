@@ -1,8 +1,8 @@
 """The prefix stream: what each endpoint's prefix cache holds, for every admission instance.
 
 Admission instances publish the prompts they place (`PrefixSent`), the scraper what engines'
-KV cache events say they hold (`PrefixHeld`); both on `llmgw.v1.prefix.>`, kept in one
-JetStream stream (`prefix.stream`) for `prefix.max_age` and at most `prefix.max_bytes`, so an
+KV cache events say they hold (`PrefixHeld`); both on `llmgw.v1.prefix.<stream>.>`, kept in one
+JetStream stream (`Config.prefix_stream`) for `prefix.max_age` and at most `prefix.max_bytes`, so an
 instance that starts reads the recent past and builds the same index as the others. Whoever
 starts first creates the stream; a stream that exists with other limits is updated.
 """
@@ -14,31 +14,28 @@ from typing import TYPE_CHECKING
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 
 from llmgw.state.streams import ensure_stream
-from llmgw.wire import PREFIX_HELD_PREFIX
+from llmgw.wire import prefix_subjects
 
 if TYPE_CHECKING:
     from nats.js.client import JetStreamContext
 
     from llmgw.config.schema import Config
 
-__all__ = ["PREFIX_SUBJECTS", "ensure_prefix_stream", "prefix_stream_config"]
-
-# Every subject of the stream: sent (admission) and held (scraper).
-PREFIX_SUBJECTS = PREFIX_HELD_PREFIX.rsplit(".", 2)[0] + ".>"
+__all__ = ["ensure_prefix_stream", "prefix_stream_config"]
 
 
 def prefix_stream_config(config: Config) -> StreamConfig:
     prefix = config.prefix
     return StreamConfig(
-        name=prefix.stream,
+        name=config.prefix_stream,
         description="llmgw prefix caches: placements and KV cache events",
-        subjects=[PREFIX_SUBJECTS],
+        subjects=[prefix_subjects(config.prefix_stream)],
         retention=RetentionPolicy.LIMITS,
         discard=DiscardPolicy.OLD,
         max_age=prefix.max_age,
         max_bytes=prefix.max_bytes,
         storage=StorageType.FILE,
-        num_replicas=config.replicas_of(prefix.stream),
+        num_replicas=config.replicas_of(config.prefix_stream),
     )
 
 

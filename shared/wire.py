@@ -60,20 +60,25 @@ BUDGET_GRANT_SUBJECT = "llmgw.v1.spend.grant"
 # an edge whose grant cannot fit a request (llmgw.core.budget, loans).
 BUDGET_LEND_PREFIX = "llmgw.v1.spend.lend."
 
-# What an endpoint's prefix cache holds, for every admission instance; both are kept in the
-# JetStream stream `prefix.stream`, so an instance that starts catches up.
-# Admission instance -> everyone: the text chain of a prompt it placed on an endpoint.
-PREFIX_SENT_PREFIX = "llmgw.v1.prefix.sent."
-# Scraper -> everyone: the blocks an engine's KV cache events say it stored and removed.
-PREFIX_HELD_PREFIX = "llmgw.v1.prefix.held."
+# What an endpoint's prefix cache holds, for every admission instance, on subjects of one
+# gateway's prefix stream (`Config.prefix_stream`), so two gateways (or two tests) sharing a NATS
+# server never read each other's: `llmgw.v1.prefix.<stream>.sent.<endpoint>` (an admission
+# instance placed a prompt there) and `.held.<endpoint>` (the scraper: what the engine's KV
+# cache events say it holds). Kept in the stream, so an instance that starts catches up.
+PREFIX_SUBJECT_ROOT = "llmgw.v1.prefix"
 
 
-def prefix_sent_subject(endpoint: str) -> str:
-    return f"{PREFIX_SENT_PREFIX}{endpoint}"
+def prefix_subjects(stream: str) -> str:
+    """Every subject of the prefix stream `stream`."""
+    return f"{PREFIX_SUBJECT_ROOT}.{stream}.>"
 
 
-def prefix_held_subject(endpoint: str) -> str:
-    return f"{PREFIX_HELD_PREFIX}{endpoint}"
+def prefix_sent_subject(stream: str, endpoint: str) -> str:
+    return f"{PREFIX_SUBJECT_ROOT}.{stream}.sent.{endpoint}"
+
+
+def prefix_held_subject(stream: str, endpoint: str) -> str:
+    return f"{PREFIX_SUBJECT_ROOT}.{stream}.held.{endpoint}"
 
 
 def admission_subject(shard: int) -> str:

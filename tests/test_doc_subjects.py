@@ -24,6 +24,11 @@ def code_subjects() -> set[str]:
     subjects = {v for k, v in vars(wire).items() if k.endswith("_SUBJECT")}
     subjects |= {v + ANY for k, v in vars(wire).items() if k.endswith("_PREFIX")}
     subjects |= {event_subject(kind, ANY) for kind in EVENT_KINDS}
+    subjects |= {
+        wire.prefix_subjects(ANY),
+        wire.prefix_sent_subject(ANY, ANY),
+        wire.prefix_held_subject(ANY, ANY),
+    }
     assert all(s.startswith("llmgw.v1.") for s in subjects)
     return subjects
 

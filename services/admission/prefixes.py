@@ -5,7 +5,7 @@ catalog: what share of a request's prompt does this endpoint hold (`share`, 0..1
 
 - **sent** (any engine): every prompt an instance places on a managed endpoint is recorded
   there (`placed`): in this instance's `SentIndex` at once, and for the others as a
-  `PrefixSent` on the prefix stream (`llmgw.prefix_stream`), published after the decision,
+  `PrefixSent` on the gateway's prefix stream (`llmgw.prefix_stream`), published after the decision,
   never waited for. Each endpoint's LRU is bounded by its engine's KV cache
   (`vllm:cache_config_info`: num_gpu_blocks x block_size tokens, about 4 bytes of prompt per
   token) or `prefix.default_kv_tokens`;
@@ -33,15 +33,15 @@ from nats.js.api import DeliverPolicy
 from pydantic import ValidationError
 
 from llmgw.core.prefix import HeldIndex, PromptPrefix, SentIndex, pack, unpack
-from llmgw.prefix_stream import PREFIX_SUBJECTS, ensure_prefix_stream
+from llmgw.prefix_stream import ensure_prefix_stream
 from llmgw.wire import (
-    PREFIX_HELD_PREFIX,
-    PREFIX_SENT_PREFIX,
     EndpointPrefixes,
     PrefixHeld,
     PrefixSent,
     PrefixTop,
+    prefix_held_subject,
     prefix_sent_subject,
+    prefix_subjects,
 )
 
 if TYPE_CHECKING:
@@ -96,6 +96,9 @@ class PrefixBoard:
         self.enabled = prefix.enabled
         self.block_bytes = prefix.block_bytes
         self.predicted_ttl = prefix.predicted_ttl
+        self.stream = config.prefix_stream
+        self._sent_subjects = prefix_sent_subject(self.stream, "")
+        self._held_subjects = prefix_held_subject(self.stream, "")
         self._config = config
 
     def _blocks_of(self, tokens: int) -> int:
@@ -113,8 +116,8 @@ class PrefixBoard:
             return
         try:  # the stream keeps `prefix.max_age`: all of it is the recent past
             self._sub = await js.subscribe(
-                PREFIX_SUBJECTS,
-                stream=self._config.prefix.stream,
+                prefix_subjects(self.stream),
+                stream=self.stream,
                 cb=self._on_message,
                 ordered_consumer=True,
                 deliver_policy=DeliverPolicy.ALL,
@@ -135,7 +138,7 @@ class PrefixBoard:
 
     async def _on_message(self, msg: Msg) -> None:
         try:
-            if msg.subject.startswith(PREFIX_SENT_PREFIX):
+            if msg.subject.startswith(self._sent_subjects):
                 sent = PrefixSent.model_validate_json(msg.data)
                 if sent.instance == self.instance:
                     self.received["own"] += 1
@@ -144,7 +147,7 @@ class PrefixBoard:
                 self.sent.record(sent.endpoint, chain, sent.at)
                 self._count(sent.endpoint, chain, sent.at)
                 self.received["sent"] += 1
-            elif msg.subject.startswith(PREFIX_HELD_PREFIX):
+            elif msg.subject.startswith(self._held_subjects):
                 self._apply_held(PrefixHeld.model_validate_json(msg.data))
                 self.received["held"] += 1
         except (ValidationError, ValueError):
@@ -188,7 +191,8 @@ class PrefixBoard:
         message = PrefixSent(
             instance=self.instance, endpoint=endpoint, model=model, at=now, chain=pack(prompt.chain)
         )
-        self._outbox.append((prefix_sent_subject(endpoint), message.model_dump_json().encode()))
+        subject = prefix_sent_subject(self.stream, endpoint)
+        self._outbox.append((subject, message.model_dump_json().encode()))
         if self._flushing is None or self._flushing.done():
             self._flushing = asyncio.get_running_loop().create_task(self._flush())
         return share

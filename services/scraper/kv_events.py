@@ -1,6 +1,6 @@
 """Engines' KV cache events (``endpoints[].kv_events``), republished for admission: each
 engine's batches, translated into our token chains (`llmgw.core.kv_events`), become
-`llmgw.wire.PrefixHeld` updates on `prefix_held_subject(endpoint)`, kept in the prefix stream
+`llmgw.wire.PrefixHeld` updates on `prefix_held_subject(stream, endpoint)`, kept in the prefix stream
 (`llmgw.prefix_stream`), so every admission instance builds the same index of what each
 endpoint holds and one that starts catches up from the stream.
 
@@ -119,22 +119,25 @@ class HeldSink(Protocol):
         ...
 
 
-def _subject_and_data(message: PrefixHeld) -> tuple[str, bytes]:
-    return prefix_held_subject(message.endpoint), message.model_dump_json().encode()
+def _subject_and_data(stream: str, message: PrefixHeld) -> tuple[str, bytes]:
+    return prefix_held_subject(stream, message.endpoint), message.model_dump_json().encode()
 
 
 class StreamSink:
     """Publishes to the prefix stream without waiting for each ack: the acks of an endpoint's
     messages are looked at in order by `lost`, the next time its reader asks."""
 
-    def __init__(self, js: JetStreamContext, *, ack_timeout: float, timer: Clock) -> None:
+    def __init__(
+        self, js: JetStreamContext, stream: str, *, ack_timeout: float, timer: Clock
+    ) -> None:
         self._js = js
+        self._stream = stream
         self._ack_timeout = ack_timeout
         self._timer = timer
         self._pending: dict[str, deque[tuple[float, asyncio.Future[PubAck]]]] = {}
 
     async def send(self, message: PrefixHeld) -> None:
-        subject, data = _subject_and_data(message)
+        subject, data = _subject_and_data(self._stream, message)
         future = await self._js.publish_async(subject, data, wait_stall=self._ack_timeout)
         deadline = self._timer() + self._ack_timeout
         self._pending.setdefault(message.endpoint, deque()).append((deadline, future))
@@ -162,11 +165,12 @@ class LiveSink:
     """Plain publishes, for when the prefix stream could not be had: live subscribers get
     them (and a stream created later keeps them); nothing is known lost."""
 
-    def __init__(self, nc: NATS) -> None:
+    def __init__(self, nc: NATS, stream: str) -> None:
         self._nc = nc
+        self._stream = stream
 
     async def send(self, message: PrefixHeld) -> None:
-        await self._nc.publish(*_subject_and_data(message))
+        await self._nc.publish(*_subject_and_data(self._stream, message))
 
     def lost(self, endpoint: str) -> int:
         return 0

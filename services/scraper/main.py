@@ -87,9 +87,9 @@ async def start_kv_events(
     js = nc.jetstream()
     sink: StreamSink | LiveSink
     if await ensure_prefix_stream(js, config):
-        sink = StreamSink(js, ack_timeout=settings.ack_timeout, timer=timer)
+        sink = StreamSink(js, config.prefix_stream, ack_timeout=settings.ack_timeout, timer=timer)
     else:
-        sink = LiveSink(nc)
+        sink = LiveSink(nc, config.prefix_stream)
     return KvEvents(sink=sink, metrics=metrics, settings=settings, clock=clock, timer=timer)
 
 

@@ -222,6 +222,11 @@ class Config(BaseSettings):
         return parse_hostport(self.admin_listen)[1]
 
     # -- JetStream placement --
+    @property
+    def prefix_stream(self) -> str:
+        """The prefix stream's name: `prefix.stream`, else the routing bucket's + "_prefix"."""
+        return self.prefix.stream or f"{self.pinning.bucket}_prefix"
+
     def replicas_of(self, bucket: str) -> int:
         """Replicas of the KV bucket (or stream) `bucket`: the one place that decides them.
 

@@ -409,8 +409,9 @@ class PrefixConfig(StrictModel):
     # holds (0..1). 0: cache-blind.
     weight: float = Field(1.0, ge=0)
     # What an endpoint holds, for every admission instance (placements, and the engines' KV
-    # cache events): a JetStream stream kept this long and at most this large.
-    stream: str = Field("llmgw_prefix", pattern=r"^[A-Za-z0-9_-]+$")
+    # cache events): a JetStream stream kept this long and at most this large. null: named
+    # after the routing bucket (`pinning.bucket` + "_prefix"), so each gateway has its own.
+    stream: str | None = Field(None, pattern=r"^[A-Za-z0-9_-]+$")
     max_age: PositiveDuration = 600.0
     max_bytes: int = Field(256 * 1024 * 1024, ge=1024 * 1024)
     # An engine's KV cache in tokens when its metrics do not say (vllm:cache_config_info).

@@ -23,7 +23,7 @@ from llmgw.config import Config, load_config
 from llmgw.core.apikeys import ApiKey, digest_of
 from llmgw.nats_auth import ROLES, SERVICE_ROLES, render_server_config, role_permissions
 from llmgw.nats_embedded import EmbeddedNats
-from llmgw.prefix_stream import PREFIX_SUBJECTS, ensure_prefix_stream
+from llmgw.prefix_stream import ensure_prefix_stream
 from llmgw.state.apikeys import open_key_bucket
 from llmgw.state.nats_kv import NatsKV
 from llmgw.state.setup import open_load_bucket, open_routing_store
@@ -94,14 +94,14 @@ def test_every_wire_subject_has_a_role_that_publishes_it_and_one_that_listens(
         if name.endswith(("_SUBJECT", "_PREFIX")) and isinstance(value, str)
     ]
     assert subjects
-    # The prefix stream's subjects are read through the stream (a consumer), not subscribed.
-    prefix_stream_reader = f"$JS.API.CONSUMER.CREATE.{config.prefix.stream}"
     for subject in subjects:
         assert subject in published, f"no role may publish {subject}"
-        if subject.startswith(PREFIX_SUBJECTS.removesuffix(">")):
-            assert prefix_stream_reader in published, f"no role may read {subject}'s stream"
-        else:
-            assert subject in subscribed, f"no role may subscribe to {subject}"
+        assert subject in subscribed, f"no role may subscribe to {subject}"
+    # The prefix stream's subjects are published, and read through the stream (a consumer).
+    stream = config.prefix_stream
+    for subject in (wire.prefix_sent_subject(stream, "*"), wire.prefix_held_subject(stream, "*")):
+        assert subject in published, f"no role may publish {subject}"
+    assert f"$JS.API.CONSUMER.CREATE.{stream}" in published, "no role may read the prefix stream"
 
 
 def test_the_bucket_names_come_from_the_config(config: Config) -> None:
@@ -259,7 +259,8 @@ async def test_the_scraper_creates_the_prefix_stream_and_publishes_only_held_upd
     js = scraper.nc.jetstream(timeout=2)
     assert await ensure_prefix_stream(js, config)  # created, then found as configured
     assert await ensure_prefix_stream(js, config)
-    ack = await js.publish(wire.prefix_held_subject("engine-1"), b"{}")
-    assert ack.stream == config.prefix.stream and scraper.violations == []
-    await scraper.nc.publish(wire.prefix_sent_subject("engine-1"), b"{}")  # admission's
-    assert wire.prefix_sent_subject("engine-1") in await scraper.denied()
+    stream = config.prefix_stream
+    ack = await js.publish(wire.prefix_held_subject(stream, "engine-1"), b"{}")
+    assert ack.stream == stream and scraper.violations == []
+    await scraper.nc.publish(wire.prefix_sent_subject(stream, "engine-1"), b"{}")  # admission's
+    assert wire.prefix_sent_subject(stream, "engine-1") in await scraper.denied()

@@ -25,12 +25,12 @@ from llmgw.config import Config, config_from_dict
 from llmgw.config.catalog import EndpointConfig
 from llmgw.core.prefix import HeldIndex, token_chain, token_root, unpack
 from llmgw.fleet import FleetRecord
-from llmgw.prefix_stream import PREFIX_SUBJECTS, ensure_prefix_stream
+from llmgw.prefix_stream import ensure_prefix_stream
 from llmgw.services.scraper.kv_events import KvEvents, KvEventsSettings, StreamSink
 from llmgw.services.scraper.metrics import ScraperMetrics
 from llmgw.services.scraper.reports import kv_event_sources
 from llmgw.state.fleet import open_fleet
-from llmgw.wire import PREFIX_HELD_PREFIX, PrefixHeld
+from llmgw.wire import PrefixHeld, prefix_held_subject
 
 BS = 16
 NOWHERE = "http://127.0.0.1:9"  # the endpoints' HTTP side answers nothing: not what is tested
@@ -48,7 +48,7 @@ class HeldLog:
 
     async def start(self, nc: NatsClient, stream: str) -> HeldLog:
         self._subscription = await nc.jetstream().subscribe(
-            f"{PREFIX_HELD_PREFIX}*", stream=stream, ordered_consumer=True, cb=self._on
+            prefix_held_subject(stream, "*"), stream=stream, ordered_consumer=True, cb=self._on
         )
         return self
 
@@ -144,12 +144,9 @@ class KvEnv:
 async def kv(
     nats_url: str, nats_client: NatsClient, load_bucket: str, unique_id: str
 ) -> AsyncIterator[KvEnv]:
-    """The test's `KvEnv`. Its prefix stream is deleted after, and one left by an earlier test
-    (the default one any scraper or admission creates) before: two streams cannot capture the
-    same subjects."""
+    """The test's `KvEnv`, with a prefix stream of its own (its subjects are the stream's),
+    deleted after."""
     js = nats_client.jetstream()
-    with contextlib.suppress(NotFoundError):
-        await js.delete_stream(await js.find_stream_name_by_subject(PREFIX_SUBJECTS))
     env = KvEnv(nats_url, nats_client, load_bucket, unique_id, f"prefix_{unique_id}")
     yield env
     for publisher in env.publishers:
