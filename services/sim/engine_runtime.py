@@ -107,12 +107,21 @@ class EngineBackend:
 
     # -- Backend ---------------------------------------------------------------------------
     def start(
-        self, prompt: Sequence[int], max_tokens: int | None, priority: int = 0
+        self,
+        prompt: Sequence[int],
+        max_tokens: int | None,
+        priority: int = 0,
+        lora: str | None = None,
     ) -> EngineGeneration:
         generation = EngineGeneration(self)
         try:
             generation.seq = self.model.submit(
-                self.clock(), prompt, max_tokens, generation._on_progress, priority=priority
+                self.clock(),
+                prompt,
+                max_tokens,
+                generation._on_progress,
+                priority=priority,
+                lora=lora,
             )
         except PriorityNotEnabled as exc:
             raise SimError(400, str(exc), param="priority") from None

@@ -173,7 +173,7 @@ class SimApp:
             body = await _json_object(receive)
             request = self._parse_generation(body, chat)
             faults, generation = await self._start(
-                request.prompt, request.max_tokens, request.priority
+                request.prompt, request.max_tokens, request.priority, request.model
             )
         except SimError as exc:
             await _send_error(send, exc)
@@ -196,13 +196,15 @@ class SimApp:
             self.bill.add(request.model, generation, delivered[0])
 
     async def _start(
-        self, prompt: list[int], max_tokens: int | None, priority: int
+        self, prompt: list[int], max_tokens: int | None, priority: int, model: str
     ) -> tuple[FaultPlan, Generation]:
-        """The request's faults drawn (a slow head waited for), then its generation started."""
+        """The request's faults drawn (a slow head waited for), then its generation started
+        (with `model`'s LoRA adapter when it names one)."""
         faults = self._draw_faults()
         if faults.slow_headers > 0:
             await asyncio.sleep(faults.slow_headers)
-        return faults, self.backend.start(prompt, max_tokens, priority)
+        lora = model if model in self.adapters else None
+        return faults, self.backend.start(prompt, max_tokens, priority, lora)
 
     async def _responses(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -210,7 +212,7 @@ class SimApp:
             model = self._check_model(body)
             prompt = token_ids(responses_prompt(body))
             max_tokens = _max_tokens(body, "max_output_tokens")
-            _, generation = await self._start(prompt, max_tokens, _priority_of(body))
+            _, generation = await self._start(prompt, max_tokens, _priority_of(body), model)
         except SimError as exc:
             await _send_error(send, exc)
             return
