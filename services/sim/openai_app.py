@@ -14,7 +14,8 @@ import json
 import os
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 from pydantic import Field, TypeAdapter, ValidationError
@@ -49,9 +50,21 @@ from llmgw.services.sim.tokenizer import (
     tokenize_prompt,
 )
 
-__all__ = ["SimApp"]
+__all__ = ["AppHooks", "SimApp"]
 
 Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+@dataclass(frozen=True, slots=True)
+class AppHooks:
+    """What a composition root adds to the app: more routes, and work at start-up and shutdown
+    (a failing `startup` fails the server's start; it may have run before, so it must be
+    idempotent)."""
+
+    routes: Mapping[tuple[str, str], Handler] = field(default_factory=dict)
+    startup: Callable[[], Awaitable[None]] | None = None
+    shutdown: Callable[[], Awaitable[None]] | None = None
+
 
 # vLLM's request models declare `priority: int` within a signed 64-bit range (pydantic, lax).
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
@@ -74,6 +87,7 @@ class SimApp:
         responses_api: bool = True,
         messages_api: bool = True,
         adapters: dict[str, str] | None = None,
+        hooks: AppHooks | None = None,
     ) -> None:
         """`adapters`: LoRA adapters served from the start (name -> path), on an engine; an
         engine also loads and unloads them at run time, as vLLM's runtime LoRA API does."""
@@ -87,6 +101,7 @@ class SimApp:
         self.fault_rng = fault_rng
         self.max_model_len = max_model_len
         self.adapters = dict(adapters or {})  # LoRA adapter name -> path
+        self.hooks = hooks or AppHooks()
         self._ids = itertools.count(1)
         self._id_prefix = os.urandom(3).hex()
         self._created = int(time.time())
@@ -120,6 +135,7 @@ class SimApp:
             ("GET", "/sim/usage"): self._usage,
             ("GET", "/sim/faults"): self._get_faults,
             ("POST", "/sim/faults"): self._set_faults,
+            **self.hooks.routes,
         }
         self._paths = {path for _, path in self._routes}
         self.bill = Bill()
@@ -149,9 +165,17 @@ class SimApp:
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
+                try:
+                    if self.hooks.startup is not None:
+                        await self.hooks.startup()
+                except Exception as exc:
+                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                    return
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 self.backend.shutdown()
+                if self.hooks.shutdown is not None:
+                    await self.hooks.shutdown()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
