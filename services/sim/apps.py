@@ -67,6 +67,7 @@ def create_engine_app(
             routes={("POST", "/reset_prefix_cache"): _reset_prefix_cache(backend)},
             startup=backend.startup,
             shutdown=backend.aclose,
+            faults_changed=backend.apply_faults,
         ),
     )
 

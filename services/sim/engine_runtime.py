@@ -6,7 +6,8 @@ running no timer is armed (no busy loop), and with all timings zero a request co
 `start` without any timer or task switch, which keeps zero-delay benchmarks cheap.
 
 With ``kv_events_endpoint`` set, the model records its cache changes (`KvEventRecorder`) and
-every call that ran the model hands the recorded batches to the `KvEventPublisher`.
+every call that ran the model hands the recorded batches to the `KvEventPublisher`, under the
+current fault knobs (`apply_faults`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from llmgw.services.sim.engine_model import Sequence as Seq
 from llmgw.services.sim.generation import SimError
 from llmgw.services.sim.kv_events import KvEventRecorder
 from llmgw.services.sim.metrics import EngineMetrics
-from llmgw.services.sim.params import EngineParams
+from llmgw.services.sim.params import EngineParams, FaultKnobs
 
 if TYPE_CHECKING:
     from llmgw.services.sim.kv_publisher import KvEventPublisher
@@ -114,6 +115,7 @@ class EngineBackend:
 
             self._kv_recorder = KvEventRecorder(_salt())
             self.kv_publisher = KvEventPublisher(params, wall_clock=wall_clock)
+        self._faults = params.faults()
         self.model = EngineModel(
             params,
             rng,
@@ -216,10 +218,29 @@ class EngineBackend:
         self._rearm()
         return done
 
+    def apply_faults(self, faults: FaultKnobs) -> None:
+        """Take the current fault knobs: batches to skip or lose count down in them, and
+        `kv_events_restart` restarts the prefix cache and the event stream now."""
+        self._faults = faults
+        if faults.kv_events_restart:
+            faults.kv_events_restart = False
+            self._restart_kv()
+
+    def _restart_kv(self) -> None:
+        now = self.clock()
+        self.model.advance(now)
+        self._publish_kv_events()  # what happened before the restart went out before it
+        self.model.reset_prefix_cache(now, reset_running_requests=True)
+        if self._kv_recorder is not None and self.kv_publisher is not None:
+            self._kv_recorder.take()  # a restarting engine announces nothing
+            self._kv_recorder.resalt(_salt())
+            self.kv_publisher.restart()
+        self._rearm()
+
     def _publish_kv_events(self) -> None:
         if self._kv_recorder is not None and self.kv_publisher is not None:
             for events in self._kv_recorder.take():
-                self.kv_publisher.publish(events)
+                self.kv_publisher.publish(events, self._faults)
 
     # -- driver ----------------------------------------------------------------------------
     def abort(self, seq: Seq) -> None:
@@ -249,5 +270,5 @@ class EngineBackend:
 
 
 def _salt() -> bytes:
-    """A random salt for published block hashes, new for each engine."""
+    """A random salt for published block hashes, new for each engine (and restart)."""
     return os.urandom(16)

@@ -19,6 +19,10 @@ owns the PUB socket: it sends each queued batch, then keeps it in the replay rin
 stays in sequence order and a replay never serves a batch before the PUB socket sent it. A
 replay task owns the ROUTER socket. When the queue is full (the sender fell behind) the batch
 is dropped and counted, as vLLM drops above its high-water mark: subscribers see a gap.
+
+Faults (`FaultKnobs`, counted down here): ``kv_events_skip`` numbers a batch and keeps it for
+replay without sending it; ``kv_events_lose`` numbers it and drops it. `restart` is an engine
+restart: numbering from 0 and an empty ring.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import zmq
 import zmq.asyncio
 
 from llmgw.services.sim.kv_events import KvEvent, KvEventEncoding, ReplayRing, wire_batch
-from llmgw.services.sim.params import EngineParams
+from llmgw.services.sim.params import EngineParams, FaultKnobs
 
 __all__ = ["END_SEQ", "KvEventPublisher", "encode_batch"]
 
@@ -67,12 +71,13 @@ class KvEventPublisher:
         self._encoding = params.kv_events_encoding
         self._wall_clock = wall_clock
         self._ring = ReplayRing(params.kv_events_buffer_steps)
-        self._queue: deque[tuple[int, bytes]] = deque()  # seq, payload
+        self._queue: deque[tuple[int, int, bytes, bool]] = deque()  # epoch, seq, payload, send
         self._queue_size = queue_size
         self._wake = asyncio.Event()
+        self._epoch = 0  # restarts so far: a batch of an older epoch is not kept
         self._ctx: zmq.asyncio.Context | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self.counts = {"published": 0, "dropped": 0}
+        self.counts = {"published": 0, "skipped": 0, "lost": 0, "dropped": 0}
 
     async def start(self) -> None:
         """Bind the sockets (the bound addresses replace `*` ports) and start sending; OSError
@@ -94,15 +99,29 @@ class KvEventPublisher:
             self.replay_endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
             self._tasks.append(asyncio.create_task(self._replay(router), name="kv-events-replay"))
 
-    def publish(self, events: Sequence[KvEvent]) -> None:
-        """Number one step's batch and queue it."""
+    def publish(self, events: Sequence[KvEvent], faults: FaultKnobs) -> None:
+        """Number one step's batch and queue it, unless `faults` skip or lose it."""
         seq = self._ring.number()
+        if faults.kv_events_lose > 0:
+            faults.kv_events_lose -= 1
+            self.counts["lost"] += 1
+            return
         if len(self._queue) >= self._queue_size:
             self.counts["dropped"] += 1
             return
+        send = faults.kv_events_skip == 0
+        if not send:
+            faults.kv_events_skip -= 1
+            self.counts["skipped"] += 1
         payload = encode_batch(self._wall_clock(), events, self._encoding)
-        self._queue.append((seq, payload))
+        self._queue.append((self._epoch, seq, payload, send))
         self._wake.set()
+
+    def restart(self) -> None:
+        """An engine restart: numbering from 0, an empty ring, and what was queued is lost."""
+        self._epoch += 1
+        self._queue.clear()
+        self._ring.restart()
 
     def state(self) -> dict[str, Any]:
         return {
@@ -132,11 +151,13 @@ class KvEventPublisher:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            seq, payload = queue.popleft()
-            # A PUB socket never waits: above its high-water mark it drops the message.
-            await pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
-            self.counts["published"] += 1
-            self._ring.keep(seq, payload)
+            epoch, seq, payload, send = queue.popleft()
+            if send:
+                # A PUB socket never waits: above its high-water mark it drops the message.
+                await pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+                self.counts["published"] += 1
+            if epoch == self._epoch:
+                self._ring.keep(seq, payload)
 
     async def _replay(self, router: zmq.asyncio.Socket) -> None:
         while True:

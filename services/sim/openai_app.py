@@ -57,13 +57,15 @@ Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 @dataclass(frozen=True, slots=True)
 class AppHooks:
-    """What a composition root adds to the app: more routes, and work at start-up and shutdown
+    """What a composition root adds to the app: more routes, work at start-up and shutdown
     (a failing `startup` fails the server's start; it may have run before, so it must be
-    idempotent)."""
+    idempotent), and a callback given the fault knobs at start and after every change
+    through ``POST /sim/faults``."""
 
     routes: Mapping[tuple[str, str], Handler] = field(default_factory=dict)
     startup: Callable[[], Awaitable[None]] | None = None
     shutdown: Callable[[], Awaitable[None]] | None = None
+    faults_changed: Callable[[FaultKnobs], None] | None = None
 
 
 # vLLM's request models declare `priority: int` within a signed 64-bit range (pydantic, lax).
@@ -102,6 +104,8 @@ class SimApp:
         self.max_model_len = max_model_len
         self.adapters = dict(adapters or {})  # LoRA adapter name -> path
         self.hooks = hooks or AppHooks()
+        if self.hooks.faults_changed is not None:
+            self.hooks.faults_changed(self.faults)
         self._ids = itertools.count(1)
         self._id_prefix = os.urandom(3).hex()
         self._created = int(time.time())
@@ -449,6 +453,8 @@ class SimApp:
             return
         except ClientGone:
             return
+        if self.hooks.faults_changed is not None:
+            self.hooks.faults_changed(self.faults)
         await send_json(send, 200, self.faults.model_dump())
 
 

@@ -63,6 +63,17 @@ class FaultKnobs(BaseModel):
     """Keys the ``/v1/`` routes accept (``Authorization: Bearer <key>`` or ``x-api-key``), as a
     third party checks them: any other gets 401 ``invalid_api_key``. Empty: no key needed.
     Changed at run time, it revokes a key (a provider's key rotation)."""
+    kv_events_skip: int = Field(default=0, ge=0)
+    """An engine publishing KV cache events does not send its next this many batches: their
+    sequence numbers are used up (subscribers see a gap) but replay still has them. Counts
+    down as batches are skipped."""
+    kv_events_lose: int = Field(default=0, ge=0)
+    """Like `kv_events_skip`, but the batches are not kept for replay either: a gap nobody can
+    fill. Counts down; taken before `kv_events_skip` when both are set."""
+    kv_events_restart: bool = False
+    """An action: set true, the engine's prefix cache and KV-event stream restart as when the
+    engine restarts (the cache empties without an event, sequence numbers start again at 0,
+    the replay ring empties, block hashes change); it reads back false once done."""
 
     def faults(self) -> FaultKnobs:
         """The fault knobs alone (a copy), e.g. to seed the runtime-mutable fault state."""

@@ -27,6 +27,9 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 TIMEOUT = 5.0
 
 
+THREE = ("one prompt for the cache", "two prompts for the cache", "three prompts now")
+
+
 def engine(**overrides: Any) -> EngineParams:
     return EngineParams.zero_delay(
         block_size=BS,
@@ -102,20 +105,22 @@ class Consumer:
             batches.append(decode(seq, payload))
 
 
-Connect = Callable[[httpx.AsyncClient], Awaitable[Consumer]]
+Subscribed = Callable[[EngineParams], Awaitable[tuple[httpx.AsyncClient, Consumer, int]]]
 
 
 @pytest_asyncio.fixture
-async def connect() -> AsyncIterator[Connect]:
-    """`await connect(client)` -> a Consumer of the engine that `client` talks to."""
+async def subscribed(serve: Serve) -> AsyncIterator[Subscribed]:
+    """`await subscribed(params)` -> an HTTP client of an engine serving `params`, a Consumer
+    subscribed to its events, and the number of the next batch."""
     ctx = zmq.asyncio.Context()
 
-    async def _connect(client: httpx.AsyncClient) -> Consumer:
-        state = (await client.get("/sim/state")).json()["kv_events"]
-        return Consumer(ctx, state)
+    async def _subscribed(params: EngineParams) -> tuple[httpx.AsyncClient, Consumer, int]:
+        client = await serve(create_engine_app(params, [MODEL]))
+        consumer = Consumer(ctx, (await client.get("/sim/state")).json()["kv_events"])
+        return client, consumer, await consumer.subscribe(client)
 
     try:
-        yield _connect
+        yield _subscribed
     finally:
         ctx.destroy(linger=0)
 
@@ -125,6 +130,12 @@ async def chat(client: httpx.AsyncClient, body: dict[str, Any]) -> dict[str, Any
     assert response.status_code == 200, response.text
     reply: dict[str, Any] = response.json()
     return reply
+
+
+async def chats(client: httpx.AsyncClient, *texts: str) -> None:
+    """One single-message chat per text, one after the other."""
+    for text in texts:
+        await chat(client, user(text))
 
 
 def chains(batches: list[Batch]) -> dict[int, list[int]]:
@@ -149,11 +160,9 @@ def full_blocks(tokens: list[int]) -> list[int]:
 
 
 async def test_requests_sharing_a_prefix_publish_chained_stores_in_order(
-    serve: Serve, connect: Connect
+    subscribed: Subscribed,
 ) -> None:
-    client = await serve(create_engine_app(engine(), [MODEL]))
-    consumer = await connect(client)
-    start = await consumer.subscribe(client)
+    client, consumer, start = await subscribed(engine())
     system = {"role": "system", "content": "You are a careful assistant; cite the manual."}
     conversations = [
         [system, {"role": "user", "content": "How do I rotate the signing keys?"}],
@@ -179,14 +188,11 @@ async def test_requests_sharing_a_prefix_publish_chained_stores_in_order(
 
 
 async def test_evicted_blocks_are_removed_and_the_rest_is_what_the_engine_caches(
-    serve: Serve, connect: Connect
+    subscribed: Subscribed,
 ) -> None:
-    client = await serve(create_engine_app(engine(num_gpu_blocks=8), [MODEL]))
-    consumer = await connect(client)
-    await consumer.subscribe(client)
+    client, consumer, _ = await subscribed(engine(num_gpu_blocks=8))
     texts = ["alpha beta gamma delta", "red green blue cyan", "one two three four five"]
-    for text in texts:
-        await chat(client, user(text))
+    await chats(client, *texts)
     batches = [await consumer.next() for _ in texts]  # one step each: evict, store
     live: dict[int, int] = {}
     removed = 0
@@ -211,11 +217,9 @@ async def test_evicted_blocks_are_removed_and_the_rest_is_what_the_engine_caches
 
 
 async def test_a_prefix_cache_reset_publishes_all_blocks_cleared(
-    serve: Serve, connect: Connect
+    subscribed: Subscribed,
 ) -> None:
-    client = await serve(create_engine_app(engine(), [MODEL]))
-    consumer = await connect(client)
-    await consumer.subscribe(client)
+    client, consumer, _ = await subscribed(engine())
     await chat(client, user("keep this prompt in the cache please"))
     stored = (await consumer.next()).events[0]
     response = await client.post("/reset_prefix_cache")
@@ -229,13 +233,10 @@ async def test_a_prefix_cache_reset_publishes_all_blocks_cleared(
 
 
 async def test_replay_returns_kept_batches_from_a_start_then_the_end_marker(
-    serve: Serve, connect: Connect
+    subscribed: Subscribed,
 ) -> None:
-    client = await serve(create_engine_app(engine(kv_events_buffer_steps=3), [MODEL]))
-    consumer = await connect(client)
-    start = await consumer.subscribe(client)
-    for text in ("first prompt here", "second prompt here", "third prompt here", "fourth"):
-        await chat(client, user(text))
+    client, consumer, start = await subscribed(engine(kv_events_buffer_steps=3))
+    await chats(client, *THREE, "fourth")
     live = [await consumer.next() for _ in range(4)]
     assert [batch.seq for batch in live] == [start, start + 1, start + 2, start + 3]
     # The ring keeps 3 batches: a start older than that replays from the oldest kept.
@@ -244,11 +245,58 @@ async def test_replay_returns_kept_batches_from_a_start_then_the_end_marker(
     assert await consumer.replay(start + 10) == []
 
 
-async def test_positional_encoding_and_an_adapter_s_blocks(serve: Serve, connect: Connect) -> None:
+async def test_skipped_batches_leave_a_gap_that_replay_fills(
+    subscribed: Subscribed,
+) -> None:
+    client, consumer, start = await subscribed(engine())
+    knobs = (await client.post("/sim/faults", json={"kv_events_skip": 2})).json()
+    assert knobs["kv_events_skip"] == 2
+    await chats(client, *THREE)
+    after_gap = await consumer.next()
+    assert after_gap.seq == start + 2
+    assert (await client.get("/sim/faults")).json()["kv_events_skip"] == 0
+    replayed = await consumer.replay(start)
+    assert [batch.seq for batch in replayed] == [start, start + 1, start + 2]
+    assert replayed[2].payload == after_gap.payload
+    assert all(batch.events[0]["type"] == "BlockStored" for batch in replayed)
+    counts = (await client.get("/sim/state")).json()["kv_events"]
+    assert (counts["skipped"], counts["next_seq"]) == (2, start + 3)
+
+
+async def test_lost_batches_leave_a_gap_that_replay_cannot_fill(
+    subscribed: Subscribed,
+) -> None:
+    client, consumer, start = await subscribed(engine())
+    await client.post("/sim/faults", json={"kv_events_lose": 2})
+    await chats(client, *THREE)
+    assert (await consumer.next()).seq == start + 2
+    replayed = await consumer.replay(start)
+    assert [batch.seq for batch in replayed] == [start + 2]  # its first is past the start
+    assert (await client.get("/sim/faults")).json()["kv_events_lose"] == 0
+
+
+async def test_a_restart_numbers_from_zero_with_new_hashes_and_no_clear_event(
+    subscribed: Subscribed,
+) -> None:
+    client, consumer, _ = await subscribed(engine())
+    await chat(client, user("a prompt that outlives nothing"))
+    before = (await consumer.next()).events[0]
+    knobs = (await client.post("/sim/faults", json={"kv_events_restart": True})).json()
+    assert knobs["kv_events_restart"] is False  # done
+    state = (await client.get("/sim/state")).json()
+    assert (state["kv_events"]["next_seq"], state["kv_blocks"]["cached"]) == (0, 0)
+    assert await consumer.replay(0) == []
+    await chat(client, user("a prompt that outlives nothing"))
+    after = await consumer.next()
+    assert after.seq == 0
+    (event,) = after.events  # no AllBlocksCleared: a restarting engine announces nothing
+    assert event["token_ids"] == before["token_ids"] and event["parent_block_hash"] is None
+    assert not set(event["block_hashes"]) & set(before["block_hashes"])
+
+
+async def test_positional_encoding_and_an_adapter_s_blocks(subscribed: Subscribed) -> None:
     params = engine(kv_events_encoding="positional", lora_modules=["sql-lora=/adapters/sql"])
-    client = await serve(create_engine_app(params, [MODEL]))
-    consumer = await connect(client)
-    await consumer.subscribe(client)
+    client, consumer, _ = await subscribed(params)
     await chat(client, user("select the rows", model="sql-lora"))
     (event,) = (await consumer.next()).events
     tokens = full_blocks(token_ids(render_chat([{"role": "user", "content": "select the rows"}])))
