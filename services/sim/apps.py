@@ -9,10 +9,11 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Sequence
+from urllib.parse import parse_qs
 
-from llmgw.services.sim.asgi import install_crash_log_filter
+from llmgw.services.sim.asgi import Receive, Scope, Send, install_crash_log_filter, send_bytes
 from llmgw.services.sim.engine_runtime import EngineBackend
-from llmgw.services.sim.openai_app import SimApp
+from llmgw.services.sim.openai_app import AppHooks, Handler, SimApp
 from llmgw.services.sim.params import EngineParams, ProviderParams
 from llmgw.services.sim.provider_runtime import ProviderBackend
 
@@ -42,7 +43,9 @@ def create_engine_app(
     """A vLLM-like engine. Served names: ``params.served_models``, else `models`, else a default.
 
     `rng` (default: seeded with ``params.seed``) drives output lengths, generated text and, via a
-    derived generator, fault draws.
+    derived generator, fault draws. Besides the common routes it serves vLLM's
+    ``POST /reset_prefix_cache``, and with ``kv_events_endpoint`` it publishes KV cache events
+    from start-up to shutdown.
     """
     rng = rng if rng is not None else random.Random(params.seed)
     fault_rng = random.Random(rng.getrandbits(64))
@@ -60,7 +63,29 @@ def create_engine_app(
         fault_rng=fault_rng,
         responses_api=params.responses_api,
         messages_api=params.messages_api,
+        hooks=AppHooks(
+            routes={("POST", "/reset_prefix_cache"): _reset_prefix_cache(backend)},
+            startup=backend.startup,
+            shutdown=backend.aclose,
+            faults_changed=backend.apply_faults,
+        ),
     )
+
+
+def _reset_prefix_cache(backend: EngineBackend) -> Handler:
+    """vLLM's route: 200 with an empty body whether or not the reset happened (vLLM does not
+    check either; a reset is refused while requests run, unless ``reset_running_requests``)."""
+
+    async def handle(scope: Scope, receive: Receive, send: Send) -> None:
+        query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+        flag = query.get("reset_running_requests", ["false"])[-1]
+        backend.reset_prefix_cache(reset_running_requests=flag.lower() in _TRUE)
+        await send_bytes(send, 200, b"", b"text/plain; charset=utf-8")
+
+    return handle
+
+
+_TRUE = frozenset({"1", "true", "yes", "on"})  # how FastAPI reads a true boolean query value
 
 
 def create_provider_app(

@@ -22,7 +22,11 @@ Semantics (vLLM-like):
 - TTFT = queue wait + prefill_base + prefill_per_token * uncached prompt tokens;
 - after each token a sequence's next token comes itl_base + itl_per_running_seq * (running
   sequences at that moment) later, so latency grows with the batch;
-- full prompt blocks are registered in the prefix cache when prefill completes.
+- full prompt blocks are registered in the prefix cache when prefill completes. A LoRA
+  adapter's blocks are its own (vLLM puts the adapter's name in the block hash): they never
+  hit for the base model or another adapter;
+- with a `KvEventRecorder`, every change of the prefix cache (blocks registered, evicted, the
+  cache reset) is recorded as vLLM's KV cache events, at its simulated time.
 
 Ownership: a `Sequence` is created by `submit` and finalised exactly once (finished or aborted);
 its KV blocks are released at that moment.
@@ -33,12 +37,14 @@ from __future__ import annotations
 import heapq
 import math
 import random
+import zlib
 from collections import deque
 from collections.abc import Callable, Iterator
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 from enum import Enum
 
+from llmgw.services.sim.kv_events import KvEventRecorder
 from llmgw.services.sim.kvcache import KVCache
 from llmgw.services.sim.params import EngineParams
 from llmgw.services.sim.sampling import draw_output_len
@@ -97,6 +103,9 @@ class Sequence:
     private_blocks: int = 0
     reserved_blocks: int = 0
     allocated_blocks: int = 0
+    # What KV cache events report of the sequence's blocks
+    prompt: SequenceOf[int] = ()
+    lora: str | None = None  # the LoRA adapter it runs with
 
     @property
     def done(self) -> bool:
@@ -192,8 +201,10 @@ class EngineModel:
         *,
         on_first_token: Callable[[Sequence], None] | None = None,
         on_finish: Callable[[Sequence], None] | None = None,
+        kv_events: KvEventRecorder | None = None,
     ) -> None:
         self.params = params
+        self.kv_events = kv_events
         self.rng = rng
         self.kv = KVCache(params.num_gpu_blocks, params.block_size)
         self.waiting: WaitingQueue = (
@@ -216,8 +227,11 @@ class EngineModel:
         listener: Callable[[Sequence], None] | None = None,
         *,
         priority: int = 0,
+        lora: str | None = None,
     ) -> Sequence:
         """Queue a request at `now` and run the engine up to `now` (zero timings finish it here).
+
+        `lora`: the LoRA adapter the request runs with (None: the base model).
 
         Raises PriorityNotEnabled for a non-zero `priority` under ``fcfs`` (before anything else,
         so a refused request leaves no trace) and PromptTooLong when the request could never be
@@ -264,6 +278,10 @@ class EngineModel:
             priority=priority,
             listener=listener,
         )
+        seq.prompt = prompt
+        if lora is not None:
+            seq.lora = lora
+            seq.block_hashes = _adapter_hashes(seq.block_hashes, lora)
         self.stats.prompt_tokens += prompt_len
         self.waiting.push(seq)
         self._admit(self.now)
@@ -283,6 +301,24 @@ class EngineModel:
         else:
             self._finalise(seq, self.now, SeqState.ABORTED)
             self._admit(self.now)
+
+    def reset_prefix_cache(self, now: float, *, reset_running_requests: bool = False) -> bool:
+        """vLLM's prefix-cache reset at `now`: no cached block hits any more; True when done.
+
+        Refused (False) while sequences run, as vLLM refuses while blocks are in use, unless
+        `reset_running_requests`: then the running sequences keep their blocks, uncached, until
+        they end, and register none (vLLM preempts them and computes them again instead).
+        """
+        self.advance(now)
+        if self.running and not reset_running_requests:
+            return False
+        detached = self.kv.clear()
+        for seq in self.running:
+            seq.held_hashes = [detached.get(key, key) for key in seq.held_hashes]
+            seq.hit_blocks = len(seq.block_hashes)  # nothing left to register
+        if self.kv_events is not None:
+            self.kv_events.cleared(self.now)
+        return True
 
     # -- time ------------------------------------------------------------------------------
     def next_due(self) -> float | None:
@@ -323,7 +359,9 @@ class EngineModel:
             if not kv.can_admit(hit_hashes, total_blocks - hits):
                 break  # the head waits for blocks, nobody overtakes it
             self.waiting.pop()
-            kv.admit(hit_hashes, prompt_blocks - hits, total_blocks - prompt_blocks)
+            evicted = kv.admit(hit_hashes, prompt_blocks - hits, total_blocks - prompt_blocks)
+            if evicted and self.kv_events is not None:
+                self.kv_events.removed(at, evicted)
             seq.held_hashes = list(hit_hashes)
             seq.hit_blocks = hits
             seq.private_blocks = prompt_blocks - hits
@@ -342,7 +380,7 @@ class EngineModel:
     def _emit(self, seq: Sequence, at: float) -> None:
         if seq.emitted == 0:
             seq.first_token_at = at
-            self._register_prompt_blocks(seq)
+            self._register_prompt_blocks(seq, at)
             if self._on_first_token is not None:
                 self._on_first_token(seq)
         seq.emitted += 1
@@ -350,7 +388,9 @@ class EngineModel:
         # The new token's KV needs a block once it crosses a block boundary.
         needed = -(-(seq.prompt_tokens + seq.emitted) // self.params.block_size)
         if needed > seq.allocated_blocks and seq.reserved_blocks > 0:
-            self.kv.grow()
+            evicted = self.kv.grow()
+            if evicted is not None and self.kv_events is not None:
+                self.kv_events.removed(at, [evicted])
             seq.reserved_blocks -= 1
             seq.private_blocks += 1
             seq.allocated_blocks += 1
@@ -362,12 +402,18 @@ class EngineModel:
             if seq.listener is not None:
                 seq.listener(seq)
 
-    def _register_prompt_blocks(self, seq: Sequence) -> None:
+    def _register_prompt_blocks(self, seq: Sequence, at: float) -> None:
         kv = self.kv
-        for block_hash in seq.block_hashes[seq.hit_blocks :]:
-            if kv.register(block_hash):
+        hashes = seq.block_hashes
+        registered = []
+        for index in range(seq.hit_blocks, len(hashes)):
+            if kv.register(hashes[index]):
                 seq.private_blocks -= 1
-                seq.held_hashes.append(block_hash)
+                seq.held_hashes.append(hashes[index])
+                registered.append(index)
+        if registered and self.kv_events is not None:
+            block_size = self.params.block_size
+            self.kv_events.stored(at, hashes, registered, seq.prompt, block_size, seq.lora)
 
     def _finalise(self, seq: Sequence, at: float, state: SeqState) -> None:
         if seq.state is SeqState.RUNNING:
@@ -383,3 +429,10 @@ class EngineModel:
             self._on_finish(seq)
         if seq.listener is not None:
             seq.listener(seq)
+
+
+def _adapter_hashes(hashes: list[int], lora: str) -> list[int]:
+    """A prompt's chain hashes under a LoRA adapter: still a chain (equal exactly when the
+    base hashes are), but distinct for each adapter name and from the base model's."""
+    key = zlib.crc32(lora.encode())
+    return [hash((key, block_hash)) for block_hash in hashes]

@@ -4,20 +4,30 @@ One timer per engine (``loop.call_later``) is armed for the model's next due eve
 the model advances to the clock's current time and the timer is re-armed. With no sequences
 running no timer is armed (no busy loop), and with all timings zero a request completes inside
 `start` without any timer or task switch, which keeps zero-delay benchmarks cheap.
+
+With ``kv_events_endpoint`` set, the model records its cache changes (`KvEventRecorder`) and
+every call that ran the model hands the recorded batches to the `KvEventPublisher`, under the
+current fault knobs (`apply_faults`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmgw.services.sim.engine_model import EngineModel, PriorityNotEnabled, PromptTooLong
 from llmgw.services.sim.engine_model import Sequence as Seq
 from llmgw.services.sim.generation import SimError
+from llmgw.services.sim.kv_events import KvEventRecorder
 from llmgw.services.sim.metrics import EngineMetrics
-from llmgw.services.sim.params import EngineParams
+from llmgw.services.sim.params import EngineParams, FaultKnobs
+
+if TYPE_CHECKING:
+    from llmgw.services.sim.kv_publisher import KvEventPublisher
 
 __all__ = ["EngineBackend", "EngineGeneration"]
 
@@ -91,15 +101,27 @@ class EngineBackend:
         *,
         clock: Callable[[], float],
         rng: random.Random,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
+        """`wall_clock` stamps KV-event batches (vLLM: ``time.time()``)."""
         self.params = params
         self.clock = clock
         self.metrics_exporter = EngineMetrics(params, model_name)
+        self.kv_publisher: KvEventPublisher | None = None
+        self._kv_recorder: KvEventRecorder | None = None
+        if params.kv_events_endpoint is not None:
+            # Imported only here: pyzmq and msgpack are the kv-events extra.
+            from llmgw.services.sim.kv_publisher import KvEventPublisher
+
+            self._kv_recorder = KvEventRecorder(_salt())
+            self.kv_publisher = KvEventPublisher(params, wall_clock=wall_clock)
+        self._faults = params.faults()
         self.model = EngineModel(
             params,
             rng,
             on_first_token=self.metrics_exporter.observe_first_token,
             on_finish=self.metrics_exporter.observe_finish,
+            kv_events=self._kv_recorder,
         )
         self.metrics_exporter.bind(self.model)
         self._timer: asyncio.TimerHandle | None = None
@@ -107,12 +129,21 @@ class EngineBackend:
 
     # -- Backend ---------------------------------------------------------------------------
     def start(
-        self, prompt: Sequence[int], max_tokens: int | None, priority: int = 0
+        self,
+        prompt: Sequence[int],
+        max_tokens: int | None,
+        priority: int = 0,
+        lora: str | None = None,
     ) -> EngineGeneration:
         generation = EngineGeneration(self)
         try:
             generation.seq = self.model.submit(
-                self.clock(), prompt, max_tokens, generation._on_progress, priority=priority
+                self.clock(),
+                prompt,
+                max_tokens,
+                generation._on_progress,
+                priority=priority,
+                lora=lora,
             )
         except PriorityNotEnabled as exc:
             raise SimError(400, str(exc), param="priority") from None
@@ -120,6 +151,7 @@ class EngineBackend:
             raise SimError(
                 400, str(exc), code="context_length_exceeded", param="messages"
             ) from None
+        self._publish_kv_events()
         if not generation.seq.done:
             self._rearm()
         return generation
@@ -155,6 +187,7 @@ class EngineBackend:
             "prefix_cache_hits_total": stats.prefix_cache_hits,
             "finished": dict(stats.finished),
             "rejected": stats.rejected,
+            **({"kv_events": self.kv_publisher.state()} if self.kv_publisher else {}),
         }
 
     def metrics(self) -> tuple[bytes, str]:
@@ -167,12 +200,55 @@ class EngineBackend:
             self._timer.cancel()
             self._timer = None
 
+    # -- engine controls -------------------------------------------------------------------
+    async def startup(self) -> None:
+        """Bind the KV-event sockets, if any (a bind error fails the server's start-up)."""
+        if self.kv_publisher is not None:
+            await self.kv_publisher.start()
+
+    async def aclose(self) -> None:
+        if self.kv_publisher is not None:
+            await self.kv_publisher.close()
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """vLLM's ``POST /reset_prefix_cache`` (see `EngineModel.reset_prefix_cache`)."""
+        done = self.model.reset_prefix_cache(
+            self.clock(), reset_running_requests=reset_running_requests
+        )
+        self._rearm()
+        return done
+
+    def apply_faults(self, faults: FaultKnobs) -> None:
+        """Take the current fault knobs: batches to skip or lose count down in them, and
+        `kv_events_restart` restarts the prefix cache and the event stream now."""
+        self._faults = faults
+        if faults.kv_events_restart:
+            faults.kv_events_restart = False
+            self._restart_kv()
+
+    def _restart_kv(self) -> None:
+        now = self.clock()
+        self.model.advance(now)
+        self._publish_kv_events()  # what happened before the restart went out before it
+        self.model.reset_prefix_cache(now, reset_running_requests=True)
+        if self._kv_recorder is not None and self.kv_publisher is not None:
+            self._kv_recorder.take()  # a restarting engine announces nothing
+            self._kv_recorder.resalt(_salt())
+            self.kv_publisher.restart()
+        self._rearm()
+
+    def _publish_kv_events(self) -> None:
+        if self._kv_recorder is not None and self.kv_publisher is not None:
+            for events in self._kv_recorder.take():
+                self.kv_publisher.publish(events, self._faults)
+
     # -- driver ----------------------------------------------------------------------------
     def abort(self, seq: Seq) -> None:
         self.model.abort(seq, self.clock())
         self._rearm()
 
     def _rearm(self) -> None:
+        self._publish_kv_events()
         due = self.model.next_due()
         if due is None:
             if self._timer is not None:
@@ -191,3 +267,8 @@ class EngineBackend:
         self._timer = None
         self.model.advance(self.clock())
         self._rearm()
+
+
+def _salt() -> bytes:
+    """A random salt for published block hashes, new for each engine (and restart)."""
+    return os.urandom(16)

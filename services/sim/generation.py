@@ -78,11 +78,18 @@ class Generation(Protocol):
 class Backend(Protocol):
     """What a simulated server does with requests; the HTTP layer does the rest."""
 
-    def start(self, prompt: Sequence[int], max_tokens: int | None, priority: int = 0) -> Generation:
+    def start(
+        self,
+        prompt: Sequence[int],
+        max_tokens: int | None,
+        priority: int = 0,
+        lora: str | None = None,
+    ) -> Generation:
         """Begin generating; raises SimError (400 prompt too long, 429 rate limited...).
 
         `priority` is the request's vLLM ``priority`` field (0 when absent); a backend that has
-        no scheduling policy ignores it.
+        no scheduling policy ignores it. `lora` is the LoRA adapter the request names (None:
+        a served model).
         """
         ...
 

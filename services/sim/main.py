@@ -1,8 +1,10 @@
 """``llmgw sim engine`` / ``llmgw sim provider``: run one simulator until SIGINT/SIGTERM.
 
 Parameters come from, in increasing precedence: the kind's defaults, the ``simulate`` block of
-``--endpoint`` in ``--config`` (with the endpoint url's host/port and model names), then
-``--set key=value``, then ``--host/--port/--model/--seed`` and (engines) ``--metrics-dialect``.
+``--endpoint`` in ``--config`` (with the endpoint url's host/port and model names, and for an
+engine the endpoint's ``kv_events`` addresses unless the block sets ``kv_events_endpoint``),
+then ``--set key=value``, then ``--host/--port/--model/--seed`` and (engines)
+``--metrics-dialect``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from urllib.parse import urlsplit
 import uvicorn
 
 from llmgw.services.sim.apps import create_engine_app, create_provider_app
+from llmgw.services.sim.engine_runtime import EngineBackend
+from llmgw.services.sim.openai_app import SimApp
 from llmgw.services.sim.params import EngineParams, ProviderParams, apply_overrides
 from llmgw.serving import bind_socket
 
@@ -113,6 +117,16 @@ def _from_config(
     renames = getattr(endpoint, "upstream_model", None) or {}
     # The gateway sends the upstream's name, so that is what the simulator must serve.
     models = [renames.get(name, name) for name in endpoint.models]
+    source = getattr(endpoint, "kv_events", None)
+    if isinstance(params, EngineParams) and source is not None and not params.kv_events_endpoint:
+        # The engine publishes where the gateway subscribes, as it listens on the url's port.
+        params = params.model_copy(
+            update={
+                "kv_events_endpoint": source.endpoint,
+                "kv_events_replay_endpoint": source.replay_endpoint,
+                "kv_events_topic": source.topic,
+            }
+        )
     return params, host, port, models
 
 
@@ -145,6 +159,13 @@ async def _serve(settings: SimSettings, kind: str) -> int:
             file=sys.stderr,
         )
         return 1
+    if app.hooks.startup is not None:
+        try:
+            await app.hooks.startup()  # binds an engine's KV-event sockets before it serves
+        except OSError as exc:
+            sock.close()
+            print(f"llmgw sim {kind}: {exc}", file=sys.stderr)
+            return 1
     # Without TCP_NODELAY the body write after the header write waits for the client's delayed
     # ACK (~40 ms per response on Linux); accepted sockets inherit the option.
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -166,11 +187,22 @@ async def _serve(settings: SimSettings, kind: str) -> int:
     if server.started:
         host = f"[{settings.host}]" if ":" in settings.host else settings.host
         print(
-            f"llmgw sim {kind} ready on http://{host}:{port} (models: {', '.join(app.models)})",
+            f"llmgw sim {kind} ready on http://{host}:{port} (models: {', '.join(app.models)})"
+            f"{_kv_events_note(app)}",
             flush=True,
         )
     await task
     return 0 if server.started else 1
+
+
+def _kv_events_note(app: SimApp) -> str:
+    """Where an engine publishes KV cache events, as bound (a ``*`` port resolved)."""
+    backend = app.backend
+    if not isinstance(backend, EngineBackend) or backend.kv_publisher is None:
+        return ""
+    publisher = backend.kv_publisher
+    replay = f", replay on {publisher.replay_endpoint}" if publisher.replay_endpoint else ""
+    return f"; KV events on {publisher.endpoint}{replay}"
 
 
 class _Server(uvicorn.Server):

@@ -14,7 +14,8 @@ import json
 import os
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 from pydantic import Field, TypeAdapter, ValidationError
@@ -49,9 +50,23 @@ from llmgw.services.sim.tokenizer import (
     tokenize_prompt,
 )
 
-__all__ = ["SimApp"]
+__all__ = ["AppHooks", "SimApp"]
 
 Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+@dataclass(frozen=True, slots=True)
+class AppHooks:
+    """What a composition root adds to the app: more routes, work at start-up and shutdown
+    (a failing `startup` fails the server's start; it may have run before, so it must be
+    idempotent), and a callback given the fault knobs at start and after every change
+    through ``POST /sim/faults``."""
+
+    routes: Mapping[tuple[str, str], Handler] = field(default_factory=dict)
+    startup: Callable[[], Awaitable[None]] | None = None
+    shutdown: Callable[[], Awaitable[None]] | None = None
+    faults_changed: Callable[[FaultKnobs], None] | None = None
+
 
 # vLLM's request models declare `priority: int` within a signed 64-bit range (pydantic, lax).
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
@@ -74,6 +89,7 @@ class SimApp:
         responses_api: bool = True,
         messages_api: bool = True,
         adapters: dict[str, str] | None = None,
+        hooks: AppHooks | None = None,
     ) -> None:
         """`adapters`: LoRA adapters served from the start (name -> path), on an engine; an
         engine also loads and unloads them at run time, as vLLM's runtime LoRA API does."""
@@ -87,6 +103,9 @@ class SimApp:
         self.fault_rng = fault_rng
         self.max_model_len = max_model_len
         self.adapters = dict(adapters or {})  # LoRA adapter name -> path
+        self.hooks = hooks or AppHooks()
+        if self.hooks.faults_changed is not None:
+            self.hooks.faults_changed(self.faults)
         self._ids = itertools.count(1)
         self._id_prefix = os.urandom(3).hex()
         self._created = int(time.time())
@@ -120,6 +139,7 @@ class SimApp:
             ("GET", "/sim/usage"): self._usage,
             ("GET", "/sim/faults"): self._get_faults,
             ("POST", "/sim/faults"): self._set_faults,
+            **self.hooks.routes,
         }
         self._paths = {path for _, path in self._routes}
         self.bill = Bill()
@@ -149,9 +169,17 @@ class SimApp:
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
+                try:
+                    if self.hooks.startup is not None:
+                        await self.hooks.startup()
+                except Exception as exc:
+                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                    return
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 self.backend.shutdown()
+                if self.hooks.shutdown is not None:
+                    await self.hooks.shutdown()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
@@ -173,7 +201,7 @@ class SimApp:
             body = await _json_object(receive)
             request = self._parse_generation(body, chat)
             faults, generation = await self._start(
-                request.prompt, request.max_tokens, request.priority
+                request.prompt, request.max_tokens, request.priority, request.model
             )
         except SimError as exc:
             await _send_error(send, exc)
@@ -196,13 +224,15 @@ class SimApp:
             self.bill.add(request.model, generation, delivered[0])
 
     async def _start(
-        self, prompt: list[int], max_tokens: int | None, priority: int
+        self, prompt: list[int], max_tokens: int | None, priority: int, model: str
     ) -> tuple[FaultPlan, Generation]:
-        """The request's faults drawn (a slow head waited for), then its generation started."""
+        """The request's faults drawn (a slow head waited for), then its generation started
+        (with `model`'s LoRA adapter when it names one)."""
         faults = self._draw_faults()
         if faults.slow_headers > 0:
             await asyncio.sleep(faults.slow_headers)
-        return faults, self.backend.start(prompt, max_tokens, priority)
+        lora = model if model in self.adapters else None
+        return faults, self.backend.start(prompt, max_tokens, priority, lora)
 
     async def _responses(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -210,7 +240,7 @@ class SimApp:
             model = self._check_model(body)
             prompt = token_ids(responses_prompt(body))
             max_tokens = _max_tokens(body, "max_output_tokens")
-            _, generation = await self._start(prompt, max_tokens, _priority_of(body))
+            _, generation = await self._start(prompt, max_tokens, _priority_of(body), model)
         except SimError as exc:
             await _send_error(send, exc)
             return
@@ -423,6 +453,8 @@ class SimApp:
             return
         except ClientGone:
             return
+        if self.hooks.faults_changed is not None:
+            self.hooks.faults_changed(self.faults)
         await send_json(send, 200, self.faults.model_dump())
 
 

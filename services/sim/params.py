@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal, Self, TypeVar, get_args
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from llmgw.config.durations import Duration
+from llmgw.services.sim.kv_events import KvEventEncoding
 
 __all__ = [
     "METRICS_DIALECTS",
@@ -62,6 +63,17 @@ class FaultKnobs(BaseModel):
     """Keys the ``/v1/`` routes accept (``Authorization: Bearer <key>`` or ``x-api-key``), as a
     third party checks them: any other gets 401 ``invalid_api_key``. Empty: no key needed.
     Changed at run time, it revokes a key (a provider's key rotation)."""
+    kv_events_skip: int = Field(default=0, ge=0)
+    """An engine publishing KV cache events does not send its next this many batches: their
+    sequence numbers are used up (subscribers see a gap) but replay still has them. Counts
+    down as batches are skipped."""
+    kv_events_lose: int = Field(default=0, ge=0)
+    """Like `kv_events_skip`, but the batches are not kept for replay either: a gap nobody can
+    fill. Counts down; taken before `kv_events_skip` when both are set."""
+    kv_events_restart: bool = False
+    """An action: set true, the engine's prefix cache and KV-event stream restart as when the
+    engine restarts (the cache empties without an event, sequence numbers start again at 0,
+    the replay ring empties, block hashes change); it reads back false once done."""
 
     def faults(self) -> FaultKnobs:
         """The fault knobs alone (a copy), e.g. to seed the runtime-mutable fault state."""
@@ -133,6 +145,29 @@ class EngineParams(_GenerationParams):
     prefill_per_token: Duration = 0.0001
     itl_base: Duration = 0.005
     itl_per_running_seq: Duration = 0.0002
+    kv_events_endpoint: str | None = None
+    """Publish vLLM's KV cache events on a ZMQ PUB socket bound here: ``tcp://HOST:PORT``
+    (``tcp://HOST:*``: any free port, see ``GET /sim/state``) or ``ipc://PATH``. None: no events.
+    vLLM's ``--kv-events-config`` ``endpoint``."""
+    kv_events_replay_endpoint: str | None = None
+    """A ZMQ ROUTER socket bound here replays missed batches (vLLM's ``replay_endpoint``)."""
+    kv_events_topic: str = ""
+    """First frame of every message; subscribers filter on it (vLLM's ``topic``)."""
+    kv_events_encoding: KvEventEncoding = "map"
+    """``map``: events are msgpack maps tagged ``"type"`` (vLLM 0.26 and later); ``positional``:
+    arrays with the tag first (older vLLM)."""
+    kv_events_buffer_steps: int = Field(default=10_000, ge=1)
+    """How many batches the replay ring keeps (vLLM's ``buffer_steps``)."""
+
+    @model_validator(mode="after")
+    def _kv_events_addresses(self) -> Self:
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            address = getattr(self, name)
+            if address is not None and not address.startswith(("tcp://", "ipc://")):
+                raise ValueError(f"{name}: expected tcp://HOST:PORT or ipc://PATH, got {address!r}")
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
+        return self
 
     @classmethod
     def zero_delay(cls, **overrides: Any) -> EngineParams:

@@ -395,6 +395,24 @@ async def test_loras_load_and_unload_at_run_time_as_vllms_runtime_lora_api_does(
     assert (await client.get("/sim/state")).json()["adapters"] == {"sql-lora": "/adapters/sql"}
 
 
+async def test_an_adapter_s_requests_have_a_prefix_cache_of_their_own(serve: Serve) -> None:
+    """vLLM puts the adapter's name in its block hashes: what one adapter (or the base model)
+    cached is no hit for another."""
+    params = EngineParams.zero_delay(lora_modules=["sql-lora", "chat-lora"])
+    client = await serve(create_engine_app(params, [MODEL]))
+
+    async def cached(model: str) -> int:
+        body = {**chat("the same long prompt, " * 8, max_tokens=1), "model": model}
+        response = await client.post("/v1/chat/completions", json=body)
+        return int(response.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    assert await cached(MODEL) == 0
+    assert await cached("sql-lora") == 0
+    assert await cached("sql-lora") > 0
+    assert await cached("chat-lora") == 0
+    assert await cached(MODEL) > 0
+
+
 async def test_a_provider_has_no_runtime_lora_api(serve: Serve) -> None:
     client = await serve(create_provider_app(ProviderParams(), [MODEL]))
     body = {"lora_name": "x", "lora_path": "/x"}
