@@ -599,3 +599,6 @@ class PrefixHeld(_Message):
     cleared: bool = False
     stored: bytes = b""
     removed: bytes = b""
+    # The engine's own cache was emptied (AllBlocksCleared, or it restarted), not only what
+    # the scraper knew of it: what was sent there is gone too.
+    emptied: bool = False

@@ -158,6 +158,8 @@ class PrefixBoard:
         endpoint = held.endpoint
         if held.cleared:
             self.held.clear(endpoint)
+        if held.emptied:  # the engine lost its cache: what was sent there is gone too
+            self.sent.drop(endpoint)
         self._held_block_size[endpoint] = held.block_size
         self._held_seq[endpoint] = held.seq
         if held.stored:

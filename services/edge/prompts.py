@@ -37,7 +37,11 @@ class PromptChains:
         if not self.enabled:
             return NO_PREFIX
         data = exchange.prompt() if exchange is not None else canonical_prompt(feature, body)
-        if not data:
+        return self.of_bytes(data, model) if data else NO_PREFIX
+
+    def of_bytes(self, data: bytes, model: str) -> tuple[bytes, int]:
+        """The packed chain of canonical prompt bytes `data` for `model`, and their length."""
+        if not self.enabled:
             return NO_PREFIX
         root = self._roots.get(model)
         if root is None:

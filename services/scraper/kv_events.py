@@ -429,6 +429,7 @@ class KvEventsReader:
                 seq=seq,
                 block_size=block_size,
                 cleared=part.cleared,
+                emptied=part.emptied,
                 stored=pack(part.stored),
                 removed=pack(part.removed),
             )

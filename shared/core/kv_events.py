@@ -277,12 +277,14 @@ class HeldUpdate:
     held), then `stored`, then `removed` (`llmgw.wire.PrefixHeld`). Applying stores before
     removes is exact for reference-counted holders: a block removed then stored again within
     one update ends held once either way. `block_size`: the engine's KV block in tokens, when
-    known."""
+    known. `emptied`: the engine's own cache was emptied (AllBlocksCleared, or it restarted),
+    not only our knowledge of it: what was sent there is gone too."""
 
     cleared: bool = False
     stored: list[int] = field(default_factory=list)
     removed: list[int] = field(default_factory=list)
     block_size: int | None = None
+    emptied: bool = False
 
     def __bool__(self) -> bool:
         return self.cleared or bool(self.stored) or bool(self.removed)
@@ -301,13 +303,14 @@ class HeldUpdate:
             self.removed += later.removed
         if later.block_size is not None:
             self.block_size = later.block_size
+        self.emptied = self.emptied or later.emptied
 
     def split(self, most: int) -> list[HeldUpdate]:
         """This update as consecutive updates of at most `most` hashes each (the first one
         carries `cleared`); in order, they mean the same."""
         if most < 1:
             raise ValueError("an update holds at least one hash")
-        parts = [HeldUpdate(self.cleared, block_size=self.block_size)]
+        parts = [HeldUpdate(self.cleared, block_size=self.block_size, emptied=self.emptied)]
         for name in ("stored", "removed"):
             hashes: list[int] = getattr(self, name)
             start = 0
@@ -365,7 +368,7 @@ class KvTranslator:
         for event in batch.events:
             if isinstance(event, AllBlocksCleared):
                 self._blocks.clear()
-                update = HeldUpdate(cleared=True)
+                update = HeldUpdate(cleared=True, emptied=True)
                 continue
             reason = _skip(event)
             if reason is not None:
@@ -509,6 +512,7 @@ class KvSync:
         restarted = seq < self.expected
         if restarted:
             update.then(self._clear() or HeldUpdate())
+            update.emptied = True  # a new engine process: its cache started empty
             self.expected = 0
         filled: bool | None = None
         if seq > self.expected:

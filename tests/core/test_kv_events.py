@@ -522,7 +522,23 @@ def test_a_sequence_going_back_is_a_restart_cleared_then_applied() -> None:
     got = sync.receive(0, batch(*first))
     apply(index, got.update)
     assert got.result is BatchResult.RESTARTED and got.update is not None and got.update.cleared
+    assert got.update.emptied  # the engine's own cache went: what was sent there too
     assert index == fresh.expected()
+
+
+def test_only_an_engine_that_emptied_its_cache_says_so() -> None:
+    """AllBlocksCleared and a restart empty the engine's cache (`emptied`: the admission
+    instances forget what they sent there too); a gap lost or a lost connection only empties
+    what we know of it."""
+    engine, sync = Engine(), KvSync()
+    sent = {seq: _store(engine, seq) for seq in range(5)}
+    sync.receive(0, batch(*sent[0]))
+    lost = sync.receive(3, batch(*sent[3]), None)
+    assert lost.update is not None and lost.update.cleared and not lost.update.emptied
+    wiped = sync.receive(4, batch({"type": "AllBlocksCleared"}))
+    assert wiped.update is not None and wiped.update.cleared and wiped.update.emptied
+    reset = sync.reset()
+    assert reset is None or not reset.emptied
 
 
 def test_a_restart_seen_late_replays_the_new_engine_from_its_start() -> None:

@@ -25,6 +25,7 @@ from llmgw.load import EndpointReport, LoadSample, report_key
 from llmgw.services.admission.loadboard import FOREIGN_WINDOW
 from llmgw.services.admission.service import AdmissionService
 from llmgw.services.edge.admission_client import NatsAdmission
+from llmgw.services.edge.prompts import PromptChains
 from llmgw.state.setup import open_load_bucket
 from llmgw.wire import (
     ADMISSION_CANCEL_SUBJECT,
@@ -193,10 +194,15 @@ class Rig:
         request_id: str | None = None,
         session: str | None = None,
         shard: int | None = None,
+        prompt: bytes | None = None,
     ) -> AdmitRequest:
+        """An edge's request; `prompt`: canonical prompt bytes, sent as their chain."""
         shards = self.config.admission.shards
         if shard is None:
             shard = shard_of(session, shards) if session is not None else 0
+        prefix, length = (
+            PromptChains(self.config.prefix).of_bytes(prompt, MODEL) if prompt else (b"", 0)
+        )
         return AdmitRequest(
             id=request_id or uuid.uuid4().hex,
             edge="edge-test",
@@ -206,6 +212,8 @@ class Rig:
             band=band,
             tenant=tenant,
             session=session,
+            prefix=prefix,
+            prompt_bytes=length,
         )
 
     async def ask(
@@ -217,10 +225,16 @@ class Rig:
         session: str | None = None,
         shard: int | None = None,
         timeout: float = 10,
+        prompt: bytes | None = None,
     ) -> AdmitReply:
         """Ask admission exactly as an edge does (waiting through the queue if it queues)."""
         request = self.request(
-            band=band, tenant=tenant, request_id=request_id, session=session, shard=shard
+            band=band,
+            tenant=tenant,
+            request_id=request_id,
+            session=session,
+            shard=shard,
+            prompt=prompt,
         )
         async with asyncio.timeout(timeout):
             reply, _ = await self.client.admit(request)

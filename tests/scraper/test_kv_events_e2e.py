@@ -348,8 +348,10 @@ async def test_endpoints_added_and_removed_in_the_live_fleet_start_and_stop_thei
 class CountingSink(StreamSink):
     """The stream's sink, telling the test how many updates it found not stored."""
 
-    def __init__(self, js: JetStreamContext, *, ack_timeout: float, timer: SteppedClock) -> None:
-        super().__init__(js, ack_timeout=ack_timeout, timer=timer)
+    def __init__(
+        self, js: JetStreamContext, stream: str, *, ack_timeout: float, timer: SteppedClock
+    ) -> None:
+        super().__init__(js, stream, ack_timeout=ack_timeout, timer=timer)
         self.lost_total = 0
         self._changed = asyncio.Event()
 
@@ -382,7 +384,7 @@ async def test_lost_acks_and_the_snapshot_interval_republish_all_an_endpoint_hol
         tick=0.02, snapshot_interval=100.0, resync_interval=10.0, ack_timeout=5.0
     )
     metrics = ScraperMetrics()
-    sink = CountingSink(js, ack_timeout=settings.ack_timeout, timer=timer)
+    sink = CountingSink(js, kv.stream, ack_timeout=settings.ack_timeout, timer=timer)
     readers = KvEvents(
         sink=sink,
         metrics=metrics,
