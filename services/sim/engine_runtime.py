@@ -15,7 +15,7 @@ from typing import Any
 
 from llmgw.services.sim.engine_model import EngineModel, PriorityNotEnabled, PromptTooLong
 from llmgw.services.sim.engine_model import Sequence as Seq
-from llmgw.services.sim.generation import SimError
+from llmgw.services.sim.generation import OutputLimits, SimError
 from llmgw.services.sim.metrics import EngineMetrics
 from llmgw.services.sim.params import EngineParams
 
@@ -107,12 +107,18 @@ class EngineBackend:
 
     # -- Backend ---------------------------------------------------------------------------
     def start(
-        self, prompt: Sequence[int], max_tokens: int | None, priority: int = 0
+        self, prompt: Sequence[int], limits: OutputLimits, priority: int = 0
     ) -> EngineGeneration:
         generation = EngineGeneration(self)
         try:
             generation.seq = self.model.submit(
-                self.clock(), prompt, max_tokens, generation._on_progress, priority=priority
+                self.clock(),
+                prompt,
+                limits.max_tokens,
+                generation._on_progress,
+                priority=priority,
+                min_tokens=limits.min_tokens,
+                ignore_eos=limits.ignore_eos,
             )
         except PriorityNotEnabled as exc:
             raise SimError(400, str(exc), param="priority") from None

@@ -9,9 +9,10 @@ because the client went away) and is idempotent.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
-__all__ = ["Backend", "Generation", "SimError"]
+__all__ = ["Backend", "Generation", "OutputLimits", "SimError"]
 
 
 class SimError(Exception):
@@ -34,6 +35,17 @@ class SimError(Exception):
         self.code = code
         self.param = param
         self.headers = list(headers)
+
+
+@dataclass(frozen=True, slots=True)
+class OutputLimits:
+    """What a request says about its output length (vLLM's sampling parameters): at most
+    `max_tokens` (None: the context's room), at least `min_tokens`, and with `ignore_eos` exactly
+    the cap (the model never ends on its own)."""
+
+    max_tokens: int | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
 
 
 class Generation(Protocol):
@@ -78,8 +90,10 @@ class Generation(Protocol):
 class Backend(Protocol):
     """What a simulated server does with requests; the HTTP layer does the rest."""
 
-    def start(self, prompt: Sequence[int], max_tokens: int | None, priority: int = 0) -> Generation:
+    def start(self, prompt: Sequence[int], limits: OutputLimits, priority: int = 0) -> Generation:
         """Begin generating; raises SimError (400 prompt too long, 429 rate limited...).
+
+        The output ends where the model would end it, within `limits` (`sampling.output_length`).
 
         `priority` is the request's vLLM ``priority`` field (0 when absent); a backend that has
         no scheduling policy ignores it.

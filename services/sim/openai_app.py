@@ -15,7 +15,7 @@ import os
 import random
 import time
 from collections.abc import Awaitable, Callable
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 from pydantic import Field, TypeAdapter, ValidationError
 
@@ -31,7 +31,7 @@ from llmgw.services.sim.asgi import (
     send_json,
 )
 from llmgw.services.sim.embeddings import embedding_item
-from llmgw.services.sim.generation import Backend, Generation, SimError
+from llmgw.services.sim.generation import Backend, Generation, OutputLimits, SimError
 from llmgw.services.sim.messages_api import count_tokens, serve_messages
 from llmgw.services.sim.params import FaultKnobs
 from llmgw.services.sim.responses import (
@@ -52,10 +52,13 @@ from llmgw.services.sim.tokenizer import (
 __all__ = ["SimApp"]
 
 Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
+_T = TypeVar("_T")
 
 # vLLM's request models declare `priority: int` within a signed 64-bit range (pydantic, lax).
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
-_PRIORITY = TypeAdapter(Annotated[int, Field(ge=_INT64_MIN, le=_INT64_MAX)])
+_PRIORITY: TypeAdapter[int] = TypeAdapter(Annotated[int, Field(ge=_INT64_MIN, le=_INT64_MAX)])
+_INT: TypeAdapter[int] = TypeAdapter(int)
+_BOOL: TypeAdapter[bool] = TypeAdapter(bool)
 
 
 class SimApp:
@@ -172,9 +175,7 @@ class SimApp:
         try:
             body = await _json_object(receive)
             request = self._parse_generation(body, chat)
-            faults, generation = await self._start(
-                request.prompt, request.max_tokens, request.priority
-            )
+            faults, generation = await self._start(request.prompt, request.limits, request.priority)
         except SimError as exc:
             await _send_error(send, exc)
             return
@@ -196,21 +197,21 @@ class SimApp:
             self.bill.add(request.model, generation, delivered[0])
 
     async def _start(
-        self, prompt: list[int], max_tokens: int | None, priority: int
+        self, prompt: list[int], limits: OutputLimits, priority: int
     ) -> tuple[FaultPlan, Generation]:
         """The request's faults drawn (a slow head waited for), then its generation started."""
         faults = self._draw_faults()
         if faults.slow_headers > 0:
             await asyncio.sleep(faults.slow_headers)
-        return faults, self.backend.start(prompt, max_tokens, priority)
+        return faults, self.backend.start(prompt, limits, priority)
 
     async def _responses(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             body = await _json_object(receive)
             model = self._check_model(body)
             prompt = token_ids(responses_prompt(body))
-            max_tokens = _max_tokens(body, "max_output_tokens")
-            _, generation = await self._start(prompt, max_tokens, _priority_of(body))
+            limits = OutputLimits(_max_tokens(body, "max_output_tokens"))
+            _, generation = await self._start(prompt, limits, _priority_of(body))
         except SimError as exc:
             await _send_error(send, exc)
             return
@@ -232,9 +233,7 @@ class SimApp:
                 prompt = tokenize_prompt(body.get("prompt"))
         except TokenizeError as exc:
             raise SimError(400, str(exc), param="messages" if chat else "prompt") from None
-        max_tokens = _max_tokens(body, "max_completion_tokens")
-        if max_tokens is None:
-            max_tokens = _max_tokens(body, "max_tokens")
+        limits = _output_limits(body)
         n = body.get("n")
         if n is not None and n != 1:
             raise SimError(400, "n: only n=1 is supported by the simulator", param="n")
@@ -242,7 +241,7 @@ class SimApp:
         options = body.get("stream_options")
         include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
         return GenerationRequest(
-            model, prompt, max_tokens, bool(body.get("stream")), include_usage, priority
+            model, prompt, limits, bool(body.get("stream")), include_usage, priority
         )
 
     def _check_model(self, body: dict[str, Any]) -> str:
@@ -447,19 +446,43 @@ def _max_tokens(body: dict[str, Any], param: str) -> int | None:
     return value
 
 
+def _output_limits(body: dict[str, Any]) -> OutputLimits:
+    """``max_completion_tokens`` (else ``max_tokens``), and vLLM's ``min_tokens`` and
+    ``ignore_eos``, validated as vLLM's sampling parameters are."""
+    max_tokens = _max_tokens(body, "max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = _max_tokens(body, "max_tokens")
+    min_tokens = _lax(_INT, body.get("min_tokens", 0), "min_tokens")
+    if min_tokens < 0:
+        raise SimError(
+            400,
+            f"min_tokens must be greater than or equal to 0, got {min_tokens}.",
+            param="min_tokens",
+        )
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise SimError(
+            400,
+            f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}.",
+            param="min_tokens",
+        )
+    ignore_eos = _lax(_BOOL, body.get("ignore_eos", False), "ignore_eos")
+    return OutputLimits(max_tokens, min_tokens, ignore_eos)
+
+
+def _lax(adapter: TypeAdapter[_T], value: object, param: str) -> _T:
+    """`value` validated as vLLM's pydantic request model reads it (lax mode)."""
+    try:
+        return adapter.validate_python(value)
+    except ValidationError as exc:
+        raise SimError(400, f"{param}: {exc.errors()[0]['msg']}", param=param) from None
+
+
 def _priority_of(body: dict[str, Any]) -> int:
     priority = body.get("priority", 0)
     if type(priority) is not int or not _INT64_MIN <= priority <= _INT64_MAX:
-        priority = _parse_priority(priority)
+        # As vLLM's pydantic model reads it: "3" and 3.0 are 3; 1.5 and null are errors.
+        priority = _lax(_PRIORITY, priority, "priority")
     return priority
-
-
-def _parse_priority(value: object) -> int:
-    """Validate `priority` as vLLM's pydantic model does ("3" and 3.0 are 3; 1.5, null are not)."""
-    try:
-        return _PRIORITY.validate_python(value)
-    except ValidationError as exc:
-        raise SimError(400, f"priority: {exc.errors()[0]['msg']}", param="priority") from None
 
 
 def _hit(rate: float, rng: random.Random) -> bool:

@@ -74,7 +74,8 @@ class _GenerationParams(FaultKnobs):
     max_model_len: int = Field(default=32768, ge=2)
     """Context length: prompt + output tokens. Longer prompts get 400; outputs are capped."""
     output_len_distribution: Literal["lognormal", "uniform", "fixed"] = "lognormal"
-    """How output lengths are drawn when a request gives no ``max_tokens``."""
+    """How the length at which the model ends its answer is drawn; ``max_tokens`` (or the room
+    left in ``max_model_len``) cuts longer ones (`sampling.output_length`)."""
     output_len_mean: int = Field(default=128, ge=1)
     output_len_max: int = Field(default=1024, ge=1)
     output_len_sigma: float = Field(default=0.6, gt=0)
