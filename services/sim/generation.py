@@ -24,7 +24,7 @@ class SimError(Exception):
         message: str,
         *,
         type: str = "invalid_request_error",
-        code: str | None = None,
+        code: str | int | None = None,  # vLLM's own errors carry the status here
         param: str | None = None,
         headers: Sequence[tuple[bytes, bytes]] = (),
     ) -> None:

@@ -41,11 +41,12 @@ from llmgw.services.sim.responses import (
     whole_response,
 )
 from llmgw.services.sim.responses_api import responses_prompt, stream_events, whole_object
+from llmgw.services.sim.tokenize_api import detokenize, tokenize, vllm_error
 from llmgw.services.sim.tokenizer import (
+    StandInTokenizer,
     TokenizeError,
+    Tokenizer,
     embedding_inputs,
-    render_chat,
-    token_ids,
     tokenize_prompt,
 )
 
@@ -77,9 +78,11 @@ class SimApp:
         responses_api: bool = True,
         messages_api: bool = True,
         adapters: dict[str, str] | None = None,
+        tokenizer: Tokenizer | None = None,
     ) -> None:
         """`adapters`: LoRA adapters served from the start (name -> path), on an engine; an
-        engine also loads and unloads them at run time, as vLLM's runtime LoRA API does."""
+        engine also loads and unloads them at run time, as vLLM's runtime LoRA API does.
+        `tokenizer`: how prompts become tokens (default: the stand-in)."""
         if not models:
             raise ValueError("a simulator needs at least one served model name")
         self.backend = backend
@@ -90,6 +93,7 @@ class SimApp:
         self.fault_rng = fault_rng
         self.max_model_len = max_model_len
         self.adapters = dict(adapters or {})  # LoRA adapter name -> path
+        self.tokenizer: Tokenizer = tokenizer if tokenizer is not None else StandInTokenizer()
         self._ids = itertools.count(1)
         self._id_prefix = os.urandom(3).hex()
         self._created = int(time.time())
@@ -112,6 +116,8 @@ class SimApp:
                 {
                     ("POST", "/v1/load_lora_adapter"): self._load_adapter,
                     ("POST", "/v1/unload_lora_adapter"): self._unload_adapter,
+                    ("POST", "/tokenize"): self._tokenize,
+                    ("POST", "/detokenize"): self._detokenize,
                 }
                 if kind == "engine"
                 else {}
@@ -166,7 +172,7 @@ class SimApp:
         await serve_messages(receive, send, lambda r, s: self._generate(r, s, chat=True))
 
     async def _count_tokens(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await count_tokens(receive, send, self._check_model)
+        await count_tokens(receive, send, self._check_model, self.tokenizer)
 
     async def _completions(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self._generate(receive, send, chat=False)
@@ -209,7 +215,7 @@ class SimApp:
         try:
             body = await _json_object(receive)
             model = self._check_model(body)
-            prompt = token_ids(responses_prompt(body))
+            prompt = responses_prompt(body, self.tokenizer)
             limits = OutputLimits(_max_tokens(body, "max_output_tokens"))
             _, generation = await self._start(prompt, limits, _priority_of(body))
         except SimError as exc:
@@ -228,9 +234,9 @@ class SimApp:
         model = self._check_model(body)
         try:
             if chat:
-                prompt = token_ids(render_chat(body.get("messages")))
+                prompt = self.tokenizer.chat(body.get("messages"), tools=body.get("tools"))
             else:
-                prompt = tokenize_prompt(body.get("prompt"))
+                prompt = tokenize_prompt(body.get("prompt"), self._encode_prompt)
         except TokenizeError as exc:
             raise SimError(400, str(exc), param="messages" if chat else "prompt") from None
         limits = _output_limits(body)
@@ -243,6 +249,10 @@ class SimApp:
         return GenerationRequest(
             model, prompt, limits, bool(body.get("stream")), include_usage, priority
         )
+
+    def _encode_prompt(self, text: str) -> list[int]:
+        """A prompt given as text, with the tokenizer's special tokens (as vLLM encodes one)."""
+        return self.tokenizer.encode(text, add_special_tokens=True)
 
     def _check_model(self, body: dict[str, Any]) -> str:
         model = body.get("model")
@@ -290,7 +300,7 @@ class SimApp:
             body = await _json_object(receive)
             model = self._check_model(body)
             try:
-                inputs = embedding_inputs(body.get("input"))
+                inputs = embedding_inputs(body.get("input"), self._encode_prompt)
             except TokenizeError as exc:
                 raise SimError(400, str(exc), param="input") from None
             encoding = body.get("encoding_format") or "float"
@@ -375,6 +385,31 @@ class SimApp:
         self._list_served()
         message = f"Success: LoRA adapter '{name}' removed successfully."
         await send_bytes(send, 200, message.encode(), b"text/plain; charset=utf-8")
+
+    # -- vLLM's tokenizer API ----------------------------------------------------------------
+    async def _tokenize(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._tokens_route(
+            receive, send, lambda body: tokenize(body, self.tokenizer, self.max_model_len)
+        )
+
+    async def _detokenize(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._tokens_route(receive, send, lambda body: detokenize(body, self.tokenizer))
+
+    async def _tokens_route(
+        self, receive: Receive, send: Send, answer: Callable[[dict[str, Any]], dict[str, Any]]
+    ) -> None:
+        """``/tokenize`` and ``/detokenize``: `model` is optional there; errors in vLLM's shape."""
+        try:
+            body = await _json_object(receive)
+            if body.get("model") is not None:
+                self._check_model(body)
+            result = answer(body)
+        except SimError as exc:
+            await _send_error(send, vllm_error(exc))
+            return
+        except ClientGone:
+            return
+        await send_json(send, 200, result)
 
     async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.faults.unhealthy:
