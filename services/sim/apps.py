@@ -1,4 +1,5 @@
-"""Composition roots: build an engine or provider simulator as an ASGI app (no I/O until served).
+"""Composition roots: build an engine or provider simulator as an ASGI app (no I/O until served,
+but for reading the tokenizer files an engine is given).
 
 Each call builds independent state (model, KV cache, metrics registry, RNGs), so several
 simulators can run in one process, e.g. in tests.
@@ -12,6 +13,7 @@ from collections.abc import Callable, Sequence
 
 from llmgw.services.sim.asgi import install_crash_log_filter
 from llmgw.services.sim.engine_runtime import EngineBackend
+from llmgw.services.sim.model_tokenizer import ModelTokenizer
 from llmgw.services.sim.openai_app import SimApp
 from llmgw.services.sim.params import EngineParams, ProviderParams
 from llmgw.services.sim.provider_runtime import ProviderBackend
@@ -42,8 +44,10 @@ def create_engine_app(
     """A vLLM-like engine. Served names: ``params.served_models``, else `models`, else a default.
 
     `rng` (default: seeded with ``params.seed``) drives output lengths, generated text and, via a
-    derived generator, fault draws.
+    derived generator, fault draws. With ``params.tokenizer`` its files are read here
+    (TokenizerFilesError when unusable, ImportError without the ``tokenizer`` extra).
     """
+    tokenizer = ModelTokenizer(params.tokenizer) if params.tokenizer is not None else None
     rng = rng if rng is not None else random.Random(params.seed)
     fault_rng = random.Random(rng.getrandbits(64))
     served = _served(params.served_models, models)
@@ -60,6 +64,7 @@ def create_engine_app(
         fault_rng=fault_rng,
         responses_api=params.responses_api,
         messages_api=params.messages_api,
+        tokenizer=tokenizer,
     )
 
 

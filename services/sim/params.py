@@ -127,6 +127,11 @@ class EngineParams(_GenerationParams):
     (``NAME=PATH``, or ``NAME``): listed at ``GET /v1/models`` with the first served model as
     their ``parent``, and served like it. More are loaded and unloaded at run time with
     ``POST /v1/load_lora_adapter`` / ``/v1/unload_lora_adapter`` (vLLM's runtime LoRA API)."""
+    tokenizer: str | None = None
+    """A directory with the served model's Hugging Face tokenizer files (``tokenizer.json``,
+    ``tokenizer_config.json`` with its chat template): prompts, chats, the prefix cache and
+    ``/tokenize`` are then in that model's real tokens (the ``tokenizer`` extra). None: the
+    built-in stand-in tokenizer."""
     max_num_seqs: int = Field(default=64, ge=1)
     num_gpu_blocks: int = Field(default=4096, ge=1)
     block_size: int = Field(default=16, ge=1)
