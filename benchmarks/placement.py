@@ -198,8 +198,8 @@ class SimFarm:
     def _hook(self, endpoint: str, backend: Any, *, managed: bool) -> None:
         original = backend.start
 
-        def start(prompt: Any, limits: Any, priority: int = 0) -> Any:
-            generation = original(prompt, limits, priority)
+        def start(prompt: Any, limits: Any, priority: int = 0, lora: str | None = None) -> Any:
+            generation = original(prompt, limits, priority, lora)
             others = [b for e, b in self.engines.items() if e != endpoint]
             arrival = Arrival(endpoint, managed)
             arrival.engines_busy = self._busy()

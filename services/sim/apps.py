@@ -55,6 +55,7 @@ def create_engine_app(
     install_crash_log_filter()
     return SimApp(
         backend,
+        on_adapter_loaded=backend.enable_lora,
         kind="engine",
         models=served,
         adapters=dict(_adapter(module) for module in params.lora_modules),

@@ -84,6 +84,7 @@ class Sequence:
     arrived_at: float
     text_seed: int
     priority: int = 0  # lower is scheduled earlier under the ``priority`` policy
+    lora: str | None = None  # the LoRA adapter it runs with (None: the base model)
     listener: Callable[[Sequence], None] | None = None
     state: SeqState = SeqState.WAITING
     admitted_at: float | None = None
@@ -218,6 +219,7 @@ class EngineModel:
         priority: int = 0,
         min_tokens: int = 0,
         ignore_eos: bool = False,
+        lora: str | None = None,
     ) -> Sequence:
         """Queue a request at `now` and run the engine up to `now` (zero timings finish it here).
 
@@ -269,6 +271,7 @@ class EngineModel:
             arrived_at=self.now,
             text_seed=self.rng.getrandbits(32),
             priority=priority,
+            lora=lora,
             listener=listener,
         )
         self.stats.prompt_tokens += prompt_len

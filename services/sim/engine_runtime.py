@@ -107,7 +107,11 @@ class EngineBackend:
 
     # -- Backend ---------------------------------------------------------------------------
     def start(
-        self, prompt: Sequence[int], limits: OutputLimits, priority: int = 0
+        self,
+        prompt: Sequence[int],
+        limits: OutputLimits,
+        priority: int = 0,
+        lora: str | None = None,
     ) -> EngineGeneration:
         generation = EngineGeneration(self)
         try:
@@ -119,6 +123,7 @@ class EngineBackend:
                 priority=priority,
                 min_tokens=limits.min_tokens,
                 ignore_eos=limits.ignore_eos,
+                lora=lora,
             )
         except PriorityNotEnabled as exc:
             raise SimError(400, str(exc), param="priority") from None
@@ -129,6 +134,11 @@ class EngineBackend:
         if not generation.seq.done:
             self._rearm()
         return generation
+
+    def enable_lora(self) -> None:
+        """An adapter was loaded at run time: from now on the engine serves LoRA (its metrics
+        say so, as vLLM's do with LoRA enabled)."""
+        self.metrics_exporter.lora_enabled = True
 
     def embedding_delay(self, prompt_tokens: int) -> float:
         self.model.stats.prompt_tokens += prompt_tokens

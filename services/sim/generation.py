@@ -90,8 +90,17 @@ class Generation(Protocol):
 class Backend(Protocol):
     """What a simulated server does with requests; the HTTP layer does the rest."""
 
-    def start(self, prompt: Sequence[int], limits: OutputLimits, priority: int = 0) -> Generation:
+    def start(
+        self,
+        prompt: Sequence[int],
+        limits: OutputLimits,
+        priority: int = 0,
+        lora: str | None = None,
+    ) -> Generation:
         """Begin generating; raises SimError (400 prompt too long, 429 rate limited...).
+
+        `lora` names the LoRA adapter the request asked for (None: the base model); a backend
+        without adapters ignores it.
 
         The output ends where the model would end it, within `limits` (`sampling.output_length`).
 

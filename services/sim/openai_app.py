@@ -79,10 +79,12 @@ class SimApp:
         messages_api: bool = True,
         adapters: dict[str, str] | None = None,
         tokenizer: Tokenizer | None = None,
+        on_adapter_loaded: Callable[[], None] | None = None,
     ) -> None:
         """`adapters`: LoRA adapters served from the start (name -> path), on an engine; an
         engine also loads and unloads them at run time, as vLLM's runtime LoRA API does.
-        `tokenizer`: how prompts become tokens (default: the stand-in)."""
+        `tokenizer`: how prompts become tokens (default: the stand-in). `on_adapter_loaded` is
+        called after each adapter loaded at run time."""
         if not models:
             raise ValueError("a simulator needs at least one served model name")
         self.backend = backend
@@ -94,6 +96,7 @@ class SimApp:
         self.max_model_len = max_model_len
         self.adapters = dict(adapters or {})  # LoRA adapter name -> path
         self.tokenizer: Tokenizer = tokenizer if tokenizer is not None else StandInTokenizer()
+        self._on_adapter_loaded = on_adapter_loaded
         self._ids = itertools.count(1)
         self._id_prefix = os.urandom(3).hex()
         self._created = int(time.time())
@@ -181,7 +184,9 @@ class SimApp:
         try:
             body = await _json_object(receive)
             request = self._parse_generation(body, chat)
-            faults, generation = await self._start(request.prompt, request.limits, request.priority)
+            faults, generation = await self._start(
+                request.model, request.prompt, request.limits, request.priority
+            )
         except SimError as exc:
             await _send_error(send, exc)
             return
@@ -203,13 +208,15 @@ class SimApp:
             self.bill.add(request.model, generation, delivered[0])
 
     async def _start(
-        self, prompt: list[int], limits: OutputLimits, priority: int
+        self, model: str, prompt: list[int], limits: OutputLimits, priority: int
     ) -> tuple[FaultPlan, Generation]:
-        """The request's faults drawn (a slow head waited for), then its generation started."""
+        """The request's faults drawn (a slow head waited for), then its generation started
+        (with its LoRA adapter when `model` names one)."""
         faults = self._draw_faults()
         if faults.slow_headers > 0:
             await asyncio.sleep(faults.slow_headers)
-        return faults, self.backend.start(prompt, limits, priority)
+        lora = model if model in self.adapters else None
+        return faults, self.backend.start(prompt, limits, priority, lora)
 
     async def _responses(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -217,7 +224,7 @@ class SimApp:
             model = self._check_model(body)
             prompt = responses_prompt(body, self.tokenizer)
             limits = OutputLimits(_max_tokens(body, "max_output_tokens"))
-            _, generation = await self._start(prompt, limits, _priority_of(body))
+            _, generation = await self._start(model, prompt, limits, _priority_of(body))
         except SimError as exc:
             await _send_error(send, exc)
             return
@@ -366,6 +373,8 @@ class SimApp:
             return
         self.adapters[name] = path
         self._list_served()
+        if self._on_adapter_loaded is not None:
+            self._on_adapter_loaded()
         message = f"Success: LoRA adapter '{name}' added successfully."
         await send_bytes(send, 200, message.encode(), b"text/plain; charset=utf-8")
 

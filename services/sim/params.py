@@ -132,6 +132,9 @@ class EngineParams(_GenerationParams):
     ``tokenizer_config.json`` with its chat template): prompts, chats, the prefix cache and
     ``/tokenize`` are then in that model's real tokens (the ``tokenizer`` extra). None: the
     built-in stand-in tokenizer."""
+    max_loras: int = Field(default=1, ge=1)
+    """vLLM's ``--max-loras`` (adapters in one batch), reported as the ``max_lora`` label of
+    ``vllm:lora_requests_info``; the simulated batch is not limited by it."""
     max_num_seqs: int = Field(default=64, ge=1)
     num_gpu_blocks: int = Field(default=4096, ge=1)
     block_size: int = Field(default=16, ge=1)

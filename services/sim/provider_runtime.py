@@ -112,9 +112,14 @@ class ProviderBackend:
         self.generated_tokens = 0
 
     def start(
-        self, prompt: Sequence[int], limits: OutputLimits, priority: int = 0
+        self,
+        prompt: Sequence[int],
+        limits: OutputLimits,
+        priority: int = 0,
+        lora: str | None = None,
     ) -> PacedGeneration:
-        """Pace one request; `priority` is ignored (each request has its own pace, no queue)."""
+        """Pace one request; `priority` and `lora` are ignored (each request has its own pace,
+        no queue; a third party has no adapters)."""
         params = self.params
         now = self.clock()
         prompt_len = len(prompt)
