@@ -101,6 +101,7 @@ async def stream_one(
         "model": "sim",
         "messages": messages,
         "max_tokens": max_tokens,
+        "ignore_eos": True,  # the answer is as long as the turn says
         "stream": True,
         "stream_options": {"include_usage": True},
     }

@@ -118,6 +118,7 @@ async def run_strategy(
                     body = {
                         "model": "sim",
                         "max_tokens": lengths.randint(20, 60),
+                        "ignore_eos": True,  # exactly that many tokens
                         "messages": [{"role": "user", "content": PROMPT}],
                     }
                     sent = time.perf_counter()

@@ -25,6 +25,10 @@ from llmgw.nats_embedded import EmbeddedNats
 from llmgw.serving import free_port
 
 ZERO_DELAY = ["prefill_base=0", "prefill_per_token=0", "itl_base=0", "itl_per_running_seq=0"]
+# The engine's model always wants 1024 tokens (its output_len_max), more than any benchmark
+# request allows: every answer is exactly its max_tokens (max_output_tokens), a fixed amount of
+# work per request whatever the API, as it would otherwise end earlier on its own now and then.
+WRITES_MAX_TOKENS = ["output_len_distribution=fixed", "output_len_mean=1024"]
 
 
 @dataclass
@@ -207,7 +211,7 @@ def running_cluster(
             edge_url=f"http://127.0.0.1:{edge_port}", engine_url=engine_url, nats=nats
         )
         try:
-            sim_args = [f"--set={s}" for s in ZERO_DELAY]
+            sim_args = [f"--set={s}" for s in (*ZERO_DELAY, *WRITES_MAX_TOKENS)]
             cluster.procs["engine"] = start_process(
                 "engine",
                 [

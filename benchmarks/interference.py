@@ -162,6 +162,7 @@ def body(user: str, tokens: int) -> dict[str, Any]:
     return {
         "model": "sim-model",
         "max_tokens": tokens,
+        "ignore_eos": True,  # exactly `tokens` tokens
         "user": user,
         "messages": [{"role": "user", "content": f"hello from {user}"}],
     }

@@ -198,8 +198,8 @@ class SimFarm:
     def _hook(self, endpoint: str, backend: Any, *, managed: bool) -> None:
         original = backend.start
 
-        def start(prompt: Any, max_tokens: int | None, priority: int = 0) -> Any:
-            generation = original(prompt, max_tokens, priority)
+        def start(prompt: Any, limits: Any, priority: int = 0, lora: str | None = None) -> Any:
+            generation = original(prompt, limits, priority, lora)
             others = [b for e, b in self.engines.items() if e != endpoint]
             arrival = Arrival(endpoint, managed)
             arrival.engines_busy = self._busy()
@@ -334,7 +334,7 @@ class Client:
         tokens = token_ids(render_chat(messages))
         sent = Sent(conversation, turn, band, prompt_key(tokens), ideal=ideal_hit(previous, tokens))
         phase.sent.append(sent)
-        body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens}
+        body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "ignore_eos": True}
         reply = ""
         try:
             async with self.http.post(

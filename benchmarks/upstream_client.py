@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 
-from cluster import ZERO_DELAY
+from cluster import WRITES_MAX_TOKENS, ZERO_DELAY
 from measure import pct
 
 from llmgw.serving import free_port
@@ -96,7 +96,7 @@ def main() -> int:
     engine = subprocess.Popen(
         [
             *(sys.executable, "-m", "llmgw", "sim", "engine", "--port", str(port)),
-            *("--model", "bench-model", *(f"--set={s}" for s in ZERO_DELAY)),
+            *("--model", "bench-model", *(f"--set={s}" for s in (*ZERO_DELAY, *WRITES_MAX_TOKENS))),
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

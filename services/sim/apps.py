@@ -1,4 +1,5 @@
-"""Composition roots: build an engine or provider simulator as an ASGI app (no I/O until served).
+"""Composition roots: build an engine or provider simulator as an ASGI app (no I/O until served,
+but for reading the tokenizer files an engine is given).
 
 Each call builds independent state (model, KV cache, metrics registry, RNGs), so several
 simulators can run in one process, e.g. in tests.
@@ -13,6 +14,7 @@ from urllib.parse import parse_qs
 
 from llmgw.services.sim.asgi import Receive, Scope, Send, install_crash_log_filter, send_bytes
 from llmgw.services.sim.engine_runtime import EngineBackend
+from llmgw.services.sim.model_tokenizer import ModelTokenizer
 from llmgw.services.sim.openai_app import AppHooks, Handler, SimApp
 from llmgw.services.sim.params import EngineParams, ProviderParams
 from llmgw.services.sim.provider_runtime import ProviderBackend
@@ -45,8 +47,10 @@ def create_engine_app(
     `rng` (default: seeded with ``params.seed``) drives output lengths, generated text and, via a
     derived generator, fault draws. Besides the common routes it serves vLLM's
     ``POST /reset_prefix_cache``, and with ``kv_events_endpoint`` it publishes KV cache events
-    from start-up to shutdown.
+    from start-up to shutdown. With ``params.tokenizer`` its files are read here
+    (TokenizerFilesError when unusable, ImportError without the ``tokenizer`` extra).
     """
+    tokenizer = ModelTokenizer(params.tokenizer) if params.tokenizer is not None else None
     rng = rng if rng is not None else random.Random(params.seed)
     fault_rng = random.Random(rng.getrandbits(64))
     served = _served(params.served_models, models)
@@ -54,6 +58,7 @@ def create_engine_app(
     install_crash_log_filter()
     return SimApp(
         backend,
+        on_adapter_loaded=backend.enable_lora,
         kind="engine",
         models=served,
         adapters=dict(_adapter(module) for module in params.lora_modules),
@@ -69,6 +74,7 @@ def create_engine_app(
             shutdown=backend.aclose,
             faults_changed=backend.apply_faults,
         ),
+        tokenizer=tokenizer,
     )
 
 

@@ -47,7 +47,7 @@ from enum import Enum
 from llmgw.services.sim.kv_events import KvEventRecorder
 from llmgw.services.sim.kvcache import KVCache
 from llmgw.services.sim.params import EngineParams
-from llmgw.services.sim.sampling import draw_output_len
+from llmgw.services.sim.sampling import output_length
 from llmgw.services.sim.tokenizer import hash_token_blocks
 
 __all__ = [
@@ -86,10 +86,11 @@ class Sequence:
     prompt_tokens: int
     block_hashes: list[int]
     output_len: int
-    finish_reason: str  # "length" when max_tokens bounded the output, else "stop"
+    finish_reason: str  # "stop" when the model ended it, "length" when max_tokens or room did
     arrived_at: float
     text_seed: int
     priority: int = 0  # lower is scheduled earlier under the ``priority`` policy
+    lora: str | None = None  # the LoRA adapter it runs with (None: the base model)
     listener: Callable[[Sequence], None] | None = None
     state: SeqState = SeqState.WAITING
     admitted_at: float | None = None
@@ -105,7 +106,6 @@ class Sequence:
     allocated_blocks: int = 0
     # What KV cache events report of the sequence's blocks
     prompt: SequenceOf[int] = ()
-    lora: str | None = None  # the LoRA adapter it runs with
 
     @property
     def done(self) -> bool:
@@ -227,11 +227,15 @@ class EngineModel:
         listener: Callable[[Sequence], None] | None = None,
         *,
         priority: int = 0,
+        min_tokens: int = 0,
+        ignore_eos: bool = False,
         lora: str | None = None,
     ) -> Sequence:
         """Queue a request at `now` and run the engine up to `now` (zero timings finish it here).
 
-        `lora`: the LoRA adapter the request runs with (None: the base model).
+        `lora`: the LoRA adapter the request runs with (None: the base model). The output
+        length is drawn, bounded by `max_tokens` and `min_tokens` (or exactly
+        `max_tokens` with `ignore_eos`): `sampling.output_length`.
 
         Raises PriorityNotEnabled for a non-zero `priority` under ``fcfs`` (before anything else,
         so a refused request leaves no trace) and PromptTooLong when the request could never be
@@ -252,12 +256,14 @@ class EngineModel:
                 f"prompt too long: this model's maximum context length is {params.max_model_len} "
                 f"tokens, the prompt has {prompt_len} (the output needs at least one more)"
             )
-        room = params.max_model_len - prompt_len
-        if max_tokens is not None:
-            output_len, finish_reason = min(max_tokens, room), "length"
-        else:
-            drawn = draw_output_len(params, self.rng)
-            output_len, finish_reason = (drawn, "stop") if drawn <= room else (room, "length")
+        output_len, finish_reason = output_length(
+            params,
+            self.rng,
+            params.max_model_len - prompt_len,
+            max_tokens,
+            min_tokens=min_tokens,
+            ignore_eos=ignore_eos,
+        )
         block_size = params.block_size
         total_blocks = -(-(prompt_len + output_len) // block_size)
         if total_blocks > params.num_gpu_blocks:
@@ -276,11 +282,11 @@ class EngineModel:
             arrived_at=self.now,
             text_seed=self.rng.getrandbits(32),
             priority=priority,
+            lora=lora,
             listener=listener,
         )
         seq.prompt = prompt
         if lora is not None:
-            seq.lora = lora
             seq.block_hashes = _adapter_hashes(seq.block_hashes, lora)
         self.stats.prompt_tokens += prompt_len
         self.waiting.push(seq)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from llmgw.services.sim.engine_model import EngineModel, PriorityNotEnabled, PromptTooLong
 from llmgw.services.sim.engine_model import Sequence as Seq
-from llmgw.services.sim.generation import SimError
+from llmgw.services.sim.generation import OutputLimits, SimError
 from llmgw.services.sim.kv_events import KvEventRecorder
 from llmgw.services.sim.metrics import EngineMetrics
 from llmgw.services.sim.params import EngineParams, FaultKnobs
@@ -131,7 +131,7 @@ class EngineBackend:
     def start(
         self,
         prompt: Sequence[int],
-        max_tokens: int | None,
+        limits: OutputLimits,
         priority: int = 0,
         lora: str | None = None,
     ) -> EngineGeneration:
@@ -140,9 +140,11 @@ class EngineBackend:
             generation.seq = self.model.submit(
                 self.clock(),
                 prompt,
-                max_tokens,
+                limits.max_tokens,
                 generation._on_progress,
                 priority=priority,
+                min_tokens=limits.min_tokens,
+                ignore_eos=limits.ignore_eos,
                 lora=lora,
             )
         except PriorityNotEnabled as exc:
@@ -155,6 +157,11 @@ class EngineBackend:
         if not generation.seq.done:
             self._rearm()
         return generation
+
+    def enable_lora(self) -> None:
+        """An adapter was loaded at run time: from now on the engine serves LoRA (its metrics
+        say so, as vLLM's do with LoRA enabled)."""
+        self.metrics_exporter.lora_enabled = True
 
     def embedding_delay(self, prompt_tokens: int) -> float:
         self.model.stats.prompt_tokens += prompt_tokens

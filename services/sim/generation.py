@@ -9,9 +9,10 @@ because the client went away) and is idempotent.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
-__all__ = ["Backend", "Generation", "SimError"]
+__all__ = ["Backend", "Generation", "OutputLimits", "SimError"]
 
 
 class SimError(Exception):
@@ -23,7 +24,7 @@ class SimError(Exception):
         message: str,
         *,
         type: str = "invalid_request_error",
-        code: str | None = None,
+        code: str | int | None = None,  # vLLM's own errors carry the status here
         param: str | None = None,
         headers: Sequence[tuple[bytes, bytes]] = (),
     ) -> None:
@@ -34,6 +35,17 @@ class SimError(Exception):
         self.code = code
         self.param = param
         self.headers = list(headers)
+
+
+@dataclass(frozen=True, slots=True)
+class OutputLimits:
+    """What a request says about its output length (vLLM's sampling parameters): at most
+    `max_tokens` (None: the context's room), at least `min_tokens`, and with `ignore_eos` exactly
+    the cap (the model never ends on its own)."""
+
+    max_tokens: int | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
 
 
 class Generation(Protocol):
@@ -81,11 +93,16 @@ class Backend(Protocol):
     def start(
         self,
         prompt: Sequence[int],
-        max_tokens: int | None,
+        limits: OutputLimits,
         priority: int = 0,
         lora: str | None = None,
     ) -> Generation:
         """Begin generating; raises SimError (400 prompt too long, 429 rate limited...).
+
+        `lora` names the LoRA adapter the request asked for (None: the base model); a backend
+        without adapters ignores it.
+
+        The output ends where the model would end it, within `limits` (`sampling.output_length`).
 
         `priority` is the request's vLLM ``priority`` field (0 when absent); a backend that has
         no scheduling policy ignores it. `lora` is the LoRA adapter the request names (None:

@@ -148,7 +148,11 @@ def _run(args: argparse.Namespace, kind: str) -> int:
 
 async def _serve(settings: SimSettings, kind: str) -> int:
     if isinstance(settings.params, EngineParams):
-        app = create_engine_app(settings.params, settings.models)
+        try:
+            app = create_engine_app(settings.params, settings.models)
+        except (ValueError, ImportError) as exc:  # its tokenizer files, or their extra
+            print(f"llmgw sim {kind}: tokenizer: {exc}", file=sys.stderr)
+            return 2
     else:
         app = create_provider_app(settings.params, settings.models)
     try:

@@ -27,7 +27,7 @@ from llmgw.services.sim.asgi import (
     send_bytes,
 )
 from llmgw.services.sim.generation import SimError
-from llmgw.services.sim.tokenizer import TokenizeError, render_chat, token_ids
+from llmgw.services.sim.tokenizer import TokenizeError, Tokenizer
 
 __all__ = ["count_tokens", "serve_messages"]
 
@@ -101,15 +101,18 @@ def _as_text(block: dict[str, Any]) -> dict[str, Any]:
     return {"type": "text", "text": json.dumps(block)[:200]}
 
 
-async def count_tokens(receive: Receive, send: Send, check_model: Callable[[Any], str]) -> None:
-    """``POST /v1/messages/count_tokens``: the prompt's tokens as the simulator counts them."""
+async def count_tokens(
+    receive: Receive, send: Send, check_model: Callable[[Any], str], tokenizer: Tokenizer
+) -> None:
+    """``POST /v1/messages/count_tokens``: the prompt's tokens as the engine's `tokenizer` counts
+    them."""
     read = await _read(receive, send, count_only=True)
     if read is None:
         return
     parsed, chat = read
     try:
         check_model(parsed.body)
-        count = len(token_ids(render_chat(chat["messages"])))
+        count = len(tokenizer.chat(chat["messages"], tools=chat.get("tools")))
     except SimError as exc:
         await _error(send, exc.status, exc.message)
         return

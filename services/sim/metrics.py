@@ -8,7 +8,8 @@ exposes, under its names and labels, and nothing it does not (source files as re
 
 - ``vllm``: vLLM's V1 engine (``vllm/v1/metrics/loggers.py``): ``vllm:num_requests_running``,
   ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``, ``vllm:cache_config_info``,
-  token, prefix-cache, preemption and success counters, TTFT and end-to-end histograms;
+  token, prefix-cache, preemption and success counters, TTFT and end-to-end histograms, and,
+  once the engine serves LoRA adapters, ``vllm:lora_requests_info``;
 - ``vllm-legacy``: vLLM's V0 engine (``vllm/engine/metrics.py``): the same but KV usage as
   ``vllm:gpu_cache_usage_perc``, plus ``vllm:num_requests_swapped`` and
   ``vllm:cpu_cache_usage_perc`` (both 0: this model never preempts, so never swaps), no
@@ -28,11 +29,20 @@ Gauges and counters are read from the model at scrape time (nothing is updated p
 the latency histograms are observed when a sequence's first token / end happens. vLLM's and
 SGLang's series carry ``model_name`` = the engine's first served model name, as vLLM labels an
 engine that serves several names.
+
+``vllm:lora_requests_info`` (vLLM and its V0 engine, with LoRA enabled: adapters configured or
+loaded at run time) is a gauge whose value is the Unix time it was set and whose labels say
+``max_lora`` and the adapters of the running and waiting requests (names joined by commas, no
+spaces; empty when none). vLLM sets it every engine step and a label set it no longer sets
+stays with its last time, so readers take the series with the latest value; here it is set at
+each scrape, and the last `_LORA_SERIES_KEPT` label sets are kept.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
@@ -96,6 +106,8 @@ _E2E_BUCKETS = (
 )
 
 
+_LORA_SERIES_KEPT = 256  # vLLM keeps every label set; a bound keeps a long demo's memory flat
+
 # The latency histograms per dialect: (TTFT, end-to-end); None: the engine has none we model.
 _HISTOGRAMS: dict[str, tuple[str, str] | None] = {
     "vllm": ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds"),
@@ -110,10 +122,17 @@ _HISTOGRAMS: dict[str, tuple[str, str] | None] = {
 class EngineMetrics:
     """The engine's `CollectorRegistry` and the hooks the model calls."""
 
-    def __init__(self, params: EngineParams, model_name: str) -> None:
+    def __init__(
+        self, params: EngineParams, model_name: str, *, wall_clock: Callable[[], float] = time.time
+    ) -> None:
         self.params = params
         self.dialect = params.metrics_dialect
         self.model_name = model_name
+        self.wall_clock = wall_clock
+        # LoRA is enabled once the engine serves an adapter (EngineBackend.enable_lora).
+        self.lora_enabled = bool(params.lora_modules)
+        # (running adapters, waiting adapters) -> Unix time last set, oldest first.
+        self.lora_series: OrderedDict[tuple[str, str], float] = OrderedDict()
         self.registry = CollectorRegistry(auto_describe=False)
         self._model: EngineModel | None = None
         self._ttft: Any = None
@@ -151,6 +170,29 @@ class EngineMetrics:
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def lora_info(self, model: EngineModel) -> GaugeMetricFamily:
+        """``vllm:lora_requests_info``, its current label set set to now."""
+        current = (_adapters(model.running), _adapters(model.waiting))
+        series = self.lora_series
+        series.pop(current, None)
+        series[current] = self.wall_clock()
+        while len(series) > _LORA_SERIES_KEPT:
+            series.popitem(last=False)
+        family = GaugeMetricFamily(
+            "vllm:lora_requests_info",
+            "Running stats on lora requests.",
+            labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+        )
+        max_lora = str(self.params.max_loras)
+        for (running, waiting), at in series.items():
+            family.add_metric([max_lora, waiting, running], at)
+        return family
+
+
+def _adapters(seqs: Iterable[Sequence]) -> str:
+    """The adapters of `seqs`, as vLLM's label writes them: names joined by commas."""
+    return ",".join(sorted({seq.lora for seq in seqs if seq.lora is not None}))
 
 
 class _StateCollector:
@@ -221,6 +263,8 @@ def _vllm(metrics: EngineMetrics, model: EngineModel, dialect: str) -> Iterator[
         yield gauge(
             "vllm:cpu_cache_usage_perc", "CPU KV-cache usage. 1 means 100 percent usage.", 0
         )
+    if dialect != "partial" and metrics.lora_enabled:
+        yield metrics.lora_info(model)
     if dialect != "partial":
         info = GaugeMetricFamily(
             "vllm:cache_config_info",

@@ -16,7 +16,7 @@ import random
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 from pydantic import Field, TypeAdapter, ValidationError
 
@@ -32,7 +32,7 @@ from llmgw.services.sim.asgi import (
     send_json,
 )
 from llmgw.services.sim.embeddings import embedding_item
-from llmgw.services.sim.generation import Backend, Generation, SimError
+from llmgw.services.sim.generation import Backend, Generation, OutputLimits, SimError
 from llmgw.services.sim.messages_api import count_tokens, serve_messages
 from llmgw.services.sim.params import FaultKnobs
 from llmgw.services.sim.responses import (
@@ -42,17 +42,19 @@ from llmgw.services.sim.responses import (
     whole_response,
 )
 from llmgw.services.sim.responses_api import responses_prompt, stream_events, whole_object
+from llmgw.services.sim.tokenize_api import detokenize, tokenize, vllm_error
 from llmgw.services.sim.tokenizer import (
+    StandInTokenizer,
     TokenizeError,
+    Tokenizer,
     embedding_inputs,
-    render_chat,
-    token_ids,
     tokenize_prompt,
 )
 
 __all__ = ["AppHooks", "SimApp"]
 
 Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +72,9 @@ class AppHooks:
 
 # vLLM's request models declare `priority: int` within a signed 64-bit range (pydantic, lax).
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
-_PRIORITY = TypeAdapter(Annotated[int, Field(ge=_INT64_MIN, le=_INT64_MAX)])
+_PRIORITY: TypeAdapter[int] = TypeAdapter(Annotated[int, Field(ge=_INT64_MIN, le=_INT64_MAX)])
+_INT: TypeAdapter[int] = TypeAdapter(int)
+_BOOL: TypeAdapter[bool] = TypeAdapter(bool)
 
 
 class SimApp:
@@ -90,9 +94,13 @@ class SimApp:
         messages_api: bool = True,
         adapters: dict[str, str] | None = None,
         hooks: AppHooks | None = None,
+        tokenizer: Tokenizer | None = None,
+        on_adapter_loaded: Callable[[], None] | None = None,
     ) -> None:
         """`adapters`: LoRA adapters served from the start (name -> path), on an engine; an
-        engine also loads and unloads them at run time, as vLLM's runtime LoRA API does."""
+        engine also loads and unloads them at run time, as vLLM's runtime LoRA API does.
+        `tokenizer`: how prompts become tokens (default: the stand-in). `on_adapter_loaded` is
+        called after each adapter loaded at run time."""
         if not models:
             raise ValueError("a simulator needs at least one served model name")
         self.backend = backend
@@ -106,6 +114,8 @@ class SimApp:
         self.hooks = hooks or AppHooks()
         if self.hooks.faults_changed is not None:
             self.hooks.faults_changed(self.faults)
+        self.tokenizer: Tokenizer = tokenizer if tokenizer is not None else StandInTokenizer()
+        self._on_adapter_loaded = on_adapter_loaded
         self._ids = itertools.count(1)
         self._id_prefix = os.urandom(3).hex()
         self._created = int(time.time())
@@ -128,6 +138,8 @@ class SimApp:
                 {
                     ("POST", "/v1/load_lora_adapter"): self._load_adapter,
                     ("POST", "/v1/unload_lora_adapter"): self._unload_adapter,
+                    ("POST", "/tokenize"): self._tokenize,
+                    ("POST", "/detokenize"): self._detokenize,
                 }
                 if kind == "engine"
                 else {}
@@ -191,7 +203,7 @@ class SimApp:
         await serve_messages(receive, send, lambda r, s: self._generate(r, s, chat=True))
 
     async def _count_tokens(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await count_tokens(receive, send, self._check_model)
+        await count_tokens(receive, send, self._check_model, self.tokenizer)
 
     async def _completions(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self._generate(receive, send, chat=False)
@@ -201,7 +213,7 @@ class SimApp:
             body = await _json_object(receive)
             request = self._parse_generation(body, chat)
             faults, generation = await self._start(
-                request.prompt, request.max_tokens, request.priority, request.model
+                request.model, request.prompt, request.limits, request.priority
             )
         except SimError as exc:
             await _send_error(send, exc)
@@ -224,23 +236,23 @@ class SimApp:
             self.bill.add(request.model, generation, delivered[0])
 
     async def _start(
-        self, prompt: list[int], max_tokens: int | None, priority: int, model: str
+        self, model: str, prompt: list[int], limits: OutputLimits, priority: int
     ) -> tuple[FaultPlan, Generation]:
         """The request's faults drawn (a slow head waited for), then its generation started
-        (with `model`'s LoRA adapter when it names one)."""
+        (with its LoRA adapter when `model` names one)."""
         faults = self._draw_faults()
         if faults.slow_headers > 0:
             await asyncio.sleep(faults.slow_headers)
         lora = model if model in self.adapters else None
-        return faults, self.backend.start(prompt, max_tokens, priority, lora)
+        return faults, self.backend.start(prompt, limits, priority, lora)
 
     async def _responses(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             body = await _json_object(receive)
             model = self._check_model(body)
-            prompt = token_ids(responses_prompt(body))
-            max_tokens = _max_tokens(body, "max_output_tokens")
-            _, generation = await self._start(prompt, max_tokens, _priority_of(body), model)
+            prompt = responses_prompt(body, self.tokenizer)
+            limits = OutputLimits(_max_tokens(body, "max_output_tokens"))
+            _, generation = await self._start(model, prompt, limits, _priority_of(body))
         except SimError as exc:
             await _send_error(send, exc)
             return
@@ -257,14 +269,12 @@ class SimApp:
         model = self._check_model(body)
         try:
             if chat:
-                prompt = token_ids(render_chat(body.get("messages")))
+                prompt = self.tokenizer.chat(body.get("messages"), tools=body.get("tools"))
             else:
-                prompt = tokenize_prompt(body.get("prompt"))
+                prompt = tokenize_prompt(body.get("prompt"), self._encode_prompt)
         except TokenizeError as exc:
             raise SimError(400, str(exc), param="messages" if chat else "prompt") from None
-        max_tokens = _max_tokens(body, "max_completion_tokens")
-        if max_tokens is None:
-            max_tokens = _max_tokens(body, "max_tokens")
+        limits = _output_limits(body)
         n = body.get("n")
         if n is not None and n != 1:
             raise SimError(400, "n: only n=1 is supported by the simulator", param="n")
@@ -272,8 +282,12 @@ class SimApp:
         options = body.get("stream_options")
         include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
         return GenerationRequest(
-            model, prompt, max_tokens, bool(body.get("stream")), include_usage, priority
+            model, prompt, limits, bool(body.get("stream")), include_usage, priority
         )
+
+    def _encode_prompt(self, text: str) -> list[int]:
+        """A prompt given as text, with the tokenizer's special tokens (as vLLM encodes one)."""
+        return self.tokenizer.encode(text, add_special_tokens=True)
 
     def _check_model(self, body: dict[str, Any]) -> str:
         model = body.get("model")
@@ -321,7 +335,7 @@ class SimApp:
             body = await _json_object(receive)
             model = self._check_model(body)
             try:
-                inputs = embedding_inputs(body.get("input"))
+                inputs = embedding_inputs(body.get("input"), self._encode_prompt)
             except TokenizeError as exc:
                 raise SimError(400, str(exc), param="input") from None
             encoding = body.get("encoding_format") or "float"
@@ -387,6 +401,8 @@ class SimApp:
             return
         self.adapters[name] = path
         self._list_served()
+        if self._on_adapter_loaded is not None:
+            self._on_adapter_loaded()
         message = f"Success: LoRA adapter '{name}' added successfully."
         await send_bytes(send, 200, message.encode(), b"text/plain; charset=utf-8")
 
@@ -406,6 +422,31 @@ class SimApp:
         self._list_served()
         message = f"Success: LoRA adapter '{name}' removed successfully."
         await send_bytes(send, 200, message.encode(), b"text/plain; charset=utf-8")
+
+    # -- vLLM's tokenizer API ----------------------------------------------------------------
+    async def _tokenize(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._tokens_route(
+            receive, send, lambda body: tokenize(body, self.tokenizer, self.max_model_len)
+        )
+
+    async def _detokenize(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._tokens_route(receive, send, lambda body: detokenize(body, self.tokenizer))
+
+    async def _tokens_route(
+        self, receive: Receive, send: Send, answer: Callable[[dict[str, Any]], dict[str, Any]]
+    ) -> None:
+        """``/tokenize`` and ``/detokenize``: `model` is optional there; errors in vLLM's shape."""
+        try:
+            body = await _json_object(receive)
+            if body.get("model") is not None:
+                self._check_model(body)
+            result = answer(body)
+        except SimError as exc:
+            await _send_error(send, vllm_error(exc))
+            return
+        except ClientGone:
+            return
+        await send_json(send, 200, result)
 
     async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.faults.unhealthy:
@@ -479,19 +520,43 @@ def _max_tokens(body: dict[str, Any], param: str) -> int | None:
     return value
 
 
+def _output_limits(body: dict[str, Any]) -> OutputLimits:
+    """``max_completion_tokens`` (else ``max_tokens``), and vLLM's ``min_tokens`` and
+    ``ignore_eos``, validated as vLLM's sampling parameters are."""
+    max_tokens = _max_tokens(body, "max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = _max_tokens(body, "max_tokens")
+    min_tokens = _lax(_INT, body.get("min_tokens", 0), "min_tokens")
+    if min_tokens < 0:
+        raise SimError(
+            400,
+            f"min_tokens must be greater than or equal to 0, got {min_tokens}.",
+            param="min_tokens",
+        )
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise SimError(
+            400,
+            f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}.",
+            param="min_tokens",
+        )
+    ignore_eos = _lax(_BOOL, body.get("ignore_eos", False), "ignore_eos")
+    return OutputLimits(max_tokens, min_tokens, ignore_eos)
+
+
+def _lax(adapter: TypeAdapter[_T], value: object, param: str) -> _T:
+    """`value` validated as vLLM's pydantic request model reads it (lax mode)."""
+    try:
+        return adapter.validate_python(value)
+    except ValidationError as exc:
+        raise SimError(400, f"{param}: {exc.errors()[0]['msg']}", param=param) from None
+
+
 def _priority_of(body: dict[str, Any]) -> int:
     priority = body.get("priority", 0)
     if type(priority) is not int or not _INT64_MIN <= priority <= _INT64_MAX:
-        priority = _parse_priority(priority)
+        # As vLLM's pydantic model reads it: "3" and 3.0 are 3; 1.5 and null are errors.
+        priority = _lax(_PRIORITY, priority, "priority")
     return priority
-
-
-def _parse_priority(value: object) -> int:
-    """Validate `priority` as vLLM's pydantic model does ("3" and 3.0 are 3; 1.5, null are not)."""
-    try:
-        return _PRIORITY.validate_python(value)
-    except ValidationError as exc:
-        raise SimError(400, f"priority: {exc.errors()[0]['msg']}", param="priority") from None
 
 
 def _hit(rate: float, rng: random.Random) -> bool:

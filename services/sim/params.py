@@ -86,7 +86,8 @@ class _GenerationParams(FaultKnobs):
     max_model_len: int = Field(default=32768, ge=2)
     """Context length: prompt + output tokens. Longer prompts get 400; outputs are capped."""
     output_len_distribution: Literal["lognormal", "uniform", "fixed"] = "lognormal"
-    """How output lengths are drawn when a request gives no ``max_tokens``."""
+    """How the length at which the model ends its answer is drawn; ``max_tokens`` (or the room
+    left in ``max_model_len``) cuts longer ones (`sampling.output_length`)."""
     output_len_mean: int = Field(default=128, ge=1)
     output_len_max: int = Field(default=1024, ge=1)
     output_len_sigma: float = Field(default=0.6, gt=0)
@@ -138,6 +139,14 @@ class EngineParams(_GenerationParams):
     (``NAME=PATH``, or ``NAME``): listed at ``GET /v1/models`` with the first served model as
     their ``parent``, and served like it. More are loaded and unloaded at run time with
     ``POST /v1/load_lora_adapter`` / ``/v1/unload_lora_adapter`` (vLLM's runtime LoRA API)."""
+    tokenizer: str | None = None
+    """A directory with the served model's Hugging Face tokenizer files (``tokenizer.json``,
+    ``tokenizer_config.json`` with its chat template): prompts, chats, the prefix cache and
+    ``/tokenize`` are then in that model's real tokens (the ``tokenizer`` extra). None: the
+    built-in stand-in tokenizer."""
+    max_loras: int = Field(default=1, ge=1)
+    """vLLM's ``--max-loras`` (adapters in one batch), reported as the ``max_lora`` label of
+    ``vllm:lora_requests_info``; the simulated batch is not limited by it."""
     max_num_seqs: int = Field(default=64, ge=1)
     num_gpu_blocks: int = Field(default=4096, ge=1)
     block_size: int = Field(default=16, ge=1)

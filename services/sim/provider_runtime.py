@@ -9,7 +9,7 @@ import random
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from llmgw.services.sim.generation import SimError
+from llmgw.services.sim.generation import OutputLimits, SimError
 from llmgw.services.sim.params import ProviderParams
 from llmgw.services.sim.provider_model import (
     ConcurrencyLimit,
@@ -18,7 +18,7 @@ from llmgw.services.sim.provider_model import (
     retry_after_header,
     token_times,
 )
-from llmgw.services.sim.sampling import draw_output_len
+from llmgw.services.sim.sampling import output_length
 
 __all__ = ["PacedGeneration", "ProviderBackend"]
 
@@ -114,12 +114,12 @@ class ProviderBackend:
     def start(
         self,
         prompt: Sequence[int],
-        max_tokens: int | None,
+        limits: OutputLimits,
         priority: int = 0,
         lora: str | None = None,
     ) -> PacedGeneration:
-        """Pace one request; `priority` is ignored (each request has its own pace, no queue),
-        and so is `lora` (a provider serves no adapters)."""
+        """Pace one request; `priority` and `lora` are ignored (each request has its own pace,
+        no queue; a third party has no adapters)."""
         params = self.params
         now = self.clock()
         prompt_len = len(prompt)
@@ -136,12 +136,14 @@ class ProviderBackend:
                 self._reject(f"Rate limit reached: {params.requests_per_second} requests/s", wait)
         if not self.limit.try_acquire():
             self._reject(f"Too many concurrent requests (max {params.max_concurrent})", 0.0)
-        room = params.max_model_len - prompt_len
-        if max_tokens is not None:
-            output_len, finish_reason = min(max_tokens, room), "length"
-        else:
-            drawn = draw_output_len(params, self.rng)
-            output_len, finish_reason = (drawn, "stop") if drawn <= room else (room, "length")
+        output_len, finish_reason = output_length(
+            params,
+            self.rng,
+            params.max_model_len - prompt_len,
+            limits.max_tokens,
+            min_tokens=limits.min_tokens,
+            ignore_eos=limits.ignore_eos,
+        )
         first_at = now + params.base_latency
         if params.input_tokens_per_second > 0:
             first_at += prompt_len / params.input_tokens_per_second

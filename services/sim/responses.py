@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmgw.services.sim.asgi import DisconnectWatch, Receive, Send, SimulatedCrash, send_bytes
-from llmgw.services.sim.generation import Generation
+from llmgw.services.sim.generation import Generation, OutputLimits
 from llmgw.services.sim.tokenizer import filler_piece, filler_text
 
 __all__ = ["FaultPlan", "GenerationRequest", "stream_response", "whole_response"]
@@ -30,7 +30,7 @@ class GenerationRequest:
 
     model: str
     prompt: list[int]
-    max_tokens: int | None
+    limits: OutputLimits
     stream: bool
     include_usage: bool
     priority: int = 0  # vLLM's request priority (lower first under the priority policy)

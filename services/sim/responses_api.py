@@ -29,7 +29,7 @@ from llmgw.core.responses_chat import (
 )
 from llmgw.services.sim.asgi import DisconnectWatch, Receive, Send, send_bytes
 from llmgw.services.sim.generation import Generation, SimError
-from llmgw.services.sim.tokenizer import TokenizeError, filler_piece, filler_text, render_chat
+from llmgw.services.sim.tokenizer import TokenizeError, Tokenizer, filler_piece, filler_text
 
 __all__ = ["responses_prompt", "stream_events", "whole_object"]
 
@@ -40,8 +40,8 @@ _SSE_HEADERS = [
 ]
 
 
-def responses_prompt(body: dict[str, Any]) -> str:
-    """The chat prompt of a Responses request body; raises SimError (400)."""
+def responses_prompt(body: dict[str, Any], tokenizer: Tokenizer) -> list[int]:
+    """The tokens of a Responses request's chat prompt, by `tokenizer`; raises SimError (400)."""
     if body.get("previous_response_id") is not None:
         raise SimError(
             400,
@@ -57,7 +57,7 @@ def responses_prompt(body: dict[str, Any]) -> str:
     instructions = body.get("instructions")
     try:
         messages = chat_messages(instructions if isinstance(instructions, str) else None, items)
-        return render_chat(
+        return tokenizer.chat(
             [{**m, "content": m.get("content") or ""} for m in messages if m.get("role")]
         )
     except (Untranslatable, TokenizeError, KeyError, TypeError, AttributeError) as exc:

@@ -1,6 +1,10 @@
-"""A cheap, deterministic stand-in for a real tokenizer, plus the chat template and filler text.
+"""How an engine turns prompts into tokens (`Tokenizer`), a cheap deterministic stand-in for a
+real tokenizer (`StandInTokenizer`, the default), its chat template, and filler text.
 
-Invariants:
+An engine given a model's own tokenizer files uses `llmgw.services.sim.model_tokenizer` instead
+of the stand-in, for every prompt, chat and ``/tokenize`` alike.
+
+Invariants of the stand-in:
 - the same text always gives the same token ids, in every process (ids are CRC-32 of the piece,
   never Python's per-process randomised ``hash()``);
 - a text that extends another text at a piece boundary tokenizes to an extension of its tokens, so
@@ -14,11 +18,13 @@ from __future__ import annotations
 
 import re
 import zlib
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
 
 __all__ = [
+    "StandInTokenizer",
     "TokenizeError",
+    "Tokenizer",
     "embedding_inputs",
     "filler_piece",
     "filler_text",
@@ -104,6 +110,65 @@ class TokenizeError(ValueError):
     """The request's prompt or messages have the wrong shape (answered with 400)."""
 
 
+class Tokenizer(Protocol):
+    """An engine's tokenizer: what its requests' prompts are in tokens. Bad input (a message
+    without a role, a template that refuses the conversation...) raises `TokenizeError`."""
+
+    def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        """Token ids of `text`; `add_special_tokens` as a completions prompt gets them (BOS)."""
+        ...
+
+    def chat(
+        self,
+        messages: Any,
+        *,
+        tools: Any = None,
+        add_generation_prompt: bool = True,
+        add_special_tokens: bool = False,
+    ) -> list[int]:
+        """Token ids of a chat request's prompt: its messages rendered by the chat template,
+        then encoded (the template adds what special tokens it wants)."""
+        ...
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of token ids (raises TokenizeError when this tokenizer has no vocabulary)."""
+        ...
+
+    def token_strs(self, ids: Sequence[int]) -> list[str]:
+        """Each id's token string (raises TokenizeError when it has no vocabulary)."""
+        ...
+
+
+_NO_VOCABULARY = (
+    "the simulator's stand-in tokenizer has no vocabulary (its token ids are hashes): give the "
+    "engine its model's tokenizer files (the `tokenizer` parameter)"
+)
+
+
+class StandInTokenizer:
+    """The built-in `Tokenizer`: CRC-32 ids of short pieces, `render_chat`'s template, no special
+    tokens and no vocabulary (ids cannot be decoded)."""
+
+    def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        return token_ids(text)
+
+    def chat(
+        self,
+        messages: Any,
+        *,
+        tools: Any = None,
+        add_generation_prompt: bool = True,
+        add_special_tokens: bool = False,
+    ) -> list[int]:
+        return token_ids(render_chat(messages, add_generation_prompt=add_generation_prompt))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        raise TokenizeError(_NO_VOCABULARY)
+
+    def token_strs(self, ids: Sequence[int]) -> list[str]:
+        raise TokenizeError(_NO_VOCABULARY)
+
+
 def token_ids(text: str) -> list[int]:
     """Stable token ids of `text`."""
     crc32 = zlib.crc32
@@ -129,8 +194,9 @@ def _content_text(content: Any, where: str) -> str:
     raise TokenizeError(f"{where}: content must be a string or a list of parts")
 
 
-def render_chat(messages: Any) -> str:
-    """The prompt for a chat request: ``<|role|>\\ncontent\\n`` per message, then the assistant tag."""
+def render_chat(messages: Any, *, add_generation_prompt: bool = True) -> str:
+    """The prompt for a chat request: ``<|role|>\\ncontent\\n`` per message, then (unless
+    `add_generation_prompt` is false) the assistant tag."""
     if not isinstance(messages, list) or not messages:
         raise TokenizeError("messages: must be a non-empty list")
     rendered = []
@@ -139,36 +205,39 @@ def render_chat(messages: Any) -> str:
             raise TokenizeError(f"messages[{index}]: must be an object with a string `role`")
         text = _content_text(message.get("content"), f"messages[{index}].content")
         rendered.append(f"<|{message['role']}|>\n{text}\n")
-    rendered.append("<|assistant|>\n")
+    if add_generation_prompt:
+        rendered.append("<|assistant|>\n")
     return "".join(rendered)
 
 
-def tokenize_prompt(prompt: Any) -> list[int]:
-    """Token ids of a completions ``prompt``: a string, a token list, or a one-element list of either."""
+def tokenize_prompt(prompt: Any, encode: Callable[[str], list[int]] = token_ids) -> list[int]:
+    """Token ids of a completions ``prompt``: a string (encoded by `encode`), a token list, or a
+    one-element list of either."""
     if isinstance(prompt, str):
-        return token_ids(prompt)
+        return encode(prompt)
     if isinstance(prompt, list) and prompt:
         if all(isinstance(item, int) and not isinstance(item, bool) for item in prompt):
             return list(prompt)
         if len(prompt) == 1:
-            return tokenize_prompt(prompt[0])
+            return tokenize_prompt(prompt[0], encode)
         raise TokenizeError(
             "prompt: batched prompts are not supported; send one prompt per request"
         )
     raise TokenizeError("prompt: must be a string or a list of token ids")
 
 
-def embedding_inputs(value: Any) -> list[list[int]]:
-    """Token ids of each embeddings ``input``: string, list of strings, token list, list of token lists."""
+def embedding_inputs(value: Any, encode: Callable[[str], list[int]] = token_ids) -> list[list[int]]:
+    """Token ids of each embeddings ``input``: string, list of strings, token list, list of token
+    lists (strings encoded by `encode`)."""
     if isinstance(value, str):
-        return [token_ids(value)]
+        return [encode(value)]
     if isinstance(value, list) and value:
         if all(isinstance(item, int) and not isinstance(item, bool) for item in value):
             return [list(value)]
         out: list[list[int]] = []
         for index, item in enumerate(value):
             if isinstance(item, str):
-                out.append(token_ids(item))
+                out.append(encode(item))
             elif isinstance(item, list) and all(
                 isinstance(tok, int) and not isinstance(tok, bool) for tok in item
             ):

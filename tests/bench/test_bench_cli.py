@@ -90,6 +90,7 @@ def test_a_run_writes_json_markdown_and_plot(capsys, threaded_engine, tmp_path):
     out = {name: tmp_path / name for name in ("r.json", "r.md", "r.png")}
     code = bench(
         sim.url + "/v1", "-n", "20", "-c", "4", "--output-tokens", "4", "--seed", "7",
+        "--extra-body", '{"ignore_eos": true}',
         "--json", str(out["r.json"]), "--markdown", str(out["r.md"]),
         "--plot", str(out["r.png"]), "--progress",
     )  # fmt: skip
@@ -138,6 +139,7 @@ def test_a_sweep_prints_the_knee_and_the_recommendation(capsys, threaded_engine,
     path = tmp_path / "sweep.json"
     code = bench(
         sim.url, "--sweep", "--max-concurrency", "16", "--no-stream", "--output-tokens", "3",
+        "--extra-body", '{"ignore_eos": true}',
         "--prompt-tokens", "16", "--json", str(path), "--plot", str(tmp_path / "sweep.png"),
         # Doubling past the 2 batch slots gains nothing; a short level on a busy host can still
         # show +10-20% by noise, so "flat" here means under +30%.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from bench_helpers import MODEL, StartEngine, quick_engine, without_metrics
+from bench_helpers import EXACT, MODEL, StartEngine, quick_engine, without_metrics
 
 from llmgw.services.bench.client import RequestOptions
 from llmgw.services.bench.distributions import Fixed
@@ -21,7 +21,9 @@ ENGINE = {"max_num_seqs": 4, "itl_base": 0.02, "prefill_base": 0.0}
 
 async def sweep(url: str, *, metrics: bool):
     urls = api_urls(url)
-    options = RequestOptions(url=urls.generation("chat"), model=MODEL, stream=False)
+    options = RequestOptions(
+        url=urls.generation("chat"), model=MODEL, stream=False, extra_body=EXACT
+    )
     workload = WorkloadSpec(prompt_tokens=Fixed(16), output_tokens=Fixed(4), run_id="sweep")
     spec = SweepSpec(
         levels=doubling_levels(1, 64),

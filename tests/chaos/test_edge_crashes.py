@@ -128,6 +128,7 @@ def chat(session, max_tokens=400):
         "model": MODEL,
         "messages": [{"role": "user", "content": f"conversation {session}"}],
         "max_tokens": max_tokens,
+        "ignore_eos": True,  # streams as long as max_tokens
         "stream": True,
     }
 

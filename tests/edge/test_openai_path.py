@@ -12,7 +12,10 @@ def client(gateway):
 
 async def test_non_streamed_chat_completion_has_content_and_usage(client):
     response = await client.chat.completions.create(
-        model="m1", messages=[{"role": "user", "content": "hello there"}], max_tokens=7
+        model="m1",
+        messages=[{"role": "user", "content": "hello there"}],
+        max_tokens=7,
+        extra_body={"ignore_eos": True},  # vLLM's field, passed through: exactly 7 tokens
     )
     assert response.choices[0].message.content
     assert response.usage.completion_tokens == 7
@@ -24,6 +27,7 @@ async def test_streamed_chat_completion_arrives_in_chunks_with_usage(client):
         model="m1",
         messages=[{"role": "user", "content": "tell me a story"}],
         max_tokens=5,
+        extra_body={"ignore_eos": True},
         stream=True,
         stream_options={"include_usage": True},
     )

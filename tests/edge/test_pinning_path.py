@@ -24,6 +24,7 @@ def turn(*history, max_tokens=2, stream=False):
         "model": "m1",
         "messages": [SYSTEM, {"role": "user", "content": "Plan a trip"}, *history],
         "max_tokens": max_tokens,
+        "ignore_eos": True,  # long streams hold their slots for all of their tokens
         "stream": stream,
     }
 

@@ -7,7 +7,15 @@ import openai
 import pytest
 from openai import AsyncOpenAI
 
+from llmgw.services.sim.params import EngineParams
 from llmgw.services.sim.tokenizer import render_chat, token_ids
+
+
+@pytest.fixture
+def engine_params() -> EngineParams:
+    """The engines' model writes 64 tokens: each request's max_output_tokens (all below 64)
+    cuts its answer, so its output is that long and the response is incomplete."""
+    return EngineParams.zero_delay(output_len_distribution="fixed", output_len_mean=64)
 
 
 @pytest.fixture

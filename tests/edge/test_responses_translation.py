@@ -21,8 +21,10 @@ CHAT_ONLY = ["chat_completions", "completions", "embeddings"]
 
 @pytest.fixture
 def engine_params() -> EngineParams:
-    """The `gateway`'s engines answer 404 on /v1/responses, as chat-only servers do."""
-    return EngineParams.zero_delay().model_copy(update={"responses_api": False})
+    """The `gateway`'s engines answer 404 on /v1/responses, as chat-only servers do; their
+    model writes 64 tokens, so max_output_tokens cuts each answer (incomplete)."""
+    fixed = {"output_len_distribution": "fixed", "output_len_mean": 64}
+    return EngineParams.zero_delay(**fixed).model_copy(update={"responses_api": False})
 
 
 @pytest_asyncio.fixture

@@ -22,6 +22,7 @@ def chat(max_tokens=8, stream=True, **extra):
         "model": "m1",
         "messages": [{"role": "user", "content": "count slowly"}],
         "max_tokens": max_tokens,
+        "ignore_eos": True,  # the engine writes every token asked for: streams are timed and cut
         "stream": stream,
         **extra,
     }

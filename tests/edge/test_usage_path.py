@@ -10,7 +10,12 @@ import nats
 
 from llmgw.wire import REQUEST_STATS_SUBJECT, RequestEnded
 
-CHAT = {"model": "m1", "messages": [{"role": "user", "content": "count to five"}], "max_tokens": 5}
+CHAT = {
+    "model": "m1",
+    "messages": [{"role": "user", "content": "count to five"}],
+    "max_tokens": 5,
+    "ignore_eos": True,  # exactly five tokens
+}
 
 
 async def collect_stats(nats_url: str) -> tuple[object, list[RequestEnded]]:

@@ -115,6 +115,7 @@ async def test_a_stream_that_fails_before_its_first_byte_reaches_the_client_comp
             model=MODEL,
             messages=[{"role": "user", "content": "hi"}],
             max_tokens=5,
+            extra_body={"ignore_eos": True},  # exactly five tokens, then "length"
             stream=True,
             user=f"user-{mode}-{n}",
             extra_headers={"x-llmgw-band": "platinum"},

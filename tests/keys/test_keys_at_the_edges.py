@@ -16,7 +16,13 @@ from llmgw.wire import ADMISSION_REQUEST_PREFIX, AdmitRequest
 # One cluster for the module (conftest: keyed_cluster), so one event loop for it too.
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-CHAT = {"model": "m1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+# Every answer is max_tokens long (vLLM's ignore_eos): streams and token counts are sized by it.
+CHAT = {
+    "model": "m1",
+    "messages": [{"role": "user", "content": "hi"}],
+    "max_tokens": 4,
+    "ignore_eos": True,
+}
 
 
 def bearer(secret: str) -> dict[str, str]:

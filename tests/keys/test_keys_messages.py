@@ -16,7 +16,7 @@ async def test_x_api_key_is_the_key_for_messages_and_every_other_route(keyed) ->
     url = keyed.edges[0]
     client = AsyncAnthropic(base_url=url, api_key=created["secret"], max_retries=0)
     message = await client.messages.create(**MESSAGES)
-    assert message.usage.output_tokens == 3
+    assert 0 < message.usage.output_tokens <= 3
     with pytest.raises(AuthenticationError) as refused:
         await AsyncAnthropic(base_url=url, api_key="sk-llmgw-nope", max_retries=0).messages.create(
             **MESSAGES

@@ -67,6 +67,7 @@ async def _client(
                 "model": MODEL,
                 "messages": [{"role": "user", "content": f"hello {session}"}],
                 "max_tokens": rng.randint(300, 500),
+                "ignore_eos": True,  # all of them
                 "stream": True,
             }
             cancel = False

@@ -29,6 +29,7 @@ def long_chat(session: str, stream: bool) -> dict:
         "model": MODEL,
         "messages": [{"role": "user", "content": f"conversation {session}"}],
         "max_tokens": 3000,  # far longer than the drain deadline
+        "ignore_eos": True,  # all of them
         "stream": stream,
     }
 

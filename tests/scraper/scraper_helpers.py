@@ -175,6 +175,7 @@ class LoadGenerator:
             "model": MODEL,
             "stream": True,
             "max_tokens": 500,
+            "ignore_eos": True,  # all 500: runs until stopped
             "messages": [{"role": "user", "content": "keep going"}],
         }
         async with self._client.stream(

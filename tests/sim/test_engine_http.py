@@ -25,7 +25,8 @@ def chat(content: str, **extra: object) -> dict[str, object]:
 
 async def test_non_streamed_chat_has_text_and_usage(serve: Serve) -> None:
     client = await serve(create_engine_app(EngineParams.zero_delay(), [MODEL]))
-    response = await client.post("/v1/chat/completions", json=chat("hello there", max_tokens=7))
+    request = chat("hello there", max_tokens=7, ignore_eos=True)
+    response = await client.post("/v1/chat/completions", json=request)
     assert response.status_code == 200
     body = response.json()
     assert body["object"] == "chat.completion"
@@ -45,7 +46,11 @@ async def test_streamed_chat_with_include_usage_ends_with_usage_chunk_then_done(
 ) -> None:
     client = await serve(create_engine_app(EngineParams(itl_base=0.001), [MODEL]))
     request = chat(
-        "stream please", max_tokens=5, stream=True, stream_options={"include_usage": True}
+        "stream please",
+        max_tokens=5,
+        ignore_eos=True,
+        stream=True,
+        stream_options={"include_usage": True},
     )
     async with client.stream("POST", "/v1/chat/completions", json=request) as response:
         assert response.headers["content-type"].startswith("text/event-stream")
@@ -63,7 +68,13 @@ async def test_streamed_chat_with_include_usage_ends_with_usage_chunk_then_done(
 
 async def test_streamed_completion_without_usage_has_no_usage_chunk(serve: Serve) -> None:
     client = await serve(create_engine_app(EngineParams.zero_delay(), [MODEL]))
-    request = {"model": MODEL, "prompt": "once upon a time", "max_tokens": 4, "stream": True}
+    request = {
+        "model": MODEL,
+        "prompt": "once upon a time",
+        "max_tokens": 4,
+        "ignore_eos": True,
+        "stream": True,
+    }
     async with client.stream("POST", "/v1/completions", json=request) as response:
         chunks, done, _ = await read_sse(response)
     assert done
@@ -80,6 +91,59 @@ async def test_output_length_is_drawn_when_max_tokens_is_absent(serve: Serve) ->
     assert body["choices"][0]["finish_reason"] == "stop"
 
 
+@pytest.mark.parametrize("kind", ["engine", "provider"])
+@pytest.mark.parametrize(
+    ("fields", "tokens", "reason"),
+    [
+        ({"max_tokens": 20}, 9, "stop"),  # the model ended before max_tokens
+        ({"max_tokens": 9}, 9, "stop"),  # its end-of-sequence token was the last one allowed
+        ({"max_tokens": 5}, 5, "length"),
+        ({"max_completion_tokens": 5, "max_tokens": 20}, 5, "length"),
+        ({"max_tokens": 20, "ignore_eos": True}, 20, "length"),
+        ({"max_tokens": 20, "min_tokens": 12}, 13, "stop"),
+        ({"max_tokens": 12, "min_tokens": 12}, 12, "length"),
+    ],
+)
+async def test_output_ends_where_the_model_stops_within_the_requests_limits(
+    serve: Serve, kind: str, fields: dict[str, object], tokens: int, reason: str
+) -> None:
+    nine = {"output_len_distribution": "fixed", "output_len_mean": 9}  # the model writes 9
+    if kind == "engine":
+        app = create_engine_app(EngineParams.zero_delay(**nine), [MODEL])
+    else:
+        app = create_provider_app(ProviderParams.zero_delay(**nine), [MODEL])
+    client = await serve(app)
+    for path, body in (
+        ("/v1/chat/completions", chat("hi", **fields)),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", **fields}),
+    ):
+        answer = (await client.post(path, json=body)).json()
+        assert answer["usage"]["completion_tokens"] == tokens, path
+        assert answer["choices"][0]["finish_reason"] == reason, path
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"min_tokens": -1}, "min_tokens must be greater than or equal to 0, got -1."),
+        (
+            {"max_tokens": 4, "min_tokens": 5},
+            "min_tokens must be less than or equal to max_tokens=4, got 5.",
+        ),
+        ({"min_tokens": "many"}, "min_tokens: Input should be a valid integer"),
+        ({"ignore_eos": "perhaps"}, "ignore_eos: Input should be a valid boolean"),
+    ],
+)
+async def test_bad_min_tokens_or_ignore_eos_is_400_as_vllm_says(
+    serve: Serve, fields: dict[str, object], message: str
+) -> None:
+    client = await serve(create_engine_app(EngineParams.zero_delay(), [MODEL]))
+    response = await client.post("/v1/chat/completions", json=chat("hi", **fields))
+    assert response.status_code == 400
+    assert response.json()["error"]["message"].startswith(message)
+    assert response.json()["error"]["param"] == next(iter(fields.keys() - {"max_tokens"}))
+
+
 async def test_official_openai_client_streams_and_embeds(serve: Serve) -> None:
     client = await serve(create_engine_app(EngineParams.zero_delay(embedding_dim=16), [MODEL]))
     sdk = openai.AsyncOpenAI(base_url=f"{client.base_url}/v1", api_key="unused")
@@ -88,6 +152,7 @@ async def test_official_openai_client_streams_and_embeds(serve: Serve) -> None:
             model=MODEL,
             messages=[{"role": "user", "content": "hi"}],
             max_tokens=3,
+            extra_body={"ignore_eos": True},
             stream=True,
             stream_options={"include_usage": True},
         )
@@ -206,13 +271,14 @@ async def test_queueing_beyond_max_num_seqs_shows_in_metrics_and_ttft(serve: Ser
         itl_per_running_seq=0.0,
     )
     client = await serve(create_engine_app(params, [MODEL]))
-    first = asyncio.create_task(_ttft(client, chat("one", max_tokens=15, stream=True)))
+    exact = {"ignore_eos": True, "stream": True}
+    first = asyncio.create_task(_ttft(client, chat("one", max_tokens=15, **exact)))
 
     async def running() -> bool:
         return (await client.get("/sim/state")).json()["running"] == 1
 
     await wait_until(running)
-    second = asyncio.create_task(_ttft(client, chat("two", max_tokens=2, stream=True)))
+    second = asyncio.create_task(_ttft(client, chat("two", max_tokens=2, **exact)))
 
     async def waiting() -> bool:
         return (await client.get("/sim/state")).json()["waiting"] == 1
@@ -239,7 +305,9 @@ async def test_queueing_beyond_max_num_seqs_shows_in_metrics_and_ttft(serve: Ser
 async def test_client_disconnect_mid_stream_aborts_the_sequence(serve: Serve) -> None:
     client = await serve(create_engine_app(EngineParams(itl_base=0.05), [MODEL]))
     async with client.stream(
-        "POST", "/v1/chat/completions", json=chat("long", max_tokens=500, stream=True)
+        "POST",
+        "/v1/chat/completions",
+        json=chat("long", max_tokens=500, ignore_eos=True, stream=True),
     ) as response:
         async for line in response.aiter_lines():
             if '"content":"' in line and '"content":""' not in line:
@@ -320,7 +388,9 @@ async def test_die_at_token_cuts_the_stream_without_done(serve: Serve) -> None:
     chunks = []
     with pytest.raises(httpx.RemoteProtocolError):
         async with client.stream(
-            "POST", "/v1/chat/completions", json=chat("x", max_tokens=10, stream=True)
+            "POST",
+            "/v1/chat/completions",
+            json=chat("x", max_tokens=10, ignore_eos=True, stream=True),
         ) as response:
             async for line in response.aiter_lines():
                 chunks.append(line)
@@ -332,7 +402,7 @@ async def test_die_at_token_cuts_the_stream_without_done(serve: Serve) -> None:
 async def test_die_at_token_aborts_a_non_streamed_response(serve: Serve) -> None:
     client = await serve(create_engine_app(EngineParams.zero_delay(die_at_token=2), [MODEL]))
     with pytest.raises(httpx.RemoteProtocolError):
-        await client.post("/v1/chat/completions", json=chat("x", max_tokens=10))
+        await client.post("/v1/chat/completions", json=chat("x", max_tokens=10, ignore_eos=True))
     # Shorter outputs than the cut point complete normally.
     ok = await client.post("/v1/chat/completions", json=chat("x", max_tokens=2))
     assert ok.status_code == 200

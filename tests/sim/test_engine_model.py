@@ -94,8 +94,8 @@ def test_requests_beyond_max_num_seqs_wait_fifo_and_their_ttft_includes_the_wait
 def test_kv_capacity_blocks_admission_even_below_max_num_seqs() -> None:
     # 10 blocks of 4 tokens; each request needs ceil((16 + 8) / 4) = 6 blocks.
     model = make_model(num_gpu_blocks=10, max_num_seqs=8)
-    big = model.submit(0.0, prompt(16, 1), max_tokens=8)
-    blocked = model.submit(0.0, prompt(16, 2), max_tokens=8)
+    big = model.submit(0.0, prompt(16, 1), max_tokens=8, ignore_eos=True)
+    blocked = model.submit(0.0, prompt(16, 2), max_tokens=8, ignore_eos=True)
     small_behind = model.submit(0.0, prompt(2, 3), max_tokens=1)
     assert big.state is SeqState.RUNNING
     assert blocked.state is SeqState.WAITING
@@ -119,7 +119,7 @@ def test_prompt_reaching_max_model_len_is_rejected_and_output_is_capped() -> Non
     model = make_model(max_model_len=50, num_gpu_blocks=1000)
     with pytest.raises(PromptTooLong, match="maximum context length"):
         model.submit(0.0, prompt(50), max_tokens=1)
-    seq = model.submit(0.0, prompt(45), max_tokens=100)
+    seq = model.submit(0.0, prompt(45), max_tokens=100, ignore_eos=True)
     assert seq.output_len == 5
     assert seq.finish_reason == "length"
 
@@ -149,7 +149,10 @@ def test_lru_eviction_drops_the_least_recently_released_prefix() -> None:
 def test_inter_token_latency_grows_with_the_batch() -> None:
     def mean_itl(batch: int) -> float:
         model = make_model(max_num_seqs=16, num_gpu_blocks=1000)
-        seqs = [model.submit(0.0, prompt(4, salt), max_tokens=20) for salt in range(batch)]
+        seqs = [
+            model.submit(0.0, prompt(4, salt), max_tokens=20, ignore_eos=True)
+            for salt in range(batch)
+        ]
         run_until_idle(model)
         seq = seqs[0]
         return (seq.finished_at - seq.first_token_at) / (seq.output_len - 1)
@@ -161,7 +164,7 @@ def test_inter_token_latency_grows_with_the_batch() -> None:
 
 def test_zero_delay_finishes_inside_submit_without_pending_events() -> None:
     model = EngineModel(EngineParams.zero_delay(), random.Random(1))
-    seq = model.submit(3.0, prompt(30), max_tokens=50)
+    seq = model.submit(3.0, prompt(30), max_tokens=50, ignore_eos=True)
     assert seq.state is SeqState.FINISHED
     assert seq.emitted == 50
     assert model.next_due() is None
@@ -181,7 +184,7 @@ def test_output_length_without_max_tokens_is_drawn_within_bounds_and_seeded() ->
 
 def test_abort_frees_blocks_and_admits_the_next_request() -> None:
     model = make_model(max_num_seqs=1)
-    first = model.submit(0.0, prompt(8), max_tokens=100)
+    first = model.submit(0.0, prompt(8), max_tokens=100, ignore_eos=True)  # still running at 0.05
     second = model.submit(0.0, prompt(8, 1), max_tokens=1)
     assert second.state is SeqState.WAITING
     model.abort(first, 0.05)
@@ -197,7 +200,11 @@ def test_listener_sees_every_token_and_the_end() -> None:
     model = make_model()
     seen: list[tuple[int, bool]] = []
     seq = model.submit(
-        0.0, prompt(8), max_tokens=4, listener=lambda s: seen.append((s.emitted, s.done))
+        0.0,
+        prompt(8),
+        max_tokens=4,
+        ignore_eos=True,
+        listener=lambda s: seen.append((s.emitted, s.done)),
     )
     run_until_idle(model)
     assert seen == [(1, False), (2, False), (3, False), (4, True)]

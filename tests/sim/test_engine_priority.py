@@ -72,7 +72,7 @@ def test_waiting_requests_are_admitted_in_policy_order(
     policy: str, requests: list[tuple[str, int, float]], expected: list[str]
 ) -> None:
     model = make_model(policy)
-    busy = model.submit(0.0, prompt(4, 99), max_tokens=100)  # 10 ms prefill + 99 * 5 ms
+    busy = model.submit(0.0, prompt(4, 99), max_tokens=100, ignore_eos=True)  # until 0.505 s
     seqs = {
         label: model.submit(at, prompt(4, index), max_tokens=2, priority=priority)
         for index, (label, priority, at) in enumerate(requests)
@@ -104,7 +104,10 @@ def test_a_higher_priority_arrival_waits_for_a_slot_and_preempts_nobody() -> Non
 
     def run(with_urgent: bool) -> tuple[list[float], float | None]:
         model = make_model(max_num_seqs=2, itl_per_running_seq=1 * MS)
-        low = [model.submit(0.0, prompt(8, i), max_tokens=20, priority=9) for i in range(2)]
+        low = [
+            model.submit(0.0, prompt(8, i), max_tokens=20, priority=9, ignore_eos=True)
+            for i in range(2)
+        ]
         urgent = None
         if with_urgent:
             urgent = model.submit(0.03, prompt(8, 5), max_tokens=2, priority=-1)
@@ -123,8 +126,8 @@ def test_a_higher_priority_arrival_waits_for_a_slot_and_preempts_nobody() -> Non
 def test_a_priority_head_that_does_not_fit_blocks_those_behind_it() -> None:
     # 10 blocks of 4 tokens: "big" (16 + 8 tokens) needs 6 blocks and cannot join "running".
     model = make_model(max_num_seqs=8, num_gpu_blocks=10)
-    running = model.submit(0.0, prompt(16, 1), max_tokens=8, priority=5)
-    big = model.submit(0.01, prompt(16, 2), max_tokens=8, priority=0)
+    running = model.submit(0.0, prompt(16, 1), max_tokens=8, priority=5, ignore_eos=True)
+    big = model.submit(0.01, prompt(16, 2), max_tokens=8, priority=0, ignore_eos=True)
     small = model.submit(0.02, prompt(2, 3), max_tokens=1, priority=7)
     assert (big.state, small.state) == (SeqState.WAITING, SeqState.WAITING)
     run_until_idle(model)
@@ -135,7 +138,7 @@ def test_a_priority_head_that_does_not_fit_blocks_those_behind_it() -> None:
 
 def test_aborting_a_waiting_request_keeps_the_others_in_priority_order() -> None:
     model = make_model()
-    model.submit(0.0, prompt(4, 9), max_tokens=50)
+    model.submit(0.0, prompt(4, 9), max_tokens=50, ignore_eos=True)  # busy until 0.255 s
     a, b, c, d = (
         model.submit(0.01, prompt(4, i), 2, priority=p) for i, p in enumerate((3, 1, 2, 0))
     )

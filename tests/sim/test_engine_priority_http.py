@@ -56,7 +56,7 @@ async def test_accepted_priorities_generate_normally(
 ) -> None:
     params = EngineParams.zero_delay(scheduling_policy=policy)
     client = await serve(create_engine_app(params, [MODEL]))
-    response = await client.post(path, json=body(path, max_tokens=3, **extra))
+    response = await client.post(path, json=body(path, max_tokens=3, ignore_eos=True, **extra))
     assert response.status_code == 200
     assert response.json()["usage"]["completion_tokens"] == 3
 
@@ -98,7 +98,7 @@ async def test_priority_policy_serves_the_urgent_request_first_and_counts_no_pre
 
     async def send(label: str, priority: int, max_tokens: int) -> None:
         response = await client.post(
-            path, json=body(path, max_tokens=max_tokens, priority=priority)
+            path, json=body(path, max_tokens=max_tokens, ignore_eos=True, priority=priority)
         )
         assert response.status_code == 200
         done[label] = time.monotonic()

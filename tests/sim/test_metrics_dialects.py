@@ -55,7 +55,7 @@ async def test_each_dialect_shows_the_real_batch_and_queue(serve: Serve, dialect
     assert (idle.running, idle.waiting) == (0, 0)
     assert (idle.kv_usage is not None) == has_kv
 
-    body = {"model": MODEL, "prompt": "hold the batch", "max_tokens": 60}
+    body = {"model": MODEL, "prompt": "hold the batch", "max_tokens": 60, "ignore_eos": True}
     requests = [
         asyncio.create_task(client.post("/v1/completions", json=body, timeout=30)) for _ in range(3)
     ]

@@ -81,6 +81,7 @@ async def _stream_rate(client, max_tokens: int) -> float:
         "model": MODEL,
         "messages": [{"role": "user", "content": "hi"}],
         "max_tokens": max_tokens,
+        "ignore_eos": True,
         "stream": True,
     }
     async with client.stream("POST", "/v1/chat/completions", json=request) as response:
@@ -148,7 +149,12 @@ async def test_provider_paces_ttft_and_reports_usage(serve: Serve) -> None:
     started = time.monotonic()
     response = await client.post(
         "/v1/chat/completions",
-        json={"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4},
+        json={
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hello"}],
+            "max_tokens": 4,
+            "ignore_eos": True,
+        },
     )
     assert time.monotonic() - started >= 0.15
     body = response.json()

@@ -112,7 +112,9 @@ def test_command_serves_until_sigterm_and_exits_cleanly(kind: str) -> None:
         request = urllib.request.Request(
             f"{url}/v1/completions",
             method="POST",
-            data=json.dumps({"model": "m", "prompt": "x", "max_tokens": 2}).encode(),
+            data=json.dumps(
+                {"model": "m", "prompt": "x", "max_tokens": 2, "ignore_eos": True}
+            ).encode(),
             headers={"content-type": "application/json"},
         )
         with urllib.request.urlopen(request, timeout=10) as response:

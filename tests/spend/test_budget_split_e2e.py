@@ -28,7 +28,7 @@ PRICES = [  # per million tokens: the third party costs ten times what our engin
     {"provider": "iris", "model": MODEL, "input": 2, "cached_input": 2, "output": 50},
     {"provider": "tensorx", "model": MODEL, "input": 20, "cached_input": 10, "output": 500},
 ]
-MAX_TOKENS = 20
+MAX_TOKENS = 20  # each request of the split test writes all of them: each costs the same
 AFFORDABLE = 30  # the split test's budget: this many of its requests' real cost
 
 
@@ -89,7 +89,7 @@ def _budget_key(cluster: SpendCluster, tenant: str, max_spend: Decimal) -> str:
 def _one_request_cost(cluster: SpendCluster) -> Decimal:
     """What the split test's request costs on our engines (a key without a budget asks)."""
     probe = cluster.key_for("probe")
-    response = cluster.chat(probe, model=MODEL, max_tokens=MAX_TOKENS)
+    response = cluster.chat(probe, model=MODEL, max_tokens=MAX_TOKENS, ignore_eos=True)
     assert response.status_code == 200, response.text
     assert response.headers["x-llmgw-provider"] == "iris"
     return _cost(response.json()["usage"], "iris")
@@ -102,7 +102,9 @@ def test_a_budget_split_across_two_edges_serves_what_it_can_afford(cluster: Spen
     before = _engine_cost(cluster)
     statuses, providers = [], []
     for index in range(AFFORDABLE + 10):
-        response = cluster.chat(key, edge=index % 2, model=MODEL, max_tokens=MAX_TOKENS)
+        response = cluster.chat(
+            key, edge=index % 2, model=MODEL, max_tokens=MAX_TOKENS, ignore_eos=True
+        )
         statuses.append(response.status_code)
         if response.status_code == 200:
             providers.append(response.headers["x-llmgw-provider"])

@@ -2,8 +2,9 @@
 
 Arrivals are a Poisson process of `rate` per second (seeded), each request independent of the
 others' answers (open loop: a slow gateway does not slow the arrivals down), each a one-shot
-chat request of its own session. Every request ends in one `Sent` record: when it was sent and
-answered, its status and the endpoint that served it.
+chat request of its own session that writes exactly `max_tokens` tokens (vLLM's ``ignore_eos``:
+a fixed service time). Every request ends in one `Sent` record: when it was sent and answered,
+its status and the endpoint that served it.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class PoissonLoad:
             "model": "llama",
             "messages": [{"role": "user", "content": f"load {uuid.uuid4().hex}"}],
             "max_tokens": self.max_tokens,
+            "ignore_eos": True,
         }
         try:
             response = await self._client.post(

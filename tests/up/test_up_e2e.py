@@ -136,7 +136,10 @@ def test_openai_client_gets_every_api_through_llmgw_up(
 
     assert {m.id for m in client.models.list()} == {"llama-3.3-70b", "llama", "qwen2.5-32b", "qwen"}
     reply = client.chat.completions.create(
-        model="llama", messages=[{"role": "user", "content": "Hello!"}], max_tokens=8
+        model="llama",
+        messages=[{"role": "user", "content": "Hello!"}],
+        max_tokens=8,
+        extra_body={"ignore_eos": True},  # vLLM's field, passed through: exactly 8 tokens
     )
     assert reply.choices[0].message.content and reply.usage.completion_tokens == 8
     chunks = list(
@@ -144,6 +147,7 @@ def test_openai_client_gets_every_api_through_llmgw_up(
             model="qwen",
             messages=[{"role": "user", "content": "Stream it"}],
             max_tokens=6,
+            extra_body={"ignore_eos": True},
             stream=True,
             stream_options={"include_usage": True},
         )

@@ -173,7 +173,7 @@ async def _scenario(
 
     # A stream on the new provider runs while it is removed: it finishes, nothing new starts.
     async def stream() -> list[str]:
-        body = ask(MODEL, stream=True, max_tokens=40)
+        body = ask(MODEL, stream=True, max_tokens=40, ignore_eos=True)  # all 40: still running
         async with http.stream("POST", "/chat/completions", json=body) as response:
             assert response.status_code == 200
             return [line async for line in response.aiter_lines() if line.startswith("data:")]

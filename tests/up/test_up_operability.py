@@ -73,6 +73,7 @@ def test_access_log_metrics_health_and_replay_through_llmgw_up(
             "model": "llama",
             "messages": [{"role": "user", "content": "hello"}],
             "max_tokens": 8,
+            "ignore_eos": True,  # exactly 8 tokens
             "stream": True,
         },
         headers={

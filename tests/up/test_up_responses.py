@@ -66,7 +66,9 @@ def test_the_openai_sdk_creates_streams_and_chains_responses_unchanged(
     client = OpenAI(base_url=api, api_key=key, max_retries=0, timeout=30)
 
     response = client.responses.create(model="llama", input="Hello!", max_output_tokens=8)
-    assert response.output_text and response.usage.output_tokens == 8
+    # The model ends most answers before max_output_tokens, as a real one does.
+    assert response.output_text and 0 < response.usage.output_tokens <= 8
+    assert response.status == "completed" or response.usage.output_tokens == 8
     assert client.responses.retrieve(response.id).output_text == response.output_text
 
     events = list(client.responses.create(model="qwen", input="Stream it", stream=True))

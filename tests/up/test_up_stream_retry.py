@@ -35,6 +35,7 @@ async def streams(api: str, key: str, count: int) -> list[tuple[str, str]]:
             model="llama",
             messages=[{"role": "user", "content": "hello"}],
             max_tokens=6,
+            extra_body={"ignore_eos": True},  # six tokens, then "length"
             stream=True,
             user=f"user-{n}",
         )
