@@ -102,6 +102,17 @@ class ChatTokenizer:
         ids: list[int] = self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
         return ids
 
+    def encode_with_ends(self, text: str) -> tuple[list[int], list[int]]:
+        """The token ids of `text` (no special tokens added) and where each ends in it (a
+        character offset): what a prefix cache of tokenizations keys tokens by."""
+        encoding = self._tokenizer.encode(text, add_special_tokens=False)
+        return list(encoding.ids), [end for _, end in encoding.offsets]
+
+    def chat_text(self, messages: Any, tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        """The text vLLM's chat path encodes for these messages and tools (`tokens` encodes
+        exactly this)."""
+        return self.render(vllm_messages(messages), tools, True)
+
     def tokens(
         self,
         messages: Any,

@@ -215,6 +215,11 @@ class AdmitRequest(_Message):
     # its canonical bytes: placement prefers the endpoint that holds most of it. Empty: none.
     prefix: bytes = b""
     prompt_bytes: int = Field(0, ge=0)
+    # With the model's tokenizer: the prompt's token chain (blocks of `token_block` ids, packed)
+    # and its token count, matched against the engines' KV cache events. Empty: none.
+    tokens: bytes = b""
+    prompt_tokens: int = Field(0, ge=0)
+    token_block: int = Field(0, ge=0)
 
 
 class Target(_Message):

@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 
     from llmgw.config.schema import Config
     from llmgw.services.admission.loadboard import LoadBoard
+    from llmgw.wire import AdmitRequest
 
 __all__ = ["BYTES_PER_TOKEN", "HELD_BYTES_PER_BLOCK", "SENT_BYTES_PER_BLOCK", "PrefixBoard"]
 
@@ -169,20 +170,49 @@ class PrefixBoard:
 
     # ---- placement's questions ----------------------------------------------------------------
 
-    def share(self, endpoint: str, prompt: PromptPrefix, now: float) -> float:
-        """The share of `prompt` that `endpoint` is believed to hold, 0..1."""
-        if not self.enabled or not prompt.chain:
-            return 0.0
-        sent = self.sent.match(endpoint, prompt.chain)
-        return prompt.share(sent)
+    def prompt_of(self, request: AdmitRequest) -> PromptPrefix | None:
+        """The request's prompt as placement matches it (None: prefix placement is off)."""
+        if not self.enabled:
+            return None
+        return PromptPrefix(
+            unpack(request.prefix),
+            request.prompt_bytes,
+            self.block_bytes,
+            unpack(request.tokens) if request.tokens else (),
+            request.prompt_tokens,
+            request.token_block,
+        )
 
-    def placed(self, endpoint: str, model: str, prompt: PromptPrefix, now: float) -> float:
+    def share(self, endpoint: str, prompt: PromptPrefix, now: float) -> float:
+        """The share of `prompt` that `endpoint` is believed to hold, 0..1.
+
+        An endpoint whose engine reports its KV cache events, asked with the prompt's tokens in
+        its block size: what the engine says it holds, or what was placed there within
+        `prefix.predicted_ttl` (the engine's events about it may not have arrived yet), the
+        larger. Any other: what was sent there (the LRU)."""
+        return self._matched(endpoint, prompt, now)[0]
+
+    def _matched(self, endpoint: str, prompt: PromptPrefix, now: float) -> tuple[float, str]:
+        """`share`, and the index that said it (held, sent)."""
+        if not self.enabled or not prompt.chain:
+            return 0.0, "sent"
+        block_size = self._held_block_size.get(endpoint)
+        if prompt.tokens and block_size == prompt.token_block:
+            held = prompt.token_share(self.held.match(endpoint, prompt.tokens))
+            since = now - self.predicted_ttl
+            sent = prompt.share(self.sent.match(endpoint, prompt.chain, since))
+            return (held, "held") if held >= sent else (sent, "sent")
+        return prompt.share(self.sent.match(endpoint, prompt.chain)), "sent"
+
+    def placed(
+        self, endpoint: str, model: str, prompt: PromptPrefix, now: float
+    ) -> tuple[float, str]:
         """`prompt` was placed on `endpoint` (for `model`): recorded here at once, and for
         every other instance on the stream after this decision. Returns the share of it the
-        endpoint held before."""
+        endpoint held before, and the index that said so."""
         if not self.enabled or not prompt.chain:
-            return 0.0
-        share = self.share(endpoint, prompt, now)
+            return 0.0, "sent"
+        share = self._matched(endpoint, prompt, now)
         capacity = self._capacity(endpoint)
         if capacity != self.sent.capacity(endpoint):
             self.sent.set_capacity(endpoint, capacity)

@@ -63,7 +63,7 @@ from llmgw.core.placement import (
     Snapshot,
     place,
 )
-from llmgw.core.prefix import PromptPrefix, unpack
+from llmgw.core.prefix import PromptPrefix
 from llmgw.core.quota import QuotaCounts
 from llmgw.core.requests import Feature
 from llmgw.events import EventPublisher, LeaseExpired, PinEvent, PinMoved
@@ -534,11 +534,7 @@ class AdmissionService:
                 for candidate in (model, *self._fallbacks.get(model, ()))
             )
         )
-        prompt = (
-            PromptPrefix(unpack(request.prefix), request.prompt_bytes, self.prefixes.block_bytes)
-            if request.prefix and self.prefixes.enabled
-            else None
-        )
+        prompt = self.prefixes.prompt_of(request) if request.prefix else None
         context = _Request(
             request, feature, band, None, started, now, can_overflow=can_overflow, prompt=prompt
         )
@@ -827,8 +823,8 @@ class AdmissionService:
         lease = self._apply(request, outcome, served, pin, now)
         endpoint = self.catalog.endpoint_config(outcome.endpoint)
         if context.prompt is not None and not self.catalog.is_unlimited(outcome.provider):
-            share = self.prefixes.placed(endpoint.id, served, context.prompt, now)
-            self.metrics.child(self.metrics.prefix_share, "sent").observe(share)
+            share, index = self.prefixes.placed(endpoint.id, served, context.prompt, now)
+            self.metrics.child(self.metrics.prefix_share, index).observe(share)
         self.breakers.take(endpoint.id, now)  # half open: this request is the probe
         self.metrics.child(self.metrics.placements, outcome.provider, outcome.route.value).inc()
         if outcome.affinity_break is not None:

@@ -41,7 +41,7 @@ from llmgw.services.edge.errors import INTERNAL_ERROR_MESSAGE, error_body, error
 from llmgw.services.edge.hardening import OpenAIErrorsHttpTools, headers_refused
 from llmgw.services.edge.messages import MessagesApi, anthropic_answer, authorization
 from llmgw.services.edge.metrics import EdgeMetrics
-from llmgw.services.edge.prompts import PromptChains
+from llmgw.services.edge.prompts import PromptChains, TokenizerUnavailable
 from llmgw.services.edge.responses import ResponsesApi, owner_of
 from llmgw.services.edge.telemetry import EdgeTelemetry, RequestRecord
 from llmgw.state.memory_kv import MemoryKV
@@ -281,7 +281,7 @@ class Edge:
             refused = self._hold_tokens(caller.key, parsed.body, record, ids)
             if refused is not None:
                 return refused, Outcome.RATE_LIMITED
-        prefix, prompt_bytes = self.prompts.of(feature.value, parsed.body, exchange, model)
+        prompt = await self.prompts.of(feature.value, parsed.body, exchange, model)
         routed = RoutedRequest(
             request_id=record.request_id,
             feature=feature,
@@ -302,8 +302,7 @@ class Edge:
             client_gone=request.receive if self.flow_control else None,
             record=record,
             exchange=exchange,
-            prefix=prefix,
-            prompt_bytes=prompt_bytes,
+            prompt=prompt,
         )
         return await self.attempts.run(routed)
 
@@ -344,7 +343,15 @@ class Edge:
         self.bands = frozenset(b.name for b in config.admission.bands)
         self.responses.apis = {p.id: frozenset(p.apis) for p in config.providers}
         self.messages = MessagesApi(config)
-        self.prompts = PromptChains(config.prefix)
+        previous: PromptChains | None = getattr(self, "prompts", None)
+        try:
+            self.prompts = PromptChains(config, previous)
+        except TokenizerUnavailable:
+            if previous is None:
+                raise  # at start: the edge refuses to start, naming the field
+            log.error(
+                "a model's tokenizer cannot be used; the earlier ones are kept", exc_info=True
+            )
         self.spend_header = config.spend.cost_header
         self.default_output = config.spend.default_output_tokens
         if self.auth is not None:  # a key without a default band of its own takes this one

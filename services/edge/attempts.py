@@ -49,6 +49,7 @@ from llmgw.services.edge.errors import (
     error_response,
     sse_error_event,
 )
+from llmgw.services.edge.prompts import NO_PROMPT, PromptChain
 from llmgw.services.edge.streamed import StreamedAnswer
 from llmgw.services.edge.upstream import (
     LEASE_LOST_MESSAGE,
@@ -95,9 +96,9 @@ class ApiExchange(Protocol):
 
     def stream_ended(self, reader: StreamReader) -> None: ...
 
-    def prompt(self) -> bytes | None:
-        """The canonical bytes of its conversation in chat completions form
-        (`llmgw.core.prefix.canonical_chat`), None when it has none."""
+    def chat_form(self) -> tuple[list[Any], list[Any] | None] | None:
+        """Its conversation in chat completions form: the messages and tools a translated
+        attempt sends (None when it cannot be translated)."""
         ...
 
 
@@ -156,9 +157,8 @@ class RoutedRequest:
     key_budget: Budget | None = None  # its budget (llmgw.core.budget)
     # The Responses or Messages API's exchange (services/edge/responses.py, messages.py)
     exchange: ApiExchange | None = None
-    # The prompt's packed text chain and canonical length (services/edge/prompts.py)
-    prefix: bytes = b""
-    prompt_bytes: int = 0
+    # The prompt's chains (services/edge/prompts.py): text, and tokens with a tokenizer
+    prompt: PromptChain = NO_PROMPT
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,8 +233,11 @@ class Attempts:
                 retry_of=previous.lease if previous is not None else None,
                 failed=previous.failed if previous is not None else None,
                 no_overflow=hold is not None and hold.no_overflow,
-                prefix=routed.prefix,
-                prompt_bytes=routed.prompt_bytes,
+                prefix=routed.prompt.text,
+                prompt_bytes=routed.prompt.length,
+                tokens=routed.prompt.tokens,
+                prompt_tokens=routed.prompt.token_count,
+                token_block=routed.prompt.token_block,
             )
             asked = time.perf_counter()
             try:

@@ -44,6 +44,7 @@ from llmgw.services.edge.leases import EdgeLeases
 from llmgw.services.edge.live import follow_applied_config
 from llmgw.services.edge.metrics import EdgeMetrics
 from llmgw.services.edge.outage import OutageAdmission
+from llmgw.services.edge.prompts import TokenizerUnavailable
 from llmgw.services.edge.reporting import NatsReporter
 from llmgw.services.edge.spend import SpendBook
 from llmgw.services.edge.upstream import new_pool
@@ -114,7 +115,15 @@ def run(args: argparse.Namespace) -> int:
         deps = await open_edge_deps(
             nc, config, edge_id, colocated=colocated.service if colocated else None
         )
-        app = create_app(config, deps)
+        try:
+            app = create_app(config, deps)
+        except TokenizerUnavailable as exc:  # refuse to start, naming the field
+            refused.append(str(exc))
+            await close_edge_deps(deps)
+            if colocated is not None:
+                await colocated.close()
+            await natsconn.drain_or_close(nc)
+            return
         applied = await follow_applied_config(
             nc, config, app.edge, colocated.fleet if colocated is not None else None
         )
@@ -139,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
             await asyncio.gather(api.stop(timeout=_CUT_GRACE), admin.stop())
             await applied.stop()
             await close_edge_deps(deps)  # the cut requests' releases are sent before this ends
+            await app.edge.prompts.aclose()
             if colocated is not None:  # after the edge's releases: then its shards move
                 await colocated.close()
             await natsconn.drain_or_close(nc)

@@ -37,7 +37,6 @@ from llmgw.core.anthropic_chat import (
     messages_usage_in,
     reshape_error,
 )
-from llmgw.core.prefix import canonical_chat
 from llmgw.core.requests import InvalidRequest
 from llmgw.services.edge.streamed import StreamedAnswer
 
@@ -102,7 +101,7 @@ class MessagesExchange:
         self._raw = raw
         self._chat = chat
 
-    def prompt(self) -> bytes | None:
+    def chat_form(self) -> tuple[list[Any], list[Any] | None] | None:
         """The conversation in the chat form a translated attempt sends (its system prompt
         first), whether or not an attempt is translated."""
         if self._chat is None:
@@ -110,7 +109,7 @@ class MessagesExchange:
                 self._chat = to_chat(self._parsed.body, self._parsed.model)
             except InvalidRequest:
                 return None
-        return canonical_chat(self._chat["messages"], self._chat.get("tools"))
+        return self._chat["messages"], self._chat.get("tools")
 
     def _native(self, target: Target) -> bool:
         return self._api.native.get(target.endpoint, False)

@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING, Any
 from starlette.responses import JSONResponse, Response
 
 from llmgw.core.outcomes import Outcome
-from llmgw.core.prefix import canonical_chat
 from llmgw.core.requests import InvalidRequest
 from llmgw.core.responses import (
     ResponsesStream,
@@ -101,13 +100,13 @@ class Exchange:
     def translated(self, target: Target) -> bool:
         return "responses" not in self.api.apis.get(target.provider, ())
 
-    def prompt(self) -> bytes | None:
+    def chat_form(self) -> tuple[list[Any], list[Any] | None] | None:
         """The conversation (every turn of the chain, then this input) in chat form."""
         try:
             chat = chat_request(self.body, self.items, "", stream=False)
         except InvalidRequest:
             return None
-        return canonical_chat(chat["messages"], chat.get("tools"))
+        return chat["messages"], chat.get("tools")
 
     def upstream(self, target: Target) -> tuple[str, bytes]:
         """The path and body of an attempt on `target`; raises `Untranslatable`."""

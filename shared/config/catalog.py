@@ -36,6 +36,8 @@ class ModelConfig(StrictModel):
     # template; the `tokenizers` and `jinja2` packages), or "engine" (the engine's /tokenize).
     # null: endpoints with KV events are matched as those without (by what was sent there).
     tokenizer: str | None = None
+    # Its engines' KV cache block, in tokens (vLLM's --block-size; 16 by default).
+    kv_block_size: int = Field(16, ge=1, le=1024)
 
 
 class Limits(StrictModel):

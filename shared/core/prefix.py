@@ -41,6 +41,7 @@ __all__ = [
     "HeldIndex",
     "PromptPrefix",
     "SentIndex",
+    "TokenStore",
     "canonical_chat",
     "canonical_prompt",
     "model_root",
@@ -197,17 +198,28 @@ def canonical_prompt(feature: str, body: Mapping[str, Any]) -> bytes | None:
 @dataclass(frozen=True, slots=True)
 class PromptPrefix:
     """What placement knows of a request's prompt: its text chain and the length it covers of
-    the canonical bytes (``length``: all of them, with the partial last block)."""
+    the canonical bytes (``length``: all of them, with the partial last block); with the
+    model's tokenizer, also its token chain (`token_chain` of its tokens, blocks of
+    `token_block` ids, to match the engines' KV cache events) and its token count."""
 
     chain: tuple[int, ...]
     length: int
     block_bytes: int
+    tokens: tuple[int, ...] = ()
+    token_count: int = 0
+    token_block: int = 0
 
     def share(self, blocks: int) -> float:
-        """The part of the prompt `blocks` leading blocks cover, 0..1."""
+        """The part of the prompt `blocks` leading text blocks cover, 0..1."""
         if self.length <= 0:
             return 0.0
         return min(1.0, blocks * self.block_bytes / self.length)
+
+    def token_share(self, blocks: int) -> float:
+        """The part of the prompt `blocks` leading token blocks cover, 0..1."""
+        if self.token_count <= 0:
+            return 0.0
+        return min(1.0, blocks * self.token_block / self.token_count)
 
 
 # -- the indexes ---------------------------------------------------------------------------------
@@ -338,3 +350,58 @@ class HeldIndex:
         if key is not None:
             return len(self._held.get(key, ()))
         return sum(len(held) for held in self._held.values())
+
+
+class TokenStore:
+    """A prefix cache of tokenizations: a prompt's text cut into `chunk` character chunks, each
+    chunk (chained like a text chain) remembering the tokens that end inside it. A prompt whose
+    leading chunks were tokenized before (a tenant's system prompt, a conversation's earlier
+    turns) gets those tokens without tokenizing again (`lookup`), when they cover at least
+    `min_cover` of it: matching needs the prompt's leading tokens only. A token that crosses the
+    last covered chunk's end may differ from a fresh tokenization's: it can cost at most the
+    last block of a match. LRU, at most `entries` chunks."""
+
+    def __init__(self, chunk: int = 256, entries: int = 100_000, min_cover: float = 0.8) -> None:
+        self.chunk = chunk
+        self.entries = entries
+        self.min_cover = min_cover
+        self._chunks: OrderedDict[int, tuple[int, ...]] = OrderedDict()
+
+    def lookup(self, text: str) -> list[int] | None:
+        """The tokens of `text`'s longest remembered leading chunks, if they cover at least
+        `min_cover` of it; None: tokenize it."""
+        tokens: list[int] = []
+        parent = ROOT
+        covered = 0
+        for start in range(0, len(text) - self.chunk + 1, self.chunk):
+            parent = _hash(
+                text[start : start + self.chunk].encode("utf-8", "surrogatepass"), seed=parent
+            )
+            found = self._chunks.get(parent)
+            if found is None:
+                break
+            self._chunks.move_to_end(parent)
+            tokens.extend(found)
+            covered = start + self.chunk
+        if not text or covered < self.min_cover * len(text):
+            return None
+        return tokens
+
+    def store(self, text: str, ids: Sequence[int], ends: Sequence[int]) -> None:
+        """Remember `text`'s tokenization (`ids`, each token's end offset in `ends`) by its full
+        chunks."""
+        parent = ROOT
+        index = 0
+        for start in range(0, len(text) - self.chunk + 1, self.chunk):
+            stop = start + self.chunk
+            parent = _hash(text[start:stop].encode("utf-8", "surrogatepass"), seed=parent)
+            first = index
+            while index < len(ids) and ends[index] <= stop:
+                index += 1
+            self._chunks[parent] = tuple(ids[first:index])
+            self._chunks.move_to_end(parent)
+        while len(self._chunks) > self.entries:
+            self._chunks.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._chunks)

@@ -200,9 +200,7 @@ class Rig:
         shards = self.config.admission.shards
         if shard is None:
             shard = shard_of(session, shards) if session is not None else 0
-        prefix, length = (
-            PromptChains(self.config.prefix).of_bytes(prompt, MODEL) if prompt else (b"", 0)
-        )
+        chain = PromptChains(self.config).of_bytes(prompt, MODEL) if prompt else None
         return AdmitRequest(
             id=request_id or uuid.uuid4().hex,
             edge="edge-test",
@@ -212,8 +210,8 @@ class Rig:
             band=band,
             tenant=tenant,
             session=session,
-            prefix=prefix,
-            prompt_bytes=length,
+            prefix=chain.text if chain else b"",
+            prompt_bytes=chain.length if chain else 0,
         )
 
     async def ask(

@@ -95,3 +95,70 @@ def test_sessions_sharing_a_prompt_start_where_it_is_cached(
         home = Counter(engine for engine, _, _ in runs).most_common(1)[0][0]
         top = prefixes[home]["top"]
         assert any(t["placements"] >= 11 for t in top), (tenant, top)
+
+
+def test_engines_kv_events_show_a_prompt_cached_by_traffic_the_gateway_never_saw(
+    tmp_path: Path, start_up: Callable[..., UpProcess]
+) -> None:
+    """Engines with KV cache events (the simulator speaks vLLM's) and the model's tokens from
+    the engines' /tokenize: a tenant's prompt that reached one engine directly, around the
+    gateway, is known to be cached there (the scraper republishes the engine's events), so the
+    tenant's new sessions start on that engine. Placement by what was sent cannot know it."""
+    config = write_cluster_config(tmp_path / "cluster.yaml")
+    data = yaml.safe_load(config.read_text())
+    for endpoint in data["endpoints"]:
+        if endpoint["provider"] == "iris":
+            endpoint["kv_events"] = {
+                "endpoint": f"tcp://127.0.0.1:{free_port()}",
+                "replay_endpoint": f"tcp://127.0.0.1:{free_port()}",
+            }
+    for model in data["models"]:
+        model["tokenizer"] = "engine"
+    config.write_text(yaml.safe_dump(data, sort_keys=False))
+    engines = {e["id"]: e["url"] for e in data["endpoints"] if e["provider"] == "iris"}
+    up = start_up(config)
+    api, key = up.wait_for(READY, timeout=90).groups()
+    nats_url = up.wait_for(NATS).group(1)
+
+    async def scenario() -> dict[str, list[str]]:
+        placed: dict[str, list[str]] = {}
+        async with httpx.AsyncClient(timeout=60) as client:
+            for tenant, engine in (("initech", "engine-1"), ("umbrella", "engine-2")):
+                direct = await client.post(  # around the gateway: only the engine knows
+                    f"{engines[engine]}/v1/chat/completions",
+                    json={
+                        "model": MODEL,
+                        "messages": [
+                            {"role": "system", "content": system_prompt(tenant)},
+                            {"role": "user", "content": "warm up"},
+                        ],
+                        "max_tokens": 1,
+                    },
+                )
+                assert direct.status_code == 200, direct.text
+            await _until_held(nats_url, config, set(engines))
+            for tenant in ("initech", "umbrella"):
+                runs = await sessions(api, key, tenant, 4)
+                placed[tenant] = [engine for engine, _, _ in runs]
+        return placed
+
+    placed = asyncio.run(scenario())
+    assert placed == {"initech": ["engine-1"] * 4, "umbrella": ["engine-2"] * 4}, placed
+
+
+async def _until_held(nats_url: str, config: Path, engines: set[str]) -> None:
+    """Until `llmgw state` shows blocks held (by KV cache events) on every engine."""
+    deadline = asyncio.get_running_loop().time() + 30
+    while True:
+        state = await asyncio.to_thread(
+            llmgw_cli, config, "state", "--json", env={"LLMGW_NATS__URL": nats_url}
+        )
+        held = {
+            e["endpoint"]
+            for e in json.loads(state.stdout or "{}").get("prefixes", [])
+            if e["held_blocks"] > 0
+        }
+        if held >= engines:
+            return
+        assert asyncio.get_running_loop().time() < deadline, state.stdout[-2000:]
+        await asyncio.sleep(0.5)
