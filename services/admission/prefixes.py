@@ -58,6 +58,9 @@ log = logging.getLogger("llmgw.admission.prefixes")
 
 BYTES_PER_TOKEN = 4  # of prompt text per engine token, to size an LRU by the engine's KV cache
 TOP_KEPT = 256  # first blocks counted per endpoint for `llmgw state`
+# Prompts placed on an endpoint, then found not held by its engine's events, in a row, before
+# the gateway's tokens are taken to disagree with the engine's (`PrefixBoard._tokens_disagree`).
+DISAGREEMENT = 20
 # Memory of one block in each index (CPython 3.11, measured by tests/core/test_prefix.py): an
 # OrderedDict entry with its int key and float time; a dict entry with its int key and count.
 SENT_BYTES_PER_BLOCK = 130
@@ -82,6 +85,7 @@ class PrefixBoard:
         self.sent = SentIndex(self._blocks_of(config.prefix.default_kv_tokens))
         self.held = HeldIndex()
         self._held_block_size: dict[str, int] = {}
+        self._misses: dict[str, int] = {}  # `_tokens_disagree`'s evidence per endpoint
         self._held_seq: dict[str, int] = {}
         self._outbox: list[tuple[str, bytes]] = []
         self._flushing: asyncio.Task[None] | None = None
@@ -159,6 +163,7 @@ class PrefixBoard:
         endpoint = held.endpoint
         if held.cleared:
             self.held.clear(endpoint)
+            self._misses.pop(endpoint, None)  # what it holds is learned again
         if held.emptied:  # the engine lost its cache: what was sent there is gone too
             self.sent.drop(endpoint)
         self._held_block_size[endpoint] = held.block_size
@@ -197,12 +202,28 @@ class PrefixBoard:
         if not self.enabled or not prompt.chain:
             return 0.0, "sent"
         block_size = self._held_block_size.get(endpoint)
+        sent_blocks = self.sent.match(endpoint, prompt.chain)
         if prompt.tokens and block_size == prompt.token_block:
-            held = prompt.token_share(self.held.match(endpoint, prompt.tokens))
-            since = now - self.predicted_ttl
-            sent = prompt.share(self.sent.match(endpoint, prompt.chain, since))
-            return (held, "held") if held >= sent else (sent, "sent")
-        return prompt.share(self.sent.match(endpoint, prompt.chain)), "sent"
+            held_blocks = self.held.match(endpoint, prompt.tokens)
+            recent = self.sent.match(endpoint, prompt.chain, now - self.predicted_ttl)
+            if not self._tokens_disagree(endpoint, sent_blocks > recent, held_blocks > 0):
+                held, sent = prompt.token_share(held_blocks), prompt.share(recent)
+                return (held, "held") if held >= sent else (sent, "sent")
+        return prompt.share(sent_blocks), "sent"
+
+    def _tokens_disagree(self, endpoint: str, placed_before: bool, held: bool) -> bool:
+        """Whether the gateway's tokens of prompts never match what `endpoint`'s engine says
+        it holds (a tokenizer or chat template other than the engine's): then its events are
+        no use and the endpoint is matched by what was sent there. The evidence: prompts placed
+        there long enough ago for their events to have come (`placed_before`), of which not
+        one was found held, `DISAGREEMENT` times in a row; one found held clears it."""
+        if not placed_before:
+            return self._misses.get(endpoint, 0) >= DISAGREEMENT
+        if held:
+            self._misses[endpoint] = 0
+            return False
+        misses = self._misses[endpoint] = self._misses.get(endpoint, 0) + 1
+        return misses >= DISAGREEMENT
 
     def placed(
         self, endpoint: str, model: str, prompt: PromptPrefix, now: float

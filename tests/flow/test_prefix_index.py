@@ -6,9 +6,12 @@ events said so) is forgotten."""
 from __future__ import annotations
 
 import pytest
-from rig import ENDPOINTS, MODEL, admitted, open_rig, until
+from rig import ENDPOINTS, MODEL, admitted, open_rig, rig_config, until
 
-from llmgw.core.prefix import PromptPrefix, model_root, text_chain
+from llmgw.core.prefix import PromptPrefix, model_root, pack, text_chain, token_chain
+from llmgw.services.admission.health import HealthBoard
+from llmgw.services.admission.loadboard import LoadBoard
+from llmgw.services.admission.prefixes import DISAGREEMENT, PrefixBoard
 from llmgw.wire import PrefixHeld, prefix_held_subject
 
 TENANT_PROMPT = b"\x1esystem\x1f" + b"You answer as the support desk of Acme. " * 60
@@ -55,9 +58,7 @@ async def test_every_instance_learns_where_a_prompt_went_and_sends_the_next_ther
 
 
 def _asked(rig, data: bytes) -> PromptPrefix:  # type: ignore[no-untyped-def]
-    block = rig.config.prefix.block_bytes
-    chain = text_chain(data, block, rig.config.prefix.max_blocks, model_root(MODEL))
-    return PromptPrefix(chain, len(data), block)
+    return _chain_of(rig.config, data)
 
 
 async def test_an_engine_that_emptied_its_cache_is_forgotten_by_every_instance(rig):
@@ -70,3 +71,38 @@ async def test_an_engine_that_emptied_its_cache_is_forgotten_by_every_instance(r
         prefix_held_subject(rig.config.prefix_stream, endpoint), held.model_dump_json().encode()
     )
     await until(lambda: max(held_by(rig, endpoint, prompt("a"))) == 0.0, what="forgotten")
+
+
+def test_tokens_that_never_match_the_engines_blocks_fall_back_to_what_was_sent(nats_url, unique_id):
+    """A tokenizer (or chat template) other than the engine's: its token chains never match
+    what the engine says it holds, so the endpoint is matched by what was sent there, as an
+    engine without events is; one match of the engine's blocks trusts the events again."""
+    config = rig_config(nats_url, unique_id)
+    board = PrefixBoard(config, LoadBoard(config, HealthBoard()), "i")
+    engine_tokens = list(range(1000, 1400))  # what the engine computed
+    ours = [t + 1 for t in engine_tokens]  # a tokenizer that disagrees
+    board._apply_held(
+        PrefixHeld(
+            endpoint="engine-1", seq=0, block_size=16, stored=pack(token_chain(engine_tokens, 16))
+        )
+    )
+    text = _chain_of(config, prompt("question"))
+    asked = PromptPrefix(
+        text.chain, text.length, text.block_bytes, tuple(token_chain(ours, 16)), 400, 16
+    )
+    board.placed("engine-1", MODEL, asked, 0.0)
+    later = 10 * config.prefix.predicted_ttl  # the placement's events came long ago
+    assert board.share("engine-1", asked, later) == 0.0  # the events say: not held
+    for _ in range(DISAGREEMENT):
+        board.share("engine-1", asked, later)
+    assert board.share("engine-1", asked, later) > 0.9  # by what was sent
+    agreeing = PromptPrefix(
+        text.chain, text.length, text.block_bytes, tuple(token_chain(engine_tokens, 16)), 400, 16
+    )
+    assert board.share("engine-1", agreeing, later) == 1.0  # held: the events count again
+
+
+def _chain_of(config, data: bytes) -> PromptPrefix:  # type: ignore[no-untyped-def]
+    block = config.prefix.block_bytes
+    chain = text_chain(data, block, config.prefix.max_blocks, model_root(MODEL))
+    return PromptPrefix(chain, len(data), block)
