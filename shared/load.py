@@ -114,6 +114,11 @@ class LoadSample(BaseModel):
     running: int | None = Field(None, ge=0)
     waiting: int | None = Field(None, ge=0)
     kv_usage: float | None = Field(None, ge=0, le=1)
+    # Its KV cache (vllm:cache_config_info): what bounds its prefix index in admission.
+    block_size: int | None = Field(None, ge=1)
+    num_gpu_blocks: int | None = Field(None, ge=1)
+    # LoRA adapters in its batch or queue (vllm:lora_requests_info): loaded, so preferred.
+    lora_adapters: tuple[str, ...] | None = None
 
     @classmethod
     def from_core(cls, sample: EngineSample) -> LoadSample:
@@ -122,10 +127,21 @@ class LoadSample(BaseModel):
             running=sample.running,
             waiting=sample.waiting,
             kv_usage=sample.kv_usage,
+            block_size=sample.block_size,
+            num_gpu_blocks=sample.num_gpu_blocks,
+            lora_adapters=sample.lora_adapters,
         )
 
     def to_core(self) -> EngineSample:
-        return EngineSample(self.dialect, self.running, self.waiting, self.kv_usage)
+        return EngineSample(
+            self.dialect,
+            self.running,
+            self.waiting,
+            self.kv_usage,
+            self.block_size,
+            self.num_gpu_blocks,
+            self.lora_adapters,
+        )
 
 
 class EndpointReport(BaseModel):

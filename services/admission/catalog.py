@@ -67,6 +67,7 @@ class ProviderCatalog:
             return_home_after=pinning.return_home_after,
             return_home_saturation=pinning.return_home_saturation,
             prefix_weight=config.prefix.weight if config.prefix.enabled else 0.0,
+            adapter_weight=config.prefix.adapter_weight,
         )
         self.min_idle_before_evict = pinning.min_idle_before_evict
         self.forced_degraded: set[tuple[str, str]] = set()  # (provider, model) marked by hand
@@ -97,6 +98,15 @@ class ProviderCatalog:
             if endpoints
         }
         self._by_id = {e.id: e for e in config.endpoints}
+
+    def _adapter_loaded(self, endpoint: EndpointConfig, model: str) -> bool:
+        """Whether `model` is a LoRA adapter its engine has loaded now (its running or waiting
+        requests use it, by the scraper's last `vllm:lora_requests_info`)."""
+        if not self._load.knows(endpoint.id):
+            return False
+        sample = self._load.load(endpoint.id).sample
+        adapters = sample.lora_adapters if sample is not None else None
+        return bool(adapters) and endpoint.upstream_name(model) in adapters
 
     # ---- the pinning questions ----------------------------------------------------------------
 
@@ -193,7 +203,14 @@ class ProviderCatalog:
             cached = prefixes.share(e.id, prompt, now) if prefixes is not None and prompt else 0.0
             endpoints.append(
                 EndpointState(
-                    e.id, e.priority, usable, inflight, capacity, saturation, cached=cached
+                    e.id,
+                    e.priority,
+                    usable,
+                    inflight,
+                    capacity,
+                    saturation,
+                    cached=cached,
+                    adapter_loaded=managed and self._adapter_loaded(e, model),
                 )
             )
         if strategy == "rate" and len(endpoints) > 1:
@@ -210,6 +227,7 @@ class ProviderCatalog:
                     s.saturation,
                     weights.get(s.id),
                     s.cached,
+                    s.adapter_loaded,
                 )
                 for s in endpoints
             ]

@@ -408,6 +408,9 @@ class PrefixConfig(StrictModel):
     # Placement's cost of an endpoint: its load minus `weight` times the share of the prompt it
     # holds (0..1). 0: cache-blind.
     weight: float = Field(1.0, ge=0)
+    # Also minus this when the request's LoRA adapter is loaded on the endpoint's engine (in
+    # its running or waiting requests, by vllm:lora_requests_info). 0: ignored.
+    adapter_weight: float = Field(0.25, ge=0)
     # What an endpoint holds, for every admission instance (placements, and the engines' KV
     # cache events): a JetStream stream kept this long and at most this large. null: named
     # after the routing bucket (`pinning.bucket` + "_prefix"), so each gateway has its own.

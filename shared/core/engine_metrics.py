@@ -43,7 +43,7 @@ from __future__ import annotations
 import enum
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 __all__ = [
@@ -105,6 +105,9 @@ class EngineSample:
     kv_usage: float | None
     block_size: int | None = None
     num_gpu_blocks: int | None = None
+    # The LoRA adapters of its running and waiting requests (vllm:lora_requests_info): loaded
+    # in its GPU memory. None: not reported (no LoRA, or another engine).
+    lora_adapters: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.running is not None and self.running < 0:
@@ -141,6 +144,7 @@ class _Dialect:
     kv_usage: tuple[str, ...]  # first present name wins; () when the engine has none
     cache_info: str | None = None
     also_waiting: tuple[str, ...] = ()  # added to waiting when present
+    lora_info: str | None = None
 
 
 _DIALECTS = (
@@ -151,6 +155,7 @@ _DIALECTS = (
         kv_usage=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
         cache_info="vllm:cache_config_info",
         also_waiting=("vllm:num_requests_swapped",),
+        lora_info="vllm:lora_requests_info",
     ),
     _Dialect(
         EngineDialect.SGLANG,
@@ -243,7 +248,21 @@ def _sample(dialect: _Dialect, by_name: Mapping[str, list[Series]]) -> EngineSam
         kv_usage=usage,
         block_size=block_size,
         num_gpu_blocks=num_gpu_blocks,
+        lora_adapters=_lora_adapters(by_name.get(dialect.lora_info or "", ())),
     )
+
+
+def _lora_adapters(series: Sequence[Series]) -> tuple[str, ...] | None:
+    """The adapters of the latest `vllm:lora_requests_info` series (its value is the time it
+    was set: vLLM keeps old label sets, so the largest value is the current one), running and
+    waiting together, sorted. None without the series."""
+    if not series:
+        return None
+    latest = max(series, key=lambda s: s.value)
+    names: set[str] = set()
+    for label in ("running_lora_adapters", "waiting_lora_adapters"):
+        names.update(name for name in latest.labels.get(label, "").split(",") if name)
+    return tuple(sorted(names))
 
 
 def _waiting(dialect: _Dialect, by_name: Mapping[str, list[Series]]) -> int | None:

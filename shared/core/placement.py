@@ -43,8 +43,10 @@ Beyond those rules:
   - work with no conversation of its own there (no session, or a session's first request on
     this provider, e.g. a one-shot conversation) goes where its prompt is cached, traded
     against room: a free batch slot first, then the lowest *cost*
-    ``max(saturation, inflight / capacity) - prefix_weight * cached`` (``cached``: the share of
-    the prompt the endpoint's prefix cache holds, 0..1, `llmgw.core.prefix`), ties broken by
+    ``max(saturation, inflight / capacity) - prefix_weight * cached - adapter_weight *
+    adapter_loaded`` (``cached``: the share of the prompt the endpoint's prefix cache holds,
+    0..1, `llmgw.core.prefix`; ``adapter_loaded``: the request's LoRA adapter is in its GPU
+    memory, by vLLM's ``lora_requests_info``), ties broken by
     the session's ring order so that idle endpoints share new sessions. A prompt's engine
     takes it while it has a free slot; once full, the prompt spreads (no herding);
   - a session whose home lost its prompt (evicted, or the engine restarted) follows it to an
@@ -148,6 +150,7 @@ class EndpointState:
     saturation: float = 0.0
     rate_weight: float | None = None
     cached: float = 0.0  # the share of the request's prompt its prefix cache holds, 0..1
+    adapter_loaded: bool = False  # the request's LoRA adapter is in its GPU memory now
 
     @property
     def free_slot(self) -> bool:
@@ -157,9 +160,10 @@ class EndpointState:
     def score(self) -> float:
         return max(self.saturation, self.inflight / self.capacity if self.capacity else 0.0)
 
-    def cost(self, prefix_weight: float) -> float:
-        """Its load traded against what it holds of the prompt: ``score - weight * cached``."""
-        return self.score - prefix_weight * self.cached
+    def cost(self, prefix_weight: float, adapter_weight: float = 0.0) -> float:
+        """Its load traded against what it holds of the request: ``score - prefix_weight *
+        cached - adapter_weight * adapter_loaded``."""
+        return self.score - prefix_weight * self.cached - adapter_weight * self.adapter_loaded
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,6 +207,7 @@ class PlacementSettings:
     return_home_after: float = 30.0
     return_home_saturation: float = 0.5
     prefix_weight: float = 1.0  # `EndpointState.cost`: 0 is cache-blind
+    adapter_weight: float = 0.25  # `EndpointState.cost`: a LoRA adapter loaded there
 
 
 @dataclass(frozen=True, slots=True)
@@ -426,7 +431,10 @@ def _bound(endpoint: EndpointState, tier: Sequence[EndpointState], factor: float
 
 
 def _best(
-    endpoints: Sequence[EndpointState], walk: Sequence[str] = (), prefix_weight: float = 0.0
+    endpoints: Sequence[EndpointState],
+    walk: Sequence[str] = (),
+    prefix_weight: float = 0.0,
+    adapter_weight: float = 0.0,
 ) -> EndpointState:
     """Free batch slots first, then the lowest cost (load traded against the share of the
     prompt held, `EndpointState.cost`), then the most free slots, then the session's ring
@@ -436,7 +444,7 @@ def _best(
         endpoints,
         key=lambda e: (
             not e.free_slot,
-            e.cost(prefix_weight),
+            e.cost(prefix_weight, adapter_weight),
             e.inflight - e.capacity,
             order.get(e.id, len(order)),
         ),
@@ -475,7 +483,8 @@ def _managed_endpoint(
         # No conversation of its own here (no session, or its first request here): where its
         # prompt is cached, traded against room, so new work starts on its prefix and fills
         # free slots first.
-        return _best(free if interactive and free else tier, walk, weight).id, None
+        pool = free if interactive and free else tier
+        return _best(pool, walk, weight, settings.adapter_weight).id, None
     in_tier = {e.id: e for e in tier}
     fits = [e for e in tier if e.inflight + 1 <= _bound(e, tier, settings.session_load_factor)]
     fitting = {e.id for e in fits}
@@ -498,7 +507,7 @@ def _managed_endpoint(
         pool = free
     else:
         pool = fits or tier
-    return _best(pool, (), weight).id, brk
+    return _best(pool, (), weight, settings.adapter_weight).id, brk
 
 
 def _lost_its_prompt(home: EndpointState, others: Sequence[EndpointState], weight: float) -> bool:

@@ -442,3 +442,13 @@ def test_rate_strategy_draws_by_the_balancers_weights():
     )
     picks = [place(snap(tx), PlacementRequest(None, draw=d / 100)).endpoint for d in range(100)]
     assert picks.count("t1") == 25 and picks.count("t2") == 75
+
+
+def test_a_lora_adapters_request_prefers_the_engine_that_has_it_loaded():
+    loaded = EndpointState("e0", inflight=0, capacity=4, adapter_loaded=True)
+    idle = EndpointState("e1", inflight=0, capacity=4)
+    chosen = place(snap(managed("iris", [idle, loaded])), PlacementRequest("s"))
+    assert isinstance(chosen, Placement) and chosen.endpoint == "e0"  # cost -0.25 against 0
+    busier = EndpointState("e0", inflight=2, capacity=4, adapter_loaded=True)
+    moved = place(snap(managed("iris", [busier, idle])), PlacementRequest("s"))
+    assert isinstance(moved, Placement) and moved.endpoint == "e1"  # 0.5 - 0.25 > 0
