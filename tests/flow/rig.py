@@ -162,8 +162,12 @@ class Rig:
         healthy: bool = True,
         at: float | None = None,
         kv_usage: float = 0.1,
+        kv_blocks: tuple[int, int] | None = None,
+        lora_adapters: tuple[str, ...] | None = None,
     ) -> None:
-        """Write a scraper report and wait until every admission instance has applied it."""
+        """Write a scraper report and wait until every admission instance has applied it
+        (`kv_blocks`: the engine's KV block size and number of blocks, as its
+        `vllm:cache_config_info` says)."""
         before = [a.load.reports for a in self.admissions]
         report = EndpointReport(
             endpoint=endpoint,
@@ -171,7 +175,15 @@ class Rig:
             pool="p",
             models=(MODEL,),
             healthy=healthy,
-            sample=LoadSample(dialect="vllm", running=running, waiting=waiting, kv_usage=kv_usage),
+            sample=LoadSample(
+                dialect="vllm",
+                running=running,
+                waiting=waiting,
+                kv_usage=kv_usage,
+                block_size=kv_blocks[0] if kv_blocks else None,
+                num_gpu_blocks=kv_blocks[1] if kv_blocks else None,
+                lora_adapters=lora_adapters,
+            ),
             metrics="full",
             capacity=capacity,
             scraped_at=time.time() if at is None else at,

@@ -106,3 +106,19 @@ def _chain_of(config, data: bytes) -> PromptPrefix:  # type: ignore[no-untyped-d
     block = config.prefix.block_bytes
     chain = text_chain(data, block, config.prefix.max_blocks, model_root(MODEL))
     return PromptPrefix(chain, len(data), block)
+
+
+async def test_an_engines_kv_cache_bounds_what_is_remembered_of_it(rig):
+    """`vllm:cache_config_info` (block size x blocks, in the scraper's report) bounds the
+    endpoint's index: 64 blocks of 16 tokens hold 4 KiB of prompt, 16 of our 256-byte blocks
+    (128 blocks: 32)."""
+    await rig.report("engine-1", running=0, capacity=8, kv_blocks=(16, 64))
+    await rig.report("engine-2", running=0, capacity=8, kv_blocks=(16, 128))
+    first, _ = rig.admissions
+    long = prompt("a") * 5  # 12 KiB: more than either holds
+    placed = await rig.ask(session="s-3", shard=rig.shard_of_instance(first), prompt=long)
+    assert admitted(placed)
+    endpoint = placed.target.endpoint
+    expected = {"engine-1": 16, "engine-2": 32}[endpoint]
+    assert first.prefixes.sent.capacity(endpoint) == expected
+    assert first.prefixes.sent.size(endpoint) == expected  # the prompt has more blocks
