@@ -58,6 +58,8 @@ log = logging.getLogger("llmgw.admission.prefixes")
 
 BYTES_PER_TOKEN = 4  # of prompt text per engine token, to size an LRU by the engine's KV cache
 TOP_KEPT = 256  # first blocks counted per endpoint for `llmgw state`
+# The header of a placement's message naming its instance: its own come back unparsed.
+INSTANCE_HEADER = "Llmgw-Instance"
 # Prompts placed on an endpoint, then found not held by its engine's events, in a row, before
 # the gateway's tokens are taken to disagree with the engine's (`PrefixBoard._tokens_disagree`).
 DISAGREEMENT = 20
@@ -90,6 +92,7 @@ class PrefixBoard:
         self._outbox: list[tuple[str, bytes]] = []
         self._flushing: asyncio.Task[None] | None = None
         self._nc: NATS | None = None
+        self._headers = {INSTANCE_HEADER: instance}
         self._sub: Any = None
         self.received = {"sent": 0, "held": 0, "own": 0, "malformed": 0}
         # Per endpoint: placements by their chain's first block (`llmgw state`'s top prefixes).
@@ -144,10 +147,11 @@ class PrefixBoard:
     async def _on_message(self, msg: Msg) -> None:
         try:
             if msg.subject.startswith(self._sent_subjects):
-                sent = PrefixSent.model_validate_json(msg.data)
-                if sent.instance == self.instance:
-                    self.received["own"] += 1
+                headers = msg.headers
+                if headers is not None and headers.get(INSTANCE_HEADER) == self.instance:
+                    self.received["own"] += 1  # recorded already: not even parsed
                     return
+                sent = PrefixSent.model_validate_json(msg.data)
                 chain = unpack(sent.chain)
                 self.sent.record(sent.endpoint, chain, sent.at)
                 self._count(sent.endpoint, chain, sent.at)
@@ -279,7 +283,7 @@ class PrefixBoard:
             batch, self._outbox = self._outbox, []
             for subject, data in batch:
                 try:
-                    await nc.publish(subject, data)
+                    await nc.publish(subject, data, headers=self._headers)
                     self.published += 1
                 except Exception:
                     log.debug("a placement not published to the prefix stream", exc_info=True)
