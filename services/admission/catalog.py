@@ -106,7 +106,7 @@ class ProviderCatalog:
             return False
         sample = self._load.load(endpoint.id).sample
         adapters = sample.lora_adapters if sample is not None else None
-        return bool(adapters) and endpoint.upstream_name(model) in adapters
+        return adapters is not None and endpoint.upstream_name(model) in adapters
 
     # ---- the pinning questions ----------------------------------------------------------------
 
