@@ -18,8 +18,8 @@ benchmark's goals (docs/benchmarks.md, "Cache-aware placement"):
   engine with a free batch slot before one that holds its prompt but is full, so a tenant's
   prompt spreads, caches hold fewer tenants, and more than a tenth of the requests prefill cold;
 - with four admission instances it is clearly above cache-blind llmgw's too, and within 5 points
-  of one instance's: not reliably met today (2026-12-07: five runs 0.2, 1.3, 1.9, 3.0 and 7.6
-  points below), so marked as an expected failure that may pass (not strict).
+  of one instance's: not reliably met today (2026-12-07, five runs: 0.2 points above, then 1.3,
+  1.9, 3.0 and 7.6 below), so marked as an expected failure that may pass (not strict).
 
 With `prefix.weight: 0` (cache-blind placement, the chains still sent) the share of prompt
 tokens from cache falls to the cache-blind router's: the checks of the share fail.
@@ -82,7 +82,8 @@ def test_four_admission_instances_place_by_prefix_too(rows):
 
 @pytest.mark.xfail(
     strict=False,
-    reason="N = 4 came 0.2-7.6 points below N = 1 in five runs of this length (2026-12-07)",
+    reason="N = 4 came 0.2 above to 7.6 points below N = 1 in five runs of this length "
+    "(2026-12-07)",
 )
 def test_four_admission_instances_place_by_prefix_as_one_does(rows):
     one, four = rows["llmgw"], rows["llmgw-n4"]
