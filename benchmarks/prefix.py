@@ -14,7 +14,9 @@ Routers (``--variants``):
 - ``blind``: llmgw with ``prefix.enabled: false`` (placement as before cache-aware placement);
 - ``llmgw``: llmgw with the shipped prefix defaults, one admission instance (the edge's);
 - ``llmgw-n2``, ``llmgw-n4``: the same with 2 or 4 admission instances (the edge's, and
-  ``llmgw admission`` processes joined to its NATS: benchmarks/placement.py's `run_once`).
+  ``llmgw admission`` processes joined to its NATS: benchmarks/placement.py's `run_once`);
+- ``llmgw-sized``: llmgw with ``prefix.default_kv_tokens`` set to the engines' KV cache (what
+  bounds each endpoint's index when the engine's size does not reach admission).
 
 Every llmgw router is `llmgw up` with config/local.yaml's defaults otherwise (flow control and
 its bands: every request is gold, an interactive band), a managed-only fleet (no third party),
@@ -351,14 +353,16 @@ class Farm:
 class Variant:
     """A router. Direct ones pick an engine per request (`pick`: engine index from the
     conversation and the request's serial number); llmgw ones are `llmgw up` with `prefix`
-    (the config's section) and `instances` admission instances. `engine_fields(i)` and
-    `endpoint_fields(i)` add to engine i's simulator parameters and to its config entry (a
-    precise variant: the engines' KV cache events)."""
+    (the config's section; `sized`: its ``default_kv_tokens`` the engines' KV cache) and
+    `instances` admission instances. `engine_fields(i)` and `endpoint_fields(i)` add to engine
+    i's simulator parameters and to its config entry (a precise variant: the engines' KV cache
+    events)."""
 
     name: str
     pick: Callable[[Conversation, int], int] | None = None
     prefix: dict[str, Any] = field(default_factory=dict)
     instances: int = 1
+    sized: bool = False
     engine_fields: Callable[[int], dict[str, Any]] | None = None
     endpoint_fields: Callable[[int], dict[str, Any]] | None = None
 
@@ -381,6 +385,7 @@ VARIANTS = {
         Variant("llmgw"),
         Variant("llmgw-n2", instances=2),
         Variant("llmgw-n4", instances=4),
+        Variant("llmgw-sized", sized=True),
     )
 }
 DEFAULT_VARIANTS = {
@@ -391,10 +396,11 @@ DEFAULT_VARIANTS = {
 
 
 def gateway_config(
-    path: Path, urls: dict[str, str], variant: Variant, nats_port: int
+    path: Path, urls: dict[str, str], variant: Variant, nats_port: int, kv_tokens: int
 ) -> dict[str, Any]:
     """config/local.yaml's defaults on free ports: one managed provider (`iris`) of four
-    engines at `urls`, no third party, the limits above, `variant`'s prefix section."""
+    engines at `urls` (`kv_tokens` of KV cache each), no third party, the limits above,
+    `variant`'s prefix section."""
     data = yaml.safe_load(LOCAL_CONFIG.read_text())
     admin, port = cluster_ports()
     data["listen"] = f"127.0.0.1:{port()}"
@@ -420,18 +426,22 @@ def gateway_config(
     ]
     if variant.prefix:
         data["prefix"] = dict(variant.prefix)
+    if variant.sized:
+        data.setdefault("prefix", {})["default_kv_tokens"] = kv_tokens
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return data
 
 
 @contextlib.contextmanager
-def gateway(workdir: Path, urls: dict[str, str], variant: Variant) -> Iterator[tuple[str, list]]:
+def gateway(
+    workdir: Path, urls: dict[str, str], variant: Variant, kv_tokens: int
+) -> Iterator[tuple[str, list]]:
     """`llmgw up` in front of the engines (and `variant.instances` - 1 more admission
     processes); yields its API's base URL and the admission instances' admin addresses."""
     _, port = cluster_ports()
     nats_port = port()
     config = workdir / f"{variant.name}.yaml"
-    data = gateway_config(config, urls, variant, nats_port)
+    data = gateway_config(config, urls, variant, nats_port, kv_tokens)
     admins = [data["admin_listen"]]
     extra = []
     cluster = UpCluster(config)
@@ -669,7 +679,8 @@ def measure(
             admins: list[str] = []
             base = None
             if variant.pick is None:
-                base, admins = stack.enter_context(gateway(workdir, urls, variant))
+                kv_tokens = GPU_BLOCKS[phase] * BLOCK_SIZE
+                base, admins = stack.enter_context(gateway(workdir, urls, variant, kv_tokens))
             before = farm.counters()
             farm.record(True)
             began = time.monotonic()
