@@ -90,6 +90,7 @@ def _config(
     colocated: bool = False,
     spend: dict | None = None,
     apis: list[str] | None = None,
+    prefix: dict | None = None,
 ) -> dict:
     provider_apis = {"apis": apis} if apis is not None else {}
     config = {
@@ -135,6 +136,8 @@ def _config(
     }
     if spend is not None:  # prices and budgets (benchmarks/spend_cost.py)
         config["spend"] = spend
+    if prefix is not None:  # cache-aware placement (benchmarks/prefix_overhead.py)
+        config["prefix"] = prefix
     return config
 
 
@@ -177,6 +180,7 @@ def running_cluster(
     python: str | None = None,
     spend: dict | None = None,
     apis: list[str] | None = None,
+    prefix: dict | None = None,
 ):
     """Yield a Cluster; everything is stopped afterwards.
 
@@ -186,7 +190,8 @@ def running_cluster(
     ``flow``: admission runs flow control (every request passes an unsaturated queue) and a
     scraper feeds it; otherwise flow control is off and no scraper runs. ``auth``: API keys
     required (auth.mode keys); one key is made with `llmgw keys create` and ``key_options``
-    (tenant ``bench``). ``spend``: the config's `spend` section (prices, budgets).
+    (tenant ``bench``). ``spend``: the config's `spend` section (prices, budgets); ``prefix``:
+    its `prefix` section (cache-aware placement).
     ``colocated``: the edge runs its own admission instance (``admission.colocated``); with
     ``admissions=0`` it owns every shard.
     """
@@ -201,7 +206,16 @@ def running_cluster(
         config_path.write_text(
             yaml.safe_dump(
                 _config(
-                    nats.url, engine_url, edge_port, admin_port, flow, auth, colocated, spend, apis
+                    nats.url,
+                    engine_url,
+                    edge_port,
+                    admin_port,
+                    flow,
+                    auth,
+                    colocated,
+                    spend,
+                    apis,
+                    prefix,
                 )
             )
         )

@@ -696,26 +696,32 @@ async def loan_counts(admins: list[str]) -> dict[str, float]:
     (the whole run: every phase), summed over the
     admission instances' admin ports (the edge's holds its colocated instance's)."""
     totals: dict[str, float] = {}
+    for line in await admin_metrics(admins):
+        if line.startswith("llmgw_admission_offloads_total{"):
+            name, value = line.rsplit(" ", 1)
+            key = "offloads:" + name.split('reason="', 1)[1].rstrip('"}')
+            totals[key] = totals.get(key, 0.0) + float(value)
+        elif line.startswith(
+            ("llmgw_admission_quota_loans_total", "llmgw_admission_quota_lent_total")
+        ):
+            name, value = line.rsplit(" ", 1)
+            key = name.removeprefix("llmgw_admission_quota_").replace('{source="', ":")
+            key = key.rstrip('"}')
+            totals[key] = totals.get(key, 0.0) + float(value)
+    return totals
+
+
+async def admin_metrics(admins: list[str]) -> list[str]:
+    """The /metrics lines of every admin address in `admins` that answers."""
+    lines: list[str] = []
     async with http_session() as http:
         for admin in admins:
             try:
                 async with http.get(f"http://{admin}/metrics") as response:
-                    text = await response.text()
+                    lines += (await response.text()).splitlines()
             except aiohttp.ClientError:
                 continue
-            for line in text.splitlines():
-                if line.startswith("llmgw_admission_offloads_total{"):
-                    name, value = line.rsplit(" ", 1)
-                    key = "offloads:" + name.split('reason="', 1)[1].rstrip('"}')
-                    totals[key] = totals.get(key, 0.0) + float(value)
-                elif line.startswith(
-                    ("llmgw_admission_quota_loans_total", "llmgw_admission_quota_lent_total")
-                ):
-                    name, value = line.rsplit(" ", 1)
-                    key = name.removeprefix("llmgw_admission_quota_").replace('{source="', ":")
-                    key = key.rstrip('"}')
-                    totals[key] = totals.get(key, 0.0) + float(value)
-    return totals
+    return lines
 
 
 def start_admission(config: Path, admin: str) -> subprocess.Popen[bytes]:

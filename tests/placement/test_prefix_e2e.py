@@ -1,0 +1,93 @@
+"""Cache-aware placement end to end: benchmarks/prefix.py's main workload, shorter, side by side
+on fresh engines with the same arrivals.
+
+Four simulated engines (4 batch slots, an LRU prefix cache of 16-token blocks holding about a
+third of the 12 tenants' 1,200-token system prompts) in this process; 35% of the benchmark's
+sessions over 35% of its 30 s (the same rate), 1-3 streamed turns each. Routers: the
+tenant-partition oracle (tenant t straight to engine t mod 4), llmgw cache-blind
+(`prefix.enabled: false`), and llmgw with the shipped prefix defaults through `llmgw up` (flow
+control on, G = 16 = the engines' slots, R = 4, no third party) with one admission instance and
+with four (the edge's and three `llmgw admission` processes). Asserted with margin against the
+benchmark's goals (docs/benchmarks.md, "Cache-aware placement"):
+
+- llmgw serves at least 0.9x the oracle's share of prompt tokens from the engines' caches, and
+  clearly more than cache-blind llmgw;
+- its p90 TTFT at the client is at most 1.5x the oracle's: not met today (2026-12-07: 325 ms
+  against the oracle's 40-48 ms, in each of five runs), so marked as an expected failure
+  (strict: the test fails once it passes, and the mark goes). More than a tenth of the
+  requests prefill cold: admission's index of each engine is bounded by
+  `prefix.default_kv_tokens` (the engine's own KV size does not reach it), so it believes an
+  engine still holds prompts it evicted; and a request goes to an engine with a free batch slot
+  before one that holds its prompt but is full, which spreads a tenant's prompt over caches;
+- with four admission instances it is clearly above cache-blind llmgw's too, and within 5 points
+  of one instance's: not reliably met today (2026-12-07, five runs: 0.2 points above, then 1.3,
+  1.9, 3.0 and 7.6 below), so marked as an expected failure that may pass (not strict).
+
+With `prefix.weight: 0` (cache-blind placement, the chains still sent) the share of prompt
+tokens from cache falls to the cache-blind router's: the checks of the share fail.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from prefix import run_phase
+
+pytestmark = pytest.mark.e2e
+
+SCALE = 0.35  # of the benchmark's 300 sessions over 30 s
+ROUTERS = ["oracle", "blind", "llmgw", "llmgw-n4"]
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory) -> dict[str, dict[str, Any]]:
+    found = run_phase(tmp_path_factory.mktemp("prefix"), "main", ROUTERS, scale=SCALE)
+    for row in found:
+        print({k: v for k, v in row.items() if k != "admission"})
+    return {row["variant"]: row for row in found}
+
+
+def test_every_router_served_every_request(rows):
+    for row in rows.values():
+        assert row["requests"] >= 200, row  # the arrivals ran
+        assert row["errors"] == 0, row
+        # What the responses said came from cache is what the engines counted.
+        assert row["hit"] == pytest.approx(row["engine_hit"], abs=1e-9), row
+
+
+def test_llmgw_serves_nearly_the_oracles_share_of_prompt_tokens_from_cache(rows):
+    oracle, llmgw, blind = rows["oracle"], rows["llmgw"], rows["blind"]
+    assert oracle["hit"] >= 0.8, oracle  # the workload is cacheable: the oracle shows it
+    assert llmgw["hit"] >= 0.9 * oracle["hit"], (llmgw["hit"], oracle["hit"])
+    assert llmgw["hit"] >= blind["hit"] + 0.15, (llmgw["hit"], blind["hit"])
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="more than a tenth of the requests prefill cold: an index bounded by "
+    "prefix.default_kv_tokens, and a free batch slot before a cached prompt (docs/benchmarks.md, "
+    "Cache-aware placement)",
+)
+def test_llmgw_p90_ttft_stays_near_the_oracles(rows):
+    oracle, llmgw = rows["oracle"], rows["llmgw"]
+    assert llmgw["ttft_p90"] <= 1.5 * oracle["ttft_p90"], (llmgw["ttft_p90"], oracle["ttft_p90"])
+
+
+def test_four_admission_instances_place_by_prefix_too(rows):
+    four, blind = rows["llmgw-n4"], rows["blind"]
+    assert four["hit"] >= blind["hit"] + 0.15, (four["hit"], blind["hit"])
+
+
+@pytest.mark.xfail(
+    strict=False,
+    reason="N = 4 came 0.2 above to 7.6 points below N = 1 in five runs of this length "
+    "(2026-12-07)",
+)
+def test_four_admission_instances_place_by_prefix_as_one_does(rows):
+    one, four = rows["llmgw"], rows["llmgw-n4"]
+    assert abs(four["hit"] - one["hit"]) <= 0.05, (four["hit"], one["hit"])
