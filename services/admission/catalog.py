@@ -68,6 +68,7 @@ class ProviderCatalog:
             return_home_saturation=pinning.return_home_saturation,
             prefix_weight=config.prefix.weight if config.prefix.enabled else 0.0,
             adapter_weight=config.prefix.adapter_weight,
+            prefix_queue=config.prefix.queue_slots,
         )
         self.min_idle_before_evict = pinning.min_idle_before_evict
         self.forced_degraded: set[tuple[str, str]] = set()  # (provider, model) marked by hand

@@ -407,7 +407,10 @@ class PrefixConfig(StrictModel):
     max_blocks: int = Field(512, ge=1, le=65536)
     # Placement's cost of an endpoint: its load minus `weight` times the share of the prompt it
     # holds (0..1). 0: cache-blind.
-    weight: float = Field(1.0, ge=0)
+    weight: float = Field(2.0, ge=0)
+    # An endpoint holding at least half the prompt has room for it up to this many requests
+    # past its batch slots (a short wait for a slot beats a cold prefill elsewhere). 0: never.
+    queue_slots: int = Field(1, ge=0, le=64)
     # Also minus this when the request's LoRA adapter is loaded on the endpoint's engine (in
     # its running or waiting requests, by vllm:lora_requests_info). 0: ignored.
     adapter_weight: float = Field(0.25, ge=0)

@@ -47,8 +47,10 @@ Beyond those rules:
     adapter_loaded`` (``cached``: the share of the prompt the endpoint's prefix cache holds,
     0..1, `llmgw.core.prefix`; ``adapter_loaded``: the request's LoRA adapter is in its GPU
     memory, by vLLM's ``lora_requests_info``), ties broken by
-    the session's ring order so that idle endpoints share new sessions. A prompt's engine
-    takes it while it has a free slot; once full, the prompt spreads (no herding);
+    the session's ring order so that idle endpoints share new sessions. An endpoint that
+    holds at least half the prompt counts as having room up to ``prefix_queue`` requests past
+    its slots (a slot frees sooner than a cold prefill elsewhere ends). A prompt's engine
+    takes it while it has that room; past it, the prompt spreads (no herding);
   - a session whose home lost its prompt (evicted, or the engine restarted) follows it to an
     endpoint it may go to that holds ``FOLLOW_CACHE_MARGIN`` more of it (`AffinityBreak`
     HOME_COLD);
@@ -130,6 +132,9 @@ class AffinityBreak(enum.StrEnum):
 # A pinned session follows its prompt to another endpoint when that one holds at least this
 # much more of the prompt than its home (whose cache lost it: evicted, or the engine restarted).
 FOLLOW_CACHE_MARGIN = 0.5
+# An endpoint holding at least this share of a prompt may take it into a short queue
+# (`PlacementSettings.prefix_queue` requests past its batch slots).
+CACHED_ENOUGH = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +164,14 @@ class EndpointState:
     @property
     def score(self) -> float:
         return max(self.saturation, self.inflight / self.capacity if self.capacity else 0.0)
+
+    def has_room(self, queue_slots: int = 0) -> bool:
+        """A free batch slot, or, holding at least `CACHED_ENOUGH` of the prompt, fewer than
+        `queue_slots` requests past its slots (a cached prompt is worth a short wait: a slot
+        frees long before a cold prefill of it would end elsewhere)."""
+        if self.inflight < self.capacity:
+            return True
+        return self.cached >= CACHED_ENOUGH and self.inflight < self.capacity + queue_slots
 
     def cost(self, prefix_weight: float, adapter_weight: float = 0.0) -> float:
         """Its load traded against what it holds of the request: ``score - prefix_weight *
@@ -206,8 +219,9 @@ class PlacementSettings:
     return_home: bool = True
     return_home_after: float = 30.0
     return_home_saturation: float = 0.5
-    prefix_weight: float = 1.0  # `EndpointState.cost`: 0 is cache-blind
+    prefix_weight: float = 2.0  # `EndpointState.cost`: 0 is cache-blind
     adapter_weight: float = 0.25  # `EndpointState.cost`: a LoRA adapter loaded there
+    prefix_queue: int = 1  # `EndpointState.has_room`: requests a cached prompt may wait behind
 
 
 @dataclass(frozen=True, slots=True)
@@ -435,15 +449,16 @@ def _best(
     walk: Sequence[str] = (),
     prefix_weight: float = 0.0,
     adapter_weight: float = 0.0,
+    queue_slots: int = 0,
 ) -> EndpointState:
-    """Free batch slots first, then the lowest cost (load traded against the share of the
-    prompt held, `EndpointState.cost`), then the most free slots, then the session's ring
-    order (so equally idle endpoints share new sessions)."""
+    """Room first (`EndpointState.has_room`), then the lowest cost (load traded against the
+    share of the prompt held, `EndpointState.cost`), then the most free slots, then the
+    session's ring order (so equally idle endpoints share new sessions)."""
     order = {endpoint: index for index, endpoint in enumerate(walk)}
     return min(
         endpoints,
         key=lambda e: (
-            not e.free_slot,
+            not e.has_room(queue_slots),
             e.cost(prefix_weight, adapter_weight),
             e.inflight - e.capacity,
             order.get(e.id, len(order)),
@@ -468,7 +483,9 @@ def _managed_endpoint(
             break
     if not tier:
         tier = [e for e in candidates if e.priority == tiers[0]]
-    free = [e for e in candidates if e.free_slot]
+    weight = settings.prefix_weight
+    queue = settings.prefix_queue if weight > 0 else 0
+    free = [e for e in candidates if e.has_room(queue)]
     if free:  # the free endpoints of the best tier that has one
         top = max(e.priority for e in free)
         free = [e for e in free if e.priority == top]
@@ -478,13 +495,12 @@ def _managed_endpoint(
         home = home_hint  # where the session's last request ran: its prefix cache
     elif pinned and walk:
         home = walk[0]  # a pin whose endpoint is unknown (adopted)
-    weight = settings.prefix_weight
     if home is None:
         # No conversation of its own here (no session, or its first request here): where its
         # prompt is cached, traded against room, so new work starts on its prefix and fills
         # free slots first.
         pool = free if interactive and free else tier
-        return _best(pool, walk, weight, settings.adapter_weight).id, None
+        return _best(pool, walk, weight, settings.adapter_weight, queue).id, None
     in_tier = {e.id: e for e in tier}
     fits = [e for e in tier if e.inflight + 1 <= _bound(e, tier, settings.session_load_factor)]
     fitting = {e.id for e in fits}
@@ -494,8 +510,8 @@ def _managed_endpoint(
         brk = AffinityBreak.HOME_UNUSABLE
     elif _lost_its_prompt(target, free if interactive and free else fits, weight):
         brk = AffinityBreak.HOME_COLD
-    elif target.free_slot:
-        pass  # a free batch slot at home: staying costs nothing, leaving costs its cache
+    elif target.has_room(queue):
+        pass  # room at home (a free batch slot): staying costs nothing, leaving its cache
     elif target.id not in fitting:
         brk = AffinityBreak.HOME_OVER_BOUND
     elif interactive and free:
@@ -507,7 +523,7 @@ def _managed_endpoint(
         pool = free
     else:
         pool = fits or tier
-    return _best(pool, (), weight, settings.adapter_weight).id, brk
+    return _best(pool, (), weight, settings.adapter_weight, queue).id, brk
 
 
 def _lost_its_prompt(home: EndpointState, others: Sequence[EndpointState], weight: float) -> bool:

@@ -23,6 +23,7 @@ from llmgw.core.affinity import HashRing
 from llmgw.core.ledger import LeaseKind, Room
 from llmgw.core.outcomes import Refusal
 from llmgw.core.placement import (
+    CACHED_ENOUGH,
     FOLLOW_CACHE_MARGIN,
     AffinityBreak,
     EndpointState,
@@ -138,6 +139,8 @@ def by_id(snapshot, provider_id):
 
 @given(snapshot=snapshots(), request=requests)
 def test_interactive_requests_never_queue_where_another_endpoint_has_a_free_slot(snapshot, request):
+    """...unless the endpoint holds at least half of the prompt, and then behind at most
+    `prefix_queue` requests past its slots (a cold prefill elsewhere would take longer)."""
     outcome = place(snapshot, request)
     if not isinstance(outcome, Placement) or not request.interactive:
         return
@@ -146,8 +149,10 @@ def test_interactive_requests_never_queue_where_another_endpoint_has_a_free_slot
         return
     chosen = next(e for e in provider.endpoints if e.id == outcome.endpoint)
     assert chosen.usable
-    if not chosen.free_slot:
-        assert not any(e.usable and e.free_slot for e in provider.endpoints), outcome
+    queue = snapshot.settings.prefix_queue
+    if not chosen.free_slot and any(e.usable and e.free_slot for e in provider.endpoints):
+        assert chosen.cached >= CACHED_ENOUGH, outcome
+        assert chosen.inflight < chosen.capacity + queue, outcome
 
 
 @given(snapshot=snapshots(), request=requests)
@@ -242,24 +247,31 @@ def test_new_work_starts_where_its_prompt_is_cached_traded_against_load(
     )
     assert isinstance(outcome, Placement) and outcome.affinity_break is None
     chosen = next(e for e in endpoints if e.id == outcome.endpoint)
-    free = [e for e in endpoints if e.free_slot]
-    # A cached prefix never makes it queue where another endpoint has a free slot (no herding):
-    # a popular prefix spreads once its engines are full.
-    assert chosen.free_slot or not free
-    pool = free or endpoints
+    queue = settings.prefix_queue if weight > 0 else 0
+    room = [e for e in endpoints if e.has_room(queue)]
+    # A cached prefix makes it wait behind at most `prefix_queue` requests where another
+    # endpoint has a free slot (no herding): a popular prefix spreads once its engines are full.
+    assert chosen.has_room(queue) or not room
+    pool = room or endpoints
     assert chosen.cost(weight) == min(e.cost(weight) for e in pool)
     if weight == 0:  # cache-blind: the endpoint with most room, as before
-        assert chosen.score == min(e.score for e in pool)
+        assert chosen.score == min(e.score for e in pool) and (chosen.free_slot or not room)
 
 
-def test_a_new_session_starts_on_the_engine_that_holds_its_prompt_until_that_one_is_full():
+def test_a_new_session_starts_on_the_engine_that_holds_its_prompt_until_its_queue_is_full():
     busy_with_it = EndpointState("e0", inflight=3, capacity=4, cached=1.0)
     idle_without = EndpointState("e1", inflight=0, capacity=4, cached=0.0)
     chosen = place(snap(managed("iris", [busy_with_it, idle_without])), PlacementRequest("s"))
-    assert isinstance(chosen, Placement) and chosen.endpoint == "e0"  # 0.75 - 1.0 < 0
+    assert isinstance(chosen, Placement) and chosen.endpoint == "e0"  # 0.75 - 2 x 1.0 < 0
     full = EndpointState("e0", inflight=4, capacity=4, cached=1.0)
-    spread = place(snap(managed("iris", [full, idle_without])), PlacementRequest("s"))
+    waits = place(snap(managed("iris", [full, idle_without])), PlacementRequest("s"))
+    assert isinstance(waits, Placement) and waits.endpoint == "e0"  # one request past its slots
+    queued = EndpointState("e0", inflight=5, capacity=4, cached=1.0)
+    spread = place(snap(managed("iris", [queued, idle_without])), PlacementRequest("s"))
     assert isinstance(spread, Placement) and spread.endpoint == "e1"
+    half = EndpointState("e0", inflight=4, capacity=4, cached=0.4)  # too little to wait for
+    elsewhere = place(snap(managed("iris", [half, idle_without])), PlacementRequest("s"))
+    assert isinstance(elsewhere, Placement) and elsewhere.endpoint == "e1"
     blind = PlacementSettings(prefix_weight=0.0)
     cold = place(
         snap(managed("iris", [busy_with_it, idle_without]), settings=blind), PlacementRequest("s")
@@ -278,7 +290,7 @@ def test_a_pinned_session_follows_its_prompt_only_when_its_home_lost_it(
         PlacementRequest("s", interactive=True),
     )
     assert isinstance(outcome, Placement) and outcome.route is Route.PINNED
-    if other.free_slot and other_held - home_held >= FOLLOW_CACHE_MARGIN:
+    if other.has_room(1) and other_held - home_held >= FOLLOW_CACHE_MARGIN:
         assert outcome.endpoint == "e1" and outcome.affinity_break is AffinityBreak.HOME_COLD
     else:
         assert outcome.endpoint == "e0" and outcome.affinity_break is None
