@@ -79,7 +79,7 @@ from llmgw.services.sim.apps import create_engine_app
 from llmgw.services.sim.engine_runtime import EngineBackend
 from llmgw.services.sim.params import EngineParams
 from llmgw.services.sim.tokenizer import token_ids
-from llmgw.serving import RunningServer, start_server
+from llmgw.serving import RunningServer, free_port, start_server
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from interference import UpCluster, cluster_ports
@@ -294,8 +294,8 @@ class Farm:
     def _hook(self, endpoint: str, backend: EngineBackend) -> None:
         original = backend.start
 
-        def start(prompt: Any, max_tokens: int | None, priority: int = 0) -> Any:
-            generation = original(prompt, max_tokens, priority)
+        def start(*args: Any, **kwargs: Any) -> Any:
+            generation = original(*args, **kwargs)
             if self.recording:
                 self.sequences.append((endpoint, generation.seq))
             return generation
@@ -365,6 +365,7 @@ class Variant:
     sized: bool = False
     engine_fields: Callable[[int], dict[str, Any]] | None = None
     endpoint_fields: Callable[[int], dict[str, Any]] | None = None
+    tokenizer: str | None = None  # the model's `tokenizer` (precise: "engine", its /tokenize)
 
 
 def _oracle(conversation: Conversation, serial: int) -> int:
@@ -374,6 +375,35 @@ def _oracle(conversation: Conversation, serial: int) -> int:
 
 def _round_robin(conversation: Conversation, serial: int) -> int:
     return serial % ENGINES
+
+
+_KV_PORTS: dict[int, tuple[int, int]] = {}  # engine index -> its KV events' PUB and replay ports
+
+
+def _kv_ports(index: int) -> tuple[int, int]:
+    """Engine `index`'s KV event sockets (the same for its simulator and its config entry; new
+    ports for each engine index the first time they are asked)."""
+    if index not in _KV_PORTS:
+        _KV_PORTS[index] = (free_port(), free_port())
+    return _KV_PORTS[index]
+
+
+def _engine_kv_events(index: int) -> dict[str, Any]:
+    pub, replay = _kv_ports(index)
+    return {
+        "kv_events_endpoint": f"tcp://127.0.0.1:{pub}",
+        "kv_events_replay_endpoint": f"tcp://127.0.0.1:{replay}",
+    }
+
+
+def _endpoint_kv_events(index: int) -> dict[str, Any]:
+    pub, replay = _kv_ports(index)
+    return {
+        "kv_events": {
+            "endpoint": f"tcp://127.0.0.1:{pub}",
+            "replay_endpoint": f"tcp://127.0.0.1:{replay}",
+        }
+    }
 
 
 VARIANTS = {
@@ -386,6 +416,21 @@ VARIANTS = {
         Variant("llmgw-n2", instances=2),
         Variant("llmgw-n4", instances=4),
         Variant("llmgw-sized", sized=True),
+        # The engines' KV cache events (vLLM's format, from the simulator), read by the
+        # scraper, matched with the engines' tokens from their /tokenize.
+        Variant(
+            "llmgw-precise",
+            engine_fields=_engine_kv_events,
+            endpoint_fields=_endpoint_kv_events,
+            tokenizer="engine",
+        ),
+        Variant(
+            "llmgw-precise-n4",
+            instances=4,
+            engine_fields=_engine_kv_events,
+            endpoint_fields=_endpoint_kv_events,
+            tokenizer="engine",
+        ),
     )
 }
 DEFAULT_VARIANTS = {
@@ -408,7 +453,7 @@ def gateway_config(
     data["nats"] = {"url": "embedded", "embedded_port": nats_port}
     data["auth"] = {"mode": "none"}
     data["spend"] = {"currency": "USD"}  # its prices name the third party
-    data["models"] = [{"name": MODEL, "routing_profile": "chat"}]
+    data["models"] = [{"name": MODEL, "routing_profile": "chat", "tokenizer": variant.tokenizer}]
     iris = next(p for p in data["providers"] if p["id"] == "iris")
     iris["models"] = [{"name": MODEL, "features": ["chat"], "limits": dict(LIMITS)}]
     data["providers"] = [iris]
@@ -586,6 +631,7 @@ class Client:
             "model": MODEL,
             "messages": messages,
             "max_tokens": MAX_TOKENS,
+            "ignore_eos": True,  # every answer MAX_TOKENS long: the same decode for every router
             "stream": True,
             "stream_options": {"include_usage": True},
         }
