@@ -434,7 +434,7 @@ VARIANTS = {
     )
 }
 DEFAULT_VARIANTS = {
-    "main": ["oracle", "round-robin", "blind", "llmgw", "llmgw-n4"],
+    "main": ["oracle", "round-robin", "blind", "llmgw", "llmgw-n4", "llmgw-precise"],
     "agents": ["oracle", "round-robin", "blind", "llmgw"],
     "skew": ["oracle", "blind", "llmgw"],
 }

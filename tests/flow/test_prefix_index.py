@@ -122,3 +122,22 @@ async def test_an_engines_kv_cache_bounds_what_is_remembered_of_it(rig):
     expected = {"engine-1": 16, "engine-2": 32}[endpoint]
     assert first.prefixes.sent.capacity(endpoint) == expected
     assert first.prefixes.sent.size(endpoint) == expected  # the prompt has more blocks
+
+
+async def test_a_lora_adapters_requests_go_where_it_is_loaded(nats_url, unique_id):
+    """vllm:lora_requests_info (in the scraper's report) says engine-2 has the adapter loaded:
+    requests for it start there while it has room, not on the engine that would load it."""
+    adapter = {"upstream_model": {MODEL: "sql-lora"}}
+    rig = await open_rig(nats_url, unique_id, endpoints={"engine-1": adapter, "engine-2": adapter})
+    try:
+        await rig.report("engine-1", running=0, capacity=8, lora_adapters=())
+        await rig.report("engine-2", running=1, capacity=8, lora_adapters=("sql-lora",))
+        for n in range(2):  # engine-2's cost: 1/8, then 2/8, - 0.25 < engine-1's 0.11
+            reply = await rig.ask(session=f"lora-{n}")
+            assert admitted(reply) and reply.target.endpoint == "engine-2", reply
+            assert reply.target.upstream_model == "sql-lora"
+        # With 3 of 8 slots busy (3/8 - 0.25 > 0.11) engine-1 is cheaper, adapter or not.
+        third = await rig.ask(session="lora-2")
+        assert admitted(third) and third.target.endpoint == "engine-1", third
+    finally:
+        await rig.close()
