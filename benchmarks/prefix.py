@@ -801,9 +801,11 @@ def run_phase(
     report: Callable[[str], None] = lambda line: None,
 ) -> list[dict[str, Any]]:
     """Every variant on `phase`'s workload (`scale` shrinks or stretches its arrivals: count
-    and duration alike, the rate unchanged), one after another."""
+    and duration alike, the rate unchanged; below 1 the agents' idle gaps shrink alike), one
+    after another."""
     if phase == "agents":
-        workload = agent_workload(seed, max(4, round(TREES * scale)), TREE_SECONDS * scale)
+        trees = max(4, round(TREES * scale))
+        workload = agent_workload(seed, trees, TREE_SECONDS * scale, IDLE * min(1.0, scale))
     else:
         skew = SKEW if phase == "skew" else None
         workload = chat_workload(seed, round(SESSIONS * scale), SECONDS * scale, skew)
