@@ -88,6 +88,8 @@ class ClientKey:
         if feature_class is None:
             return None, None
         parent = None if self.parent is None else key_session(self.parent, model, feature_class)
+        if self.home == self.parent:  # a first-level sub-agent: its parent is the root
+            return parent, parent
         home = None if self.home is None else key_session(self.home, model, feature_class)
         return parent, home
 
