@@ -18,7 +18,7 @@ import httpx
 import nats
 import pytest
 from anthropic import AsyncAnthropic
-from inproc import before_any_lease, start_admission, start_edge, stop_servers
+from inproc import Cluster, before_any_lease, start_admission, start_edge, stop_servers
 from openai import AsyncOpenAI
 
 from llmgw.core.requests import Feature
@@ -280,3 +280,63 @@ async def test_every_turn_of_a_sub_agent_stays_in_its_session(gateway):
         ]
     assert len({t.headers[SESSION] for t in turns}) == 1
     assert [t.headers["x-llmgw-route"] for t in turns] == ["new_pin", "pinned", "pinned"]
+
+
+async def test_a_sub_agent_is_decided_where_its_parents_pin_is_with_two_admission_instances(
+    make_gateway_config, nats_url, unique_id
+):
+    """With two instances, a sub-agent whose own session id hashes to the other instance's
+    shard is still decided by its parent's owner (its family's shard): that one holds the
+    parent's pin and sees its request running, so the sub-agent starts beside it. The agent id
+    is chosen so that the other instance, which knows neither, would start it elsewhere."""
+    engines = {}
+    for seed, name in enumerate(("engine-1", "engine-2", "tensorx-1")):
+        params = EngineParams.zero_delay(itl_base="20ms", seed=seed)
+        engines[name] = await start_server(create_engine_app(params, ["m1", "m2"]))
+    urls = {k: v.url for k, v in engines.items()}
+    config = make_gateway_config(
+        nats_url, urls, f"routing_{unique_id}", endpoints=two_equal_engines(urls)
+    )
+    cluster = Cluster(config, nats_url)
+    try:
+        with before_any_lease(config):
+            first = await cluster.add_admission("adm-0", follow_load=False)
+            second = await cluster.add_admission("adm-1", follow_load=False)
+        await cluster.balanced()
+        edge = await cluster.add_edge()
+        shards = config.admission.shards
+        owner = {s: a.service for a in (first, second) for s in a.service.shards.serving}
+        async with httpx.AsyncClient(base_url=edge.url, timeout=20) as http:
+            parent = {CLAUDE: "cc-2i"}
+            long = chat("You are the main agent.", max_tokens=100, ignore_eos=True, stream=True)
+            async with http.stream(
+                "POST", "/v1/chat/completions", headers=parent, json=long
+            ) as running:
+                home, root = running.headers["x-llmgw-endpoint"], running.headers[SESSION]
+                stranger = next(
+                    a for a in (first, second) if a.service is not owner[shard_of(root, shards)]
+                ).service
+
+                def elsewhere(agent: str) -> bool:
+                    own = key_session(("cc-2i", agent), "m1", "chat")
+                    view, _ = stranger.catalog.snapshot("m1", Feature.CHAT, own, (), 0.0)
+                    iris = next(p for p in view.providers if p.id == "iris")
+                    assert iris.ring is not None
+                    return (
+                        owner[shard_of(own, shards)] is stranger and iris.ring.walk(own)[0] != home
+                    )
+
+                agent = next(f"explore-{n}" for n in range(1000) if elsewhere(f"explore-{n}"))
+                sub = await http.post(
+                    "/v1/chat/completions",
+                    headers={**parent, AGENT: agent},
+                    json=chat("You are a sub-agent that explores."),
+                )
+                await running.aread()
+        assert sub.headers["x-llmgw-endpoint"] == home, sub.headers
+        decider = owner[shard_of(root, shards)]
+        assert decider.ledger.pin("m1", sub.headers[SESSION]).parent == root
+        assert stranger.ledger.pin("m1", sub.headers[SESSION]) is None
+    finally:
+        await cluster.stop()
+        await stop_servers(engines.values())
