@@ -193,7 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--session",
         default=None,
         metavar="KEY",
-        help="list only the pins of this session key: the session header's value or `user`",
+        help="list only the pins of this session key (the session header's value or `user`) and of "
+        "its sub-agents",
     )
     state.set_defaults(target="llmgw.services.state.main:run")
 

@@ -129,6 +129,7 @@ class PinEvent(RoutingEvent):
     session: str
     pin_id: str
     shard: int
+    parent: str | None = None  # a sub-agent's: its parent session (hashed as `session`)
 
 
 class PinMoved(RoutingEvent):

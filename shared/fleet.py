@@ -220,6 +220,7 @@ _LIVE_FIELDS = {
         "return_home",
         "return_home_after",
         "return_home_saturation",
+        "parent_weight",
     ),
     "spend": (
         "prices",

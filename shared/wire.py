@@ -179,8 +179,10 @@ class FailedAttempt(_Message):
 class AdmitRequest(_Message):
     """Edge -> the owner of `shard` (`admission_subject(shard)`): may this run now, and where?
 
-    `session` is already a hash (never raw client text); `shard` is the session's shard, or
-    any shard for a request without a session. A retry names the lease of the attempt it
+    `session` is already a hash (never raw client text); `shard` is the session's shard (a
+    sub-agent's: its family's, `llmgw.core.sessions.ClientKey.relatives`), or any shard for a
+    request without a session; `parent`, a sub-agent's parent session (a hash too): its first
+    request starts near the parent's pin. A retry names the lease of the attempt it
     follows (`retry_of`, released first, atomically with the new decision) and how that attempt
     failed (`failed`: the breakers learn it before the retry is placed); `exclude` lists every
     endpoint this request already tried.
@@ -199,6 +201,7 @@ class AdmitRequest(_Message):
     shard: int = Field(ge=0)
     stream: bool = False
     session: str | None = None
+    parent: str | None = None  # optional: an edge before it sends none, an instance ignores it
     band: str | None = None
     tenant: str | None = None
     # The API key's id and its max_parallel_requests (auth.mode keys): admission instances share

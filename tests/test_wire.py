@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from pydantic import BaseModel
 
 from llmgw import wire
-from llmgw.core.ledger import LeaseKind, LeaseRecord
-from llmgw.wire import AdmitReply, AdmitRequest, RequestEnded, Target, trusted
+from llmgw.core.ledger import LeaseKind, LeaseRecord, PinRecord, ShardState
+from llmgw.wire import AdmitReply, AdmitRequest, Handover, RequestEnded, Target, trusted
 
 TARGET = Target(
     provider="p1", provider_kind="managed", endpoint="e1", url="http://e1", upstream_model="m"
@@ -42,6 +42,7 @@ VALUES = {
         "shard": st.integers(0, 31),
         "stream": st.booleans(),
         "session": st.none() | st.text(max_size=8),
+        "parent": st.none() | st.text(max_size=8),
         "band": st.none() | st.just("gold"),
         "exclude": st.lists(st.sampled_from(["e1", "e2"]), max_size=2).map(tuple),
         "retry_of": st.none() | st.just("l0"),
@@ -119,3 +120,20 @@ def test_every_message_is_built_by_trusted_or_refused():
     assert refused <= {"StateReply"}
     with pytest.raises(TypeError, match="mutable default"):
         trusted(wire.StateReply, instance="a1", shards=(), pairs=())
+
+
+def test_a_sub_agents_parent_travels_and_peers_before_it_still_understand_each_other():
+    """`AdmitRequest.parent` and a pin's `parent` in a handover are optional: a message of an
+    edge or instance before them decodes with none, and theirs with it decode where it is
+    ignored (receivers ignore unknown fields)."""
+    asked = AdmitRequest(id="a1", edge="e", model="m1", feature="chat", shard=2, session="c")
+    old = asked.model_dump_json(exclude_none=True)
+    assert "parent" not in old and AdmitRequest.model_validate_json(old).parent is None
+    child = asked.model_copy(update={"parent": "root"})
+    assert AdmitRequest.model_validate_json(child.model_dump_json()).parent == "root"
+    pin = PinRecord("pin.2.mk.c", "p1", "iris", "m1", "c", 2, 1.0, 1.0, 1.0, 1.0, parent="root")
+    handover = Handover(source="a", state=ShardState(2, (pin,), ()))
+    assert Handover.model_validate_json(handover.model_dump_json()).state.pins[0].parent == "root"
+    before = handover.model_dump_json().replace(',"parent":"root"', "")
+    assert '"parent"' not in before
+    assert Handover.model_validate_json(before).state.pins[0].parent is None

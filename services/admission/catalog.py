@@ -69,6 +69,7 @@ class ProviderCatalog:
             prefix_weight=config.prefix.weight if config.prefix.enabled else 0.0,
             adapter_weight=config.prefix.adapter_weight,
             prefix_queue=config.prefix.queue_slots,
+            parent_weight=pinning.parent_weight,
         )
         self.min_idle_before_evict = pinning.min_idle_before_evict
         self.forced_degraded: set[tuple[str, str]] = set()  # (provider, model) marked by hand
@@ -157,16 +158,23 @@ class ProviderCatalog:
         exclude: Collection[str],
         now: float,
         prompt: PromptPrefix | None = None,
+        parent: str | None = None,
     ) -> tuple[Snapshot, PinRecord | None]:
         """The placement snapshot of one request, and the session's pin it shows; `prompt`:
-        the request's prompt, matched against what each managed endpoint holds."""
+        the request's prompt, matched against what each managed endpoint holds; `parent`: a
+        sub-agent's parent session, whose pin's endpoint a new session starts near (that pin
+        is here: a sub-agent's session lives in its family's shard)."""
+        pin = self._ledger.pin(model, session) if session is not None else None
+        near = None
+        if pin is None and parent is not None:
+            held = self._ledger.pin(model, parent)
+            near = held.endpoint if held is not None else None
         providers = tuple(
-            self._provider(p, model, feature, exclude, now, prompt) for p in self.order
+            self._provider(p, model, feature, exclude, now, prompt, near) for p in self.order
         )
         if self._overflow_costs is not None:
             costs, priorities = self._overflow_costs
             providers = cheaper_first(providers, costs.get(model, {}), priorities, self._min_speed)
-        pin = self._ledger.pin(model, session) if session is not None else None
         pin_state = (
             None
             if pin is None
@@ -182,6 +190,7 @@ class ProviderCatalog:
         exclude: Collection[str],
         now: float,
         prompt: PromptPrefix | None = None,
+        near: str | None = None,
     ) -> ProviderState:
         managed = not self.is_unlimited(provider)
         prefixes = self.prefixes if managed and prompt is not None else None
@@ -212,6 +221,7 @@ class ProviderCatalog:
                     saturation,
                     cached=cached,
                     adapter_loaded=managed and self._adapter_loaded(e, model),
+                    near_parent=e.id == near,
                 )
             )
         if strategy == "rate" and len(endpoints) > 1:
@@ -229,6 +239,7 @@ class ProviderCatalog:
                     weights.get(s.id),
                     s.cached,
                     s.adapter_loaded,
+                    s.near_parent,
                 )
                 for s in endpoints
             ]

@@ -39,7 +39,14 @@ _RETRIES = 60
 
 def stored_value(pin: PinRecord) -> PinValue:
     return PinValue(
-        pin.pin_id, pin.provider, pin.model, pin.session, pin.created_at, pin.since, pin.last_used
+        pin.pin_id,
+        pin.provider,
+        pin.model,
+        pin.session,
+        pin.created_at,
+        pin.since,
+        pin.last_used,
+        pin.parent,
     )
 
 

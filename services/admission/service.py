@@ -782,7 +782,13 @@ class AdmissionService:
         held: tuple[str, str] | None = None  # a managed pair whose quota alone held it back
         for candidate in (request.model, *self._fallbacks.get(request.model, ())):
             snapshot, pin = self.catalog.snapshot(
-                candidate, context.feature, request.session, request.exclude, now, context.prompt
+                candidate,
+                context.feature,
+                request.session,
+                request.exclude,
+                now,
+                context.prompt,
+                request.parent,
             )
             asked = PlacementRequest(
                 request.session, context.band.interactive, overflow, self._rng.random()
@@ -909,7 +915,14 @@ class AdmissionService:
             assert session is not None
             key = pin_key(request.shard, model, session)
             listed = self.ledger.create_pin(
-                key, new_token(self._rng), provider, model, session, request.shard, now
+                key,
+                new_token(self._rng),
+                provider,
+                model,
+                session,
+                request.shard,
+                now,
+                request.parent,
             )
             self.pins.put(listed)
             self._pin_event(PinEvent, listed, "pin.created")
@@ -977,6 +990,7 @@ class AdmissionService:
             session=pin.session,
             pin_id=pin.pin_id,
             shard=pin.shard,
+            parent=pin.parent,
         )
 
     def _refusal(

@@ -795,6 +795,7 @@ class Handovers:
                         value.refreshed_at,
                         stored.revision,
                         uses=2,  # its history is unknown: a conversation, not a one-shot
+                        parent=value.parent,
                     )
                 )
                 ctx.pins.known(key, stored.revision)

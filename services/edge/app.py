@@ -29,7 +29,13 @@ from llmgw.core.anthropic import opening, parse_messages_request
 from llmgw.core.outcomes import Outcome
 from llmgw.core.requests import Feature, InvalidRequest, parse_request
 from llmgw.core.responses import parse_responses_request
-from llmgw.core.sessions import session_id, tenant_id
+from llmgw.core.sessions import (
+    SESSION_RESPONSE_HEADER,
+    ClientKey,
+    client_key,
+    session_id,
+    tenant_id,
+)
 from llmgw.core.shards import shard_of
 from llmgw.core.spend import estimate_input_tokens, estimated_output
 from llmgw.logs import REQUEST_ID_HEADER, accept_request_id, request_id
@@ -124,7 +130,15 @@ class Edge:
         self.flow_control = config.admission.enabled
         self.shards = config.admission.shards
         self.band_header = config.admission.band_header
-        self.session_header = config.router.session_header
+        self.session_rules = config.router.session_rules()
+        # Their header names as the ASGI server gives them (lower case): one pass over the
+        # request's headers picks them out.
+        self._session_names = frozenset(
+            name.encode("latin-1")
+            for rule in self.session_rules
+            for name in (rule.header, rule.agent, rule.parent)
+            if name is not None
+        )
         self.inject_usage = config.router.inject_usage
         self.upstream_headers = _provider_auth_headers(config, provider_keys(config))
         self.spend = deps.spend
@@ -235,6 +249,7 @@ class Edge:
             band = record.band = self.auth.band(caller, band)
         exchange: ApiExchange | None = None
         session: str | None
+        client = self._client_key(request)
         if turn is not None:  # the Responses API: its chain and session (404 before admission)
             prepared = await self.responses.prepare(
                 parsed,
@@ -244,7 +259,7 @@ class Edge:
                     request.headers.get("authorization"),
                 ),
                 model,
-                request.headers.get(self.session_header),
+                client,
                 ids,
             )
             if isinstance(prepared, tuple):
@@ -257,21 +272,17 @@ class Edge:
                 return error_response(
                     Outcome.BAD_REQUEST, exc.message, param=exc.param, headers=ids
                 ), Outcome.BAD_REQUEST
-            session = session_id(
-                Feature.CHAT,
-                model,
-                opening(parsed.body),
-                header_key=request.headers.get(self.session_header),
-            )
+            session = session_id(Feature.CHAT, model, opening(parsed.body), client=client)
         else:
-            session = session_id(
-                feature, model, parsed.body, header_key=request.headers.get(self.session_header)
-            )
-        shard = (
-            shard_of(session, self.shards)
-            if session is not None
-            else self.deps.rng.randrange(self.shards)
-        )
+            session = session_id(feature, model, parsed.body, client=client)
+        parent = None
+        if session is None:
+            shard = self.deps.rng.randrange(self.shards)
+        else:
+            # A sub-agent's session lives in its family's shard, beside its parent's pin.
+            parent, home = client.relatives(model, feature) if client else (None, None)
+            shard = shard_of(home or session, self.shards)
+            ids = {**ids, SESSION_RESPONSE_HEADER: session}
         record.tenant = (
             caller.key.tenant
             if caller is not None
@@ -289,6 +300,7 @@ class Edge:
             raw=raw,
             model=model,
             session=session,
+            parent=parent,
             shard=shard,
             band=band,
             tenant=record.tenant,
@@ -305,6 +317,14 @@ class Edge:
             prompt=prompt,
         )
         return await self.attempts.run(routed)
+
+    def _client_key(self, request: Request) -> ClientKey | None:
+        """What the request's session headers name (`llmgw.core.sessions.client_key`)."""
+        sent: dict[str, str] = {}
+        for name, value in request.headers.raw:
+            if name in self._session_names:
+                sent.setdefault(name.decode("latin-1"), value.decode("latin-1"))
+        return client_key(sent, self.session_rules) if sent else None
 
     def _hold_tokens(
         self, key: ApiKey, body: dict[str, Any], record: RequestRecord, ids: dict[str, str]

@@ -159,6 +159,7 @@ class RoutedRequest:
     exchange: ApiExchange | None = None
     # The prompt's chains (services/edge/prompts.py): text, and tokens with a tokenizer
     prompt: PromptChain = NO_PROMPT
+    parent: str | None = None  # a sub-agent's parent session (llmgw.core.sessions)
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,6 +226,7 @@ class Attempts:
                 shard=routed.shard,
                 stream=routed.parsed.stream,
                 session=routed.session,
+                parent=routed.parent,
                 band=routed.band,
                 tenant=routed.tenant,
                 key=routed.key,

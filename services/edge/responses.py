@@ -45,7 +45,7 @@ from llmgw.core.responses import (
 )
 from llmgw.core.responses_chat import chat_request, response_from_chat
 from llmgw.core.responses_chat_stream import ChatToResponsesStream
-from llmgw.core.sessions import chain_session
+from llmgw.core.sessions import ClientKey, chain_session
 from llmgw.services.edge.errors import error_body, error_response
 
 if TYPE_CHECKING:
@@ -193,7 +193,7 @@ class ResponsesApi:
         turn: Turn,
         owner: str,
         model: str,
-        header_key: str | None,
+        client: ClientKey | None,
         headers: dict[str, str],
     ) -> Exchange | tuple[Response, Outcome]:
         """The exchange of a request (with its session), or its error and outcome: 404 for an
@@ -230,7 +230,7 @@ class ResponsesApi:
             parsed.body,
             parsed.stream,
             tuple(stored.id for stored in chain),
-            chain_session(root, model, header_key=header_key),
+            chain_session(root, model, client=client),
         )
 
     # -- stored responses ---------------------------------------------------------------------

@@ -32,7 +32,13 @@ from llmgw.core.sessions import sessions_of_key
 from llmgw.load import REPORT_KEY_PREFIX, EndpointReport
 from llmgw.runtime import load_tool_config
 from llmgw.services.admission.service import limits_from_config
-from llmgw.services.state.report import StateReport, build_report, format_report, report_json
+from llmgw.services.state.report import (
+    StateReport,
+    build_report,
+    descendants,
+    format_report,
+    report_json,
+)
 from llmgw.state.nats_kv import NatsKV
 from llmgw.state.store import RoutingStore
 from llmgw.wire import ADMISSION_STATE_SUBJECT, StateReply
@@ -71,7 +77,9 @@ def run(args: argparse.Namespace) -> int:
     with_pins = bool(getattr(args, "pins", False))
     key = getattr(args, "session", None)
     if key is not None:  # the pins of one client's session key, hashed as the edge hashes it
-        wanted = sessions_of_key(key, [m.name for m in config.models])
+        wanted = descendants(
+            report.pins, set(sessions_of_key(key, [m.name for m in config.models]))
+        )
         report = dataclasses.replace(
             report, pins=tuple(p for p in report.pins if p.session in wanted)
         )

@@ -29,6 +29,7 @@ __all__ = [
     "PinReport",
     "StateReport",
     "build_report",
+    "descendants",
     "format_report",
     "report_json",
 ]
@@ -64,6 +65,7 @@ class PinReport:
     refreshed_at: float
     idle_for: float
     expires_in: float  # by the stored refreshed_at: the owner's in-memory clock may be newer
+    parent: str | None = None  # a sub-agent's session: its parent session
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +153,7 @@ def build_report(
                 pin.refreshed_at,
                 idle,
                 max(0.0, pin_inactivity_timeout - idle),
+                pin.parent,
             )
         )
     for book in books:
@@ -218,7 +221,7 @@ def build_report(
                 **data,
             )
         )
-    pin_reports.sort(key=lambda p: (p.model, p.provider, p.session))
+    pin_reports = _as_trees(pin_reports)
     # The index of the instance that knows most (all read the same stream).
     seer = max(answered.values(), key=lambda r: len(r.prefixes), default=None)
     return StateReport(
@@ -332,11 +335,14 @@ def format_report(report: StateReport, *, with_pins: bool) -> str:
     if with_pins:
         lines += ["", f"pins ({len(report.pins)}):"]
     if with_pins and report.pins:
+        depth = _depths(report.pins)
         lines += _table(
             ["session", "model", "provider", "shard", "idle", "expires in"],
             [
                 [
-                    p.session,
+                    "  " * depth[(p.model, p.session)]
+                    + ("└ " if depth[(p.model, p.session)] else "")
+                    + p.session,
                     p.model,
                     p.provider,
                     str(p.shard),
@@ -347,6 +353,60 @@ def format_report(report: StateReport, *, with_pins: bool) -> str:
             ],
         )
     return "\n".join(lines)
+
+
+def _as_trees(pins: list[PinReport]) -> list[PinReport]:
+    """`pins` by model, provider and session, each sub-agent's right below its parent's (a
+    tree per conversation; a sub-agent whose parent has no pin is a root)."""
+    held = {(p.model, p.session) for p in pins}
+    children: dict[tuple[str, str], list[PinReport]] = {}
+    roots: list[PinReport] = []
+    for pin in sorted(pins, key=lambda p: (p.model, p.provider, p.session)):
+        if pin.parent is not None and (pin.model, pin.parent) in held:
+            children.setdefault((pin.model, pin.parent), []).append(pin)
+        else:
+            roots.append(pin)
+    ordered: list[PinReport] = []
+    seen: set[tuple[str, str]] = set()
+
+    def visit(pin: PinReport) -> None:
+        if (pin.model, pin.session) in seen:  # a cycle of parents: listed once
+            return
+        seen.add((pin.model, pin.session))
+        ordered.append(pin)
+        for child in children.get((pin.model, pin.session), ()):
+            visit(child)
+
+    for pin in roots:
+        visit(pin)
+    ordered += [p for p in pins if (p.model, p.session) not in seen]  # cycles without a root
+    return ordered
+
+
+def _depths(pins: tuple[PinReport, ...]) -> dict[tuple[str, str], int]:
+    """How many ancestors with a pin each pin has (its indentation in the tree)."""
+    parents = {(p.model, p.session): p.parent for p in pins}
+    depth: dict[tuple[str, str], int] = {}
+    for model, session in parents:
+        n, at, seen = 0, parents[(model, session)], {session}
+        while at is not None and (model, at) in parents and at not in seen:
+            seen.add(at)
+            n, at = n + 1, parents[(model, at)]
+        depth[(model, session)] = n
+    return depth
+
+
+def descendants(pins: tuple[PinReport, ...], sessions: set[str]) -> set[str]:
+    """`sessions` and every session whose parent chain reaches one of them."""
+    found = set(sessions)
+    grew = True
+    while grew:
+        grew = False
+        for pin in pins:
+            if pin.parent in found and pin.session not in found:
+                found.add(pin.session)
+                grew = True
+    return found
 
 
 def _maybe(value: float | None, fmt: str = "{}") -> str:

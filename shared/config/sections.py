@@ -4,7 +4,7 @@ balancer. Each section validates itself; references between sections are checked
 from __future__ import annotations
 
 import warnings
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -18,6 +18,7 @@ from pydantic import (
 
 from llmgw.config.common import MASK, ConfigWarning, Name, StrictModel, fail
 from llmgw.config.durations import Duration, PositiveDuration
+from llmgw.core.sessions import SessionRule, session_rules
 
 # --- NATS -----------------------------------------------------------------------------------------
 
@@ -96,6 +97,52 @@ class NatsConfig(StrictModel):
 # --- router, timeouts, profiles -------------------------------------------------------------------
 
 
+# An HTTP header name (RFC 9110 token), compared in lower case.
+HeaderName = Annotated[str, Field(pattern=r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$", max_length=128)]
+
+
+class SessionHeaderRule(StrictModel):
+    """A session header an agent client sends (docs/config.md, "Session headers"): `header`
+    names the session; `agent`, the sub-agent within it that sent the request; `parent`, the
+    agent that started that one (with `agent`), or the parent session's own `header` value
+    (without it)."""
+
+    header: HeaderName
+    agent: HeaderName | None = None
+    parent: HeaderName | None = None
+
+    @field_validator("header", "agent", "parent")
+    @classmethod
+    def _lower(cls, name: str | None) -> str | None:
+        return None if name is None else name.lower()
+
+    @model_validator(mode="after")
+    def _distinct(self) -> SessionHeaderRule:
+        names = [n for n in (self.header, self.agent, self.parent) if n is not None]
+        if len(set(names)) != len(names):
+            raise ValueError(f"a rule names one header twice: {', '.join(names)}")
+        return self
+
+    def rule(self) -> SessionRule:
+        return SessionRule(self.header, self.agent, self.parent)
+
+
+def default_session_headers() -> list[SessionHeaderRule]:
+    """The headers today's agent clients send (where each was verified: docs/config.md)."""
+    return [
+        SessionHeaderRule(header="x-session-id", parent="x-parent-session-id"),  # opencode
+        SessionHeaderRule(  # Claude Code
+            header="x-claude-code-session-id",
+            agent="x-claude-code-agent-id",
+            parent="x-claude-code-parent-agent-id",
+        ),
+        SessionHeaderRule(  # Codex
+            header="session-id", agent="thread-id", parent="x-codex-parent-thread-id"
+        ),
+        SessionHeaderRule(header="session_id"),  # Codex, earlier releases
+    ]
+
+
 class RouterConfig(StrictModel):
     scrape_interval: PositiveDuration = 2.0
     scrape_timeout: PositiveDuration = 1.0
@@ -105,6 +152,9 @@ class RouterConfig(StrictModel):
     failure_threshold: int = Field(3, ge=1)
     default_profile: str = "chat"
     session_header: Name = "x-session-id"
+    # The session headers agent clients send, tried in this order after `session_header`
+    # (`llmgw.core.sessions.session_rules`); empty: `session_header` alone.
+    session_headers: list[SessionHeaderRule] = Field(default_factory=default_session_headers)
     inject_usage: bool = True
     max_body_bytes: int = Field(33_554_432, ge=1024)
     # Request headers the edge accepts: how many, and their total size (names + values); more
@@ -119,6 +169,20 @@ class RouterConfig(StrictModel):
     # The JetStream KV bucket (memory storage) where the scraper keeps each endpoint's latest
     # load report (llmgw.load).
     load_bucket: str = Field("llmgw_load", pattern=r"^[A-Za-z0-9_-]+$")
+
+    @field_validator("session_headers")
+    @classmethod
+    def _one_rule_per_header(cls, rules: list[SessionHeaderRule]) -> list[SessionHeaderRule]:
+        seen: set[str] = set()
+        for rule in rules:
+            if rule.header in seen:
+                raise ValueError(f"two rules for the session header {rule.header!r}")
+            seen.add(rule.header)
+        return rules
+
+    def session_rules(self) -> tuple[SessionRule, ...]:
+        """Every session header rule in the order the edge tries them."""
+        return session_rules(self.session_header, (r.rule() for r in self.session_headers))
 
 
 class Timeouts(StrictModel):
@@ -314,6 +378,10 @@ class PinningConfig(StrictModel):
     return_home: bool = True
     return_home_after: Duration = 30.0
     return_home_saturation: float = Field(0.5, ge=0)
+    # A sub-agent's session (its client named its parent: router.session_headers) starts on
+    # its parent's endpoint while that has room: placement's cost there is lower by this. 0:
+    # parents are ignored.
+    parent_weight: float = Field(1.0, ge=0)
 
 
 class BalancerConfig(StrictModel):

@@ -230,7 +230,9 @@ class ShardValue:
 
 @dataclass(frozen=True, slots=True)
 class PinValue:
-    """A session's pin as stored: the durable part of `llmgw.core.ledger.PinRecord`."""
+    """A session's pin as stored: the durable part of `llmgw.core.ledger.PinRecord`.
+    ``parent``: a sub-agent's parent session, written only when it has one (a reader before it
+    ignores the field; one after it reads None from a pin written before)."""
 
     pin_id: str
     provider: str
@@ -239,23 +241,28 @@ class PinValue:
     created_at: float
     since: float
     refreshed_at: float
+    parent: str | None = None
 
     def to_json(self) -> bytes:
-        return _encode(
-            {
-                "pin_id": self.pin_id,
-                "provider": self.provider,
-                "model": self.model,
-                "session": self.session,
-                "created_at": self.created_at,
-                "since": self.since,
-                "refreshed_at": self.refreshed_at,
-            }
-        )
+        body: dict[str, Any] = {
+            "pin_id": self.pin_id,
+            "provider": self.provider,
+            "model": self.model,
+            "session": self.session,
+            "created_at": self.created_at,
+            "since": self.since,
+            "refreshed_at": self.refreshed_at,
+        }
+        if self.parent is not None:
+            body["parent"] = self.parent
+        return _encode(body)
 
     @classmethod
     def from_json(cls, raw: bytes) -> PinValue:
         body = _decode(raw, "pin")
+        parent = body.get("parent")
+        if parent is not None and not is_safe_token(parent):
+            raise ValueFormatError(f"pin: field 'parent' must be a session id, got {parent!r}")
         return cls(
             _field(body, "pin_id", str, "pin"),
             _field(body, "provider", str, "pin"),
@@ -264,4 +271,5 @@ class PinValue:
             _field(body, "created_at", float, "pin"),
             _field(body, "since", float, "pin"),
             _field(body, "refreshed_at", float, "pin"),
+            parent,
         )

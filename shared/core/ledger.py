@@ -106,6 +106,7 @@ class PinRecord:
     leases: set[str] = field(default_factory=set)
     uses: int = 0  # leases ever listed in it (1: a one-shot conversation so far)
     endpoint: str | None = None  # where its last request runs or ran (its prefix cache)
+    parent: str | None = None  # a sub-agent's: its parent session (the client named it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -369,15 +370,26 @@ class Ledger:
     # ---- pins -------------------------------------------------------------------------------
 
     def create_pin(
-        self, key: str, pin_id: str, provider: str, model: str, session: str, shard: int, now: float
+        self,
+        key: str,
+        pin_id: str,
+        provider: str,
+        model: str,
+        session: str,
+        shard: int,
+        now: float,
+        parent: str | None = None,
     ) -> PinRecord:
-        """A new pin for a session that has none; CapacityError without pin room."""
+        """A new pin for a session that has none (`parent`: a sub-agent's parent session);
+        CapacityError without pin room."""
         skey = (model, session)
         if skey in self.pins:
             raise CapacityError(f"session {session} already has a pin")
         if not self.room(provider, model).pin:
             raise CapacityError(f"no pin room on {provider}/{model}")
-        pin = PinRecord(key, pin_id, provider, model, session, shard, now, now, now, now)
+        pin = PinRecord(
+            key, pin_id, provider, model, session, shard, now, now, now, now, parent=parent
+        )
         self._add_pin(pin, now)
         return pin
 
@@ -402,6 +414,7 @@ class Ledger:
             pin.stored_refreshed_at,
             revision=pin.revision,
             uses=pin.uses,
+            parent=pin.parent,
         )
         self._add_pin(moved, now)
         return moved

@@ -44,9 +44,11 @@ Beyond those rules:
     this provider, e.g. a one-shot conversation) goes where its prompt is cached, traded
     against room: a free batch slot first, then the lowest *cost*
     ``max(saturation, inflight / capacity) - prefix_weight * cached - adapter_weight *
-    adapter_loaded`` (``cached``: the share of the prompt the endpoint's prefix cache holds,
-    0..1, `llmgw.core.prefix`; ``adapter_loaded``: the request's LoRA adapter is in its GPU
-    memory, by vLLM's ``lora_requests_info``), ties broken by
+    adapter_loaded - parent_weight * near_parent`` (``cached``: the share of the prompt the
+    endpoint's prefix cache holds, 0..1, `llmgw.core.prefix`; ``adapter_loaded``: the
+    request's LoRA adapter is in its GPU memory, by vLLM's ``lora_requests_info``;
+    ``near_parent``: a sub-agent's new session, and its parent session's last request ran
+    there, so it starts beside its parent while that endpoint has room), ties broken by
     the session's ring order so that idle endpoints share new sessions. An endpoint that
     holds at least half the prompt counts as having room up to ``prefix_queue`` requests past
     its slots (a slot frees sooner than a cold prefill elsewhere ends). A prompt's engine
@@ -63,6 +65,10 @@ Beyond those rules:
 
 Properties (tests/core/test_placement.py, hypothesis):
 
+- a new session whose parent's endpoint has a free batch slot starts there, when nothing else
+  it is traded against (a cached prompt, a loaded adapter, the priority tier, an interactive
+  request's free slot) weighs more; it never goes there past its room while another endpoint
+  of the tier has a free slot;
 - a session's home replica is kept whenever it has a free batch slot, or has room under the
   load bound unless the request is interactive and another usable endpoint of the provider has
   a free slot (or its home lost its prompt to another endpoint); work without a cache of its
@@ -156,6 +162,7 @@ class EndpointState:
     rate_weight: float | None = None
     cached: float = 0.0  # the share of the request's prompt its prefix cache holds, 0..1
     adapter_loaded: bool = False  # the request's LoRA adapter is in its GPU memory now
+    near_parent: bool = False  # a new sub-agent session: its parent's last request ran here
 
     @property
     def free_slot(self) -> bool:
@@ -173,10 +180,17 @@ class EndpointState:
             return True
         return self.cached >= CACHED_ENOUGH and self.inflight < self.capacity + queue_slots
 
-    def cost(self, prefix_weight: float, adapter_weight: float = 0.0) -> float:
+    def cost(
+        self, prefix_weight: float, adapter_weight: float = 0.0, parent_weight: float = 0.0
+    ) -> float:
         """Its load traded against what it holds of the request: ``score - prefix_weight *
-        cached - adapter_weight * adapter_loaded``."""
-        return self.score - prefix_weight * self.cached - adapter_weight * self.adapter_loaded
+        cached - adapter_weight * adapter_loaded - parent_weight * near_parent``."""
+        return (
+            self.score
+            - prefix_weight * self.cached
+            - adapter_weight * self.adapter_loaded
+            - parent_weight * self.near_parent
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,6 +236,7 @@ class PlacementSettings:
     prefix_weight: float = 2.0  # `EndpointState.cost`: 0 is cache-blind
     adapter_weight: float = 0.25  # `EndpointState.cost`: a LoRA adapter loaded there
     prefix_queue: int = 1  # `EndpointState.has_room`: requests a cached prompt may wait behind
+    parent_weight: float = 1.0  # `EndpointState.cost`: a new sub-agent's parent runs there
 
 
 @dataclass(frozen=True, slots=True)
@@ -450,6 +465,7 @@ def _best(
     prefix_weight: float = 0.0,
     adapter_weight: float = 0.0,
     queue_slots: int = 0,
+    parent_weight: float = 0.0,
 ) -> EndpointState:
     """Room first (`EndpointState.has_room`), then the lowest cost (load traded against the
     share of the prompt held, `EndpointState.cost`), then the most free slots, then the
@@ -459,7 +475,7 @@ def _best(
         endpoints,
         key=lambda e: (
             not e.has_room(queue_slots),
-            e.cost(prefix_weight, adapter_weight),
+            e.cost(prefix_weight, adapter_weight, parent_weight),
             e.inflight - e.capacity,
             order.get(e.id, len(order)),
         ),
@@ -500,7 +516,9 @@ def _managed_endpoint(
         # prompt is cached, traded against room, so new work starts on its prefix and fills
         # free slots first.
         pool = free if interactive and free else tier
-        return _best(pool, walk, weight, settings.adapter_weight, queue).id, None
+        return _best(
+            pool, walk, weight, settings.adapter_weight, queue, settings.parent_weight
+        ).id, None
     in_tier = {e.id: e for e in tier}
     fits = [e for e in tier if e.inflight + 1 <= _bound(e, tier, settings.session_load_factor)]
     fitting = {e.id for e in fits}

@@ -15,29 +15,131 @@ A session is the run of requests of one conversation. Its id hashes
   message, token-id prompts, batched prompts), form no session: they take
   the unpinned path.
 
-An explicit session key overrides the prefix: the `router.session_header`
-header, else the request's `user` field (the router config's affinity key
-"falls back to the `user` field"). All requests with the same key, model and
-feature class share one session, so a client that sends `user` gets one
-session per end user; send the header per conversation for finer sessions.
+An explicit session key overrides the prefix: the session headers
+(`client_key`: `router.session_header` first, then `router.session_headers`,
+the headers agent clients send, in their order), else the request's `user`
+field (the router config's affinity key "falls back to the `user` field").
+All requests with the same key, model and feature class share one session, so
+a client that sends `user` gets one session per end user; send a header per
+conversation for finer sessions.
+
+A header rule may name an *agent* header and a *parent* header: a sub-agent's
+requests carry the session header of the conversation it works for and its own
+agent id (Claude Code, Codex), or their own session and their parent's
+(opencode). A sub-agent is a session of its own, and knows its parent's
+session id (`ClientKey.relatives`): admission starts it near its parent.
 
 Ids are hex SHA-256 digests (first 32 characters), so whatever a client
-sends, the id is a safe NATS subject token and KV key.
+sends, the id is a safe NATS subject token and KV key. A header value longer
+than `MAX_KEY_CHARS`, or empty, counts as not sent.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from llmgw.core.requests import Feature
 
 STABLE_PROMPT_CHARS = 512
 SESSION_ID_CHARS = 32
+MAX_KEY_CHARS = 256  # a longer session header value counts as not sent
+# The response header that names the session a request was counted in (its id).
+SESSION_RESPONSE_HEADER = "x-llmgw-session"
 
 _FEATURE_CLASS = {Feature.CHAT: "chat", Feature.COMPLETIONS: "completions"}
+# The class a request's session is counted in: Messages as chat (its session is the chat
+# session of its opening), Responses on its own (`chain_session`).
+_SESSION_CLASS = {**_FEATURE_CLASS, Feature.MESSAGES: "chat", Feature.RESPONSES: "responses"}
+
+
+@dataclass(frozen=True, slots=True)
+class SessionRule:
+    """One session header, and the headers that say which of its agents sent a request.
+
+    ``agent``: the sub-agent's id within the session (a value equal to the session's is its
+    main agent); ``parent``: with ``agent``, the id of the agent that started this one (none:
+    the session's main agent); without it, the parent's own value of ``header`` (a sub-agent
+    that is a session of its own). Header names are lower case."""
+
+    header: str
+    agent: str | None = None
+    parent: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ClientKey:
+    """What a request's session headers name: its session's key (the session header's value,
+    and the agent's within it), its parent's key (a sub-agent's), and the key of the session
+    whose shard it shares (its family's root, so a parent's pin and its sub-agents' pins are
+    decided by one admission instance); None: its own. Raw client text: only ever hashed."""
+
+    key: tuple[str, ...]
+    parent: tuple[str, ...] | None = None
+    home: tuple[str, ...] | None = None
+
+    def relatives(self, model: str, feature: Feature) -> tuple[str | None, str | None]:
+        """(the parent session's id, the id of the session whose shard this one lives in) for
+        a request of `model` and `feature`; None for what it has not."""
+        feature_class = _SESSION_CLASS.get(feature)
+        if feature_class is None:
+            return None, None
+        parent = None if self.parent is None else key_session(self.parent, model, feature_class)
+        if self.home == self.parent:  # a first-level sub-agent: its parent is the root
+            return parent, parent
+        home = None if self.home is None else key_session(self.home, model, feature_class)
+        return parent, home
+
+
+def session_rules(session_header: str, rules: Iterable[SessionRule]) -> tuple[SessionRule, ...]:
+    """The rules in the order they are tried: `session_header` first (with the agent and
+    parent headers of the rule for it, if `rules` has one), then the others in their order."""
+    header = session_header.lower()
+    rules = tuple(rules)
+    own = next((r for r in rules if r.header == header), SessionRule(header))
+    return (own, *(r for r in rules if r.header != header))
+
+
+def _value(headers: Mapping[str, str], name: str | None) -> str | None:
+    if name is None:
+        return None
+    value = headers.get(name)
+    if value is None:
+        return None
+    value = value.strip()
+    return value if value and len(value) <= MAX_KEY_CHARS else None
+
+
+def client_key(headers: Mapping[str, str], rules: Sequence[SessionRule]) -> ClientKey | None:
+    """The session key the first rule whose session header the request carries names, or None
+    (then `user`, then the opening decide). `headers` looks names up in lower case."""
+    for rule in rules:
+        session = _value(headers, rule.header)
+        if session is None:
+            continue
+        parent = _value(headers, rule.parent)
+        if rule.agent is not None:
+            agent = _value(headers, rule.agent)
+            if agent is None or agent == session:
+                return ClientKey((session,))  # the session's main agent
+            if parent is None or parent in (session, agent):
+                return ClientKey((session, agent), (session,), (session,))
+            return ClientKey((session, agent), (session, parent), (session,))
+        if parent is None or parent == session:
+            return ClientKey((session,))
+        return ClientKey((session,), (parent,), (parent,))
+    return None
+
+
+def key_session(key: tuple[str, ...], model: str, feature_class: str) -> str:
+    """The session id of an explicit key (a header's value, `user`; or a session's and its
+    agent's) for `model` and `feature_class`."""
+    if len(key) == 1:
+        return _digest("key", key[0], model, feature_class)
+    return _digest("agent", *key, model, feature_class)
 
 
 def _digest(*parts: str) -> str:
@@ -75,15 +177,19 @@ def session_id(
     body: dict[str, Any],
     *,
     header_key: str | None = None,
+    client: ClientKey | None = None,
 ) -> str | None:
     """The request's session id, or None when it forms no session.
 
-    `model` is the canonical model name (aliases resolve to one session);
-    `header_key` is the value of the session header, if the request had one.
+    `model` is the canonical model name (aliases resolve to one session); `client` is what
+    its session headers name (`client_key`), `header_key` the value of a single session
+    header (the same as ``ClientKey((header_key,))``).
     """
     feature_class = _FEATURE_CLASS.get(feature)
     if feature_class is None:
         return None
+    if client is not None:
+        return key_session(client.key, model, feature_class)
     raw_user = body.get("user")
     user = raw_user if isinstance(raw_user, str) else ""
     explicit = header_key or user
@@ -95,9 +201,13 @@ def session_id(
     return _digest("prefix", user, model, feature_class, prefix)
 
 
-def chain_session(root: str, model: str, *, header_key: str | None = None) -> str:
-    """The session of a Responses chain: its first response's id (the session header, when
+def chain_session(
+    root: str, model: str, *, header_key: str | None = None, client: ClientKey | None = None
+) -> str:
+    """The session of a Responses chain: its first response's id (the session headers, when
     sent, as for chat). Every turn of the chain hashes to it, wherever it runs."""
+    if client is not None:
+        return key_session(client.key, model, "responses")
     if header_key:
         return _digest("key", header_key, model, "responses")
     return _digest("chain", root, model)

@@ -127,6 +127,7 @@ def test_defaults_follow_the_spec():
         "return_home": True,
         "return_home_after": 30.0,
         "return_home_saturation": 0.5,
+        "parent_weight": 1.0,
     }
     assert config.balancer.model_dump() == {
         "window": 120.0,
@@ -523,3 +524,46 @@ def test_building_does_not_mutate_the_input():
     before = copy.deepcopy(data)
     build(data)
     assert data == before
+
+
+def test_agent_session_headers_are_recognised_by_default_in_a_fixed_order():
+    rules = build(sample()).router.session_rules()
+    assert [(r.header, r.agent, r.parent) for r in rules] == [
+        ("x-session-id", None, "x-parent-session-id"),
+        ("x-claude-code-session-id", "x-claude-code-agent-id", "x-claude-code-parent-agent-id"),
+        ("session-id", "thread-id", "x-codex-parent-thread-id"),
+        ("session_id", None, None),
+    ]
+    assert build(sample()).pinning.parent_weight == 1.0
+
+
+def test_session_headers_can_be_extended_reordered_or_turned_off():
+    data = sample()
+    data["router"] = {
+        "session_header": "X-Conversation",
+        "session_headers": [{"header": "X-Agent-Session", "agent": "X-Agent-Id"}],
+    }
+    assert [(r.header, r.agent) for r in build(data).router.session_rules()] == [
+        ("x-conversation", None),
+        ("x-agent-session", "x-agent-id"),
+    ]
+    data["router"] = {"session_headers": []}
+    assert [r.header for r in build(data).router.session_rules()] == ["x-session-id"]
+    env = {"LLMGW_ROUTER__SESSION_HEADERS": "[]"}
+    config = config_from_dict(sample(), source="test.yaml", env=env)
+    assert config.router.session_headers == []
+
+
+def test_bad_session_header_rules_are_refused_naming_the_field():
+    data = sample()
+    data["router"] = {"session_headers": [{"header": "x-a"}, {"header": "X-A"}]}
+    assert any("two rules for the session header 'x-a'" in p for p in problems_of(data))
+    data["router"] = {"session_headers": [{"header": "x-a", "parent": "x-a"}]}
+    assert any("names one header twice" in p for p in problems_of(data))
+    data["router"] = {"session_headers": [{"header": "not a header"}]}
+    assert any("router.session_headers[0].header" in p for p in problems_of(data))
+    data["router"] = {"session_headers": [{"agent": "x-b"}]}
+    assert any("router.session_headers[0].header" in p for p in problems_of(data))
+    data["router"] = {}
+    data["pinning"] = {"parent_weight": -1}
+    assert any("pinning.parent_weight" in p for p in problems_of(data))

@@ -42,6 +42,7 @@ def test_keys_carry_only_safe_tokens():
         ShardValue("adm-1", 3.0, "adm-0"),
         ShardValue(None, 3.0, "adm-0"),
         PinValue("p1", "iris", "m", "s1", 1.0, 2.0, 3.0),
+        PinValue("p1", "iris", "m", "s1", 1.0, 2.0, 3.0, parent="s0"),
     ],
 )
 def test_values_round_trip(value):
@@ -53,3 +54,15 @@ def test_values_of_another_version_or_shape_are_refused_with_the_field_named():
         PinValue.from_json(b'{"v": 1}')
     with pytest.raises(ValueFormatError, match="'provider'"):
         PinValue.from_json(b'{"v": 2, "pin_id": "p", "provider": 3}')
+
+
+def test_a_pins_parent_is_written_only_when_it_has_one_and_read_from_pins_written_before():
+    plain = PinValue("p1", "iris", "m", "s1", 1.0, 2.0, 3.0)
+    assert b"parent" not in plain.to_json()  # what a reader before it wrote and reads
+    old = b'{"v":2,"pin_id":"p1","provider":"iris","model":"m","session":"s1",'
+    old += b'"created_at":1.0,"since":2.0,"refreshed_at":3.0}'
+    assert PinValue.from_json(old) == plain and PinValue.from_json(old).parent is None
+    child = PinValue("p2", "iris", "m", "s2", 1.0, 2.0, 3.0, parent="s1")
+    assert b'"parent":"s1"' in child.to_json()
+    with pytest.raises(ValueFormatError, match="'parent'"):
+        PinValue.from_json(old[:-1] + b',"parent":"not a token"}')

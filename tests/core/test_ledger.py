@@ -332,3 +332,17 @@ def test_pins_above_the_quota_are_evicted_together_to_make_room_for_one():
     assert [p.pin_id for p in lg.to_evict(*LIMITED, 1.0, 60.0)] == ["p0", "p1", "p2"]
     lg.set_quota(LIMITED, Quota(6, 4, 0))
     assert lg.to_evict(*LIMITED, 1.0, 60.0) == []  # five would have to go: only four can
+
+
+def test_a_sub_agents_pin_keeps_its_parent_when_it_moves_and_when_its_shard_does():
+    lg = ledger()
+    lg.set_quota(LIMITED, Quota(4, 4, 4))
+    pin = lg.create_pin("pin.0.c", "p1", *LIMITED, "c", 0, 0.0, parent="root")
+    assert pin.parent == "root" and lg.pin("m", "c").parent == "root"
+    moved = lg.move_pin(pin, "p2", "tx", 1.0)
+    assert moved.parent == "root" and moved.pin_id == "p2"
+    state = lg.take_shard(0, 2.0, EndReason.MOVED)
+    other = ledger()
+    other.add_shard(state, 2.0)
+    assert other.pin("m", "c").parent == "root"
+    assert lg.create_pin("pin.0.d", "p3", *OPEN, "d", 0, 3.0).parent is None

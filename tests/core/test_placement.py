@@ -15,6 +15,7 @@ Then table-driven cases for each route.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from hypothesis import given
 from hypothesis import strategies as st
@@ -464,3 +465,78 @@ def test_a_lora_adapters_request_prefers_the_engine_that_has_it_loaded():
     busier = EndpointState("e0", inflight=2, capacity=4, adapter_loaded=True)
     moved = place(snap(managed("iris", [busier, idle])), PlacementRequest("s"))
     assert isinstance(moved, Placement) and moved.endpoint == "e1"  # 0.5 - 0.25 > 0
+
+
+# ---- a sub-agent's new session starts near its parent ------------------------------------------
+
+
+@given(
+    loads=st.lists(
+        st.tuples(st.integers(0, 20), st.integers(1, 16), st.floats(0, 1)), min_size=2, max_size=5
+    ),
+    parent_index=st.integers(0, 4),
+    interactive=st.booleans(),
+    prefix_weight=st.sampled_from([0.0, 2.0]),
+    parent_weight=st.sampled_from([0.0, 0.5, 1.0, 3.0]),
+)
+def test_a_new_sub_agent_session_starts_on_its_parents_endpoint_while_it_has_room(
+    loads, parent_index, interactive, prefix_weight, parent_weight
+):
+    parent = parent_index % len(loads)
+    endpoints = [
+        EndpointState(f"e{i}", inflight=n, capacity=c, cached=held, near_parent=i == parent)
+        for i, (n, c, held) in enumerate(loads)
+    ]
+    settings = PlacementSettings(prefix_weight=prefix_weight, parent_weight=parent_weight)
+    outcome = place(
+        snap(managed("iris", endpoints), settings=settings), PlacementRequest(SESSION, interactive)
+    )
+    assert isinstance(outcome, Placement) and outcome.route is Route.NEW_PIN
+    chosen = next(e for e in endpoints if e.id == outcome.endpoint)
+    near = endpoints[parent]
+    queue = settings.prefix_queue if prefix_weight > 0 else 0
+    room = [e for e in endpoints if e.has_room(queue)]
+    # Room first, whatever the parent: it never starts past its parent's room elsewhere's.
+    assert chosen.has_room(queue) or not room
+    pool = room or endpoints
+    costs = [e.cost(prefix_weight, settings.adapter_weight, parent_weight) for e in pool]
+    assert chosen.cost(prefix_weight, settings.adapter_weight, parent_weight) == min(costs)
+    cold = prefix_weight == 0 or all(e.cached == 0 for e in endpoints)
+    if near.free_slot and parent_weight >= 1 and cold:
+        assert chosen is near  # 1 outweighs any load difference within the room
+    if room and not near.has_room(queue):
+        assert chosen is not near
+    if parent_weight == 0:  # parents ignored: the placement without one
+        blind = [replace(e, near_parent=False) for e in endpoints]
+        again = place(
+            snap(managed("iris", blind), settings=settings),
+            PlacementRequest(SESSION, interactive),
+        )
+        assert isinstance(again, Placement) and again.endpoint == outcome.endpoint
+
+
+@given(snapshot=snapshots(), request=requests, data=st.data())
+def test_a_parents_endpoint_never_changes_the_provider_route_or_lease(snapshot, request, data):
+    """The seeds' rules (pins, limits and the reserve, provider order, flow control's overflow)
+    decide before the parent does: marking any endpoint as the parent's changes at most which
+    endpoint of the chosen provider a new session starts on."""
+    marked = data.draw(st.sampled_from([e.id for p in snapshot.providers for e in p.endpoints]))
+    near = replace(
+        snapshot,
+        providers=tuple(
+            replace(p, endpoints=tuple(replace(e, near_parent=e.id == marked) for e in p.endpoints))
+            for p in snapshot.providers
+        ),
+    )
+    before, after = place(snapshot, request), place(near, request)
+    if not isinstance(before, Placement):
+        assert after == before
+        return
+    assert isinstance(after, Placement)
+    assert (after.provider, after.route, after.lease_kind, after.pin_action, after.evict) == (
+        before.provider,
+        before.route,
+        before.lease_kind,
+        before.pin_action,
+        before.evict,
+    )

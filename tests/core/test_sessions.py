@@ -6,7 +6,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from llmgw.core.requests import Feature
-from llmgw.core.sessions import SESSION_ID_CHARS, session_id
+from llmgw.core.sessions import (
+    MAX_KEY_CHARS,
+    SESSION_ID_CHARS,
+    ClientKey,
+    SessionRule,
+    chain_session,
+    client_key,
+    session_id,
+    session_rules,
+)
 
 SYSTEM = {"role": "system", "content": "You are terse."}
 
@@ -74,3 +83,146 @@ def test_ids_are_safe_tokens_whatever_the_client_sends(key, user, content):
     for header in (key, None):
         sid = session_id(Feature.CHAT, "m.with.dots", body, header_key=header)
         assert sid is not None and re.fullmatch(f"[0-9a-f]{{{SESSION_ID_CHARS}}}", sid)
+
+
+# ---- agent clients' session headers (llmgw.core.sessions.client_key) -------------------------
+
+CLAUDE = SessionRule(
+    "x-claude-code-session-id", "x-claude-code-agent-id", "x-claude-code-parent-agent-id"
+)
+CODEX = SessionRule("session-id", "thread-id", "x-codex-parent-thread-id")
+OPENCODE = SessionRule("x-session-id", parent="x-parent-session-id")
+RULES = session_rules("x-session-id", [OPENCODE, CLAUDE, CODEX, SessionRule("session_id")])
+TEXT = st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=40).filter(
+    lambda s: s.strip() == s and s != ""
+)
+
+
+def ids(headers, feature=Feature.CHAT, model="m"):
+    """(session, parent, home) of a request with these headers, as the edge computes them."""
+    client = client_key(headers, RULES)
+    if feature is Feature.RESPONSES:  # a chain's session (the edge's Responses API)
+        session = chain_session("resp_first", model, client=client)
+    else:
+        session = session_id(feature, model, chat({"role": "user", "content": "hi"}), client=client)
+    parent, home = client.relatives(model, feature) if client else (None, None)
+    return session, parent, home
+
+
+def test_one_claude_code_session_is_one_session_whatever_its_opening():
+    a = chat({"role": "user", "content": "fix the bug"})
+    b = chat({"role": "system", "content": "compacted"}, {"role": "user", "content": "go on"})
+    client = client_key({"x-claude-code-session-id": "c-1"}, RULES)
+    assert client == ClientKey(("c-1",))
+    assert session_id(Feature.CHAT, "m", a, client=client) == session_id(
+        Feature.CHAT, "m", b, client=client
+    )
+    # the same hash as that value in the session header: pins keyed before stay valid
+    assert session_id(Feature.CHAT, "m", a, client=client) == session_id(
+        Feature.CHAT, "m", a, header_key="c-1"
+    )
+
+
+def test_a_claude_code_sub_agent_is_its_own_session_whose_parent_is_the_main_agent():
+    main, main_parent, main_home = ids({"x-claude-code-session-id": "c-1"})
+    sub, parent, home = ids({"x-claude-code-session-id": "c-1", "x-claude-code-agent-id": "a-7"})
+    assert (main_parent, main_home) == (None, None)
+    assert sub != main and parent == main and home == main
+    nested, nested_parent, nested_home = ids(
+        {
+            "x-claude-code-session-id": "c-1",
+            "x-claude-code-agent-id": "a-8",
+            "x-claude-code-parent-agent-id": "a-7",
+        }
+    )
+    assert nested not in (main, sub) and nested_parent == sub
+    assert nested_home == main  # its family's shard: the root's
+    # an agent id equal to the session's, or a parent naming the agent itself: the main agent
+    assert ids({"x-claude-code-session-id": "c-1", "x-claude-code-agent-id": "c-1"})[0] == main
+    selfish = {"x-claude-code-session-id": "c-1", "x-claude-code-agent-id": "a-9"}
+    assert ids({**selfish, "x-claude-code-parent-agent-id": "a-9"})[1] == main
+
+
+def test_a_codex_thread_shares_its_root_session_and_names_its_parent_thread():
+    root, root_parent, _ = ids({"session-id": "s-1", "thread-id": "s-1"}, Feature.RESPONSES)
+    assert root_parent is None
+    child, parent, home = ids(
+        {"session-id": "s-1", "thread-id": "t-2", "x-codex-parent-thread-id": "s-1"},
+        Feature.RESPONSES,
+    )
+    assert child != root and parent == root and home == root
+    assert chain_session("resp_x", "m", client=client_key({"session-id": "s-1"}, RULES)) == root
+    # earlier releases: `session_id` alone
+    assert ids({"session_id": "s-0"})[0] == session_id(
+        Feature.CHAT, "m", chat({"role": "user", "content": "x"}), header_key="s-0"
+    )
+
+
+def test_an_opencode_child_session_names_its_parent_session():
+    parent_own, _, _ = ids({"x-session-id": "p-1"})
+    child, parent, home = ids({"x-session-id": "c-2", "x-parent-session-id": "p-1"})
+    assert parent == parent_own and home == parent_own and child != parent_own
+    assert ids({"x-session-id": "c-2", "x-parent-session-id": "c-2"})[1] is None
+
+
+def test_the_session_header_comes_first_then_the_rules_in_their_order():
+    both = {"x-session-id": "mine", "x-claude-code-session-id": "c-1", "session-id": "s-1"}
+    assert client_key(both, RULES) == ClientKey(("mine",))
+    assert client_key({"x-claude-code-session-id": "c-1", "session-id": "s-1"}, RULES) == (
+        ClientKey(("c-1",))
+    )
+    rules = session_rules("x-conversation", [CLAUDE, OPENCODE])
+    assert [r.header for r in rules] == [
+        "x-conversation",
+        "x-claude-code-session-id",
+        "x-session-id",
+    ]
+    # the rule for the session header keeps its agent and parent headers, in first place
+    assert session_rules("x-session-id", [CLAUDE, OPENCODE])[0] == OPENCODE
+    assert session_rules("X-Session-Id", []) == (SessionRule("x-session-id"),)
+
+
+def test_empty_or_overlong_values_count_as_not_sent():
+    long = "x" * (MAX_KEY_CHARS + 1)
+    assert client_key({"x-session-id": "  ", "x-claude-code-session-id": "c-1"}, RULES) == (
+        ClientKey(("c-1",))
+    )
+    assert client_key({"x-session-id": long, "session-id": "s-1"}, RULES) == ClientKey(("s-1",))
+    assert client_key({"x-session-id": "x" * MAX_KEY_CHARS}, RULES) is not None
+    assert client_key({"x-claude-code-session-id": "c", "x-claude-code-agent-id": long}, RULES) == (
+        ClientKey(("c",))
+    )
+    assert client_key({}, RULES) is None and client_key({"x-other": "v"}, RULES) is None
+
+
+def test_a_session_headers_request_without_a_stable_feature_forms_no_session():
+    client = client_key({"x-session-id": "k"}, RULES)
+    assert session_id(Feature.EMBEDDINGS, "m", {"input": "x"}, client=client) is None
+    assert client is not None and client.relatives("m", Feature.EMBEDDINGS) == (None, None)
+
+
+@given(session=TEXT, agent=TEXT, parent=TEXT, model=st.sampled_from(["m", "m.2"]))
+def test_a_sub_agents_parent_id_is_the_id_its_parents_own_requests_get(
+    session, agent, parent, model
+):
+    """Whatever the values: the parent a sub-agent names is the session its parent's requests
+    are counted in, the family's root is the shard of all its sessions, and every id is a
+    safe token."""
+    base = {"x-claude-code-session-id": session}
+    main = ids(base, model=model)[0]
+    parent_own = ids({**base, "x-claude-code-agent-id": parent}, model=model)[0]
+    child, named, home = ids(
+        {**base, "x-claude-code-agent-id": agent, "x-claude-code-parent-agent-id": parent},
+        model=model,
+    )
+    if agent == session:
+        assert child == main and named is None
+    elif parent in (session, agent):
+        assert named == main and home == main
+    else:
+        assert named == parent_own and home == main
+    child, named, home = ids({"x-session-id": agent, "x-parent-session-id": parent}, model=model)
+    if parent != agent:
+        assert named == home == ids({"x-session-id": parent}, model=model)[0]
+    for sid in (main, parent_own, child, named, home):
+        assert sid is None or re.fullmatch(f"[0-9a-f]{{{SESSION_ID_CHARS}}}", sid)

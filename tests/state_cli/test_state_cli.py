@@ -22,6 +22,7 @@ from state_cli_helpers import IRIS, LOCAL_CONFIG, MODEL, REPO, TENSORX, session_
 from llmgw.cli import build_parser
 from llmgw.config import config_from_dict, load_config
 from llmgw.core.requests import Feature
+from llmgw.core.sessions import key_session
 from llmgw.core.sessions import session_id as core_session_id
 from llmgw.core.shards import shard_of
 from llmgw.load import EndpointReport, LoadSample, report_key
@@ -337,3 +338,52 @@ async def test_endpoints_show_the_scrapers_reports_with_each_engines_dialect(
         ]
     finally:
         await nats_client.jetstream().delete_key_value(config.router.load_bucket)
+
+
+async def test_sub_agents_are_listed_under_their_parents_and_found_by_their_sessions_key(
+    tmp_path: Path,
+    nats_url: str,
+    bucket: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A Claude Code session's main agent, a sub-agent of it and one that sub-agent started:
+    `--pins` lists them as a tree under the root (the other session beside it), and `--session`
+    with the session header's value finds the whole family, parents in the JSON."""
+    config_file = write_config(tmp_path / "c.yaml", nats_url, bucket)
+    config = load_config(config_file, env={})
+    root = key_session(("claude-1",), MODEL, "chat")
+    sub = key_session(("claude-1", "agent-a"), MODEL, "chat")
+    nested = key_session(("claude-1", "agent-b"), MODEL, "chat")
+    other = key_session(("zz-other",), MODEL, "chat")
+    admission = await start_admission(config, nats_url, instance="admission-t", follow_load=False)
+    try:
+        for session, parent in ((nested, sub), (other, None), (root, None), (sub, root)):
+            reply = await admission.service.decide(
+                AdmitRequest(
+                    id=f"t-{session}",
+                    edge="edge-x",
+                    model=MODEL,
+                    feature="chat",
+                    session=session,
+                    parent=parent,
+                    shard=shard_of(root if parent else session, config.admission.shards),
+                )
+            )
+            assert reply.status is ReplyStatus.ADMITTED
+        await admission.service.pins.drain()
+        text = await asyncio.to_thread(
+            run, argparse.Namespace(config=str(config_file), json=False, pins=True)
+        )
+        listed = capsys.readouterr().out
+        found = await asyncio.to_thread(
+            run,
+            argparse.Namespace(config=str(config_file), json=True, pins=False, session="claude-1"),
+        )
+    finally:
+        await admission.stop()
+    assert text == found == 0
+    family = [r for r in listed.splitlines() if root in r or sub in r or nested in r]
+    assert [r.split()[0] for r in family] == [root, "└", "└"], listed
+    assert family[1].startswith("  └ " + sub) and family[2].startswith("    └ " + nested)
+    pins = {p["session"]: p["parent"] for p in json.loads(capsys.readouterr().out)["pins"]}
+    assert pins == {root: None, sub: root, nested: sub}

@@ -5,13 +5,14 @@ the same calls are translated to chat completions and back."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import yaml
 from anthropic import Anthropic
-from up_harness import UpProcess, write_cluster_config
+from up_harness import UpProcess, llmgw_cli, write_cluster_config
 
 pytestmark = pytest.mark.e2e
 
@@ -72,3 +73,65 @@ def test_the_sdk_against_llmgw_up_is_translated_for_chat_only_engines(
     up = start_up(config)
     base_url, key = up.wait_for(READY, timeout=90).groups()
     assert _sdk_calls(base_url, key) == "iris"
+
+
+NATS = r"^llmgw up: edge \S+, admin \S+, NATS (\S+)$"
+
+
+def test_a_claude_code_session_whose_opening_changes_is_one_session_and_one_pin(
+    cluster_config: Path, start_up: Callable[..., UpProcess]
+) -> None:
+    """The user's case, through `llmgw up` with the shipped config: two Messages requests of
+    one Claude Code session (its `x-claude-code-session-id`) with different openings, and a
+    sub-agent of it: one session, one pin, on one engine; the sub-agent's pin names it."""
+    up = start_up(cluster_config)
+    base_url, key = up.wait_for(READY, timeout=90).groups()
+    nats_url = up.wait_for(NATS).group(1)
+    claude = Anthropic(
+        base_url=base_url,
+        api_key=key,
+        max_retries=0,
+        default_headers={"x-claude-code-session-id": "2c7e-session"},
+    )
+    first = claude.messages.with_raw_response.create(
+        model="llama",
+        max_tokens=8,
+        system="You are Claude Code.",
+        messages=[{"role": "user", "content": "Fix the failing test."}],
+    )
+    second = claude.messages.with_raw_response.create(
+        model="llama",
+        max_tokens=8,
+        system="This session is being continued from a previous conversation.",
+        messages=[{"role": "user", "content": "Go on."}],
+    )
+    sub = claude.messages.with_raw_response.create(
+        model="llama",
+        max_tokens=8,
+        system="You are an agent that explores a code base.",
+        messages=[{"role": "user", "content": "Find the test."}],
+        extra_headers={"x-claude-code-agent-id": "agent-explore-1"},
+    )
+    session = first.headers["x-llmgw-session"]
+    assert second.headers["x-llmgw-session"] == session
+    assert (second.headers["x-llmgw-route"], second.headers["x-llmgw-endpoint"]) == (
+        "pinned",
+        first.headers["x-llmgw-endpoint"],
+    )
+    assert sub.headers["x-llmgw-session"] != session
+    expected = {session: None, sub.headers["x-llmgw-session"]: session}
+    deadline = time.monotonic() + 20
+    while True:  # the pins' writes to the bucket follow the decisions (never waited for)
+        done = llmgw_cli(
+            cluster_config,
+            "state",
+            "--json",
+            "--session",
+            "2c7e-session",
+            env={"LLMGW_NATS__URL": nats_url},
+        )
+        assert done.returncode == 0, done.stderr
+        pins = {p["session"]: p["parent"] for p in json.loads(done.stdout)["pins"]}
+        if pins == expected or time.monotonic() > deadline:
+            break
+    assert pins == expected
