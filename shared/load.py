@@ -153,7 +153,8 @@ class EndpointReport(BaseModel):
     or "error" (unreadable); ``healthy`` is the /health probe's verdict (False also when unreachable);
     ``capacity`` is the batch capacity learned so far (the high-water mark of ``running``, never
     decreasing within one scraper's life); ``saturation`` is the scraper's own reading, for
-    dashboards: admission recomputes it with its own grants counted.
+    dashboards: admission recomputes it with its own grants counted; ``context_window`` is the
+    window the engine last reported (kept while a later read fails), None when it never did.
     """
 
     model_config = ConfigDict(extra="ignore", frozen=True)
@@ -172,6 +173,11 @@ class EndpointReport(BaseModel):
     saturation: float | None = None
     scraped_at: float  # unix seconds when the scrape was sent
     scraper: str  # the instance that made it
+    # The engine's context window in tokens, as it last said it (vLLM's max_model_len, ...;
+    # llmgw.core.context), and whether the requested output must fit in it beside the prompt
+    # (False: llama.cpp, which only refuses a prompt that fills the context). None: not known.
+    context_window: int | None = Field(None, ge=1)
+    window_holds_output: bool = True
 
     def to_bytes(self) -> bytes:
         return self.model_dump_json(exclude_none=True).encode()

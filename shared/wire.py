@@ -223,6 +223,11 @@ class AdmitRequest(_Message):
     tokens: bytes = b""
     prompt_tokens: int = Field(0, ge=0)
     token_block: int = Field(0, ge=0)
+    # The output it asks for at most (max_completion_tokens, max_tokens, max_output_tokens; 0:
+    # not said): with the prompt, what it needs of a context window (llmgw.core.context).
+    # None: an edge from before 2026-12-07, which cannot read a CONTEXT_LENGTH_EXCEEDED refusal
+    # (its requests are routed by window, never refused for their length: the engine judges).
+    max_output: int | None = Field(None, ge=0)
 
 
 class Target(_Message):

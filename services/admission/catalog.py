@@ -21,6 +21,7 @@ from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING
 
 from llmgw.core.affinity import HashRing
+from llmgw.core.context import ContextNeed, ContextWindow, effective_window
 from llmgw.core.placement import EndpointState, PinState, PlacementSettings, ProviderState, Snapshot
 from llmgw.core.prefix import PromptPrefix
 from llmgw.core.requests import Feature
@@ -100,6 +101,7 @@ class ProviderCatalog:
             if endpoints
         }
         self._by_id = {e.id: e for e in config.endpoints}
+        self._model_windows = {m.name: m.context_window for m in config.models}
 
     def _adapter_loaded(self, endpoint: EndpointConfig, model: str) -> bool:
         """Whether `model` is a LoRA adapter its engine has loaded now (its running or waiting
@@ -148,6 +150,36 @@ class ProviderCatalog:
             for p in self.order
         )
 
+    # ---- context windows ----------------------------------------------------------------------
+
+    def window(self, endpoint: EndpointConfig, model: str) -> ContextWindow | None:
+        """`endpoint`'s context window for `model` (`llmgw.core.context.effective_window`: its
+        configured one, else its engine's as the scraper last read it, else the model's)."""
+        reported = self._load.window(endpoint.id) if self._load.knows(endpoint.id) else None
+        return effective_window(endpoint.context_window, reported, self._model_windows.get(model))
+
+    def fits(self, model: str, feature: Feature, need: ContextNeed) -> bool:
+        """Whether a request of `need` fits some endpoint of a provider that serves `model` for
+        `feature`, healthy or not (a model without such endpoints: yes, placement says why not)."""
+        endpoints = [
+            e
+            for provider in self.order
+            if self.supports(provider, model, feature)
+            for e in self._endpoints.get((provider, model), ())
+        ]
+        return not endpoints or any(need.fits(self.window(e, model)) for e in endpoints)
+
+    def largest_window(self, model: str, feature: Feature) -> int | None:
+        """The largest known window of an endpoint serving `model` for `feature` (messages)."""
+        sizes = [
+            window.tokens
+            for provider in self.order
+            if self.supports(provider, model, feature)
+            for e in self._endpoints.get((provider, model), ())
+            if (window := self.window(e, model)) is not None
+        ]
+        return max(sizes, default=None)
+
     # ---- the snapshot -------------------------------------------------------------------------
 
     def snapshot(
@@ -159,18 +191,21 @@ class ProviderCatalog:
         now: float,
         prompt: PromptPrefix | None = None,
         parent: str | None = None,
+        need: ContextNeed | None = None,
     ) -> tuple[Snapshot, PinRecord | None]:
         """The placement snapshot of one request, and the session's pin it shows; `prompt`:
         the request's prompt, matched against what each managed endpoint holds; `parent`: a
         sub-agent's parent session, whose pin's endpoint a new session starts near (that pin
-        is here: a sub-agent's session lives in its family's shard)."""
+        is here: a sub-agent's session lives in its family's shard); `need`: what it needs of
+        a context window (each endpoint's `fits`)."""
         pin = self._ledger.pin(model, session) if session is not None else None
         near = None
         if pin is None and parent is not None:
             held = self._ledger.pin(model, parent)
             near = held.endpoint if held is not None else None
         providers = tuple(
-            self._provider(p, model, feature, exclude, now, prompt, near) for p in self.order
+            self._provider(p, model, feature, exclude, now, prompt, near, need)
+            for p in self.order
         )
         if self._overflow_costs is not None:
             costs, priorities = self._overflow_costs
@@ -191,6 +226,7 @@ class ProviderCatalog:
         now: float,
         prompt: PromptPrefix | None = None,
         near: str | None = None,
+        need: ContextNeed | None = None,
     ) -> ProviderState:
         managed = not self.is_unlimited(provider)
         prefixes = self.prefixes if managed and prompt is not None else None
@@ -222,6 +258,7 @@ class ProviderCatalog:
                     cached=cached,
                     adapter_loaded=managed and self._adapter_loaded(e, model),
                     near_parent=e.id == near,
+                    fits=need is None or need.fits(self.window(e, model)),
                 )
             )
         if strategy == "rate" and len(endpoints) > 1:
@@ -240,6 +277,7 @@ class ProviderCatalog:
                     s.cached,
                     s.adapter_loaded,
                     s.near_parent,
+                    s.fits,
                 )
                 for s in endpoints
             ]

@@ -17,7 +17,8 @@ engine's ``max_num_seqs``, else ``scoring.target_inflight`` scaled by the endpoi
 is raised by the high-water mark of running the scraper learned: never 0.
 
 Health: each report's ``healthy`` goes to the `HealthBoard`. An endpoint no report has mentioned
-counts as healthy and stale (saturated, never dropped). `LoadFollower` keeps the board current
+counts as healthy and stale (saturated, never dropped). Context window: the one its engine last
+reported (`window`), kept while later reports do not say. `LoadFollower` keeps the board current
 from the load bucket (read at start, then a KV watch).
 """
 
@@ -31,6 +32,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
+from llmgw.core.context import ContextWindow
 from llmgw.core.flow import PoolView
 from llmgw.core.saturation import EndpointLoad, SaturationSettings, endpoint_saturation
 from llmgw.core.saturation import update as update_load
@@ -84,6 +86,7 @@ class LoadBoard:
         self._baseline: dict[str, int] = {}
         self._health_at: dict[str, float] = {}
         self._metrics_mode: dict[str, str] = {}
+        self._windows: dict[str, ContextWindow] = {}  # each engine's context window, reported
         self.reports = 0
 
     def knows(self, endpoint_id: str) -> bool:
@@ -138,6 +141,10 @@ class LoadBoard:
         if report.scraped_at >= self._health_at.get(endpoint_id, float("-inf")):
             self._health_at[endpoint_id] = report.scraped_at
             self.health.set_healthy(endpoint_id, report.healthy)
+            if report.context_window is not None:
+                self._windows[endpoint_id] = ContextWindow(
+                    report.context_window, report.window_holds_output
+                )
         sample = report.sample.to_core() if report.sample is not None else None
         # The scraper's learned capacity is a floor too (another scraper may have seen more).
         load = EndpointLoad(
@@ -169,6 +176,7 @@ class LoadBoard:
             self._baseline.pop(endpoint_id, None)
             self._health_at.pop(endpoint_id, None)
             self._metrics_mode.pop(endpoint_id, None)
+            self._windows.pop(endpoint_id, None)
         for endpoint_id, floor in floors.items():
             load = self._loads.get(endpoint_id)
             if load is None:
@@ -244,6 +252,10 @@ class LoadBoard:
 
     def capacity(self, endpoint_id: str) -> int:
         return max(1, self._loads[endpoint_id].capacity)
+
+    def window(self, endpoint_id: str) -> ContextWindow | None:
+        """The context window the endpoint's engine last reported; None: it never did."""
+        return self._windows.get(endpoint_id)
 
     def metrics_mode(self, endpoint_id: str) -> str:
         """ "full", "partial" or "none" (its own accounting only), by the latest report."""

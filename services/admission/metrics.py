@@ -76,6 +76,14 @@ class AdmissionMetrics:
             ["model", "fallback"],
             registry=r,
         )
+        self.window_routes = Counter(
+            "llmgw_admission_window_routes",
+            "Requests whose prompt and requested output fit the context window of no endpoint "
+            "of the model they asked for, by that model and the fallback they were sent to "
+            "(served: none when no fallback fits either: refused, context_length_exceeded).",
+            ["model", "served"],
+            registry=r,
+        )
         self.decision_duration = Histogram(
             "llmgw_admission_decision_seconds",
             "Time from an admission request's arrival to its answer (queueing included).",

@@ -44,6 +44,7 @@ from pydantic import ValidationError
 from llmgw.config.schema import Band
 from llmgw.core.apikeys import KeyLimits, key_pair
 from llmgw.core.breaker import BreakerBoard, BreakerSettings
+from llmgw.core.context import ContextNeed, need_of
 from llmgw.core.flow import GateDecision, Waiter
 from llmgw.core.keys import pin_key
 from llmgw.core.ledger import (
@@ -209,6 +210,11 @@ class _Request:
     # an unlimited provider serves its model (or a fallback). When not, it waits for our engines.
     can_overflow: bool = True
     prompt: PromptPrefix | None = None  # its prompt's chain, for cache-aware placement
+    # What it needs of a context window (None: nothing known, it fits everywhere), and the
+    # models that may serve it, in order: its own and its fallbacks, those whose window it
+    # fits (`_fitting`). The first is the model whose pool and queue it waits in.
+    need: ContextNeed | None = None
+    models: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -526,18 +532,36 @@ class AdmissionService:
                 request.id, Refusal.UNKNOWN_BAND, f"Unknown priority band '{request.band}'."
             )
         feature = Feature(request.feature)
+        need = need_of(request.prompt_tokens, request.prompt_bytes, request.max_output or 0)
+        models = (model, *self._fallbacks.get(model, ()))
+        fitting = self._fitting(models, feature, need) if need.known else models
+        if not fitting and request.max_output is None:  # an older edge: the engine judges
+            need, fitting = ContextNeed(), models
+        if need.known:
+            if not fitting:
+                return self._too_long(request, models, feature, need)
+            if fitting[0] != model:
+                self.metrics.child(self.metrics.window_routes, model, fitting[0]).inc()
+            models = fitting
         can_overflow = (
             band.overflow
             and not request.no_overflow  # its overflow budget is used up: it waits for ours
-            and any(
-                self.catalog.can_overflow(candidate, feature)
-                for candidate in (model, *self._fallbacks.get(model, ()))
-            )
+            and any(self.catalog.can_overflow(candidate, feature) for candidate in models)
         )
         prompt = self.prefixes.prompt_of(request) if request.prefix else None
         context = _Request(
-            request, feature, band, None, started, now, can_overflow=can_overflow, prompt=prompt
+            request,
+            feature,
+            band,
+            None,
+            started,
+            now,
+            can_overflow=can_overflow,
+            prompt=prompt,
+            need=need if need.known else None,
+            models=models,
         )
+        model = models[0]  # the pool it waits for
         if self.flow is None:
             return self._placed(context, overflow=False)
         policy = self.flow.band(band.name)
@@ -560,6 +584,31 @@ class AdmissionService:
         refusal = Refusal.CANCELLED if decision is GateDecision.CANCELLED else Refusal.QUEUE_FULL
         return self._refusal(request.id, refusal, band=band.name)
 
+    def _fitting(
+        self, models: tuple[str, ...], feature: Feature, need: ContextNeed
+    ) -> tuple[str, ...]:
+        """The models of `models` with an endpoint whose context window `need` fits."""
+        return tuple(m for m in models if self.catalog.fits(m, feature, need))
+
+    def _too_long(
+        self, request: AdmitRequest, models: tuple[str, ...], feature: Feature, need: ContextNeed
+    ) -> AdmitReply:
+        """The refusal of a request that fits no endpoint of its model or of its fallbacks."""
+        self.metrics.child(self.metrics.window_routes, request.model, "none").inc()
+        largest = max(
+            (w for m in models if (w := self.catalog.largest_window(m, feature)) is not None),
+            default=None,
+        )
+        needs = f"{'' if need.exact else 'at least '}{need.tokens()} tokens"
+        where = "This model's" if len(models) == 1 else "This model's (and its fallbacks')"
+        return self._refusal(
+            request.id,
+            Refusal.CONTEXT_LENGTH_EXCEEDED,
+            f"{where} maximum context length is {largest} tokens. However, your request needs "
+            f"{needs} ({need.prompt} in the prompt, {max(1, need.output)} for the output). "
+            "Please reduce the length of the messages or of the output.",
+        )
+
     def _placed(
         self, context: _Request, *, overflow: bool
     ) -> AdmitReply | tuple[_Request, asyncio.Future[QueueResult]]:
@@ -580,7 +629,7 @@ class AdmissionService:
         self.metrics.child(self.metrics.quota_holds, context.band.name).inc()
         return self.flow.hold(
             request.id,
-            request.model,
+            context.models[0] if context.models else request.model,
             context.band.name,
             request.tenant or ANONYMOUS_TENANT,
             context.arrived,
@@ -772,7 +821,10 @@ class AdmissionService:
                 "max_parallel_requests.",
             )
         outcome: Placement | Refusal = Refusal.NO_CAPACITY
-        served = request.model
+        models = context.models or (request.model,)
+        served = models[0]
+        too_long = True  # every model's snapshot said CONTEXT_LENGTH_EXCEEDED (the windows
+        # changed since the request arrived)
         pin: PinRecord | None = None
         waits = loans and not overflow and self._waits_for_ours(context)
         grace_until = context.arrived + self.config.admission.limit_grace
@@ -780,7 +832,7 @@ class AdmissionService:
             loans and not overflow and not waits and not context.grace_spent and now < grace_until
         )
         held: tuple[str, str] | None = None  # a managed pair whose quota alone held it back
-        for candidate in (request.model, *self._fallbacks.get(request.model, ())):
+        for candidate in models:
             snapshot, pin = self.catalog.snapshot(
                 candidate,
                 context.feature,
@@ -789,11 +841,15 @@ class AdmissionService:
                 now,
                 context.prompt,
                 request.parent,
+                context.need,
             )
             asked = PlacementRequest(
                 request.session, context.band.interactive, overflow, self._rng.random()
             )
             outcome = place(snapshot, asked)
+            if outcome is Refusal.CONTEXT_LENGTH_EXCEEDED:
+                continue
+            too_long = False
             lacking = _held_back(snapshot, outcome) if loans and not overflow else None
             if lacking is not None:
                 loan = self._loan_for(snapshot, asked, outcome, candidate)
@@ -818,13 +874,15 @@ class AdmissionService:
             )
         ):
             return _QuotaWait(held, None if waits else grace_until)
+        if too_long and context.need is not None and request.max_output is not None:
+            return self._too_long(request, models, context.feature, context.need)
         if not isinstance(outcome, Placement):
             return self._refusal(
                 request.id,
                 Refusal.NO_CAPACITY,
                 f"No provider can take a '{request.model}' request right now.",
             )
-        if served != request.model:
+        if served != models[0]:  # (one that fits no window of its model counts in window_routes)
             self.metrics.child(self.metrics.fallbacks, request.model, served).inc()
         lease = self._apply(request, outcome, served, pin, now)
         endpoint = self.catalog.endpoint_config(outcome.endpoint)

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from starlette.responses import Response
 
 from llmgw.contracts import AdmissionUnavailable
+from llmgw.core.context import requested_output
 from llmgw.core.outcomes import REFUSAL_OUTCOMES, Outcome
 from llmgw.core.requests import InvalidRequest
 from llmgw.core.spend import TokenUse
@@ -126,6 +127,19 @@ _ADMISSION_OUTCOMES = frozenset(
         Outcome.QUEUE_TIMEOUT,
     }
 )
+# The parameter a refusal names, by the API asked (OpenAI's `param`: where a prompt over the
+# context window lies).
+_PROMPT_PARAMS = {
+    "chat": "messages",
+    "messages": "messages",
+    "completions": "prompt",
+    "responses": "input",
+    "embeddings": "input",
+}
+_REFUSAL_PARAMS = {
+    Outcome.MODEL_NOT_FOUND: dict.fromkeys(_PROMPT_PARAMS, "model"),
+    Outcome.CONTEXT_LENGTH_EXCEEDED: _PROMPT_PARAMS,
+}
 _PATHS = {
     "chat": "/v1/chat/completions",
     "completions": "/v1/completions",
@@ -240,6 +254,7 @@ class Attempts:
                 tokens=routed.prompt.tokens,
                 prompt_tokens=routed.prompt.token_count,
                 token_block=routed.prompt.token_block,
+                max_output=requested_output(routed.parsed.body),
             )
             asked = time.perf_counter()
             try:
@@ -272,7 +287,7 @@ class Attempts:
                 return error_response(
                     outcome,
                     reply.message or "The request was not admitted.",
-                    param="model" if outcome is Outcome.MODEL_NOT_FOUND else None,
+                    param=_REFUSAL_PARAMS.get(outcome, {}).get(routed.feature.value),
                     retry_after_s=reply.retry_after,
                     headers=routed.headers,
                 ), outcome

@@ -19,7 +19,9 @@
   conversation) give no token chain: admission then matches the text chain, as for engines
   without events. Never an error for the client.
 
-Embeddings, and anything without a prompt, give nothing.
+Embeddings, and anything without a prompt, give nothing. With ``prefix.enabled`` false there
+is no chain, but the length of the canonical bytes still travels: admission estimates from it
+the prompt's tokens against the endpoints' context windows (`llmgw.core.context`).
 """
 
 from __future__ import annotations
@@ -197,9 +199,8 @@ class PromptChains:
     async def of(
         self, feature: str, body: dict[str, Any], exchange: ApiExchange | None, model: str
     ) -> PromptChain:
-        """The request's chains; `NO_PROMPT` when it has no prompt (or prefixes are off)."""
-        if not self.enabled:
-            return NO_PROMPT
+        """The request's chains; `NO_PROMPT` when it has no prompt (only its length when
+        prefixes are off)."""
         form: tuple[list[Any], list[Any] | None] | str | None
         if exchange is not None:
             form = exchange.chat_form()
@@ -220,14 +221,16 @@ class PromptChains:
         return PromptChain(chain.text, chain.length, pack(blocks), len(ids), tokens.block)
 
     def of_bytes(self, data: bytes, model: str) -> PromptChain:
-        """The text chain of canonical prompt bytes `data` for `model`."""
+        """The text chain of canonical prompt bytes `data` for `model`, and their length (a
+        prompt shorter than a block has no chain; its length still counts, for the context
+        windows)."""
         if not self.enabled:
-            return NO_PROMPT
+            return PromptChain(length=len(data))
         root = self._roots.get(model)
         if root is None:
             root = self._roots[model] = model_root(model)
         chain = text_chain(data, self.block_bytes, self.max_blocks, root)
-        return PromptChain(pack(chain), len(data)) if chain else NO_PROMPT
+        return PromptChain(pack(chain) if chain else b"", len(data))
 
     async def aclose(self) -> None:
         """Close the HTTP client of `tokenizer: engine` (shared by every config's chains)."""

@@ -132,7 +132,7 @@ async def _act(ops: FleetCalls, config: Config, args: argparse.Namespace) -> Any
 def spec_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The endpoint fields the options give (only those given)."""
     spec: dict[str, Any] = {}
-    for field in ("url", "provider", "pool", "weight", "priority", "capacity"):
+    for field in ("url", "provider", "pool", "weight", "priority", "capacity", "context_window"):
         value = getattr(args, field, None)
         if value is not None:
             spec[field] = value

@@ -65,6 +65,11 @@ def _spec_args(parser: argparse.ArgumentParser, *, creating: bool) -> None:
     parser.add_argument("--priority", type=int, help="endpoint priority (default 100)")
     parser.add_argument("--capacity", type=int, help="batch slots (default: learned)")
     parser.add_argument(
+        "--context-window",
+        type=int,
+        help="its context window in tokens (default: what its engine reports)",
+    )
+    parser.add_argument(
         "--upstream-model",
         action="append",
         default=[],

@@ -144,6 +144,7 @@ async def serve(
             capacities=capacity_floors(config),
             clock=clock,
             timer=timer,
+            window_refresh=config.fleet.models_refresh,
         )
         await scraper.adopt_known_capacity()
         kv_events = await start_kv_events(nc, config, metrics, clock=clock, timer=timer)

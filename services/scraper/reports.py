@@ -9,11 +9,18 @@ metrics label), health transitions and `PoolReport`s. Parsing and saturation mat
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Mapping, Sequence
+import json
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from llmgw.core.engine_metrics import EngineSample, MetricsFormatError, parse_engine_metrics
+from llmgw.core.context import ContextWindow
+from llmgw.core.engine_metrics import (
+    EngineDialect,
+    EngineSample,
+    MetricsFormatError,
+    parse_engine_metrics,
+)
 from llmgw.core.saturation import (
     EndpointLoad,
     SaturationSettings,
@@ -44,8 +51,10 @@ __all__ = [
     "kv_event_sources",
     "pool_reports",
     "read_sample",
+    "read_window",
     "saturation_settings",
     "scrape_targets",
+    "window_paths",
 ]
 
 # Error texts travel in every report of a failing endpoint: keep them short.
@@ -82,6 +91,7 @@ class ScrapeTarget:
     pool: str
     models: tuple[str, ...]
     url: str  # base URL without a trailing "/"
+    served: tuple[str, ...] = ()  # the names its engine serves them under (`upstream_model`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,10 +115,74 @@ def scrape_targets(config: Config) -> list[ScrapeTarget]:
     """Every endpoint of a managed provider, in config order (unlimited providers expose none
     of the engine metrics, and their health is not ours to judge)."""
     return [
-        ScrapeTarget(e.id, e.provider, e.pool, tuple(e.models), e.url.rstrip("/"))
+        ScrapeTarget(
+            e.id,
+            e.provider,
+            e.pool,
+            tuple(e.models),
+            e.url.rstrip("/"),
+            tuple(e.upstream_name(m) for m in e.models),
+        )
         for e in config.endpoints
         if config.provider(e.provider).kind == "managed"
     ]
+
+
+# Where each engine tells its context window, by the dialect of its metrics (None: not known,
+# e.g. an engine without metrics): the GETs to try, in order. vLLM and SGLang list it per model
+# in `GET /v1/models` (`max_model_len`); llama.cpp in `GET /props`
+# (`default_generation_settings.n_ctx`, per slot); TGI in `GET /info` (`max_total_tokens`).
+_WINDOW_PATHS: dict[EngineDialect | None, tuple[str, ...]] = {
+    EngineDialect.VLLM: ("/v1/models",),
+    EngineDialect.SGLANG: ("/v1/models",),
+    EngineDialect.LLAMACPP: ("/props",),
+    EngineDialect.TGI: ("/info",),
+    None: ("/v1/models", "/props", "/info"),
+}
+# The names a model list may give its window under: vLLM's and SGLang's, and others'.
+_MODEL_LIST_FIELDS = ("max_model_len", "context_length", "max_context_length")
+
+
+def window_paths(dialect: EngineDialect | None) -> tuple[str, ...]:
+    """The GETs that may tell the context window of an engine of `dialect`, in order."""
+    return _WINDOW_PATHS.get(dialect, _WINDOW_PATHS[None])
+
+
+def _tokens(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def read_window(path: str, fetched: Fetched, served: Collection[str]) -> ContextWindow | None:
+    """The context window a GET of `path` (one of `window_paths`) tells, if any. From a model
+    list: the largest window among the models the endpoint serves them as (`served`; all of
+    them when none is listed: vLLM gives one window for every name of an engine)."""
+    if fetched.status != 200:
+        return None
+    try:
+        body = json.loads(fetched.body)
+    except ValueError:
+        return None
+    if not isinstance(body, dict):
+        return None
+    if path == "/props":  # llama.cpp: the context of one slot; the output is not reserved
+        settings = body.get("default_generation_settings")
+        size = _tokens(settings.get("n_ctx")) if isinstance(settings, dict) else None
+        return ContextWindow(size, hold_output=False) if size is not None else None
+    if path == "/info":  # TGI: input + max_new_tokens must fit max_total_tokens
+        size = _tokens(body.get("max_total_tokens"))
+        return ContextWindow(size) if size is not None else None
+    entries = body.get("data")
+    if not isinstance(entries, list):
+        return None
+    windows: dict[str, int] = {}
+    for entry in entries:
+        if not isinstance(entry, dict):
+            continue
+        size = next((t for f in _MODEL_LIST_FIELDS if (t := _tokens(entry.get(f)))), None)
+        if size is not None:
+            windows[str(entry.get("id"))] = size
+    mine = [size for name, size in windows.items() if name in served] or list(windows.values())
+    return ContextWindow(max(mine)) if mine else None
 
 
 def kv_event_sources(config: Config) -> dict[str, KvEventsSource]:
@@ -195,8 +269,10 @@ def build_report(
     now: float,
     settings: SaturationSettings,
     scraper: str,
+    window: ContextWindow | None = None,
 ) -> tuple[EndpointReport, EndpointLoad, ScrapeOutcome]:
-    """The report of one scrape sent at ``scraped_at``, the endpoint's load after it, the outcome.
+    """The report of one scrape sent at ``scraped_at``, the endpoint's load after it, the outcome;
+    `window`: the engine's context window as last read (`read_window`).
 
     A failed metrics read keeps the previous sample in the load (so the capacity and the last
     reading survive) but not in the report. An endpoint that answers is reported fresh whatever
@@ -223,6 +299,8 @@ def build_report(
         saturation=saturation,
         scraped_at=scraped_at,
         scraper=scraper,
+        context_window=window.tokens if window is not None else None,
+        window_holds_output=window.hold_output if window is not None else True,
     )
     return report, load, classify(health, metrics, healthy=healthy, mode=mode)
 
@@ -237,6 +315,7 @@ def failed_report(
     now: float,
     settings: SaturationSettings,
     scraper: str,
+    window: ContextWindow | None = None,
 ) -> tuple[EndpointReport, EndpointLoad, ScrapeOutcome]:
     """The report of a scrape whose metrics the scraper itself failed to process (`build_report`
     raised: a bug): as for metrics that could not be read. The endpoint's health is still its
@@ -251,6 +330,7 @@ def failed_report(
         now=now,
         settings=settings,
         scraper=scraper,
+        window=window,
     )
 
 

@@ -13,6 +13,12 @@ wait for the slowest, at most ``timeout``). Per endpoint and round:
 
 After every endpoint: one `PoolReport` per (provider, pool) on `pool_event_subject`.
 
+Context windows: an endpoint's report carries its engine's context window
+(`EndpointReport.context_window`), read where its dialect tells it (`reports.window_paths`:
+vLLM's and SGLang's ``GET /v1/models``, llama.cpp's ``GET /props``, TGI's ``GET /info``)
+when it first answers healthy, when it turns healthy again (a restart may change it) and every
+`window_refresh` seconds (``fleet.models_refresh``); a read that fails keeps the last window.
+
 Failures: an endpoint that cannot be scraped still gets its report (healthy False, or sample
 None; stale endpoints score at least 1.0): nothing is ever dropped. Metrics that cannot be read
 (an HTTP error, a timeout, a malformed exposition, or a fault in the scraper's own processing of
@@ -36,6 +42,8 @@ from typing import TYPE_CHECKING, Literal, Protocol, TypedDict
 
 import httpx
 
+from llmgw.core.context import ContextWindow
+from llmgw.core.engine_metrics import EngineDialect
 from llmgw.core.saturation import EndpointLoad, SaturationSettings
 from llmgw.events import EndpointEvent, EventName, PoolMeasured, RoutingEvent, event_id
 from llmgw.load import (
@@ -51,6 +59,8 @@ from llmgw.services.scraper.reports import (
     failed_report,
     health_event_verb,
     pool_reports,
+    read_window,
+    window_paths,
 )
 from llmgw.state.kv import KVEntry
 
@@ -140,8 +150,10 @@ class Scraper:
         clock: Clock,
         timer: Clock,
         capacities: dict[str, int] | None = None,
+        window_refresh: float | None = None,
     ) -> None:
         self.targets = tuple(targets)
+        self.window_refresh = window_refresh
         self._floors = dict(capacities or {})
         self._client = client
         self._bucket = bucket
@@ -159,6 +171,9 @@ class Scraper:
         self._read_at: dict[str, float] = {}  # when each endpoint's /metrics was last read
         self._healthy: dict[str, bool] = {}
         self._outcomes: dict[str, ScrapeOutcome] = {}
+        self._windows: dict[str, ContextWindow] = {}  # each engine's context window, last read
+        self._window_read_at: dict[str, float] = {}
+        self._dialects: dict[str, EngineDialect] = {}  # each engine's metrics dialect, last seen
         self._failing: set[str] = set()  # publish kinds in an outage (logged once each)
         self.rounds = 0
         self.started_at: float | None = None
@@ -325,9 +340,10 @@ class Scraper:
             "settings": self.settings,
             "scraper": self.instance,
         }
+        window = self._windows.get(target.endpoint)
         try:
             report, load, outcome = build_report(
-                target, health, metrics, self.load(target.endpoint), **context
+                target, health, metrics, self.load(target.endpoint), window=window, **context
             )
         except Exception as exc:  # a bug here must not leave a healthy engine unreported
             _log.exception("reading the scrape of %s failed", target.endpoint)
@@ -336,6 +352,7 @@ class Scraper:
                 health,
                 self.load(target.endpoint),
                 f"scraper error: {type(exc).__name__}: {exc}",
+                window=window,
                 **context,
             )
         self._loads[target.endpoint] = load
@@ -343,6 +360,15 @@ class Scraper:
             self._read_at[target.endpoint] = scraped_at
         previous = self._healthy.get(target.endpoint)
         self._healthy[target.endpoint] = report.healthy
+        if report.sample is not None:
+            self._dialects[target.endpoint] = report.sample.dialect
+        if report.healthy and self._window_due(target.endpoint, previous, scraped_at):
+            read = await self._read_window(target)
+            if read is not None and read != window:
+                self._windows[target.endpoint] = read
+                report = report.model_copy(
+                    update={"context_window": read.tokens, "window_holds_output": read.hold_output}
+                )
         try:  # accounting only: a fault here must not keep the report from being published
             self.metrics.observe_scrape(report, outcome, duration)
             self._log_outcome(report, outcome)
@@ -350,6 +376,23 @@ class Scraper:
             _log.exception("recording the scrape of %s failed", target.endpoint)
         await self._publish(report, health_event_verb(previous, report.healthy))
         return report
+
+    def _window_due(self, endpoint: str, was_healthy: bool | None, now: float) -> bool:
+        """Whether to read the engine's context window now (it answers healthy): never read,
+        healthy again, or last read `window_refresh` ago."""
+        read_at = self._window_read_at.get(endpoint)
+        if read_at is None or was_healthy is False:
+            return True
+        return self.window_refresh is not None and now - read_at >= self.window_refresh
+
+    async def _read_window(self, target: ScrapeTarget) -> ContextWindow | None:
+        """The engine's context window, from the first of its dialect's sources that tells it."""
+        self._window_read_at[target.endpoint] = self._clock()
+        for path in window_paths(self._dialects.get(target.endpoint)):
+            window = read_window(path, await self._get(target.url + path), target.served)
+            if window is not None:
+                return window
+        return None
 
     async def _get(self, url: str) -> Fetched:
         try:

@@ -7,6 +7,7 @@ simulators can run in one process, e.g. in tests.
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -69,13 +70,57 @@ def create_engine_app(
         responses_api=params.responses_api,
         messages_api=params.messages_api,
         hooks=AppHooks(
-            routes={("POST", "/reset_prefix_cache"): _reset_prefix_cache(backend)},
+            routes={
+                ("POST", "/reset_prefix_cache"): _reset_prefix_cache(backend),
+                **_server_info(params, served[0]),
+            },
             startup=backend.startup,
             shutdown=backend.aclose,
             faults_changed=backend.apply_faults,
         ),
         tokenizer=tokenizer,
     )
+
+
+def _server_info(params: EngineParams, model: str) -> dict[tuple[str, str], Handler]:
+    """Where the engine whose metrics dialect the simulator speaks tells its context window
+    besides `GET /v1/models` (`max_model_len`, every dialect): llama.cpp's ``GET /props``
+    (``default_generation_settings.n_ctx``, the context of one slot) and TGI's ``GET /info``
+    (``max_input_tokens``, ``max_total_tokens``), with a few of their neighbouring fields."""
+    dialect = params.metrics_dialect
+    if dialect == "llamacpp":
+        path, body = (
+            "/props",
+            {
+                "default_generation_settings": {
+                    "n_ctx": params.max_model_len,
+                    "params": {"n_predict": -1, "temperature": 0.8},
+                },
+                "total_slots": params.max_num_seqs,
+                "model_alias": model,
+                "model_path": model,
+            },
+        )
+    elif dialect == "tgi":
+        path, body = (
+            "/info",
+            {
+                "model_id": model,
+                "max_concurrent_requests": 128,
+                "max_input_tokens": params.max_model_len - 1,
+                "max_total_tokens": params.max_model_len,
+                "max_client_batch_size": 4,
+                "router": "text-generation-router",
+            },
+        )
+    else:
+        return {}
+    payload = json.dumps(body).encode()
+
+    async def handle(scope: Scope, receive: Receive, send: Send) -> None:
+        await send_bytes(send, 200, payload, b"application/json")
+
+    return {("GET", path): handle}
 
 
 def _reset_prefix_cache(backend: EngineBackend) -> Handler:

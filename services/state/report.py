@@ -82,7 +82,8 @@ class InstanceReport:
 class EndpointState:
     """A managed endpoint by the scraper's latest report. ``dialect`` is the engine's metrics
     dialect (vllm, sglang, llamacpp, tgi; None: no load gauges, or unreadable), ``metrics``
-    how much of it it shows (full, partial, none, error); a gauge it does not report is None."""
+    how much of it it shows (full, partial, none, error); a gauge it does not report is None;
+    ``context_window``: the engine's context window as it reports it (None: not known)."""
 
     endpoint: str
     provider: str
@@ -98,6 +99,7 @@ class EndpointState:
     age: float  # seconds since the scrape the report is of
     scraper: str
     metrics_error: str | None = None
+    context_window: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,6 +261,7 @@ def _endpoint_state(report: EndpointReport, now: float) -> EndpointState:
         age=max(0.0, now - report.scraped_at),
         scraper=report.scraper,
         metrics_error=report.metrics_error,
+        context_window=report.context_window,
     )
 
 
@@ -436,6 +439,7 @@ def _endpoint_lines(report: StateReport) -> list[str]:
             "kv",
             "capacity",
             "saturation",
+            "window",
             "age",
         ],
         [
@@ -450,6 +454,7 @@ def _endpoint_lines(report: StateReport) -> list[str]:
                 _maybe(e.kv_usage, "{:.0%}"),
                 str(e.capacity),
                 _maybe(e.saturation, "{:.2f}"),
+                _maybe(e.context_window),
                 f"{e.age:.1f}s",
             ]
             for e in report.endpoints

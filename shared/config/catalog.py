@@ -38,6 +38,10 @@ class ModelConfig(StrictModel):
     tokenizer: str | None = None
     # Its engines' KV cache block, in tokens (vLLM's --block-size; 16 by default).
     kv_block_size: int = Field(16, ge=1, le=1024)
+    # Its context window in tokens (prompt + output), for endpoints whose window is known
+    # neither from their own `context_window` nor from their engine (a third party's API, an
+    # engine that does not report one). null: unknown there (the endpoint judges).
+    context_window: int | None = Field(None, ge=1)
 
 
 class Limits(StrictModel):
@@ -210,6 +214,10 @@ class EndpointConfig(StrictModel):
     # engine of another version); null: the provider's.
     apis: list[Api] | None = Field(None, min_length=1)
     upstream_model: dict[str, str] = Field(default_factory=dict)
+    # Its context window in tokens (prompt + output): wins over what its engine reports (the
+    # scraper reads vLLM's max_model_len, llama.cpp's n_ctx, ...) and its model's. null: the
+    # engine's, else the model's `context_window`.
+    context_window: int | None = Field(None, ge=1)
     # The engine's KV cache events (vLLM): what its prefix cache holds, exactly. Without them
     # placement goes by what was sent there (docs/architecture.md, "Cache-aware placement").
     kv_events: KvEventsSource | None = None

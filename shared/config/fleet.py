@@ -63,7 +63,8 @@ class FleetConfig(StrictModel):
     drain_timeout: PositiveDuration = 60.0
     # How often the reaper reads again the `GET /v1/models` of each endpoint whose models came
     # from its engine, and follows what it serves (a LoRA adapter loaded or unloaded at run
-    # time, a model renamed); null: read once, when the endpoint joins.
+    # time, a model renamed); null: read once, when the endpoint joins. The scraper reads each
+    # managed engine's context window again as often (and whenever it turns healthy again).
     models_refresh: PositiveDuration | None = 15.0
     # Follow a Kubernetes Service's EndpointSlices (docs/deployment.md, "Discovery"); off: null.
     kubernetes: KubernetesDiscovery | None = None

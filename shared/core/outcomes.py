@@ -18,6 +18,8 @@ class Outcome(enum.StrEnum):
     MODEL_NOT_FOUND = "model_not_found"
     NOT_FOUND = "not_found"  # a stored response that is unknown, expired or another key's
     UNSUPPORTED = "unsupported"
+    # the prompt and the output it asks for fit no endpoint of its model or of its fallbacks
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
     BODY_TOO_LARGE = "body_too_large"
     ADMISSION_UNAVAILABLE = "admission_unavailable"
     NO_CAPACITY = "no_capacity"
@@ -39,7 +41,7 @@ class Outcome(enum.StrEnum):
 class Refusal(enum.StrEnum):
     """Why admission said no: one vocabulary from the decision core to the wire to the edge.
 
-    Placement refuses UNSUPPORTED or NO_CAPACITY, flow control QUEUE_FULL, QUEUE_TIMEOUT or
+    Placement refuses UNSUPPORTED, CONTEXT_LENGTH_EXCEEDED or NO_CAPACITY, flow control QUEUE_FULL, QUEUE_TIMEOUT or
     CANCELLED, the service UNKNOWN_MODEL, UNKNOWN_BAND or MALFORMED, and NOT_OWNER when a
     request reaches an instance that no longer owns its shard (the edge asks again).
     `REFUSAL_OUTCOMES` maps each, once, to the request's outcome.
@@ -47,6 +49,8 @@ class Refusal(enum.StrEnum):
 
     UNSUPPORTED = "unsupported"  # no provider serves this model with this feature
     NO_CAPACITY = "no_capacity"  # every provider that serves it is degraded or full
+    # its prompt and requested output fit the context window of no endpoint that serves it
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
     UNKNOWN_MODEL = "unknown_model"
     UNKNOWN_BAND = "unknown_band"
     MALFORMED = "malformed"  # the request did not parse (e.g. an edge of another version)
@@ -75,6 +79,10 @@ ERROR_SHAPES: dict[Outcome, ErrorShape] = {
     Outcome.MODEL_NOT_FOUND: ErrorShape(404, "invalid_request_error", "model_not_found"),
     Outcome.NOT_FOUND: ErrorShape(404, "invalid_request_error", "not_found"),
     Outcome.UNSUPPORTED: ErrorShape(400, "invalid_request_error", "unsupported_feature"),
+    # OpenAI's own code for a prompt (and max_tokens) over the model's context window.
+    Outcome.CONTEXT_LENGTH_EXCEEDED: ErrorShape(
+        400, "invalid_request_error", "context_length_exceeded"
+    ),
     Outcome.BODY_TOO_LARGE: ErrorShape(413, "invalid_request_error", "request_too_large"),
     Outcome.ADMISSION_UNAVAILABLE: ErrorShape(
         503, "service_unavailable", "admission_unavailable", retry_after=True
@@ -108,6 +116,7 @@ ERROR_SHAPES: dict[Outcome, ErrorShape] = {
 REFUSAL_OUTCOMES: dict[Refusal, Outcome] = {
     Refusal.UNSUPPORTED: Outcome.UNSUPPORTED,
     Refusal.NO_CAPACITY: Outcome.NO_CAPACITY,
+    Refusal.CONTEXT_LENGTH_EXCEEDED: Outcome.CONTEXT_LENGTH_EXCEEDED,
     Refusal.UNKNOWN_MODEL: Outcome.MODEL_NOT_FOUND,
     Refusal.UNKNOWN_BAND: Outcome.BAD_REQUEST,
     Refusal.MALFORMED: Outcome.ADMISSION_UNAVAILABLE,

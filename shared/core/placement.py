@@ -20,6 +20,13 @@ The pinning rules, step by step:
   the pin stays;
 - otherwise the request runs on its pin.
 
+Context windows (`llmgw.core.context`): an endpoint whose window the request does not fit
+(`EndpointState.fits` False) is no candidate, wherever a candidate is picked. A pin on a
+provider none of whose endpoints the request fits any more (its conversation outgrew them)
+moves to the next provider that can take it (REPINNED, reason ``context_window``); a home
+replica it outgrew is left as an unusable one is (HOME_UNUSABLE). When no endpoint of any
+provider that serves the model fits, the answer is CONTEXT_LENGTH_EXCEEDED, never a placement.
+
 Beyond those rules:
 
 - *return home*: a session pinned to a lower-priority provider (a third party, or a lower
@@ -77,14 +84,17 @@ Properties (tests/core/test_placement.py, hypothesis):
   endpoint of the same provider has one;
 - an unlimited provider is chosen only when no managed provider can take the request now (usable,
   with room for the lease it needs, with a usable endpoint), or flow control said overflow, or
-  the session is pinned there (and cannot return home).
+  the session is pinned there (and cannot return home);
+- (tests/core/test_context_window.py) no request is placed on an endpoint it does not fit, it is
+  refused CONTEXT_LENGTH_EXCEEDED exactly when no endpoint of a provider serving it fits, and a
+  pinned session that outgrew every endpoint of its provider never stays there.
 """
 
 from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from llmgw.core.affinity import HashRing
@@ -163,6 +173,7 @@ class EndpointState:
     cached: float = 0.0  # the share of the request's prompt its prefix cache holds, 0..1
     adapter_loaded: bool = False  # the request's LoRA adapter is in its GPU memory now
     near_parent: bool = False  # a new sub-agent session: its parent's last request ran here
+    fits: bool = True  # the request fits its context window (llmgw.core.context)
 
     @property
     def free_slot(self) -> bool:
@@ -283,6 +294,8 @@ def place(snapshot: Snapshot, request: PlacementRequest) -> Outcome:
     providers = snapshot.providers
     if not any(p.supports for p in providers):
         return Refusal.UNSUPPORTED
+    if _outgrown(p for p in providers if p.supports):
+        return Refusal.CONTEXT_LENGTH_EXCEEDED
     if request.overflow:
         for provider in providers:
             if not provider.managed and provider.usable:
@@ -304,6 +317,8 @@ def place(snapshot: Snapshot, request: PlacementRequest) -> Outcome:
     if current is None or not current.usable:
         reason = "unsupported" if current is None or not current.supports else "degraded"
         return _new_pin(snapshot, request, pin.provider, Route.REPINNED, reason)
+    if _outgrown((current,)):  # the conversation outgrew every endpoint of its provider
+        return _new_pin(snapshot, request, pin.provider, Route.REPINNED, "context_window")
     home = _return_home(snapshot, request, current, pin)
     if home is not None:
         return home
@@ -322,8 +337,9 @@ def place(snapshot: Snapshot, request: PlacementRequest) -> Outcome:
 
 
 def can_take_now(provider: ProviderState, kind: LeaseKind, *, new_pin: bool) -> bool:
-    """Usable, with room for a lease of `kind` (and a pin, if it needs one), and an endpoint."""
-    if not provider.usable or not any(e.usable for e in provider.endpoints):
+    """Usable, with room for a lease of `kind` (and a pin, if it needs one), and an endpoint
+    (usable, and one the request fits)."""
+    if not provider.usable or not any(e.usable and e.fits for e in provider.endpoints):
         return False
     room = provider.room
     if kind is LeaseKind.PINNED and not room.pinned:
@@ -425,7 +441,7 @@ def _endpoint(
     home: str | None = None,
     pinned: bool = False,
 ) -> tuple[str, AffinityBreak | None] | None:
-    candidates = [e for e in provider.endpoints if e.usable]
+    candidates = [e for e in provider.endpoints if e.usable and e.fits]
     if not candidates:
         return None
     if provider.strategy == "rate":
@@ -435,6 +451,12 @@ def _endpoint(
     return _managed_endpoint(
         provider, candidates, session, request.interactive, settings, home, pinned
     )
+
+
+def _outgrown(providers: Iterable[ProviderState]) -> bool:
+    """Whether these providers have endpoints and the request fits none of them."""
+    endpoints = [e for p in providers for e in p.endpoints]
+    return bool(endpoints) and not any(e.fits for e in endpoints)
 
 
 def _weighted(candidates: Sequence[EndpointState], draw: float) -> str:

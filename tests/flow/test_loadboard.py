@@ -11,6 +11,7 @@ import time
 
 from rig import MODEL, rig_config
 
+from llmgw.core.context import ContextWindow
 from llmgw.load import EndpointReport, LoadSample, report_key
 from llmgw.services.admission.health import HealthBoard
 from llmgw.services.admission.loadboard import (
@@ -146,3 +147,17 @@ async def test_a_load_bucket_that_does_not_answer_at_start_is_followed_once_it_d
         assert b.capacity("engine-1") == 8
     finally:
         await follower.stop()
+
+
+def test_the_window_an_engine_reported_is_kept_until_a_newer_report_says_another():
+    b = board()
+    assert b.window("engine-1") is None  # never reported: unknown (every request fits)
+    b.apply(engine_report(T, None).model_copy(update={"context_window": 4096}))
+    assert b.window("engine-1") == ContextWindow(4096)
+    b.apply(engine_report(T + 1, None))  # a scrape that did not read it keeps it
+    assert b.window("engine-1") == ContextWindow(4096)
+    newer = {"context_window": 8192, "window_holds_output": False}
+    b.apply(engine_report(T + 2, None).model_copy(update=newer))
+    assert b.window("engine-1") == ContextWindow(8192, hold_output=False)
+    b.apply(engine_report(T + 1.5, None).model_copy(update={"context_window": 1000}))
+    assert b.window("engine-1") == ContextWindow(8192, hold_output=False)  # older: ignored

@@ -330,10 +330,21 @@ async def test_endpoints_show_the_scrapers_reports_with_each_engines_dialect(
         assert endpoints["engine-b"]["metrics_error"] == "HTTP 500"
         assert await asyncio.to_thread(state) == 0
         rows = [line.split() for line in capsys.readouterr().out.splitlines()]
-        assert ["engine-a", IRIS, "yes", "llamacpp", "partial", "3", "1", "-", "4", "0.00"] in [
-            row[:-1] for row in rows
-        ]
-        assert ["engine-b", IRIS, "yes", "-", "error", "-", "-", "-", "4", "0.00"] in [
+        # ... capacity, saturation, the engine's context window (none reported here), age
+        assert [
+            "engine-a",
+            IRIS,
+            "yes",
+            "llamacpp",
+            "partial",
+            "3",
+            "1",
+            "-",
+            "4",
+            "0.00",
+            "-",
+        ] in [row[:-1] for row in rows]
+        assert ["engine-b", IRIS, "yes", "-", "error", "-", "-", "-", "4", "0.00", "-"] in [
             row[:-1] for row in rows
         ]
     finally:

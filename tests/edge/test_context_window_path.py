@@ -1,0 +1,140 @@
+"""A model's own `context_window` (for endpoints whose engines say nothing: here no scraper
+runs) through a real edge, admission instance, NATS and simulated engines: a prompt too long
+for it runs on the model's fallback, with or without prefix chains (the prompt's length
+travels either way)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import nats
+import pytest
+from conftest import HeaderRecorder
+from inproc import before_any_lease, start_admission, start_edge, stop_servers
+
+from llmgw.config import Config
+from llmgw.core.context import BYTES_PER_TOKEN
+from llmgw.core.outcomes import Refusal
+from llmgw.services.admission.service import AdmissionService
+from llmgw.services.sim.apps import create_engine_app
+from llmgw.services.sim.params import EngineParams
+from llmgw.serving import start_server
+from llmgw.wire import AdmitRequest, ReplyStatus
+
+WINDOW = 200  # m1's context_window: its endpoints say nothing of their own
+
+
+def text(estimate: int) -> str:
+    """Content the gateway estimates at `estimate` tokens at least."""
+    return "abcd " * math.ceil(estimate * BYTES_PER_TOKEN / 5)
+
+
+@dataclass
+class Running:
+    url: str
+    received: dict[str, HeaderRecorder]  # per engine: what it was sent
+    admission: AdmissionService
+
+
+@contextlib.asynccontextmanager
+async def running(
+    make_config: Callable[..., Config],
+    nats_url: str,
+    unique_id: str,
+    models: list[dict[str, Any]],
+    **overrides: Any,
+) -> AsyncIterator[Running]:
+    engines, received = {}, {}
+    for seed, name in enumerate(("engine-1", "engine-2", "tensorx-1")):
+        params = EngineParams.zero_delay(seed=seed)
+        received[name] = HeaderRecorder(create_engine_app(params, ["m1", "m2"]))
+        engines[name] = await start_server(received[name])
+    config = make_config(
+        nats_url,
+        {k: v.url for k, v in engines.items()},
+        f"routing_{unique_id}",
+        models=models,
+        **overrides,
+    )
+    with before_any_lease(config):
+        admission = await start_admission(
+            config, nats_url, instance="admission-window", follow_load=False
+        )
+    edge = await start_edge(config, nats_url, edge_id="edge-window")
+    try:
+        yield Running(edge.url, received, admission.service)
+    finally:
+        await edge.stop()
+        await admission.stop()
+        nc = await nats.connect(nats_url)
+        await nc.jetstream().delete_key_value(config.pinning.bucket)
+        await nc.close()
+        await stop_servers(engines.values())
+
+
+WITH_FALLBACK = [{"name": "m1", "fallbacks": ["m2"], "context_window": WINDOW}, {"name": "m2"}]
+
+
+@pytest.mark.parametrize("prefix", [True, False], ids=["prefix-chains", "prefix-off"])
+async def test_a_prompt_over_the_models_window_runs_on_its_fallback(
+    make_gateway_config: Callable[..., Config], nats_url: str, unique_id: str, prefix: bool
+) -> None:
+    overrides = {} if prefix else {"prefix": {"enabled": False}}
+    async with running(
+        make_gateway_config, nats_url, unique_id, WITH_FALLBACK, **overrides
+    ) as gateway:
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=10) as client:
+
+            async def ask(content: str, **extra: Any) -> httpx.Response:
+                body = {"model": "m1", "messages": [{"role": "user", "content": content}]}
+                return await client.post("/v1/chat/completions", json={**body, **extra})
+
+            short = await ask("hello", max_tokens=8)
+            assert short.status_code == 200
+            assert "x-llmgw-fallback-from" not in short.headers
+            assert short.json()["model"] == "m1"
+
+            long = await ask(text(WINDOW), max_tokens=8)
+            assert long.status_code == 200, long.text
+            assert long.headers["x-llmgw-fallback-from"] == "m1"
+            assert long.json()["model"] == "m2"  # the engine was asked for the fallback
+
+            # Short, but asking for more output than the window holds: vLLM's count.
+            greedy = await ask("hello", max_tokens=WINDOW)
+            assert greedy.status_code == 200
+            assert greedy.headers["x-llmgw-fallback-from"] == "m1"
+        assert sum(len(r.seen) for r in gateway.received.values()) == 3
+
+
+async def test_only_an_edge_that_says_the_output_is_refused_for_its_length(
+    make_gateway_config: Callable[..., Config], nats_url: str, unique_id: str
+) -> None:
+    """An edge from before context windows sends no `max_output` and could not read the
+    refusal: its request that fits nowhere is placed as before (the engine judges)."""
+    both = [
+        {"name": "m1", "fallbacks": ["m2"], "context_window": WINDOW},
+        {"name": "m2", "context_window": WINDOW},
+    ]
+    async with running(make_gateway_config, nats_url, unique_id, both) as gateway:
+        ask = {
+            "edge": "edge-old",
+            "model": "m1",
+            "feature": "chat",
+            "shard": 0,
+            "prompt_bytes": BYTES_PER_TOKEN * (WINDOW + 1),
+        }
+        new = await gateway.admission.decide(AdmitRequest(id="new", max_output=0, **ask))
+        assert (new.status, new.refusal) == (
+            ReplyStatus.REFUSED,
+            Refusal.CONTEXT_LENGTH_EXCEEDED,
+        )
+        assert new.message is not None and "maximum context length is 200 tokens" in new.message
+        old = await gateway.admission.decide(AdmitRequest(id="old", **ask))
+        assert old.status is ReplyStatus.ADMITTED and old.served_model == "m1"
+        assert old.lease is not None
+        gateway.admission.ledger.release(old.lease.lease_id, 0.0, refresh=False)
