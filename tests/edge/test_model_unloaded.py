@@ -52,11 +52,11 @@ async def unloaded(nats_url, unique_id, make_gateway_config):
         await stop_servers(engines.values())
 
 
-async def test_a_model_the_engine_no_longer_serves_is_retried_where_it_is_served(
-    unloaded, nats_url
-):
+async def test_a_model_the_engine_no_longer_serves_is_retried_where_it_is_served(unloaded):
     config, edge, admission = unloaded
-    nc = await nats.connect(nats_url)  # one connection: the edge's messages arrive in order
+    # The edge's own connection: what it publishes after these subscriptions reaches them, in
+    # order (another connection's subscription may reach the server after a publish).
+    nc = edge.nc
     seen: list[RequestEnded] = []
     notices: list[ModelsStale] = []
 
@@ -66,8 +66,10 @@ async def test_a_model_the_engine_no_longer_serves_is_retried_where_it_is_served
     async def on_notice(msg) -> None:
         notices.append(ModelsStale.model_validate_json(msg.data))
 
-    await nc.subscribe(REQUEST_STATS_SUBJECT, cb=on_stats)
-    await nc.subscribe(MODELS_STALE_SUBJECT, cb=on_notice)
+    subs = [
+        await nc.subscribe(REQUEST_STATS_SUBJECT, cb=on_stats),
+        await nc.subscribe(MODELS_STALE_SUBJECT, cb=on_notice),
+    ]
     await nc.flush()
     client = AsyncOpenAI(base_url=edge.url + "/v1", api_key="unused", max_retries=0)
     served = []
@@ -84,7 +86,8 @@ async def test_a_model_the_engine_no_longer_serves_is_retried_where_it_is_served
         await until(lambda: len(seen) == 2 * REQUESTS)
         await nc.flush()
     finally:
-        await nc.close()
+        for sub in subs:
+            await sub.unsubscribe()
     assert served == ["engine-2"] * REQUESTS
     first = [s for s in seen if s.endpoint == "engine-1"]
     assert [(s.outcome, s.status, s.ok) for s in first] == [("model_unloaded", 404, False)] * (
