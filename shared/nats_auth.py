@@ -57,6 +57,7 @@ from llmgw.wire import (
     BUDGET_LEND_PREFIX,
     EDGE_CONFIG_SUBJECT,
     KEYS_USAGE_SUBJECT,
+    MODELS_STALE_SUBJECT,
     REQUEST_STATS_SUBJECT,
     SPEND_TOTALS_SUBJECT,
     prefix_held_subject,
@@ -153,6 +154,7 @@ def role_permissions(config: Config) -> dict[str, Permissions]:
                 SPEND_TOTALS_SUBJECT,  # its spend totals; admission writes them down
                 BUDGET_GRANT_SUBJECT,  # budget grants: admission writes the account
                 f"{BUDGET_LEND_PREFIX}*",  # asks another edge to lend budget it holds idle
+                MODELS_STALE_SUBJECT,  # an engine's 404 for a model it lists: read its list again
                 INBOX,  # answers to admission's roll calls, and to loans asked of it
                 *_read_bucket(keys),  # the key mirror's watch: read only
                 *_read_bucket(fleet),  # the applied config's watch: read only
@@ -215,7 +217,8 @@ def role_permissions(config: Config) -> dict[str, Permissions]:
                 ADMISSION_STATE_SUBJECT,
                 *_events_stream(config),
             ),
-            subscribe=(INBOX,),
+            # The edges' notices of engines that no longer serve a model they list.
+            subscribe=(INBOX, MODELS_STALE_SUBJECT),
         ),
         "scraper": Permissions(
             publish=(

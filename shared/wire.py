@@ -50,6 +50,9 @@ ADMISSION_LOAD_SUBJECT = "llmgw.v1.admission.load"
 REQUEST_STATS_SUBJECT = "llmgw.v1.stats.request"
 # Edge -> every edge: its requests and tokens per API key in the current rate window.
 KEYS_USAGE_SUBJECT = "llmgw.v1.keys.usage"
+# Edge -> one reaper of the queue group: a managed engine answered 404 for a model the fleet lists
+# there; read its model list again (`fleet.models_refresh`'s follower).
+MODELS_STALE_SUBJECT = "llmgw.v1.fleet.models_stale"
 # Edge -> admission (one instance of the queue group writes it down): the edge's spend totals of
 # one UTC day (llmgw.core.spend).
 SPEND_TOTALS_SUBJECT = "llmgw.v1.spend.totals"
@@ -513,6 +516,20 @@ class KeyUsage(_Message):
     edge: str
     window: int
     keys: dict[str, KeyWindowUse]
+
+
+class ModelsStale(_Message):
+    """Edge -> MODELS_STALE_SUBJECT: engine `endpoint` answered 404 ``model_not_found`` for
+    `model`, which the fleet lists there (an adapter unloaded since the reaper read its list):
+    read its ``GET /v1/models`` again now. At most one per endpoint and model per second from
+    each edge; `scope` is the gateway's fleet bucket (gateways sharing a NATS server stay
+    apart)."""
+
+    v: Literal[1] = 1
+    edge: str
+    scope: str
+    endpoint: str
+    model: str
 
 
 class SpendTotalsReport(_Message):

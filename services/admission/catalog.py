@@ -204,8 +204,7 @@ class ProviderCatalog:
             held = self._ledger.pin(model, parent)
             near = held.endpoint if held is not None else None
         providers = tuple(
-            self._provider(p, model, feature, exclude, now, prompt, near, need)
-            for p in self.order
+            self._provider(p, model, feature, exclude, now, prompt, near, need) for p in self.order
         )
         if self._overflow_costs is not None:
             costs, priorities = self._overflow_costs

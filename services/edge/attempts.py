@@ -4,7 +4,8 @@ client.
 `Attempts.run` asks admission (one request/reply), relays to the target and answers the client.
 An attempt that fails before anything reached the client in a way another endpoint may not
 (connection refused or reset, an answer that is not HTTP, a response-header or first-token
-timeout, a 429 or 5xx, a stream that broke before its first byte) is retried up to the model's
+timeout, a 429 or 5xx, a stream that broke before its first byte, a managed engine's 404 for a
+model the fleet lists there: `model_unloaded`, which no breaker counts) is retried up to the model's
 profile's ``retries``: the retry names the failed attempt's lease (`retry_of`: admission
 releases it and decides the retry in one step, so the retry never finds its own session at the
 per-session limit) and how it failed (`failed`: the breakers learn it before the retry is
@@ -60,6 +61,7 @@ from llmgw.services.edge.upstream import (
     error_message_from_upstream,
     first_chunk,
     loop_deadline,
+    names_missing_model,
     open_upstream,
     passthrough_headers,
     read_body,
@@ -112,6 +114,7 @@ _RETRYABLE = frozenset(
         Outcome.UPSTREAM_TIMEOUT,
         Outcome.UPSTREAM_ERROR,
         Outcome.UPSTREAM_BROKEN_STREAM,
+        Outcome.MODEL_UNLOADED,  # the engine's 404 for a model the fleet lists there
     }
 )
 # The provider refused the gateway's own key for it (a key revoked, rotated, or missing): the
@@ -396,6 +399,16 @@ class Attempts:
             except UpstreamFailure as failure:
                 return self._failure(ending, failure.outcome, failure.message, headers)
             refused = upstream.status in _CREDENTIALS_REFUSED
+            if (
+                upstream.status == 404
+                and target.provider_kind == "managed"
+                and names_missing_model(payload)
+            ):
+                # The fleet lists the model there and the engine no longer serves it (an
+                # adapter unloaded since its list was read): another endpoint may; the engine's
+                # own 404 is the client's answer when none does.
+                response = Response(payload, status_code=404, headers=upstream_headers)
+                return self._failure(ending, Outcome.MODEL_UNLOADED, "", headers, response)
             if upstream.status < 500 and upstream.status != 429 and not refused:
                 # The engine judged the request itself (e.g. prompt too long): its answer is the
                 # client's answer.

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from llmgw import natsconn
 from llmgw.config import parse_hostport
 from llmgw.config.credentials import CredentialsError, provider_keys
+from llmgw.config.fleet import fleet_bucket
 from llmgw.core.keys import safe_token
 from llmgw.core.outage import LocalBudget
 from llmgw.runtime import (
@@ -207,7 +208,9 @@ async def open_edge_deps(
     await leases.start()
     auth = await open_key_auth(nc, config, edge_id)
     reporter: RequestReporter = NatsReporter(
-        nc, local=colocated.ended_here if colocated is not None else None
+        nc,
+        local=colocated.ended_here if colocated is not None else None,
+        scope=fleet_bucket(config),
     )
     metrics = EdgeMetrics(
         tenant_label=config.metrics.tenant_label, max_tenants=config.metrics.max_tenants

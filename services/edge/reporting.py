@@ -13,18 +13,26 @@ seconds, batched with the ends of that window: at low rates that saves nats-serv
 process a wake-up per request. An end whose lease another instance holds goes at the next
 event-loop turn, as without a colocated instance.
 
+An attempt that ended `model_unloaded` (a managed engine's 404 for a model the fleet lists
+there) also asks the reapers to read that engine's model list again (`ModelsStale` on
+``llmgw.v1.fleet.models_stale``), once per endpoint and model per `STALE_EVERY` seconds
+(`NoticeGate`): a burst of such answers is one notice.
+
 Best effort by design: a lost message costs one renewal interval of a lease (the owner ends it
-when the edge's next lease list leaves it out) and one balancer sample.
+when the edge's next lease list leaves it out) and one balancer sample; a lost notice, the wait
+for the next `fleet.models_refresh`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from llmgw.wire import REQUEST_STATS_SUBJECT
+from llmgw.core.outcomes import Outcome
+from llmgw.wire import MODELS_STALE_SUBJECT, REQUEST_STATS_SUBJECT, ModelsStale
 
 if TYPE_CHECKING:
     from nats.aio.client import Client as NATS
@@ -34,20 +42,50 @@ if TYPE_CHECKING:
 log = logging.getLogger("llmgw.edge.reporting")
 
 HOLD = 0.005  # seconds an end settled in process may wait to share one flush
+STALE_EVERY = 1.0  # seconds between two notices of one endpoint and model
+_MODEL_UNLOADED = Outcome.MODEL_UNLOADED.value
+_GATE_SIZE = 1024  # (endpoint, model) pairs remembered at most
+
+
+class NoticeGate:
+    """Which notices go out: a key's first, then at most one per `every` seconds. Pure: the
+    time is passed in."""
+
+    def __init__(self, every: float = STALE_EVERY) -> None:
+        self.every = every
+        self._last: dict[tuple[str, str], float] = {}
+
+    def due(self, key: tuple[str, str], now: float) -> bool:
+        last = self._last.get(key)
+        if last is not None and now - last < self.every:
+            return False
+        if len(self._last) >= _GATE_SIZE:  # forget those past their window
+            self._last = {k: t for k, t in self._last.items() if now - t < self.every}
+        self._last[key] = now
+        return True
 
 
 class NatsReporter:
-    """`llmgw.contracts.RequestReporter` over core NATS publish."""
+    """`llmgw.contracts.RequestReporter` over core NATS publish. `scope`: the fleet bucket the
+    edge runs on (its model-list notices name it)."""
 
     def __init__(
         self,
         nc: NATS,
         local: Callable[[RequestEnded], bool] | None = None,
         hold: float = HOLD,
+        *,
+        scope: str = "",
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._nc = nc
         self._local = local
         self._hold = hold
+        self._scope = scope
+        self._clock = clock
+        self._gate = NoticeGate()
+        self._notices: list[bytes] = []
+        self.notices = 0  # model-list notices sent
         self._queued: list[bytes] = []
         self._flushing: asyncio.Task[None] | None = None
         self._wake: asyncio.Future[None] | None = None  # set: flush without waiting `hold`
@@ -62,10 +100,23 @@ class NatsReporter:
             except Exception:  # the NATS copy still reaches every instance
                 log.exception("request end not applied in process")
         self._queued.append(message.model_dump_json(exclude_defaults=True).encode())
+        if message.outcome == _MODEL_UNLOADED:
+            urgent = self._notice(message) or urgent
         if self._flushing is None or self._flushing.done():
             self._flushing = asyncio.ensure_future(self._flush(urgent))
         elif urgent:
             self._now()
+
+    def _notice(self, message: RequestEnded) -> bool:
+        """Queue a model-list notice for the attempt's endpoint unless one went out lately."""
+        model = message.served_model or message.model
+        if not self._gate.due((message.endpoint, model), self._clock()):
+            return False
+        notice = ModelsStale(
+            edge=message.edge, scope=self._scope, endpoint=message.endpoint, model=model
+        )
+        self._notices.append(notice.model_dump_json().encode())
+        return True
 
     def _now(self) -> None:
         if self._wake is not None and not self._wake.done():
@@ -83,7 +134,7 @@ class NatsReporter:
             finally:
                 timer.cancel()
                 self._wake = None
-        while self._queued:
+        while self._queued or self._notices:
             batch, self._queued = self._queued, []
             for payload in batch:
                 try:
@@ -92,6 +143,13 @@ class NatsReporter:
                 except Exception as exc:
                     self.failures += 1
                     log.debug("request stats not published: %s", exc)
+            notices, self._notices = self._notices, []
+            for payload in notices:
+                try:
+                    await self._nc.publish(MODELS_STALE_SUBJECT, payload)
+                    self.notices += 1
+                except Exception as exc:
+                    log.debug("model-list notice not published: %s", exc)
 
     async def drain(self, timeout: float = 5.0) -> None:
         self._now()

@@ -274,6 +274,32 @@ class StreamRelay:
                 self._response.close()  # the connection's state is unknown
 
 
+_NOT_FOUND_TYPES = frozenset({"NotFoundError", "not_found_error", "invalid_request_error"})
+
+
+def names_missing_model(body: bytes) -> bool:
+    """Whether a 404's body says the engine does not serve the request's model: OpenAI's code
+    ``model_not_found``, vLLM's and SGLang's ``NotFoundError`` (``param`` ``model``, or a message
+    naming the model: "The model `x` does not exist."), or Anthropic's ``not_found_error`` of a
+    Messages API engine. Not a 404 of a path the engine does not serve."""
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return False
+    if not isinstance(value, dict):
+        return False
+    error = value.get("error")
+    detail = error if isinstance(error, dict) else value
+    if detail.get("code") == "model_not_found" or detail.get("param") == "model":
+        return True
+    message = detail.get("message")
+    return (
+        detail.get("type") in _NOT_FOUND_TYPES
+        and isinstance(message, str)
+        and "model" in message.lower()
+    )
+
+
 def error_message_from_upstream(body: bytes, status: int) -> str:
     """The upstream's own error message when it sent an OpenAI-shaped error."""
     try:

@@ -9,6 +9,13 @@ then on; one unloaded is no longer placed there (requests running on it finish: 
 are never revoked). An engine that does not answer, or lists none of the provider's models,
 keeps what it had: health checks and the scraper judge an engine that is down.
 
+Between two sweeps, an edge whose attempt got a managed engine's 404 for a model the fleet lists
+there (outcome `model_unloaded`) says so (`ModelsStale` on ``llmgw.v1.fleet.models_stale``, one
+reaper of the queue group hears it: `listen`): that endpoint's list is read at once
+(`stale`), after `GATHER` seconds in which the notices of the same burst (other edges', other
+requests') join it; a notice that arrives while the list is being read is answered by one more
+read after it (the engine may have answered before the change). So a burst of 404s is one read.
+
 Each change is one CAS on the record as read, so a change by hand that lands meanwhile wins
 (the follower reads again next time). Several reapers may run: their changes are the same and
 CAS keeps one. One HTTP client is kept for the follower's life.
@@ -20,6 +27,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Literal
 
 import httpx
 from pydantic import ValidationError
@@ -30,13 +38,23 @@ from llmgw.core.fleet import EndpointState, ServedModel, served_change, served_m
 from llmgw.fleet import FleetRecord, endpoint_problems
 from llmgw.state.fleet import FleetBucket
 from llmgw.state.kv import CasConflict
+from llmgw.wire import MODELS_STALE_SUBJECT, ModelsStale
 
-__all__ = ["ServedModelsFollower"]
+if TYPE_CHECKING:
+    from nats.aio.client import Client as NATS
+    from nats.aio.msg import Msg
+    from nats.aio.subscription import Subscription
+
+__all__ = ["GATHER", "ServedModelsFollower", "Trigger"]
 
 log = logging.getLogger("llmgw.fleet")
 
 _TIMEOUT = 3.0
 _AT_ONCE = 16  # engines asked at the same time
+GATHER = 0.05  # seconds a notice waits for the others of its burst before the list is read
+QUEUE = "llmgw-reaper"  # one reaper hears each notice
+# What made the follower read an engine's list: its interval, or an edge's notice.
+Trigger = Literal["interval", "model_unloaded"]
 
 
 class ServedModelsFollower:
@@ -50,6 +68,8 @@ class ServedModelsFollower:
         *,
         interval: float,
         client: httpx.AsyncClient | None = None,
+        scope: str = "",
+        on_read: Callable[[Trigger], None] | None = None,
     ) -> None:
         self.bucket = bucket
         self._config = config
@@ -58,6 +78,13 @@ class ServedModelsFollower:
         self._gate = asyncio.Semaphore(_AT_ONCE)
         self.changed = 0  # records this follower rewrote
         self._unmatched: set[str] = set()  # endpoints logged as serving none of ours
+        self.scope = scope  # the fleet bucket's name: notices of other gateways are not ours
+        self._on_read = on_read  # each engine list read (llmgw_reaper_model_list_reads)
+        # Endpoints with a read asked by a notice: "gathering" (its GATHER wait), "reading",
+        # or "again" (a notice came while reading: one more read after it).
+        self._stale: dict[str, str] = {}
+        self._rereads: set[asyncio.Task[None]] = set()
+        self.notices = 0  # notices of this gateway heard
 
     async def run(self, stop: asyncio.Event) -> None:
         own = self._client is None
@@ -75,12 +102,68 @@ class ServedModelsFollower:
                 except Exception:  # NATS trouble: try again next time
                     log.warning("served-models sweep failed", exc_info=True)
         finally:
+            for task in list(self._rereads):
+                task.cancel()
+            await self.rereads_done()
             if own and self._client is not None:
                 await self._client.aclose()
                 self._client = None
 
-    async def sweep(self) -> None:
-        entries = await self.bucket.revisions()
+    async def listen(self, nc: NATS) -> Subscription:
+        """Hear the edges' notices (one reaper of the queue group hears each)."""
+        return await nc.subscribe(MODELS_STALE_SUBJECT, queue=QUEUE, cb=self._on_notice)
+
+    async def _on_notice(self, msg: Msg) -> None:
+        try:
+            notice = ModelsStale.model_validate_json(msg.data)
+        except ValidationError:
+            return
+        if notice.scope == self.scope:
+            self.notices += 1
+            self.stale(notice.endpoint)
+
+    def stale(self, endpoint_id: str) -> None:
+        """Read `endpoint_id`'s list soon: after `GATHER` seconds, once for every notice that
+        arrives until the read starts; one more read after it for any that arrives during it."""
+        state = self._stale.get(endpoint_id)
+        if state is None:
+            self._stale[endpoint_id] = "gathering"
+            task = asyncio.create_task(self._reread(endpoint_id), name="models-reread")
+            self._rereads.add(task)
+            task.add_done_callback(self._rereads.discard)
+        elif state == "reading":
+            self._stale[endpoint_id] = "again"
+
+    async def rereads_done(self) -> None:
+        """Until every read asked by a notice so far has ended."""
+        while self._rereads:
+            await asyncio.gather(*self._rereads, return_exceptions=True)
+
+    async def _reread(self, endpoint_id: str) -> None:
+        try:
+            while True:
+                await asyncio.sleep(GATHER)
+                self._stale[endpoint_id] = "reading"
+                try:
+                    await self.sweep(only=endpoint_id)
+                except Exception:  # NATS trouble: the next notice or sweep tries again
+                    log.warning("reading the models of %s failed", endpoint_id, exc_info=True)
+                if self._stale.get(endpoint_id) != "again":
+                    return
+                self._stale[endpoint_id] = "gathering"
+        finally:
+            self._stale.pop(endpoint_id, None)
+
+    async def sweep(self, only: str | None = None) -> None:
+        """Read the lists of every endpoint that follows its engine (`only`: that one, for a
+        notice) and follow what changed."""
+        if only is None:
+            entries = await self.bucket.revisions()
+        else:
+            try:
+                entries = {only: await self.bucket.get(only)}
+            except LookupError:
+                return  # removed meanwhile
         following = {
             endpoint_id: entry
             for endpoint_id, entry in entries.items()
@@ -89,16 +172,19 @@ class ServedModelsFollower:
         if not following:
             return
         config = await self._config()
+        trigger: Trigger = "interval" if only is None else "model_unloaded"
         served = await asyncio.gather(
-            *(self._served(r.endpoint.url) for r, _ in following.values())
+            *(self._served(r.endpoint.url, trigger) for r, _ in following.values())
         )
         for (record, revision), names in zip(following.values(), served, strict=True):
             if names is not None:
                 await self._follow(config, record, revision, names)
 
-    async def _served(self, url: str) -> list[ServedModel] | None:
+    async def _served(self, url: str, trigger: Trigger) -> list[ServedModel] | None:
         """The engine's served names; None when it does not answer a model list."""
         assert self._client is not None, "sweep runs inside run(), or with a client given"
+        if self._on_read is not None:
+            self._on_read(trigger)
         async with self._gate:
             try:
                 response = await self._client.get(f"{url}/v1/models")

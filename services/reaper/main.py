@@ -21,6 +21,7 @@ from nats.aio.client import Client as NATS
 
 from llmgw import natsconn
 from llmgw.config import Config, parse_hostport
+from llmgw.config.fleet import fleet_bucket
 from llmgw.events import EventPublisher
 from llmgw.runtime import load_or_exit, run_service, setup_logging
 from llmgw.services.fleet.janitor import HeartbeatJanitor
@@ -141,7 +142,10 @@ async def serve(
                 janitor.bucket,
                 lambda: running_config(janitor.bucket, config),
                 interval=config.fleet.models_refresh,
+                scope=fleet_bucket(config),
+                on_read=reaper.metrics.count_model_list_read,
             )
+            await followed.listen(nc)  # and at once on an edge's notice of an engine's 404
             loops.append(followed.run(stop))
         discovery = config.fleet.kubernetes
         client = None

@@ -38,6 +38,14 @@ class ReaperMetrics:
             ["step"],
             registry=self.registry,
         )
+        self.model_list_reads = Counter(
+            "llmgw_reaper_model_list_reads",
+            "Engines' GET /v1/models read to follow what they serve, by trigger: interval "
+            "(fleet.models_refresh) or model_unloaded (an edge's notice of an engine's 404 for a "
+            "model the fleet lists there).",
+            ["trigger"],
+            registry=self.registry,
+        )
         self.unpublished_events = Counter(
             "llmgw_reaper_unpublished_events",
             "Changes made whose event could not be published.",
@@ -47,6 +55,10 @@ class ReaperMetrics:
         self._actions = {kind: self.actions.labels(kind) for kind in ACTIONS}
         for step in STEPS:
             self.step_failures.labels(step)
+        self._reads = {t: self.model_list_reads.labels(t) for t in ("interval", "model_unloaded")}
+
+    def count_model_list_read(self, trigger: str) -> None:
+        self._reads[trigger].inc()
 
     def count_action(self, kind: str) -> None:
         counter = self._actions.get(kind)

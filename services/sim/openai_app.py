@@ -258,12 +258,14 @@ class SimApp:
             return
         except ClientGone:
             return
+        delivered = 0
         try:
             response_id = self._new_id("resp")
             writer = stream_events if body.get("stream") is True else whole_object
-            await writer(receive, send, body, response_id, model, generation)
+            delivered = await writer(receive, send, body, response_id, model, generation)
         finally:
             generation.close()
+            self.bill.add(model, generation, delivered)
 
     def _parse_generation(self, body: dict[str, Any], chat: bool) -> GenerationRequest:
         model = self._check_model(body)

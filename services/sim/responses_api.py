@@ -92,8 +92,8 @@ async def whole_object(
     response_id: str,
     model: str,
     generation: Generation,
-) -> None:
-    """The response object once the generation is done."""
+) -> int:
+    """The response object once the generation is done; the output tokens it delivered."""
     watch: DisconnectWatch | None = None
     try:
         while not generation.done:
@@ -101,7 +101,7 @@ async def whole_object(
                 watch = DisconnectWatch(receive, generation.close)
             await generation.wait(generation.emitted)
             if watch.gone:
-                return
+                return 0
         text = filler_text(generation.text_seed, 0, generation.emitted)
         message = message_item(f"msg_{response_id[5:]}", text)
         response = _object(body, response_id, model, [message])
@@ -109,6 +109,7 @@ async def whole_object(
         response["usage"] = _usage(generation, generation.emitted)
         encoded = json.dumps(response, separators=(",", ":")).encode()
         await send_bytes(send, 200, encoded, b"application/json")
+        return generation.emitted
     finally:
         if watch is not None:
             watch.stop()
@@ -121,8 +122,8 @@ async def stream_events(
     response_id: str,
     model: str,
     generation: Generation,
-) -> None:
-    """The typed events as tokens are generated."""
+) -> int:
+    """The typed events as tokens are generated; the output tokens they delivered."""
     sequence = 0
     parts: list[str] = []
 
@@ -173,7 +174,7 @@ async def stream_events(
                 watch = DisconnectWatch(receive, generation.close)
             await generation.wait(sent)
             if watch.gone:
-                return
+                return sent
         text = filler_text(seed, 0, sent)
         done_part = {"type": "output_text", "text": text, "annotations": []}
         event(
@@ -201,6 +202,7 @@ async def stream_events(
             response=final,
         )
         await send({"type": "http.response.body", "body": "".join(parts).encode()})
+        return sent
     finally:
         if watch is not None:
             watch.stop()

@@ -11,7 +11,13 @@ defines is bad input everywhere.
 
 The session of a Messages request is the chat path's (`llmgw.core.sessions`): ``metadata.user_id``
 is the explicit key (as ``user`` is for chat), else the conversation's opening (the system prompt
-and every message up to the first user message), expressed as chat messages.
+and every message up to the first user message), expressed as chat messages, without the
+``cache_control`` marks a client moves from turn to turn.
+
+Prompt caching (``cache_control`` on the request, its tools, system blocks and content blocks,
+with its ``ttl``) is checked for its shape here, passed through unchanged to a provider serving
+the API, and left out by `to_chat`, which writes every block afresh (chat completions has no
+such field): the chat engine caches prefixes by itself.
 """
 
 from __future__ import annotations
@@ -92,11 +98,32 @@ _CHECKS: dict[str, tuple[Any, str]] = {
 }
 
 
+def _check_cache_control(holder: dict[str, Any], where: str) -> None:
+    """A prompt-caching breakpoint (``cache_control``), where given: an object with a string
+    ``type`` (``"ephemeral"``) and, optionally, a string ``ttl`` (``"5m"``, ``"1h"``)."""
+    value = holder.get("cache_control")
+    if value is None:
+        return
+    if (
+        not isinstance(value, dict)
+        or not isinstance(value.get("type"), str)
+        or not isinstance(value.get("ttl", ""), str)
+    ):
+        param = f"{where}.cache_control" if where else "cache_control"
+        raise InvalidRequest(
+            f"{param}: Input should be an object with a string 'type' and, optionally, a "
+            f'string \'ttl\' (e.g. {{"type": "ephemeral", "ttl": "1h"}}), got '
+            f"{json.dumps(value)[:80]}.",
+            param,
+        )
+
+
 def _check_blocks(blocks: list[Any], where: str) -> None:
     for index, block in enumerate(blocks):
         param = f"{where}.{index}"
         if not isinstance(block, dict):
             raise InvalidRequest(f"{param}: Input should be an object.", param)
+        _check_cache_control(block, param)
         kind = block.get("type")
         if not isinstance(kind, str) or kind not in _KNOWN_BLOCKS:
             raise InvalidRequest(
@@ -178,6 +205,8 @@ def parse_messages_request(raw: bytes, *, count_only: bool = False) -> ParsedReq
             raise InvalidRequest(
                 f"tools.{index}: a tool needs a string 'name'.", f"tools.{index}.name"
             )
+        _check_cache_control(tool, f"tools.{index}")
+    _check_cache_control(body, "")
     metadata = body.get("metadata") or {}
     user_id = metadata.get("user_id")
     if user_id is not None and not isinstance(user_id, str):
@@ -203,6 +232,25 @@ def _system_text(system: object) -> str:
     return ""
 
 
+def _uncached(message: Any) -> Any:
+    """A message without the ``cache_control`` marks of its blocks (and of their nested
+    blocks): an agent moves its breakpoint from turn to turn (onto its latest message), and
+    the conversation's opening is the same session whether it carries one or not."""
+    content = message.get("content") if isinstance(message, dict) else None
+    if not isinstance(content, list):
+        return message
+    return {**message, "content": [_uncached_block(block) for block in content]}
+
+
+def _uncached_block(block: Any) -> Any:
+    if not isinstance(block, dict):
+        return block
+    out = {k: v for k, v in block.items() if k != "cache_control"}
+    if isinstance(out.get("content"), list):
+        out["content"] = [_uncached_block(inner) for inner in out["content"]]
+    return out
+
+
 def opening(body: dict[str, Any]) -> dict[str, Any]:
     """A chat body whose session (`llmgw.core.sessions.session_id`, chat) is the Messages
     request's: ``user`` from ``metadata.user_id``, and the system prompt and every message up to
@@ -212,7 +260,7 @@ def opening(body: dict[str, Any]) -> dict[str, Any]:
     if system:
         messages.append({"role": "system", "content": system})
     for message in body.get("messages") or ():
-        messages.append(message)
+        messages.append(_uncached(message))
         if isinstance(message, dict) and message.get("role") == "user":
             break
     chat: dict[str, Any] = {"messages": messages}

@@ -10,8 +10,15 @@ Pure. Three translators, each fed what the upstream sent:
   reason, usage) and ``message_stop`` once the upstream's ``data: [DONE]`` arrives. An error
   event of the upstream's (or the gateway's, OpenAI-shaped) becomes an Anthropic ``error`` event;
 - `MessagesStreamReader`: a stream of an engine that serves the Messages API itself, passed
-  through unchanged; it reads the usage (``message_start``'s input, ``message_delta``'s output)
-  and whether ``message_stop`` came (`completed`: such a stream has no ``[DONE]``).
+  through unchanged; it reads the usage (``message_start``'s counts, each replaced by a
+  ``message_delta``'s cumulative one) and whether ``message_stop`` came (`completed`: such a
+  stream has no ``[DONE]``).
+
+Usage follows Anthropic's convention on the way out and is read back by it: a chat completion's
+``prompt_tokens`` (cached tokens included) becomes ``input_tokens`` (the prompt tokens not read
+from a cache) plus ``cache_read_input_tokens`` (``prompt_tokens_details.cached_tokens``); a
+Messages usage is read as a prompt of ``input_tokens`` + ``cache_read_input_tokens`` +
+``cache_creation_input_tokens``, of which the reads are cached (`messages_usage`).
 
 Errors are Anthropic-shaped: ``{"type": "error", "error": {"type", "message"}}``, the ``type``
 chosen by HTTP status as Anthropic's API does (`error_type`).
@@ -98,27 +105,39 @@ def _event(name: str, payload: dict[str, Any]) -> bytes:
 
 
 def _usage_of(usage: object) -> Usage | None:
+    """A chat completion's usage: its prompt (cached tokens included, as chat counts them), the
+    cached part of it (``prompt_tokens_details.cached_tokens``) and its output."""
     if not isinstance(usage, dict):
         return None
     prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens", 0)
     if not isinstance(prompt, int) or not isinstance(completion, int):
         return None
-    return Usage(prompt, completion)
+    cached = _cached_tokens(usage)
+    return Usage(prompt, completion, cached if isinstance(cached, int) and cached <= prompt else 0)
 
 
 def _anthropic_usage(usage: Usage | None, cached: object = None) -> dict[str, Any]:
+    """A Messages ``usage`` object for a chat completion's: by Anthropic's convention
+    ``input_tokens`` counts the prompt tokens not read from a cache and
+    ``cache_read_input_tokens`` those read (present when the engine said how many)."""
+    read = cached if isinstance(cached, int) and usage and cached <= usage.input_tokens else None
     out: dict[str, Any] = {
-        "input_tokens": usage.input_tokens if usage else 0,
+        "input_tokens": (usage.input_tokens - (read or 0)) if usage else 0,
         "output_tokens": usage.output_tokens if usage else 0,
     }
-    if isinstance(cached, int):
-        out["cache_read_input_tokens"] = cached
+    if read is not None:
+        out["cache_read_input_tokens"] = read
     return out
 
 
 def _cached_tokens(usage: object) -> object:
     details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
-    return details.get("cached_tokens") if isinstance(details, dict) else None
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return cached if _is_count(cached) else None
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _object(value: object) -> dict[str, Any]:
@@ -367,14 +386,25 @@ def messages_usage_in(payload: bytes) -> Usage | None:
     return messages_usage(value)
 
 
+_CACHE_COUNTS = ("cache_read_input_tokens", "cache_creation_input_tokens")
+
+
 def messages_usage(usage: object) -> Usage | None:
-    """The Usage of a Messages API ``usage`` object (input and output tokens)."""
+    """The Usage of a Messages API ``usage`` object. Anthropic's ``input_tokens`` leaves out the
+    prompt tokens read from a cache (``cache_read_input_tokens``) and those written to one
+    (``cache_creation_input_tokens``): the prompt is their sum, and its cached part the reads."""
     if not isinstance(usage, dict):
         return None
     prompt, completion = usage.get("input_tokens"), usage.get("output_tokens", 0)
     if not isinstance(prompt, int) or not isinstance(completion, int):
         return None
-    return Usage(prompt, completion)
+    read, written = (_count(usage.get(name)) for name in _CACHE_COUNTS)
+    return Usage(prompt + read + written, completion, read)
+
+
+def _count(value: object) -> int:
+    """A token count, or 0 when `value` is none (absent, null, not a count)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
 
 
 class MessagesStreamReader:
@@ -384,7 +414,7 @@ class MessagesStreamReader:
         self.usage: Usage | None = None
         self.completed = False  # message_stop arrived: the stream ended well
         self.events = 0  # content_block_delta events read
-        self._input = 0
+        self._counts: dict[str, Any] = {}  # the usage so far: message_start's, then the deltas'
         self._buffer = b""
 
     def feed(self, chunk: bytes) -> bytes:
@@ -410,15 +440,15 @@ class MessagesStreamReader:
             return
         kind = value.get("type") if isinstance(value, dict) else None
         if kind == "message_start":
-            usage = messages_usage(_object(value.get("message")).get("usage"))
-            if usage is not None:
-                self._input = usage.input_tokens
-                self.usage = usage
+            self._counts = dict(_object(_object(value.get("message")).get("usage")))
+            self.usage = messages_usage(self._counts)
         elif kind == "message_delta":
+            # Its counts are cumulative: each one given replaces message_start's (an absent
+            # or null one keeps it), as Anthropic's SDKs read them.
             counts = _object(value.get("usage"))
-            output = counts.get("output_tokens")
-            if isinstance(output, int):
-                given = counts.get("input_tokens")
-                self.usage = Usage(given if isinstance(given, int) else self._input, output)
+            if isinstance(counts.get("output_tokens"), int):
+                given = {k: v for k, v in counts.items() if v is not None}
+                self._counts = {"input_tokens": 0, **self._counts, **given}
+                self.usage = messages_usage(self._counts)
         elif kind == "message_stop":
             self.completed = True

@@ -27,6 +27,10 @@ class Outcome(enum.StrEnum):
     UPSTREAM_TIMEOUT = "upstream_timeout"
     UPSTREAM_ERROR = "upstream_error"
     UPSTREAM_BROKEN_STREAM = "upstream_broken_stream"
+    # A managed engine answered 404 model_not_found for a model the fleet lists there (a LoRA
+    # adapter unloaded before the next read of its model list): retried on another endpoint,
+    # never the endpoint's failure (no breaker counts it), and its model list is read again.
+    MODEL_UNLOADED = "model_unloaded"
     CLIENT_DISCONNECTED = "client_disconnected"
     LEASE_LOST = "lease_lost"  # the lease expired under the request (e.g. the edge was paused)
     QUEUE_FULL = "queue_full"  # flow control: the band's queue was at capacity
@@ -92,6 +96,9 @@ ERROR_SHAPES: dict[Outcome, ErrorShape] = {
     Outcome.UPSTREAM_TIMEOUT: ErrorShape(504, "upstream_error", "upstream_timeout"),
     Outcome.UPSTREAM_ERROR: ErrorShape(502, "upstream_error", "upstream_error"),
     Outcome.UPSTREAM_BROKEN_STREAM: ErrorShape(502, "upstream_error", "upstream_broken_stream"),
+    # The engine's own 404 is passed through when no other endpoint serves the model; this
+    # shape only names the outcome's status and code.
+    Outcome.MODEL_UNLOADED: ErrorShape(404, "invalid_request_error", "model_not_found"),
     Outcome.LEASE_LOST: ErrorShape(503, "service_unavailable", "lease_lost", retry_after=True),
     Outcome.SHUTTING_DOWN: ErrorShape(
         503, "service_unavailable", "shutting_down", retry_after=True

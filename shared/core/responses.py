@@ -301,13 +301,19 @@ def finalize(response: dict[str, Any], response_id: str, turn: Turn) -> dict[str
 
 
 def response_usage(response: dict[str, Any]) -> Usage | None:
+    """A response's usage: ``input_tokens`` (cached ones included, as OpenAI counts them), the
+    cached part of it (``input_tokens_details.cached_tokens``) and ``output_tokens``."""
     usage = response.get("usage")
     if not isinstance(usage, dict):
         return None
     tokens_in, tokens_out = usage.get("input_tokens"), usage.get("output_tokens", 0)
     if not _is_int(tokens_in) or not _is_int(tokens_out):
         return None
-    return Usage(tokens_in, tokens_out)
+    details = usage.get("input_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    if not _is_int(cached) or not 0 <= cached <= tokens_in:
+        cached = 0
+    return Usage(tokens_in, tokens_out, cached)
 
 
 _EVENT_END = b"\n\n"

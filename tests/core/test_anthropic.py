@@ -66,6 +66,35 @@ BAD = [
     pytest.param(body(metadata={"user_id": 7}), "metadata.user_id", id="user-id-not-string"),
     pytest.param(body(tools=[{"description": "x"}]), "tools.0.name", id="tool-without-name"),
     pytest.param(body(system=[{"type": "unknown"}]), "system.0.type", id="system-block-type"),
+    pytest.param(body(cache_control="ephemeral"), "cache_control", id="cache-control-string"),
+    pytest.param(
+        body(system=[{"type": "text", "text": "s", "cache_control": {"ttl": "1h"}}]),
+        "system.0.cache_control",
+        id="cache-control-without-type",
+    ),
+    pytest.param(
+        body(tools=[{"name": "t", "cache_control": {"type": "ephemeral", "ttl": 3600}}]),
+        "tools.0.cache_control",
+        id="cache-control-ttl-not-a-string",
+    ),
+    pytest.param(
+        body(
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "tool_result",
+                            "tool_use_id": "t",
+                            "content": [{"type": "text", "text": "x", "cache_control": []}],
+                        }
+                    ],
+                }
+            ]
+        ),
+        "messages.0.content.0.content.0.cache_control",
+        id="cache-control-of-a-nested-block",
+    ),
 ]
 
 
@@ -188,6 +217,128 @@ def test_thinking_disabled_and_earlier_thinking_blocks_are_fine():
         )
     )
     assert to_chat(request, "m")["messages"][1] == {"role": "assistant", "content": "b"}
+
+
+# -- prompt caching (cache_control) ---------------------------------------------------------------
+
+ONE_HOUR = {"type": "ephemeral", "ttl": "1h"}
+FIVE_MINUTES = {"type": "ephemeral"}
+
+
+def without_cache_control(value):
+    """`value` with every `cache_control` key left out, at any depth."""
+    if isinstance(value, dict):
+        return {k: without_cache_control(v) for k, v in value.items() if k != "cache_control"}
+    if isinstance(value, list):
+        return [without_cache_control(item) for item in value]
+    return value
+
+
+CACHED_AGENT_TURN = {
+    "model": "m",
+    "max_tokens": 16,
+    "cache_control": FIVE_MINUTES,  # top level: the last cacheable block
+    "system": [
+        {"type": "text", "text": "You are an agent.", "cache_control": ONE_HOUR},
+        {"type": "text", "text": "Project notes.", "cache_control": FIVE_MINUTES},
+    ],
+    "tools": [
+        {
+            "name": "Read",
+            "description": "Read a file",
+            "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}},
+            "cache_control": ONE_HOUR,
+        }
+    ],
+    "messages": [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "Read a.txt", "cache_control": FIVE_MINUTES},
+                {
+                    "type": "image",
+                    "source": {"type": "url", "url": "https://example.com/a.png"},
+                    "cache_control": FIVE_MINUTES,
+                },
+            ],
+        },
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "text", "text": "Reading.", "cache_control": FIVE_MINUTES},
+                {
+                    "type": "tool_use",
+                    "id": "toolu_1",
+                    "name": "Read",
+                    "input": {"path": "a.txt"},
+                    "cache_control": FIVE_MINUTES,
+                },
+            ],
+        },
+        {
+            "role": "user",
+            "content": [
+                {
+                    "type": "tool_result",
+                    "tool_use_id": "toolu_1",
+                    "content": [{"type": "text", "text": "alpha", "cache_control": ONE_HOUR}],
+                    "cache_control": ONE_HOUR,
+                },
+                {"type": "text", "text": "Summarize it.", "cache_control": ONE_HOUR},
+            ],
+        },
+    ],
+}
+
+
+def test_cache_control_with_its_ttl_is_valid_messages_input_everywhere_anthropic_takes_it():
+    parsed = parse_messages_request(json.dumps(CACHED_AGENT_TURN).encode())
+    assert parsed.body == CACHED_AGENT_TURN  # kept as sent: a native provider gets it all
+
+
+def test_cache_control_is_left_out_of_the_chat_translation_which_is_that_of_the_unmarked_turn():
+    chat = to_chat(CACHED_AGENT_TURN, "upstream")
+    assert "cache_control" not in json.dumps(chat) and "ttl" not in json.dumps(chat)
+    assert chat == to_chat(without_cache_control(CACHED_AGENT_TURN), "upstream")
+    system, user, assistant, tool, question = chat["messages"]
+    assert system == {"role": "system", "content": "You are an agent.Project notes."}
+    assert user["content"] == [
+        {"type": "text", "text": "Read a.txt"},
+        {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}},
+    ]
+    assert assistant["content"] == "Reading." and assistant["tool_calls"][0]["id"] == "toolu_1"
+    assert tool == {"role": "tool", "tool_call_id": "toolu_1", "content": "alpha"}
+    assert question == {"role": "user", "content": "Summarize it."}
+    assert set(chat["tools"][0]["function"]) == {"name", "description", "parameters"}
+
+
+def test_a_breakpoint_moved_from_turn_to_turn_keeps_the_conversation_one_session():
+    """An agent marks its latest message: the opening carries the mark in the first turn and
+    not in the next; both are one session (as without marks)."""
+    first = {
+        "model": "m",
+        "max_tokens": 8,
+        "system": [{"type": "text", "text": "sys", "cache_control": ONE_HOUR}],
+        "messages": [
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "hello", "cache_control": FIVE_MINUTES}],
+            }
+        ],
+    }
+    second = {
+        **first,
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "hello"}]},
+            {"role": "assistant", "content": "hi"},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "more", "cache_control": FIVE_MINUTES}],
+            },
+        ],
+    }
+    assert session(first) == session(second) == session(without_cache_control(first))
+    assert session(first) is not None
 
 
 def session(request: dict, header: str | None = None) -> str | None:

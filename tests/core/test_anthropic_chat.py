@@ -198,17 +198,33 @@ def test_the_usage_of_a_whole_messages_response_is_read_without_decoding_all_of_
 
 _ANY = st.recursive(
     st.none() | st.booleans() | st.integers() | st.text(max_size=6),
-    lambda children: st.lists(children, max_size=3)
-    | st.dictionaries(
-        st.sampled_from(
-            ["choices", "delta", "message", "content", "tool_calls", "function", "arguments",
-             "index", "id", "name", "finish_reason", "usage", "prompt_tokens", "error"]
-        ),
-        children,
-        max_size=4,
+    lambda children: (
+        st.lists(children, max_size=3)
+        | st.dictionaries(
+            st.sampled_from(
+                [
+                    "choices",
+                    "delta",
+                    "message",
+                    "content",
+                    "tool_calls",
+                    "function",
+                    "arguments",
+                    "index",
+                    "id",
+                    "name",
+                    "finish_reason",
+                    "usage",
+                    "prompt_tokens",
+                    "error",
+                ]
+            ),
+            children,
+            max_size=4,
+        )
     ),
     max_leaves=16,
-)  # fmt: skip
+)
 
 
 @given(st.lists(_ANY, max_size=5))
@@ -256,3 +272,136 @@ async def test_tool_calls_without_an_index_are_told_apart_by_their_ids():
         ("call_a", "search", {"q": 1}),
         ("call_b", "fetch", {"q": 2}),
     ]
+
+
+# -- cached prompt tokens, by Anthropic's convention ------------------------------------------------
+
+CACHED_USAGE = {
+    "prompt_tokens": 1200,
+    "completion_tokens": 5,
+    "total_tokens": 1205,
+    "prompt_tokens_details": {"cached_tokens": 1024},
+}
+CACHED_COMPLETION = {
+    "id": "chatcmpl-c",
+    "object": "chat.completion",
+    "choices": [
+        {"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}
+    ],
+    "usage": CACHED_USAGE,
+}
+
+
+def cached_chat_stream() -> bytes:
+    chunk = {"id": "chatcmpl-c", "object": "chat.completion.chunk"}
+    events = [
+        {**chunk, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+        {**chunk, "choices": [{"index": 0, "delta": {"content": "hi"}}]},
+        {**chunk, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+        {**chunk, "choices": [], "usage": CACHED_USAGE},
+    ]
+    return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + (
+        b"data: [DONE]\n\n"
+    )
+
+
+def test_a_chat_completions_cached_tokens_are_cache_reads_left_out_of_input_tokens():
+    body, usage = message_from_chat(json.dumps(CACHED_COMPLETION).encode(), "m")
+    message = Message.model_validate_json(body)
+    assert (message.usage.input_tokens, message.usage.cache_read_input_tokens) == (176, 1024)
+    assert usage == Usage(1200, 5, 1024)  # the prompt, of which 1024 cached: what is priced
+    assert messages_usage_in(body) == usage  # read back as a passed-through answer is
+
+
+async def test_a_translated_streams_cached_tokens_reach_the_sdk_as_cache_reads():
+    events, translator = translated(cached_chat_stream())
+    message = await sdk_final_message(events)
+    assert (message.usage.input_tokens, message.usage.cache_read_input_tokens) == (176, 1024)
+    assert message.usage.output_tokens == 5
+    assert translator.usage == Usage(1200, 5, 1024)
+    reader = MessagesStreamReader()  # the same bytes passed through (an engine's own API)
+    reader.feed(events)
+    reader.finish()
+    assert reader.usage == Usage(1200, 5, 1024) and reader.completed
+
+
+def test_a_chat_completion_without_cached_tokens_has_no_cache_reads():
+    body, usage = message_from_chat((DATA / "openai_chat_text.json").read_bytes(), "m")
+    assert "cache_read_input_tokens" not in json.loads(body)["usage"]
+    assert usage == Usage(14, 37, 0)
+
+
+def anthropic_stream(start_usage: dict, delta_usage: dict) -> bytes:
+    def event(name: str, data: dict) -> bytes:
+        return f"event: {name}\ndata: {json.dumps(data)}\n\n".encode()
+
+    message = {"id": "msg_1", "type": "message", "role": "assistant", "content": []}
+    return b"".join(
+        [
+            event(
+                "message_start",
+                {"type": "message_start", "message": {**message, "usage": start_usage}},
+            ),
+            event(
+                "content_block_start",
+                {
+                    "type": "content_block_start",
+                    "index": 0,
+                    "content_block": {"type": "text", "text": ""},
+                },
+            ),
+            event(
+                "content_block_delta",
+                {
+                    "type": "content_block_delta",
+                    "index": 0,
+                    "delta": {"type": "text_delta", "text": "hi"},
+                },
+            ),
+            event("content_block_stop", {"type": "content_block_stop", "index": 0}),
+            event(
+                "message_delta",
+                {
+                    "type": "message_delta",
+                    "delta": {"stop_reason": "end_turn"},
+                    "usage": delta_usage,
+                },
+            ),
+            event("message_stop", {"type": "message_stop"}),
+        ]
+    )
+
+
+@pytest.mark.parametrize(
+    ("start", "delta", "usage"),
+    [
+        pytest.param(
+            {
+                "input_tokens": 12,
+                "cache_read_input_tokens": 900,
+                "cache_creation_input_tokens": 100,
+                "output_tokens": 1,
+            },
+            {"output_tokens": 6},
+            Usage(1012, 6, 900),
+            id="counts-of-message-start",
+        ),
+        pytest.param(
+            {"input_tokens": 0, "output_tokens": 0},
+            {"input_tokens": 176, "cache_read_input_tokens": 1024, "output_tokens": 5},
+            Usage(1200, 5, 1024),
+            id="cumulative-counts-of-message-delta",
+        ),
+        pytest.param(
+            {"input_tokens": 30, "cache_read_input_tokens": 70, "output_tokens": 1},
+            {"output_tokens": 4, "input_tokens": None, "cache_read_input_tokens": None},
+            Usage(100, 4, 70),
+            id="null-counts-keep-message-starts",
+        ),
+    ],
+)
+def test_a_passed_through_streams_prompt_is_input_plus_cache_reads_and_writes(start, delta, usage):
+    reader = MessagesStreamReader()
+    stream = anthropic_stream(start, delta)
+    out = b"".join(reader.feed(stream[i : i + 5]) for i in range(0, len(stream), 5))
+    assert out + reader.finish() == stream and reader.usage == usage

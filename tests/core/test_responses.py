@@ -16,8 +16,10 @@ from llmgw.core.responses import (
     expand,
     new_response_id,
     parse_responses_request,
+    response_usage,
     upstream_body,
 )
+from llmgw.core.usage import Usage
 
 RECORDED = json.loads((Path(__file__).parent / "data/responses/response_text.json").read_text())
 OURS = "resp_" + "2" * 32
@@ -273,3 +275,35 @@ def test_a_stream_without_event_lines_is_read_by_its_data_types():
     assert reader.completed and reader.response["id"] == OURS
     assert out.count(b'"id":"' + OURS.encode() + b'"') == 3  # created, in_progress, completed
     assert b"resp_upstream" not in out
+
+
+@pytest.mark.parametrize(
+    ("usage", "read"),
+    [
+        (
+            {
+                "input_tokens": 1200,
+                "output_tokens": 5,
+                "input_tokens_details": {"cached_tokens": 1024},
+            },
+            Usage(1200, 5, 1024),
+        ),
+        ({"input_tokens": 14, "output_tokens": 3}, Usage(14, 3, 0)),
+        (
+            {"input_tokens": 14, "output_tokens": 3, "input_tokens_details": {"cached_tokens": 99}},
+            Usage(14, 3, 0),
+        ),
+        (
+            {
+                "input_tokens": 14,
+                "output_tokens": 3,
+                "input_tokens_details": {"cached_tokens": True},
+            },
+            Usage(14, 3, 0),
+        ),
+    ],
+)
+def test_a_responses_usage_counts_its_cached_input_tokens_within_its_input(usage, read):
+    """OpenAI's convention: `input_tokens` is the whole prompt, its cached part a detail (one
+    larger than the prompt, or not a count, is no cached count)."""
+    assert response_usage({"usage": usage}) == read

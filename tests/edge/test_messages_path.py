@@ -122,15 +122,28 @@ async def test_messages_are_measured_like_chat(gateway, nats_url):
 
 
 class PathRecorder:
-    """ASGI middleware around an engine: the path of every POST it received."""
+    """ASGI middleware around an engine: the path and body of every POST it received."""
 
     def __init__(self, app) -> None:
         self.app = app
         self.paths: list[str] = []
+        self.bodies: list[bytes] = []
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
             self.paths.append(scope["path"])
+            chunks: list[bytes] = []
+
+            async def recording():
+                message = await receive()
+                if message["type"] == "http.request":
+                    chunks.append(message.get("body", b""))
+                    if not message.get("more_body"):
+                        self.bodies.append(b"".join(chunks))
+                return message
+
+            await self.app(scope, recording, send)
+            return
         await self.app(scope, receive, send)
 
 
@@ -214,6 +227,79 @@ async def test_and_is_an_anthropic_400_when_placed_on_one_that_does_not(native_g
     assert "thinking" in response.json()["error"]["message"]
     assert recorders["tensorx-1"].paths == []
     assert response.headers["x-llmgw-provider"] == "tensorx"
+
+
+CACHED_TURN = {  # an agent's turn with prompt-caching breakpoints (cache_control, with ttl)
+    "model": "m1",
+    "max_tokens": 3,
+    "cache_control": {"type": "ephemeral"},
+    "system": [
+        {"type": "text", "text": "You are an agent.", "cache_control": {"type": "ephemeral", "ttl": "1h"}},
+    ],
+    "tools": [
+        {
+            "name": "Read",
+            "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}},
+            "cache_control": {"type": "ephemeral", "ttl": "1h"},
+        }
+    ],
+    "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "Read a.txt"}]},
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "id": "toolu_1", "name": "Read", "input": {"path": "a.txt"}}],
+        },
+        {
+            "role": "user",
+            "content": [
+                {
+                    "type": "tool_result",
+                    "tool_use_id": "toolu_1",
+                    "content": [{"type": "text", "text": "alpha", "cache_control": {"type": "ephemeral"}}],
+                },
+                {"type": "text", "text": "Summarize it.", "cache_control": {"type": "ephemeral", "ttl": "5m"}},
+            ],
+        },
+    ],
+}  # fmt: skip
+
+
+async def test_cache_control_reaches_an_engine_serving_messages_as_the_client_sent_it(
+    native_gateway,
+):
+    edge, recorders = native_gateway
+    async with httpx.AsyncClient() as http:
+        response = await http.post(edge.url + "/v1/messages", json=CACHED_TURN)
+    assert response.status_code == 200, response.text
+    assert response.headers["x-llmgw-endpoint"] == "engine-1"
+    assert recorders["engine-1"].paths == ["/v1/messages"]
+    assert json.loads(recorders["engine-1"].bodies[0]) == CACHED_TURN
+
+
+async def test_cache_control_is_dropped_when_the_turn_is_translated_for_a_chat_engine(
+    native_gateway,
+):
+    """iris's engines are overloaded: the retry lands on tensorx, which speaks chat completions
+    only: it gets the turn as chat, its cached blocks as plain content, no stray field."""
+    edge, recorders = native_gateway
+    for name in ("engine-1", "engine-2"):
+        recorders[name].app = _Refuse()
+    async with httpx.AsyncClient() as http:
+        response = await http.post(edge.url + "/v1/messages", json=CACHED_TURN)
+    assert response.status_code == 200, response.text
+    assert response.headers["x-llmgw-endpoint"] == "tensorx-1"
+    assert recorders["tensorx-1"].paths == ["/v1/chat/completions"]
+    sent = recorders["tensorx-1"].bodies[0]
+    assert b"cache_control" not in sent and b"ttl" not in sent
+    chat = json.loads(sent)
+    system, user, assistant, tool, question = chat["messages"]
+    assert system == {"role": "system", "content": "You are an agent."}
+    assert user == {"role": "user", "content": "Read a.txt"}
+    assert assistant["tool_calls"][0]["function"]["name"] == "Read"
+    assert tool == {"role": "tool", "tool_call_id": "toolu_1", "content": "alpha"}
+    assert question == {"role": "user", "content": "Summarize it."}
+    assert chat["tools"][0]["function"]["name"] == "Read"
+    assert response.json()["type"] == "message"
 
 
 class _Refuse:

@@ -1,6 +1,8 @@
 """The edge's end reporter (services/edge/reporting.py) on a real nats-server: an end settled by
 the colocated instance waits at most `hold` to share a flush; an end whose lease is another
-instance's goes at once and takes the held ones with it; stopping sends what is held."""
+instance's goes at once and takes the held ones with it; stopping sends what is held. An attempt
+that ended `model_unloaded` asks the reapers to read that engine's model list again, once per
+endpoint and model per `STALE_EVERY` seconds."""
 
 from __future__ import annotations
 
@@ -14,8 +16,8 @@ import pytest
 import pytest_asyncio
 from inproc import connect
 
-from llmgw.services.edge.reporting import NatsReporter
-from llmgw.wire import REQUEST_STATS_SUBJECT, RequestEnded
+from llmgw.services.edge.reporting import STALE_EVERY, NatsReporter, NoticeGate
+from llmgw.wire import MODELS_STALE_SUBJECT, REQUEST_STATS_SUBJECT, ModelsStale, RequestEnded
 
 LONG_HOLD = 30.0  # far beyond the test: a held end leaves only when something sends it
 
@@ -110,3 +112,53 @@ async def test_without_a_colocated_instance_every_end_goes_at_once(wired: tuple[
     reporter.report(ended("b1", "lease-1"))
     reporter.report(ended("b2", None))
     assert await received(sub, 2, reporter=reporter) == ["b1", "b2"]
+
+
+def test_a_notice_goes_first_then_once_per_window_per_endpoint_and_model():
+    gate = NoticeGate(every=1.0)
+    assert gate.due(("e1", "m"), 100.0)
+    assert not gate.due(("e1", "m"), 100.5)  # the same burst
+    assert gate.due(("e2", "m"), 100.5) and gate.due(("e1", "other"), 100.5)
+    assert gate.due(("e1", "m"), 101.0)  # a window later
+    assert not gate.due(("e1", "m"), 101.9)
+
+
+def unloaded(attempt: str, endpoint: str = "e1") -> RequestEnded:
+    return ended(attempt, None).model_copy(
+        update={"ok": False, "outcome": "model_unloaded", "status": 404, "endpoint": endpoint,
+                "served_model": "m1-lora"}
+    )  # fmt: skip
+
+
+async def test_a_burst_of_model_unloaded_ends_is_one_notice_per_window(wired: tuple[Any, Any]):
+    nc, sub = wired
+    # On the reporter's own connection: the server has the interest before its first publish
+    # (another connection's flush may return before its SUB reached the server).
+    notices = await nc.subscribe(MODELS_STALE_SUBJECT)
+    await nc.flush()
+    now = [50.0]
+    # Held ends (settled in process): a notice does not wait for the hold.
+    reporter = NatsReporter(
+        nc, local=lambda _: True, hold=LONG_HOLD, scope="fleet_x", clock=lambda: now[0]
+    )
+    for n in range(4):  # a burst: four engines' 404s within the window
+        reporter.report(unloaded(f"u{n}"))
+    reporter.report(unloaded("v1", endpoint="e2"))
+    assert await received(sub, 5, reporter=reporter) == ["u0", "u1", "u2", "u3", "v1"]
+    got = [ModelsStale.model_validate_json((await notices.next_msg(5)).data) for _ in range(2)]
+    assert [(g.endpoint, g.model, g.scope, g.edge) for g in got] == [
+        ("e1", "m1-lora", "fleet_x", "edge-r"),
+        ("e2", "m1-lora", "fleet_x", "edge-r"),
+    ]
+    now[0] += STALE_EVERY  # the next window: the next 404 of e1 is news again
+    reporter.report(unloaded("u9"))
+    assert await received(sub, 1, reporter=reporter) == ["u9"]
+    again = ModelsStale.model_validate_json((await notices.next_msg(5)).data)
+    assert again.endpoint == "e1"
+    reporter.report(ended("s1", "here-1"))  # a success: no notice, held as before
+    await nc.flush()
+    assert sub.pending_msgs == 0
+    await reporter.drain()  # sends the held end, and waits for every publication
+    assert await received(sub, 1, reporter=reporter) == ["s1"]
+    await nc.flush()
+    assert notices.pending_msgs == 0 and reporter.notices == 3

@@ -2,10 +2,12 @@
 `ServedModelsFollower`), on a real nats-server and a real engine simulator that loads and
 unloads LoRA adapters at run time through vLLM's API: an adapter loaded is served there, one
 unloaded is no longer, models given by hand are never touched, and an engine that does not
-answer or lists nothing of ours keeps what it had."""
+answer or lists nothing of ours keeps what it had. An edge's notice (`ModelsStale`: the engine
+answered 404 for a model it lists) has the list read at once, once for a burst."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -18,6 +20,7 @@ from inproc import stop_servers
 from nats.aio.client import Client as NatsClient
 
 from llmgw.config import Config, config_from_dict
+from llmgw.config.fleet import fleet_bucket
 from llmgw.services.fleet.apply import apply_file
 from llmgw.services.fleet.ops import FleetOps, running_config
 from llmgw.services.fleet.served import ServedModelsFollower
@@ -25,6 +28,7 @@ from llmgw.services.sim.apps import create_engine_app
 from llmgw.services.sim.params import EngineParams
 from llmgw.serving import RunningServer, start_server
 from llmgw.state.fleet import FleetBucket
+from llmgw.wire import MODELS_STALE_SUBJECT, ModelsStale
 
 # The config names a model only an adapter loaded at run time serves: warned of, as expected.
 pytestmark = pytest.mark.filterwarnings("ignore::llmgw.config.ConfigWarning")
@@ -172,3 +176,70 @@ async def test_a_model_an_applied_config_adds_is_served_where_an_engine_already_
     await apply_file(nats_client, config_from_dict(values, env={}), values, "<test>", wait=0.1)
     await follower_started.sweep()
     assert (await served_at(fleet, "engine-9"))[0] == ["llama-3.3-70b", "sql-assistant"]
+
+
+async def added_with_the_adapter(ops: FleetOps, fleet: FleetBucket, engine: RunningServer) -> None:
+    """engine-9 joined while serving the adapter; then it was unloaded there (the fleet does not
+    know yet: its next read is an hour away)."""
+    assert (await lora(engine, "load", "sql-lora")).status_code == 200
+    await ops.add({"id": "engine-9", "url": engine.url, "provider": "iris"})
+    assert (await served_at(fleet, "engine-9"))[0] == ["llama-3.3-70b", "sql-assistant"]
+    assert (await lora(engine, "unload", "sql-lora")).status_code == 200
+
+
+async def test_an_edges_notice_has_the_engines_list_read_at_once(
+    ops: FleetOps,
+    fleet: FleetBucket,
+    engine: RunningServer,
+    config: Config,
+    nats_client: NatsClient,
+) -> None:
+    reads: list[str] = []
+    async with httpx.AsyncClient(timeout=3.0) as client:
+        follower = ServedModelsFollower(
+            fleet,
+            lambda: running_config(fleet, config),
+            interval=3600.0,
+            client=client,
+            scope=fleet_bucket(config),
+            on_read=reads.append,
+        )
+        await follower.listen(nats_client)
+        await nats_client.flush()
+        await added_with_the_adapter(ops, fleet, engine)
+        ours = ModelsStale(
+            edge="edge-1", scope=fleet_bucket(config), endpoint="engine-9", model="sql-assistant"
+        )
+        other_gateways = ours.model_copy(update={"scope": "another_gateways_fleet"})
+        for notice in (other_gateways, ours):  # in this order: the first is ignored
+            await nats_client.publish(MODELS_STALE_SUBJECT, notice.model_dump_json().encode())
+        deadline = asyncio.get_running_loop().time() + 5
+        while (await served_at(fleet, "engine-9"))[0] != ["llama-3.3-70b"]:
+            assert asyncio.get_running_loop().time() < deadline, "the list was not read again"
+            await asyncio.sleep(0.01)
+        await follower.rereads_done()
+    assert reads == ["model_unloaded"] and follower.notices == 1 and follower.changed == 1
+
+
+async def test_a_burst_of_notices_is_one_read_and_one_during_the_read_is_one_more(
+    ops: FleetOps, fleet: FleetBucket, engine: RunningServer, config: Config
+) -> None:
+    reads: list[str] = []
+
+    def on_read(trigger: str) -> None:
+        reads.append(trigger)
+        if len(reads) == 1:  # a notice while the list is read: it may predate the change
+            follower.stale("engine-9")
+
+    async with httpx.AsyncClient(timeout=3.0) as client:
+        follower = ServedModelsFollower(
+            fleet, lambda: running_config(fleet, config), interval=3600.0, client=client,
+            on_read=on_read,
+        )  # fmt: skip
+        await added_with_the_adapter(ops, fleet, engine)
+        for _ in range(8):  # one burst: eight edges' notices
+            follower.stale("engine-9")
+        await follower.rereads_done()
+    assert reads == ["model_unloaded", "model_unloaded"]
+    assert (await served_at(fleet, "engine-9"))[0] == ["llama-3.3-70b"]
+    assert follower.changed == 1  # the second read found the list as the first left it

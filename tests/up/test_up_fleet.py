@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -19,11 +20,14 @@ import nats
 import pytest
 import yaml
 from poisson_load import PoissonLoad, Sent
+from prometheus_client.parser import text_string_to_metric_families
 from test_up_operability import NATS, READY
 from up_harness import REPO, UpProcess, config_apply, llmgw_cli, write_cluster_config
 
+from llmgw.config import load_config
 from llmgw.services.fleet.ops import admission_leases
 from llmgw.serving import free_port
+from llmgw.state.fleet import open_fleet
 
 pytestmark = pytest.mark.e2e
 
@@ -429,6 +433,129 @@ def test_a_lora_adapter_loaded_on_a_running_engine_is_served_through_the_gateway
         f"\nLoRA adapter loaded on engine-3: served through the gateway {served_after:.2f}s "
         f"later; unloaded: no longer placed {left_after:.2f}s later ({len(passed_on)} requests "
         f"got the engine's 404 meanwhile); unserved: {before.status_code}"
+    )
+
+
+def _metric(url: str, name: str, **labels: str) -> float:
+    """The sum of `name`'s samples with `labels` in the exposition at `url`."""
+    text = httpx.get(url, timeout=10).text
+    return sum(
+        s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+async def _model_left(
+    config: Path, nats_url: str, endpoint: str, model: str, since: float, limit: float = 5.0
+) -> float:
+    """Seconds from `since` until `endpoint`'s record in the fleet bucket no longer lists
+    `model` (read every 5 ms); fails after `limit`."""
+    nc = await nats.connect(nats_url)
+    try:
+        bucket = await open_fleet(nc, load_config(config, env={"LLMGW_NATS__URL": nats_url}))
+        while model in (await bucket.get(endpoint))[0].endpoint.models:
+            assert time.monotonic() - since < limit, f"{endpoint} still lists {model}"
+            await asyncio.sleep(0.005)
+        return time.monotonic() - since
+    finally:
+        await nc.close()
+
+
+# Its config names a model only an adapter loaded at run time serves: warned of, as expected.
+@pytest.mark.filterwarnings("ignore::llmgw.config.ConfigWarning")
+def test_an_adapter_unloaded_from_one_of_two_engines_is_served_by_the_other_and_leaves_its_list(
+    tmp_path: Path, start_up: Callable[..., UpProcess], extra_engine: Callable[[Path], str]
+) -> None:
+    """Two engines joined serving the adapter `sql-lora`; the reaper reads engines' model lists
+    every hour only. The adapter is unloaded from engine-3 while sessions live there: their next
+    requests (a burst) get engine-3's 404, are retried on engine-4 and succeed; engine-3's
+    breaker stays closed (no endpoint failure), and its list loses the model at once: the
+    edge's notice has the reaper read it, once for the burst."""
+    values = yaml.safe_load((REPO / "config" / "local.yaml").read_text())
+    values["models"].append({"name": "sql-assistant", "aliases": ["sql-lora"]})
+    iris = next(p for p in values["providers"] if p["id"] == "iris")
+    iris["models"].append({"name": "sql-assistant", "features": ["chat", "completions"]})
+    config = write_cluster_config(
+        tmp_path / "cluster.yaml",
+        models=values["models"],
+        providers=values["providers"],
+        fleet={"models_refresh": "1h"},
+    )
+    host, port = yaml.safe_load(config.read_text())["admin_listen"].rsplit(":", 1)
+    edge_metrics = f"http://{host}:{port}/metrics"  # the edge's, and its admission instance's
+    reaper_metrics = f"http://{host}:{int(port) + 2}/metrics"
+    up = start_up(config)
+    api, key = up.wait_for(READY, timeout=90).groups()
+    nats_url = up.wait_for(NATS).group(1)
+    headers = up.admin_headers()
+    lora = {"lora_name": "sql-lora", "lora_path": "/adapters/sql"}
+    urls = {}
+    for name in ("engine-3", "engine-4"):
+        urls[name] = extra_engine(config)
+        assert httpx.post(f"{urls[name]}/v1/load_lora_adapter", json=lora).status_code == 200
+        added = _cli(
+            config, nats_url, "endpoints", "--json", "add", name, "--url", urls[name],
+            "--provider", "iris",
+        )  # fmt: skip
+        assert added.returncode == 0, added.stderr
+        assert "sql-assistant" in json.loads(added.stdout)["models"]
+
+    auth = {"authorization": f"Bearer {key}"}
+
+    def ask(user: str) -> httpx.Response:  # a client of its own: called from threads too
+        chat = {"model": "sql-lora", "max_tokens": 4, "user": user,
+                "messages": [{"role": "user", "content": f"query for {user}"}]}  # fmt: skip
+        return httpx.post(f"{api}/chat/completions", json=chat, headers=auth, timeout=30)
+
+    with httpx.Client(timeout=30) as http:
+        on_3 = []  # sessions that live on engine-3
+        for n in range(40):
+            answer = ask(f"u{n}")
+            assert answer.status_code == 200, answer.text
+            if answer.headers["x-llmgw-endpoint"] == "engine-3":
+                on_3.append(f"u{n}")
+            if len(on_3) == 4:
+                break
+        assert len(on_3) == 4, "four sessions never lived on engine-3"
+        assert _metric(reaper_metrics, "llmgw_reaper_model_list_reads_total") == 0
+        assert http.post(f"{urls['engine-3']}/v1/unload_lora_adapter", json=lora).status_code == 200
+        unloaded = time.monotonic()
+        with ThreadPoolExecutor(len(on_3)) as pool:  # the sessions' next turns, at once
+            turns = [pool.submit(ask, user) for user in on_3]
+            # Meanwhile: when does engine-3's record in the fleet bucket lose the model?
+            left_after = asyncio.run(
+                _model_left(config, nats_url, "engine-3", "sql-assistant", unloaded)
+            )
+            burst = [turn.result() for turn in turns]
+        assert [(b.status_code, b.headers["x-llmgw-endpoint"]) for b in burst] == [
+            (200, "engine-4")
+        ] * len(on_3), [b.text for b in burst]
+        shown = http.get(f"http://{host}:{port}/admin/endpoints/engine-3", headers=headers)
+        assert shown.json()["models"] == ["llama-3.3-70b", "qwen2.5-32b"]
+        retried = _metric(edge_metrics, "llmgw_edge_retries_total", outcome="model_unloaded")
+        assert retried >= 1  # at least the first of the burst went to engine-3
+        breaker = _metric(
+            edge_metrics, "llmgw_admission_endpoint_breaker", endpoint="engine-3", state="closed"
+        )
+        assert breaker == 1
+        reads = _metric(
+            reaper_metrics, "llmgw_reaper_model_list_reads_total", trigger="model_unloaded"
+        )
+        assert reads == 1  # one read for the burst
+        assert (
+            _metric(reaper_metrics, "llmgw_reaper_model_list_reads_total", trigger="interval") == 0
+        )
+        fresh = ask("a-new-session")  # no longer placed on engine-3: no retry
+        assert (fresh.status_code, fresh.headers["x-llmgw-endpoint"]) == (200, "engine-4")
+        assert _metric(edge_metrics, "llmgw_edge_retries_total", outcome="model_unloaded") == (
+            retried
+        )
+    print(
+        f"\nsql-lora unloaded from engine-3: {len(on_3)} sessions' next turns served by engine-4 "
+        f"({retried:g} retried after engine-3's 404); engine-3's list lost it {left_after:.2f}s "
+        f"later ({reads:g} read)"
     )
 
 
