@@ -180,13 +180,13 @@ class PromptChains:
         self._tokens: dict[str, _ModelTokens] = {}
         if not self.enabled:
             return
-        with_events = {
-            model for e in config.endpoints if e.kv_events is not None for model in e.models
-        }
+        # A model with a tokenizer gets its tokens counted, whether or not its engines send
+        # KV cache events: the events' matching needs them, and so do context windows (an
+        # exact prompt length, where the bytes give only a lower bound).
         kept = previous._tokens if previous is not None else {}
         for model in config.models:
             source, name = model.tokenizer, model.name
-            if source is None or name not in with_events:
+            if source is None:
                 continue
             old = kept.get(name)
             if old is not None and old.source == source and old.block == model.kv_block_size:

@@ -138,3 +138,25 @@ async def test_only_an_edge_that_says_the_output_is_refused_for_its_length(
         assert old.status is ReplyStatus.ADMITTED and old.served_model == "m1"
         assert old.lease is not None
         gateway.admission.ledger.release(old.lease.lease_id, 0.0, refresh=False)
+
+
+async def test_a_models_tokenizer_counts_the_prompt_exactly_without_kv_events(
+    make_gateway_config: Callable[..., Config], nats_url: str, unique_id: str
+) -> None:
+    """`tokenizer: engine` on a model whose engines send no KV cache events: the prompt's
+    tokens are counted (the engine's /tokenize), so a prompt whose bytes estimate fits the
+    window but whose tokens do not runs on the fallback, not on an engine that would refuse it."""
+    models = [
+        {"name": "m1", "fallbacks": ["m2"], "context_window": WINDOW, "tokenizer": "engine"},
+        {"name": "m2"},
+    ]
+    dense = "a. " * WINDOW  # two tokens in three bytes: ~WINDOW / 2 by the bytes, 2 x WINDOW
+    assert len(dense.encode()) // BYTES_PER_TOKEN < WINDOW
+    async with running(make_gateway_config, nats_url, unique_id, models) as gateway:
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=10) as client:
+            body = {"model": "m1", "messages": [{"role": "user", "content": dense}]}
+            answer = await client.post("/v1/chat/completions", json={**body, "max_tokens": 8})
+    assert answer.status_code == 200, answer.text
+    assert answer.headers["x-llmgw-fallback-from"] == "m1"
+    assert answer.json()["model"] == "m2"
+    assert answer.json()["usage"]["prompt_tokens"] > WINDOW
