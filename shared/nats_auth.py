@@ -59,6 +59,8 @@ from llmgw.wire import (
     KEYS_USAGE_SUBJECT,
     MODELS_STALE_SUBJECT,
     REQUEST_STATS_SUBJECT,
+    RESPONSES_ASK_PREFIX,
+    RESPONSES_DELETED_SUBJECT,
     SPEND_TOTALS_SUBJECT,
     prefix_held_subject,
     prefix_sent_subject,
@@ -159,6 +161,8 @@ def role_permissions(config: Config) -> dict[str, Permissions]:
                 *_read_bucket(keys),  # the key mirror's watch: read only
                 *_read_bucket(fleet),  # the applied config's watch: read only
                 *_own_bucket(config.responses.bucket),  # the Responses API's stored responses
+                f"{RESPONSES_ASK_PREFIX}*",  # asks the edge that wrote a response for it
+                RESPONSES_DELETED_SUBJECT,  # tells every edge a stored response is deleted
             ),
             # roll calls, and config apply asking which revision it runs on
             subscribe=(
@@ -167,6 +171,8 @@ def role_permissions(config: Config) -> dict[str, Permissions]:
                 KEYS_USAGE_SUBJECT,
                 EDGE_CONFIG_SUBJECT,
                 f"{BUDGET_LEND_PREFIX}*",  # budget loans other edges ask of this one
+                f"{RESPONSES_ASK_PREFIX}*",  # the responses it wrote, asked by other edges
+                RESPONSES_DELETED_SUBJECT,
             ),
         ),
         "admission": Permissions(

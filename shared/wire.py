@@ -62,6 +62,11 @@ BUDGET_GRANT_SUBJECT = "llmgw.v1.spend.grant"
 # Edge -> one edge (request/reply): give back to a budget account what you hold of it idle, for
 # an edge whose grant cannot fit a request (llmgw.core.budget, loans).
 BUDGET_LEND_PREFIX = "llmgw.v1.spend.lend."
+# Responses API: an edge asks the edge that wrote a stored response for it (+ its writer token,
+# llmgw.core.responses.writer_of); the answer is the record, or empty. Request/reply.
+RESPONSES_ASK_PREFIX = "llmgw.v1.responses.ask."
+# A deleted stored response's id, to every edge (each drops it from its memory).
+RESPONSES_DELETED_SUBJECT = "llmgw.v1.responses.deleted"
 
 # What an endpoint's prefix cache holds, for every admission instance, on subjects of one
 # gateway's prefix stream (`Config.prefix_stream`), so two gateways (or two tests) sharing a NATS

@@ -12,7 +12,8 @@ this module adds what is the Responses API's own:
   on ``/v1/responses`` when the provider serves it (`providers[].apis`), else a chat
   completions request (`llmgw.core.responses_chat`); the answer comes back as a response object
   with the gateway's id (`Exchange.whole`, `Exchange.reader`), and once it has ended well it is
-  stored (`ResponseStore.save`, off the critical path);
+  stored (`ResponseStore.save`, off the critical path; a stream's as its terminal event is read,
+  before the client has it: `KeepingReader`);
 - ``GET /v1/responses/{id}``, ``DELETE /v1/responses/{id}`` and
   ``GET /v1/responses/{id}/input_items`` read the store; a response belongs to the key (or,
   without keys, the bearer token) that created it: any other caller gets 404.
@@ -96,14 +97,23 @@ class Exchange:
     stream: bool
     ancestors: tuple[str, ...]  # the chain's responses before this one, oldest first
     session: str  # the chain's (its first response's id, or the session header's)
+    # The request as chat completions (no model, not streamed), once translated: the prompt's
+    # chains and every attempt on a chat-only provider start from it.
+    _chat: dict[str, Any] | None = None
 
     def translated(self, target: Target) -> bool:
         return "responses" not in self.api.apis.get(target.provider, ())
 
+    def _as_chat(self) -> dict[str, Any]:
+        """The request as chat completions; raises `Untranslatable` (an InvalidRequest)."""
+        if self._chat is None:
+            self._chat = chat_request(self.body, self.items, "", stream=False)
+        return self._chat
+
     def chat_form(self) -> tuple[list[Any], list[Any] | None] | None:
         """The conversation (every turn of the chain, then this input) in chat form."""
         try:
-            chat = chat_request(self.body, self.items, "", stream=False)
+            chat = self._as_chat()
         except InvalidRequest:
             return None
         return chat["messages"], chat.get("tools")
@@ -111,7 +121,10 @@ class Exchange:
     def upstream(self, target: Target) -> tuple[str, bytes]:
         """The path and body of an attempt on `target`; raises `Untranslatable`."""
         if self.translated(target):
-            chat = chat_request(self.body, self.items, target.upstream_model, stream=self.stream)
+            chat = {**self._as_chat(), "model": target.upstream_model}
+            if self.stream:
+                chat["stream"] = True
+                chat["stream_options"] = {"include_usage": True}
             if target.priority is not None:
                 chat["priority"] = target.priority
             return CHAT_PATH, json.dumps(chat).encode()
@@ -130,22 +143,27 @@ class Exchange:
             response = response_from_chat(value, self.body, self.response_id, self.turn)
         else:
             response = finalize(value, self.response_id, self.turn)
-        self.keep(response)
-        return json.dumps(response, ensure_ascii=False).encode(), response_usage(response)
+        body = json.dumps(response, ensure_ascii=False).encode()
+        self.keep(response, body)
+        return body, response_usage(response)
 
-    def reader(self, target: Target) -> ResponsesStream | ChatToResponsesStream:
+    def reader(self, target: Target) -> KeepingReader:
         """What follows a streamed answer on its way to the client."""
         if self.translated(target):
-            return ChatToResponsesStream(self.body, self.response_id, self.turn, self.api.clock)
-        return ResponsesStream(self.response_id, self.turn)
+            inner: ResponsesStream | ChatToResponsesStream = ChatToResponsesStream(
+                self.body, self.response_id, self.turn, self.api.clock
+            )
+        else:
+            inner = ResponsesStream(self.response_id, self.turn)
+        return KeepingReader(inner, self)
 
     def stream_ended(self, reader: StreamReader) -> None:
-        """Keep the response of a stream that ended well (`reader` is this exchange's)."""
-        response = getattr(reader, "response", None)
-        if getattr(reader, "completed", False) and response is not None:
-            self.keep(response)
+        """Keep the response of a stream that ended well (`reader` is this exchange's), if its
+        reader has not yet."""
+        if isinstance(reader, KeepingReader):
+            reader.kept()
 
-    def keep(self, response: dict[str, Any]) -> None:
+    def keep(self, response: dict[str, Any], response_json: bytes | None = None) -> None:
         if not self.turn.store or response.get("status") not in ("completed", "incomplete"):
             return
         self.api.store.save(
@@ -158,8 +176,60 @@ class Exchange:
                 response=response,
                 created_at=self.api.clock(),
                 ancestors=self.ancestors,
-            )
+            ),
+            response_json,
         )
+
+
+class KeepingReader:
+    """A Responses stream's reader that keeps the response as soon as its last event has been
+    read, before that event is on its way to the client: a client that has read it and names
+    the response at once finds it being written (`llmgw.state.responses`)."""
+
+    def __init__(self, inner: ResponsesStream | ChatToResponsesStream, exchange: Exchange):
+        self.inner = inner
+        self.exchange = exchange
+        self._kept = False
+
+    @property
+    def usage(self) -> Usage | None:
+        return self.inner.usage
+
+    @usage.setter
+    def usage(self, usage: Usage | None) -> None:
+        self.inner.usage = usage
+
+    @property
+    def events(self) -> int:
+        return self.inner.events
+
+    @events.setter
+    def events(self, events: int) -> None:
+        self.inner.events = events
+
+    @property
+    def response(self) -> dict[str, Any] | None:
+        return self.inner.response
+
+    @property
+    def completed(self) -> bool:
+        return self.inner.completed
+
+    def feed(self, chunk: bytes) -> bytes:
+        out = self.inner.feed(chunk)
+        self.kept()
+        return out
+
+    def finish(self) -> bytes:
+        out = self.inner.finish()
+        self.kept()
+        return out
+
+    def kept(self) -> None:
+        """Keep the response once the stream has ended well (once)."""
+        if not self._kept and self.inner.completed and self.inner.response is not None:
+            self._kept = True
+            self.exchange.keep(self.inner.response)
 
 
 class ResponsesApi:
@@ -176,12 +246,12 @@ class ResponsesApi:
         self.rng = rng
         self.clock = clock
         self.apis = {p.id: frozenset(p.apis) for p in config.providers}
-        self.timeout = config.nats.request_timeout  # bounds every read of the store
 
     async def _read(self, read: Any) -> Any:
-        """A store read within `timeout`; raises StoreUnavailable."""
+        """A store read within its bound (`ResponseStore.read_bound`: each of its steps waits
+        ``nats.request_timeout`` at most); raises StoreUnavailable."""
         try:
-            async with asyncio.timeout(self.timeout):
+            async with asyncio.timeout(self.store.read_bound):
                 return await read
         except Exception as exc:
             log.warning("the response store did not answer: %r", exc)
@@ -198,7 +268,7 @@ class ResponsesApi:
     ) -> Exchange | tuple[Response, Outcome]:
         """The exchange of a request (with its session), or its error and outcome: 404 for an
         unknown previous response, 503 when the store cannot be read."""
-        response_id = new_response_id(self.rng.getrandbits(128))
+        response_id = new_response_id(self.rng.getrandbits(80), self.store.writer)
         chain: list[StoredResponse] = []
         root = response_id
         previous = turn.previous_response_id
@@ -236,7 +306,7 @@ class ResponsesApi:
     # -- stored responses ---------------------------------------------------------------------
 
     async def _owned(self, response_id: str, owner: str) -> StoredResponse | None:
-        stored = await self._read(self.store.get(response_id))
+        stored = await self._read(self.store.get(response_id, remembered=False))
         return stored if stored is not None and stored.owner == owner else None
 
     async def get(self, response_id: str, owner: str) -> Response:

@@ -504,3 +504,6 @@ class ResponsesConfig(StrictModel):
     # max age, set when the bucket is created).
     bucket: str = Field("llmgw_responses", pattern=r"^[A-Za-z0-9_-]+$")
     retention: PositiveDuration = 30 * 24 * 3600.0
+    # Each edge keeps the records it wrote and read lately, up to this many bytes (their
+    # encoded sizes): a chain continued on the same edge is read from memory. 0: none kept.
+    cache_bytes: int = Field(64 * 1024 * 1024, ge=0)

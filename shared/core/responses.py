@@ -42,6 +42,7 @@ __all__ = [
     "parse_responses_request",
     "response_usage",
     "upstream_body",
+    "writer_of",
 ]
 
 RESPONSE_ID_PATTERN = re.compile(r"^resp_[0-9a-f]{32}$")
@@ -64,9 +65,20 @@ LIFECYCLE_EVENTS = frozenset(
 _ENDED_OK = frozenset({"response.completed", "response.incomplete"})
 
 
-def new_response_id(bits: int) -> str:
-    """A response id from 128 random bits (the caller's injected randomness)."""
-    return f"resp_{bits & ((1 << 128) - 1):032x}"
+WRITER_DIGITS = 12  # an id's first hex digits: the token of the edge process that wrote it
+
+
+def new_response_id(bits: int, writer: str) -> str:
+    """A response id: the writing edge process's token (`WRITER_DIGITS` hex digits, random per
+    process), then 80 of the caller's random bits. Another edge that cannot find the response
+    yet asks its writer by that token (`llmgw.state.responses`)."""
+    return f"resp_{writer}{bits & ((1 << 80) - 1):020x}"
+
+
+def writer_of(response_id: str) -> str:
+    """The writer token of a response id (`new_response_id`); of an id minted before writer
+    tokens existed, 12 random digits that name no edge."""
+    return response_id[5 : 5 + WRITER_DIGITS]
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,8 +242,10 @@ class StoredResponse:
     # read with one concurrent get per turn, not one round trip after another.
     ancestors: tuple[str, ...] = ()
 
-    def encode(self) -> bytes:
-        return json.dumps(
+    def encode(self, response_json: bytes | None = None) -> bytes:
+        """The record as stored; `response_json`: `response` already encoded (as the client
+        got it), so it is not encoded again."""
+        fields = json.dumps(
             {
                 "v": 1,
                 "id": self.id,
@@ -239,13 +253,17 @@ class StoredResponse:
                 "root": self.root,
                 "previous": self.previous,
                 "input": list(self.input),
-                "response": self.response,
                 "created_at": self.created_at,
                 "ancestors": list(self.ancestors),
             },
             separators=(",", ":"),
             ensure_ascii=False,
         ).encode()
+        if response_json is None:
+            response_json = json.dumps(
+                self.response, separators=(",", ":"), ensure_ascii=False
+            ).encode()
+        return b'%s,"response":%s}' % (fields[:-1], response_json)
 
     @classmethod
     def decode(cls, raw: bytes) -> StoredResponse:

@@ -138,10 +138,16 @@ def chains(draw):
     )
     chain, previous = [], None
     for index, (items, output) in enumerate(turns):
-        rid = new_response_id(index + 1)
+        rid = new_response_id(index + 1, "0" * 12)
         chain.append(
             StoredResponse(
-                rid, "owner", new_response_id(1), previous, tuple(items), {"output": output}, 0.0
+                rid,
+                "owner",
+                new_response_id(1, "0" * 12),
+                previous,
+                tuple(items),
+                {"output": output},
+                0.0,
             )
         )
         previous = rid

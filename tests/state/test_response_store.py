@@ -10,7 +10,7 @@ import pytest
 from llmgw.config import config_from_dict
 from llmgw.core.responses import StoredResponse
 from llmgw.state.memory_kv import MemoryKV
-from llmgw.state.responses import ResponseStore, open_response_store
+from llmgw.state.responses import RecentResponses, ResponseStore, open_response_store
 
 
 def _stored(number: int, previous: str | None = None, text: str = "hi") -> StoredResponse:
@@ -51,7 +51,7 @@ async def test_a_saved_response_is_readable_at_once_then_from_the_bucket(nats_cl
         first, second = _stored(1), _stored(2, previous=_stored(1).id)
         store.save(first)
         store.save(second)
-        assert await store.get(second.id) == second  # before its write landed
+        assert await store.get(second.id) == second  # here: once its write in flight landed
         await store.close()
         assert store.pending == {} and results == ["stored", "stored"]
         again = await open_response_store(nats_client, config)  # another edge
@@ -114,9 +114,75 @@ async def test_a_chain_that_names_its_ancestors_is_read_at_once():
     kv.before_op = before_op
     assert await store.chain(head) == [*ancestors, head]
     kv.before_op = None
-    await kv.delete(ancestors[1].id, (await kv.get(ancestors[1].id)).revision)
+    assert await store.delete(ancestors[1].id) is True
     assert await store.chain(head) is None  # a hole anywhere ends the chain
 
 
 def _with_ancestors(stored: StoredResponse, ancestors: list[StoredResponse]) -> StoredResponse:
     return dataclasses.replace(stored, ancestors=tuple(a.id for a in ancestors))
+
+
+async def test_a_chain_written_here_is_read_from_memory_and_one_written_elsewhere_once():
+    gets: list[str] = []
+
+    async def before_op(op: str, key: str) -> None:
+        if op == "get":
+            gets.append(key)
+
+    kv = MemoryKV(before_op=before_op)
+    now = lambda: 2.0  # noqa: E731  (the records were made at 1.0, well within retention)
+    here, elsewhere = ResponseStore(kv, clock=now), ResponseStore(kv, clock=now)
+    records = [_stored(1)]
+    for n in range(2, 5):
+        records.append(_with_ancestors(_stored(n, previous=records[-1].id), records[: n - 1]))
+    for stored in records:
+        here.save(stored)
+    await here.close()
+    assert await here.get(records[-1].id) == records[-1]
+    assert await here.chain(records[-1]) == records
+    assert gets == []  # every record from memory
+    assert await elsewhere.chain(await elsewhere.get(records[-1].id)) == records
+    assert sorted(gets) == sorted(stored.id for stored in records)  # each read once...
+    assert await elsewhere.chain(await elsewhere.get(records[-1].id)) == records
+    assert len(gets) == len(records)  # ...then held
+    late = ResponseStore(kv, clock=lambda: 1.0 + 30 * 24 * 3600.0 + 1)  # past retention
+    late.recent.put(records[0], 100)
+    await late.get(records[0].id)
+    assert len(gets) == len(records) + 1  # memory is not trusted past the bucket's max age
+    uncached = ResponseStore(kv, cache_bytes=0, clock=now)
+    assert await uncached.chain(await uncached.get(records[-1].id)) == records
+    assert len(gets) == 2 * len(records) + 1  # cache_bytes 0: every read goes to the bucket
+
+
+async def test_a_write_that_fails_is_not_found_even_on_its_own_edge():
+    gate = asyncio.Event()
+
+    class Refusing(MemoryKV):
+        async def put(self, key: str, value: bytes) -> int:
+            await gate.wait()
+            raise ConnectionError("refused")
+
+    store = ResponseStore(Refusing())
+    results: list[str] = []
+    store.on_result = results.append
+    stored = _stored(7)
+    store.save(stored)
+    read = asyncio.ensure_future(store.get(stored.id))  # waits for the write in flight
+    await asyncio.sleep(0)
+    assert not read.done()
+    gate.set()
+    assert await read is None and results == ["failed"]
+    assert await store.get(stored.id) is None
+
+
+def test_recent_responses_keep_the_most_recently_used_within_their_bytes():
+    recent = RecentResponses(max_bytes=300)
+    for n in range(1, 4):
+        recent.put(_stored(n), 100)
+    assert recent.get(_stored(1).id) == _stored(1)  # used: the second is now the oldest
+    recent.put(_stored(4), 100)
+    assert _stored(2).id not in recent and len(recent) == 3 and recent.bytes == 300
+    recent.put(_stored(5), 301)  # larger than the whole: not kept, nothing dropped for it
+    assert _stored(5).id not in recent and len(recent) == 3
+    recent.drop(_stored(1).id)
+    assert recent.bytes == 200 and recent.get(_stored(1).id) is None
