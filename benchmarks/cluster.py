@@ -181,6 +181,7 @@ def running_cluster(
     spend: dict | None = None,
     apis: list[str] | None = None,
     prefix: dict | None = None,
+    env: dict[str, str] | None = None,
 ):
     """Yield a Cluster; everything is stopped afterwards.
 
@@ -191,7 +192,8 @@ def running_cluster(
     scraper feeds it; otherwise flow control is off and no scraper runs. ``auth``: API keys
     required (auth.mode keys); one key is made with `llmgw keys create` and ``key_options``
     (tenant ``bench``). ``spend``: the config's `spend` section (prices, budgets); ``prefix``:
-    its `prefix` section (cache-aware placement).
+    its `prefix` section (cache-aware placement). ``env``: more environment for every service
+    (config overrides such as ``LLMGW_RESPONSES__CACHE_BYTES``).
     ``colocated``: the edge runs its own admission instance (``admission.colocated``); with
     ``admissions=0`` it owns every shard.
     """
@@ -219,7 +221,7 @@ def running_cluster(
                 )
             )
         )
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         cli = [python or sys.executable, "-m", "llmgw"]
         cluster = Cluster(
             edge_url=f"http://127.0.0.1:{edge_port}", engine_url=engine_url, nats=nats

@@ -272,7 +272,12 @@ class ResponsesApi:
         chain: list[StoredResponse] = []
         root = response_id
         previous = turn.previous_response_id
-        if previous is not None:
+        held = self.store.held_chain(previous) if previous is not None else None
+        if previous is not None and held is not None:  # all of it in this edge's memory
+            if held[-1].owner != owner:
+                return self._previous_not_found(previous, headers), Outcome.NOT_FOUND
+            chain, root = held, held[-1].root
+        elif previous is not None:
             try:
                 head = await self._read(self.store.get(previous))
                 found = (
@@ -283,12 +288,7 @@ class ResponsesApi:
             except StoreUnavailable:
                 return _unavailable(headers), Outcome.ADMISSION_UNAVAILABLE
             if head is None or found is None:
-                return not_found(
-                    f"Previous response with id '{previous}' not found.",
-                    "previous_response_id",
-                    "previous_response_not_found",
-                    headers,
-                ), Outcome.NOT_FOUND
+                return self._previous_not_found(previous, headers), Outcome.NOT_FOUND
             chain, root = found, head.root
         return Exchange(
             self,
@@ -301,6 +301,15 @@ class ResponsesApi:
             parsed.stream,
             tuple(stored.id for stored in chain),
             chain_session(root, model, client=client),
+        )
+
+    @staticmethod
+    def _previous_not_found(previous: str, headers: dict[str, str]) -> Response:
+        return not_found(
+            f"Previous response with id '{previous}' not found.",
+            "previous_response_id",
+            "previous_response_not_found",
+            headers,
         )
 
     # -- stored responses ---------------------------------------------------------------------

@@ -256,6 +256,19 @@ class ResponseStore:
         """The longest a `get` takes: its write in flight here, a read, an ask, a read."""
         return 4 * self.wait
 
+    def held_chain(self, response_id: str) -> list[StoredResponse] | None:
+        """The chain ending with `response_id` (oldest first) if this edge holds all of it, its
+        writes landed: no read, no wait. None: ask `get` and `chain`."""
+        head = self._held(response_id) if RESPONSE_ID_PATTERN.match(response_id) else None
+        if head is None or not head.ancestors or head.previous != head.ancestors[-1]:
+            return None if head is None or head.previous is not None else [head]
+        found = [self._held(rid) for rid in head.ancestors]
+        chain = [stored for stored in found if stored is not None]
+        if len(chain) < len(found):
+            return None
+        chain.append(head)
+        return chain if _linked(chain) else None
+
     async def chain(self, head: StoredResponse, limit: int = 10_000) -> list[StoredResponse] | None:
         """Every response of `head`'s chain, oldest first, or None when one is missing. The
         reads of a record that names its ancestors go out at once (one round trip's wait)."""
@@ -267,10 +280,7 @@ class ResponseStore:
                 for i, stored in zip(missing, read, strict=True):
                     found[i] = stored
             earlier = [stored for stored in found if stored is not None]
-            linked = len(earlier) == len(found) and all(
-                stored.previous == (earlier[i - 1].id if i else None)
-                for i, stored in enumerate(earlier)
-            )
+            linked = len(earlier) == len(found) and _linked(earlier)
             return [*earlier, head] if linked else None
         chain = [head]
         while chain[-1].previous is not None and len(chain) < limit:
@@ -355,6 +365,13 @@ class ResponseStore:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
         self._subs = []
+
+
+def _linked(chain: list[StoredResponse]) -> bool:
+    """Whether each response of `chain` names the one before it (the first: none)."""
+    return all(
+        stored.previous == (chain[i - 1].id if i else None) for i, stored in enumerate(chain)
+    )
 
 
 def _decoded(response_id: str, raw: bytes) -> tuple[StoredResponse, int] | None:

@@ -141,10 +141,13 @@ async def test_a_chain_written_here_is_read_from_memory_and_one_written_elsewher
     assert await here.get(records[-1].id) == records[-1]
     assert await here.chain(records[-1]) == records
     assert gets == []  # every record from memory
+    assert here.held_chain(records[-1].id) == records  # ...without a wait
+    assert elsewhere.held_chain(records[-1].id) is None  # not held there: read it
     assert await elsewhere.chain(await elsewhere.get(records[-1].id)) == records
     assert sorted(gets) == sorted(stored.id for stored in records)  # each read once...
     assert await elsewhere.chain(await elsewhere.get(records[-1].id)) == records
     assert len(gets) == len(records)  # ...then held
+    assert elsewhere.held_chain(records[-1].id) == records
     late = ResponseStore(kv, clock=lambda: 1.0 + 30 * 24 * 3600.0 + 1)  # past retention
     late.recent.put(records[0], 100)
     await late.get(records[0].id)
