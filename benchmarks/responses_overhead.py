@@ -10,8 +10,12 @@ serves chat completions only (`providers[].apis`), so every Responses request is
 Per concurrency (1 and 16) and streamed or not, four kinds of request run interleaved, against
 the engine directly and through the gateway:
 
-- chat: a chat completion (overhead.py's body);
-- responses: a Responses request of one turn (the gateway stores it);
+- chat: a chat completion (overhead.py's body: one short message, 256 sessions in turn);
+- chat-new: the same, each opening a new session (a new conversation: its pin is written);
+- chat-long: a chat completion carrying the chain kind's conversation in chat form (the same
+  prompt as a chained turn, 32 sessions in turn);
+- responses: a Responses request of one turn (the gateway stores it; a new chain each time,
+  so a new session, as chat-new);
 - chain: the next turn of one of 32 chains of `--turns` stored responses, written before the
   run (`previous_response_id`; the gateway reads the chain and sends the expanded input);
   directly, the engine gets that same expanded input;
@@ -38,6 +42,7 @@ import os
 import statistics
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -48,8 +53,11 @@ from cluster import cpu_seconds, running_cluster
 from measure import pct, reference_speed
 from overhead import GATEWAY_CPUS, LOADGEN_CPUS, WARMUP, bodies, fmt_ms, run_load
 
+from llmgw.core.responses_chat import chat_messages
+
 CHAINS = 32  # chains measured in turn (each a session of its own)
-KINDS = ("chat", "responses", "chain", "live")
+KINDS = ("chat", "chat-new", "chat-long", "responses", "chain", "live")
+RESPONSES_KINDS = ("responses", "chain", "live")
 CHAT_ONLY = ["chat_completions", "completions", "embeddings"]
 _JSON = {"content-type": "application/json"}
 
@@ -112,6 +120,40 @@ def chain_bodies(stream: bool, last_ids: list[str], expanded: list[list[list[dic
     return direct, via_gateway
 
 
+def chat_new_bodies(stream: bool, count: int) -> list[bytes]:
+    """`count` chat completions, each of a session never seen before."""
+    nonce = uuid.uuid4().hex
+    return [
+        json.dumps(
+            {
+                "model": "bench-model",
+                "messages": [{"role": "user", "content": "hello"}],
+                "max_tokens": 20,
+                "user": f"new-{nonce}-{i}",
+                "stream": stream,
+            }
+        ).encode()
+        for i in range(count)
+    ]
+
+
+def chat_long_bodies(stream: bool, expanded: list[list[list[dict]]]) -> list[bytes]:
+    """The chain kind's conversations (with its next question) as chat completions."""
+    new = {"type": "message", "role": "user", "content": "and next?"}
+    return [
+        json.dumps(
+            {
+                "model": "bench-model",
+                "messages": chat_messages(None, [*prefixes[-1], new]),
+                "max_tokens": 20,
+                "user": f"long-{chain}",
+                "stream": stream,
+            }
+        ).encode()
+        for chain, prefixes in enumerate(expanded)
+    ]
+
+
 def live_direct_bodies(stream: bool, expanded: list[list[list[dict]]]) -> list[bytes]:
     """What the engine gets for turn k of a live chain (k = 0 .. --turns), in turn."""
     base = {"model": "bench-model", "max_output_tokens": 20, "stream": stream, "store": False}
@@ -167,6 +209,15 @@ async def run_live(
         await asyncio.gather(*(client(n, latencies) for n in share))
         mark()
     return latencies
+
+
+def _next_to(mine: list[float], chat: list[float], concurrency: int) -> str:
+    """Per round: at concurrency 1 the difference (ms), else the ratio; median [min..max]."""
+    if concurrency == 1:
+        rel = [(m - ch) * 1e3 for m, ch in zip(mine, chat, strict=True)]
+        return f"{statistics.median(rel):+.2f} [{min(rel):+.2f}..{max(rel):+.2f}]"
+    rel = [m / ch for m, ch in zip(mine, chat, strict=True)]
+    return f"{statistics.median(rel):.2f}x [{min(rel):.2f}..{max(rel):.2f}]"
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, str]]:
@@ -226,8 +277,11 @@ def main() -> int:
                 chat = bodies(stream)
                 single = responses_bodies(stream, CHAINS)
                 chain_direct, chain_gateway = chain_bodies(stream, last_ids, expanded)
+                long = chat_long_bodies(stream, expanded)
                 payloads[name, stream] = {
                     "chat": ("/v1/chat/completions", chat, chat),
+                    "chat-new": ("/v1/chat/completions", None, None),
+                    "chat-long": ("/v1/chat/completions", long, long),
                     "responses": ("/v1/responses", single, single),
                     "chain": ("/v1/responses", chain_direct, chain_gateway),
                     "live": ("/v1/responses", live_direct_bodies(stream, expanded), None),
@@ -239,6 +293,9 @@ def main() -> int:
                 concurrency, stream, kind = scenario
                 first = clusters[names[0]]
                 path, direct_bodies, _ = payloads[names[0], stream][kind]
+                fresh = args.requests + WARMUP + concurrency  # chat-new: every run's own
+                if kind == "chat-new":
+                    direct_bodies = chat_new_bodies(stream, fresh)
                 direct = asyncio.run(
                     run_load(
                         first.engine_url,
@@ -269,6 +326,7 @@ def main() -> int:
                             )
                         )
                     else:
+                        sent = payloads[name, stream][kind][2]
                         latencies = asyncio.run(
                             run_load(
                                 cluster.edge_url,
@@ -277,7 +335,7 @@ def main() -> int:
                                 stream,
                                 mark=mark,
                                 path=path,
-                                payloads=payloads[name, stream][kind][2],
+                                payloads=sent or chat_new_bodies(stream, fresh),
                             )
                         )
                     cpu[name, scenario].append((marks[1] - marks[0]) / args.requests)
@@ -301,27 +359,28 @@ def main() -> int:
                 f"{fmt_ms(direct_p50[scenario])} | {fmt_ms(added[name, scenario]['p50'])} | "
                 f"{fmt_ms(added[name, scenario]['p99'])} | {fmt_ms(cpu[name, scenario])} |"
             )
-    print("\nnext to chat, same round (c=1: added p50 - chat's, ms; c=16: added p50 / chat's):\n")
-    print("| code | concurrency | streamed | responses | chain | live |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "\nnext to a chat kind, same round (c=1: added p50 - the chat kind's, ms; c=16: "
+        "added p50 / the chat kind's):\n"
+    )
+    print("| code | concurrency | streamed | next to | responses | chain | live |")
+    print("|---|---|---|---|---|---|---|")
     for name in names:
         for c in (1, 16):
             for s in (False, True):
-                chat = added[name, (c, s, "chat")]["p50"]
-                cells = []
-                for kind in KINDS[1:]:
-                    mine = added[name, (c, s, kind)]["p50"]
-                    if c == 1:
-                        rel = [(m - ch) * 1e3 for m, ch in zip(mine, chat, strict=True)]
-                        cells.append(
-                            f"{statistics.median(rel):+.2f} [{min(rel):+.2f}..{max(rel):+.2f}]"
+                for reference in ("chat", "chat-new", "chat-long"):
+                    cells = [
+                        _next_to(
+                            added[name, (c, s, kind)]["p50"],
+                            added[name, (c, s, reference)]["p50"],
+                            c,
                         )
-                    else:
-                        rel = [m / ch for m, ch in zip(mine, chat, strict=True)]
-                        cells.append(
-                            f"{statistics.median(rel):.2f}x [{min(rel):.2f}..{max(rel):.2f}]"
-                        )
-                print(f"| {name} | {c} | {'yes' if s else 'no'} | {' | '.join(cells)} |")
+                        for kind in RESPONSES_KINDS
+                    ]
+                    print(
+                        f"| {name} | {c} | {'yes' if s else 'no'} | {reference} | "
+                        f"{' | '.join(cells)} |"
+                    )
     return 0
 
 
