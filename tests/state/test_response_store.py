@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 
+import nats
 import pytest
 
 from llmgw.config import config_from_dict
 from llmgw.core.responses import StoredResponse
+from llmgw.nats_embedded import EmbeddedNats
+from llmgw.serving import free_port
 from llmgw.state.memory_kv import MemoryKV
 from llmgw.state.responses import RecentResponses, ResponseStore, open_response_store
 
@@ -189,3 +193,54 @@ def test_recent_responses_keep_the_most_recently_used_within_their_bytes():
     assert _stored(5).id not in recent and len(recent) == 3
     recent.drop(_stored(1).id)
     assert recent.bytes == 200 and recent.get(_stored(1).id) is None
+
+
+async def test_a_write_the_bucket_refuses_is_counted_failed_and_not_found(nats_client, config):
+    store = await open_response_store(nats_client, config)
+    results: list[str] = []
+    store.on_result = results.append
+    await nats_client.jetstream().delete_key_value(config.responses.bucket)  # nothing stores
+    stored = _stored(8)
+    store.save(stored)
+    assert await store.get(stored.id) is None  # waited for its write, which failed
+    await store.close()
+    assert results == ["failed"] and stored.id not in store.recent
+
+
+async def test_an_edge_back_on_nats_forgets_what_it_held(tmp_path, unique_id):
+    """Deletes told while it was away are lost to it: it reads the bucket again."""
+    server = EmbeddedNats(port=free_port(), store_dir=tmp_path)
+    await server.astart()
+    nc = await nats.connect(server.url, reconnect_time_wait=0.1, max_reconnect_attempts=-1)
+    config = config_from_dict(
+        {
+            "nats": {"url": server.url},
+            "responses": {"bucket": f"responses_{unique_id}"},
+            "models": [{"name": "m"}],
+            "providers": [{"id": "p", "kind": "unlimited", "models": [{"name": "m"}]}],
+            "endpoints": [
+                {"id": "e", "url": "http://127.0.0.1:1", "provider": "p", "models": ["m"]}
+            ],
+        },
+        source="<test>",
+        env={},
+    )
+    try:
+        store = await open_response_store(nc, config)
+        store.clock = lambda: 2.0  # the records were made at 1.0
+        stored = _stored(9)
+        store.save(stored)
+        assert store.held_chain(stored.id) is None  # its write is in flight
+        await store.close()
+        assert store.held_chain(stored.id) == [stored]
+        await server.arestart()
+        deadline = time.monotonic() + 10
+        while not (nc.is_connected and nc.stats["reconnects"] >= 1):
+            assert time.monotonic() < deadline, "no reconnection"
+            await asyncio.sleep(0.05)
+        assert store.held_chain(stored.id) is None and len(store.recent) == 0
+        assert await store.get(stored.id) == stored  # from the bucket, then held again
+        assert store.held_chain(stored.id) == [stored]
+    finally:
+        await nc.close()
+        await server.astop()
