@@ -13,10 +13,10 @@ Workload (deterministic from ``--seed``): ``--agents`` main agents arriving over
 them Claude-Code-like (Messages, the whole conversation resent every turn, its tools declared
 and a ``cache_control`` system prompt, the session in ``x-claude-code-session-id``), half
 Codex-like (Responses, each turn chained by ``previous_response_id``, the session in Codex's
-``session_id`` header). Each runs 10-40 turns (0.5 s mean think time; half the turns a tool
+``session-id`` and ``thread-id`` headers). Each runs 10-40 turns (0.5 s mean think time; half the turns a tool
 call and its result) and forks one or two sub-agents (5-10 turns, continuing a copy of its
 conversation: Messages resend it, Responses chain from the parent's last response; each
-sub-agent its own session, its parent's in the parent header). 20% of the main agents go idle
+sub-agent its own agent or thread id and its parent's, as Claude Code and Codex send them). 20% of the main agents go idle
 once for ``--idle`` seconds (30; real agents: minutes). One agent of each API pastes a 2,500-
 token document at three turns, growing past the 8k window: those turns need the fallback.
 
@@ -64,10 +64,10 @@ MAX_TOKENS = 32
 SYSTEM_TOKENS, USER_TOKENS, TOOL_TOKENS, DOCUMENT_TOKENS = 1200, 50, 120, 2500
 TURNS, SUB_TURNS, THINK, IDLE_SHARE = (10, 40), (5, 10), 0.5, 0.2
 SECONDS = 20.0
-# The session headers the agent clients send (docs/architecture.md, "Sessions").
-CLAUDE_SESSION = "x-claude-code-session-id"
-CODEX_SESSION = "session_id"
-PARENT = "x-llmgw-parent-session"
+# The session headers the agent clients send (docs/config.md, "Session headers"): a session id
+# shared by the main agent and its sub-agents, each sub-agent's own id and its parent's.
+CLAUDE = ("x-claude-code-session-id", "x-claude-code-agent-id", "x-claude-code-parent-agent-id")
+CODEX = ("session-id", "thread-id", "x-codex-parent-thread-id")
 TOOLS_MESSAGES = [
     {
         "name": "read_file",
@@ -102,8 +102,9 @@ class Agent:
     pauses: list[float]
     documents: set[int] = field(default_factory=set)
     forks: dict[int, list[Agent]] = field(default_factory=dict)
-    parent: str | None = None
-    session: str = field(default_factory=lambda: str(uuid.uuid4()))
+    parent: str | None = None  # a sub-agent: its parent's id
+    session: str = field(default_factory=lambda: str(uuid.uuid4()))  # its own id
+    root: str = ""  # the session id of its family (its main agent's id)
 
 
 def workload(seed: int, agents: int, idle: float) -> list[Agent]:
@@ -114,7 +115,7 @@ def workload(seed: int, agents: int, idle: float) -> list[Agent]:
     for index, arrival in enumerate(arrivals):
         api = "messages" if index % 2 == 0 else "responses"
         main = _agent(rng, f"a{index:02d}", api, arrival, rng.randint(*TURNS))
-        session = main.session = str(uuid.UUID(int=rng.getrandbits(128)))
+        session = main.session = main.root = str(uuid.UUID(int=rng.getrandbits(128)))
         if index in idle_ones:
             main.pauses[rng.randint(3, len(main.texts) - 3)] = idle
         if index < 2:  # one agent of each API grows past the window
@@ -124,7 +125,7 @@ def workload(seed: int, agents: int, idle: float) -> list[Agent]:
         ):
             sub = _agent(rng, f"{main.name}/sub{number}", api, 0.0, rng.randint(*SUB_TURNS))
             sub.session = str(uuid.UUID(int=rng.getrandbits(128)))
-            sub.parent = session
+            sub.parent, sub.root = session, session
             main.forks.setdefault(at, []).append(sub)
         found.append(main)
     return found
@@ -216,6 +217,7 @@ class Turn:
     marker: tuple[int, int]
     status: int = 0
     code: str = ""
+    message: str = ""
     endpoint: str = ""
     session: str = ""
     fallback_from: str = ""
@@ -267,13 +269,13 @@ class Player:
                 key,
                 document=turn in agent.documents,
             )
-            headers = {}
-            if agent.api == "messages":
-                headers[CLAUDE_SESSION] = agent.session
-            else:
-                headers[CODEX_SESSION] = agent.session
+            session, own, parent = CLAUDE if agent.api == "messages" else CODEX
+            headers = {session: agent.root}
+            if agent.api == "responses":
+                headers[own] = agent.session  # Codex: a root thread's id is its session's
             if agent.parent is not None:
-                headers[PARENT] = agent.parent
+                headers[own] = agent.session
+                headers[parent] = agent.parent
             began = time.monotonic()
             if agent.api == "messages":
                 reply = await self.messages_turn(agent, turn, messages, body, headers, record)
@@ -337,6 +339,7 @@ class Player:
         except anthropic.APIStatusError as exc:
             record.status = exc.status_code
             record.code = _code(exc.body)
+            record.message = str(exc.message)[:160]
             return None
         self._headers(record, raw.headers)
         message = await raw.parse()
@@ -388,6 +391,7 @@ class Player:
         except openai.APIStatusError as exc:
             record.status = exc.status_code
             record.code = _code(exc.body)
+            record.message = str(exc.message)[:160]
             return None
         self._headers(record, raw.headers)
         response = raw.parse()
@@ -417,7 +421,9 @@ def _code(body: Any) -> str:
 # ---- one run -----------------------------------------------------------------------------------
 
 
-def gateway_config(path: Path, urls: dict[str, str], served: dict[str, str]) -> None:
+def gateway_config(
+    path: Path, urls: dict[str, str], served: dict[str, str], tokenizer: str | None
+) -> None:
     data = yaml.safe_load(LOCAL_CONFIG.read_text())
     admin, port = cluster_ports()
     data["listen"] = f"127.0.0.1:{port()}"
@@ -426,8 +432,13 @@ def gateway_config(path: Path, urls: dict[str, str], served: dict[str, str]) -> 
     data["auth"] = {"mode": "none"}
     data["spend"] = {"currency": "USD"}
     data["models"] = [
-        {"name": MODEL, "routing_profile": "chat", "fallbacks": [LONG_MODEL]},
-        {"name": LONG_MODEL, "routing_profile": "chat"},
+        {
+            "name": MODEL,
+            "routing_profile": "chat",
+            "fallbacks": [LONG_MODEL],
+            "tokenizer": tokenizer,
+        },
+        {"name": LONG_MODEL, "routing_profile": "chat", "tokenizer": tokenizer},
     ]
     iris = next(p for p in data["providers"] if p["id"] == "iris")
 
@@ -435,7 +446,7 @@ def gateway_config(path: Path, urls: dict[str, str], served: dict[str, str]) -> 
         return {
             "max_pinned_sessions": 200,
             "max_global_in_flight_request_slots": engines * SLOTS,
-            "global_in_flight_request_slots_reserved_for_pinned_sessions": SLOTS,
+            "global_in_flight_request_slots_reserved_for_pinned_sessions": engines,
             "max_per_session_in_flight_request_slots": 4,
         }
 
@@ -458,12 +469,14 @@ def gateway_config(path: Path, urls: dict[str, str], served: dict[str, str]) -> 
     path.write_text(yaml.safe_dump(data, sort_keys=False))
 
 
-def run(workdir: Path, seed: int, agents: int, idle: float) -> dict[str, Any]:
+def run(
+    workdir: Path, seed: int, agents: int, idle: float, tokenizer: str | None = None
+) -> dict[str, Any]:
     farm = AgentFarm()
     urls = farm.start()
     try:
         config = workdir / "agents.yaml"
-        gateway_config(config, urls, farm.served)
+        gateway_config(config, urls, farm.served, tokenizer)
         cluster = UpCluster(config)
         try:
             api = cluster.api()
@@ -544,10 +557,12 @@ def report(player: Player, farm: AgentFarm, seconds: float) -> dict[str, Any]:
                 key = f"{t.status} {t.code}"
             outcomes[key] = outcomes.get(key, 0) + 1
         errors: dict[str, int] = {}
+        samples: set[str] = set()
         for t in turns:
             if t.status != 200:
                 key = f"{t.status} {t.code}"
                 errors[key] = errors.get(key, 0) + 1
+                samples.add(f"{key}: {t.message}")
         rows[api] = {
             "turns": len(turns),
             "served": len(served),
@@ -563,6 +578,7 @@ def report(player: Player, farm: AgentFarm, seconds: float) -> dict[str, Any]:
             "sessions_seen": len({t.session for t in turns if t.session}),
             "agents": len({t.agent for t in turns}),
             "long_prompt_outcomes": outcomes,
+            "error_samples": sorted(samples)[:4],
         }
     return rows
 
@@ -582,10 +598,15 @@ def main() -> int:
     parser.add_argument("--agents", type=int, default=12)
     parser.add_argument("--idle", type=float, default=30.0)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--tokenizer",
+        choices=["engine"],
+        help="models[].tokenizer (exact prompt tokens from the engines' /tokenize); default none",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        rows = run(Path(tmp), args.seed, args.agents, args.idle)
+        rows = run(Path(tmp), args.seed, args.agents, args.idle, args.tokenizer)
     print(json.dumps(rows, indent=2))
     for api in ("messages", "responses"):
         row = rows[api]
