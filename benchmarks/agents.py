@@ -38,6 +38,8 @@ import argparse
 import asyncio
 import json
 import random
+import re
+import statistics
 import sys
 import tempfile
 import time
@@ -64,6 +66,7 @@ MAX_TOKENS = 32
 SYSTEM_TOKENS, USER_TOKENS, TOOL_TOKENS, DOCUMENT_TOKENS = 1200, 50, 120, 2500
 TURNS, SUB_TURNS, THINK, IDLE_SHARE = (10, 40), (5, 10), 0.5, 0.2
 SECONDS = 20.0
+CONTROL_CALLS = 42  # sequential turns of each API, direct and through the gateway
 # The session headers the agent clients send (docs/config.md, "Session headers"): a session id
 # shared by the main agent and its sub-agents, each sub-agent's own id and its parent's.
 CLAUDE = ("x-claude-code-session-id", "x-claude-code-agent-id", "x-claude-code-parent-agent-id")
@@ -173,13 +176,14 @@ class AgentFarm(Farm):
             )
         self.markers: dict[tuple[int, int], tuple[str, Any]] = {}
         self.wanted: set[tuple[int, int]] = set()  # markers of the requests sent so far
+        self.times: dict[str, tuple[float, float]] = {}  # marker -> the engine's HTTP exchange
 
     async def _start(self) -> dict[str, str]:
         for endpoint in self.ids:
             app = create_engine_app(self.params[endpoint], [self.served[endpoint]])
             self.backends[endpoint] = app.backend
             self._hook(endpoint, app.backend)
-            self.servers[endpoint] = await start_server(app)
+            self.servers[endpoint] = await start_server(Timed(app, self.times))
         return {endpoint: server.url for endpoint, server in self.servers.items()}
 
     def _hook(self, endpoint: str, backend: Any) -> None:
@@ -195,6 +199,42 @@ class AgentFarm(Farm):
             return generation
 
         backend.start = start
+
+
+class Timed:
+    """An engine app's ASGI wrapper: for each request whose body ends with a marker (`ref
+    <8 letters>`), when its first body byte arrived and its last response byte left."""
+
+    def __init__(self, app: Any, times: dict[str, tuple[float, float]]) -> None:
+        self.app, self.times = app, times
+        self.backend = app.backend
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        began: float | None = None
+        body = bytearray()
+
+        async def receiving() -> Any:
+            nonlocal began
+            message = await receive()
+            if began is None:
+                began = time.monotonic()
+            body.extend(message.get("body", b""))
+            return message
+
+        async def sending(message: Any) -> None:
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                found = MARKER.findall(bytes(body))
+                if found and began is not None:
+                    self.times[found[-1].decode()] = (began, time.monotonic())
+
+        await self.app(scope, receiving, sending)
+
+
+MARKER = re.compile(rb"ref ([b-z]{8})")
 
 
 def new_marker(rng: random.Random) -> tuple[str, tuple[int, int]]:
@@ -215,6 +255,7 @@ class Turn:
     sub: bool
     first: bool
     marker: tuple[int, int]
+    marker_text: str = ""
     status: int = 0
     code: str = ""
     message: str = ""
@@ -267,6 +308,7 @@ class Player:
                 agent.parent is not None,
                 turn == 0,
                 key,
+                marker_text,
                 document=turn in agent.documents,
             )
             session, own, parent = CLAUDE if agent.api == "messages" else CODEX
@@ -484,11 +526,14 @@ def run(
             began = time.monotonic()
             player = asyncio.run(_play(api, farm, seed, workload(seed, agents, idle)))
             seconds = time.monotonic() - began
+            calibration = asyncio.run(control(api, urls[farm.ids[0]], farm, seed, CONTROL_CALLS))
         finally:
             cluster.stop()
     finally:
         farm.stop()
-    return report(player, farm, seconds)
+    rows = report(player, farm, seconds)
+    rows["sequential"] = calibration
+    return rows
 
 
 async def until_placed_model(api: str) -> None:
@@ -508,6 +553,72 @@ async def _play(api: str, farm: AgentFarm, seed: int, agents: list[Agent]) -> Pl
     return player
 
 
+async def control(api: str, engine: str, farm: AgentFarm, seed: int, calls: int) -> dict[str, Any]:
+    """`calls` sequential turns of each API straight to `engine` and through the gateway, in
+    alternation (one session each, a 2,000-token conversation and a new question per turn;
+    Responses unchained: the engine stores nothing): each one's time minus the engine's HTTP
+    exchange, so what the SDK and the loopback cost is in both and cancels in their difference."""
+    import anthropic
+    import openai
+
+    rng = random.Random(f"{seed}-control")
+    history = words(rng, 2000, "Earlier:")
+    system = system_prompt(seed)
+    clients = {
+        "direct": (
+            anthropic.AsyncAnthropic(base_url=engine, api_key="none", max_retries=0),
+            openai.AsyncOpenAI(base_url=f"{engine}/v1", api_key="none", max_retries=0),
+        ),
+        "gateway": (
+            anthropic.AsyncAnthropic(base_url=api.removesuffix("/v1"), api_key="none"),
+            openai.AsyncOpenAI(base_url=api, api_key="none"),
+        ),
+    }
+    spent: dict[str, list[float]] = {}
+    for index in range(calls):
+        for path in ("direct", "gateway") if index % 2 == 0 else ("gateway", "direct"):
+            messages, responses = clients[path]
+            for name in ("messages", "responses"):
+                marker, _ = new_marker(rng)
+                text = f"{history} Question {index}: {words(rng, 40)} ref {marker}"
+                headers = {CLAUDE[0]: f"control-{name}"}
+                began = time.monotonic()
+                if name == "messages":
+                    await messages.messages.create(
+                        model=MODEL,
+                        max_tokens=MAX_TOKENS,
+                        system=system,
+                        messages=[{"role": "user", "content": text}],
+                        extra_headers=headers,
+                    )
+                else:
+                    await responses.responses.create(
+                        model=MODEL,
+                        instructions=system,
+                        input=text,
+                        max_output_tokens=MAX_TOKENS,
+                        store=False,
+                        extra_headers=headers,
+                    )
+                took = time.monotonic() - began
+                exchange = farm.times.get(marker)
+                if exchange is not None and index >= 2:  # the first two warm up
+                    spent.setdefault(f"{name} {path}", []).append(
+                        took - (exchange[1] - exchange[0])
+                    )
+    found: dict[str, Any] = {}
+    for name in ("messages", "responses"):
+        direct = statistics.median(spent[f"{name} direct"])
+        gateway = statistics.median(spent[f"{name} gateway"])
+        found[name] = {
+            "direct_ms": round(direct * 1000, 2),
+            "gateway_ms": round(gateway * 1000, 2),
+            "added_p50_ms": round((gateway - direct) * 1000, 2),
+            "calls": len(spent[f"{name} gateway"]),
+        }
+    return found
+
+
 def _pct(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -523,8 +634,9 @@ def report(player: Player, farm: AgentFarm, seconds: float) -> dict[str, Any]:
         added, prompt, cached, usage_cached = [], 0, 0, 0
         for t in served:
             _, seq = farm.markers[t.marker]
-            if seq.finished_at is not None:
-                added.append(t.seconds - (seq.finished_at - seq.arrived_at))
+            exchange = farm.times.get(t.marker_text)
+            if exchange is not None:
+                added.append(t.seconds - (exchange[1] - exchange[0]))
             prompt += seq.prompt_tokens
             cached += seq.cached_tokens
             usage_cached += t.usage_cached
@@ -617,6 +729,11 @@ def main() -> int:
             f" ({row['sub_first_on_parent_endpoint']}/{row['sub_first_turns']} on the parent's"
             f" engine); turns on the previous turn's engine {_share(row['turns_on_previous_endpoint'])};"
             f" long prompts {row['long_prompt_outcomes']}; errors {row['errors']}"
+        )
+    for api, row in rows["sequential"].items():
+        print(
+            f"{api}, sequential: per turn minus the engine's exchange, direct {row['direct_ms']}"
+            f" ms, through the gateway {row['gateway_ms']} ms: added {row['added_p50_ms']} ms (p50)"
         )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
