@@ -288,3 +288,16 @@ class Cluster:
                 with contextlib.suppress(Exception):
                     await js.delete_key_value(bucket)
             await nc.close()
+
+
+class HeaderRecorder:
+    """ASGI middleware around an engine: the headers of every POST it received."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.seen: list[dict[str, str]] = []
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            self.seen.append({k.decode(): v.decode() for k, v in scope["headers"]})
+        await self.app(scope, receive, send)

@@ -14,7 +14,15 @@ from typing import Any
 import pytest
 import pytest_asyncio
 from fakes import FakeAdmission, FakeLeases, RecordingReporter, target
-from inproc import Admission, Edge, before_any_lease, start_admission, start_edge, stop_servers
+from inproc import (
+    Admission,
+    Edge,
+    HeaderRecorder,
+    before_any_lease,
+    start_admission,
+    start_edge,
+    stop_servers,
+)
 
 from llmgw.config import Config, config_from_dict
 from llmgw.services.admission.service import AdmissionService
@@ -26,19 +34,6 @@ from llmgw.services.sim.apps import create_engine_app
 from llmgw.services.sim.params import EngineParams
 from llmgw.serving import RunningServer, free_port, start_server
 from llmgw.wire import Target
-
-
-class HeaderRecorder:
-    """ASGI middleware around an engine: the headers of every POST it received."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-        self.seen: list[dict[str, str]] = []
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
-            self.seen.append({k.decode(): v.decode() for k, v in scope["headers"]})
-        await self.app(scope, receive, send)
 
 
 @dataclass

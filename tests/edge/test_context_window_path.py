@@ -14,8 +14,7 @@ from typing import Any
 import httpx
 import nats
 import pytest
-from conftest import HeaderRecorder
-from inproc import before_any_lease, start_admission, start_edge, stop_servers
+from inproc import HeaderRecorder, before_any_lease, start_admission, start_edge, stop_servers
 
 from llmgw.config import Config
 from llmgw.core.context import BYTES_PER_TOKEN
