@@ -8,6 +8,12 @@ NATS: tests run against a real server, never a mock.
 
 Isolation: tests share the session's server, so each test names its KV buckets and subjects
 with `unique_id` (or takes a ready `kv_bucket`), and nothing a test creates outlives it.
+
+Workers: the suite runs on several pytest-xdist workers (pyproject.toml's addopts), each with
+its own session fixtures (its own NATS server). Tests marked `latency` (figures measured on the
+wall clock: placement's cache hits and TTFT, the interference test, the balancer's evaluation)
+form one xdist group, so they run one after another on one worker, never beside each other;
+the other workers run the rest meanwhile.
 """
 
 from __future__ import annotations
@@ -26,6 +32,12 @@ from nats.js.kv import KeyValue
 from llmgw.nats_embedded import EmbeddedNats
 
 NATS_CONTAINER_IMAGE = "nats:2.12"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("latency") is not None:
+            item.add_marker(pytest.mark.xdist_group("latency"))
 
 
 def _nats_mode() -> str:

@@ -25,7 +25,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from prefix import run_phase
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.latency]
 
 SCALE = 0.35  # of the benchmark's arrivals (agents: 16 trees over 20 s; skew: 300 sessions, 30 s)
 

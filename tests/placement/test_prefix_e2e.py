@@ -33,7 +33,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from prefix import run_phase
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.latency]
 
 SCALE = 0.35  # of the benchmark's 300 sessions over 30 s
 ROUTERS = ["oracle", "blind", "llmgw", "llmgw-n4"]

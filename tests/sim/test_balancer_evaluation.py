@@ -16,7 +16,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from balancer import compare
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.latency]
 
 
 async def test_the_balancer_gets_close_to_the_oracle_and_beats_round_robin():

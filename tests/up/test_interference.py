@@ -35,7 +35,7 @@ from interference import (
     summary,
 )
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.latency]
 
 
 def run_cluster(
