@@ -1,7 +1,8 @@
 """A model's own `context_window` (for endpoints whose engines say nothing: here no scraper
 runs) through a real edge, admission instance, NATS and simulated engines: a prompt too long
 for it runs on the model's fallback, with or without prefix chains (the prompt's length
-travels either way)."""
+travels either way). An engine's refusal for a prompt's length is retried once, with what the
+engine said or, when it names no window, the window admission knows for its endpoint."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from llmgw.services.admission.service import AdmissionService
 from llmgw.services.sim.apps import create_engine_app
 from llmgw.services.sim.params import EngineParams
 from llmgw.serving import start_server
-from llmgw.wire import AdmitRequest, ReplyStatus
+from llmgw.wire import AdmitRequest, ContextExceeded, ReplyStatus
 
 WINDOW = 200  # m1's context_window: its endpoints say nothing of their own
 
@@ -47,11 +48,12 @@ async def running(
     nats_url: str,
     unique_id: str,
     models: list[dict[str, Any]],
+    max_model_len: int = 32768,  # the simulated engines' own window (the simulator's default)
     **overrides: Any,
 ) -> AsyncIterator[Running]:
     engines, received = {}, {}
     for seed, name in enumerate(("engine-1", "engine-2", "tensorx-1")):
-        params = EngineParams.zero_delay(seed=seed)
+        params = EngineParams.zero_delay(seed=seed, max_model_len=max_model_len)
         received[name] = HeaderRecorder(create_engine_app(params, ["m1", "m2"]))
         engines[name] = await start_server(received[name])
     config = make_config(
@@ -138,3 +140,40 @@ async def test_only_an_edge_that_says_the_output_is_refused_for_its_length(
         assert old.status is ReplyStatus.ADMITTED and old.served_model == "m1"
         assert old.lease is not None
         gateway.admission.ledger.release(old.lease.lease_id, 0.0, refresh=False)
+
+
+async def test_a_refusal_that_names_no_window_is_placed_beyond_the_endpoints_known_one(
+    make_gateway_config: Callable[..., Config], nats_url: str, unique_id: str
+) -> None:
+    """An engine's refusal says its window (`window`), else admission takes the one it knows
+    for that endpoint (here m1's `context_window`: 200); an endpoint of no known window teaches
+    nothing more (only `exclude` keeps the retry off it)."""
+    async with running(make_gateway_config, nats_url, unique_id, WITH_FALLBACK) as gateway:
+        ask = {
+            "edge": "edge-test",
+            "model": "m1",
+            "feature": "chat",
+            "shard": 0,
+            "prompt_bytes": BYTES_PER_TOKEN * 100,
+            "max_output": 8,
+        }
+
+        async def served(name: str, exceeded: ContextExceeded | None) -> str | None:
+            reply = await gateway.admission.decide(AdmitRequest(id=name, exceeded=exceeded, **ask))
+            assert reply.status is ReplyStatus.ADMITTED and reply.lease is not None
+            gateway.admission.ledger.release(reply.lease.lease_id, 0.0, refresh=False)
+            return reply.served_model
+
+        assert await served("fits", None) == "m1"
+        unnamed = ContextExceeded(endpoint="engine-1", model="m1")
+        assert await served("unnamed", unnamed) == "m2"
+        # The engine's word, not the known window: a request that needs more than 250 tokens
+        # fits none of m1's 200; one that needs more than 150 may (engine-1's config may be
+        # wrong, or another endpoint larger: only `exclude` keeps it off engine-1).
+        named = ContextExceeded(endpoint="engine-1", model="m1", window=250)
+        assert await served("named", named) == "m2"
+        smaller = ContextExceeded(endpoint="engine-1", model="m1", window=150)
+        assert await served("smaller", smaller) == "m1"
+        # m2 has no window anywhere: nothing is known beyond what the edge excludes
+        unknown = ContextExceeded(endpoint="engine-1", model="m2")
+        assert await served("unknown", unknown) == "m1"
