@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,7 @@ from conftest import HeaderRecorder
 from inproc import before_any_lease, start_admission, start_edge, stop_servers
 
 from llmgw.config import Config
+from llmgw.core.breaker import BreakerState
 from llmgw.core.context import BYTES_PER_TOKEN
 from llmgw.core.outcomes import Refusal
 from llmgw.services.admission.service import AdmissionService
@@ -140,6 +142,41 @@ async def test_only_an_edge_that_says_the_output_is_refused_for_its_length(
         assert old.status is ReplyStatus.ADMITTED and old.served_model == "m1"
         assert old.lease is not None
         gateway.admission.ledger.release(old.lease.lease_id, 0.0, refresh=False)
+
+
+async def test_an_engines_refusal_for_length_is_retried_once_and_never_counts_as_its_failure(
+    make_gateway_config: Callable[..., Config], nats_url: str, unique_id: str
+) -> None:
+    """Engines of 200 tokens that admission knows nothing of: a prompt they find too long
+    (220 tokens to them, 183 by the estimate) is refused by engine-1 (iris's first), retried
+    once, on engine-2 (never engine-1 again), whose own 400 is the client's answer: no third
+    attempt on the third party, however many `retries` the profile has left. Four such
+    requests in a row leave both breakers closed (three endpoint failures open one)."""
+    async with running(
+        make_gateway_config, nats_url, unique_id, [{"name": "m1"}, {"name": "m2"}], 200
+    ) as gateway:
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=10) as client:
+            for n in range(4):
+                reply = await client.post(
+                    "/v1/chat/completions",
+                    json={
+                        "model": "m1",
+                        "max_tokens": 8,
+                        "messages": [{"role": "user", "content": f"{n} " + text(180)}],
+                    },
+                )
+                assert reply.status_code == 400, reply.text
+                assert reply.headers["x-llmgw-endpoint"] == "engine-2"
+                error = reply.json()["error"]
+                assert error["code"] == "context_length_exceeded"
+                assert "maximum context length is 200 tokens" in error["message"]
+        seen = {name: len(r.seen) for name, r in gateway.received.items()}
+        assert seen == {"engine-1": 4, "engine-2": 4, "tensorx-1": 0}
+        breakers = gateway.admission.breakers
+        now = time.time()
+        assert breakers.state("engine-1", now) is BreakerState.CLOSED
+        assert breakers.state("engine-2", now) is BreakerState.CLOSED
+        assert breakers.open_endpoints(now) == []
 
 
 async def test_a_refusal_that_names_no_window_is_placed_beyond_the_endpoints_known_one(
