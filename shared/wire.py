@@ -184,6 +184,16 @@ class FailedAttempt(_Message):
     refused: bool = False
 
 
+class ContextExceeded(_Message):
+    """A managed engine refused the request for its context length (its 400): the request needs
+    more tokens than `window`, the window the engine named (None: it named none; then the
+    window admission knows for `endpoint` and `model`, the model it was served as there)."""
+
+    endpoint: str
+    model: str
+    window: int | None = Field(None, ge=1)
+
+
 class AdmitRequest(_Message):
     """Edge -> the owner of `shard` (`admission_subject(shard)`): may this run now, and where?
 
@@ -193,7 +203,9 @@ class AdmitRequest(_Message):
     request starts near the parent's pin. A retry names the lease of the attempt it
     follows (`retry_of`, released first, atomically with the new decision) and how that attempt
     failed (`failed`: the breakers learn it before the retry is placed); `exclude` lists every
-    endpoint this request already tried.
+    endpoint this request already tried. After an engine refused it for its context length,
+    every later attempt says so (`exceeded`): it is placed only where it needs less than a
+    window holds.
     """
 
     model_config = ConfigDict(
@@ -236,6 +248,9 @@ class AdmitRequest(_Message):
     # None: an edge from before 2026-12-07, which cannot read a CONTEXT_LENGTH_EXCEEDED refusal
     # (its requests are routed by window, never refused for their length: the engine judges).
     max_output: int | None = Field(None, ge=0)
+    # An engine refused it for its length (an edge from before 2026-12-07 sends none; an
+    # instance from before ignores it and only `exclude` keeps the retry off that endpoint).
+    exceeded: ContextExceeded | None = None
 
 
 class Target(_Message):

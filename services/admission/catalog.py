@@ -126,6 +126,10 @@ class ProviderCatalog:
     def endpoint_config(self, endpoint_id: str) -> EndpointConfig:
         return self._by_id[endpoint_id]
 
+    def find_endpoint(self, endpoint_id: str) -> EndpointConfig | None:
+        """An endpoint of the fleet by id; None when it left it (or never was in it)."""
+        return self._by_id.get(endpoint_id)
+
     def _healthy(self, endpoint: EndpointConfig, provider: str) -> bool:
         return self.is_unlimited(provider) or self._health.is_healthy(endpoint.id)
 

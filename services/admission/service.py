@@ -44,7 +44,7 @@ from pydantic import ValidationError
 from llmgw.config.schema import Band
 from llmgw.core.apikeys import KeyLimits, key_pair
 from llmgw.core.breaker import BreakerBoard, BreakerSettings
-from llmgw.core.context import ContextNeed, need_of
+from llmgw.core.context import ContextNeed, ContextWindow, need_of
 from llmgw.core.flow import GateDecision, Waiter
 from llmgw.core.keys import pin_key
 from llmgw.core.ledger import (
@@ -100,6 +100,7 @@ from llmgw.wire import (
     REQUEST_STATS_SUBJECT,
     AdmitReply,
     AdmitRequest,
+    ContextExceeded,
     FailedAttempt,
     FlowLoad,
     HealthReply,
@@ -533,6 +534,8 @@ class AdmissionService:
             )
         feature = Feature(request.feature)
         need = need_of(request.prompt_tokens, request.prompt_bytes, request.max_output or 0)
+        if request.exceeded is not None:  # an engine refused it for its length: more than that
+            need = self._beyond(need, request.exceeded)
         models = (model, *self._fallbacks.get(model, ()))
         fitting = self._fitting(models, feature, need) if need.known else models
         if not fitting and request.max_output is None:  # an older edge: the engine judges
@@ -589,6 +592,17 @@ class AdmissionService:
     ) -> tuple[str, ...]:
         """The models of `models` with an endpoint whose context window `need` fits."""
         return tuple(m for m in models if self.catalog.fits(m, feature, need))
+
+    def _beyond(self, need: ContextNeed, exceeded: ContextExceeded) -> ContextNeed:
+        """`need`, known to exceed the window of the engine that refused it: the window it
+        named, else the one known for its endpoint (counted as that endpoint counts); neither:
+        nothing more is known (its retry only excludes that endpoint)."""
+        endpoint = self.catalog.find_endpoint(exceeded.endpoint)
+        known = self.catalog.window(endpoint, exceeded.model) if endpoint is not None else None
+        if exceeded.window is not None:
+            hold = known.hold_output if known is not None else True
+            return need.beyond(ContextWindow(exceeded.window, hold))
+        return need.beyond(known) if known is not None else need
 
     def _too_long(
         self, request: AdmitRequest, models: tuple[str, ...], feature: Feature, need: ContextNeed

@@ -14,6 +14,14 @@ already tried, so it may run on the next provider in priority order (the pin sta
 the failures left its provider degraded). When admission has nowhere else to send it, the
 client gets the last upstream failure.
 
+A managed engine's 400 that refuses the request for its context length
+(`llmgw.core.context.refused_window`: vLLM's "maximum context length is N tokens", and its
+SGLang and llama.cpp kin) means the gateway's count fell short (without a tokenizer it is a lower
+bound): the request is retried once more, beside ``retries``, with what the engine said
+(`exceeded`: it needs more than that window, so admission places it only where it fits, on a
+fallback of a larger window if need be, or refuses it 400 ``context_length_exceeded``); no breaker
+counts it, and the engine's own 400 is the client's answer when admission finds nowhere else.
+
 A stream's 200 and headers go to the client only with its first data event (`first_chunk`,
 bounded by the ``first_token`` timeout), so a stream that fails before it (headers then nothing,
 a reset, garbage, the engine's error event) is retried exactly like a non-streamed request.
@@ -38,7 +46,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from starlette.responses import Response
 
 from llmgw.contracts import AdmissionUnavailable
-from llmgw.core.context import requested_output
+from llmgw.core.context import refused_window, requested_output
 from llmgw.core.outcomes import REFUSAL_OUTCOMES, Outcome
 from llmgw.core.requests import InvalidRequest
 from llmgw.core.spend import TokenUse
@@ -69,6 +77,7 @@ from llmgw.services.edge.upstream import (
 from llmgw.wire import (
     AdmitReply,
     AdmitRequest,
+    ContextExceeded,
     FailedAttempt,
     ReplyStatus,
     RequestEnded,
@@ -188,6 +197,7 @@ class _Failed:
     endpoint: str
     lease: str | None
     failed: FailedAttempt
+    exceeded: ContextExceeded | None = None  # a managed engine refused it for its length
 
 
 class Attempts:
@@ -201,10 +211,14 @@ class Attempts:
         retries = edge.retries.get(routed.model, 0)
         excluded: list[str] = []
         previous: _Failed | None = None
+        # What an engine's refusal for the request's length taught (one such retry at most,
+        # beside the profile's `retries`: it is no endpoint's failure).
+        exceeded: ContextExceeded | None = None
         # Attempt ids are this edge's own (unique across edges: the edge id is): a client's
         # x-request-id, which two clients may well share, travels beside them for the logs.
         base = f"{edge.edge_id}.{next(self._ids)}"
-        for attempt in range(retries + 1):
+        attempt = failures = 0
+        while True:
             hold: BudgetHold | None = None
             exclude = tuple(excluded)
             if edge.budgets is not None and (edge.budgets.active or routed.key_budget):
@@ -258,6 +272,7 @@ class Attempts:
                 prompt_tokens=routed.prompt.token_count,
                 token_block=routed.prompt.token_block,
                 max_output=requested_output(routed.parsed.body),
+                exceeded=exceeded,
             )
             asked = time.perf_counter()
             try:
@@ -315,12 +330,19 @@ class Attempts:
                 ), Outcome.INTERNAL_ERROR
             if not isinstance(result, _Failed):
                 return result
+            if result.exceeded is not None:
+                if exceeded is not None:  # its one retry for its length was spent
+                    return result.response, result.outcome
+                exceeded = result.exceeded
+            else:
+                failures += 1
+                if failures > retries:
+                    return result.response, result.outcome
             previous = result
             excluded.append(result.endpoint)
             edge.metrics.retries.labels(result.outcome.value).inc()
             routed.record.retries += 1
-        assert previous is not None
-        return previous.response, previous.outcome
+            attempt += 1
 
     async def _attempt(
         self, routed: RoutedRequest, reply: AdmitReply, ending: _AttemptEnd
@@ -409,6 +431,21 @@ class Attempts:
                 # own 404 is the client's answer when none does.
                 response = Response(payload, status_code=404, headers=upstream_headers)
                 return self._failure(ending, Outcome.MODEL_UNLOADED, "", headers, response)
+            if (
+                upstream.status == 400
+                and target.provider_kind == "managed"
+                and (window := refused_window(payload)) is not None
+            ):
+                # Too long for this engine after all (the gateway's count is a lower bound
+                # without a tokenizer): retried once, placed only where it needs less than a
+                # window holds; the engine's own 400 is the client's answer when none is found.
+                ending.exceeded = ContextExceeded(
+                    endpoint=target.endpoint,
+                    model=reply.served_model or routed.model,
+                    window=window or None,
+                )
+                response = Response(payload, status_code=400, headers=upstream_headers)
+                return self._failure(ending, Outcome.CONTEXT_LENGTH_EXCEEDED, "", headers, response)
             if upstream.status < 500 and upstream.status != 429 and not refused:
                 # The engine judged the request itself (e.g. prompt too long): its answer is the
                 # client's answer.
@@ -543,10 +580,13 @@ class Attempts:
             response = error_response(outcome, message, headers=headers)
         # An upstream error is retried for a 429 or 5xx, or when the answer was not HTTP at all
         # (no status); another 4xx judged the request itself.
-        retryable = outcome in _RETRYABLE and (
-            outcome is not Outcome.UPSTREAM_ERROR
-            or ending.status is None
-            or ending.status in _RETRYABLE_STATUSES
+        retryable = ending.exceeded is not None or (
+            outcome in _RETRYABLE
+            and (
+                outcome is not Outcome.UPSTREAM_ERROR
+                or ending.status is None
+                or ending.status in _RETRYABLE_STATUSES
+            )
         )
         if not retryable:
             return response, outcome
@@ -564,6 +604,7 @@ class Attempts:
                 retry_after=ending.retry_after,
                 refused=ending.refused,
             ),
+            ending.exceeded,
         )
 
 
@@ -577,6 +618,7 @@ class _AttemptEnd:
         "budget",
         "edge",
         "ended",
+        "exceeded",
         "hold",
         "refused",
         "relayed",
@@ -603,6 +645,7 @@ class _AttemptEnd:
         self.status: int | None = None
         self.retry_after: float | None = None
         self.refused = False  # the endpoint refused the connection (its breaker opens at once)
+        self.exceeded: ContextExceeded | None = None  # the engine refused it for its length
         self.usage: Usage | None = None
         self.relayed = 0  # a stream's data events relayed (its output, if it has no usage)
         self.budget: BudgetHold | None = None  # its budget reservations, settled at its end

@@ -21,13 +21,19 @@ Where an endpoint's window comes from (`effective_window`): its own ``context_wi
 config, else what its engine reports (the scraper reads it), else its model's
 ``context_window``; none of them: unknown, and every request fits (the engine judges).
 
+An engine that judged a request too long after all (an estimate falls short) says so in its 400
+(`refused_window` reads it, with the window the engine names); the request then needs more than
+that window (`ContextNeed.beyond`), which is what its retry is placed with.
+
 Pure: no I/O, no clock.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 __all__ = [
     "BYTES_PER_TOKEN",
@@ -35,6 +41,7 @@ __all__ = [
     "ContextWindow",
     "effective_window",
     "need_of",
+    "refused_window",
     "requested_output",
 ]
 
@@ -77,6 +84,18 @@ class ContextNeed:
         """Whether it may run in `window` (an unknown window: yes, the engine judges)."""
         return window is None or self.tokens(window) <= window.tokens
 
+    def beyond(self, window: ContextWindow) -> ContextNeed:
+        """This need, known to exceed `window` (its engine refused the request for its length):
+        its prompt at least what makes it need ``window.tokens + 1``, counted as `window`
+        counts, and no longer exact (the engine's count is not the gateway's)."""
+        if window.hold_output:
+            least = window.tokens + 1 - max(1, self.output)
+        else:  # llama.cpp: the prompt alone reached the context
+            least = window.tokens
+        if least <= self.prompt:
+            return self
+        return replace(self, prompt=least, exact=False)
+
     @property
     def known(self) -> bool:
         """Whether anything is known of it (a request without a prompt fits everywhere)."""
@@ -114,4 +133,47 @@ def effective_window(
         return reported
     if model is not None:
         return ContextWindow(model)
+    return None
+
+
+# An engine's words for a prompt (and output) over its context window, with the window they
+# name, from each engine's source: vLLM's OpenAI server ("This model's maximum context length
+# is N tokens. However, ..."; its renderer's "... the model's context length is only N tokens")
+# and engine ("The decoder prompt (length P) is longer than the maximum model length of N."),
+# SGLang ("... exceeds the model's maximum context length of N tokens", "The input (P tokens) is
+# longer than the model's context length (N tokens)."), llama.cpp ("request (P tokens) exceeds
+# the available context size (N tokens), try increasing it").
+_WINDOW_PATTERNS = re.compile(
+    r"maximum context length (?:is|of) (\d{1,9})\b"
+    r"|context length is only (\d{1,9})\b"
+    r"|model's context length \((\d{1,9}) tokens\)"
+    r"|maximum model length of (\d{1,9})\b"
+    r"|available context size \((\d{1,9}) tokens\)",
+    re.IGNORECASE,
+)
+# Codes and types that say so without naming the window: OpenAI's code, llama.cpp's type.
+_REFUSAL_CODES = frozenset({"context_length_exceeded", "exceed_context_size_error"})
+
+
+def refused_window(body: bytes) -> int | None:
+    """Whether an engine's 400 `body` refuses a request for its context length, and the window
+    it names: None when it is no such refusal, 0 when it is one that names no window.
+
+    Read from the error's message (OpenAI's ``{"error": {...}}``, Anthropic's ``{"type":
+    "error", "error": {...}}``, vLLM's older flat ``{"object": "error", "message": ...}``) or
+    its ``code`` or ``type`` (vLLM's ``code`` is the HTTP status, 400: its message says it)."""
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(value, dict):
+        return None
+    error = value.get("error")
+    detail = error if isinstance(error, dict) else value
+    message = detail.get("message", detail.get("detail"))
+    if isinstance(message, str) and (match := _WINDOW_PATTERNS.search(message)) is not None:
+        return int(next(group for group in match.groups() if group is not None))
+    if detail.get("code") in _REFUSAL_CODES or detail.get("type") in _REFUSAL_CODES:
+        n_ctx = detail.get("n_ctx")  # llama.cpp names its slot's context beside the type
+        return n_ctx if isinstance(n_ctx, int) and not isinstance(n_ctx, bool) and n_ctx > 0 else 0
     return None

@@ -19,6 +19,8 @@ class Outcome(enum.StrEnum):
     NOT_FOUND = "not_found"  # a stored response that is unknown, expired or another key's
     UNSUPPORTED = "unsupported"
     # the prompt and the output it asks for fit no endpoint of its model or of its fallbacks
+    # (admission's refusal), or a managed engine refused it for its length (its 400: retried
+    # once where it fits, never the endpoint's failure)
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
     BODY_TOO_LARGE = "body_too_large"
     ADMISSION_UNAVAILABLE = "admission_unavailable"

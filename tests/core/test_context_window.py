@@ -6,6 +6,8 @@ Properties (hypothesis):
   whole requested output where the window holds it) are at most the window's;
 - an estimate from bytes never exceeds the prompt's real tokens when the prompt has at most
   `BYTES_PER_TOKEN` bytes a token;
+- a need known to exceed a window (an engine refused it) no longer fits that window, nor any
+  of its size, and still fits every window its true size fits;
 - placement never puts a request on an endpoint it does not fit, refuses
   CONTEXT_LENGTH_EXCEEDED exactly when no endpoint of a provider that serves the model fits,
   and never keeps a pinned session on a provider none of whose endpoints it fits;
@@ -15,6 +17,9 @@ Properties (hypothesis):
 
 from __future__ import annotations
 
+import json
+
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -25,6 +30,7 @@ from llmgw.core.context import (
     ContextWindow,
     effective_window,
     need_of,
+    refused_window,
     requested_output,
 )
 from llmgw.core.ledger import Room
@@ -99,6 +105,183 @@ def test_the_requested_output_is_read_as_each_api_names_it() -> None:
     assert requested_output({"max_output_tokens": 20}) == 20  # Responses
     assert requested_output({"max_tokens": True}) == 0
     assert requested_output({"max_tokens": None, "messages": []}) == 0
+
+
+@given(
+    prompt=st.integers(0, 10**6),
+    true_prompt=st.integers(0, 10**6),
+    output=st.integers(0, 10**5),
+    size=st.integers(1, 10**6),
+    hold=st.booleans(),
+    other=st.integers(1, 2 * 10**6),
+    other_hold=st.booleans(),
+)
+def test_a_need_beyond_a_window_fits_no_window_of_its_size_and_every_window_the_truth_fits(
+    prompt: int, true_prompt: int, output: int, size: int, hold: bool, other: int, other_hold: bool
+) -> None:
+    """An engine with `window` refused a request whose prompt is really `true_prompt` tokens
+    (estimated at `prompt`): what the retry is placed with is still a lower bound of the truth,
+    so it fits wherever the true request fits, and never a window like the one that refused it
+    (so the retry is never sent where the same refusal awaits it)."""
+    window = ContextWindow(size, hold)
+    truth = ContextNeed(true_prompt, output)
+    if truth.fits(window):
+        return  # the engine would not have refused it
+    learned = ContextNeed(min(prompt, true_prompt), output).beyond(window)
+    assert not learned.fits(window)
+    assert not learned.fits(ContextWindow(size))  # (a window that holds the output: no more)
+    assert learned.prompt <= true_prompt
+    elsewhere = ContextWindow(other, other_hold)
+    assert learned.fits(elsewhere) or not truth.fits(elsewhere)
+
+
+def test_vllms_refusal_of_a_prompt_with_max_tokens_asks_for_more_than_its_window() -> None:
+    """8192 tokens, max_tokens 8: the prompt is at least 8185 tokens, the request needs 8193;
+    an exact count the engine contradicts is exact no more; one above the bound stays."""
+    vllm = ContextWindow(8192)
+    assert ContextNeed(5100, 8).beyond(vllm) == ContextNeed(8185, 8)
+    assert ContextNeed(5100, 8, exact=True).beyond(vllm) == ContextNeed(8185, 8)
+    assert ContextNeed(9000, 8, exact=True).beyond(vllm) == ContextNeed(9000, 8, exact=True)
+    assert ContextNeed(100).beyond(vllm).tokens() == 8193
+    assert ContextNeed(100, 50).beyond(ContextWindow(8192, hold_output=False)).prompt == 8192
+
+
+def _error(message: str, **fields: object) -> bytes:
+    return json.dumps({"error": {"message": message, **fields}}).encode()
+
+
+@pytest.mark.parametrize(
+    ("body", "window"),
+    [
+        # vLLM's OpenAI server (serving_engine.py `_validate_input`): code is the status
+        (
+            _error(
+                "This model's maximum context length is 8192 tokens. However, your request has "
+                "8320 input tokens. Please reduce the length of the input messages.",
+                type="BadRequestError",
+                param="input_tokens",
+                code=400,
+            ),
+            8192,
+        ),
+        (
+            _error(
+                "'max_tokens' or 'max_completion_tokens' is too large: 2000. This model's "
+                "maximum context length is 8192 tokens and your request has 7000 input tokens "
+                "(2000 > 8192 - 7000).",
+                type="BadRequestError",
+                code=400,
+            ),
+            8192,
+        ),
+        # older vLLM: the flat shape
+        (
+            json.dumps(
+                {
+                    "object": "error",
+                    "message": "This model's maximum context length is 4096 tokens. However, you "
+                    "requested 4200 tokens (4000 in the messages, 200 in the completion). Please "
+                    "reduce the length of the messages or completion.",
+                    "type": "BadRequestError",
+                    "param": None,
+                    "code": 400,
+                }
+            ).encode(),
+            4096,
+        ),
+        # vLLM's renderer, and its engine's own check
+        (
+            _error(
+                "You passed 9000 input tokens and requested 8 output tokens. However, the "
+                "model's context length is only 8192 tokens, resulting in a maximum input "
+                "length of 8184 tokens. Please reduce the length of the input prompt.",
+                code=400,
+            ),
+            8192,
+        ),
+        (
+            _error(
+                "The decoder prompt (length 9000) is longer than the maximum model length of "
+                "8192. Make sure that `max_model_len` is no smaller than the number of text "
+                "tokens.",
+                code=400,
+            ),
+            8192,
+        ),
+        # SGLang
+        (
+            _error(
+                "Requested token count exceeds the model's maximum context length of 32768 "
+                "tokens. You requested a total of 33000 tokens: 32000 tokens from the input "
+                "messages and 1000 tokens for the completion."
+            ),
+            32768,
+        ),
+        (
+            _error(
+                "The input (40000 tokens) is longer than the model's context length (32768 tokens)."
+            ),
+            32768,
+        ),
+        # llama.cpp: by its message, or by its type and n_ctx
+        (
+            _error(
+                "request (9412 tokens) exceeds the available context size (8192 tokens), try "
+                "increasing it",
+                type="exceed_context_size_error",
+                code=400,
+                n_prompt_tokens=9412,
+                n_ctx=8192,
+            ),
+            8192,
+        ),
+        (_error("too big", type="exceed_context_size_error", n_ctx=4096), 4096),
+        # the simulator, in OpenAI's shape and Anthropic's (a Messages engine)
+        (
+            _error(
+                "prompt too long: this model's maximum context length is 8192 tokens, the "
+                "prompt has 8320 (the output needs at least one more)",
+                code="context_length_exceeded",
+            ),
+            8192,
+        ),
+        (
+            json.dumps(
+                {
+                    "type": "error",
+                    "error": {
+                        "type": "invalid_request_error",
+                        "message": "prompt too long: this model's maximum context length is "
+                        "1024 tokens, the prompt has 2000",
+                    },
+                }
+            ).encode(),
+            1024,
+        ),
+        # OpenAI's code without a number: a refusal that names no window
+        (_error("Your input is too long.", code="context_length_exceeded"), 0),
+    ],
+)
+def test_an_engines_refusal_for_length_is_read_with_the_window_it_names(
+    body: bytes, window: int
+) -> None:
+    assert refused_window(body) == window
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        _error("temperature must be in [0, 2]", type="BadRequestError", code=400),
+        _error("max_tokens must be at least 1, got 0.", param="max_tokens", code=400),
+        _error("This model's maximum context length is many tokens.", code=400),
+        _error("maximum context length is 12345678901234567890 tokens", code=400),
+        b"not json",
+        b"[1, 2]",
+        b'{"error": "This model\'s maximum context length"}',
+    ],
+)
+def test_any_other_400_is_not_a_refusal_for_length(body: bytes) -> None:
+    assert refused_window(body) is None
 
 
 def test_the_configured_endpoint_window_wins_then_the_engines_then_the_models() -> None:

@@ -1,12 +1,14 @@
 """A model's own `context_window` (for endpoints whose engines say nothing: here no scraper
 runs) through a real edge, admission instance, NATS and simulated engines: a prompt too long
 for it runs on the model's fallback, with or without prefix chains (the prompt's length
-travels either way)."""
+travels either way). An engine's refusal for a prompt's length is retried once, with what the
+engine said or, when it names no window, the window admission knows for its endpoint."""
 
 from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -17,13 +19,14 @@ import pytest
 from inproc import HeaderRecorder, before_any_lease, start_admission, start_edge, stop_servers
 
 from llmgw.config import Config
+from llmgw.core.breaker import BreakerState
 from llmgw.core.context import BYTES_PER_TOKEN
 from llmgw.core.outcomes import Refusal
 from llmgw.services.admission.service import AdmissionService
 from llmgw.services.sim.apps import create_engine_app
 from llmgw.services.sim.params import EngineParams
 from llmgw.serving import start_server
-from llmgw.wire import AdmitRequest, ReplyStatus
+from llmgw.wire import AdmitRequest, ContextExceeded, ReplyStatus
 
 WINDOW = 200  # m1's context_window: its endpoints say nothing of their own
 
@@ -46,11 +49,12 @@ async def running(
     nats_url: str,
     unique_id: str,
     models: list[dict[str, Any]],
+    max_model_len: int = 32768,  # the simulated engines' own window (the simulator's default)
     **overrides: Any,
 ) -> AsyncIterator[Running]:
     engines, received = {}, {}
     for seed, name in enumerate(("engine-1", "engine-2", "tensorx-1")):
-        params = EngineParams.zero_delay(seed=seed)
+        params = EngineParams.zero_delay(seed=seed, max_model_len=max_model_len)
         received[name] = HeaderRecorder(create_engine_app(params, ["m1", "m2"]))
         engines[name] = await start_server(received[name])
     config = make_config(
@@ -159,3 +163,75 @@ async def test_a_models_tokenizer_counts_the_prompt_exactly_without_kv_events(
     assert answer.headers["x-llmgw-fallback-from"] == "m1"
     assert answer.json()["model"] == "m2"
     assert answer.json()["usage"]["prompt_tokens"] > WINDOW
+
+
+async def test_an_engines_refusal_for_length_is_retried_once_and_never_counts_as_its_failure(
+    make_gateway_config: Callable[..., Config], nats_url: str, unique_id: str
+) -> None:
+    """Engines of 200 tokens that admission knows nothing of: a prompt they find too long
+    (220 tokens to them, 183 by the estimate) is refused by engine-1 (iris's first), retried
+    once, on engine-2 (never engine-1 again), whose own 400 is the client's answer: no third
+    attempt on the third party, however many `retries` the profile has left. Four such
+    requests in a row leave both breakers closed (three endpoint failures open one)."""
+    async with running(
+        make_gateway_config, nats_url, unique_id, [{"name": "m1"}, {"name": "m2"}], 200
+    ) as gateway:
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=10) as client:
+            for n in range(4):
+                reply = await client.post(
+                    "/v1/chat/completions",
+                    json={
+                        "model": "m1",
+                        "max_tokens": 8,
+                        "messages": [{"role": "user", "content": f"{n} " + text(180)}],
+                    },
+                )
+                assert reply.status_code == 400, reply.text
+                assert reply.headers["x-llmgw-endpoint"] == "engine-2"
+                error = reply.json()["error"]
+                assert error["code"] == "context_length_exceeded"
+                assert "maximum context length is 200 tokens" in error["message"]
+        seen = {name: len(r.seen) for name, r in gateway.received.items()}
+        assert seen == {"engine-1": 4, "engine-2": 4, "tensorx-1": 0}
+        breakers = gateway.admission.breakers
+        now = time.time()
+        assert breakers.state("engine-1", now) is BreakerState.CLOSED
+        assert breakers.state("engine-2", now) is BreakerState.CLOSED
+        assert breakers.open_endpoints(now) == []
+
+
+async def test_a_refusal_that_names_no_window_is_placed_beyond_the_endpoints_known_one(
+    make_gateway_config: Callable[..., Config], nats_url: str, unique_id: str
+) -> None:
+    """An engine's refusal says its window (`window`), else admission takes the one it knows
+    for that endpoint (here m1's `context_window`: 200); an endpoint of no known window teaches
+    nothing more (only `exclude` keeps the retry off it)."""
+    async with running(make_gateway_config, nats_url, unique_id, WITH_FALLBACK) as gateway:
+        ask = {
+            "edge": "edge-test",
+            "model": "m1",
+            "feature": "chat",
+            "shard": 0,
+            "prompt_bytes": BYTES_PER_TOKEN * 100,
+            "max_output": 8,
+        }
+
+        async def served(name: str, exceeded: ContextExceeded | None) -> str | None:
+            reply = await gateway.admission.decide(AdmitRequest(id=name, exceeded=exceeded, **ask))
+            assert reply.status is ReplyStatus.ADMITTED and reply.lease is not None
+            gateway.admission.ledger.release(reply.lease.lease_id, 0.0, refresh=False)
+            return reply.served_model
+
+        assert await served("fits", None) == "m1"
+        unnamed = ContextExceeded(endpoint="engine-1", model="m1")
+        assert await served("unnamed", unnamed) == "m2"
+        # The engine's word, not the known window: a request that needs more than 250 tokens
+        # fits none of m1's 200; one that needs more than 150 may (engine-1's config may be
+        # wrong, or another endpoint larger: only `exclude` keeps it off engine-1).
+        named = ContextExceeded(endpoint="engine-1", model="m1", window=250)
+        assert await served("named", named) == "m2"
+        smaller = ContextExceeded(endpoint="engine-1", model="m1", window=150)
+        assert await served("smaller", smaller) == "m1"
+        # m2 has no window anywhere: nothing is known beyond what the edge excludes
+        unknown = ContextExceeded(endpoint="engine-1", model="m2")
+        assert await served("unknown", unknown) == "m1"

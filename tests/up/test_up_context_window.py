@@ -45,7 +45,10 @@ def text(estimate: int) -> str:
     return "abcd " * math.ceil(estimate * BYTES_PER_TOKEN / 5)
 
 
-def cluster(path: Path) -> Path:
+def cluster(path: Path, windows: dict[str, int] = WINDOWS, cap: int | None = CAP) -> Path:
+    """config/local.yaml's managed engines, llama on engine-1 and engine-2, its fallback qwen on
+    engine-3 (the third party's port), each simulated with its window of `windows`; `cap`:
+    engine-3's `context_window` in the config."""
     config = write_cluster_config(path)
     data = yaml.safe_load(config.read_text())
     data["providers"] = [p for p in data["providers"] if p["kind"] == "managed"]
@@ -58,8 +61,9 @@ def cluster(path: Path) -> Path:
     for engine, model in (("engine-1", MODEL), ("engine-2", MODEL), ("engine-3", FALLBACK)):
         endpoint = next(e for e in data["endpoints"] if e["id"] == engine)
         endpoint["models"] = [model]
-        endpoint["simulate"]["max_model_len"] = WINDOWS[engine]
-    engine3["context_window"] = CAP
+        endpoint["simulate"]["max_model_len"] = windows[engine]
+    if cap is not None:
+        engine3["context_window"] = cap
     config.write_text(yaml.safe_dump(data, sort_keys=False))
     return config
 
