@@ -2,7 +2,7 @@
 
     python benchmarks/overhead.py [--rounds 5] [--requests 300] [--no-flow] [--separate]
                                   [--profile]
-    python benchmarks/overhead.py --capacity-ab [--rounds 7] [--requests 2000]
+    python benchmarks/overhead.py --capacity-ab [--rounds 7] [--requests 2000] [--python PATH]
 
 The gateway runs the shipped defaults: flow control on (a scraper feeds it), the provider's
 limits configured (pins, slots, reserve, per-session), requests cycling through 256 sessions,
@@ -174,23 +174,22 @@ CAPACITY_VARIANTS = (("capacity: 256", 256), ("no capacity", None))
 
 
 def _admission_figures(admin_url: str) -> tuple[float | None, float]:
-    """The engine endpoint's capacity and the requests queued by flow control, as the edge's
-    admission reports them on its admin port's /metrics."""
+    """The engine endpoint's capacity and the requests that waited in flow control's queue
+    (whatever then became of them), as the edge's admission reports them on its admin port's
+    /metrics."""
     text = httpx.get(admin_url + "/metrics", timeout=5).text
     capacity, queued = None, 0.0
     for line in text.splitlines():
         if line.startswith("llmgw_admission_endpoint_capacity{"):
             capacity = float(line.rsplit(" ", 1)[1])
-        elif line.startswith("llmgw_admission_flow_decisions_total{") and (
-            'decision="queued"' in line
-        ):
-            queued += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("llmgw_admission_queue_wait_seconds_count{"):
+            queued += float(line.rsplit(" ", 1)[1])  # one per request that left a queue
     return capacity, queued
 
 
-def capacity_ab(rounds: int, requests: int) -> int:
+def capacity_ab(rounds: int, requests: int, python: str | None = None) -> int:
     concurrency = 64
-    topology = {"admissions": 0, "colocated": True}
+    topology = {"admissions": 0, "colocated": True, "python": python}
     results: dict[str, dict[str, list[float]]] = {
         name: {k: [] for k in ("direct", "gateway", "p50", "p99", "rps", "direct_rps", "cpu")}
         for name, _ in CAPACITY_VARIANTS
@@ -284,10 +283,16 @@ def main() -> int:
         action="store_true",
         help="short requests: an endpoint configuring capacity 256 against one configuring none",
     )
+    parser.add_argument(
+        "--python",
+        default=None,
+        help="with --capacity-ab: the interpreter whose installed llmgw runs the gateways "
+        "(another code tree's virtualenv; default: this one)",
+    )
     args = parser.parse_args()
     os.sched_setaffinity(0, LOADGEN_CPUS)
     if args.capacity_ab:
-        return capacity_ab(args.rounds, args.requests)
+        return capacity_ab(args.rounds, args.requests, args.python)
     scenarios = [(1, False), (1, True), (64, False), (64, True)]
     diffs: dict[tuple, dict[str, list[float]]] = {s: {"p50": [], "p99": []} for s in scenarios}
     absolute: dict[tuple, dict[str, list[float]]] = {
