@@ -217,3 +217,21 @@ def test_the_window_an_engine_reported_is_kept_until_a_newer_report_says_another
     assert b.window("engine-1") == ContextWindow(8192, hold_output=False)
     b.apply(engine_report(T + 1.5, None).model_copy(update={"context_window": 1000}))
     assert b.window("engine-1") == ContextWindow(8192, hold_output=False)  # older: ignored
+
+
+def test_a_capacity_configured_or_removed_live_is_stated_or_learned_from_then_on():
+    def config(**endpoint: object):
+        return rig_config(
+            "nats://127.0.0.1:4222", "x", endpoints={"engine-1": {"capacity": None, **endpoint}}
+        )
+
+    b = LoadBoard(config(), HealthBoard())
+    report(b, T, running=0, waiting=0)
+    b.set_own("engine-1", 20, T + 0.5)
+    assert b.saturation("engine-1", T + 0.5) == 0.1 / 0.9  # learned: none waiting, no queue
+    b.reconfigure(config(capacity=16))
+    assert (b.capacity("engine-1"), b.load("engine-1").stated) == (16, True)
+    assert b.saturation("engine-1", T + 0.6) == 4 / 4  # 4 past the configured 16
+    b.reconfigure(config())
+    assert (b.capacity("engine-1"), b.load("engine-1").stated) == (8, False)
+    assert b.saturation("engine-1", T + 0.7) == 0.1 / 0.9
