@@ -49,6 +49,7 @@ class Cluster:
     procs: dict[str, Proc] = field(default_factory=dict)
     nats: EmbeddedNats | None = None
     api_key: str | None = None  # with auth: the key every request sends
+    admin_url: str | None = None  # the edge's admin port (/metrics, /admin)
 
     def gateway_pids(self) -> list[int]:
         """The processes that make up the gateway (not the engine)."""
@@ -91,6 +92,7 @@ def _config(
     spend: dict | None = None,
     apis: list[str] | None = None,
     prefix: dict | None = None,
+    capacity: int | None = 64,
 ) -> dict:
     provider_apis = {"apis": apis} if apis is not None else {}
     config = {
@@ -123,14 +125,14 @@ def _config(
             }
         ],
         "endpoints": [
-            # The simulated engine runs 64 requests at once (its max_num_seqs), as configured
-            # for a real engine.
+            # The simulated engine runs 64 requests at once (its max_num_seqs), configured as
+            # for a real engine (`capacity` None: not configured, as users often write it).
             {
                 "id": "engine-1",
                 "url": engine_url,
                 "provider": "local",
                 "models": ["bench-model"],
-                "capacity": 64,
+                **({"capacity": capacity} if capacity is not None else {}),
             }
         ],
     }
@@ -182,6 +184,7 @@ def running_cluster(
     apis: list[str] | None = None,
     prefix: dict | None = None,
     env: dict[str, str] | None = None,
+    capacity: int | None = 64,
 ):
     """Yield a Cluster; everything is stopped afterwards.
 
@@ -193,7 +196,9 @@ def running_cluster(
     required (auth.mode keys); one key is made with `llmgw keys create` and ``key_options``
     (tenant ``bench``). ``spend``: the config's `spend` section (prices, budgets); ``prefix``:
     its `prefix` section (cache-aware placement). ``env``: more environment for every service
-    (config overrides such as ``LLMGW_RESPONSES__CACHE_BYTES``).
+    (config overrides such as ``LLMGW_RESPONSES__CACHE_BYTES``). ``capacity``: the engine
+    endpoint's configured batch capacity (None: not configured, so the engine's own or a learned
+    one counts).
     ``colocated``: the edge runs its own admission instance (``admission.colocated``); with
     ``admissions=0`` it owns every shard.
     """
@@ -218,13 +223,17 @@ def running_cluster(
                     spend,
                     apis,
                     prefix,
+                    capacity,
                 )
             )
         )
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         cli = [python or sys.executable, "-m", "llmgw"]
         cluster = Cluster(
-            edge_url=f"http://127.0.0.1:{edge_port}", engine_url=engine_url, nats=nats
+            edge_url=f"http://127.0.0.1:{edge_port}",
+            engine_url=engine_url,
+            nats=nats,
+            admin_url=f"http://127.0.0.1:{admin_port}",
         )
         try:
             sim_args = [f"--set={s}" for s in (*ZERO_DELAY, *WRITES_MAX_TOKENS)]

@@ -2,6 +2,7 @@
 
     python benchmarks/overhead.py [--rounds 5] [--requests 300] [--no-flow] [--separate]
                                   [--profile]
+    python benchmarks/overhead.py --capacity-ab [--rounds 7] [--requests 2000] [--python PATH]
 
 The gateway runs the shipped defaults: flow control on (a scraper feeds it), the provider's
 limits configured (pins, slots, reserve, per-session), requests cycling through 256 sessions,
@@ -17,12 +18,20 @@ paired difference gateway - direct of p50 and p99 as median [min..max] over
 rounds, and the gateway's CPU time per measured request (each run first opens every
 connection it uses, as clients that keep theirs alive; the last column adds the warm-up's
 requests and connection setup, as this script counted before 2026-12-02).
+
+`--capacity-ab`: short requests (non-streamed, c=64) against two such gateways running side by
+side, one whose engine endpoint configures ``capacity: 256`` and one that configures none (as
+users write it: the capacity is then learned), each with its own engine; rounds interleave the
+two (and, within each, direct and gateway runs), and the report gives per variant the added p50
+and p99, the gateway's requests per second, its CPU per request, and what its admission ended
+with: the endpoint's capacity and how many requests flow control queued.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import statistics
 import subprocess
@@ -32,9 +41,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
+import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cluster import cpu_seconds, running_cluster
+from cluster import Cluster, cpu_seconds, running_cluster
 from measure import pct, print_profile, py_spy, reference_speed, summarize_profile
 
 LOADGEN_CPUS = {0}
@@ -160,6 +170,97 @@ _AREAS = (
 )
 
 
+CAPACITY_VARIANTS = (("capacity: 256", 256), ("no capacity", None))
+
+
+def _admission_figures(admin_url: str) -> tuple[float | None, float]:
+    """The engine endpoint's capacity and the requests that waited in flow control's queue
+    (whatever then became of them), as the edge's admission reports them on its admin port's
+    /metrics."""
+    text = httpx.get(admin_url + "/metrics", timeout=5).text
+    capacity, queued = None, 0.0
+    for line in text.splitlines():
+        if line.startswith("llmgw_admission_endpoint_capacity{"):
+            capacity = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("llmgw_admission_queue_wait_seconds_count{"):
+            queued += float(line.rsplit(" ", 1)[1])  # one per request that left a queue
+    return capacity, queued
+
+
+def capacity_ab(rounds: int, requests: int, python: str | None = None) -> int:
+    concurrency = 64
+    topology = {"admissions": 0, "colocated": True, "python": python}
+    results: dict[str, dict[str, list[float]]] = {
+        name: {k: [] for k in ("direct", "gateway", "p50", "p99", "rps", "direct_rps", "cpu")}
+        for name, _ in CAPACITY_VARIANTS
+    }
+    speed_before = reference_speed()
+    with contextlib.ExitStack() as stack:
+        clusters = {
+            name: stack.enter_context(
+                running_cluster(GATEWAY_CPUS, LOADGEN_CPUS, flow=True, capacity=cap, **topology)
+            )
+            for name, cap in CAPACITY_VARIANTS
+        }
+        for round_no in range(rounds):
+            names = [name for name, _ in CAPACITY_VARIANTS]
+            if round_no % 2:
+                names.reverse()
+            for name in names:
+                cluster = clusters[name]
+                order = ["direct", "gateway"] if round_no % 2 == 0 else ["gateway", "direct"]
+                runs = {}
+                for target in order:
+                    url = cluster.engine_url if target == "direct" else cluster.edge_url
+                    marks: list[tuple[float, float]] = []
+
+                    def mark(
+                        marks: list[tuple[float, float]] = marks, c: Cluster = cluster
+                    ) -> None:
+                        marks.append((time.perf_counter(), cpu_seconds(c.gateway_pids())))
+
+                    runs[target] = asyncio.run(
+                        run_load(url, concurrency, requests, False, mark=mark)
+                    )
+                    (t0, cpu0), (t1, cpu1) = marks
+                    key = "rps" if target == "gateway" else "direct_rps"
+                    results[name][key].append(requests / (t1 - t0))
+                    if target == "gateway":
+                        results[name]["cpu"].append((cpu1 - cpu0) / requests)
+                for q, key in ((0.5, "p50"), (0.99, "p99")):
+                    results[name][key].append(pct(runs["gateway"], q) - pct(runs["direct"], q))
+                for target in ("direct", "gateway"):
+                    results[name][target].append(pct(runs[target], 0.5))
+            print(f"round {round_no + 1}/{rounds} done", file=sys.stderr)
+        figures = {
+            name: _admission_figures(cluster.admin_url or "") for name, cluster in clusters.items()
+        }
+    print(
+        f"\nshort requests, c={concurrency} non-streamed, {rounds} interleaved rounds x "
+        f"{requests} requests per run and variant; values are median [min..max] over rounds "
+        f"(milliseconds; requests/s); machine reference {speed_before:.2f} us before, "
+        f"{reference_speed():.2f} after (measure.reference_speed)\n"
+    )
+    print(
+        "| endpoint | direct p50 | gateway p50 | added p50 | added p99 | gateway req/s "
+        "| direct req/s | gateway CPU / request | capacity at the end | requests queued |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, _ in CAPACITY_VARIANTS:
+        r = results[name]
+        capacity, queued = figures[name]
+        print(
+            f"| {name} | {fmt_ms(r['direct'])} | {fmt_ms(r['gateway'])} | {fmt_ms(r['p50'])} | "
+            f"{fmt_ms(r['p99'])} | {fmt_rate(r['rps'])} | {fmt_rate(r['direct_rps'])} | "
+            f"{fmt_ms(r['cpu'])} | {capacity:g} | {queued:g} |"
+        )
+    return 0
+
+
+def fmt_rate(values: list[float]) -> str:
+    return f"{statistics.median(values):,.0f} [{min(values):,.0f}..{max(values):,.0f}]"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -177,8 +278,21 @@ def main() -> int:
     parser.add_argument(
         "--profile", action="store_true", help="py-spy the edge during an extra c=64 run"
     )
+    parser.add_argument(
+        "--capacity-ab",
+        action="store_true",
+        help="short requests: an endpoint configuring capacity 256 against one configuring none",
+    )
+    parser.add_argument(
+        "--python",
+        default=None,
+        help="with --capacity-ab: the interpreter whose installed llmgw runs the gateways "
+        "(another code tree's virtualenv; default: this one)",
+    )
     args = parser.parse_args()
     os.sched_setaffinity(0, LOADGEN_CPUS)
+    if args.capacity_ab:
+        return capacity_ab(args.rounds, args.requests, args.python)
     scenarios = [(1, False), (1, True), (64, False), (64, True)]
     diffs: dict[tuple, dict[str, list[float]]] = {s: {"p50": [], "p99": []} for s in scenarios}
     absolute: dict[tuple, dict[str, list[float]]] = {

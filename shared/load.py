@@ -45,6 +45,7 @@ __all__ = [
     "MetricsMode",
     "PoolReport",
     "capacity_floors",
+    "configured_capacities",
     "endpoint_event_subject",
     "pool_event_subject",
     "report_key",
@@ -65,21 +66,36 @@ LOAD_BUCKET_STORAGE = "memory"
 LOAD_BUCKET_HISTORY = 1
 
 
+def configured_capacities(config: Config) -> dict[str, int]:
+    """The managed endpoints whose batch capacity the configuration states: their
+    ``capacity``, else a simulated engine's ``max_num_seqs``. A count above it is queue
+    (`llmgw.core.saturation`); the others' capacity is the engine's own statement, or learned."""
+    managed = {p.id for p in config.providers if p.kind == "managed"}
+    stated = {}
+    for endpoint in config.endpoints:
+        if endpoint.provider not in managed:
+            continue
+        simulated = getattr(endpoint.simulate, "max_num_seqs", None)
+        if endpoint.capacity is not None:
+            stated[endpoint.id] = endpoint.capacity
+        elif simulated is not None:
+            stated[endpoint.id] = int(simulated)
+    return stated
+
+
 def capacity_floors(config: Config) -> dict[str, int]:
-    """Each managed endpoint's batch capacity before anything was observed: its ``capacity``,
-    else a simulated engine's ``max_num_seqs``, else ``scoring.target_inflight`` scaled by its
-    weight relative to the heaviest managed endpoint (at least 1). Never 0: a cold engine with
-    free slots must not look full."""
+    """Each managed endpoint's batch capacity before anything was observed: what the
+    configuration states (`configured_capacities`), else ``scoring.target_inflight`` scaled by
+    its weight relative to the heaviest managed endpoint (at least 1). Never 0: a cold engine
+    with free slots must not look full."""
     managed = {p.id for p in config.providers if p.kind == "managed"}
     endpoints = [e for e in config.endpoints if e.provider in managed]
     top = max((e.weight for e in endpoints), default=1)
+    stated = configured_capacities(config)
     floors = {}
     for endpoint in endpoints:
-        simulated = getattr(endpoint.simulate, "max_num_seqs", None)
-        if endpoint.capacity is not None:
-            floors[endpoint.id] = endpoint.capacity
-        elif simulated is not None:
-            floors[endpoint.id] = int(simulated)
+        if endpoint.id in stated:
+            floors[endpoint.id] = stated[endpoint.id]
         else:
             scaled = config.scoring.target_inflight * endpoint.weight / top
             floors[endpoint.id] = max(1, math.ceil(scaled))
@@ -151,10 +167,14 @@ class EndpointReport(BaseModel):
     read (``metrics_error`` says why); ``metrics`` says which: "full" (running, waiting and KV
     usage), "partial", "none" (no load gauges: the gateway's own accounting carries the load),
     or "error" (unreadable); ``healthy`` is the /health probe's verdict (False also when unreachable);
-    ``capacity`` is the batch capacity learned so far (the high-water mark of ``running``, never
-    decreasing within one scraper's life); ``saturation`` is the scraper's own reading, for
-    dashboards: admission recomputes it with its own grants counted; ``context_window`` is the
-    window the engine last reported (kept while a later read fails), None when it never did.
+    ``capacity`` is the batch capacity the scraper holds: configured, else the engine's own
+    statement, else learned (the high-water mark of ``running``), never decreasing within one
+    scraper's life unless the engine states less; ``stated_capacity`` is what the engine itself
+    says it runs at once (SGLang's ``/server_info``, TGI's ``/info``, llama.cpp's ``/props``;
+    `llmgw.core.engine_capacity`; the latest answer, repeated in every report), None when it
+    says nothing; ``saturation`` is the scraper's own reading, for dashboards: admission
+    recomputes it with its own grants counted; ``context_window`` is the window the engine last
+    reported (kept while a later read fails), None when it never did.
     """
 
     model_config = ConfigDict(extra="ignore", frozen=True)
@@ -170,6 +190,7 @@ class EndpointReport(BaseModel):
     metrics: MetricsMode | None = None
     metrics_error: str | None = None
     capacity: int = Field(0, ge=0)
+    stated_capacity: int | None = Field(None, ge=1)
     saturation: float | None = None
     scraped_at: float  # unix seconds when the scrape was sent
     scraper: str  # the instance that made it

@@ -10,7 +10,9 @@ are `llmgw.core.flow`'s; this adapter owns the asyncio side:
 - the tick runs every ``admission.interval`` while a request waits here (with nothing queued it
   runs once a second, `IDLE_TICK`, and a request queued wakes it at once): expires, then
   dispatches each pool's queues by
-  `plan_dispatch`. Each dispatched waiter is handed to ``dispatch`` *synchronously, inside the
+  `plan_dispatch`. Between two ticks, room coming back (`room_freed`: a lease ended here, a
+  peer's request ended) dispatches at once (`release`, once per event-loop turn however many
+  ended in it): a queued request waits for a batch slot, not for the next tick; Each dispatched waiter is handed to ``dispatch`` *synchronously, inside the
   tick*: the service places it and counts it on its endpoint before the next waiter is
   considered, so the tick never grants on a load that does not include its own grants. The
   waiter's future then carries whatever ``dispatch`` returned, unless that was `Held`: only
@@ -188,8 +190,10 @@ class FlowControl:
         self._subs: list[Subscription] = []
         self._tick_task: asyncio.Task[None] | None = None
         self._idle: asyncio.Future[None] | None = None  # the tick's wait while nothing waits
+        self._room: asyncio.Future[None] | None = None  # its wait between ticks (`room_freed`)
         self._publishing: set[asyncio.Future[None]] = set()
-        self.ticks = 0  # dispatch rounds run so far
+        self.ticks = 0  # dispatch rounds run so far by the tick
+        self.releases = 0  # dispatch rounds run so far because room came back (`release`)
         for band in self.bands:  # every band's series exists from the start, at 0
             metrics.queue_depth.labels(band.name).set(0)
 
@@ -315,9 +319,12 @@ class FlowControl:
 
     def room_freed(self) -> None:
         """Room may have come back (a lease ended here, a peer's request ended): held bands
-        may be tried again at the next tick."""
+        may be tried again, and the queues are dispatched at once (`release`) rather than at
+        the next tick."""
         if self._held:
             self._held.clear()
+        if self._room is not None and not self._room.done():
+            self._room.set_result(None)
 
     def drop(self, wanted: Callable[[Any], bool], result: QueueResult = MOVED) -> int:
         """Answer every queued request whose context `wanted` accepts with `result` (`Moved`:
@@ -360,6 +367,12 @@ class FlowControl:
         if len(self._cancelled) > 1000 or (self._cancelled and answered == 0):
             self._cancelled = {r: t for r, t in self._cancelled.items() if now - t < CANCEL_MEMORY}
         return answered
+
+    def release(self) -> int:
+        """Dispatch the queues now (room came back between two ticks); expiry and gossip stay
+        with the tick. Returns how many waiters it answered."""
+        now = self._clock()
+        return sum(self._dispatch_pool(model, now) for model in self.queues.models())
 
     def _run_dispatch(self, waiter: Waiter, decision: GateDecision, now: float) -> bool:
         """Let `waiter` go with `decision`; False if it came back to the head of its queue
@@ -423,9 +436,28 @@ class FlowControl:
                 log.exception("flow-control tick failed")
             self._metrics.tick_duration.observe(time.perf_counter() - started)
             if len(self.queues):
-                await asyncio.sleep(self.interval)
+                await self._between_ticks()
             else:
                 await self._idle_wait()
+
+    async def _between_ticks(self) -> None:
+        """``interval`` until the next tick, releasing the queues whenever room comes back."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.interval
+        while len(self.queues) and (remaining := deadline - loop.time()) > 0:
+            self._room = room = loop.create_future()
+            timer = loop.call_later(remaining, _wake, room)
+            try:
+                await room
+            finally:
+                timer.cancel()
+                self._room = None
+            if len(self.queues) and loop.time() < deadline:
+                try:
+                    self.release()
+                    self.releases += 1
+                except Exception:
+                    log.exception("flow-control release failed")
 
     async def _idle_wait(self) -> None:
         """Until a request is queued here, or `IDLE_TICK` (expiring cancels, gossip)."""

@@ -12,9 +12,13 @@ around the scrape, or whose end message crossed the report, are not mistaken for
 else's; grants made after the scrape are not subtracted, they are not in the engine's count),
 never below 0.
 
-Batch capacity starts from the configuration (``endpoints[].capacity``, else a simulated
-engine's ``max_num_seqs``, else ``scoring.target_inflight`` scaled by the endpoint's weight) and
-is raised by the high-water mark of running the scraper learned: never 0.
+Batch capacity is stated or learned (`llmgw.core.saturation`). Stated: the configuration's
+(``endpoints[].capacity``, else a simulated engine's ``max_num_seqs``), else the engine's own
+statement in the reports (``stated_capacity``). Learned: from ``scoring.target_inflight`` scaled
+by the endpoint's weight, raised by the high-water mark of running (the scraper's and this
+board's readings) and by the gateway's own count on the endpoint at a scrape whose reading
+showed none waiting (the least the gateway had on it in the `FOREIGN_WINDOW` up to the scrape:
+the engine ran at least that many at once). Never 0.
 
 Health: each report's ``healthy`` goes to the `HealthBoard`. An endpoint no report has mentioned
 counts as healthy and stale (saturated, never dropped). Context window: the one its engine last
@@ -28,15 +32,26 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
 from llmgw.core.context import ContextWindow
 from llmgw.core.flow import PoolView
-from llmgw.core.saturation import EndpointLoad, SaturationSettings, endpoint_saturation
+from llmgw.core.saturation import (
+    EndpointLoad,
+    SaturationSettings,
+    endpoint_saturation,
+    state,
+)
 from llmgw.core.saturation import update as update_load
-from llmgw.load import REPORT_KEY_PREFIX, EndpointReport, capacity_floors
+from llmgw.load import (
+    REPORT_KEY_PREFIX,
+    EndpointReport,
+    capacity_floors,
+    configured_capacities,
+)
 from llmgw.services.admission.health import HealthBoard
 from llmgw.tasks import cancel_and_wait
 
@@ -69,10 +84,11 @@ class LoadBoard:
         self.settings = saturation_settings(config)
         self.health = health
         self.floors = capacity_floors(config)
+        self._configured = configured_capacities(config)
         self._endpoints = list(self.floors)
         self._serving = _serving(config)
         self._loads: dict[str, EndpointLoad] = {
-            e: EndpointLoad(self.floors[e]) for e in self.floors
+            e: EndpointLoad(self.floors[e], stated=e in self._configured) for e in self.floors
         }
         # The latest report of an endpoint this board does not know (yet): one added to the
         # fleet whose first scrape arrived before the fleet's change did.
@@ -80,9 +96,11 @@ class LoadBoard:
         self._own: dict[str, int] = {}
         self._peers: dict[str, tuple[float, dict[str, int]]] = {}
         self._foreign: dict[str, int] = {}
-        # Per endpoint: (bucket, max, last) of the gateway's count, and the last count before
-        # the oldest bucket kept.
-        self._history: dict[str, deque[tuple[int, int, int]]] = {e: deque() for e in self.floors}
+        # Per endpoint: (bucket, max, min, last) of the gateway's count, and the last count
+        # before the oldest bucket kept.
+        self._history: dict[str, deque[tuple[int, int, int, int]]] = {
+            e: deque() for e in self.floors
+        }
         self._baseline: dict[str, int] = {}
         self._health_at: dict[str, float] = {}
         self._metrics_mode: dict[str, str] = {}
@@ -146,11 +164,13 @@ class LoadBoard:
                     report.context_window, report.window_holds_output
                 )
         sample = report.sample.to_core() if report.sample is not None else None
-        # The scraper's learned capacity is a floor too (another scraper may have seen more).
-        load = EndpointLoad(
-            max(load.capacity, report.capacity), load.sample, load.sampled_at, load.reported_at
-        )
-        load = update_load(load, sample, report.scraped_at)
+        if endpoint_id not in self._configured and report.stated_capacity is not None:
+            load = state(load, report.stated_capacity)  # the engine's own word
+        elif not load.stated or endpoint_id in self._configured:
+            # The scraper's capacity is a floor too (another scraper may have seen more).
+            load = replace(load, capacity=max(load.capacity, report.capacity))
+        gateway = self._gateway_least_around(endpoint_id, report.scraped_at)
+        load = update_load(load, sample, report.scraped_at, gateway)
         self._loads[endpoint_id] = load
         if sample is not None and load.sampled_at == report.scraped_at:
             engine = (sample.running or 0) + (sample.waiting or 0)
@@ -170,6 +190,7 @@ class LoadBoard:
         its free slots, which take no new work."""
         self.settings = saturation_settings(config)  # `scoring`, applied live too
         floors = capacity_floors(config)
+        previous, self._configured = self._configured, configured_capacities(config)
         for endpoint_id in [e for e in self._loads if e not in floors]:
             for table in (self._loads, self._own, self._foreign, self._history):
                 table.pop(endpoint_id, None)
@@ -179,15 +200,16 @@ class LoadBoard:
             self._windows.pop(endpoint_id, None)
         for endpoint_id, floor in floors.items():
             load = self._loads.get(endpoint_id)
+            stated = endpoint_id in self._configured
             if load is None:
-                self._loads[endpoint_id] = EndpointLoad(floor)
+                self._loads[endpoint_id] = EndpointLoad(floor, stated=stated)
                 self._history[endpoint_id] = deque()
                 report = self._unknown.pop(endpoint_id, None)
                 if report is not None:
                     self.apply(report)
-            elif floor != self.floors.get(endpoint_id):
+            elif floor != self.floors.get(endpoint_id) or stated != (endpoint_id in previous):
                 self._loads[endpoint_id] = EndpointLoad(
-                    floor, load.sample, load.sampled_at, load.reported_at
+                    floor, load.sample, load.sampled_at, load.reported_at, stated
                 )
         self.floors = floors
         self._endpoints = list(floors)
@@ -209,31 +231,46 @@ class LoadBoard:
         return own + peers
 
     def _record(self, endpoint_id: str, now: float) -> None:
-        """Note the gateway's count on the endpoint now: per 50 ms bucket its max and its last."""
+        """Note the gateway's count on the endpoint now: per 50 ms bucket its max, its min and
+        its last."""
         history = self._history[endpoint_id]
         bucket = int(now / _BUCKET)
         value = self._gateway(endpoint_id, now)
         if history and history[-1][0] == bucket:
-            _, top, _ = history[-1]
-            history[-1] = (bucket, max(top, value), value)
+            _, top, least, _ = history[-1]
+            history[-1] = (bucket, max(top, value), min(least, value), value)
             return
-        history.append((bucket, value, value))
+        history.append((bucket, value, value, value))
         horizon = bucket - int(_HISTORY / _BUCKET)
         while history and history[0][0] < horizon:
-            self._baseline[endpoint_id] = history.popleft()[2]
+            self._baseline[endpoint_id] = history.popleft()[3]
 
-    def _gateway_max_around(self, endpoint_id: str, at: float) -> int:
-        """The most the gateway had on the endpoint in the FOREIGN_WINDOW up to `at`."""
+    def _gateway_around(self, endpoint_id: str, at: float) -> tuple[int, int]:
+        """The most and the least the gateway had on the endpoint in the FOREIGN_WINDOW up to
+        `at` (the count in force as the window opens included)."""
         first = int((at - FOREIGN_WINDOW) / _BUCKET)
         last = int(at / _BUCKET)
         carried = self._baseline.get(endpoint_id, 0)  # the count in force as the window opens
-        top = None
-        for bucket, high, final in self._history[endpoint_id]:
+        top = least = None
+        for bucket, high, low, final in self._history[endpoint_id]:
             if bucket < first:
                 carried = final
             elif bucket <= last:
                 top = high if top is None else max(top, high)
-        return carried if top is None else max(carried, top)
+                least = low if least is None else min(least, low)
+        if top is None or least is None:
+            return carried, carried
+        return max(carried, top), min(carried, least)
+
+    def _gateway_max_around(self, endpoint_id: str, at: float) -> int:
+        """The most the gateway had on the endpoint in the FOREIGN_WINDOW up to `at`."""
+        return self._gateway_around(endpoint_id, at)[0]
+
+    def _gateway_least_around(self, endpoint_id: str, at: float) -> int:
+        """The least the gateway had on the endpoint in the FOREIGN_WINDOW up to `at`: requests
+        it surely had out when the engine was read (what a reading of none waiting teaches a
+        learned capacity)."""
+        return self._gateway_around(endpoint_id, at)[1]
 
     # ---- reading ----------------------------------------------------------------------------
 

@@ -297,7 +297,9 @@ class _LoadCollector(Collector):
         )
         capacity = GaugeMetricFamily(
             "llmgw_admission_endpoint_capacity",
-            "Batch capacity of each managed endpoint: configured, raised by what was observed.",
+            "Batch capacity of each managed endpoint: configured, stated by its engine, or "
+            "learned (raised by what it was seen running and by the gateway's own count while "
+            "it reported none waiting).",
             labels=["endpoint"],
         )
         for endpoint in self._board.endpoints():

@@ -74,7 +74,8 @@ class ScraperMetrics:
         )
         self.capacity = Gauge(
             "llmgw_scraper_endpoint_capacity",
-            "Learned batch capacity: the most requests the endpoint was seen running.",
+            "Batch capacity the scraper holds: configured, stated by the engine, or learned "
+            "(the most requests the endpoint was seen running).",
             ["endpoint"],
             registry=r,
         )

@@ -27,9 +27,10 @@ from llmgw.core.saturation import (
     endpoint_saturation,
     is_stale,
     pool_saturation,
+    state,
     update,
 )
-from llmgw.load import EndpointReport, LoadSample, MetricsMode, PoolReport
+from llmgw.load import EndpointReport, LoadSample, MetricsMode, PoolReport, configured_capacities
 
 if TYPE_CHECKING:
     from llmgw.config import Config
@@ -84,7 +85,8 @@ class ScrapeOutcome(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class ScrapeTarget:
-    """A managed endpoint to scrape (from the config's ``endpoints``)."""
+    """A managed endpoint to scrape (from the config's ``endpoints``). ``configured``: its
+    batch capacity is configured (what the engine states about it is reported, not used)."""
 
     endpoint: str
     provider: str
@@ -92,6 +94,7 @@ class ScrapeTarget:
     models: tuple[str, ...]
     url: str  # base URL without a trailing "/"
     served: tuple[str, ...] = ()  # the names its engine serves them under (`upstream_model`)
+    configured: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +117,7 @@ class Fetched:
 def scrape_targets(config: Config) -> list[ScrapeTarget]:
     """Every endpoint of a managed provider, in config order (unlimited providers expose none
     of the engine metrics, and their health is not ours to judge)."""
+    configured = configured_capacities(config)
     return [
         ScrapeTarget(
             e.id,
@@ -122,6 +126,7 @@ def scrape_targets(config: Config) -> list[ScrapeTarget]:
             tuple(e.models),
             e.url.rstrip("/"),
             tuple(e.upstream_name(m) for m in e.models),
+            e.id in configured,
         )
         for e in config.endpoints
         if config.provider(e.provider).kind == "managed"
@@ -270,6 +275,7 @@ def build_report(
     settings: SaturationSettings,
     scraper: str,
     window: ContextWindow | None = None,
+    stated: int | None = None,
 ) -> tuple[EndpointReport, EndpointLoad, ScrapeOutcome]:
     """The report of one scrape sent at ``scraped_at``, the endpoint's load after it, the outcome;
     `window`: the engine's context window as last read (`read_window`).
@@ -278,10 +284,14 @@ def build_report(
     reading survive) but not in the report. An endpoint that answers is reported fresh whatever
     its metrics (`update` marks it reported); only an endpoint nobody reports on for
     ``stale_after`` is stale (saturation at least 1.0: scored down, never dropped).
+    ``stated``: the batch capacity the engine states (`llmgw.core.engine_capacity`), reported
+    as such; it is the endpoint's capacity unless one is configured.
     """
     healthy, health_error = health_verdict(health)
     sample, mode, metrics_error = read_sample(metrics)
     answered = health.answered or metrics.answered
+    if stated is not None and not target.configured:
+        load = state(load, stated)
     if answered:
         load = update(load, sample, scraped_at)
     saturation = endpoint_saturation(load, now, settings, inflight=engine_inflight(load))
@@ -296,6 +306,7 @@ def build_report(
         metrics=mode,
         metrics_error=metrics_error,
         capacity=load.capacity,
+        stated_capacity=stated,
         saturation=saturation,
         scraped_at=scraped_at,
         scraper=scraper,
@@ -316,6 +327,7 @@ def failed_report(
     settings: SaturationSettings,
     scraper: str,
     window: ContextWindow | None = None,
+    stated: int | None = None,
 ) -> tuple[EndpointReport, EndpointLoad, ScrapeOutcome]:
     """The report of a scrape whose metrics the scraper itself failed to process (`build_report`
     raised: a bug): as for metrics that could not be read. The endpoint's health is still its
@@ -331,6 +343,7 @@ def failed_report(
         settings=settings,
         scraper=scraper,
         window=window,
+        stated=stated,
     )
 
 

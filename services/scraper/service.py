@@ -2,7 +2,10 @@
 
 A round scrapes all endpoints concurrently through the one `httpx.AsyncClient` it is given;
 per endpoint, ``GET /health`` and ``GET /metrics`` also run concurrently, each bounded by
-``timeout``. Each endpoint publishes its own report as soon as its scrape is done, so a slow or
+``timeout``. An engine whose dialect states its batch capacity (SGLang, TGI, llama.cpp:
+`llmgw.core.engine_capacity`) is asked for it too, alongside, from the scrape after the one
+that showed its dialect and then every `CAPACITY_REFRESH` (and at once when its dialect
+changes); every report carries its latest answer (``stated_capacity``). Each endpoint publishes its own report as soon as its scrape is done, so a slow or
 dead endpoint delays no other endpoint's report (only the pool reports, which need them all,
 wait for the slowest, at most ``timeout``). Per endpoint and round:
 
@@ -43,6 +46,7 @@ from typing import TYPE_CHECKING, Literal, Protocol, TypedDict
 import httpx
 
 from llmgw.core.context import ContextWindow
+from llmgw.core.engine_capacity import CAPACITY_PATHS, parse_capacity
 from llmgw.core.engine_metrics import EngineDialect
 from llmgw.core.saturation import EndpointLoad, SaturationSettings
 from llmgw.events import EndpointEvent, EventName, PoolMeasured, RoutingEvent, event_id
@@ -67,9 +71,20 @@ from llmgw.state.kv import KVEntry
 if TYPE_CHECKING:
     from llmgw.contracts import Clock
 
-__all__ = ["LoadBucket", "Publisher", "Scraper", "health_window", "new_http_client"]
+__all__ = [
+    "CAPACITY_REFRESH",
+    "LoadBucket",
+    "Publisher",
+    "Scraper",
+    "health_window",
+    "new_http_client",
+]
 
 _log = logging.getLogger("llmgw.scraper")
+
+# Seconds between two questions to an engine about its batch capacity (a restart with other
+# settings is seen within this long); an engine that did not answer is asked again as late.
+CAPACITY_REFRESH = 60.0
 
 # The event `_publish` sends for each verb (`endpoint.<verb>`).
 _ENDPOINT_EVENTS: dict[
@@ -103,6 +118,10 @@ class Publisher(Protocol):
     """Core NATS publish (a nats-py `Client` satisfies it)."""
 
     async def publish(self, subject: str, payload: bytes = b"") -> None: ...
+
+
+async def _nothing() -> tuple[bool, int | None]:
+    return False, None
 
 
 def health_window(interval: float, timeout: float) -> float:
@@ -170,6 +189,10 @@ class Scraper:
         self._loads: dict[str, EndpointLoad] = {}
         self._read_at: dict[str, float] = {}  # when each endpoint's /metrics was last read
         self._healthy: dict[str, bool] = {}
+        # Per endpoint: the capacity its engine last stated, and when (timer) and in which
+        # dialect it was last asked.
+        self._stated: dict[str, int] = {}
+        self._asked: dict[str, tuple[float, EngineDialect]] = {}
         self._outcomes: dict[str, ScrapeOutcome] = {}
         self._windows: dict[str, ContextWindow] = {}  # each engine's context window, last read
         self._window_read_at: dict[str, float] = {}
@@ -327,13 +350,45 @@ class Scraper:
 
     # ---- one endpoint ---------------------------------------------------------------------
 
+    def _capacity_due(self, endpoint: str, now: float) -> EngineDialect | None:
+        """The dialect to ask the endpoint's engine about its capacity in, if it is time."""
+        dialect = self._dialects.get(endpoint)
+        if dialect is None or dialect not in CAPACITY_PATHS:
+            return None
+        asked = self._asked.get(endpoint)
+        if asked is not None and asked[1] is dialect and now - asked[0] < CAPACITY_REFRESH:
+            return None
+        return dialect
+
+    async def _ask_capacity(self, url: str, dialect: EngineDialect) -> tuple[bool, int | None]:
+        """(answered, the capacity it states): the dialect's paths in turn, the first that
+        answers 200 read; not answered at all: (False, None), the last answer stands."""
+        for path in CAPACITY_PATHS[dialect]:
+            fetched = await self._get(url + path)
+            if fetched.status is None:
+                return False, None
+            if fetched.status == 200:
+                return True, parse_capacity(dialect, fetched.body)
+        return True, None
+
     async def _scrape(self, target: ScrapeTarget) -> EndpointReport:
         scraped_at = self._clock()
         started = self._timer()
-        health, metrics = await asyncio.gather(
-            self._get(target.url + "/health"), self._get(target.url + "/metrics")
+        endpoint = target.endpoint
+        dialect = self._capacity_due(endpoint, started)
+        health, metrics, asked = await asyncio.gather(
+            self._get(target.url + "/health"),
+            self._get(target.url + "/metrics"),
+            self._ask_capacity(target.url, dialect) if dialect is not None else _nothing(),
         )
         duration = self._timer() - started
+        if dialect is not None:
+            self._asked[endpoint] = (started, dialect)
+            answered, stated = asked
+            if answered and stated is not None:
+                self._stated[endpoint] = stated
+            elif answered:
+                self._stated.pop(endpoint, None)
         context: _ScrapeContext = {
             "scraped_at": scraped_at,
             "now": self._clock(),
@@ -343,25 +398,34 @@ class Scraper:
         window = self._windows.get(target.endpoint)
         try:
             report, load, outcome = build_report(
-                target, health, metrics, self.load(target.endpoint), window=window, **context
+                target,
+                health,
+                metrics,
+                self.load(endpoint),
+                window=window,
+                stated=self._stated.get(endpoint),
+                **context,
             )
         except Exception as exc:  # a bug here must not leave a healthy engine unreported
             _log.exception("reading the scrape of %s failed", target.endpoint)
             report, load, outcome = failed_report(
                 target,
                 health,
-                self.load(target.endpoint),
+                self.load(endpoint),
                 f"scraper error: {type(exc).__name__}: {exc}",
                 window=window,
+                stated=self._stated.get(endpoint),
                 **context,
             )
-        self._loads[target.endpoint] = load
+        self._loads[endpoint] = load
+        if report.sample is not None:
+            if self._dialects.get(endpoint) not in (None, report.sample.dialect):
+                self._stated.pop(endpoint, None)  # another engine: its word is not this one's
+            self._dialects[endpoint] = report.sample.dialect
         if report.metrics in ("full", "partial", "none"):  # /metrics answered and was read
             self._read_at[target.endpoint] = scraped_at
         previous = self._healthy.get(target.endpoint)
         self._healthy[target.endpoint] = report.healthy
-        if report.sample is not None:
-            self._dialects[target.endpoint] = report.sample.dialect
         if report.healthy and self._window_due(target.endpoint, previous, scraped_at):
             read = await self._read_window(target)
             if read is not None and read != window:

@@ -13,7 +13,13 @@ import time
 from collections.abc import Callable, Sequence
 from urllib.parse import parse_qs
 
-from llmgw.services.sim.asgi import Receive, Scope, Send, install_crash_log_filter, send_bytes
+from llmgw.services.sim.asgi import (
+    Receive,
+    Scope,
+    Send,
+    install_crash_log_filter,
+    send_bytes,
+)
 from llmgw.services.sim.engine_runtime import EngineBackend
 from llmgw.services.sim.model_tokenizer import ModelTokenizer
 from llmgw.services.sim.openai_app import AppHooks, Handler, SimApp
@@ -47,8 +53,9 @@ def create_engine_app(
 
     `rng` (default: seeded with ``params.seed``) drives output lengths, generated text and, via a
     derived generator, fault draws. Besides the common routes it serves vLLM's
-    ``POST /reset_prefix_cache``, and with ``kv_events_endpoint`` it publishes KV cache events
-    from start-up to shutdown. With ``params.tokenizer`` its files are read here
+    ``POST /reset_prefix_cache``, where its metrics dialect's engine tells its context window and
+    batch capacity that engine's routes (`_server_info`), and with ``kv_events_endpoint`` it publishes KV
+    cache events from start-up to shutdown. With ``params.tokenizer`` its files are read here
     (TokenizerFilesError when unusable, ImportError without the ``tokenizer`` extra).
     """
     tokenizer = ModelTokenizer(params.tokenizer) if params.tokenizer is not None else None
@@ -84,33 +91,54 @@ def create_engine_app(
 
 def _server_info(params: EngineParams, model: str) -> dict[tuple[str, str], Handler]:
     """Where the engine whose metrics dialect the simulator speaks tells its context window
-    besides `GET /v1/models` (`max_model_len`, every dialect): llama.cpp's ``GET /props``
-    (``default_generation_settings.n_ctx``, the context of one slot) and TGI's ``GET /info``
-    (``max_input_tokens``, ``max_total_tokens``), with a few of their neighbouring fields."""
+    besides `GET /v1/models` (`max_model_len`, every dialect) and its batch capacity
+    (``max_num_seqs``), with a few of their neighbouring fields (shapes as the gateway reads
+    them: llmgw.services.scraper.reports.read_window, llmgw.core.engine_capacity):
+    llama.cpp's ``GET /props`` (``default_generation_settings.n_ctx``, the context of one slot;
+    ``total_slots``), TGI's ``GET /info`` (``max_input_tokens``, ``max_total_tokens``;
+    ``max_concurrent_requests``: TGI refuses requests past it, the simulator queues them), and
+    SGLang's ``GET /server_info`` and its older name ``GET /get_server_info``
+    (``max_running_requests``, one ``internal_states`` entry with
+    ``effective_max_running_requests_per_dp``: no data parallelism). vLLM states no capacity."""
     dialect = params.metrics_dialect
+    slots = params.max_num_seqs
+    paths: tuple[str, ...]
     if dialect == "llamacpp":
-        path, body = (
-            "/props",
+        paths, body = (
+            ("/props",),
             {
                 "default_generation_settings": {
                     "n_ctx": params.max_model_len,
                     "params": {"n_predict": -1, "temperature": 0.8},
                 },
-                "total_slots": params.max_num_seqs,
+                "total_slots": slots,
                 "model_alias": model,
                 "model_path": model,
             },
         )
     elif dialect == "tgi":
-        path, body = (
-            "/info",
+        paths, body = (
+            ("/info",),
             {
                 "model_id": model,
-                "max_concurrent_requests": 128,
+                "max_concurrent_requests": slots,
                 "max_input_tokens": params.max_model_len - 1,
                 "max_total_tokens": params.max_model_len,
                 "max_client_batch_size": 4,
                 "router": "text-generation-router",
+            },
+        )
+    elif dialect == "sglang":
+        paths, body = (
+            ("/server_info", "/get_server_info"),
+            {
+                "model_path": model,
+                "max_running_requests": slots,
+                "context_length": params.max_model_len,
+                "dp_size": 1,
+                "max_total_num_tokens": params.num_gpu_blocks * params.block_size,
+                "internal_states": [{"effective_max_running_requests_per_dp": slots}],
+                "version": "sim",
             },
         )
     else:
@@ -120,7 +148,7 @@ def _server_info(params: EngineParams, model: str) -> dict[tuple[str, str], Hand
     async def handle(scope: Scope, receive: Receive, send: Send) -> None:
         await send_bytes(send, 200, payload, b"application/json")
 
-    return {("GET", path): handle}
+    return {("GET", path): handle for path in paths}
 
 
 def _reset_prefix_cache(backend: EngineBackend) -> Handler:

@@ -32,7 +32,12 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmgw.core.saturation import EndpointLoad, SaturationSettings, endpoint_saturation
+from llmgw.core.saturation import (
+    EndpointLoad,
+    SaturationSettings,
+    batch_slots,
+    endpoint_saturation,
+)
 
 __all__ = [
     "BandPolicy",
@@ -142,8 +147,13 @@ class PoolView:
         return min(candidates, key=self.score)
 
     def free_slots(self) -> int:
-        """Batch slots free over the pool: sum of max(0, capacity - inflight)."""
-        return sum(max(0, self.capacity(e) - self._inflight[e]) for e in self._loads)
+        """Batch slots free over the pool: sum of max(0, slots - inflight), an endpoint's slots
+        being its `batch_slots` (its capacity; twice a learned one while its engine reports
+        none waiting)."""
+        return sum(
+            max(0, batch_slots(self._loads[e], self._now, self._settings) - self._inflight[e])
+            for e in self._loads
+        )
 
     def holds_back(self, band: BandPolicy) -> bool:
         """Is the pool past what `band` may use: saturation above its ceiling, or no more free

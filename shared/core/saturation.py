@@ -6,10 +6,14 @@ each band's ceiling; 1.0 means "at the healthy limit".
 
 Per endpoint:
 
-- batch capacity (how many requests run at once) starts from what the operator configured
-  (``endpoints[].capacity``, a simulator's ``max_num_seqs``, else a default) and is raised by the
-  *learned* high-water mark of observed ``running``; it never starts at 0, so a cold engine with
-  free slots does not look full;
+- batch capacity (how many requests run at once) is *stated* or *learned*. Stated: the operator
+  configured it (``endpoints[].capacity``, a simulated engine's ``max_num_seqs``) or the engine
+  says it (`state`: SGLang's, TGI's, llama.cpp's own figure, read by the scraper). Learned:
+  nobody said, so it starts from a default (``scoring.target_inflight``) and is raised by
+  evidence (`update`): the high-water mark of the ``running`` the engine reported, and of the
+  gateway's own count of requests on it at a scrape whose reading showed none waiting (the
+  engine ran all of them at once). It never starts at 0, so a cold engine with free slots does
+  not look full;
 - inflight is the caller's count of requests on the endpoint now: the gateway's own exact
   accounting (grants not yet ended, by every admission instance) plus the engine's foreign load
   (requests the engine reports that the gateway did not send). Only what exceeds the batch
@@ -19,11 +23,23 @@ Per endpoint:
   waiting requests, its slots are min(capacity, running) (it was holding requests back, e.g.
   for KV blocks), otherwise its capacity. Without a running gauge, queue = max(min(waiting,
   inflight), inflight - capacity);
+- while the engine's fresh reading shows *no request waiting* and its capacity is only learned,
+  nothing counts as queued: a learned capacity is a lower bound (requests that start and end
+  between two scrapes never show in ``running``), so a count above it is no evidence of a queue,
+  and the engine says there is none. The next reading tells: still none waiting (the gateway's
+  count at that scrape raises the learned capacity), or some (its slots are then what it runs).
+  A stated capacity is trusted: a count above it is requests the engine holds back;
 - saturation = max(queue / target_waiting, kv_usage / kv_ceiling), since either alone misleads.
+
+`batch_slots` is the number of free-slot arithmetic (a band's batch headroom): the capacity, but
+for a learned capacity while the engine reports none waiting `PROBE_FACTOR` times it: a band
+that keeps headroom may go past what was seen, and the next reading raises the capacity again
+(it doubles per scrape while the engine keeps up, as TCP's slow start probes a path).
 
 Engines that report only some of the gauges (no KV usage, no waiting count) or none (an
 OpenAI-compatible server without engine metrics) are scored on what there is: a missing gauge
-counts 0, and inflight against capacity carries the rest. Such an endpoint is never stale
+counts 0, and inflight against capacity carries the rest (without a waiting gauge there is no
+evidence of "none waiting", so a learned capacity is held to). Such an endpoint is never stale
 because of its metrics. Neither is one whose metrics cannot be read (a timeout, an HTTP error, a
 malformed exposition) while it is reported on: a report without a sample drops the reading held
 (`update`), so from that report on the endpoint is scored as one without engine metrics, on the
@@ -51,18 +67,26 @@ from dataclasses import dataclass
 from llmgw.core.engine_metrics import EngineSample
 
 __all__ = [
+    "PROBE_FACTOR",
     "STALE_SATURATION",
     "EndpointLoad",
     "SaturationSettings",
+    "batch_slots",
     "endpoint_saturation",
     "fresh_sample",
     "is_stale",
+    "none_waiting",
     "pool_saturation",
+    "state",
     "update",
 ]
 
 STALE_SATURATION = 1.0
 """The least saturation a stale endpoint scores: exactly at the healthy limit."""
+
+PROBE_FACTOR = 2
+"""`batch_slots` of a learned capacity while the engine reports none waiting: this many times
+it (free-slot arithmetic may go past what was seen; the next reading raises the capacity)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +117,11 @@ class EndpointLoad:
     """What is known about one endpoint's load. A fresh `EndpointLoad(capacity)` has never been
     reported.
 
-    Invariants: ``capacity`` >= every ``running`` ever passed to `update` (and >= 0);
+    ``stated``: the capacity was stated (configured, or said by the engine: `state`), so a count
+    above it is queue; otherwise it is learned, a lower bound.
+
+    Invariants: ``capacity`` >= every ``running`` ever passed to `update` (and >= 0), and, when
+    not stated, >= every gateway count passed with a sample that showed none waiting;
     ``sample`` and ``sampled_at`` are both None or both set; ``reported_at`` >= ``sampled_at``.
     """
 
@@ -101,6 +129,7 @@ class EndpointLoad:
     sample: EngineSample | None = None
     sampled_at: float | None = None
     reported_at: float | None = None
+    stated: bool = False
 
     def __post_init__(self) -> None:
         if self.sampled_at is not None and (
@@ -109,8 +138,19 @@ class EndpointLoad:
             object.__setattr__(self, "reported_at", self.sampled_at)  # a sample is a report
 
 
-def update(load: EndpointLoad, sample: EngineSample | None, now: float) -> EndpointLoad:
+def none_waiting(sample: EngineSample | None) -> bool:
+    """The engine reported its waiting count, and it was 0."""
+    return sample is not None and sample.waiting == 0
+
+
+def update(
+    load: EndpointLoad, sample: EngineSample | None, now: float, gateway: int | None = None
+) -> EndpointLoad:
     """The load after a report made at ``now`` (with the engine's sample, if it had one).
+
+    ``gateway``: the requests the gateway itself had on the endpoint when the sample was taken
+    (None: not counted, e.g. by the scraper). When the sample shows none waiting, the engine ran
+    all of them at once, so a learned capacity rises to it (a stated one stays as stated).
 
     A report older than the latest one (a late scrape reply, another scraper's) still teaches
     capacity, since the running count it saw was real, but changes nothing else. A report
@@ -118,14 +158,27 @@ def update(load: EndpointLoad, sample: EngineSample | None, now: float) -> Endpo
     the engine's last reading is no evidence of its load now, and the endpoint falls back to the
     gateway's own accounting. Capacity is kept.
     """
+    if gateway is not None and gateway < 0:
+        raise ValueError(f"gateway must be >= 0, got {gateway}")
     running = sample.running if sample is not None and sample.running is not None else 0
     capacity = max(load.capacity, running)
+    if gateway is not None and not load.stated and none_waiting(sample):
+        capacity = max(capacity, gateway)
+    stated = load.stated
     if load.reported_at is not None and now < load.reported_at:
-        return EndpointLoad(capacity, load.sample, load.sampled_at, load.reported_at)
-    reported_at = now
+        return EndpointLoad(capacity, load.sample, load.sampled_at, load.reported_at, stated)
     if sample is None:
-        return EndpointLoad(capacity, None, None, reported_at)
-    return EndpointLoad(capacity, sample, now, reported_at)
+        return EndpointLoad(capacity, None, None, now, stated)
+    return EndpointLoad(capacity, sample, now, now, stated)
+
+
+def state(load: EndpointLoad, capacity: int) -> EndpointLoad:
+    """The load once its batch capacity is stated as ``capacity`` (>= 1): it replaces what was
+    assumed or learned (a default may be above an engine's few slots), and from then on a
+    count above it is queue. Readings and their times are kept."""
+    if capacity < 1:
+        raise ValueError(f"a stated capacity must be >= 1, got {capacity}")
+    return EndpointLoad(capacity, load.sample, load.sampled_at, load.reported_at, stated=True)
 
 
 def is_stale(load: EndpointLoad, now: float, settings: SaturationSettings) -> bool:
@@ -164,6 +217,10 @@ def endpoint_saturation(
     if inflight is None:
         inflight = (running or 0) + waiting
         queue = max(waiting, inflight - load.capacity)
+    elif not stale and not load.stated and none_waiting(sample):
+        # A learned capacity is a lower bound and the engine says nothing waits: a count above
+        # the capacity is no evidence of a queue (the next reading tells).
+        queue = 0
     elif running is not None:
         # The reading is as old as the scrape, the count is now: the reading only says how many
         # the engine runs at once (fewer than its slots while it holds requests back, e.g. for
@@ -176,6 +233,16 @@ def endpoint_saturation(
     if stale:
         return max(STALE_SATURATION, saturation)
     return saturation
+
+
+def batch_slots(load: EndpointLoad, now: float, settings: SaturationSettings) -> int:
+    """How many requests the endpoint runs at once as far as free-slot arithmetic goes (>= 1):
+    `PROBE_FACTOR` times a learned capacity while its fresh reading shows none waiting, else
+    the capacity."""
+    capacity = max(1, load.capacity)
+    if not load.stated and none_waiting(fresh_sample(load, now, settings)):
+        return PROBE_FACTOR * capacity
+    return capacity
 
 
 def pool_saturation(

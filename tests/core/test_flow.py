@@ -44,7 +44,8 @@ def pool(
         zip(capacities, running, waiting, pending, strict=True)
     ):
         sample = EngineSample(EngineDialect.VLLM, run, wait, 0.1)
-        loads[f"e{i}"] = EndpointLoad(max(cap, run), sample, NOW - 1)
+        # Capacities as configured (stated): a count above one is queue.
+        loads[f"e{i}"] = EndpointLoad(max(cap, run), sample, NOW - 1, stated=True)
         inflight[f"e{i}"] = run + wait + extra
     return PoolView(loads, inflight, NOW, SETTINGS)
 
@@ -160,7 +161,7 @@ def test_saturated_pool_overflows_interactive_bands_and_queues_batch_bands():
 
 def test_stale_endpoints_count_as_saturated_never_as_idle():
     stale = PoolView(
-        {"e0": EndpointLoad(8, EngineSample(EngineDialect.VLLM, 0, 0, 0.0), NOW - 60)},
+        {"e0": EndpointLoad(8, EngineSample(EngineDialect.VLLM, 0, 0, 0.0), NOW - 60, stated=True)},
         {"e0": 0},
         NOW,
         SETTINGS,
@@ -253,7 +254,7 @@ def test_endpoint_choice_weighs_inflight_by_each_endpoints_capacity():
     """Nothing queues anywhere; the big endpoint (capacity 8) with 4 in flight beats the small
     one (capacity 2) with 2: half full against full."""
     loads = {
-        e: EndpointLoad(capacity, EngineSample(EngineDialect.VLLM, 0, 0, 0.0), NOW - 1)
+        e: EndpointLoad(capacity, EngineSample(EngineDialect.VLLM, 0, 0, 0.0), NOW - 1, stated=True)
         for e, capacity in (("small", 2), ("big", 8))
     }
     view = PoolView(loads, {"big": 4, "small": 2}, NOW, SETTINGS)
@@ -382,3 +383,35 @@ def test_full_for_is_exactly_whether_one_more_grant_would_pass_the_ceiling(runni
     gold = BANDS[1]
     expected = view.holds_back(gold) or (view.assume_grant() and view.saturation() > gold.ceiling)
     assert pool([16] * len(running), running).full_for(gold) is expected
+
+
+def learned_pool(capacity: int, running: int, waiting: int, inflight: int) -> PoolView:
+    """One endpoint whose capacity nobody stated (learned from what was seen)."""
+    sample = EngineSample(EngineDialect.VLLM, running, waiting, 0.1)
+    load = EndpointLoad(max(capacity, running), sample, NOW - 1)
+    return PoolView({"e0": load}, {"e0": inflight}, NOW, SETTINGS)
+
+
+@given(st.integers(1, 64), st.integers(0, 64), st.integers(0, 10_000))
+def test_a_pool_whose_engine_reports_none_waiting_lets_every_ceiling_band_through(
+    capacity, running, inflight
+):
+    """Its capacity only learned, no count of the gateway's holds a ceiling band back."""
+    view = learned_pool(capacity, running, 0, inflight)
+    for band in BANDS:
+        assert gate(band, view, 0) is GateDecision.GRANTED
+    assert plan_dispatch(BANDS, view, {"bronze": 50}, {}) == {"bronze": 50}
+
+
+@given(st.integers(1, 64), st.integers(0, 64), st.integers(0, 200), st.integers(1, 3))
+def test_a_band_with_headroom_probes_twice_a_learned_capacity_and_no_further(
+    capacity, running, inflight, headroom
+):
+    bronze = BandPolicy("bronze", 100, 0.3, headroom=headroom)
+    view = learned_pool(capacity, running, 0, inflight)
+    slots = 2 * max(capacity, running)
+    assert view.free_slots() == max(0, slots - inflight)
+    assert view.holds_back(bronze) is (slots - inflight <= headroom)
+    # Some waiting: the reading says the batch is full, the learned capacity is what counts.
+    waited = learned_pool(capacity, running, 1, inflight)
+    assert waited.free_slots() == max(0, max(capacity, running) - inflight)

@@ -1,5 +1,5 @@
-"""Saturation detector: learned capacity, queue from waiting or excess inflight, KV occupancy,
-staleness scored as saturated, pool mean."""
+"""Saturation detector: stated and learned capacity, queue from waiting or excess inflight, KV
+occupancy, staleness scored as saturated, pool mean."""
 
 from __future__ import annotations
 
@@ -11,12 +11,15 @@ from hypothesis import strategies as st
 
 from llmgw.core.engine_metrics import EngineDialect, EngineSample
 from llmgw.core.saturation import (
+    PROBE_FACTOR,
     STALE_SATURATION,
     EndpointLoad,
     SaturationSettings,
+    batch_slots,
     endpoint_saturation,
     is_stale,
     pool_saturation,
+    state,
     update,
 )
 
@@ -38,10 +41,17 @@ def sample(running: int = 0, waiting: int = 0, kv_usage: float = 0.0) -> EngineS
 
 
 def fresh(
-    running: int = 0, waiting: int = 0, kv_usage: float = 0.0, capacity: int = 0
+    running: int = 0,
+    waiting: int = 0,
+    kv_usage: float = 0.0,
+    capacity: int = 0,
+    *,
+    stated: bool = True,
 ) -> EndpointLoad:
-    """An endpoint sampled at t=0 whose learned capacity is at least ``capacity``."""
-    return update(EndpointLoad(capacity=capacity), sample(running, waiting, kv_usage), 0.0)
+    """An endpoint sampled at t=0 whose capacity is at least ``capacity``: stated (configured or
+    said by its engine), or only learned."""
+    base = EndpointLoad(capacity=capacity, stated=stated)
+    return update(base, sample(running, waiting, kv_usage), 0.0)
 
 
 @pytest.mark.parametrize(
@@ -60,6 +70,11 @@ def fresh(
         (fresh(running=8, waiting=4), 6, 0.0),
         (fresh(running=2, capacity=8), 8, 0.0),  # capacity is the high-water mark, not last running
         (fresh(), 4, 1.0),  # cold start: nothing learned, all inflight counts as queued
+        # a learned capacity is a lower bound: while the engine says none wait, nothing queues
+        (fresh(running=8, stated=False), 40, 0.0),
+        (fresh(running=8, kv_usage=0.4, stated=False), 40, 0.5),  # KV still counts
+        # once it says some wait, its slots are what it runs
+        (fresh(running=8, waiting=2, stated=False), 12, 1.0),
     ],
     ids=[
         "idle",
@@ -72,6 +87,9 @@ def fresh(
         "drained-since-the-scrape",
         "learned-capacity",
         "cold-start",
+        "learned-none-waiting",
+        "learned-none-waiting-kv",
+        "learned-some-waiting",
     ],
 )
 def test_endpoint_saturation(load: EndpointLoad, inflight: int, expected: float) -> None:
@@ -287,3 +305,144 @@ def test_pool_saturation_lies_between_its_endpoints(
     each = [endpoint_saturation(loads[key], now, settings, inflight[key]) for key in loads]
     pool = pool_saturation(loads, now, settings, inflight)
     assert min(each) * (1 - 1e-12) <= pool <= max(each) * (1 + 1e-12)
+
+
+# ---- stated and learned capacity ----------------------------------------------------------------
+
+
+@given(
+    settings=settings_strategy,
+    running=counts,
+    capacity=counts,
+    inflight=counts,
+    kv=fractions,
+    now=st.floats(0, 10),
+)
+def test_a_learned_capacity_never_holds_back_an_engine_that_reports_none_waiting(
+    settings: SaturationSettings,
+    running: int,
+    capacity: int,
+    inflight: int,
+    kv: float,
+    now: float,
+) -> None:
+    """Whatever the gateway's count, a fresh reading of none waiting leaves only KV usage."""
+    assume(now <= settings.stale_after)
+    load = fresh(running, 0, kv, capacity, stated=False)
+    assert endpoint_saturation(load, now, settings, inflight) == kv / settings.kv_ceiling
+
+
+@given(
+    settings=settings_strategy,
+    running=counts,
+    capacity=st.integers(1, 10_000),
+    inflight=counts,
+    now=st.floats(0, 10),
+)
+def test_a_stated_capacity_counts_what_exceeds_it_as_queue(
+    settings: SaturationSettings, running: int, capacity: int, inflight: int, now: float
+) -> None:
+    assume(now <= settings.stale_after)
+    load = fresh(running, 0, 0.0, capacity, stated=True)
+    queue = max(0, inflight - max(capacity, running))
+    assert endpoint_saturation(load, now, settings, inflight) == pytest.approx(
+        queue / settings.target_waiting
+    )
+
+
+@given(
+    settings=settings_strategy,
+    running=counts,
+    waiting=counts,
+    capacity=counts,
+    inflight=counts,
+    kv=fractions,
+    now=times,
+)
+def test_learning_never_makes_an_endpoint_look_busier_than_stating_the_same_capacity(
+    settings: SaturationSettings,
+    running: int,
+    waiting: int,
+    capacity: int,
+    inflight: int,
+    kv: float,
+    now: float,
+) -> None:
+    learned = fresh(running, waiting, kv, capacity, stated=False)
+    stated = fresh(running, waiting, kv, capacity, stated=True)
+    assert endpoint_saturation(learned, now, settings, inflight) <= endpoint_saturation(
+        stated, now, settings, inflight
+    )
+    if waiting or now > settings.stale_after:  # some wait, or stale: the same arithmetic
+        assert endpoint_saturation(learned, now, settings, inflight) == endpoint_saturation(
+            stated, now, settings, inflight
+        )
+
+
+@given(
+    stated=st.booleans(),
+    steps=st.lists(st.tuples(counts, counts, st.one_of(st.none(), counts), times), max_size=20),
+)
+def test_capacity_learns_the_gateways_count_only_when_none_waited_and_nobody_stated_it(
+    stated: bool, steps: list[tuple[int, int, int | None, float]]
+) -> None:
+    load = EndpointLoad(capacity=1, stated=stated)
+    expected = 1
+    for running, waiting, gateway, now in steps:
+        previous = load
+        load = update(load, sample(running, waiting), now, gateway)
+        expected = max(expected, running)
+        if gateway is not None and waiting == 0 and not stated:
+            expected = max(expected, gateway)
+        assert load.capacity >= previous.capacity
+        assert load.capacity == expected
+        assert load.stated is stated
+
+
+@given(capacity=counts, learned=counts, running=counts, waiting=counts, gateway=counts)
+def test_a_stated_capacity_replaces_what_was_learned_and_stays_stated(
+    capacity: int, learned: int, running: int, waiting: int, gateway: int
+) -> None:
+    assume(capacity >= 1)
+    before = update(EndpointLoad(learned), sample(running, waiting), 1.0, gateway)
+    told = state(before, capacity)
+    assert (told.capacity, told.stated) == (capacity, True)
+    assert (told.sample, told.sampled_at, told.reported_at) == (
+        before.sample,
+        before.sampled_at,
+        before.reported_at,
+    )
+    after = update(told, sample(running, 0), 2.0, gateway)  # the gateway's count teaches nothing
+    assert (after.capacity, after.stated) == (max(capacity, running), True)
+
+
+def test_state_and_update_reject_nonsense() -> None:
+    with pytest.raises(ValueError, match="capacity"):
+        state(EndpointLoad(), 0)
+    with pytest.raises(ValueError, match="gateway"):
+        update(EndpointLoad(), sample(), 0.0, -1)
+
+
+@given(
+    settings=settings_strategy,
+    capacity=counts,
+    running=counts,
+    waiting=counts,
+    stated=st.booleans(),
+    now=times,
+)
+def test_batch_slots_probe_past_a_learned_capacity_only_while_none_wait(
+    settings: SaturationSettings,
+    capacity: int,
+    running: int,
+    waiting: int,
+    stated: bool,
+    now: float,
+) -> None:
+    load = fresh(running, waiting, 0.0, capacity, stated=stated)
+    slots = batch_slots(load, now, settings)
+    base = max(1, load.capacity)
+    if not stated and waiting == 0 and now <= settings.stale_after:
+        assert slots == PROBE_FACTOR * base
+    else:
+        assert slots == base

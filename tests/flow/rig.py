@@ -39,6 +39,7 @@ from llmgw.wire import (
 
 MODEL = "m1"
 ENDPOINTS = ("engine-1", "engine-2")
+RIG_CAPACITY = 8  # each engine's configured batch slots
 # The `stack` fixture's (tests/flow/conftest.py) lease limits and a minimal chat request.
 EDGE_LIMITS = {
     "max_pinned_sessions": 100,
@@ -113,6 +114,9 @@ def rig_config(
                     "url": urls.get(e, f"http://127.0.0.1:1/{e}"),
                     "provider": "iris",
                     "models": [MODEL],
+                    # Engines of 8 batch slots, configured: a count above 8 is queue whatever
+                    # the reports say (`capacity: None` in `endpoints` leaves it to be learned).
+                    "capacity": RIG_CAPACITY,
                     **extra.get(e, {}),
                 }
                 for e in ENDPOINTS

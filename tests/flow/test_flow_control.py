@@ -288,3 +288,33 @@ async def test_queue_bounds_applied_live_expire_and_refuse_by_the_new_values(rig
     expired = await asyncio.gather(*queued)
     assert all(r.refusal is Refusal.QUEUE_TIMEOUT for r in expired), expired
     assert time.monotonic() - started < 1.5 and rig.queued() == 0  # 0.4 s after they came
+
+
+async def test_a_lease_end_releases_a_queued_request_without_waiting_for_a_tick(
+    nats_url, unique_id
+):
+    """Ticks 20 s apart: a request that waits for a slot gets the one a lease end frees, in a
+    release between two ticks (no tick ran meanwhile)."""
+    rig = await open_rig(nats_url, unique_id, interval="20s", queue_ttl="60s")
+    try:
+        service = rig.admissions[0]
+        # Two engines of 8 configured slots: silver (ceiling 0.6) is let through while the
+        # mean queue past the slots is at most 2.4 of target 4: 21 requests, the 22nd waits.
+        await rig.report_all(running=0, capacity=8)
+        first = [await rig.ask(band="silver") for _ in range(21)]
+        assert all(admitted(r) for r in first)
+        await until(lambda: service.load.own("engine-1") + service.load.own("engine-2") == 21)
+        late = [asyncio.create_task(rig.ask(band="silver", timeout=30)) for _ in range(2)]
+        await until(lambda: rig.queued() == 2, what="two late requests queued")
+        await until(lambda: service.flow._room is not None, what="the tick's first round")
+        ticks_before, releases_before = service.flow.ticks, service.flow.releases
+        await rig.end(service, next(iter(service.ledger.leases)))  # room for one
+        done, _ = await asyncio.wait(late, return_when=asyncio.FIRST_COMPLETED, timeout=10)
+        assert len(done) == 1 and admitted(done.pop().result())
+        assert rig.queued() == 1  # the other waits on, and no tick ran: a release let it go
+        assert service.flow.ticks == ticks_before
+        assert service.flow.releases > releases_before
+        await rig.end(service, next(iter(service.ledger.leases)))
+        assert all(admitted(r) for r in await asyncio.gather(*late))
+    finally:
+        await rig.close()

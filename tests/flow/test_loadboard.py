@@ -25,8 +25,14 @@ from llmgw.state.memory_kv import MemoryKV
 T = 1_000_000.0
 
 
-def board() -> LoadBoard:
-    config = rig_config("nats://127.0.0.1:4222", "x", router={"scrape_interval": "400ms"})
+def board(**endpoint: object) -> LoadBoard:
+    """A board of the rig's config, engine-1's capacity not configured unless given."""
+    config = rig_config(
+        "nats://127.0.0.1:4222",
+        "x",
+        router={"scrape_interval": "400ms"},
+        endpoints={"engine-1": {"capacity": None, **endpoint}},
+    )
     return LoadBoard(config, HealthBoard())
 
 
@@ -43,8 +49,11 @@ def report(
     board.apply(engine_report(at, sample))
 
 
-def engine_report(at: float, sample: LoadSample | None, capacity: int = 0) -> EndpointReport:
+def engine_report(
+    at: float, sample: LoadSample | None, capacity: int = 0, stated: int | None = None
+) -> EndpointReport:
     return EndpointReport(
+        stated_capacity=stated,
         endpoint="engine-1",
         provider="iris",
         pool="p",
@@ -117,6 +126,53 @@ def test_an_engine_without_load_metrics_is_fresh_and_scored_by_the_gateways_coun
     assert b.metrics_mode("engine-1") == "none"
 
 
+def test_a_scrape_that_shows_none_waiting_teaches_the_capacity_the_gateways_count():
+    """Short requests end between scrapes, so the engine's running stays low; the gateway's own
+    count at a scrape that found none waiting is what the engine ran at once."""
+    b = board()
+    floor = b.capacity("engine-1")
+    b.set_own("engine-1", floor + 22, T)
+    report(b, T + 0.5, running=3, waiting=0)
+    assert b.capacity("engine-1") == floor + 22
+    # Its capacity learned, a count past it is no queue while the engine reports none waiting.
+    b.set_own("engine-1", 3 * floor + 66, T + 0.6)
+    assert b.saturation("engine-1", T + 0.7) == 0.1 / 0.9  # KV usage alone
+    report(b, T + 1, running=floor + 22, waiting=5)  # some wait: it runs floor + 22 at once
+    assert b.saturation("engine-1", T + 1.01) == (2 * floor + 44) / 4
+
+
+def test_requests_waiting_or_ours_arriving_after_the_scrape_teach_nothing():
+    b = board()
+    floor = b.capacity("engine-1")
+    b.set_own("engine-1", floor + 20, T)
+    report(b, T + 0.5, running=3, waiting=1)  # something waited: our count proves nothing
+    assert b.capacity("engine-1") == floor
+    b.set_own("engine-1", 0, T + 1)
+    b.set_own("engine-1", floor + 20, T + 1.06)  # granted just after the scrape below
+    report(b, T + 1.05, running=0, waiting=0)  # the report arrives after those grants
+    assert b.capacity("engine-1") == floor
+
+
+def test_a_capacity_the_engine_states_replaces_the_default_and_counts_what_exceeds_it():
+    b = board()
+    assert b.capacity("engine-1") == 8  # scoring.target_inflight, nothing stated
+    b.apply(engine_report(T, LoadSample(dialect="llamacpp", running=0, waiting=0), 8, stated=4))
+    assert b.capacity("engine-1") == 4  # llama.cpp's total_slots, below the default
+    b.set_own("engine-1", 6, T + 0.5)
+    assert b.saturation("engine-1", T + 0.5) == 2 / 4  # stated: 2 past its slots are queue
+    b.set_own("engine-1", 20, T + 1)  # our count does not raise what the engine stated
+    b.apply(engine_report(T + 1.01, LoadSample(dialect="llamacpp", running=4, waiting=0), 4, 4))
+    assert b.capacity("engine-1") == 4
+
+
+def test_a_configured_capacity_wins_over_the_engines_statement():
+    b = board(capacity=16)
+    b.apply(engine_report(T, LoadSample(dialect="tgi", running=0, waiting=0), 16, stated=128))
+    assert b.capacity("engine-1") == 16
+    b.set_own("engine-1", 18, T + 0.5)
+    assert b.saturation("engine-1", T + 0.5) == 2 / 4
+
+
 class SlowToStartKV(MemoryKV):
     """A bucket whose first read times out (JetStream not ready yet on a fresh cluster)."""
 
@@ -161,3 +217,21 @@ def test_the_window_an_engine_reported_is_kept_until_a_newer_report_says_another
     assert b.window("engine-1") == ContextWindow(8192, hold_output=False)
     b.apply(engine_report(T + 1.5, None).model_copy(update={"context_window": 1000}))
     assert b.window("engine-1") == ContextWindow(8192, hold_output=False)  # older: ignored
+
+
+def test_a_capacity_configured_or_removed_live_is_stated_or_learned_from_then_on():
+    def config(**endpoint: object):
+        return rig_config(
+            "nats://127.0.0.1:4222", "x", endpoints={"engine-1": {"capacity": None, **endpoint}}
+        )
+
+    b = LoadBoard(config(), HealthBoard())
+    report(b, T, running=0, waiting=0)
+    b.set_own("engine-1", 20, T + 0.5)
+    assert b.saturation("engine-1", T + 0.5) == 0.1 / 0.9  # learned: none waiting, no queue
+    b.reconfigure(config(capacity=16))
+    assert (b.capacity("engine-1"), b.load("engine-1").stated) == (16, True)
+    assert b.saturation("engine-1", T + 0.6) == 4 / 4  # 4 past the configured 16
+    b.reconfigure(config())
+    assert (b.capacity("engine-1"), b.load("engine-1").stated) == (8, False)
+    assert b.saturation("engine-1", T + 0.7) == 0.1 / 0.9

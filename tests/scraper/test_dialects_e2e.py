@@ -40,9 +40,12 @@ ENGINES = ("engine-1", "engine-2")
 SLOTS = 4  # each engine's max_num_seqs, and its configured capacity
 
 
-def e2e_config(nats_url: str, unique_id: str, urls: dict[str, str]) -> Config:
-    """Managed `iris` (the two engines) and the unlimited third party `tensorx`; bands,
-    scoring and staleness as shipped, a quick scrape so the test need not wait long."""
+def e2e_config(
+    nats_url: str, unique_id: str, urls: dict[str, str], *, configured: bool = True
+) -> Config:
+    """Managed `iris` (the two engines; their capacity configured unless `configured` is
+    False) and the unlimited third party `tensorx`; bands, scoring and staleness as shipped, a
+    quick scrape so the test need not wait long."""
     return config_from_dict(
         {
             "nats": {"url": nats_url, "request_timeout": "2s"},
@@ -65,7 +68,7 @@ def e2e_config(nats_url: str, unique_id: str, urls: dict[str, str]) -> Config:
                         "url": urls[e],
                         "provider": "iris",
                         "models": [MODEL],
-                        "capacity": SLOTS,
+                        **({"capacity": SLOTS} if configured else {}),
                     }
                     for e in ENGINES
                 ),
@@ -117,8 +120,10 @@ class Gateway:
 
 
 @contextlib.asynccontextmanager
-async def gateway(nats_url: str, unique_id: str, urls: dict[str, str]) -> AsyncIterator[Gateway]:
-    config = e2e_config(nats_url, unique_id, urls)
+async def gateway(
+    nats_url: str, unique_id: str, urls: dict[str, str], *, configured: bool = True
+) -> AsyncIterator[Gateway]:
+    config = e2e_config(nats_url, unique_id, urls, configured=configured)
     nc = await nats.connect(nats_url)
     await open_load_bucket(nc, config)
     cluster = Cluster(config, nats_url)
@@ -167,6 +172,39 @@ async def test_foreign_load_moves_placement_away_and_nothing_overflows_with_a_sl
             ] * SLOTS, dialect
     finally:
         await load.stop()
+        await stop_servers(engines.values())
+
+
+# What admission's board holds as each engine's capacity when none is configured: the engine's
+# own statement (its max_num_seqs, below the default of scoring.target_inflight), or for vLLM's
+# dialects, which state none, the default.
+STATES_CAPACITY = {"sglang", "tgi", "llamacpp"}
+
+
+@pytest.mark.parametrize("dialect", METRICS_DIALECTS)
+async def test_an_engine_that_states_its_capacity_is_taken_at_its_word(
+    nats_url: str, unique_id: str, dialect: str
+) -> None:
+    params = EngineParams.zero_delay(metrics_dialect=dialect, max_num_seqs=SLOTS)
+    engines = {e: await start_server(create_engine_app(params, [MODEL])) for e in ENGINES}
+    try:
+        urls = {e: s.url for e, s in engines.items()}
+        async with gateway(nats_url, unique_id, urls, configured=False) as gw:
+            default = gw.config.scoring.target_inflight
+            assert SLOTS < default
+            expected = SLOTS if dialect in STATES_CAPACITY else default
+            await gw.until(
+                lambda: all(gw.board.capacity(e) == expected for e in ENGINES),
+                f"admission to hold capacity {expected}",
+            )
+            stated = expected == SLOTS
+            assert all(gw.board.load(e).stated is stated for e in ENGINES), dialect
+            # Taken at its word: both engines' stated slots fill, one past them counts as queue.
+            for _ in range(2 * SLOTS + 1 if stated else 0):
+                await gw.ask("gold")
+            if stated:
+                assert sum(gw.board.saturation(e, time.time()) > 0 for e in ENGINES) == 1
+    finally:
         await stop_servers(engines.values())
 
 

@@ -303,6 +303,7 @@ def test_only_endpoints_of_managed_providers_are_scraped() -> None:
         ("llama-3.3-70b", "qwen2.5-32b"),
         "http://127.0.0.1:8101",
         ("llama-3.3-70b", "qwen2.5-32b"),  # the names its engine serves them under
+        configured=True,  # its simulate block's max_num_seqs
     )
 
 

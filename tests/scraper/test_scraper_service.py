@@ -24,7 +24,7 @@ from scraper_helpers import (
 )
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import PlainTextResponse
+from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
 from llmgw.config import Config, config_from_dict
@@ -318,6 +318,55 @@ async def test_scrape_age_and_dialect_follow_the_last_successful_read_whatever_i
     }
     assert sample("llmgw_scraper_scrapes_total", endpoint="failing", result="metrics_error") >= 2
     assert sample("llmgw_scraper_scrapes_total", endpoint="plain", result="no_metrics") >= 2
+
+
+async def test_an_engine_that_states_its_capacity_is_asked_once_a_while_and_reported(
+    nats_url: str, load_bucket: str, unique_id: str, events: EventLog
+) -> None:
+    """llama-server's /props says 2 slots: asked from the scrape after the one that showed the
+    dialect, not every round; every report from then on carries it, and it is the capacity
+    (below the default that held until then) unless the config sets one."""
+    asked = 0
+
+    async def props(request: Request) -> JSONResponse:
+        nonlocal asked
+        asked += 1
+        return JSONResponse({"total_slots": 2, "model_path": "/m.gguf"})
+
+    metrics_text = "llamacpp:requests_processing 1\nllamacpp:requests_deferred 0\n"
+    app = Starlette(
+        routes=[
+            Route("/metrics", lambda r: PlainTextResponse(metrics_text)),
+            Route("/health", lambda r: PlainTextResponse("ok")),
+            Route("/props", props),
+        ]
+    )
+    server = await start_server(app)
+    try:
+        data = config_data(
+            nats_url, load_bucket, unique_id, {"llama": server.url, "configured": server.url}
+        )
+        del data["endpoints"][0]["capacity"]  # "llama": none configured; "configured": 1
+        config = config_from_dict(data, env={})
+        async with running_scraper(config, instance="scraper-one"):
+            first = await events.wait_for_report("llama", lambda r: r.sample is not None)
+            assert first.capacity == config.scoring.target_inflight > 2
+            await events.wait_until(
+                lambda log: all(
+                    sum(r.stated_capacity == 2 for r in log.reports(e)) >= 5
+                    for e in ("llama", "configured")
+                )
+            )
+        stated = [r for r in events.reports("llama") if r.stated_capacity is not None]
+        assert all(r.capacity == 2 for r in stated)
+        # Configured 1, running 1 at most: what the engine says is reported, not used.
+        assert {r.capacity for r in events.reports("configured")} == {1}
+        # Per endpoint once for its capacity (again only after CAPACITY_REFRESH) and once for
+        # its context window (again after fleet.models_refresh): not every round.
+        rounds = min(len(events.reports(e)) for e in ("llama", "configured"))
+        assert asked == 4 < 2 * rounds
+    finally:
+        await stop_servers([server])
 
 
 async def test_a_fault_in_the_scrapers_reading_still_publishes_a_healthy_report(

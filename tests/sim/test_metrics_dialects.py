@@ -10,6 +10,7 @@ import pytest
 from sim_helpers import Serve, wait_until
 
 from llmgw.cli import build_parser
+from llmgw.core.engine_capacity import CAPACITY_PATHS, parse_capacity
 from llmgw.core.engine_metrics import EngineDialect, parse_engine_metrics
 from llmgw.services.sim.apps import create_engine_app
 from llmgw.services.sim.main import UsageError, resolve_settings
@@ -118,3 +119,20 @@ def test_the_dialect_comes_from_the_flag_the_set_or_the_simulate_block() -> None
         )
     with pytest.raises(SystemExit):
         build_parser().parse_args(["sim", "engine", "--metrics-dialect", "triton"])
+
+
+@pytest.mark.parametrize("dialect", METRICS_DIALECTS)
+async def test_each_dialect_states_its_batch_capacity_where_that_engine_does(
+    serve: Serve, dialect: str
+) -> None:
+    """SGLang's server info (both names), TGI's /info, llama-server's /props state
+    max_num_seqs as the gateway reads them; vLLM's dialects state none (no such route)."""
+    client = await serve(create_engine_app(EngineParams(metrics_dialect=dialect, max_num_seqs=7)))
+    detected = EXPECTED[dialect][0]
+    paths = CAPACITY_PATHS.get(detected, ())
+    for path in paths:
+        response = await client.get(path)
+        assert response.status_code == 200, path
+        assert parse_capacity(detected, response.text) == 7, path
+    for path in {"/server_info", "/get_server_info", "/info", "/props"} - set(paths):
+        assert (await client.get(path)).status_code == 404, path
