@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from bench_helpers import EXACT, MODEL, StartEngine, quick_engine, without_metrics
 
 from llmgw.services.bench.client import RequestOptions
@@ -17,6 +18,8 @@ from llmgw.services.bench.workload import WorkloadSpec
 # 4 slots, 20 ms per token, 4 tokens per request: 60 ms a request (long against the client's
 # own per-request work, which would otherwise leave slots idle at concurrency 4).
 ENGINE = {"max_num_seqs": 4, "itl_base": 0.02, "prefill_base": 0.0}
+
+pytestmark = pytest.mark.latency  # the knee is found by latency measured on the wall clock
 
 
 async def sweep(url: str, *, metrics: bool):
