@@ -401,13 +401,20 @@ class BudgetGuard:
 
     async def _on_lend(self, msg: Msg) -> None:
         """Another holder is short: give back what this edge holds idle of the account, unless
-        its own requests wait for a grant of it (an ask in flight: it is not idle then)."""
+        its own requests wait for a grant of it (it is not idle then). An ask in flight that no
+        request waits on (the periodic sync's) is let finish first."""
         lent = 0
         try:
             ask = BudgetLoanAsk.model_validate_json(msg.data)
         except ValueError:
             return
         account = self._accounts.get(ask.account)
+        if account is not None and account.pending is not None and account.demand == 0:
+            # An ask in flight with no request waiting on it: the periodic sync's. What it
+            # writes is this edge's own grant; once it is written, lend from what is idle then
+            # (answering 0 now would refuse the borrower's request while the account has room).
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(account.pending), self.request_timeout)
         if account is not None and account.pending is None and account.demand == 0:
             lent = account.purse.lend(ask.want)  # lowered here before the write is sent
             if lent:
