@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import random
 import socket
 from dataclasses import dataclass
@@ -104,10 +105,10 @@ def free_port(host: str = "127.0.0.1") -> int:
     out for port 0 is the kind it also gives to outgoing connections, which can take it before
     the subprocess binds it ("address already in use"). Never the same port twice per process.
     """
-    low = _ephemeral_low()
+    lowest, low = _drawn_from()
     rng = random.Random()
-    for _ in range(64 if low - _LOWEST_PORT > 1_000 else 0):
-        port = rng.randrange(_LOWEST_PORT, low)
+    for _ in range(64 if low - lowest > 1_000 else 0):
+        port = rng.randrange(lowest, low)
         if port not in _HANDED_OUT and _port_is_free(host, port):
             _HANDED_OUT.add(port)
             return port
@@ -118,6 +119,18 @@ def free_port(host: str = "127.0.0.1") -> int:
         if port not in _HANDED_OUT:
             _HANDED_OUT.add(port)
             return port
+
+
+def _drawn_from() -> tuple[int, int]:
+    """The ports `free_port` draws from, [lowest, highest): below the kernel's ephemeral range,
+    or the narrower range `LLMGW_FREE_PORTS` (``lo-hi``) names, for processes that must not draw
+    each other's ports (parallel test workers each take a range of their own; their children
+    inherit it)."""
+    named = os.environ.get("LLMGW_FREE_PORTS", "")
+    lo, _, hi = named.partition("-")
+    if lo.isdigit() and hi.isdigit() and 1024 <= int(lo) < int(hi) <= 65536:
+        return int(lo), int(hi)
+    return _LOWEST_PORT, _ephemeral_low()
 
 
 def _ephemeral_low() -> int:

@@ -13,7 +13,9 @@ Workers: the suite runs on several pytest-xdist workers (pyproject.toml's addopt
 its own session fixtures (its own NATS server). Tests marked `latency` (figures measured on the
 wall clock: placement's cache hits and TTFT, the interference test, the balancer's evaluation)
 form one xdist group, so they run one after another on one worker, never beside each other;
-the other workers run the rest meanwhile.
+the other workers run the rest meanwhile. Each worker draws the ports it hands out
+(`llmgw.serving.free_port`) from a range of its own (`LLMGW_FREE_PORTS`, inherited by the
+processes it starts), so two workers never start servers on one port.
 """
 
 from __future__ import annotations
@@ -30,8 +32,22 @@ from nats.js.api import KeyValueConfig
 from nats.js.kv import KeyValue
 
 from llmgw.nats_embedded import EmbeddedNats
+from llmgw.serving import _ephemeral_low
 
 NATS_CONTAINER_IMAGE = "nats:2.12"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """On an xdist worker, its own slice of the ports `llmgw.serving.free_port` draws from (the
+    workers' processes, and their children, never hand out each other's ports)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if worker.startswith("gw") and worker[2:].isdigit() and count > 1:
+        index = int(worker[2:])
+        lowest, highest = 10_000, _ephemeral_low()
+        width = (highest - lowest) // count
+        start = lowest + index * width
+        os.environ["LLMGW_FREE_PORTS"] = f"{start}-{start + width - 8}"  # blocks stay inside
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
