@@ -522,7 +522,7 @@ def run(
         cluster = UpCluster(config)
         try:
             api = cluster.api()
-            asyncio.run(until_placed_model(api))
+            asyncio.run(until_placed(api, model=MODEL))
             began = time.monotonic()
             player = asyncio.run(_play(api, farm, seed, workload(seed, agents, idle)))
             seconds = time.monotonic() - began
@@ -534,17 +534,6 @@ def run(
     rows = report(player, farm, seconds)
     rows["sequential"] = calibration
     return rows
-
-
-async def until_placed_model(api: str) -> None:
-    import prefix
-
-    saved = prefix.MODEL
-    prefix.MODEL = MODEL
-    try:
-        await until_placed(api)
-    finally:
-        prefix.MODEL = saved
 
 
 async def _play(api: str, farm: AgentFarm, seed: int, agents: list[Agent]) -> Player:

@@ -509,11 +509,11 @@ def gateway(
         cluster.stop()
 
 
-async def until_placed(api: str, timeout: float = 30) -> None:
+async def until_placed(api: str, timeout: float = 30, model: str = MODEL) -> None:
     """Until a request is served (the scraper reported the engines), then one scrape interval
     more, so every engine's load and KV cache size are known. The probe's prompt is shorter
     than one prefix block: nothing recorded in the index."""
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
+    body = {"model": model, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
     deadline = time.monotonic() + timeout
     async with http_session() as http:
         while time.monotonic() < deadline:

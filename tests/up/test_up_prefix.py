@@ -84,7 +84,7 @@ def test_sessions_sharing_a_prompt_start_where_it_is_cached(
     for tenant, runs in placed.items():
         engines = Counter(engine for engine, _, _ in runs)
         home, count = engines.most_common(1)[0]
-        # The first session chose freely; every later one found the prompt where it went.
+        # The first conversation chose freely; every later one found the prompt where it went.
         assert count >= len(runs) - 1, (tenant, engines)
         hits = [cached / prompt for engine, prompt, cached in runs[1:] if engine == home]
         assert min(hits) > 0.8, (tenant, hits)  # the system prompt came from the cache
