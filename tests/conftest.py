@@ -9,7 +9,7 @@ NATS: tests run against a real server, never a mock.
 Isolation: tests share the session's server, so each test names its KV buckets and subjects
 with `unique_id` (or takes a ready `kv_bucket`), and nothing a test creates outlives it.
 
-Workers: the suite runs on several pytest-xdist workers (pyproject.toml's addopts), each with
+Workers: with `-n N` the suite runs on N pytest-xdist workers (the README), each with
 its own session fixtures (its own NATS server). Tests marked `latency` (figures measured on the
 wall clock: placement's cache hits and TTFT, the interference test, the balancer's evaluation)
 form one xdist group, so they run one after another on one worker, never beside each other;

@@ -70,16 +70,16 @@ def _state(sub: Any, reporter: NatsReporter | None) -> str:
 
 @pytest_asyncio.fixture
 async def wired(nats_url: str) -> AsyncIterator[tuple[Any, Any]]:
-    """The reporter's connection, and a subscription to the ends on another one."""
+    """The reporter's connection, and a subscription to the ends on it: the server has its
+    SUB before any of the reporter's PUBs (on another connection, a flush could return before
+    the server applied the subscription, and an early end was lost)."""
     nc = await connect(nats_url, "reporter")
-    listener = await connect(nats_url, "listener")
     try:
-        sub = await listener.subscribe(REQUEST_STATS_SUBJECT)
-        await listener.flush()
+        sub = await nc.subscribe(REQUEST_STATS_SUBJECT)
+        await nc.flush()
         yield nc, sub
     finally:
         await nc.close()
-        await listener.close()
 
 
 async def test_held_ends_leave_with_an_urgent_one_or_at_drain(wired: tuple[Any, Any]):
