@@ -10,10 +10,13 @@ Isolation: tests share the session's server, so each test names its KV buckets a
 with `unique_id` (or takes a ready `kv_bucket`), and nothing a test creates outlives it.
 
 Workers: with `-n N` the suite runs on N pytest-xdist workers (the README), each with
-its own session fixtures (its own NATS server). Tests marked `latency` (figures measured on the
-wall clock: placement's cache hits and TTFT, the interference test, the balancer's evaluation)
-form one xdist group, so they run one after another on one worker, never beside each other;
-the other workers run the rest meanwhile. Each worker draws the ports it hands out
+its own session fixtures (its own NATS server). Work goes out a test module at a time (a
+module's fixtures are set up once, on one worker), except that every module marked `latency`
+(figures measured on the wall clock: placement's cache hits and TTFT, the interference test,
+the balancer's evaluation) belongs to one unit, so those run one after another on one worker,
+never beside each other, while the other workers run the rest (`pytest_xdist_make_scheduler`
+below: xdist's own `--dist loadgroup` reads its groups into node ids, which pytest 9 no longer
+lets a plugin rewrite, so it grouped nothing). Each worker draws the ports it hands out
 (`llmgw.serving.free_port`) from a range of its own (`LLMGW_FREE_PORTS`, inherited by the
 processes it starts), so two workers never start servers on one port.
 """
@@ -23,6 +26,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import nats
 import pytest
@@ -50,10 +54,29 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ["LLMGW_FREE_PORTS"] = f"{start}-{start + width - 8}"  # blocks stay inside
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        if item.get_closest_marker("latency") is not None:
-            item.add_marker(pytest.mark.xdist_group("latency"))
+LATENCY_UNIT = "latency"
+LATENCY_MARK = "pytest.mark.latency"
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """xdist's scheduler (on the controller, which collects nothing: it sees node ids only):
+    a unit of work per test module, every module whose source marks it `latency` in one unit."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    latency: dict[str, bool] = {}
+
+    def is_latency(module: str) -> bool:
+        if module not in latency:
+            path = config.rootpath / module
+            latency[module] = path.is_file() and LATENCY_MARK in path.read_text()
+        return latency[module]
+
+    class ModulesWithOneLatencyUnit(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return LATENCY_UNIT if is_latency(module) else module
+
+    return ModulesWithOneLatencyUnit(config, log)
 
 
 def _nats_mode() -> str:
