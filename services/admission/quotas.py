@@ -66,7 +66,7 @@ from llmgw.core.quota import (
 from llmgw.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
-    from llmgw.core.ledger import LeaseRecord, Ledger, PairUse, PinRecord, ShardState
+    from llmgw.core.ledger import LeaseRecord, Ledger, PinRecord, ShardState
     from llmgw.core.quota import PairLimits
     from llmgw.services.admission.membership import Membership
     from llmgw.state.store import RoutingStore, Stored
@@ -74,7 +74,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("llmgw.admission.quotas")
 
 Pair = tuple[str, str]
-Counts = QuotaCounts  # (leases, unreserved leases, pins) of one pair
 T = TypeVar("T")
 _MAX_CAS = 20
 _MAX_LENDERS = 3  # peers asked in one borrowing round, most idle first
@@ -85,7 +84,7 @@ _SLOW_JOIN = 10.0  # seconds a pair given limits may take to join before it is l
 _LEND_LOCK_WAIT = 0.1  # a lender busy longer (a handover's transfer) lends nothing
 # Asks a peer for a loan: (peer, pair, counts asked) -> (counts lent, the book's revision with
 # the loan), or None when the peer did not answer.
-AskLoan = Callable[[str, Pair, Counts], Awaitable[tuple[Counts, int] | None]]
+AskLoan = Callable[[str, Pair, QuotaCounts], Awaitable[tuple[QuotaCounts, int] | None]]
 
 
 class QuotaKeeper:
@@ -139,7 +138,7 @@ class QuotaKeeper:
         self.evict_idle: Callable[[Pair, int], int] | None = None
         self._joinable: dict[Pair, _Round[Any]] = {}
         self._running: dict[Pair, asyncio.Task[None]] = {}
-        self._borrowing: dict[Pair, Counts] = {}
+        self._borrowing: dict[Pair, QuotaCounts] = {}
         self._dry: dict[tuple[Pair, str], float] = {}  # (pair, peer) -> not asked until
         self._monotonic = time.monotonic
         self.writes = 0
@@ -496,14 +495,8 @@ class QuotaKeeper:
     def desired(self, pair: Pair, book: QuotaBook, stopping: bool = False) -> Quota:
         """Where this instance's entry should go now (pure given the book, use and members)."""
         limits = self.limits[pair]
-        use: PairUse | _Use = self.ledger.pair_use(pair)
-        aside = self._aside(pair)
-        got = self._borrowing.get(pair, QuotaCounts())  # room a loan got for its waiters
-        use = _Use(
-            use.leases + aside.leases + got.leases,
-            use.unreserved + aside.unreserved + got.unreserved,
-            use.pins + aside.pins + got.pins,
-        )
+        got = self._borrowing.get(pair, NO_COUNTS)  # room a loan got for its waiters
+        use = self.ledger.pair_use(pair).counts.plus(self._aside(pair)).plus(got)
         live = sorted(self.membership.live())
         members = max(1, len(live))
         total = limits.max_global_in_flight_request_slots
@@ -710,7 +703,7 @@ class QuotaKeeper:
 
     # ---- loans: room for a request that this instance's share cannot take ----------------------
 
-    def spare(self, pair: Pair) -> Counts | None:
+    def spare(self, pair: Pair) -> QuotaCounts | None:
         """How much more of `pair` this instance could at most get on the request path: what
         nobody holds, plus what live peers hold (peers that just lent nothing are left out for
         a moment). None: nothing, or not a kept pair."""
@@ -741,7 +734,7 @@ class QuotaKeeper:
         for key in [k for k in self._dry if k[1] == peer]:
             del self._dry[key]
 
-    def _slack(self, pair: Pair) -> Counts:
+    def _slack(self, pair: Pair) -> QuotaCounts:
         """The headroom every instance asks for beyond its use (`desired`), per count."""
         limits = self.limits[pair]
         members = max(1, len(self.membership.live()))
@@ -753,7 +746,7 @@ class QuotaKeeper:
             headroom(limits.max_pinned_sessions, members),
         )
 
-    async def borrow(self, pair: Pair, need: Counts, then: Callable[[], T]) -> T:
+    async def borrow(self, pair: Pair, need: QuotaCounts, then: Callable[[], T]) -> T:
         """Get room for a request that will use `need` of `pair` and that this instance's share
         cannot take, then call `then` (which places it) in the same event-loop turn as the last
         of it lands.
@@ -798,19 +791,19 @@ class QuotaKeeper:
             if self._running.get(pair) is asyncio.current_task():
                 del self._running[pair]
 
-    def _lacking(self, pair: Pair, need: Counts) -> Counts:
+    def _lacking(self, pair: Pair, need: QuotaCounts) -> QuotaCounts:
         """What this instance's quota of `pair` lacks for requests that will use `need` more
         (leases, unreserved, pins) than it uses now. A lease with room for leases fits a pinned
         request (its reserve, or unreserved quota, has room: g = (g - u) + u)."""
         quota = self.ledger.pair_quota(pair) or Quota()
         use = self.ledger.pair_use(pair)
         return QuotaCounts(
-            max(0, need[0] - (quota.g - use.leases)),
-            max(0, need[1] - (quota.u - use.unreserved)),
-            max(0, need[2] - (quota.p - use.pins)),
+            max(0, need.leases - (quota.g - use.leases)),
+            max(0, need.unreserved - (quota.u - use.unreserved)),
+            max(0, need.pins - (quota.p - use.pins)),
         )
 
-    async def _get_room(self, pair: Pair, need: Counts) -> str:
+    async def _get_room(self, pair: Pair, need: QuotaCounts) -> str:
         """Get up to `need` more of `pair`: from what nobody holds, then from peers. Returns
         where room came from ("free", "lent", or "none"; "free" too when nothing was lacking
         any more: room came back here meanwhile)."""
@@ -820,12 +813,16 @@ class QuotaKeeper:
         limits = self.limits[pair]
         slack = self._slack(pair)
 
-        def take_free(book: QuotaBook) -> tuple[QuotaBook, Counts] | None:
+        def take_free(book: QuotaBook) -> tuple[QuotaBook, QuotaCounts] | None:
             free_g, free_u, free_p = book.free(limits)
             mine = book.quota(self.me)
-            g = max(0, min(free_g, need[0] + slack[0])) if need[0] else 0
-            u = max(0, min(free_u, need[1] + slack[1], mine.g + g - mine.u)) if need[1] else 0
-            p = max(0, min(free_p, need[2] + slack[2])) if need[2] else 0
+            g = max(0, min(free_g, need.leases + slack.leases)) if need.leases else 0
+            u = (
+                max(0, min(free_u, need.unreserved + slack.unreserved, mine.g + g - mine.u))
+                if need.unreserved
+                else 0
+            )
+            p = max(0, min(free_p, need.pins + slack.pins)) if need.pins else 0
             if g == 0 and u == 0 and p == 0:
                 return None  # nothing that helps is free
             use = self.ledger.pair_use(pair)
@@ -861,12 +858,7 @@ class QuotaKeeper:
         peers = [
             (i, peer)
             for i, peer in peers
-            if any(
-                a and b
-                for a, b in zip(
-                    (book.quota(peer).g, book.quota(peer).u, book.quota(peer).p), left, strict=True
-                )
-            )
+            if any(a and b for a, b in zip(book.quota(peer).counts, left, strict=True))
         ]
         # Most of what is missing first (unreserved alone, when only that is: a peer whose
         # leases pinned sessions hold may have it idle), then the most idle leases and pins.
@@ -901,7 +893,7 @@ class QuotaKeeper:
             self.books[pair] = fresh
             self._sync(pair)
 
-    async def lend(self, borrower: str, pair: Pair, ask: Counts) -> tuple[Counts, int]:
+    async def lend(self, borrower: str, pair: Pair, ask: QuotaCounts) -> tuple[QuotaCounts, int]:
         """A live peer asks for room this instance holds idle: move what it can spare (never
         what it uses or has set aside, `llmgw.core.quota.lendable`) to the peer, in one CAS of
         the book. Lowered here before the write is sent (nothing is granted into what is lent),
@@ -922,14 +914,14 @@ class QuotaKeeper:
                 spendable = self.ledger.pair_quota(pair) or Quota()
                 use = self.ledger.pair_use(pair)
                 theirs = stored.value.quota(borrower)
-                g, u, p = lendable(
-                    entry, spendable, (use.leases, use.unreserved, use.pins), ask, theirs
-                )
-                if p < ask[2] and self.evict_idle is not None and self.evict_idle(pair, ask[2] - p):
+                g, u, p = lendable(entry, spendable, use.counts, ask, theirs)
+                if (
+                    p < ask.pins
+                    and self.evict_idle is not None
+                    and self.evict_idle(pair, ask.pins - p)
+                ):
                     use = self.ledger.pair_use(pair)  # fewer pins held now: lend what they had
-                    g, u, p = lendable(
-                        entry, spendable, (use.leases, use.unreserved, use.pins), ask, theirs
-                    )
+                    g, u, p = lendable(entry, spendable, use.counts, ask, theirs)
                 if g == 0 and u == 0 and p == 0:
                     return NO_COUNTS, 0
                 book = stored.value.lend(self.me, borrower, g, u, p, at=self._clock())
@@ -953,10 +945,10 @@ class _Round(Generic[T]):
     """One borrowing round of a pair: what its requests need together, and how to place each
     (`QuotaKeeper.borrow`)."""
 
-    need: Counts = NO_COUNTS
+    need: QuotaCounts = NO_COUNTS
     waiters: list[tuple[asyncio.Future[T], Callable[[], T]]] = field(default_factory=list)
 
-    def add(self, need: Counts, waiter: asyncio.Future[T], then: Callable[[], T]) -> None:
+    def add(self, need: QuotaCounts, waiter: asyncio.Future[T], then: Callable[[], T]) -> None:
         self.need = self.need.plus(need)
         self.waiters.append((waiter, then))
 
@@ -978,13 +970,6 @@ class _Incoming:
 
     counts: QuotaCounts
     source: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class _Use:
-    leases: int
-    unreserved: int
-    pins: int
 
 
 def _held(want: Quota, mine: Quota, fit: Fits) -> Quota:

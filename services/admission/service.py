@@ -1399,7 +1399,12 @@ class AdmissionService:
     ) -> tuple[QuotaCounts, int] | None:
         """Ask `peer` to lend quota of `pair` (`QuotaKeeper.borrow`'s transport)."""
         ask = QuotaLoanAsk(
-            borrower=self.instance, provider=pair[0], model=pair[1], g=need[0], u=need[1], p=need[2]
+            borrower=self.instance,
+            provider=pair[0],
+            model=pair[1],
+            g=need.leases,
+            u=need.unreserved,
+            p=need.pins,
         )
         try:
             msg = await self.nc.request(
@@ -1435,7 +1440,7 @@ class AdmissionService:
             except Exception:
                 log.warning("lending quota of %s failed", (ask.provider, ask.model), exc_info=True)
         if msg.reply:
-            answer = QuotaLoan(g=lent[0], u=lent[1], p=lent[2], revision=revision)
+            answer = QuotaLoan(g=lent.leases, u=lent.unreserved, p=lent.pins, revision=revision)
             with contextlib.suppress(Exception):
                 await self.nc.publish(msg.reply, answer.model_dump_json().encode())
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from llmgw.config.durations import format_duration
 from llmgw.core.keys import MemberValue, PinValue, ShardValue
-from llmgw.core.quota import PairLimits, QuotaBook
+from llmgw.core.quota import PairLimits, QuotaBook, QuotaCounts
 from llmgw.load import EndpointReport
 from llmgw.wire import EndpointPrefixes, StateReply
 
@@ -52,7 +52,7 @@ class PairReport:
     quota_leases: int = 0  # Σg of the book
     quota_unreserved: int = 0  # Σu
     quota_pins: int = 0  # Σp
-    holders: Mapping[str, tuple[int, int, int]] = field(default_factory=dict)
+    holders: Mapping[str, QuotaCounts] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,7 +162,7 @@ def build_report(
         pair = pairs.setdefault((book.provider, book.model), {})
         g, u, p = book.totals()
         pair.update(quota_leases=g, quota_unreserved=u, quota_pins=p)
-        pair["holders"] = {i: (q.g, q.u, q.p) for i, q in sorted(book.holders.items())}
+        pair["holders"] = {i: q.counts for i, q in sorted(book.holders.items())}
     kinds: dict[str, int] = {}
     answered = {}
     for reply in replies:

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from llmgw.core.apikeys import KeyLimits, key_pair
-from llmgw.core.quota import NO_QUOTA, PairLimits, Quota, QuotaCounts
+from llmgw.core.quota import NO_COUNTS, NO_QUOTA, PairLimits, Quota, QuotaCounts
 
 K = TypeVar("K")
 
@@ -145,6 +145,11 @@ class PairUse:
     unreserved: int = 0
     pins: int = 0
 
+    @property
+    def counts(self) -> QuotaCounts:
+        """The same counts, as a quota's (g, u, p) order reads them."""
+        return QuotaCounts(self.leases, self.unreserved, self.pins)
+
 
 @dataclass(frozen=True, slots=True)
 class Room:
@@ -165,32 +170,28 @@ class ShardState:
 
     def counts(self) -> dict[Pair, QuotaCounts]:
         """(leases, unreserved leases, pins) per pair: the quota the shard needs."""
-        result: dict[Pair, list[int]] = {}
+        result: dict[Pair, QuotaCounts] = {}
+
+        def add(pair: Pair, counts: QuotaCounts) -> None:
+            result[pair] = result.get(pair, NO_COUNTS).plus(counts)
+
         for lease in self.leases:
-            c = result.setdefault(lease.pair, [0, 0, 0])
-            c[0] += 1
-            c[1] += lease.unreserved
+            add(lease.pair, QuotaCounts(1, int(lease.unreserved)))
             if lease.key_pair is not None:  # a key's quota has no reserve: every unit is u
-                k = result.setdefault(lease.key_pair, [0, 0, 0])
-                k[0] += 1
-                k[1] += 1
+                add(lease.key_pair, QuotaCounts(1, 1))
         for pin in self.pins:
-            result.setdefault((pin.provider, pin.model), [0, 0, 0])[2] += 1
-        return {pair: QuotaCounts(c[0], c[1], c[2]) for pair, c in result.items()}
+            add((pin.provider, pin.model), QuotaCounts(pins=1))
+        return result
 
 
 class LedgerObserver:
     """Hooks for the audit trail (tests' checker) and metrics; every method is a no-op here."""
 
-    def lease_granted(
-        self, lease: LeaseRecord, quota: Quota | None, before: tuple[int, int, int]
-    ) -> None:
+    def lease_granted(self, lease: LeaseRecord, quota: Quota | None, before: QuotaCounts) -> None:
         """A new lease; ``before``: the pair's (leases, unreserved, pins) at this instance just
         before it, and ``quota`` the quota it was granted from (None: no limits)."""
 
-    def lease_adopted(
-        self, lease: LeaseRecord, quota: Quota | None, before: tuple[int, int, int]
-    ) -> None:
+    def lease_adopted(self, lease: LeaseRecord, quota: Quota | None, before: QuotaCounts) -> None:
         """A lease taken in with its shard (handover or adoption), not a new grant."""
 
     def lease_ended(self, lease: LeaseRecord, reason: EndReason, at: float) -> None: ...
@@ -515,7 +516,7 @@ class Ledger:
             key if key is not None and key_pair(key) in self.limits else None,
             self._key_limit(key),
         )
-        before = (use.leases, use.unreserved, use.pins)
+        before = use.counts
         self._add_lease(lease)
         if pin is not None:
             self._list(pin, lease_id)
@@ -688,7 +689,7 @@ class Ledger:
             ) or not self.key_room(lease.key):
                 refused_leases.append(lease)
                 continue
-            before = (use.leases, use.unreserved, use.pins)
+            before = use.counts
             self._add_lease(lease)
             if lease.session is not None:
                 held = self.pins.get((lease.model, lease.session))

@@ -127,10 +127,10 @@ class QuotaCounts(NamedTuple):
     unreserved: int = 0
     pins: int = 0
 
-    def plus(self, other: tuple[int, int, int]) -> QuotaCounts:
+    def plus(self, other: QuotaCounts) -> QuotaCounts:
         return QuotaCounts(self.leases + other[0], self.unreserved + other[1], self.pins + other[2])
 
-    def less(self, other: tuple[int, int, int]) -> QuotaCounts:
+    def less(self, other: QuotaCounts) -> QuotaCounts:
         """Each count less `other`'s, never below 0."""
         return QuotaCounts(
             max(0, self.leases - other[0]),
@@ -400,8 +400,8 @@ def headroom(limit: int, members: int) -> int:
 def lendable(
     entry: Quota,
     spendable: Quota,
-    used: tuple[int, int, int],
-    ask: tuple[int, int, int],
+    used: QuotaCounts,
+    ask: QuotaCounts,
     borrower: Quota = NO_QUOTA,
 ) -> QuotaCounts:
     """What an instance can lend now of what `ask` (leases, unreserved, pins) asks for: never
@@ -430,7 +430,7 @@ def lendable(
     return QuotaCounts(g, max(0, u), p)
 
 
-def idle(entry: Quota, slack: tuple[int, int, int]) -> QuotaCounts:
+def idle(entry: Quota, slack: QuotaCounts) -> QuotaCounts:
     """How much of a peer's quota is probably idle, from its book entry alone: what it holds
     beyond what it wants less its headroom (`slack`: the headroom it asks for). A guess (its
     wants are as old as its last write); the peer itself decides what it lends (`lendable`)."""

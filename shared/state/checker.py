@@ -67,7 +67,7 @@ from llmgw.core.keys import (
     parse_pin_key,
 )
 from llmgw.core.ledger import EndReason, LeaseRecord, LedgerObserver, PinRecord
-from llmgw.core.quota import PairLimits, Quota, QuotaBook, QuotaError
+from llmgw.core.quota import PairLimits, Quota, QuotaBook, QuotaCounts, QuotaError
 from llmgw.state.kv import KVEntry
 
 __all__ = ["AuditEvent", "AuditLog", "Violation", "check_audit", "check_history"]
@@ -162,7 +162,7 @@ class AuditEvent:
     lease: LeaseRecord | None = None
     pin: tuple[str, str, str, str] | None = None  # (provider, model, session, pin_id)
     quota: Quota | None = None
-    use: tuple[int, int, int] | None = None  # (leases, unreserved, pins) before the grant
+    use: QuotaCounts | None = None  # what the instance used of the pair before the grant
     reason: str | None = None
     shard: int | None = None
 
@@ -176,7 +176,7 @@ class AuditEvent:
         if self.shard is not None:
             text += f" shard {self.shard}"
         if self.quota is not None and self.use is not None:
-            text += f" (quota g={self.quota.g} u={self.quota.u} p={self.quota.p}, use {self.use})"
+            text += f" (quota g={self.quota.g} u={self.quota.u} p={self.quota.p}, use {tuple(self.use)})"
         if self.reason is not None:
             text += f" ({self.reason})"
         return text
@@ -187,14 +187,10 @@ class _InstanceObserver(LedgerObserver):
         self._log = log
         self.instance = instance
 
-    def lease_granted(
-        self, lease: LeaseRecord, quota: Quota | None, before: tuple[int, int, int]
-    ) -> None:
+    def lease_granted(self, lease: LeaseRecord, quota: Quota | None, before: QuotaCounts) -> None:
         self._log.add(self.instance, "granted", lease=lease, quota=quota, use=before)
 
-    def lease_adopted(
-        self, lease: LeaseRecord, quota: Quota | None, before: tuple[int, int, int]
-    ) -> None:
+    def lease_adopted(self, lease: LeaseRecord, quota: Quota | None, before: QuotaCounts) -> None:
         self._log.add(self.instance, "adopted", lease=lease, quota=quota, use=before)
 
     def lease_ended(self, lease: LeaseRecord, reason: EndReason, at: float) -> None:
@@ -206,7 +202,7 @@ class _InstanceObserver(LedgerObserver):
             "pin_added",
             pin=(pin.provider, pin.model, pin.session, pin.pin_id),
             quota=quota,
-            use=(0, 0, before),
+            use=QuotaCounts(pins=before),
             shard=pin.shard,
         )
 
@@ -501,13 +497,17 @@ def check_audit(
                         ),
                     )
                 )
-            if event.quota is not None and event.use is not None and event.use[2] >= event.quota.p:
+            if (
+                event.quota is not None
+                and event.use is not None
+                and event.use.pins >= event.quota.p
+            ):
                 violations.append(
                     Violation(
                         "quota",
                         f"{model}/{session}",
                         index,
-                        f"{where} took pin {pin_id} with {event.use[2]} pins at quota "
+                        f"{where} took pin {pin_id} with {event.use.pins} pins at quota "
                         f"p={event.quota.p}",
                     )
                 )
