@@ -10,11 +10,11 @@ An applied config (`llmgw config apply`) changes the same way (`llmgw.fleet.take
 models' fallbacks, the bands (flow control's table too: queued requests of a kept band keep
 their places, those of a removed band are answered and asked again), scoring, balancer and the
 providers (added, removed, their pairs and priorities) reach the next decision. Limits go to
-the quota keeper: lowered ones cap this instance's grants at once (`QuotaKeeper.change_limits`),
+the quota keeper: lowered ones cap this instance's grants at once (`QuotaJoins.change_limits`),
 raised ones are taken up at its next adjustment; a pair that starts to have limits (added with
 them, or given them) is granted on only once its book counts what runs on it everywhere
-(`QuotaKeeper.keep`, `llmgw.core.pairs`); one that stops having them (removed, or its limits
-gone) stops counting at once (`QuotaKeeper.release`). Nothing about leases and pins changes
+(`QuotaJoins.keep`, `llmgw.core.pairs`); one that stops having them (removed, or its limits
+gone) stops counting at once (`QuotaJoins.release`). Nothing about leases and pins changes
 here: the ledger counts leases by endpoint id and ends them by lease id, so a lease on an
 endpoint, provider or model that drained or left still ends exactly once.
 """
@@ -52,13 +52,13 @@ def apply_fleet(service: AdmissionService, base: Config, fleet: Fleet) -> Config
     changes = pair_changes(service.limits, table)
     for pair, limits in changes.changed.items():
         log.info("limits of %s/%s changed: %s", *pair, limits)
-        service.quotas.change_limits(pair, limits)  # lowered: capped at once
+        service.quotas.joins.change_limits(pair, limits)  # lowered: capped at once
     for pair in changes.released:
         log.info("limits of %s/%s no longer kept (%s)", *pair, _gone(pair, changes))
-        service.quotas.release(pair)  # its leases stop counting against limits at once
+        service.quotas.joins.release(pair)  # its leases stop counting against limits at once
     for pair, limits in changes.kept.items():
         log.info("limits of %s/%s kept from now on: %s", *pair, limits)
-        service.quotas.keep(pair, limits)  # no grant on it until its book has joined
+        service.quotas.joins.keep(pair, limits)  # no grant on it until its book has joined
     for pair in changes.added - changes.kept.keys():
         log.info("pair %s/%s added, without limits", *pair)
     service.limits = table

@@ -322,14 +322,14 @@ class _LoanCollector(Collector):
             "request held back when nothing seemed to be had, without a round).",
             labels=["source"],
         )
-        for source, count in sorted(self._keeper.loans.items()):
+        for source, count in sorted(self._keeper.loans.rounds.items()):
             rounds.add_metric([source], float(count))
         yield rounds
         lent = CounterMetricFamily(
             "llmgw_admission_quota_lent",
             "Loans this instance made of its idle quota to peers that asked.",
         )
-        lent.add_metric([], float(self._keeper.lent))
+        lent.add_metric([], float(self._keeper.loans.lent))
         yield lent
 
 

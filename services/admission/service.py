@@ -695,7 +695,7 @@ class AdmissionService:
                         return self._final(context, ended)
             tried.append(result.pair)
             try:
-                result = await self.quotas.borrow(result.pair, result.need, place_now)
+                result = await self.quotas.loans.borrow(result.pair, result.need, place_now)
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -826,7 +826,7 @@ class AdmissionService:
         if not self.ledger.key_room(request.key):  # checked and granted in this one step
             if loans and request.key is not None:
                 pair = key_pair(request.key)
-                if tried.count(pair) < _LOAN_ROUNDS and self.quotas.spare(pair) is not None:
+                if tried.count(pair) < _LOAN_ROUNDS and self.quotas.loans.spare(pair) is not None:
                     return _Loan(pair, QuotaCounts(1, 1, 0), overflow)  # what the request will use
             return self._refusal(
                 request.id,
@@ -945,14 +945,14 @@ class AdmissionService:
         spares = {}
         providers = []
         for state in snapshot.providers:
-            spare = self.quotas.spare((state.id, model)) if state.managed else None
+            spare = self.quotas.loans.spare((state.id, model)) if state.managed else None
             if spare is not None:
                 spares[state.id] = spare
                 room = self.ledger.room(state.id, model, spare)
                 state = replace(state, room=room)
             providers.append(state)
         if not spares:
-            self.quotas.loans["none"] += 1  # held back, and nothing seems to be had
+            self.quotas.loans.held_back()  # held back, and nothing seems to be had
             return None
         ideal = place(replace(snapshot, providers=tuple(providers)), asked)
         if (
@@ -1296,7 +1296,7 @@ class AdmissionService:
                 load.instance, load.at, load.inflight, self._clock(), full=load.full
             )
             if fewer:  # a request of the peer's ended: it may lend again
-                self.quotas.peer_freed(load.instance)
+                self.quotas.loans.peer_freed(load.instance)
                 self._room_freed()
 
     # ---- housekeeping -------------------------------------------------------------------------
@@ -1434,7 +1434,7 @@ class AdmissionService:
         lent, revision = QuotaCounts(), 0
         if self.membership.can_serve():
             try:
-                lent, revision = await self.quotas.lend(
+                lent, revision = await self.quotas.loans.lend(
                     ask.borrower, (ask.provider, ask.model), QuotaCounts(ask.g, ask.u, ask.p)
                 )
             except Exception:
@@ -1459,8 +1459,9 @@ class AdmissionService:
             (loan_subject(self.instance), self._on_loan_ask),
         ):
             self._subs.append(await self.nc.subscribe(subject, cb=handler))
-        self.quotas.ask_loan = self._ask_loan
-        self.quotas.evict_idle = self._evict_for_loan
+        self.quotas.loans.ask_loan = self._ask_loan
+        self.quotas.loans.evict_idle = self._evict_for_loan
+        self.quotas.joins.evict_idle = self._evict_for_loan
         await self.quotas.start()
         if self.flow is not None:
             await self.flow.start()
@@ -1481,7 +1482,7 @@ class AdmissionService:
     async def _rejoin(self) -> None:
         old = self.instance
         await self.shards.drop_all()
-        self.quotas.forget_handovers()
+        self.quotas.earmarks.forget()
         for sub in list(self._subs):
             if sub.subject in (handover_subject(old), loan_subject(old)):
                 with contextlib.suppress(Exception):

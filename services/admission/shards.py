@@ -22,7 +22,7 @@ in one method, with the owner of the shard's leases stated at every step: `Hando
 shard to), `Handovers.receive` (the receiver of a handover) and `Handovers.adopt` (a claimant
 whose giver is gone, or whose handover did not arrive in time). The quota book operations they
 call (`hold_out`, `earmark`, `reclaim`, `transfer`, `take_in`, `end_incoming`) are the quota
-adapter's (`QuotaKeeper`).
+keeper's `Earmarks`, and the counts they move are the shard's record's while they move.
 
 **Handover** (graceful: a rebalance, or `stop`), giver G to receiver R: G stops serving the shard
 (drains its subscriptions: requests delivered to it meanwhile, and its queued requests of the
@@ -103,8 +103,10 @@ if TYPE_CHECKING:
     from nats.aio.subscription import Subscription
 
     from llmgw.config.schema import AdmissionConfig
-    from llmgw.core.ledger import Ledger
+    from llmgw.core.ledger import Ledger, Pair
+    from llmgw.core.quota import QuotaCounts
     from llmgw.events import EventPublisher
+    from llmgw.services.admission.earmarks import Incoming
     from llmgw.services.admission.membership import Membership
     from llmgw.services.admission.pins import PinWriter
     from llmgw.services.admission.quotas import QuotaKeeper
@@ -163,6 +165,11 @@ class Shard:
     handed: asyncio.Event = field(default_factory=asyncio.Event)
     # Set once RECEIVING ends (taken in, or not): a handover that comes late waits for it.
     received: asyncio.Event = field(default_factory=asyncio.Event)
+    # Its quota on the move (`Earmarks`). Going (LEAVING, and after it left until its earmark
+    # is in the book or reclaimed): its use held out of spending, not yet earmarked. Coming
+    # (RECEIVING): quota moved here for it, set aside until it is taken in.
+    pending: dict[Pair, QuotaCounts] = field(default_factory=dict)
+    incoming: dict[Pair, Incoming] = field(default_factory=dict)
 
 
 class ShardKeeper:
@@ -474,7 +481,7 @@ class Handovers:
         #    no ledger (in the state about to be sent); their quota in this entry, unspendable.
         #    Earmarked before the shard key names the receiver: however late this handover
         #    reaches it (it may adopt the shard by roll call meanwhile), the earmark is there.
-        state = await self._set_aside(shard)
+        state = await self._set_aside(record)
         # 4. The shard key names the receiver (CAS).
         value = ShardValue(target, ctx.clock(), me)
         revision = await ctx.store.set_shard(shard, value, membership.owner_revisions.get(shard))
@@ -483,7 +490,7 @@ class Handovers:
             # leases by roll call and takes the earmark; what it leaves comes back here.
             log.warning("shard %d changed hands during its handover: dropping it", shard)
             self.keeper.end(record)
-            self._reclaim_later(shard)
+            self._reclaim_later(record)
             return
         membership.owners[shard] = value
         membership.owner_revisions[shard] = revision
@@ -497,11 +504,11 @@ class Handovers:
                 log.warning("shard %d: %s refused %d leases", shard, target, len(answer.refused))
             # 6. It has taken what it takes (a late adoption of its own takes the earmark
             #    first, or finds it back here): the rest of the earmark is this instance's.
-            await ctx.quotas.reclaim(shard)
+            await ctx.quotas.earmarks.reclaim(record)
         except Exception as exc:  # the receiver adopts by roll call instead
             log.warning("shard %d: handover to %s not confirmed (%s)", shard, target, exc)
             # 6'. Unanswered: the earmark comes back after member_ttl, if still there.
-            self._reclaim_later(shard)
+            self._reclaim_later(record)
         self.keeper.end(record)  # LEAVING to GONE
         ctx.events.emit(
             ShardEvent,
@@ -545,26 +552,28 @@ class Handovers:
             await ctx.pins.drain([p.key for p in ctx.ledger.shard_state(shard).pins])
             # 3. Out of this (stopping) ledger, as in a handover, and earmarked before the
             #    shard key says it is free. Leases: their edges' only, until a roll call.
-            await self._set_aside(shard)
+            await self._set_aside(record)
             # 4. The shard key names nobody (and this instance as its previous owner).
             value = ShardValue(None, ctx.clock(), ctx.instance)
             await ctx.store.set_shard(shard, value, ctx.membership.owner_revisions.get(shard))
         finally:
             self.keeper.end(record)
 
-    async def _set_aside(self, shard: int) -> ShardState:
+    async def _set_aside(self, record: Shard) -> ShardState:
         """Take the shard out of the ledger, its use held out and earmarked for its next owner
-        (`QuotaKeeper.hold_out`, then `earmark`: one CAS per pair)."""
+        (`Earmarks.hold_out`, then `earmark`: one CAS per pair)."""
         ctx = self.ctx
-        ctx.quotas.hold_out(shard, ctx.ledger.shard_state(shard).counts())
+        shard = record.number
+        earmarks = ctx.quotas.earmarks
+        earmarks.hold_out(record, ctx.ledger.shard_state(shard).counts())
         state = ctx.ledger.take_shard(shard, ctx.clock(), EndReason.MOVED)
         try:
-            await ctx.quotas.earmark(shard)
+            await earmarks.earmark(record)
         except Exception as exc:  # held out (unspendable) until reclaimed
             log.warning("shard %d: its quota could not be earmarked (%s)", shard, exc)
         return state
 
-    def _reclaim_later(self, shard: int) -> None:
+    def _reclaim_later(self, record: Shard) -> None:
         """Take back an unanswered handover's earmark once its receiver has surely taken it, or
         taken the shard in without it: ``member_ttl`` (a timing for liveness, not for safety:
         the book decides who got it)."""
@@ -574,9 +583,9 @@ class Handovers:
 
         async def reclaim() -> None:
             await asyncio.sleep(self.ctx.settings.member_ttl)
-            await self.ctx.quotas.reclaim(shard)
+            await self.ctx.quotas.earmarks.reclaim(record)
 
-        task = asyncio.create_task(reclaim(), name=f"reclaim-{shard}")
+        task = asyncio.create_task(reclaim(), name=f"reclaim-{record.number}")
         self._reclaims.add(task)
         task.add_done_callback(self._reclaims.discard)
 
@@ -626,15 +635,17 @@ class Handovers:
             try:
                 # 2. Keys' quotas tracked, then the giver's earmark moved here (one CAS per
                 #    pair), set aside for the shard: unspendable until taken in.
-                await ctx.quotas.track_keys(state.leases)
-                await ctx.quotas.transfer(
-                    handover.source, ctx.instance, state.counts(), shard=shard, plain=False
+                await ctx.quotas.joins.track_keys(state.leases)
+                await ctx.quotas.earmarks.transfer(
+                    handover.source, ctx.instance, state.counts(), record=record, plain=False
                 )
                 # 3. Taken in: leases and pins in this ledger and their quota spendable, in one
                 #    step. Leases: this ledger's (what does not fit is refused: lost). Not if
                 #    this instance was lost meanwhile: the shard's next owner adopts it.
                 may = self._may_take_in(me)
-                dropped, unpinned = ctx.quotas.take_in(state, ctx.clock()) if may else ([], [])
+                dropped, unpinned = (
+                    ctx.quotas.earmarks.take_in(record, state, ctx.clock()) if may else ([], [])
+                )
                 if not may:
                     refused = [lease.lease_id for lease in state.leases]
                 elif stopping:
@@ -653,7 +664,7 @@ class Handovers:
                     # 4. Subscribed: SERVING.
                     await keeper.subscribe(record)
             finally:
-                ctx.quotas.end_incoming(shard)
+                ctx.quotas.earmarks.end_incoming(record)
                 if record.phase is ShardPhase.RECEIVING:  # taking it in failed
                     keeper.move(record, ShardStep.ABANDON)
                     keeper.wake()
@@ -711,15 +722,15 @@ class Handovers:
             #    pair): the previous owner's earmark if it left one; without one, the counts,
             #    but only from an owner no longer live. Set aside for the shard meanwhile.
             for state in states:
-                await ctx.quotas.track_keys(state.leases)
-            for state, (_, previous) in zip(states, records, strict=True):
+                await ctx.quotas.joins.track_keys(state.leases)
+            for state, (record, previous) in zip(states, records, strict=True):
                 if previous is None or previous == me:
                     continue
-                await ctx.quotas.transfer(
+                await ctx.quotas.earmarks.transfer(
                     previous,
                     me,
                     state.counts(),
-                    shard=state.shard,
+                    record=record,
                     plain=not ctx.membership.is_live(previous),
                 )
             if not self._may_take_in(me):
@@ -728,11 +739,11 @@ class Handovers:
             #    ledger's (what does not fit is refused: lost at its edge's next renewal).
             adopted = refused = pins_in = 0
             now = ctx.clock()  # the roll call and the transfers took a while
-            for state in states:
+            for state, (record, _) in zip(states, records, strict=True):
                 # Less the leases whose end came after their edge answered the roll call:
                 # taken in, they would stay here until lease_timeout with nobody to end them.
                 state = ctx.without_ended(state)
-                dropped, unpinned = ctx.quotas.take_in(state, now)
+                dropped, unpinned = ctx.quotas.earmarks.take_in(record, state, now)
                 adopted += len(state.leases) - len(dropped)
                 refused += len(dropped)
                 pins_in += len(state.pins) - len(unpinned)
@@ -743,7 +754,7 @@ class Handovers:
                 await keeper.subscribe(record)
         finally:
             for record, _ in records:
-                ctx.quotas.end_incoming(record.number)
+                ctx.quotas.earmarks.end_incoming(record)
                 if record.phase is ShardPhase.RECEIVING:  # taking it in failed
                     keeper.move(record, ShardStep.ABANDON)
                 record.received.set()

@@ -18,7 +18,7 @@ import pytest
 from rig import MODEL, open_rig, until
 
 from llmgw.core.shards import desired_owner, shard_of
-from llmgw.services.admission.quotas import QuotaKeeper
+from llmgw.services.admission.earmarks import Earmarks
 from llmgw.state.checker import AuditLog, check_audit
 
 P = 5
@@ -55,15 +55,15 @@ def _pins(service) -> int:  # type: ignore[no-untyped-def]
 @pytest.fixture
 async def rig(nats_url, unique_id, monkeypatch):
     audit = AuditLog()
-    transfer = QuotaKeeper.transfer
+    transfer = Earmarks.transfer
     slow = {"on": True}
 
     async def slow_transfer(self, source, target, counts, *args, **kwargs):  # type: ignore[no-untyped-def]
-        if slow["on"] and self.me == RECEIVER and counts.get(("iris", MODEL), (0, 0, 0))[2]:
+        if slow["on"] and self.keeper.me == RECEIVER and counts.get(("iris", MODEL), (0, 0, 0))[2]:
             await asyncio.sleep(SLOW)  # the shard with the pins
         return await transfer(self, source, target, counts, *args, **kwargs)
 
-    monkeypatch.setattr(QuotaKeeper, "transfer", slow_transfer)
+    monkeypatch.setattr(Earmarks, "transfer", slow_transfer)
     rig = await open_rig(nats_url, unique_id, limits=LIMITS, observer_for=audit.observer)
     rig.audit = audit  # type: ignore[attr-defined]
     yield rig

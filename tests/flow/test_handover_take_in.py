@@ -22,7 +22,7 @@ from rig import MODEL, open_rig, until
 
 from llmgw.core.apikeys import KeyLimits, key_pair
 from llmgw.core.shards import shard_of
-from llmgw.services.admission.quotas import QuotaKeeper
+from llmgw.services.admission.earmarks import Earmarks
 from llmgw.state.checker import AuditLog, check_audit
 from llmgw.wire import AdmitReply, ReplyStatus, admission_subject
 
@@ -52,20 +52,21 @@ class _SecondPairRead:
         return getattr(self._store, name)
 
 
-def _during_transfer(monkeypatch, quotas: QuotaKeeper, moving: int, before) -> None:  # type: ignore[no-untyped-def]
-    """`quotas`' transfers of shard `moving` read the books through `_SecondPairRead`."""
-    transfer = QuotaKeeper.transfer
+def _during_transfer(monkeypatch, earmarks: Earmarks, moving: int, before) -> None:  # type: ignore[no-untyped-def]
+    """`earmarks`' transfers of shard `moving` read the books through `_SecondPairRead`."""
+    transfer = Earmarks.transfer
 
-    async def gated(self, source, target, counts, *, shard, plain):  # type: ignore[no-untyped-def]
-        if self is not quotas or shard != moving:
-            return await transfer(self, source, target, counts, shard=shard, plain=plain)
-        store, self.store = self.store, _SecondPairRead(self.store, before)
+    async def gated(self, source, target, counts, *, record, plain):  # type: ignore[no-untyped-def]
+        if self is not earmarks or record.number != moving:
+            return await transfer(self, source, target, counts, record=record, plain=plain)
+        keeper = self.keeper
+        store, keeper.store = keeper.store, _SecondPairRead(keeper.store, before)
         try:
-            return await transfer(self, source, target, counts, shard=shard, plain=plain)
+            return await transfer(self, source, target, counts, record=record, plain=plain)
         finally:
-            self.store = store
+            keeper.store = store
 
-    monkeypatch.setattr(QuotaKeeper, "transfer", gated)
+    monkeypatch.setattr(Earmarks, "transfer", gated)
 
 
 @pytest.fixture
@@ -138,7 +139,7 @@ async def test_a_receiver_never_spends_the_quota_moved_in_for_a_shard_before_tak
             waiting.set()
             await go.wait()
 
-    _during_transfer(monkeypatch, receiver.quotas, moving, slow)
+    _during_transfer(monkeypatch, receiver.quotas.earmarks, moving, slow)
     own = set(receiver.shards.serving)
     stopping = asyncio.create_task(handle_giver.stop())
     try:
@@ -186,7 +187,7 @@ async def test_a_take_in_that_fails_leaves_the_quota_moved_in_for_it_spendable(
             failed.set()
             raise NatsTimeoutError  # the routing bucket did not answer
 
-    _during_transfer(monkeypatch, receiver.quotas, moving, fail)
+    _during_transfer(monkeypatch, receiver.quotas.earmarks, moving, fail)
     adopt, send = receiver.shards.handovers.adopt, giver.shards.handovers.send
     adopting = asyncio.Event()
 

@@ -63,7 +63,7 @@ async def test_one_instance_takes_the_whole_unreserved_limit_when_the_other_is_i
     assert [r.target.provider for r in replies] == ["iris"] * (G - R), [
         r.target.provider for r in replies
     ]
-    assert a.quotas.loans["free"] + a.quotas.loans["lent"] >= 1
+    assert a.quotas.loans.rounds["free"] + a.quotas.loans.rounds["lent"] >= 1
     # The unreserved limit is reached across the pair: the next one goes to the third party.
     extra = await rig.ask(shard=shard)
     assert admitted(extra) and extra.target.provider == "tensorx"
@@ -113,10 +113,10 @@ async def test_a_peer_that_lent_nothing_is_asked_again_once_one_of_its_requests_
     assert admitted(held) and held.target.provider == "iris"
     await until(lambda: a.load.inflight(held.target.endpoint, a._clock()) >= 1, what="gossip")
     # `a` asked `b` a moment ago and got nothing: `b` is left out of a's loans for a while...
-    a.quotas._dry[(PAIR, b.instance)] = a.quotas._monotonic() + 3600
+    a.quotas.loans._dry[(PAIR, b.instance)] = a.quotas.loans._monotonic() + 3600
     # ... until b's request ends (its load gossip shows one fewer): then it is asked at once.
     await rig.finish_all()
-    await until(lambda: (PAIR, b.instance) not in a.quotas._dry, what="b asked again")
+    await until(lambda: (PAIR, b.instance) not in a.quotas.loans._dry, what="b asked again")
 
 
 @pytest.fixture
