@@ -44,13 +44,12 @@ class QuotaJoins:
         self,
         keeper: QuotaKeeper,
         *,
-        evict_idle: Callable[[Pair, int], int] | None,
         monotonic: Callable[[], float],
     ) -> None:
         self.keeper = keeper
         # Evicts up to n idle pins of a pair (as a new pin would), returns how many: pins held
-        # above a new limit are sessions between requests.
-        self.evict_idle = evict_idle
+        # above a new limit are sessions between requests. Set by the service as it starts.
+        self.evict_idle: Callable[[Pair, int], int] | None = None
         self._monotonic = monotonic
         self._tracking: dict[Pair, asyncio.Future[None]] = {}  # pairs added at run time
         # Pairs whose limits an applied config started to be kept (`keep`): no grant until the

@@ -56,14 +56,14 @@ class Loans:
         self,
         keeper: QuotaKeeper,
         *,
-        evict_idle: Callable[[Pair, int], int] | None,
         monotonic: Callable[[], float],
     ) -> None:
         self.keeper = keeper
         self.ask_loan: AskLoan | None = None  # `LoanDesk.ask`, once the instance has started
         # Evicts up to n idle pins of a pair (as a new pin would), returns how many: a lender
-        # asked for pins it holds for idle sessions frees them as a lone instance would.
-        self.evict_idle = evict_idle
+        # asked for pins it holds for idle sessions frees them as a lone instance would. Set by
+        # the service as it starts.
+        self.evict_idle: Callable[[Pair, int], int] | None = None
         self._monotonic = monotonic
         # The round of each pair that requests can still join, the round running, what the
         # running round is getting for its waiters (never given back by `adjust` until they are

@@ -78,7 +78,6 @@ class QuotaKeeper:
         interval: float,
         clock: Callable[[], float],
         monotonic: Callable[[], float] = time.monotonic,
-        evict_idle: Callable[[Pair, int], int] | None = None,
     ) -> None:
         self.store = store
         self.ledger = ledger
@@ -96,9 +95,9 @@ class QuotaKeeper:
         self.caps: dict[Pair, Quota] = {}  # limits lowered: the most it grants until the book fits
         self.writes = 0
         self.conflicts = 0
-        self.joins = QuotaJoins(self, evict_idle=evict_idle, monotonic=monotonic)
+        self.joins = QuotaJoins(self, monotonic=monotonic)
         self.earmarks = Earmarks(self)
-        self.loans = Loans(self, evict_idle=evict_idle, monotonic=monotonic)
+        self.loans = Loans(self, monotonic=monotonic)
 
     @property
     def closed(self) -> bool:

@@ -35,9 +35,9 @@ does not listen yet, is sent again within the handover timeout). R moves the ear
 quota to itself (one CAS per pair), takes them in and serves the shard. Nothing is lost: a
 lease is in exactly one ledger at every moment but the message's flight, when neither ends it;
 an edge's end message that arrives during that flight is remembered by R, which leaves the
-ended lease out of what it takes in (`ShardContext.without_ended`). The leases' recent grants
+ended lease out of what it takes in (`Answers.without_ended`). The leases' recent grants
 travel with them, so R answers an edge that asks again for one of those attempts with the same
-grant (`ShardContext.answers_for`), never a second lease. G takes an earmark back
+grant (`Answers.for_state`), never a second lease. G takes an earmark back
 once R has answered (what R took is gone from it by then) or, without an answer, after
 ``member_ttl`` (by then R has taken it, or adopted the shard without it); which of the two got
 it is decided by the book's CAS, not by that timing (docs/adr/0002, "Handover and adoption").
@@ -65,7 +65,10 @@ that lands after the drop moves nothing, and its receiver takes in what its own 
 While a shard has no subscriber (between the giver's unsubscribe and the receiver's
 subscribe), edges' requests for it find no responders and are retried with a short backoff.
 
-The keeper sees the admission service only through `ShardContext`: exactly what it uses.
+The keeper sees the rest of the admission instance only through `ShardContext`: the objects it
+uses (the membership, ledger, quota keeper, pin writer; the intake, lease upkeep and waiting
+rooms whose subscriptions and queue it starts and ends with a shard; the answers that travel
+with a shard), never the service.
 """
 
 from __future__ import annotations
@@ -73,7 +76,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -106,12 +109,15 @@ if TYPE_CHECKING:
     from llmgw.core.ledger import Ledger, Pair
     from llmgw.core.quota import QuotaCounts
     from llmgw.events import EventPublisher
+    from llmgw.services.admission.answers import Answers
     from llmgw.services.admission.earmarks import Incoming
+    from llmgw.services.admission.intake import Intake
     from llmgw.services.admission.membership import Membership
     from llmgw.services.admission.pins import PinWriter
     from llmgw.services.admission.quotas import QuotaKeeper
+    from llmgw.services.admission.upkeep import LeaseUpkeep
+    from llmgw.services.admission.waiting import Waiting
     from llmgw.state.store import RoutingStore
-    from llmgw.wire import AdmitReply
 
 log = logging.getLogger("llmgw.admission.shards")
 
@@ -123,8 +129,6 @@ _NO_RESPONDERS_PAUSE = 0.05  # before a handover that found no responders is sen
 # moving counts from the dead entry (the handover wait, the roll call, the transfers): only
 # then is the entry dropped. For liveness only: a transfer after the drop moves nothing.
 _ADOPTION_SETTLE = _HANDOVER_WAIT + _HANDOVER_TIMEOUT + 2.0
-
-Handler = Callable[["Msg"], Awaitable[None]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,13 +144,12 @@ class ShardContext:
     events: EventPublisher
     clock: Callable[[], float]
     settings: AdmissionConfig  # heartbeat, member_ttl, shards, rollcall_window
-    on_request: Handler  # a served shard's admission requests
-    on_renewal: Handler  # a served shard's lease renewals
-    drop_queued: Callable[[int], None]  # answer the shard's queued requests: moved
-    # The grants answered here whose leases move with a state (a handover carries them).
-    answers_for: Callable[[ShardState], tuple[AdmitReply, ...]]
-    remember_answers: Callable[[tuple[AdmitReply, ...]], None]  # a handover's, taken in here
-    without_ended: Callable[[ShardState], ShardState]  # less leases whose end came first
+    intake: Intake  # a served shard's admission requests (`on_request`)
+    upkeep: LeaseUpkeep  # a served shard's lease renewals (`on_renewal`)
+    waiting: Waiting  # a shard that leaves: its queued requests answered moved (`drop_queued`)
+    # The grants answered here whose leases move with a shard (a handover carries them), and
+    # ends of leases that came before their shard (`without_ended`).
+    answers: Answers
 
     @property
     def instance(self) -> str:
@@ -413,8 +416,8 @@ class ShardKeeper:
         ctx = self.ctx
         shard = record.number
         record.subs = [
-            await ctx.nc.subscribe(admission_subject(shard), cb=ctx.on_request),
-            await ctx.nc.subscribe(leases_subject(shard), cb=ctx.on_renewal),
+            await ctx.nc.subscribe(admission_subject(shard), cb=ctx.intake.on_request),
+            await ctx.nc.subscribe(leases_subject(shard), cb=ctx.upkeep.on_renewal),
         ]
         self.move(record, ShardStep.SERVE)
         with contextlib.suppress(Exception):
@@ -432,7 +435,7 @@ class ShardKeeper:
             except Exception:
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()
-        self.ctx.drop_queued(record.number)
+        self.ctx.waiting.drop_queued(record.number)
 
     async def _drop(self, record: Shard) -> None:
         """No longer this instance's (its key names another, or it joins again): out of the
@@ -497,7 +500,7 @@ class Handovers:
         # 5. Send the state (with the grants answered for its leases). Leases: in flight;
         #    the receiver's once it takes them in (`receive`).
         try:
-            handover = Handover(source=me, state=state, answers=ctx.answers_for(state))
+            handover = Handover(source=me, state=state, answers=ctx.answers.for_state(state))
             reply = await self.send(target, handover)
             answer = HandoverReply.model_validate_json(reply.data)
             if answer.refused:
@@ -599,7 +602,7 @@ class Handovers:
             handover = Handover.model_validate_json(msg.data)
         except ValidationError:
             return
-        state = ctx.without_ended(handover.state)  # ends that overtook the handover
+        state = ctx.answers.without_ended(handover.state)  # ends that overtook the handover
         shard = state.shard
         me = ctx.instance
         refused: list[str] = []
@@ -623,7 +626,7 @@ class Handovers:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(_HANDOVER_TIMEOUT):
                         await record.received.wait()
-            ctx.remember_answers(handover.answers)
+            ctx.answers.take_in(handover.answers)
             record.handed.set()
         else:
             # 1. RECEIVING (from CLAIMING if this instance's claim waits for the handover).
@@ -656,7 +659,7 @@ class Handovers:
                     refused = [lease.lease_id for lease in dropped]
                     self.adopted_leases += len(state.leases) - len(dropped)
                     self.refused_leases += len(dropped)
-                    ctx.remember_answers(handover.answers)
+                    ctx.answers.take_in(handover.answers)
                     for pin in state.pins:
                         ctx.pins.known(pin.key, pin.revision)
                     for pin in unpinned:
@@ -742,7 +745,7 @@ class Handovers:
             for state, (record, _) in zip(states, records, strict=True):
                 # Less the leases whose end came after their edge answered the roll call:
                 # taken in, they would stay here until lease_timeout with nobody to end them.
-                state = ctx.without_ended(state)
+                state = ctx.answers.without_ended(state)
                 dropped, unpinned = ctx.quotas.earmarks.take_in(record, state, now)
                 adopted += len(state.leases) - len(dropped)
                 refused += len(dropped)

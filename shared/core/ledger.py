@@ -250,7 +250,7 @@ class Ledger:
 
     def room(self, provider: str, model: str, extra: QuotaCounts | None = None) -> Room:
         """What the pair can take here now; with `extra` (g, u, p): if this instance held that
-        much more quota (what a loan could bring, `QuotaKeeper.spare`)."""
+        much more quota (what a loan could bring, `Loans.spare`)."""
         pair = (provider, model)
         quota = self.pair_quota(pair)
         if quota is None:
@@ -653,7 +653,7 @@ class Ledger:
     def take_shard(self, shard: int, now: float, reason: EndReason) -> ShardState:
         """Remove everything of `shard` from this ledger (it moves away, or is dropped) and
         return it. Its use no longer counts here, so the caller sets it aside first (the
-        admission service's `QuotaKeeper.hold_out`) until its quota has moved on; else the
+        admission service's `Earmarks.hold_out`) until its quota has moved on; else the
         room it leaves could be granted twice."""
         state = self.shard_state(shard)
         for lease in state.leases:

@@ -377,7 +377,7 @@ def fair_targets(book: QuotaBook, limits: PairLimits, live: Sequence[str]) -> di
     the max-min share of G - R, capped by the instance's g target. A lone instance's target is
     the whole limit; several get what they want (their use plus headroom) as far as the limit
     goes, and the rest stays free in the book for whichever runs short first (`QuotaBook.free`,
-    taken on the request path: `llmgw.services.admission.quotas.QuotaKeeper.borrow`). Instances
+    taken on the request path: `llmgw.services.admission.loans.Loans.borrow`). Instances
     not in `live` get nothing (their quota is adopted or dropped, not rebalanced).
     """
     wants_g = {i: book.quota(i).wg for i in live}
