@@ -53,7 +53,7 @@ the counts, but only from a G that is no longer live), and serves. A lease no ed
 time is not adopted; its edge learns at its next renewal that the lease is lost and ends the
 request.
 
-**A dead instance's quota** (`Handovers._settle_dead`): once no shard key names a dead G as its
+**A dead instance's quota** (`DeadQuota`, ``adoption.py``): once no shard key names a dead G as its
 owner, and every other adoption from G has had time to move its counts (``_ADOPTION_SETTLE``
 after its claim), each adopter drops what is left of G's entry from the books (one CAS per
 book; the first wins, the others find nothing), instead of leaving it to the reaper's grace.
@@ -76,7 +76,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -84,17 +84,14 @@ from nats.errors import NoRespondersError
 from pydantic import ValidationError
 
 from llmgw.core.keys import ShardValue
-from llmgw.core.ledger import EndReason, LeaseRecord, PinRecord, ShardState
+from llmgw.core.ledger import EndReason, ShardState
 from llmgw.core.shards import ShardPhase, ShardStep, next_phase, plan_shards
-from llmgw.events import QuotaReclaimed, ShardEvent
-from llmgw.services.admission.successor import drop_dead_quota
+from llmgw.events import ShardEvent
+from llmgw.services.admission.adoption import DeadQuota, gather
 from llmgw.tasks import cancel_and_wait
 from llmgw.wire import (
-    ADMISSION_ROLLCALL_SUBJECT,
     Handover,
     HandoverReply,
-    RollCall,
-    RollCallAnswer,
     admission_subject,
     handover_subject,
     leases_subject,
@@ -459,12 +456,12 @@ class Handovers:
         self.ctx = ctx
         self.keeper = keeper
         self._reclaims: set[asyncio.Task[None]] = set()  # unanswered handovers' earmarks
-        self._settling: dict[str, asyncio.Task[None]] = {}  # dead instances' quota, by id
+        self.dead = DeadQuota(ctx, keeper, settle_after=_ADOPTION_SETTLE)
         self.adopted_leases = 0
         self.refused_leases = 0
 
     def background(self) -> list[asyncio.Task[None]]:
-        return [*self._reclaims, *self._settling.values()]
+        return [*self._reclaims, *self.dead.tasks()]
 
     # ---- the giver ----------------------------------------------------------------------------
 
@@ -720,7 +717,7 @@ class Handovers:
         if not records:
             return
         try:
-            states = await self._gather([r.number for r, _ in records])
+            states = await gather(ctx, [r.number for r, _ in records])
             # 2. The API keys' quotas tracked, then each shard's quota moved here (one CAS per
             #    pair): the previous owner's earmark if it left one; without one, the counts,
             #    but only from an owner no longer live. Set aside for the shard meanwhile.
@@ -771,8 +768,8 @@ class Handovers:
         #    (before the ready line of a successor that adopted every shard); else once the
         #    others' are done.
         for dead in {p for _, p in records if p is not None and p != me}:
-            if await self._settle_once(dead) is not None:
-                self._settle_dead(dead)
+            if await self.dead.settle_once(dead) is not None:
+                self.dead.settle(dead)
         previous = next((p for _, p in records if p is not None), None)
         ctx.events.emit(
             ShardEvent,
@@ -784,138 +781,3 @@ class Handovers:
             pins=pins_in,
         )
         ctx.quotas.wake()
-
-    async def _gather(self, shards: list[int]) -> list[ShardState]:
-        """The shards' leases from the edges (a roll call) and pins from the bucket."""
-        ctx = self.ctx
-        now = ctx.clock()
-        announced = await self._rollcall(shards)
-        states: list[ShardState] = []
-        for shard in shards:
-            pins = []
-            for key, stored in await ctx.store.shard_pins(shard):
-                value = stored.value
-                pins.append(
-                    PinRecord(
-                        key,
-                        value.pin_id,
-                        value.provider,
-                        value.model,
-                        value.session,
-                        shard,
-                        value.created_at,
-                        value.since,
-                        max(value.refreshed_at, now),
-                        value.refreshed_at,
-                        stored.revision,
-                        uses=2,  # its history is unknown: a conversation, not a one-shot
-                        parent=value.parent,
-                    )
-                )
-                ctx.pins.known(key, stored.revision)
-            states.append(ShardState(shard, tuple(pins), tuple(announced.get(shard, ()))))
-        return states
-
-    async def _rollcall(self, shards: Iterable[int]) -> dict[int, list[LeaseRecord]]:
-        """Ask every edge which leases it holds in `shards`; answers within the window."""
-        ctx = self.ctx
-        wanted = set(shards)
-        found: dict[int, dict[str, LeaseRecord]] = {}
-
-        async def collect(msg: Msg) -> None:
-            try:
-                answer = RollCallAnswer.model_validate_json(msg.data)
-            except ValidationError:
-                return
-            for lease in answer.leases:
-                if lease.shard in wanted:
-                    found.setdefault(lease.shard, {})[lease.lease_id] = lease
-
-        inbox = ctx.nc.new_inbox()
-        sub = await ctx.nc.subscribe(inbox, cb=collect)
-        try:
-            call = RollCall(owner=ctx.instance, shards=tuple(sorted(wanted)))
-            await ctx.nc.publish(
-                ADMISSION_ROLLCALL_SUBJECT, call.model_dump_json().encode(), reply=inbox
-            )
-            # Not a guess at synchronisation: a roll call has no count of answers to wait for
-            # (edges come and go); the window is its documented deadline.
-            await asyncio.sleep(ctx.settings.rollcall_window)
-        finally:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
-        return {shard: list(leases.values()) for shard, leases in found.items()}
-
-    # ---- a dead instance's quota ----------------------------------------------------------------
-
-    def _settle_dead(self, dead: str) -> None:
-        """Drop what is left of the dead instance's quota once its shards are adopted."""
-        if self.keeper.stopping or dead in self._settling:
-            return
-        task = asyncio.create_task(self._drop_dead_quota(dead), name=f"settle-{dead}")
-        self._settling[dead] = task
-        task.add_done_callback(lambda _: self._settling.pop(dead, None))
-
-    async def _drop_dead_quota(self, dead: str) -> None:
-        settings = self.ctx.settings
-        loop = asyncio.get_running_loop()
-        give_up = loop.time() + 3 * settings.member_ttl  # then the reaper's grace does it
-        while not self.keeper.stopping and loop.time() < give_up:
-            wait = await self._settle_once(dead)
-            if wait is None:
-                return
-            await asyncio.sleep(min(wait, settings.member_ttl))
-
-    async def _settle_once(self, dead: str) -> float | None:
-        """Drop the dead instance's quota if its shards are adopted (None: done, or it is not
-        dead after all); else how long to wait before looking again."""
-        ctx = self.ctx
-        membership = ctx.membership
-        heartbeat = ctx.settings.heartbeat
-        if membership.is_live(dead):
-            return None  # not dead: a live member's entry is its own
-        me = membership.instance
-        wait = 0.0
-        try:
-            now = ctx.clock()
-            serving = self.keeper.serving
-            for shard, stored in (await ctx.store.shard_owners()).items():
-                value = stored.value
-                if (
-                    value.owner == dead
-                    or (value.owner is None and value.previous == dead)
-                    or (value.owner == me and shard not in serving)
-                ):
-                    wait = max(wait, heartbeat)  # a shard still to be adopted
-                elif value.previous == dead and value.owner != me:
-                    wait = max(wait, _ADOPTION_SETTLE - (now - value.since))
-            if wait > 0:
-                return wait
-            dropped = await drop_dead_quota(ctx.store, dead)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            log.warning("quota of %s not settled yet (%s)", dead, exc)
-            return heartbeat
-        quotas = ctx.quotas
-        for held, book in dropped:
-            pair = (book.value.provider, book.value.model)
-            if pair in quotas.books and book.revision > quotas.books[pair].revision:
-                quotas.books[pair] = book  # the keeper takes what was freed at once
-            ctx.events.emit(
-                QuotaReclaimed,
-                provider=book.value.provider,
-                model=book.value.model,
-                member=dead,
-                leases=held.g,
-                unreserved=held.u,
-                pins=held.p,
-            )
-        if dropped:
-            log.info(
-                "dropped what was left of %s's quota in %d books: its shards are adopted",
-                dead,
-                len(dropped),
-            )
-            await quotas.adjust()
-        return None

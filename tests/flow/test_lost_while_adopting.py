@@ -17,7 +17,8 @@ import asyncio
 import pytest
 from rig import EDGE_LIMITS, open_rig, until
 
-from llmgw.services.admission.shards import Handovers, ShardKeeper
+from llmgw.services.admission import shards as shards_module
+from llmgw.services.admission.shards import ShardKeeper
 from llmgw.services.admission.successor import remove_exited_member
 from llmgw.state.setup import open_routing_store
 
@@ -37,13 +38,13 @@ async def test_a_shard_adopted_across_a_rejoin_is_not_served_under_the_new_id(ri
     old = service.instance
     orphans = set(dead.service.shards.serving)
     held, go = asyncio.Event(), asyncio.Event()
-    gather = Handovers._gather
+    gather = shards_module.gather
 
-    async def held_gather(self, shards):  # type: ignore[no-untyped-def]
-        if self.ctx.instance == old and set(shards) & orphans:
+    async def held_gather(ctx, shards):  # type: ignore[no-untyped-def]
+        if ctx.instance == old and set(shards) & orphans:
             held.set()
             await go.wait()
-        return await gather(self, shards)
+        return await gather(ctx, shards)
 
     served = []  # (shard, the id it was subscribed under, the id its key names, may decide)
     subscribe = ShardKeeper.subscribe
@@ -61,7 +62,7 @@ async def test_a_shard_adopted_across_a_rejoin_is_not_served_under_the_new_id(ri
             )
         )
 
-    monkeypatch.setattr(Handovers, "_gather", held_gather)
+    monkeypatch.setattr(shards_module, "gather", held_gather)
     monkeypatch.setattr(ShardKeeper, "subscribe", recorded)
     await dead.kill()
     store = await open_routing_store(rig.nc, rig.config)
