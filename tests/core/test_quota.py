@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from llmgw.core.quota import (
     Quota,
     QuotaBook,
+    QuotaCounts,
     QuotaError,
     fair_targets,
     headroom,
@@ -231,7 +232,7 @@ def test_a_loan_never_takes_what_the_lender_uses_or_breaks_its_entry(
         min(used[2], spendable.p),
     )
     borrower = Quota(borrower.g, borrower.u, borrower.p, 5, 4, 3)
-    lent = lendable(entry, spendable, used, ask, borrower)
+    lent = lendable(entry, spendable, QuotaCounts(*used), QuotaCounts(*ask), borrower)
     lg, lu, lp = lent
     assert 0 <= lg <= entry.g and 0 <= lu <= entry.u and 0 <= lp <= entry.p
     assert lu <= lg + (borrower.g - borrower.u)  # u beyond g only into the borrower's room
@@ -254,12 +255,28 @@ def test_unreserved_quota_moves_alone_when_the_lenders_leases_are_all_in_use():
     # would admit the new session, so the idle unreserved moves without lease quota.
     lender = Quota(6, 4, 0)
     borrower = Quota(5, 3, 0)
-    assert lendable(lender, lender, (6, 2, 0), (0, 1, 0), borrower) == (0, 1, 0)
+    assert lendable(lender, lender, QuotaCounts(6, 2, 0), QuotaCounts(0, 1, 0), borrower) == (
+        0,
+        1,
+        0,
+    )
     # Without room above its unreserved the borrower needs the lease too, which is not idle.
-    assert lendable(lender, lender, (6, 2, 0), (0, 1, 0), Quota(3, 3, 0)) == (0, 0, 0)
+    assert lendable(lender, lender, QuotaCounts(6, 2, 0), QuotaCounts(0, 1, 0), Quota(3, 3, 0)) == (
+        0,
+        0,
+        0,
+    )
     # What was asked and the borrower's room bound it.
-    assert lendable(lender, lender, (6, 2, 0), (0, 5, 0), borrower) == (0, 2, 0)
-    assert lendable(lender, lender, (6, 0, 0), (0, 5, 0), Quota(5, 4, 0)) == (0, 1, 0)
+    assert lendable(lender, lender, QuotaCounts(6, 2, 0), QuotaCounts(0, 5, 0), borrower) == (
+        0,
+        2,
+        0,
+    )
+    assert lendable(lender, lender, QuotaCounts(6, 0, 0), QuotaCounts(0, 5, 0), Quota(5, 4, 0)) == (
+        0,
+        1,
+        0,
+    )
 
 
 def test_a_loan_of_more_than_is_held_is_refused():
@@ -272,8 +289,12 @@ def test_a_loan_of_more_than_is_held_is_refused():
 
 def test_a_peers_idle_quota_is_what_it_holds_beyond_its_wants_less_headroom():
     # Holds 10, wants 6 = use 4 + headroom 2: 6 idle (its headroom included).
-    assert idle(Quota(10, 8, 5, 6, 4, 5), (2, 2, 1)) == (6, 6, 1)
-    assert idle(Quota(3, 3, 0, 9, 9, 0), (2, 2, 1)) == (0, 0, 0)  # wants more than it holds
+    assert idle(Quota(10, 8, 5, 6, 4, 5), QuotaCounts(2, 2, 1)) == (6, 6, 1)
+    assert idle(Quota(3, 3, 0, 9, 9, 0), QuotaCounts(2, 2, 1)) == (
+        0,
+        0,
+        0,
+    )  # wants more than it holds
 
 
 # ---- limits lowered under load: each share scaled on its own ------------------------------------

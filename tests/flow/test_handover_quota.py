@@ -17,6 +17,7 @@ import time
 import pytest
 from rig import MODEL, open_rig, until
 
+from llmgw.core.quota import NO_COUNTS
 from llmgw.core.shards import desired_owner, shard_of
 from llmgw.services.admission.earmarks import Earmarks
 from llmgw.state.checker import AuditLog, check_audit
@@ -59,7 +60,11 @@ async def rig(nats_url, unique_id, monkeypatch):
     slow = {"on": True}
 
     async def slow_transfer(self, source, target, counts, *args, **kwargs):  # type: ignore[no-untyped-def]
-        if slow["on"] and self.keeper.me == RECEIVER and counts.get(("iris", MODEL), (0, 0, 0))[2]:
+        if (
+            slow["on"]
+            and self.keeper.me == RECEIVER
+            and counts.get(("iris", MODEL), NO_COUNTS).pins
+        ):
             await asyncio.sleep(SLOW)  # the shard with the pins
         return await transfer(self, source, target, counts, *args, **kwargs)
 

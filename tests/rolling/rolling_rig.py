@@ -22,6 +22,7 @@ import aiohttp
 import yaml
 from cluster import Service
 
+from llmgw.core.quota import NO_COUNTS, QuotaCounts
 from llmgw.serving import free_port
 from llmgw.wire import (
     ADMISSION_ROLLCALL_SUBJECT,
@@ -275,13 +276,12 @@ def over_limits(states: list[StateReply], limits: dict) -> list[str]:
     instance's own quota is not compared: while a shard it handed over is unsettled, the quota
     it shows is lowered twice on purpose (more conservative, not a breach).
     """
-    totals: dict[tuple[str, str], list[int]] = {}
+    totals: dict[tuple[str, str], QuotaCounts] = {}
     for state in states:
         for pair in state.pairs:
-            t = totals.setdefault((pair.provider, pair.model), [0, 0, 0])
-            t[0] += pair.leases
-            t[1] += pair.unreserved
-            t[2] += pair.pins
+            key = (pair.provider, pair.model)
+            held = QuotaCounts(pair.leases, pair.unreserved, pair.pins)
+            totals[key] = totals.get(key, NO_COUNTS).plus(held)
     breaches = []
     for pair, (leases, unreserved, pins) in totals.items():
         limit = limits.get(pair)

@@ -4,7 +4,7 @@ leaves the count, and a real breach is still caught around it."""
 from __future__ import annotations
 
 from llmgw.core.ledger import EndReason, LeaseKind, LeaseRecord, PinRecord
-from llmgw.core.quota import Quota
+from llmgw.core.quota import Quota, QuotaCounts
 from llmgw.state.checker import AuditLog, check_audit
 
 
@@ -96,7 +96,7 @@ def lease(lease_id: str, key: str = "k1") -> LeaseRecord:
 
 
 def grant(log: AuditLog, instance: str, lease_id: str) -> None:
-    log.observer(instance).lease_granted(lease(lease_id), None, (0, 0, 0))
+    log.observer(instance).lease_granted(lease(lease_id), None, QuotaCounts())
 
 
 def test_a_lease_granted_while_its_instance_was_being_killed_counts_until_lease_timeout():
