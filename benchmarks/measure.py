@@ -51,9 +51,11 @@ def summarize_profile(
     by_area: Counter[str] = Counter()
     functions: Counter[str] = Counter()
     total = 0
-    for line in path.read_text().splitlines():
+    for line in path.read_text(errors="replace").splitlines():
         stack, _, count = line.rpartition(" ")
         frames = stack.split(";")
+        if not count.isdigit():
+            continue  # a line py-spy wrote torn (a frame name read mid-change)
         n = int(count)
         total += n
         area = "event loop and sockets (uvloop, asyncio, syscalls)"
