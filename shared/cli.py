@@ -288,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim_sub = sim.add_subparsers(dest="sim_command", required=True, metavar="KIND")
     engine = sim_sub.add_parser("engine", help="a vLLM-like engine (batching, KV and prefix cache)")
     _sim_args(engine)
-    from llmgw.services.sim.params import METRICS_DIALECTS  # pydantic only, no server
+    from llmgw.config.simulate import METRICS_DIALECTS  # pydantic only, no server
 
     engine.add_argument(
         "--metrics-dialect",

@@ -27,7 +27,9 @@ import hashlib
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
+
+from llmgw.config.simulate import KvEventEncoding
 
 __all__ = [
     "KV_EVENT_ENCODINGS",
@@ -42,7 +44,6 @@ __all__ = [
     "wire_event",
 ]
 
-KvEventEncoding = Literal["map", "positional"]
 KV_EVENT_ENCODINGS: tuple[KvEventEncoding, ...] = ("map", "positional")
 
 MEDIUM = "GPU"  # where the blocks live: the simulator models the GPU cache only

@@ -1,7 +1,7 @@
 """What is served and where: models, providers (with per-model limits) and endpoints.
 
-An endpoint's `simulate` block is validated against the simulator's own parameter models
-(`EngineParams` / `ProviderParams`, chosen by `kind`), imported on first use.
+An endpoint's `simulate` block is validated against the simulator's parameter models
+(`EngineParams` / `ProviderParams` in `llmgw.config.simulate`, chosen by `kind`).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from llmgw.config.addresses import parse_http_url
 from llmgw.config.common import Api, Feature, Name, Slug, StrictModel, fail
+from llmgw.config.simulate import EngineParams, ProviderParams
 
 # --- models, providers, endpoints -----------------------------------------------------------------
 
@@ -135,9 +136,7 @@ class ProviderConfig(StrictModel):
 
 @lru_cache(maxsize=1)
 def _simulate_adapter() -> TypeAdapter[Any]:
-    # Imported on first use: the simulator package is optional at import time of the config module.
-    from llmgw.services.sim.params import EngineParams, ProviderParams
-
+    # Built on first use: a config without `simulate` blocks does not pay for the schema.
     return TypeAdapter(Annotated[EngineParams | ProviderParams, Field(discriminator="kind")])
 
 
@@ -145,11 +144,7 @@ def _validate_simulate(value: Any) -> Any:
     if value is None:
         return None
     try:
-        adapter = _simulate_adapter()
-    except ImportError as exc:
-        raise ValueError(f"simulator parameters are unavailable ({exc})") from None
-    try:
-        return adapter.validate_python(value)
+        return _simulate_adapter().validate_python(value)
     except ValidationError as exc:
         # Drop the union tag ("engine"/"provider") from locations: the YAML has no such level.
         kind = value.get("kind") if isinstance(value, Mapping) else None

@@ -213,6 +213,7 @@ def test_public_api_is_exactly_all():
         "references",
         "schema",
         "sections",
+        "simulate",
         "spend",
     }
     assert exported - submodules == set(llmgw.config.__all__)
