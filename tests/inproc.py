@@ -16,12 +16,12 @@ from typing import Any
 
 import nats
 
-from llmgw.config import Config
+from llmgw.config import Config, limits_from_config
 from llmgw.core.ledger import LedgerObserver
 from llmgw.events import EventPublisher
 from llmgw.services.admission.health import HealthBoard
 from llmgw.services.admission.loadboard import LoadBoard, LoadFollower
-from llmgw.services.admission.service import AdmissionService, limits_from_config
+from llmgw.services.admission.service import AdmissionService
 from llmgw.services.edge.app import HotPathApp, create_app
 from llmgw.services.edge.main import close_edge_deps, open_edge_deps
 from llmgw.serving import RunningServer, start_server

@@ -29,10 +29,10 @@ from typing import TYPE_CHECKING
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from llmgw.config.schema import limits_from_config
 from llmgw.core.pairs import PairChanges, pair_changes
 from llmgw.fleet import Fleet, live_config, restart_only_changes
 from llmgw.services.admission.catalog import ProviderCatalog
-from llmgw.services.admission.service import limits_from_config
 
 if TYPE_CHECKING:
     from llmgw.config.schema import Config

@@ -31,6 +31,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from llmgw.config.schema import limits_from_config
 from llmgw.core.breaker import BreakerBoard, BreakerSettings
 from llmgw.core.ledger import LeaseKind, Ledger, LedgerObserver
 from llmgw.events import EventPublisher
@@ -78,11 +79,6 @@ if TYPE_CHECKING:
     from llmgw.tracing import Tracing
 
 log = logging.getLogger("llmgw.admission")
-
-
-def limits_from_config(config: Config) -> dict[tuple[str, str], Any]:
-    """(provider, model) -> its limits, or None for a pair without configured limits."""
-    return {(p.id, m.name): m.limits for p in config.providers for m in p.models}
 
 
 class AdmissionService:
@@ -466,4 +462,4 @@ class AdmissionService:
             await self.nc.publish(msg.reply, reply.model_dump_json().encode())
 
 
-__all__ = ["AdmissionService", "LeaseKind", "limits_from_config"]
+__all__ = ["AdmissionService", "LeaseKind"]

@@ -27,9 +27,9 @@ import nats
 import yaml
 
 from llmgw import natsconn
+from llmgw.broadcast import ask_everyone, ask_instances
 from llmgw.config import ConfigError, load_config
 from llmgw.fleet import AppliedConfig
-from llmgw.services.state.main import ask_everyone, ask_instances
 from llmgw.state.fleet import open_fleet
 from llmgw.wire import EDGE_CONFIG_SUBJECT, EdgeConfigReply
 

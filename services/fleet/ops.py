@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import httpx
 from pydantic import ValidationError
 
+from llmgw.broadcast import ask_instances
 from llmgw.config.catalog import EndpointConfig
 from llmgw.core.fleet import (
     EndpointState,
@@ -32,7 +33,6 @@ from llmgw.core.fleet import (
     served_models,
 )
 from llmgw.fleet import FleetRecord, Source, applied_config, endpoint_problems
-from llmgw.services.state.main import ask_instances
 from llmgw.state.fleet import EndpointExists, EndpointNotFound, FleetBucket
 
 if TYPE_CHECKING:
@@ -141,6 +141,12 @@ class FleetOps:
         self._probe_client = probe_client
         self._clock = clock
         self._wall = wall
+
+    @classmethod
+    def on(cls, nc: NATS, bucket: FleetBucket, config: Config | Callable[[], Config]) -> FleetOps:
+        """Checked changes over the connection `nc`: the leases on an endpoint are those the
+        admission instances answering on it hold (`admission_leases`)."""
+        return cls(bucket, config, lambda: admission_leases(nc))
 
     @property
     def config(self) -> Config:

@@ -19,19 +19,18 @@ import dataclasses
 import json
 import sys
 import time
-from typing import Any, TypeVar
+from typing import Any
 
 import nats
 from nats.aio.client import Client as NATS
 from nats.js.errors import NotFoundError
-from pydantic import BaseModel
 
 from llmgw import natsconn
-from llmgw.config import Config
+from llmgw.broadcast import ask_instances
+from llmgw.config import Config, limits_from_config
 from llmgw.core.sessions import sessions_of_key
 from llmgw.load import REPORT_KEY_PREFIX, EndpointReport
 from llmgw.runtime import load_tool_config
-from llmgw.services.admission.service import limits_from_config
 from llmgw.services.state.report import (
     StateReport,
     build_report,
@@ -41,11 +40,7 @@ from llmgw.services.state.report import (
 )
 from llmgw.state.nats_kv import NatsKV
 from llmgw.state.store import RoutingStore
-from llmgw.wire import ADMISSION_STATE_SUBJECT, StateReply
 
-M = TypeVar("M", bound=BaseModel)
-
-ANSWER_WINDOW = 0.5  # seconds the admission instances have to answer the state request
 LOAD_READ_TIMEOUT = 2.0  # seconds for the (optional) read of the load bucket
 
 __all__ = ["BucketMissing", "read_report", "run"]
@@ -155,27 +150,3 @@ async def _endpoint_reports(js: Any, config: Config) -> tuple[str | None, list[E
         except ValueError:
             continue
     return name, reports
-
-
-async def ask_instances(nc: NATS, window: float = ANSWER_WINDOW) -> list[StateReply]:
-    """Every admission instance's answer to a state request within `window` seconds."""
-    return await ask_everyone(nc, ADMISSION_STATE_SUBJECT, StateReply, window)
-
-
-async def ask_everyone(nc: NATS, subject: str, answer: type[M], window: float) -> list[M]:
-    """Every answer (of type `answer`) to an empty request on `subject` within `window`
-    seconds; answers that do not decode are left out."""
-    replies: list[M] = []
-
-    async def collect(msg: Any) -> None:
-        try:
-            replies.append(answer.model_validate_json(msg.data))
-        except ValueError:
-            pass
-
-    inbox = nc.new_inbox()
-    sub = await nc.subscribe(inbox, cb=collect)
-    await nc.publish(subject, b"", reply=inbox)
-    await asyncio.sleep(window)  # a broadcast has no count of answers to wait for
-    await sub.unsubscribe()
-    return replies

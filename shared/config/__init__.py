@@ -5,7 +5,8 @@ Public API (everything else is internal):
 - `load_config(path, env=None) -> Config` and `config_from_dict(data, source, env=None) -> Config`;
 - `ConfigError` (its str() lists one "FILE: field.path: problem" line per problem);
 - `Config` and its section models (see `schema`);
-- `parse_duration` / `format_duration`, `parse_hostport`.
+- `parse_duration` / `format_duration`, `parse_hostport`;
+- `limits_from_config`: each provider/model pair's `Limits` (None: unlimited).
 """
 
 from llmgw.config.addresses import parse_hostport
@@ -33,6 +34,7 @@ from llmgw.config.schema import (
     SpendConfig,
     TimeoutOverrides,
     Timeouts,
+    limits_from_config,
 )
 
 __all__ = [
@@ -62,6 +64,7 @@ __all__ = [
     "Timeouts",
     "config_from_dict",
     "format_duration",
+    "limits_from_config",
     "load_config",
     "parse_duration",
     "parse_hostport",

@@ -88,6 +88,7 @@ __all__ = [
     "TracingConfig",
     "default_bands",
     "default_profiles",
+    "limits_from_config",
 ]
 
 ENV_PREFIX = "LLMGW_"
@@ -292,6 +293,11 @@ class Config(BaseSettings):
     def profile_for_model(self, name_or_alias: str) -> ResolvedProfile:
         model = self.model(name_or_alias)
         return self.resolve_profile(model.routing_profile if model else None)
+
+
+def limits_from_config(config: Config) -> dict[tuple[str, str], Any]:
+    """(provider, model) -> its limits, or None for a pair without configured limits."""
+    return {(p.id, m.name): m.limits for p in config.providers for m in p.models}
 
 
 def _deep_merge(base: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:

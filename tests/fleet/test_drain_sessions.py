@@ -15,9 +15,8 @@ import nats
 from fleet_helpers import add_following_admission, engines_values, eventually, stop_fleet_cluster
 from inproc import Cluster, InFlight
 
-from llmgw.config import config_from_dict
+from llmgw.config import config_from_dict, limits_from_config
 from llmgw.core.fleet import EndpointState
-from llmgw.services.admission.service import limits_from_config
 from llmgw.services.sim.apps import create_engine_app
 from llmgw.services.sim.params import EngineParams
 from llmgw.serving import start_server

@@ -13,7 +13,7 @@ from typing import Any
 from fleet_helpers import LoadRun, engines_values
 from inproc import InFlight
 
-from llmgw.services.admission.service import limits_from_config
+from llmgw.config import limits_from_config
 from llmgw.services.sim.apps import create_engine_app
 from llmgw.services.sim.params import EngineParams
 from llmgw.serving import start_server

@@ -17,8 +17,7 @@ from typing import Any
 from fleet_helpers import LoadRun, engines_values, eventually
 from inproc import InFlight
 
-from llmgw.config import config_from_dict
-from llmgw.services.admission.service import limits_from_config
+from llmgw.config import config_from_dict, limits_from_config
 from llmgw.services.sim.apps import create_engine_app
 from llmgw.services.sim.params import EngineParams
 from llmgw.serving import start_server

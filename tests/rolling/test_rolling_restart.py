@@ -33,8 +33,7 @@ from rolling_rig import (
     watch_limits,
 )
 
-from llmgw.config import load_config
-from llmgw.services.admission.service import limits_from_config
+from llmgw.config import limits_from_config, load_config
 from llmgw.state.checker import check_history
 from llmgw.state.history import HistoryRecorder
 

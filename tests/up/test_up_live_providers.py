@@ -23,11 +23,11 @@ import yaml
 from test_up_operability import NATS, READY
 from up_harness import UpProcess, write_cluster_config
 
+from llmgw.broadcast import ask_instances
 from llmgw.config import config_from_dict
 from llmgw.services.fleet.apply import apply_file
 from llmgw.services.sim.apps import create_provider_app
 from llmgw.services.sim.params import ProviderParams
-from llmgw.services.state.main import ask_instances
 from llmgw.serving import start_server
 
 pytestmark = pytest.mark.e2e
