@@ -26,7 +26,6 @@ from llmgw.services.admission.spend import (
     open_spend_bucket,
 )
 from llmgw.services.admission.successor import remove_exited_member, supersede_name
-from llmgw.services.fleet.ops import FleetOps, admission_leases
 from llmgw.state.fleet import FleetMirror, start_fleet
 from llmgw.state.setup import open_events_stream, open_load_bucket, open_routing_store
 from llmgw.tracing import open_tracing
@@ -47,17 +46,9 @@ class RunningAdmission:
     nc: Any
     follower: LoadFollower
     events: EventPublisher
+    fleet: FleetMirror  # the live fleet it runs on (its admin port serves changes to it)
     spend: SpendRecorder | None = None
     budgets: BudgetAccounts | None = None
-    fleet: FleetMirror | None = None
-
-    def fleet_ops(self) -> FleetOps:
-        """Checked changes of the live fleet over this instance's connection (the admin API)."""
-        assert self.fleet is not None
-        service = self.service  # its config follows every applied config
-        return FleetOps(
-            self.fleet.bucket, lambda: service.config, lambda: admission_leases(self.nc)
-        )
 
     async def close(self) -> None:
         """Hand every shard over (or release it), say goodbye, close the connection."""
@@ -70,8 +61,7 @@ class RunningAdmission:
             self.events.build(MemberEvent, event="member.left", member=self.service.instance)
         )
         await self.follower.stop()
-        if self.fleet is not None:
-            await self.fleet.stop()
+        await self.fleet.stop()
         await natsconn.drain_or_close(self.nc)
 
 
@@ -171,7 +161,7 @@ async def _compose(
     await spend.start()
     budgets = BudgetAccounts(nc, spend_bucket, ttl=holder_ttl(config))
     await budgets.start()
-    return RunningAdmission(service, metrics, nc, follower, events, spend, budgets, fleet)
+    return RunningAdmission(service, metrics, nc, follower, events, fleet, spend, budgets)
 
 
 def watch_service(metrics: AdmissionMetrics, service: AdmissionService) -> None:

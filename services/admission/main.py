@@ -28,6 +28,7 @@ from llmgw.services.admission.admin import create_admin_app
 from llmgw.services.admission.compose import open_admission
 from llmgw.services.admission.successor import NameInUse
 from llmgw.services.fleet.http import add_fleet_routes, admin_guard
+from llmgw.services.fleet.ops import FleetOps
 from llmgw.serving import start_server
 
 log = logging.getLogger("llmgw.admission")
@@ -67,7 +68,9 @@ def run(args: argparse.Namespace) -> int:
         if admin is not None:
             admin_app = create_admin_app(service, running.nc)
             assert guard is not None
-            add_fleet_routes(admin_app, running.fleet_ops(), guard)
+            # its config follows every applied config: changes are checked against it
+            ops = FleetOps.on(running.nc, running.fleet.bucket, lambda: service.config)
+            add_fleet_routes(admin_app, ops, guard)
             admin_server = await start_server(admin_app, *admin)
         suffix = f", admin {admin_server.url}" if admin_server is not None else ""
         print(

@@ -50,6 +50,7 @@ from llmgw.services.edge.reporting import NatsReporter
 from llmgw.services.edge.spend import SpendBook
 from llmgw.services.edge.upstream import new_pool
 from llmgw.services.fleet.http import add_fleet_routes, admin_guard
+from llmgw.services.fleet.ops import FleetOps
 from llmgw.serving import RunningServer, start_server
 from llmgw.state.responses import open_response_store
 from llmgw.tracing import open_tracing
@@ -137,7 +138,9 @@ def run(args: argparse.Namespace) -> int:
         admin_app = create_admin_app(deps, nc, registries)
         if colocated is not None:  # the fleet's admin API, where an admission instance runs
             assert guard is not None
-            add_fleet_routes(admin_app, colocated.fleet_ops(), guard)
+            service = colocated.service  # its config follows every applied config
+            ops = FleetOps.on(colocated.nc, colocated.fleet.bucket, lambda: service.config)
+            add_fleet_routes(admin_app, ops, guard)
         admin = await start_server(admin_app, admin_host, admin_port)
         await wait_for_admission(deps.admission)
         print(f"llmgw edge ready on {api.url} (admin {admin.url})", flush=True)

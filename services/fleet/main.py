@@ -40,7 +40,6 @@ from llmgw.services.fleet.ops import (
     FleetCalls,
     FleetError,
     FleetOps,
-    admission_leases,
     running_config,
 )
 from llmgw.state.fleet import open_fleet
@@ -103,7 +102,7 @@ async def fleet_calls(
     try:
         bucket = await open_fleet(nc, config)
         running = await running_config(bucket, config)
-        yield FleetOps(bucket, running, lambda: admission_leases(nc))
+        yield FleetOps.on(nc, bucket, running)
     finally:
         await nc.close()
 

@@ -154,7 +154,7 @@ async def serve(
             from llmgw.services.fleet.ops import FleetOps
 
             client = kubernetes_client(discovery)
-            ops = FleetOps(janitor.bucket, config, lambda: admission_leases(nc))
+            ops = FleetOps.on(nc, janitor.bucket, config)
             watcher = SliceWatcher(ops, discovery, client, lambda: admission_leases(nc))
             loops.append(watcher.run(stop))
         try:

@@ -16,6 +16,7 @@ from llmgw.config import Config
 from llmgw.services.admission.admin import create_admin_app
 from llmgw.services.admission.compose import open_admission
 from llmgw.services.fleet.http import AdminGuard, add_fleet_routes
+from llmgw.services.fleet.ops import FleetOps
 from llmgw.services.sim.apps import create_engine_app
 from llmgw.services.sim.params import EngineParams
 from llmgw.serving import start_server
@@ -55,7 +56,8 @@ async def test_the_breaker_gauge_names_the_endpoints_an_instance_runs_on_after_a
         running = await open_admission(config, "adm-metrics", "adm-metrics")
     admin_app = create_admin_app(running.service, running.nc)
     token = "admin-token-of-the-metrics-test"
-    add_fleet_routes(admin_app, running.fleet_ops(), AdminGuard(token))
+    ops = FleetOps.on(running.nc, running.fleet.bucket, lambda: running.service.config)
+    add_fleet_routes(admin_app, ops, AdminGuard(token))
     admin = await start_server(admin_app)
     try:
         headers = {"authorization": f"Bearer {token}"}
