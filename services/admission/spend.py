@@ -24,6 +24,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from llmgw.core.budget import Account, AccountError, regrant
+from llmgw.core.spend import spend_key
 from llmgw.state.kv import CasConflict
 from llmgw.state.nats_kv import open_routing_bucket
 from llmgw.tasks import cancel_and_wait
@@ -45,12 +46,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("llmgw.admission.spend")
 
-SPEND_KEY_PREFIX = "spend."
 SPEND_QUEUE = "llmgw-spend"
-
-
-def spend_key(day: str, edge: str) -> str:
-    return f"{SPEND_KEY_PREFIX}{day}.{edge}"
 
 
 async def open_spend_bucket(nc: NATS, config: Config) -> NatsKV:

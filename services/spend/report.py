@@ -7,8 +7,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from llmgw.core.spend import SpendTotals
-from llmgw.services.admission.spend import SPEND_KEY_PREFIX
+from llmgw.core.spend import SPEND_KEY_PREFIX, SpendTotals
 from llmgw.wire import SpendTotalsReport
 
 if TYPE_CHECKING:

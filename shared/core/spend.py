@@ -12,7 +12,9 @@ tokens. `PriceBook` finds the prices of a (provider, model) pair: the pair's own
 provider's ``*`` entry, else none (free: our own engines without an endpoint-hour cost).
 
 `SpendTotals` adds attempts up per (key, tenant, provider, model): requests, tokens and picos.
-`period_of` names the day or month a timestamp falls in (UTC), the unit spend is kept per.
+`period_of` names the day or month a timestamp falls in (UTC), the unit spend is kept per. In the
+spend bucket each edge's totals of a day are the entry ``spend.<day>.<edge>`` (`spend_key`),
+written by admission and read by `llmgw spend` and `llmgw keys`.
 
 Pure: no clock (timestamps are passed in), no I/O.
 """
@@ -30,6 +32,7 @@ from typing import Any, Protocol, TypeVar
 __all__ = [
     "MICROS",
     "PICOS",
+    "SPEND_KEY_PREFIX",
     "PriceBook",
     "PromptCalibration",
     "SpendRow",
@@ -46,6 +49,7 @@ __all__ = [
     "money_of",
     "period_of",
     "periods_between",
+    "spend_key",
     "spread_fleet_cost",
 ]
 
@@ -53,6 +57,12 @@ MICROS = 1_000_000  # micro-units per unit: prices are micro-units per million t
 PICOS = 1_000_000_000_000  # picos per unit: what a cost is counted in
 _TOKENS_PER_PRICE = 1_000_000  # a price is per million tokens
 _MAX_DECIMALS = 6
+SPEND_KEY_PREFIX = "spend."  # the spend bucket's entries of every edge's daily totals
+
+
+def spend_key(day: str, edge: str) -> str:
+    """The spend bucket's entry of one edge's totals of one day."""
+    return f"{SPEND_KEY_PREFIX}{day}.{edge}"
 
 
 def micros_of(value: object) -> int:
