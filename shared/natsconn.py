@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ssl
+import sys
 from typing import TYPE_CHECKING, Any
 
 import nats
@@ -88,10 +89,16 @@ def embedded_servers(cfg: NatsConfig) -> list[str]:
     return [f"nats://127.0.0.1:{cfg.embedded_port + i}" for i in range(cfg.embedded_cluster)]
 
 
+# What a command-line tool's talk with NATS raises when the server cannot be reached, refuses
+# it, or does not answer in time: the tool then prints one line (`Refusals.report`) and exits 1.
+UNREACHABLE: tuple[type[Exception], ...] = (OSError, TimeoutError, nats.errors.Error)
+
+
 class Refusals:
     """A tool's `error_cb` (`record`): quiet (a CLI reports one clear error, not nats-py's retry
     tracebacks), but keeps the server's permission and authorization violations, so a tool whose
-    request timed out can say it was refused (a wrong NATS role) instead of "cannot reach NATS"."""
+    request timed out can say it was refused (a wrong NATS role) instead of "cannot reach NATS"
+    (`report`)."""
 
     def __init__(self) -> None:
         self.denied: list[str] = []
@@ -110,6 +117,14 @@ class Refusals:
             f"llmgw {tool}: NATS refused it: {self.denied[-1]} (is nats.user the role this "
             "tool needs? docs/keys.md, NATS permissions)"
         )
+
+    def report(self, tool: str, exc: BaseException, problem: str = "cannot reach NATS") -> int:
+        """Tell on stderr why `llmgw <tool>` could not talk to NATS (one of `UNREACHABLE`): the
+        server's refusal if it gave one, else `problem` and the error (its type when it has no
+        message, as a bare TimeoutError). The exit code: 1."""
+        line = self.explain(tool) or f"llmgw {tool}: {problem}: {str(exc) or type(exc).__name__}"
+        print(line, file=sys.stderr)
+        return 1
 
 
 async def connect_tool(cfg: NatsConfig, name: str, refusals: Refusals | None = None) -> NATS:

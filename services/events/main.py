@@ -20,7 +20,6 @@ import time
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
-import nats
 from nats.js.errors import NotFoundError
 
 from llmgw import natsconn
@@ -71,13 +70,8 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
-    except (OSError, TimeoutError, nats.errors.Error) as exc:
-        print(
-            refusals.explain("events")
-            or f"llmgw events: cannot read from NATS: {exc or type(exc).__name__}",
-            file=sys.stderr,
-        )
-        return 1
+    except natsconn.UNREACHABLE as exc:
+        return refusals.report("events", exc, "cannot read from NATS")
 
 
 async def _print(

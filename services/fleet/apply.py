@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-import nats
 import yaml
 
 from llmgw import natsconn
@@ -68,10 +67,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         applied = asyncio.run(main())
-    except (OSError, TimeoutError, nats.errors.Error) as exc:
-        refused = refusals.explain("config apply")
-        print(refused or f"llmgw config apply: cannot reach NATS: {exc}", file=sys.stderr)
-        return 1
+    except natsconn.UNREACHABLE as exc:
+        return refusals.report("config apply", exc)
     revision, acknowledged, instances = applied.revision, applied.on_it, applied.answering
     edges = len(applied.edges) - len(applied.unfollowing_edges)
     for edge in applied.unfollowing_edges:

@@ -28,7 +28,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
-import nats
 
 from llmgw import natsconn
 from llmgw.config import Config
@@ -58,13 +57,8 @@ def run(args: argparse.Namespace) -> int:
     except httpx.TransportError as exc:
         print(f"llmgw endpoints: cannot reach the admin API: {exc!r}", file=sys.stderr)
         return 1
-    except (OSError, TimeoutError, nats.errors.Error) as exc:
-        refused = refusals.explain("endpoints")
-        print(
-            refused or f"llmgw endpoints: cannot reach NATS: {exc or type(exc).__name__}",
-            file=sys.stderr,
-        )
-        return 1
+    except natsconn.UNREACHABLE as exc:
+        return refusals.report("endpoints", exc)
 
 
 async def _run(config: Config, args: argparse.Namespace, refusals: natsconn.Refusals) -> int:

@@ -25,7 +25,6 @@ import signal
 import sys
 
 import httpx
-import nats
 
 from llmgw import natsconn
 from llmgw.core.fleet import EndpointState
@@ -36,7 +35,7 @@ from llmgw.services.fleet.ops import FleetError
 __all__ = ["run"]
 
 # A heartbeat that did not arrive: the next one may (the TTL allows two more).
-_UNREACHABLE = (OSError, TimeoutError, nats.errors.Error, httpx.TransportError)
+_UNREACHABLE: tuple[type[Exception], ...] = (*natsconn.UNREACHABLE, httpx.TransportError)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -79,7 +78,5 @@ def run(args: argparse.Namespace) -> int:
     except httpx.TransportError as exc:
         print(f"llmgw register: cannot reach the admin API: {exc!r}", file=sys.stderr)
         return 1
-    except (OSError, TimeoutError, nats.errors.Error) as exc:
-        refused = refusals.explain("register")
-        print(refused or f"llmgw register: cannot reach NATS: {exc}", file=sys.stderr)
-        return 1
+    except natsconn.UNREACHABLE as exc:
+        return refusals.report("register", exc)

@@ -53,13 +53,8 @@ def run(args: argparse.Namespace) -> int:
     except KeyNotFound as exc:
         print(f"llmgw keys: {exc.args[0]}", file=sys.stderr)
         return 1
-    except (OSError, TimeoutError, nats.errors.Error) as exc:
-        refused = refusals.explain("keys")
-        print(
-            refused or f"llmgw keys: cannot reach NATS: {exc or type(exc).__name__}",
-            file=sys.stderr,
-        )
-        return 1
+    except natsconn.UNREACHABLE as exc:
+        return refusals.report("keys", exc)
 
 
 async def _run(config: Config, args: argparse.Namespace, refusals: natsconn.Refusals) -> int:

@@ -21,8 +21,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import nats
-
 from llmgw import natsconn
 from llmgw.config import Config
 from llmgw.core.spend import (
@@ -56,14 +54,8 @@ def run(args: argparse.Namespace) -> int:
     refusals = natsconn.Refusals()
     try:
         record = asyncio.run(_read(config, refusals))
-    except (OSError, TimeoutError, nats.errors.Error) as exc:
-        print(
-            refusals.explain("state")
-            or f"llmgw spend: cannot read from NATS at {config.nats.url}: "
-            f"{exc or type(exc).__name__}",
-            file=sys.stderr,
-        )
-        return 1
+    except natsconn.UNREACHABLE as exc:
+        return refusals.report("spend", exc, f"cannot read from NATS at {config.nats.url}")
     now = time.time()
     result = report(
         record,

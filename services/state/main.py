@@ -61,14 +61,8 @@ def run(args: argparse.Namespace) -> int:
     except BucketMissing as exc:
         print(f"llmgw state: {exc}", file=sys.stderr)
         return 1
-    except (OSError, TimeoutError, nats.errors.Error) as exc:
-        print(
-            refusals.explain("state")
-            or f"llmgw state: cannot read from NATS at {config.nats.url}: "
-            f"{exc or type(exc).__name__}",
-            file=sys.stderr,
-        )
-        return 1
+    except natsconn.UNREACHABLE as exc:
+        return refusals.report("state", exc, f"cannot read from NATS at {config.nats.url}")
     with_pins = bool(getattr(args, "pins", False))
     key = getattr(args, "session", None)
     if key is not None:  # the pins of one client's session key, hashed as the edge hashes it
