@@ -86,9 +86,10 @@ def tune_gc() -> None:
     gc.set_threshold(*_GC_THRESHOLDS)
 
 
-def run_service(main: Callable[[], Coroutine[Any, Any, None]]) -> int:
-    """Run `main` on uvloop (when available) and return a process exit code."""
-    runner: Callable[[Coroutine[Any, Any, None]], None]
+def run_service(main: Callable[[], Coroutine[Any, Any, int | None]]) -> int:
+    """Run `main` on uvloop (when available) and return a process exit code: the one `main`
+    returns (None: 0), or 130 when interrupted (Ctrl-C)."""
+    runner: Callable[[Coroutine[Any, Any, int | None]], int | None]
     try:
         import uvloop
 
@@ -96,7 +97,6 @@ def run_service(main: Callable[[], Coroutine[Any, Any, None]]) -> int:
     except ImportError:  # pragma: no cover - uvloop ships with uvicorn[standard]
         runner = asyncio.run
     try:
-        runner(main())
+        return runner(main()) or 0
     except KeyboardInterrupt:
         return 130
-    return 0

@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterator
 from typing import Any, TextIO
 
+from llmgw.runtime import run_service
 from llmgw.services.bench.client import RequestOptions, fetch_model
 from llmgw.services.bench.report import markdown, run_result, sweep_result
 from llmgw.services.bench.runner import Progress, open_session, run_load
@@ -37,14 +38,7 @@ def run(args: argparse.Namespace, *, stderr: TextIO | None = None) -> int:
     except UsageError as exc:
         print(f"llmgw bench: {exc}", file=stderr)
         return 2
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop ships with uvicorn[standard]
-        loop_factory = None
-    else:
-        loop_factory = uvloop.new_event_loop
-    with asyncio.Runner(loop_factory=loop_factory) as runner:
-        return runner.run(_bench(settings, stderr))
+    return run_service(lambda: _bench(settings, stderr))
 
 
 def _require_matplotlib() -> None:

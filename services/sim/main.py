@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 
 import uvicorn
 
+from llmgw.runtime import run_service
 from llmgw.services.sim.apps import create_engine_app, create_provider_app
 from llmgw.services.sim.engine_runtime import EngineBackend
 from llmgw.services.sim.openai_app import SimApp
@@ -136,14 +137,7 @@ def _run(args: argparse.Namespace, kind: str) -> int:
     except UsageError as exc:
         print(f"llmgw sim {kind}: {exc}", file=sys.stderr)
         return 2
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop ships with uvicorn[standard]
-        loop_factory = None
-    else:
-        loop_factory = uvloop.new_event_loop
-    with asyncio.Runner(loop_factory=loop_factory) as runner:
-        return runner.run(_serve(settings, kind))
+    return run_service(lambda: _serve(settings, kind))
 
 
 async def _serve(settings: SimSettings, kind: str) -> int:
