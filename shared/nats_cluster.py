@@ -41,7 +41,6 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 from llmgw.nats_embedded import (
@@ -50,6 +49,7 @@ from llmgw.nats_embedded import (
     NatsPortInUse,
     NatsServerError,
     NatsStartError,
+    ServerLifetime,
     find_nats_server,
     js_api_request,
     port_is_free,
@@ -109,7 +109,7 @@ class ClusterNode:
         return self.server.log_tail(lines)
 
 
-class EmbeddedNatsCluster:
+class EmbeddedNatsCluster(ServerLifetime):
     """`size` nats-server processes forming one JetStream cluster on `host`.
 
     `port`: the first client port (nodes take `port`, `port+1`, ...); 0 picks free ports.
@@ -293,28 +293,6 @@ class EmbeddedNatsCluster:
                     f"NATS cluster {self.name!r} not ready after {timeout:g}s: {problem}\n{tails}"
                 )
             time.sleep(_POLL_INTERVAL)
-
-    def __enter__(self) -> EmbeddedNatsCluster:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
-
-    async def __aenter__(self) -> EmbeddedNatsCluster:
-        return await self.astart()
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.astop()
 
     # -- JetStream views ------------------------------------------------------------------
 

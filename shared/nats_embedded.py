@@ -20,6 +20,7 @@ Exceptions (all subclasses of `NatsServerError`, itself a `RuntimeError`):
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import ctypes
@@ -37,7 +38,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Self
 
 __all__ = [
     "MIN_NATS_VERSION",
@@ -47,6 +48,7 @@ __all__ = [
     "NatsServerNotFound",
     "NatsServerTooOld",
     "NatsStartError",
+    "ServerLifetime",
     "die_with_parent",
     "find_nats_server",
     "jetstream_answers",
@@ -148,7 +150,47 @@ def die_with_parent() -> None:
             ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
-class EmbeddedNats:
+class ServerLifetime(abc.ABC):
+    """A server's lifetime as a context: ``with`` starts it (`start`) and stops it (`stop`),
+    ``async with`` the same from async code (`astart`, `astop`): one block for `EmbeddedNats`
+    and `EmbeddedNatsCluster`."""
+
+    @abc.abstractmethod
+    def start(self) -> Self: ...
+
+    @abc.abstractmethod
+    def stop(self) -> object: ...
+
+    @abc.abstractmethod
+    async def astart(self) -> Self: ...
+
+    @abc.abstractmethod
+    async def astop(self) -> object: ...
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    async def __aenter__(self) -> Self:
+        return await self.astart()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.astop()
+
+
+class EmbeddedNats(ServerLifetime):
     """One `nats-server -js` child process on a loopback port.
 
     Usage: `with EmbeddedNats() as nats: connect(nats.url)`, or `start()`/`stop()`,
@@ -273,28 +315,6 @@ class EmbeddedNats:
 
     async def astop(self, grace: float = 5.0) -> int | None:
         return await asyncio.to_thread(self.stop, grace)
-
-    def __enter__(self) -> EmbeddedNats:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
-
-    async def __aenter__(self) -> EmbeddedNats:
-        return await self.astart()
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.astop()
 
     def log_tail(self, lines: int = _LOG_TAIL_LINES) -> str:
         """The last lines this run wrote to the server log ('' when there are none)."""
