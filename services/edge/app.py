@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from llmgw.config.credentials import provider_keys, read_keys
@@ -43,11 +43,22 @@ from llmgw.services.edge.attempts import _PATHS, Answer, ApiExchange, Attempts, 
 from llmgw.services.edge.auth import Caller, KeyAuth
 from llmgw.services.edge.count_tokens import COUNT_TOKENS_PATH, count_tokens
 from llmgw.services.edge.drain import EdgeDrain, with_connection_close
-from llmgw.services.edge.errors import INTERNAL_ERROR_MESSAGE, error_body, error_response
+from llmgw.services.edge.errors import (
+    INTERNAL_ERROR_MESSAGE,
+    error_body,
+    error_response,
+    model_not_found,
+)
 from llmgw.services.edge.hardening import OpenAIErrorsHttpTools, headers_refused
 from llmgw.services.edge.messages import MessagesApi, anthropic_answer, authorization
 from llmgw.services.edge.metrics import EdgeMetrics
 from llmgw.services.edge.prompts import PromptChains, TokenizerUnavailable
+from llmgw.services.edge.request_body import (
+    BodyTooLarge,
+    ClientDisconnect,
+    read_request_body,
+    unread_answer,
+)
 from llmgw.services.edge.responses import ResponsesApi, owner_of
 from llmgw.services.edge.telemetry import EdgeTelemetry, RequestRecord
 from llmgw.state.memory_kv import MemoryKV
@@ -73,20 +84,6 @@ log = logging.getLogger("llmgw.edge")
 ConfigFollower = Callable[["Config", frozenset[str]], None]
 
 _ROUTES = {path: Feature(name) for name, path in _PATHS.items()}
-
-
-class BodyTooLarge(Exception):
-    pass
-
-
-def model_not_found(asked: str, headers: dict[str, str]) -> Response:
-    """The 404 for a model that does not exist or that the caller may not use."""
-    return error_response(
-        Outcome.MODEL_NOT_FOUND,
-        f"The model '{asked}' does not exist or you do not have access to it.",
-        param="model",
-        headers=headers,
-    )
 
 
 @dataclass
@@ -161,17 +158,6 @@ class Edge:
     def timeouts_for(self, model: str) -> Timeouts:
         return self._timeouts.get(model, self._default_timeouts)
 
-    async def _read_body(self, request: Request) -> bytes:
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_body:
-            raise BodyTooLarge
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > self.max_body:
-                raise BodyTooLarge
-        return bytes(body)
-
     async def handle(self, request: Request, feature: Feature) -> tuple[Answer, RequestRecord]:
         """The response, and the record whose `sent` the caller runs once it has sent it (the
         attempt's end and the access line wait for that: off the client's critical path)."""
@@ -206,15 +192,9 @@ class Edge:
                 )
             caller, ids = checked, checked.headers
         try:
-            raw = await self._read_body(request)
-        except BodyTooLarge:
-            return error_response(
-                Outcome.BODY_TOO_LARGE,
-                f"The request body exceeds the limit of {self.max_body} bytes.",
-                headers=ids,
-            ), Outcome.BODY_TOO_LARGE
-        except ClientDisconnect:
-            return Response(status_code=499), Outcome.CLIENT_DISCONNECTED
+            raw = await read_request_body(request, self.max_body)
+        except (BodyTooLarge, ClientDisconnect) as exc:
+            return unread_answer(exc, self.max_body, ids)
         turn = None
         try:
             if feature is Feature.RESPONSES:

@@ -13,15 +13,21 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import Response
 
 from llmgw.core.anthropic import parse_messages_request
 from llmgw.core.outcomes import Outcome
 from llmgw.core.requests import InvalidRequest
 from llmgw.logs import REQUEST_ID_HEADER, accept_request_id
-from llmgw.services.edge.errors import error_response
+from llmgw.services.edge.errors import error_response, model_not_found
 from llmgw.services.edge.messages import anthropic_answer, authorization
+from llmgw.services.edge.request_body import (
+    BodyTooLarge,
+    ClientDisconnect,
+    read_request_body,
+    unread_answer,
+)
 from llmgw.services.edge.upstream import UpstreamFailure, loop_deadline, open_upstream, read_body
 
 if TYPE_CHECKING:
@@ -40,11 +46,6 @@ async def count_tokens(edge: Edge, request: Request) -> Response:
 
 
 async def _count(edge: Edge, request: Request) -> Response:
-    from llmgw.services.edge.app import (  # the edge's module, loaded already
-        BodyTooLarge,
-        model_not_found,
-    )
-
     ids = {REQUEST_ID_HEADER: accept_request_id(request.headers.get(REQUEST_ID_HEADER))}
     caller = None
     if edge.auth is not None:
@@ -53,18 +54,12 @@ async def _count(edge: Edge, request: Request) -> Response:
             return checked
         caller, ids = checked, checked.headers
     try:
-        raw = await edge._read_body(request)
+        raw = await read_request_body(request, edge.max_body)
         parsed = parse_messages_request(raw, count_only=True)
     except InvalidRequest as exc:
         return error_response(Outcome.BAD_REQUEST, exc.message, param=exc.param, headers=ids)
-    except ClientDisconnect:
-        return Response(status_code=499)
-    except BodyTooLarge:
-        return error_response(
-            Outcome.BODY_TOO_LARGE,
-            f"The request body exceeds the limit of {edge.max_body} bytes.",
-            headers=ids,
-        )
+    except (BodyTooLarge, ClientDisconnect) as exc:
+        return unread_answer(exc, edge.max_body, ids)[0]
     config = edge.config
     model = edge.model_for(caller, parsed.model)
     if model is None:

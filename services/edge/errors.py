@@ -40,6 +40,16 @@ def error_response(
     )
 
 
+def model_not_found(asked: str, headers: dict[str, str]) -> Response:
+    """The 404 for a model that does not exist or that the caller may not use."""
+    return error_response(
+        Outcome.MODEL_NOT_FOUND,
+        f"The model '{asked}' does not exist or you do not have access to it.",
+        param="model",
+        headers=headers,
+    )
+
+
 def sse_error_event(message: str, code: str) -> bytes:
     """The event that ends a stream that had already begun when something failed."""
     payload = error_body(message, "upstream_error", code).decode()

@@ -67,6 +67,24 @@ async def test_oversized_messages_are_an_anthropic_413(fake_edge):
     assert fake_edge.admission.asked == []
 
 
+async def test_an_oversized_token_count_is_an_anthropic_413(fake_edge):
+    """count_tokens reads its body as the routed APIs do: over the limit, declared or chunked,
+    it is the 413 before anything else is looked at (a body within it would be the 404 of a
+    model none of whose endpoints serves the Messages API)."""
+    big = messages_body(messages=[{"role": "user", "content": "x" * 10_000}])
+
+    async def chunks():
+        for i in range(0, len(big), 1024):
+            yield big[i : i + 1024]
+
+    async with httpx.AsyncClient() as http:
+        declared = await http.post(fake_edge.url + PATH + "/count_tokens", content=big)
+        streamed = await http.post(fake_edge.url + PATH + "/count_tokens", content=chunks())
+    assert_anthropic_error(declared, 413, "request_too_large")
+    assert_anthropic_error(streamed, 413, "request_too_large")
+    assert "4096 bytes" in declared.json()["error"]["message"]
+
+
 async def test_an_unreachable_engine_is_an_anthropic_error_too(fake_edge):
     """Admitted as chat (fake_edge's target listens nowhere, so every retry fails too): the
     gateway's 502 in Anthropic's shape, and every lease it took ended."""
