@@ -39,7 +39,14 @@ from llmgw.core.sessions import (
 from llmgw.core.shards import shard_of
 from llmgw.core.spend import estimate_input_tokens, estimated_output
 from llmgw.logs import REQUEST_ID_HEADER, accept_request_id, request_id
-from llmgw.services.edge.attempts import _PATHS, Answer, ApiExchange, Attempts, RoutedRequest
+from llmgw.services.edge.attempts import (
+    _PATHS,
+    Answer,
+    ApiExchange,
+    AttemptDeps,
+    Attempts,
+    RoutedRequest,
+)
 from llmgw.services.edge.auth import Caller, KeyAuth
 from llmgw.services.edge.count_tokens import COUNT_TOKENS_PATH, count_tokens
 from llmgw.services.edge.drain import EdgeDrain, with_connection_close
@@ -71,7 +78,6 @@ if TYPE_CHECKING:
 
     from llmgw.config.schema import Config, Timeouts
     from llmgw.contracts import AdmissionClient, LeaseStore, RequestReporter
-    from llmgw.core.apikeys import ApiKey
     from llmgw.services.edge.budgets import BudgetGuard
     from llmgw.services.edge.http_client import UpstreamPool
     from llmgw.services.edge.spend import SpendBook
@@ -116,10 +122,6 @@ class Edge:
     def __init__(self, config: Config, deps: EdgeDeps) -> None:
         self.config = config
         self.deps = deps
-        self.admission = deps.admission
-        self.leases = deps.leases
-        self.reporter = deps.reporter
-        self.metrics = deps.metrics
         self.telemetry = EdgeTelemetry(deps.metrics, config.log, tracing=deps.tracing)
         self.edge_id = deps.edge_id
         self.auth = deps.auth
@@ -138,25 +140,13 @@ class Edge:
         )
         self.inject_usage = config.router.inject_usage
         self.upstream_headers = _provider_auth_headers(config, provider_keys(config))
-        self.spend = deps.spend
-        self.budgets = deps.budgets
-        self.attempts = Attempts(self)
         self.responses = ResponsesApi(config, deps.responses, deps.rng)
         stored = deps.metrics.responses_stored
         deps.responses.on_result = lambda result: stored.labels(result).inc()
         self.follow_config(config)
 
-    def upstream_headers_for(self, routed: RoutedRequest, provider: str) -> dict[str, str]:
-        """The headers of an upstream call: the provider's, the client's request id, and with
-        tracing the attempt's ``traceparent`` (its upstream span starts here)."""
-        # A provider an applied config added reaches admission first: until this edge runs
-        # on that config too, its calls carry no key of its own.
-        own = self.upstream_headers.get(provider, _JSON)
-        headers = {**own, REQUEST_ID_HEADER: routed.request_id}
-        return self.telemetry.upstream_headers(routed.record, headers)
-
     def timeouts_for(self, model: str) -> Timeouts:
-        return self._timeouts.get(model, self._default_timeouts)
+        return self.attempts.deps.timeouts_for(model)
 
     async def handle(self, request: Request, feature: Feature) -> tuple[Answer, RequestRecord]:
         """The response, and the record whose `sent` the caller runs once it has sent it (the
@@ -213,20 +203,9 @@ class Edge:
         if model is None:
             return model_not_found(parsed.model, ids), Outcome.MODEL_NOT_FOUND
         record.model = model
-        band = request.headers.get(self.band_header)
-        if caller is not None and self.auth is not None and not caller.key.band_header:
-            band = self.auth.band(caller, None)  # the header is not this key's to use
-        record.band = band
-        if band is not None and band not in self.bands:
-            return error_response(
-                Outcome.BAD_REQUEST,
-                f"Unknown priority band '{band}' in the {self.band_header} header; "
-                f"known bands: {', '.join(sorted(self.bands))}.",
-                param=self.band_header,
-                headers=ids,
-            ), Outcome.BAD_REQUEST
-        if caller is not None and self.auth is not None:
-            band = record.band = self.auth.band(caller, band)
+        refused = self._band(request, caller, record, ids)
+        if refused is not None:
+            return refused, Outcome.BAD_REQUEST
         exchange: ApiExchange | None = None
         session: str | None
         client = self._client_key(request)
@@ -245,16 +224,15 @@ class Edge:
             if isinstance(prepared, tuple):
                 return prepared
             exchange, session = prepared, prepared.session
-        elif feature is Feature.MESSAGES:  # its session is the chat session of its opening
-            try:
-                exchange = self.messages.exchange(parsed, raw, model)
-            except InvalidRequest as exc:
-                return error_response(
-                    Outcome.BAD_REQUEST, exc.message, param=exc.param, headers=ids
-                ), Outcome.BAD_REQUEST
-            session = session_id(Feature.CHAT, model, opening(parsed.body), client=client)
         else:
-            session = session_id(feature, model, parsed.body, client=client)
+            if feature is Feature.MESSAGES:
+                try:
+                    exchange = self.messages.exchange(parsed, raw, model)
+                except InvalidRequest as exc:
+                    return error_response(
+                        Outcome.BAD_REQUEST, exc.message, param=exc.param, headers=ids
+                    ), Outcome.BAD_REQUEST
+            session = _session(feature, model, parsed.body, client)
         parent = None
         if session is None:
             shard = self.deps.rng.randrange(self.shards)
@@ -268,10 +246,9 @@ class Edge:
             if caller is not None
             else tenant_id(authorization(request.headers), parsed.user)
         )
-        if caller is not None and caller.key.tpm is not None and self.auth is not None:
-            refused = self._hold_tokens(caller.key, parsed.body, record, ids)
-            if refused is not None:
-                return refused, Outcome.RATE_LIMITED
+        refused = self._hold_tokens(caller, parsed.body, record, ids)
+        if refused is not None:
+            return refused, Outcome.RATE_LIMITED
         prompt = await self.prompts.of(feature.value, parsed.body, exchange, model)
         routed = RoutedRequest(
             request_id=record.request_id,
@@ -282,7 +259,7 @@ class Edge:
             session=session,
             parent=parent,
             shard=shard,
-            band=band,
+            band=record.band,
             tenant=record.tenant,
             key=caller.key.key_id if caller is not None else None,
             key_parallel=caller.key.max_parallel_requests if caller is not None else None,
@@ -298,6 +275,27 @@ class Edge:
         )
         return await self.attempts.run(routed)
 
+    def _band(
+        self, request: Request, caller: Caller | None, record: RequestRecord, ids: dict[str, str]
+    ) -> Response | None:
+        """The request's priority band into `record`: its header's (when its key may use one),
+        else its key's. The 400 of a band that is not configured, or None."""
+        band = request.headers.get(self.band_header)
+        if caller is not None and self.auth is not None and not caller.key.band_header:
+            band = self.auth.band(caller, None)  # the header is not this key's to use
+        record.band = band
+        if band is not None and band not in self.bands:
+            return error_response(
+                Outcome.BAD_REQUEST,
+                f"Unknown priority band '{band}' in the {self.band_header} header; "
+                f"known bands: {', '.join(sorted(self.bands))}.",
+                param=self.band_header,
+                headers=ids,
+            )
+        if caller is not None and self.auth is not None:
+            record.band = self.auth.band(caller, band)
+        return None
+
     def _client_key(self, request: Request) -> ClientKey | None:
         """What the request's session headers name (`llmgw.core.sessions.client_key`)."""
         sent: dict[str, str] = {}
@@ -307,26 +305,32 @@ class Edge:
         return client_key(sent, self.session_rules) if sent else None
 
     def _hold_tokens(
-        self, key: ApiKey, body: dict[str, Any], record: RequestRecord, ids: dict[str, str]
+        self,
+        caller: Caller | None,
+        body: dict[str, Any],
+        record: RequestRecord,
+        ids: dict[str, str],
     ) -> Response | None:
         """A tpm key's request counts its estimated tokens from now until it ends (its usage
         is counted then: `TokenCountingReporter`); checked again here, with the estimates of
         the requests let in while its body was read, so a burst passes tpm by one request at
-        most. The 429 to answer, or None."""
-        assert self.auth is not None and key.tpm is not None
+        most. The 429 to answer, or None (a request of no tpm key too)."""
+        if caller is None or caller.key.tpm is None or self.auth is None:
+            return None
+        tpm = caller.key.tpm
         limiter = self.auth.limiter
+        key_id = caller.key.key_id
         now = time.time()
-        if limiter.used(key.key_id, now)[1] >= key.tpm:
+        if limiter.used(key_id, now)[1] >= tpm:
             reset = limiter.window.reset_in(now)
             return error_response(
                 Outcome.RATE_LIMITED,
-                f"Rate limit reached for this API key on tokens per minute: limit {key.tpm}. "
+                f"Rate limit reached for this API key on tokens per minute: limit {tpm}. "
                 f"Please try again in {reset:.0f}s.",
                 retry_after_s=reset,
                 headers=ids,
             )
         estimate = estimate_input_tokens(body) + estimated_output(body, self.default_output)
-        key_id = key.key_id
         window = limiter.hold_tokens(key_id, estimate)
         record.when_sent(lambda: limiter.release_tokens(key_id, estimate, window))
         return None
@@ -352,14 +356,10 @@ class Edge:
             log.error(
                 "a model's tokenizer cannot be used; the earlier ones are kept", exc_info=True
             )
-        self.spend_header = config.spend.cost_header
         self.default_output = config.spend.default_output_tokens
         if self.auth is not None:  # a key without a default band of its own takes this one
             self.auth.default_band = config.admission.default_band
-        profiles = {m.name: config.profile_for_model(m.name) for m in config.models}
-        self.retries = {name: p.retries for name, p in profiles.items()}
-        self._timeouts = {name: p.timeouts for name, p in profiles.items()}
-        self._default_timeouts = config.timeouts
+        self._follow_attempts(config)
         # name or alias -> canonical name, as a plain dict for the hot path
         self._canonical = {
             m: canonical
@@ -368,6 +368,34 @@ class Edge:
         }
         for follower in self.deps.followers:
             follower(config, draining)
+
+    def _follow_attempts(self, config: Config) -> None:
+        """Attempts from the next one on take `config`'s retries, timeouts, cost header and
+        provider keys."""
+        deps = self.deps
+        profiles = {m.name: config.profile_for_model(m.name) for m in config.models}
+        attempt_deps = AttemptDeps(
+            edge_id=deps.edge_id,
+            admission=deps.admission,
+            leases=deps.leases,
+            reporter=deps.reporter,
+            upstream=deps.upstream,
+            metrics=deps.metrics,
+            telemetry=self.telemetry,
+            spend=deps.spend,
+            budgets=deps.budgets,
+            inject_usage=self.inject_usage,
+            spend_header=config.spend.cost_header,
+            retries={name: p.retries for name, p in profiles.items()},
+            timeouts={name: p.timeouts for name, p in profiles.items()},
+            default_timeouts=config.timeouts,
+            provider_headers=self.upstream_headers,
+        )
+        attempts: Attempts | None = getattr(self, "attempts", None)
+        if attempts is None:
+            self.attempts = Attempts(attempt_deps)
+        else:
+            attempts.deps = attempt_deps
 
     def model_for(self, caller: Caller | None, asked: str) -> str | None:
         """The canonical model `asked` names, or None when it is unknown or `caller`'s key may
@@ -420,7 +448,14 @@ class Edge:
         return JSONResponse({"id": model_id, "object": "model", "created": 0, "owned_by": "llmgw"})
 
 
-_JSON = {"content-type": "application/json"}
+def _session(
+    feature: Feature, model: str, body: dict[str, Any], client: ClientKey | None
+) -> str | None:
+    """The request's session (`llmgw.core.sessions.session_id`); a Messages request's is the
+    chat session of its opening."""
+    if feature is Feature.MESSAGES:
+        return session_id(Feature.CHAT, model, opening(body), client=client)
+    return session_id(feature, model, body, client=client)
 
 
 def _provider_auth_headers(config: Config, keys: dict[str, str]) -> dict[str, dict[str, str]]:

@@ -2,7 +2,7 @@
 
 `SpendBook.attempt_ended` prices one attempt (`llmgw.core.spend`: exact integer picos) and adds
 it to the edge's totals of the current UTC day per (key, tenant, provider, model), and to the
-``llmgw_spend_*`` metrics. An attempt is counted once, when it ends (`_AttemptEnd.finish` runs
+``llmgw_spend_*`` metrics. An attempt is counted once, when it ends (`AttemptEnd.finish` runs
 once per attempt), so a retry or a fallback is one more attempt, never the same one twice.
 
 What an attempt's tokens are (`llmgw.core.spend.billed_use`): its provider's usage when the
