@@ -30,6 +30,14 @@ Every attempt ends exactly once (`AttemptEnd`): its lease leaves the edge's tabl
 `RequestEnded` (release, sample, usage) is reported, however it ended. A lost lease
 (`LeaseStore.expired`) decides the outcome before anything else: `lease_lost`, never retried,
 never a breaker's input, never released.
+
+An attempt goes in steps, each a function of its own: admit (`admit_request` is what admission
+is asked, `not_admitted` the answer to its refusal), send (`upstream_request`: the path and body
+sent), classify (`classify`: what an answer other than 200 means; `retryable`: whether a failure
+is the endpoint's), finish (`whole_answer`, `streamed_answer`, and `AttemptEnd`); `Tries` decides
+whether another attempt follows a failed one. `Attempts.run` and `Attempts._attempt` only await
+the ports between them (the budget guard, admission, the upstream). What an attempt uses of the
+edge is a frozen `AttemptDeps`, made anew for each config the edge follows.
 """
 
 from __future__ import annotations
@@ -197,7 +205,7 @@ class RoutedRequest:
 class AttemptDeps:
     """What an attempt uses of the edge: its ports and parts, and what it reads of the config
     the edge runs on. Frozen: the edge makes a new one for each config it follows
-    (`Edge.follow_config`), and each attempt takes the one current when it begins."""
+    (`Edge.follow_config`); an attempt is sent on the one current once it is admitted."""
 
     edge_id: str
     admission: AdmissionClient
@@ -298,7 +306,7 @@ class Attempts:
                 ending.finish(Outcome.CLIENT_DISCONNECTED, sent=False)
                 return Response(status_code=499), Outcome.CLIENT_DISCONNECTED
             try:
-                result = await self._attempt(deps, routed, ending)
+                result = await self._attempt(routed, ending)
             except Exception:
                 # The gateway itself failed (a bug): the attempt still ends, so its lease is
                 # released and nothing stays held for a request that is over.
@@ -315,9 +323,10 @@ class Attempts:
             routed.record.retries += 1
 
     async def _attempt(
-        self, deps: AttemptDeps, routed: RoutedRequest, ending: AttemptEnd
+        self, routed: RoutedRequest, ending: AttemptEnd
     ) -> tuple[Answer, Outcome | None] | _Failed:
         """Send the admitted attempt, then classify what came back or finish with it."""
+        deps = self.deps  # the config the edge runs on once admitted (a queue may be long)
         target = ending.reply.target
         assert target is not None
         headers = answer_headers(routed, ending.reply)
