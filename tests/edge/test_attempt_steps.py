@@ -9,14 +9,19 @@ and reports its end; the whole path runs over real HTTP in the other tests of th
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import FrozenInstanceError
 from typing import Any
 
+import httpx
 import pytest
-from fakes import FakeAdmission, FakeLeases, RecordingReporter, target
+from fakes import FakeAdmission, FakeLeases, Queued, RecordingReporter, target
+from inproc import HeaderRecorder
+from test_usage_path import until
 
+from llmgw.config import config_from_dict
 from llmgw.config.sections import Timeouts
 from llmgw.core.ledger import LeaseKind, LeaseRecord
 from llmgw.core.outcomes import Outcome, Refusal
@@ -35,9 +40,13 @@ from llmgw.services.edge.attempts import (
     retryable,
     upstream_body,
 )
+from llmgw.services.edge.main import close_edge_deps
 from llmgw.services.edge.metrics import EdgeMetrics
 from llmgw.services.edge.telemetry import EdgeTelemetry, RequestRecord
 from llmgw.services.edge.upstream import UpstreamFailure, new_pool
+from llmgw.services.sim.apps import create_engine_app
+from llmgw.services.sim.params import EngineParams
+from llmgw.serving import start_server
 from llmgw.wire import AdmitReply, ContextExceeded, FailedAttempt, ReplyStatus, Target
 
 ENGINE = target("iris", "engine-1", "http://127.0.0.1:9", "m1")
@@ -458,3 +467,49 @@ async def test_the_edge_gives_its_attempts_a_new_record_for_each_config_it_follo
         assert now.provider_headers is edge.upstream_headers
     finally:
         await edge.prompts.aclose()
+
+
+async def test_an_attempt_is_sent_on_the_config_current_once_it_is_admitted(
+    make_gateway_config: Any, tmp_path: Any
+) -> None:
+    """A request that waited in admission's queue while the edge followed a new config (here its
+    provider's key file, rotated) is sent on the new one: what an attempt uses of the config is
+    read once it is admitted, not when the request began."""
+    recorder = HeaderRecorder(create_engine_app(EngineParams.zero_delay(), ["m1", "m2"]))
+    engine = await start_server(recorder)
+    key = tmp_path / "iris.key"
+    key.write_text("key-before\n")
+    nowhere = "http://127.0.0.1:9"
+    urls = {"engine-1": engine.url, "engine-2": nowhere, "tensorx-1": nowhere}
+    data = make_gateway_config("nats://127.0.0.1:9", urls).model_dump(
+        mode="json", exclude_unset=True
+    )
+    data["providers"][0]["api_key_file"] = str(key)  # iris
+    config = config_from_dict(data, source="<test>", env={})
+    queued = Queued(target("iris", "engine-1", engine.url, "m1"))
+    admission = FakeAdmission(queued)
+    deps = EdgeDeps(
+        admission=admission,
+        leases=FakeLeases(),
+        reporter=RecordingReporter(),
+        upstream=new_pool(config.timeouts),
+        metrics=EdgeMetrics(),
+        edge_id="edge-test",
+    )
+    app = create_app(config, deps)
+    server = await start_server(app)
+    try:
+        async with httpx.AsyncClient(timeout=10) as http:
+            asking = asyncio.create_task(http.post(server.url + "/v1/chat/completions", json=CHAT))
+            await until(lambda: admission.asked)  # queued
+            key.write_text("key-after\n")
+            app.edge.follow_config(config_from_dict(data, source="<test>", env={}))
+            queued.release.set()
+            response = await asking
+        assert response.status_code == 200, response.text
+        [sent] = recorder.seen
+        assert sent["authorization"] == "Bearer key-after"
+    finally:
+        await server.stop()
+        await engine.stop()
+        await close_edge_deps(deps)
