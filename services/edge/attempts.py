@@ -240,7 +240,7 @@ _JSON = {"content-type": "application/json"}
 
 
 @dataclass(frozen=True, slots=True)
-class _Failed:
+class Failed:
     """An attempt that failed before anything reached the client (another endpoint may do)."""
 
     response: Response
@@ -253,8 +253,9 @@ class _Failed:
 
 class Attempts:
     """A routed request's attempts, in steps: admit (`admit_request`, the reply read by
-    `not_admitted`), send (`upstream_body`), classify (`classify`, `retryable`), finish
-    (`AttemptEnd`, the answer whole or streamed); `Tries` decides whether another follows."""
+    `not_admitted`), send (`upstream_request`), classify (`classify`, `retryable`), finish
+    (`whole_answer`, `streamed_answer`, `AttemptEnd`); `Tries` decides whether another
+    follows one that failed."""
 
     def __init__(self, deps: AttemptDeps) -> None:
         self.deps = deps  # replaced (never changed) at each config the edge follows
@@ -315,7 +316,7 @@ class Attempts:
                 return error_response(
                     Outcome.INTERNAL_ERROR, INTERNAL_ERROR_MESSAGE, headers=routed.headers
                 ), Outcome.INTERNAL_ERROR
-            if not isinstance(result, _Failed):
+            if not isinstance(result, Failed):
                 return result
             if not tries.failed(result):
                 return result.response, result.outcome
@@ -324,7 +325,7 @@ class Attempts:
 
     async def _attempt(
         self, routed: RoutedRequest, ending: AttemptEnd
-    ) -> tuple[Answer, Outcome | None] | _Failed:
+    ) -> tuple[Answer, Outcome | None] | Failed:
         """Send the admitted attempt, then classify what came back or finish with it."""
         deps = self.deps  # the config the edge runs on once admitted (a queue may be long)
         target = ending.reply.target
@@ -401,9 +402,9 @@ class Tries:
         self._base = base
         self.retries = retries
         self.count = 0  # attempts that failed and were followed by another
-        self.failures = 0  # of them, the endpoints' failures (counted against `retries`)
+        self.failures = 0  # the endpoints' failures so far (counted against `retries`)
         self.excluded: tuple[str, ...] = ()
-        self.previous: _Failed | None = None
+        self.previous: Failed | None = None
         # What an engine's refusal for the request's length taught (one such retry at most,
         # beside the profile's `retries`: it is no endpoint's failure).
         self.exceeded: ContextExceeded | None = None
@@ -412,7 +413,7 @@ class Tries:
     def attempt_id(self) -> str:
         return self._base if self.count == 0 else f"{self._base}-{self.count}"
 
-    def failed(self, result: _Failed) -> bool:
+    def failed(self, result: Failed) -> bool:
         """Count the attempt that failed with `result`: True when another follows it."""
         if result.exceeded is not None:
             if self.exceeded is not None:  # its one retry for its length was spent
@@ -473,7 +474,7 @@ def admit_request(
 
 
 def not_admitted(
-    reply: AdmitReply, routed: RoutedRequest, previous: _Failed | None
+    reply: AdmitReply, routed: RoutedRequest, previous: Failed | None
 ) -> tuple[Response, Outcome]:
     """The client's answer when admission did not admit the attempt: its refusal, 499 for a
     client that left while queued, or a retry's earlier failure when the retry found nowhere
@@ -639,7 +640,7 @@ def answered_otherwise(
     payload: bytes,
     upstream_headers: dict[str, str],
     headers: dict[str, str],
-) -> tuple[Answer, Outcome | None] | _Failed:
+) -> tuple[Answer, Outcome | None] | Failed:
     """The attempt whose upstream answered other than 200 (`classify`)."""
     target = ending.reply.target
     assert target is not None and ending.status is not None
@@ -672,7 +673,7 @@ def whole_answer(
     payload: bytes,
     upstream_headers: dict[str, str],
     headers: dict[str, str],
-) -> tuple[Answer, Outcome | None] | _Failed:
+) -> tuple[Answer, Outcome | None] | Failed:
     """The client's answer from a whole 200 body; the attempt ends once it is on its way."""
     target = ending.reply.target
     assert target is not None
@@ -839,7 +840,7 @@ class AttemptEnd:
 
     def upstream_failed(
         self, failure: UpstreamFailure, headers: dict[str, str]
-    ) -> tuple[Response, Outcome] | _Failed:
+    ) -> tuple[Response, Outcome] | Failed:
         """`failed` as the upstream call failed: whether nothing accepted the connection (the
         breaker opens at once), and the status of an error event sent in place of a stream's
         first token."""
@@ -858,7 +859,7 @@ class AttemptEnd:
         message: str,
         headers: dict[str, str],
         response: Response | None = None,
-    ) -> tuple[Response, Outcome] | _Failed:
+    ) -> tuple[Response, Outcome] | Failed:
         """The attempt failed before the client got anything: lease_lost if the lease is gone
         (first: nothing else counts then), shutting_down if the drain cut it, else it ends with
         `outcome`, and is retried if the failure is the endpoint's (`retryable`)."""
@@ -880,7 +881,7 @@ class AttemptEnd:
             return response, outcome
         target = self.reply.target
         assert target is not None
-        return _Failed(
+        return Failed(
             response,
             outcome,
             target.endpoint,

@@ -30,15 +30,16 @@ from llmgw.services.edge.app import EdgeDeps, create_app
 from llmgw.services.edge.attempts import (
     AttemptDeps,
     AttemptEnd,
+    Failed,
     RoutedRequest,
     Tries,
-    _Failed,
     admit_request,
     answer_headers,
     classify,
     not_admitted,
     retryable,
     upstream_body,
+    upstream_request,
 )
 from llmgw.services.edge.main import close_edge_deps
 from llmgw.services.edge.metrics import EdgeMetrics
@@ -119,10 +120,10 @@ def attempt_deps() -> AttemptDeps:
     )
 
 
-def failure(endpoint: str = "engine-1", exceeded: ContextExceeded | None = None) -> _Failed:
+def failure(endpoint: str = "engine-1", exceeded: ContextExceeded | None = None) -> Failed:
     attempt = FailedAttempt(attempt="edge-test.0", endpoint=endpoint, outcome="upstream_error")
     answer = not_admitted(AdmitReply(id="x", status=ReplyStatus.REFUSED), routed(), None)[0]
-    return _Failed(answer, Outcome.UPSTREAM_ERROR, endpoint, "lease-1", attempt, exceeded)
+    return Failed(answer, Outcome.UPSTREAM_ERROR, endpoint, "lease-1", attempt, exceeded)
 
 
 # -- classify -----------------------------------------------------------------------------------
@@ -317,6 +318,11 @@ def test_the_client_s_bytes_go_upstream_unless_something_must_change() -> None:
     assert upstream_body(request.parsed, request.raw, ENGINE, inject_usage=False) is request.raw
 
 
+def test_an_openai_request_goes_to_its_api_s_path() -> None:
+    request = routed()
+    assert upstream_request(request, ENGINE, False) == ("/v1/chat/completions", request.raw)
+
+
 def test_the_body_sent_names_the_target_s_model_priority_and_usage() -> None:
     request = routed({**CHAT, "stream": True, "stream_options": {"continuous_usage_stats": 1}})
     priority = Target(**{**ENGINE.model_dump(), "priority": -5})
@@ -381,7 +387,7 @@ def test_a_failure_is_retried_with_what_the_breakers_learn() -> None:
     end.upstream_started = time.perf_counter()
     refused = UpstreamFailure(Outcome.UPSTREAM_UNREACHABLE, "refused", refused=True)
     result = end.upstream_failed(refused, {"x-request-id": "req-1"})
-    assert isinstance(result, _Failed)
+    assert isinstance(result, Failed)
     assert (result.endpoint, result.lease, result.outcome) == (
         "engine-1",
         "lease-1",
@@ -399,7 +405,7 @@ def test_a_stream_s_error_event_that_judges_the_request_is_the_client_s_answer()
     deps = attempt_deps()
     end = ending(deps)
     event = UpstreamFailure(Outcome.UPSTREAM_ERROR, "bad tool schema", 400)
-    response, outcome = end.upstream_failed(event, {})  # not a _Failed: no retry
+    response, outcome = end.upstream_failed(event, {})  # not a Failed: no retry
     assert outcome is Outcome.UPSTREAM_ERROR and response.status_code == 502
     assert deps.reporter.ended[0].status == 400
 
