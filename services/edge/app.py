@@ -199,13 +199,9 @@ class Edge:
             ), Outcome.BAD_REQUEST
         record.asked_model = parsed.model
         record.stream = parsed.stream
-        model = self.model_for(caller, parsed.model)
-        if model is None:
-            return model_not_found(parsed.model, ids), Outcome.MODEL_NOT_FOUND
-        record.model = model
-        refused = self._band(request, caller, record, ids)
-        if refused is not None:
-            return refused, Outcome.BAD_REQUEST
+        model = self._resolve(request, caller, parsed.model, record, ids)
+        if isinstance(model, tuple):
+            return model
         exchange: ApiExchange | None = None
         session: str | None
         client = self._client_key(request)
@@ -275,11 +271,21 @@ class Edge:
         )
         return await self.attempts.run(routed)
 
-    def _band(
-        self, request: Request, caller: Caller | None, record: RequestRecord, ids: dict[str, str]
-    ) -> Response | None:
-        """The request's priority band into `record`: its header's (when its key may use one),
-        else its key's. The 400 of a band that is not configured, or None."""
+    def _resolve(
+        self,
+        request: Request,
+        caller: Caller | None,
+        asked: str,
+        record: RequestRecord,
+        ids: dict[str, str],
+    ) -> str | tuple[Response, Outcome]:
+        """The canonical model `asked` names, and the request's priority band (its header's
+        when its key may use one, else its key's), both into `record`; or the answer to a model
+        the caller may not use or a band that is not configured."""
+        model = self.model_for(caller, asked)
+        if model is None:
+            return model_not_found(asked, ids), Outcome.MODEL_NOT_FOUND
+        record.model = model
         band = request.headers.get(self.band_header)
         if caller is not None and self.auth is not None and not caller.key.band_header:
             band = self.auth.band(caller, None)  # the header is not this key's to use
@@ -291,10 +297,10 @@ class Edge:
                 f"known bands: {', '.join(sorted(self.bands))}.",
                 param=self.band_header,
                 headers=ids,
-            )
+            ), Outcome.BAD_REQUEST
         if caller is not None and self.auth is not None:
             record.band = self.auth.band(caller, band)
-        return None
+        return model
 
     def _client_key(self, request: Request) -> ClientKey | None:
         """What the request's session headers name (`llmgw.core.sessions.client_key`)."""
