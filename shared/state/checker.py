@@ -25,6 +25,9 @@ by `AuditLog`, a `LedgerObserver`), replayed in time order:
               were granted under), across all instances
     quota     an instance granting beyond its own quota (leases >= g, unreserved >= u, pins >= p)
     double    a lease id granted while it is live
+    fenced    a lease granted on a pin by an instance that held that pin when it was fenced
+              (it decides nothing from its fence on; the pin left the count then, so I2c and
+              I3 cannot see such a grant)
 
 A lease is live from its grant until its end; an adoption moves it to its adopter (same id,
 still live, never counted twice). An instance that *crashed* (`AuditLog.crash`) ends nothing:
@@ -39,7 +42,8 @@ still held (a shard it could not hand over or release) is treated as a crashed i
 instance *fenced* (`LedgerObserver.fenced`, stamped when its fence took effect, which it may
 learn later) keeps its leases (their edges still run them) but not the pins it held then: it
 decides nothing with them, and another instance may have claimed the shard and pinned the
-session again where a pin's write had not landed. Pins it adds after its fence count.
+session again where a pin's write had not landed. Pins it adds after its fence count; a lease
+it grants on a pin it held at its fence is a breach of its own (``fenced``).
 """
 
 from __future__ import annotations
@@ -308,6 +312,8 @@ def check_audit(
     ] = {}  # (model, session) -> (provider, id, holder)
     pins_per_pair: dict[tuple[str, str], set[tuple[str, str]]] = defaultdict(set)
     crashed: dict[str, float] = {}
+    # instance -> (its fence's moment, the ids of the pins it held then)
+    fenced: dict[str, tuple[float, set[str]]] = {}
     expiries: list[tuple[float, str]] = []  # (time, lease id): crashed holders' leases
     # For the reports only: each live pin's adding event, each pair's last pin events, and
     # the instances' crashes and stops.
@@ -379,10 +385,12 @@ def check_audit(
             # nobody until it drops them (the shard's next owner adopts their bucket copies, or
             # the session pins again where a write had not landed). A pin it adds later counts.
             lifecycle.append(event)
-            for skey, (provider, _, holder) in list(pins.items()):
+            dropped = fenced.setdefault(event.instance, (event.at, set()))[1]
+            for skey, (provider, pin_id, holder) in list(pins.items()):
                 if holder == event.instance:
                     del pins[skey]
                     pins_per_pair[(provider, skey[0])].discard(skey)
+                    dropped.add(pin_id)
             continue
         if event.kind in ("granted", "adopted"):
             lease = event.lease
@@ -398,6 +406,24 @@ def check_audit(
                         lease.lease_id,
                         index,
                         f"granted by {where} while live at {current[0]}",
+                    )
+                )
+            fence = fenced.get(where)
+            if (
+                event.kind == "granted"
+                and fence is not None
+                and event.at > fence[0]
+                and lease.pin_id is not None
+                and lease.pin_id in fence[1]
+            ):
+                violations.append(
+                    Violation(
+                        "fenced",
+                        lease.lease_id,
+                        index,
+                        f"granted by {where} on pin {lease.pin_id}, which it held when fenced "
+                        f"at {fence[0]:.3f}",
+                        "  instances: " + (", ".join(e.describe() for e in lifecycle) or "-"),
                     )
                 )
             if event.kind == "granted" and event.quota is not None and event.use is not None:

@@ -89,6 +89,30 @@ def test_a_fenced_instances_pins_leave_the_count_but_a_pin_it_adds_after_is_caug
     assert "added by g while pin p3 lives at r" in found[0].message
 
 
+def test_a_lease_a_fenced_instance_grants_on_a_pin_it_held_is_caught():
+    """Its pins leave the count at its fence, so I2c and I3 no longer see a lease on one: a
+    grant on such a pin after the fence is a breach of its own. Before the fence it is not,
+    and a lease on a pin it adds after the fence counts like any other."""
+    Clock.t = 0.0
+    log = AuditLog(clock=Clock())
+    add(log, "g", "s1", "p1")  # t=1
+    on_pin = LeaseRecord(
+        "before", "a", "m", LeaseKind.PINNED, False, 0, "edge", 0.0, 0.0, "s1", "p1"
+    )
+    log.observer("g").lease_granted(on_pin, None, (0, 0, 1))  # t=2: still deciding
+    log.observer("g").fenced(2.5)
+    assert check(log) == []
+    late = LeaseRecord("late", "a", "m", LeaseKind.PINNED, False, 0, "edge", 0.0, 0.0, "s1", "p1")
+    log.observer("g").lease_granted(late, None, (1, 0, 0))  # t=3: a fenced instance decides
+    found = check(log)
+    assert [v.invariant for v in found] == ["fenced"]
+    assert "granted by g on pin p1, which it held when fenced at 2.500" in found[0].message
+    add(log, "g", "s2", "p2")  # t=4: pins it adds after its fence count, and so do their leases
+    again = LeaseRecord("new", "a", "m", LeaseKind.NEW_PIN, False, 0, "edge", 0.0, 0.0, "s2", "p2")
+    log.observer("g").lease_granted(again, None, (1, 0, 1))
+    assert [v.invariant for v in check(log)] == ["fenced"]
+
+
 def lease(lease_id: str, key: str = "k1") -> LeaseRecord:
     return LeaseRecord(
         lease_id, "a", "m", LeaseKind.TEMPORARY, True, 0, "edge", 0.0, 0.0, key=key, key_limit=1
