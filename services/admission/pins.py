@@ -12,6 +12,11 @@ the key and writes its own value over it. A write that fails for another reason 
 unreachable, the bucket's stream electing a leader) leaves the key's revision unknown and is
 tried again every second (the newest value then; the next write reads first), for up to a
 minute. What a crash loses is only durability: the session re-pins, a prefix-cache miss.
+
+A shard this instance drops without a handover (its key names another owner, or the instance is
+lost: `abandon`) belongs to someone else from then on: its writes still queued, stalled or due
+for a retry are not made (a write waiting for a stalled connection would otherwise read the
+next owner's copy on its conflict and write over it). Only a call already on the wire lands.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import logging
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
-from llmgw.core.keys import PinValue
+from llmgw.core.keys import PinValue, pin_shard_prefix
 from llmgw.state.kv import CasConflict
 
 if TYPE_CHECKING:
@@ -59,6 +64,11 @@ class PinWriter:
         self.failures = 0
         self.overwrites = 0
         self.on_failure: Callable[[str, Exception], None] | None = None
+        # Bumped by `abandon`: a write runs only while its shard's and the writer's epochs are
+        # the ones it was asked under.
+        self._epoch = 0
+        self._shard_epoch: dict[int, int] = {}
+        self.abandoned = 0  # writes not made because their shard was dropped
 
     def known(self, key: str, revision: int) -> None:
         """A pin loaded from the bucket (adoption): its current revision."""
@@ -70,29 +80,59 @@ class PinWriter:
     def pending(self) -> int:
         return sum(1 for f in self._last.values() if not f.done())
 
+    def abandon(self, shard: int | None = None) -> None:
+        """The shard (every shard: None, the instance is lost) is no longer this instance's:
+        its writes not made yet never are, and its keys' revisions are forgotten."""
+        if shard is None:
+            self._epoch += 1
+            self._revision.clear()
+        else:
+            self._shard_epoch[shard] = self._shard_epoch.get(shard, 0) + 1
+            prefix = pin_shard_prefix(shard)
+            for key in [k for k in self._revision if k.startswith(prefix)]:
+                del self._revision[key]
+
+    def _ticket(self, shard: int) -> tuple[int, int, int]:
+        return (shard, self._epoch, self._shard_epoch.get(shard, 0))
+
+    def _valid(self, ticket: tuple[int, int, int]) -> bool:
+        return ticket == self._ticket(ticket[0])
+
     # ---- what the owner asks for ------------------------------------------------------------
 
     def put(self, pin: PinRecord) -> None:
         """Store the pin's current value (a new pin, a move, a refresh)."""
-        self._chain(pin.key, self._put(pin.key, stored_value(pin)), self._again(pin, False))
+        ticket = self._ticket(pin.shard)
+        self._chain(
+            pin.key, ticket, self._put(pin.key, stored_value(pin), ticket), self._again(pin, False)
+        )
 
     def delete(self, pin: PinRecord) -> None:
-        self._chain(pin.key, self._delete(pin.key), self._again(pin, True))
+        ticket = self._ticket(pin.shard)
+        self._chain(pin.key, ticket, self._delete(pin.key, ticket), self._again(pin, True))
 
     def _again(self, pin: PinRecord, deleting: bool, attempt: int = 1) -> Callable[[], None]:
         """What to do after a failed write: try once more a second later, with what the
         ledger holds then (a later write for the key supersedes this one)."""
 
+        ticket = self._ticket(pin.shard)
+
         def retry() -> None:
-            if attempt > _RETRIES or pin.key in self._last:
-                return  # gave up, or a newer write for the key is queued
+            if attempt > _RETRIES or pin.key in self._last or not self._valid(ticket):
+                return  # gave up, a newer write for the key is queued, or the shard is gone
             current = self.ledger.pins.get((pin.model, pin.session))
             if deleting and current is None:
-                self._chain(pin.key, self._delete(pin.key), self._again(pin, True, attempt + 1))
+                self._chain(
+                    pin.key,
+                    ticket,
+                    self._delete(pin.key, ticket),
+                    self._again(pin, True, attempt + 1),
+                )
             elif not deleting and current is not None and current.key == pin.key:
                 self._chain(
                     pin.key,
-                    self._put(pin.key, stored_value(current)),
+                    ticket,
+                    self._put(pin.key, stored_value(current), ticket),
                     self._again(current, False, attempt + 1),
                 )
 
@@ -110,7 +150,11 @@ class PinWriter:
     # ---- the writes -------------------------------------------------------------------------
 
     def _chain(
-        self, key: str, write: Coroutine[Any, Any, None], on_failure: Callable[[], None]
+        self,
+        key: str,
+        ticket: tuple[int, int, int],
+        write: Coroutine[Any, Any, None],
+        on_failure: Callable[[], None],
     ) -> None:
         previous = self._last.get(key)
 
@@ -118,11 +162,20 @@ class PinWriter:
             if previous is not None and not previous.done():
                 with contextlib.suppress(Exception):
                     await asyncio.shield(previous)
+            if not self._valid(ticket):
+                write.close()
+                self.abandoned += 1
+                return
             try:
                 await write
+            except _Abandoned:
+                self.abandoned += 1
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
+                if not self._valid(ticket):
+                    self.abandoned += 1
+                    return
                 self.failures += 1
                 self._revision[key] = _UNKNOWN
                 log.warning("pin %s not written (trying again): %s", key, exc)
@@ -138,43 +191,58 @@ class PinWriter:
         if self._last.get(key) is future:
             del self._last[key]
 
-    async def _current(self, key: str) -> int:
+    def _still(self, ticket: tuple[int, int, int]) -> None:
+        """Before each call to the bucket: stop if the shard was dropped meanwhile."""
+        if not self._valid(ticket):
+            raise _Abandoned
+
+    async def _current(self, key: str, ticket: tuple[int, int, int]) -> int:
         """The revision to write at: ours, or (unknown) what the key holds now (0: absent)."""
         revision = self._revision.get(key, 0)
         if revision != _UNKNOWN:
             return revision
         stored = await self.store.get_pin(key)
+        self._still(ticket)
         return 0 if stored is None else stored.revision
 
-    async def _put(self, key: str, value: PinValue) -> None:
-        revision = await self._current(key)
+    async def _put(self, key: str, value: PinValue, ticket: tuple[int, int, int]) -> None:
+        revision = await self._current(key, ticket)
         try:
             if revision == 0:
                 written = await self.store.create_pin(key, value)
             else:
                 written = await self.store.update_pin(key, value, revision)
         except CasConflict:
+            self._still(ticket)  # the next owner's copy, maybe: never written over
             self.overwrites += 1
             stored = await self.store.get_pin(key)
+            self._still(ticket)
             if stored is None:
                 written = await self.store.create_pin(key, value)
             else:
                 written = await self.store.update_pin(key, value, stored.revision)
+        self._still(ticket)
         self._revision[key] = written
         pin = self.ledger.pins.get((value.model, value.session))
         if pin is not None and pin.key == key and pin.pin_id == value.pin_id:
             pin.revision = written
             pin.stored_refreshed_at = max(pin.stored_refreshed_at, value.refreshed_at)
 
-    async def _delete(self, key: str) -> None:
-        revision = await self._current(key)
+    async def _delete(self, key: str, ticket: tuple[int, int, int]) -> None:
+        revision = await self._current(key, ticket)
         if revision == 0:
             self._revision.pop(key, None)
             return
         try:
             await self.store.delete_pin(key, revision)
         except CasConflict:
+            self._still(ticket)
             stored = await self.store.get_pin(key)
+            self._still(ticket)
             if stored is not None:
                 await self.store.delete_pin(key, stored.revision)
         self._revision.pop(key, None)
+
+
+class _Abandoned(Exception):
+    """The write's shard was dropped while it waited on the bucket: it stops there."""

@@ -390,6 +390,7 @@ class AdmissionService:
         id (unless stopping: then the shards are left to be claimed)."""
         if self.membership.fenced_at is not None:
             self.ledger.observer.fenced(self.membership.fenced_at)
+        self.pins.abandon()  # its shards are others' to claim: no queued pin write lands
         if self._stopping:
             return
         self._spawn(self._rejoin())

@@ -133,3 +133,37 @@ async def test_a_pin_a_fenced_instance_could_not_write_is_no_second_live_pin(rig
     finally:
         writes.go.set()
         heartbeats.go.set()
+
+
+async def test_a_pin_write_a_lost_instance_queued_does_not_land_after_it_dropped_the_shard(rig):
+    """The pin write of the fenced instance is stalled (a slow connection) while the shard's
+    next owner pins the session again. Once the fenced instance has dropped the shard, its
+    stalled write goes on: it must not land (its conflict path reads the key and writes over
+    it), or the bucket's copy names a pin nobody holds and the owner's is lost."""
+    fenced, owner, session, shard = _parts(rig)
+    await rig.report_all(running=0, kv_usage=0.1)
+    writes = fenced.pins.store = _Held(fenced.pins.store, "create_pin", "update_pin", "get_pin")
+    heartbeats = fenced.membership.store = _Held(fenced.membership.store, "renew_member")
+    try:
+        first = await fenced.decide(rig.request(band="gold", session=session))
+        assert admitted(first) and first.owner == fenced.instance, first
+        model = first.served_model
+        key = fenced.ledger.pin(model, session).key
+        await until(lambda: not fenced.membership.can_serve(), timeout=5, what="the fence")
+        await until(lambda: shard in owner.shards.serving, timeout=10, what="the claim")
+        again = await owner.decide(rig.request(band="gold", session=session))
+        assert admitted(again) and again.route == "new_pin", again
+        ours = owner.ledger.pin(model, session)
+        await owner.pins.drain([key])
+        assert (await owner.pins.store.get_pin(key)).value.pin_id == ours.pin_id
+
+        heartbeats.go.set()  # it learns it is lost, and drops the shard
+        await until(lambda: fenced.ledger.pin(model, session) is None, what="the drop")
+        writes.go.set()  # its stalled write goes on
+        await fenced.pins.drain()
+        stored = await owner.pins.store.get_pin(key)
+        assert stored is not None and stored.value.pin_id == ours.pin_id, stored
+        assert owner.ledger.pin(model, session) is ours
+    finally:
+        writes.go.set()
+        heartbeats.go.set()
