@@ -194,7 +194,9 @@ def served_change(
     """What an endpoint whose models came from its engine serves now, when that differs from
     `models` and `upstream_model` (the record's): the engine's served names read again
     (`match_served`). A model still served keeps the name it goes upstream under while the
-    engine still lists that name (a rename given by hand stays). None: nothing changed, or
+    engine still lists that name and the config does not name another model by it (a rename
+    given by hand stays; an alias an applied config moved to another model does not: it
+    would send this model's requests to that one). None: nothing changed, or
     the engine serves none of the provider's models now (an engine restarting, or one whose
     list is empty for a moment, keeps what it had: placement's health checks judge it)."""
     served_list = list(served)
@@ -206,7 +208,7 @@ def served_change(
     renames = dict(found.upstream_model)
     for model in found.models:
         kept = upstream_model.get(model, model)  # the name it goes upstream under now
-        if model in current and kept in names:
+        if model in current and kept in names and canonical.get(kept, model) == model:
             if kept == model:
                 renames.pop(model, None)
             else:

@@ -168,6 +168,25 @@ def test_an_adapter_loaded_then_unloaded_is_followed_and_a_hand_rename_stays_whi
     assert served_change(["llama-3.3-70b"], hand, both, canonical, offered) is None
 
 
+def test_a_kept_upstream_name_that_an_applied_config_moved_to_another_model_is_not_kept():
+    """The engine serves two adapters; `sql-lora` was sql's alias and `chat-lora` chat's. An
+    applied config swaps the aliases: each model now goes upstream under its new alias, not
+    under the name that reaches the other model."""
+    served = [ServedModel("llama"), ServedModel("sql-lora", "llama"), ServedModel("chat-lora")]
+    offered = ["sql", "chat"]
+    record = {"sql": "sql-lora", "chat": "chat-lora"}
+    before = {"sql-lora": "sql", "chat-lora": "chat", "sql": "sql", "chat": "chat"}
+    assert served_change(["sql", "chat"], record, served, before, offered) is None
+    swapped = {"sql-lora": "chat", "chat-lora": "sql", "sql": "sql", "chat": "chat"}
+    moved = served_change(["sql", "chat"], record, served, swapped, offered)
+    assert moved is not None and moved.models == ("sql", "chat")
+    assert moved.upstream_model == {"sql": "chat-lora", "chat": "sql-lora"}
+    # A hand rename to a name the config does not know stays (it reaches no other model).
+    hand = {"sql": "sql-v2", "chat": "chat-lora"}
+    listed = [*served, ServedModel("sql-v2", "llama")]
+    assert served_change(["sql", "chat"], hand, listed, before, offered) is None
+
+
 @given(
     st.lists(st.builds(ServedModel, names, st.one_of(st.none(), names))),
     st.dictionaries(names, st.sampled_from(["a", "b", "c"])),
@@ -189,6 +208,8 @@ def test_following_an_engines_list_serves_what_it_lists_and_settles_after_one_ch
     assert change.models == found.models
     for model in change.models:
         assert change.upstream_model.get(model, model) in ids  # reached by a served name
+        # never under a name the config gives another model
+        assert canonical.get(change.upstream_model.get(model, model), model) == model
     assert set(change.upstream_model) <= set(change.models)
     assert served_change(change.models, change.upstream_model, served, canonical, offered) is None
 
