@@ -275,15 +275,19 @@ class FleetOps:
                 code="invalid_value",
                 param="id",
             )
-        merged = {**record.endpoint.model_dump(mode="json", exclude_none=True), **changes}
-        endpoint = self._validate(merged)
+        endpoint = self._changed_endpoint(record, changes)
         if probe and endpoint.url != record.endpoint.url:
             await self._probe(endpoint)
-        # Models given by hand end following the engine's list.
-        fields: dict[str, Any] = {"endpoint": endpoint}
-        if "models" in changes:
-            fields["models_from_engine"] = False
-        changed = await self._changed(endpoint_id, lambda r: r.model_copy(update=fields))
+
+        def change(current: FleetRecord) -> FleetRecord:
+            # The changes go onto the record as it is at the write (re-read on a conflict): a
+            # write that landed since the read above (the model follower's) is kept.
+            fields: dict[str, Any] = {"endpoint": self._changed_endpoint(current, changes)}
+            if "models" in changes:  # models given by hand end following the engine's list
+                fields["models_from_engine"] = False
+            return current.model_copy(update=fields)
+
+        changed = await self._changed(endpoint_id, change)
         return describe(changed, None)
 
     async def set_state(self, endpoint_id: str, state: EndpointState) -> dict[str, Any]:
@@ -331,6 +335,10 @@ class FleetOps:
         return describe(removed, held)
 
     # ---- helpers ----------------------------------------------------------------------------
+
+    def _changed_endpoint(self, record: FleetRecord, changes: Mapping[str, Any]) -> EndpointConfig:
+        merged = {**record.endpoint.model_dump(mode="json", exclude_none=True), **changes}
+        return self._validate(merged)
 
     def _validate(self, spec: Mapping[str, Any]) -> EndpointConfig:
         if not isinstance(spec, Mapping):

@@ -8,7 +8,7 @@ answered 404 for a model it lists) has the list read at once, once for a burst."
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -21,6 +21,7 @@ from nats.aio.client import Client as NatsClient
 
 from llmgw.config import Config, config_from_dict
 from llmgw.config.fleet import fleet_bucket
+from llmgw.fleet import FleetRecord
 from llmgw.services.fleet.apply import apply_file
 from llmgw.services.fleet.ops import FleetOps, running_config
 from llmgw.services.fleet.served import ServedModelsFollower
@@ -243,3 +244,38 @@ async def test_a_burst_of_notices_is_one_read_and_one_during_the_read_is_one_mor
     assert reads == ["model_unloaded", "model_unloaded"]
     assert (await served_at(fleet, "engine-9"))[0] == ["llama-3.3-70b"]
     assert follower.changed == 1  # the second read found the list as the first left it
+
+
+class Raced(FleetBucket):
+    """The fleet bucket as a hand change sees it: `between` runs once, right after its first
+    read (another writer lands between the operator's read and write)."""
+
+    between: Callable[[], Awaitable[None]] | None = None
+
+    async def get(self, endpoint_id: str) -> tuple[FleetRecord, int]:
+        got = await super().get(endpoint_id)
+        if self.between is not None:
+            between, self.between = self.between, None
+            await between()
+        return got
+
+
+async def test_a_hand_update_that_races_a_follower_write_keeps_what_the_follower_wrote(
+    ops: FleetOps,
+    fleet: FleetBucket,
+    engine: RunningServer,
+    follower: ServedModelsFollower,
+    config: Config,
+) -> None:
+    await ops.add({"id": "engine-9", "url": engine.url, "provider": "iris"})
+    assert (await lora(engine, "load", "sql-lora")).status_code == 200
+    raced = Raced(fleet.kv)
+    raced.between = follower.sweep  # the adapter is followed while the operator changes weight
+    await FleetOps(raced, config, Leases()).update("engine-9", {"weight": 50})
+    record, _ = await fleet.get("engine-9")
+    assert follower.changed == 1 and record.endpoint.weight == 50
+    assert await served_at(fleet, "engine-9") == (
+        ["llama-3.3-70b", "sql-assistant"],
+        {"llama-3.3-70b": "llama", "sql-assistant": "sql-lora"},
+    )
+    assert record.models_from_engine  # the operator gave no models: it still follows
