@@ -16,9 +16,12 @@ reaper of the queue group hears it: `listen`): that endpoint's list is read at o
 requests') join it; a notice that arrives while the list is being read is answered by one more
 read after it (the engine may have answered before the change). So a burst of 404s is one read.
 
-Each change is one CAS on the record as read, so a change by hand that lands meanwhile wins
-(the follower reads again next time). Several reapers may run: their changes are the same and
-CAS keeps one. One HTTP client is kept for the follower's life.
+Each engine's list is followed as soon as it is read, by CAS on the record read again then
+(and again on a conflict), so a registrant's heartbeats, however often they land, never lose
+the change. A change by hand that landed meanwhile wins: a record that no longer follows its
+engine, moved to another URL or provider, or was drained is left alone (the next read judges
+it). Several reapers may run: the first write makes the others' changes nothing to write. One
+HTTP client is kept for the follower's life.
 """
 
 from __future__ import annotations
@@ -173,12 +176,13 @@ class ServedModelsFollower:
             return
         config = await self._config()
         trigger: Trigger = "interval" if only is None else "model_unloaded"
-        served = await asyncio.gather(
-            *(self._served(r.endpoint.url, trigger) for r, _ in following.values())
-        )
-        for (record, revision), names in zip(following.values(), served, strict=True):
-            if names is not None:
-                await self._follow(config, record, revision, names)
+        await asyncio.gather(*(self._read(config, r, trigger) for r, _ in following.values()))
+
+    async def _read(self, config: Config, record: FleetRecord, trigger: Trigger) -> None:
+        """Read one engine's list and follow it at once (not after every other engine's)."""
+        served = await self._served(record.endpoint.url, trigger)
+        if served is not None:
+            await self._follow(config, record, served)
 
     async def _served(self, url: str, trigger: Trigger) -> list[ServedModel] | None:
         """The engine's served names; None when it does not answer a model list."""
@@ -194,14 +198,46 @@ class ServedModelsFollower:
             except (httpx.HTTPError, OSError, ValueError):
                 return None
 
-    async def _follow(
-        self, config: Config, record: FleetRecord, revision: int, served: list[ServedModel]
-    ) -> None:
-        endpoint = record.endpoint
+    async def _follow(self, config: Config, read: FleetRecord, served: list[ServedModel]) -> None:
+        """Write what the engine serves now into the record, read again at the write."""
+        outcome: list[tuple[EndpointConfig, EndpointConfig]] = []  # (was, now) when written
+
+        def follow(record: FleetRecord) -> FleetRecord | None:
+            endpoint = record.endpoint
+            if (
+                not record.models_from_engine
+                or record.state is not EndpointState.ACTIVE
+                or endpoint.url != read.endpoint.url
+                or endpoint.provider != read.endpoint.provider
+            ):
+                return None  # changed by hand since the list was asked for: next time
+            followed = self._followed(config, endpoint, served)
+            if followed is None:
+                return None
+            outcome[:] = [(endpoint, followed)]
+            return record.model_copy(update={"endpoint": followed})
+
+        # Removed meanwhile, or a conflict on every one of the tries: next time.
+        with contextlib.suppress(CasConflict, LookupError):
+            if await self.bucket.change_if(read.id, follow) is not None:
+                self.changed += 1
+                was, now = outcome[0]
+                log.info(
+                    "endpoint %s serves %s now (was %s)",
+                    now.id,
+                    ", ".join(now.models),
+                    ", ".join(was.models),
+                )
+
+    def _followed(
+        self, config: Config, endpoint: EndpointConfig, served: list[ServedModel]
+    ) -> EndpointConfig | None:
+        """The endpoint serving what its engine lists, or None: nothing to change (or a change
+        that does not fit the config, logged)."""
         try:
             provider = config.provider(endpoint.provider)
         except KeyError:
-            return  # the live config left this endpoint out already (llmgw.fleet.live_config)
+            return None  # the live config left this endpoint out already (live_config)
         canonical = config.model_names()
         offered = [m.name for m in provider.models]
         change = served_change(endpoint.models, endpoint.upstream_model, served, canonical, offered)
@@ -219,7 +255,7 @@ class ServedModelsFollower:
                     )
             else:
                 self._unmatched.discard(endpoint.id)
-            return
+            return None
         self._unmatched.discard(endpoint.id)
         fields = endpoint.model_dump(mode="json", exclude_none=True)
         fields.update(models=list(change.models), upstream_model=dict(change.upstream_model))
@@ -227,17 +263,9 @@ class ServedModelsFollower:
             followed = EndpointConfig.model_validate(fields)
         except ValidationError as exc:
             log.warning("endpoint %s: what its engine serves does not fit: %s", endpoint.id, exc)
-            return
+            return None
         problems = endpoint_problems(config, followed)
         if problems:
             log.warning("endpoint %s: %s", endpoint.id, "; ".join(problems))
-            return
-        with contextlib.suppress(CasConflict, LookupError):  # changed meanwhile: next time
-            await self.bucket.replace(record.model_copy(update={"endpoint": followed}), revision)
-            self.changed += 1
-            log.info(
-                "endpoint %s serves %s now (was %s)",
-                endpoint.id,
-                ", ".join(followed.models),
-                ", ".join(endpoint.models),
-            )
+            return None
+        return followed

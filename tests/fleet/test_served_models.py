@@ -279,3 +279,43 @@ async def test_a_hand_update_that_races_a_follower_write_keeps_what_the_follower
         {"llama-3.3-70b": "llama", "sql-assistant": "sql-lora"},
     )
     assert record.models_from_engine  # the operator gave no models: it still follows
+
+
+@pytest_asyncio.fixture
+async def heartbeating() -> AsyncIterator[tuple[RunningServer, list[Callable[[], Awaitable[Any]]]]]:
+    """An engine (the base as `llama`) whose `GET /v1/models` first runs the hooks given (a
+    registrant's heartbeat landing while the follower reads the list: a slow sweep, a fast
+    heartbeat)."""
+    hooks: list[Callable[[], Awaitable[Any]]] = []
+    app = create_engine_app(EngineParams.zero_delay(served_models=["llama"], max_num_seqs=4))
+
+    async def engine_app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] == "/v1/models":
+            for hook in hooks:
+                await hook()
+        await app(scope, receive, send)
+
+    server = await start_server(engine_app)
+    try:
+        yield server, hooks
+    finally:
+        await server.stop()
+
+
+async def test_a_registrant_that_heartbeats_during_every_read_still_has_its_models_followed(
+    ops: FleetOps,
+    fleet: FleetBucket,
+    follower: ServedModelsFollower,
+    heartbeating: tuple[RunningServer, list[Callable[[], Awaitable[Any]]]],
+) -> None:
+    engine, hooks = heartbeating
+    await ops.register({"id": "engine-9", "url": engine.url, "provider": "iris"}, 5)
+    assert (await lora(engine, "load", "sql-lora")).status_code == 200
+    hooks.append(lambda: ops.heartbeat("engine-9"))
+    for _ in range(2):  # every read: a heartbeat lands while the list is read
+        await follower.sweep()
+    assert await served_at(fleet, "engine-9") == (
+        ["llama-3.3-70b", "sql-assistant"],
+        {"llama-3.3-70b": "llama", "sql-assistant": "sql-lora"},
+    )
+    assert follower.changed == 1
