@@ -7,8 +7,9 @@ runs on it ends); silent for twice its TTL, drained and with no lease left at an
 instance, it is removed.
 
 Silence is measured on the janitor's own monotonic clock: the time since it saw the record's
-heartbeat change (a new ``heartbeat_at``, or any new write of the record but its own drain),
-never the registrant's ``heartbeat_at`` against this host's wall clock, so the hosts' clocks
+heartbeat change (a new ``heartbeat_at``, or any new write of the record but its own drain and
+the model follower's: what the engine serves, written by the reaper, says nothing of whether
+its registrant is alive), never the registrant's ``heartbeat_at`` against this host's wall clock, so the hosts' clocks
 need not agree (`llmgw.core.fleet.heard`). A record it sees for the first time (a new
 registration, or every one after the reaper restarted) counts as heard then: a registration
 that died while no reaper ran is drained a TTL after the reaper is back.
@@ -24,14 +25,25 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Hashable
+from typing import Any
 
 from llmgw.core.fleet import EndpointState, HeartbeatVerdict, heard, heartbeat_verdict
+from llmgw.fleet import FleetRecord
 from llmgw.state.fleet import FleetBucket
 from llmgw.state.kv import CasConflict
 
-__all__ = ["HeartbeatJanitor"]
+__all__ = ["HeartbeatJanitor", "heartbeat_token"]
 
 log = logging.getLogger("llmgw.fleet")
+
+# What the model follower writes (`llmgw.services.fleet.served`), and when a record was written.
+_NOT_HEARD: dict[str, Any] = {"changed_at": True, "endpoint": {"models", "upstream_model"}}
+
+
+def heartbeat_token(record: FleetRecord) -> Hashable:
+    """What changes with a heartbeat, or with any write of the record but the model
+    follower's (its models and their upstream names)."""
+    return record.model_dump_json(exclude=_NOT_HEARD)
 
 
 class HeartbeatJanitor:
@@ -73,7 +85,7 @@ class HeartbeatJanitor:
         entries = await self.bucket.revisions()
         registered = {i: e for i, e in entries.items() if e[0].heartbeat_ttl is not None}
         now = self._clock()
-        tokens = {i: (r.heartbeat_at, revision) for i, (r, revision) in registered.items()}
+        tokens = {i: heartbeat_token(r) for i, (r, _) in registered.items()}
         self._heard = heard(self._heard, tokens, now)
         if not registered:
             return
@@ -94,9 +106,9 @@ class HeartbeatJanitor:
             with contextlib.suppress(CasConflict, LookupError):  # it changed meanwhile
                 if verdict is HeartbeatVerdict.DRAIN:
                     draining = record.model_copy(update={"state": EndpointState.DRAINING})
-                    written = await self.bucket.replace(draining, revision)
+                    await self.bucket.replace(draining, revision)
                     # Its own write is no heartbeat: the silence goes on counting.
-                    self._heard[endpoint_id] = ((record.heartbeat_at, written), heard_at)
+                    self._heard[endpoint_id] = (heartbeat_token(draining), heard_at)
                     self.drained += 1
                     log.info("endpoint %s stopped heartbeating: draining it", endpoint_id)
                 elif verdict is HeartbeatVerdict.REMOVE:

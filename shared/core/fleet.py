@@ -100,7 +100,8 @@ def heard(
 ) -> dict[str, tuple[Hashable, float]]:
     """When each endpoint was last heard from, on the caller's own clock: ``{id: (token, at)}``
     where `token` is what changes with each heartbeat (the time its registrant wrote, the
-    record's revision) and `at` when the caller first saw that token. A new token is heard
+    record's fields a heartbeat or a hand change writes) and `at` when the caller first saw
+    that token. A new token is heard
     `now`; so is an endpoint seen for the first time (after a restart the caller knows nothing
     older: it waits a whole ttl before judging it silent). Endpoints not in `tokens` are
     forgotten."""

@@ -21,8 +21,10 @@ from nats.aio.client import Client as NatsClient
 
 from llmgw.config import Config, config_from_dict
 from llmgw.config.fleet import fleet_bucket
+from llmgw.core.fleet import EndpointState
 from llmgw.fleet import FleetRecord
 from llmgw.services.fleet.apply import apply_file
+from llmgw.services.fleet.janitor import HeartbeatJanitor
 from llmgw.services.fleet.ops import FleetOps, running_config
 from llmgw.services.fleet.served import ServedModelsFollower
 from llmgw.services.sim.apps import create_engine_app
@@ -319,3 +321,27 @@ async def test_a_registrant_that_heartbeats_during_every_read_still_has_its_mode
         {"llama-3.3-70b": "llama", "sql-assistant": "sql-lora"},
     )
     assert follower.changed == 1
+
+
+async def test_a_follower_write_is_no_heartbeat_of_a_silent_registrant(
+    ops: FleetOps, fleet: FleetBucket, engine: RunningServer, follower: ServedModelsFollower
+) -> None:
+    """The janitor hears a registrant when its record changes; the follower's write of what
+    the engine serves is the reaper's own, and must not put off the drain of a dead sidecar."""
+    mono = [100.0]  # the reaper's monotonic clock, stepped
+    janitor = HeartbeatJanitor(fleet, Leases(), clock=lambda: mono[0])
+    await ops.register({"id": "engine-9", "url": engine.url, "provider": "iris"}, 2)
+    await janitor.sweep()  # heard now; its sidecar is silent from here on
+    mono[0] += 1.5
+    assert (await lora(engine, "load", "sql-lora")).status_code == 200
+    await follower.sweep()
+    assert follower.changed == 1
+    await janitor.sweep()
+    mono[0] += 0.6  # silent for 2.1 s > its ttl of 2 s
+    await janitor.sweep()
+    record, _ = await fleet.get("engine-9")
+    assert record.state is EndpointState.DRAINING and janitor.drained == 1
+    assert janitor.silent_for("engine-9") == pytest.approx(2.1)
+    await ops.heartbeat("engine-9")  # a heartbeat is still heard
+    await janitor.sweep()
+    assert janitor.silent_for("engine-9") == 0.0
