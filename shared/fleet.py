@@ -71,6 +71,14 @@ class FleetRecord(BaseModel):
     # that list again every `fleet.models_refresh` and follows it (a LoRA adapter loaded or
     # unloaded at run time). False: the models given are kept until changed by hand.
     models_from_engine: bool = False
+    # Of its models (followed from its engine), those served through a LoRA adapter, by the
+    # adapter's base (its `parent` in the engine's list): an adapter gone while its base is
+    # still listed was unloaded (`llmgw.core.fleet.served_change`).
+    adapters: dict[str, str] = Field(default_factory=dict)
+    # Drained by the model follower: its engine serves none of its models any more (every
+    # adapter of ours unloaded); made active again by it once the engine serves one. A change
+    # of state by hand, or registering again, ends it.
+    unserved: bool = False
 
     @property
     def id(self) -> str:

@@ -37,12 +37,20 @@ __all__ = ["HeartbeatJanitor", "heartbeat_token"]
 log = logging.getLogger("llmgw.fleet")
 
 # What the model follower writes (`llmgw.services.fleet.served`), and when a record was written.
-_NOT_HEARD: dict[str, Any] = {"changed_at": True, "endpoint": {"models", "upstream_model"}}
+_NOT_HEARD: dict[str, Any] = {
+    "changed_at": True,
+    "adapters": True,
+    "unserved": True,
+    "endpoint": {"models", "upstream_model"},
+}
 
 
 def heartbeat_token(record: FleetRecord) -> Hashable:
     """What changes with a heartbeat, or with any write of the record but the model
-    follower's (its models and their upstream names)."""
+    follower's (its models, their upstream names and adapters, and its drain when the engine
+    serves none of them: an `unserved` record counts as the active one it was)."""
+    if record.unserved:
+        record = record.model_copy(update={"state": EndpointState.ACTIVE})
     return record.model_dump_json(exclude=_NOT_HEARD)
 
 

@@ -178,7 +178,11 @@ class SliceWatcher:
             record = fleet.records.get(endpoint_id)
             if record is None:
                 await self._add(endpoint_id, url)
-            elif record.source == "kubernetes" and record.state is EndpointState.DRAINING:
+            elif (
+                record.source == "kubernetes"
+                and record.state is EndpointState.DRAINING
+                and not record.unserved  # drained by the model follower: its to undrain
+            ):
                 await self._quietly(self.ops.set_state(endpoint_id, EndpointState.ACTIVE))
         gone = [
             r for r in fleet.records.values() if r.source == "kubernetes" and r.id not in desired

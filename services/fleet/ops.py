@@ -173,7 +173,7 @@ class FleetOps:
         self, spec: Mapping[str, Any], *, probe: bool = True, source: Source = "api"
     ) -> dict[str, Any]:
         from_engine = _models_from_engine(spec)
-        spec = await self._with_models(spec)
+        spec, adapters = await self._with_models(spec)
         endpoint = self._validate(spec)
         fleet = await self.bucket.fleet()
         if endpoint.id in fleet.records:
@@ -185,7 +185,9 @@ class FleetOps:
             )
         if probe:
             await self._probe(endpoint)
-        record = FleetRecord(endpoint=endpoint, source=source, models_from_engine=from_engine)
+        record = FleetRecord(
+            endpoint=endpoint, source=source, models_from_engine=from_engine, adapters=adapters
+        )
         try:
             await self.bucket.add(record)
         except EndpointExists as exc:
@@ -211,7 +213,7 @@ class FleetOps:
                 param="heartbeat_ttl",
             )
         from_engine = _models_from_engine(spec)
-        spec = await self._with_models(spec)
+        spec, adapters = await self._with_models(spec)
         endpoint = self._validate(spec)
         fleet = await self.bucket.fleet()
         known = fleet.records.get(endpoint.id)
@@ -232,6 +234,7 @@ class FleetOps:
             heartbeat_ttl=float(ttl),
             heartbeat_at=self._wall(),
             models_from_engine=from_engine,
+            adapters=adapters,
         )
         if known is None:
             try:
@@ -245,6 +248,8 @@ class FleetOps:
             "heartbeat_ttl": registered.heartbeat_ttl,
             "heartbeat_at": registered.heartbeat_at,
             "models_from_engine": from_engine,
+            "adapters": adapters,
+            "unserved": False,
         }
         return describe(
             await self._changed(endpoint.id, lambda r: r.model_copy(update=fields)), None
@@ -292,7 +297,9 @@ class FleetOps:
 
     async def set_state(self, endpoint_id: str, state: EndpointState) -> dict[str, Any]:
         await self._get(endpoint_id)
-        changed = await self._changed(endpoint_id, lambda r: r.model_copy(update={"state": state}))
+        # A state set by hand ends a drain by the model follower (`unserved`): the operator's.
+        fields = {"state": state, "unserved": False}
+        changed = await self._changed(endpoint_id, lambda r: r.model_copy(update=fields))
         return describe(changed, None)
 
     async def remove(
@@ -358,20 +365,23 @@ class FleetOps:
             raise FleetError("; ".join(problems), code="invalid_value", param=param)
         return endpoint
 
-    async def _with_models(self, spec: Mapping[str, Any]) -> Mapping[str, Any]:
+    async def _with_models(
+        self, spec: Mapping[str, Any]
+    ) -> tuple[Mapping[str, Any], dict[str, str]]:
         """`spec`, with the models the engine serves when it names none: its `GET /v1/models`
         (served names and LoRA adapters) matched against the config's models and aliases of
         the endpoint's provider (`llmgw.core.fleet.match_served`); a served name that is an
-        alias goes upstream under that name (`upstream_model`, the spec's own on top)."""
+        alias goes upstream under that name (`upstream_model`, the spec's own on top). And
+        those of its models served through an adapter, with the adapter's base."""
         if not isinstance(spec, Mapping) or "models" in spec:
-            return spec
+            return spec, {}
         url, provider_id = spec.get("url"), spec.get("provider")
         if not isinstance(url, str) or not isinstance(provider_id, str):
-            return spec  # validation names what is missing
+            return spec, {}  # validation names what is missing
         try:
             provider = self.config.provider(provider_id)
         except KeyError:
-            return {**spec, "models": []}  # validation names the provider
+            return {**spec, "models": []}, {}  # validation names the provider
         base = url.strip().rstrip("/")
         try:
             async with httpx.AsyncClient(timeout=_PROBE_TIMEOUT, trust_env=False) as client:
@@ -398,7 +408,8 @@ class FleetOps:
                 param="models",
             )
         renames = {**found.upstream_model, **(spec.get("upstream_model") or {})}
-        return {**spec, "models": list(found.models), "upstream_model": renames}
+        spec = {**spec, "models": list(found.models), "upstream_model": renames}
+        return spec, dict(found.adapters)
 
     async def _probe(self, endpoint: EndpointConfig) -> None:
         """Refuse a URL nothing answers on: any HTTP answer (even an error status) will do."""
@@ -453,6 +464,8 @@ def describe(record: FleetRecord, leases: int | None) -> dict[str, Any]:
         "leases": leases,
         "models_from_engine": record.models_from_engine,
     }
+    if record.unserved:  # drained by the model follower: its engine serves none of its models
+        described["unserved"] = True
     if record.heartbeat_ttl is not None:
         described["heartbeat_ttl"] = record.heartbeat_ttl
         described["heartbeat_at"] = record.heartbeat_at

@@ -7,7 +7,10 @@ or discovered without `models` (`FleetRecord.models_from_engine`), reads its eng
 `/v1/load_lora_adapter`) whose name is a model or an alias of the config is served there from
 then on; one unloaded is no longer placed there (requests running on it finish: their leases
 are never revoked). An engine that does not answer, or lists none of the provider's models,
-keeps what it had: health checks and the scraper judge an engine that is down.
+keeps what it had: health checks and the scraper judge an engine that is down. But an endpoint
+whose every model came through an adapter, unloaded while the engine still lists the
+adapter's base, serves nothing of ours: it is drained (`FleetRecord.unserved`: it keeps its
+models, as a record must name one) and made active again when the engine serves one of ours.
 
 Between two sweeps, an edge whose attempt got a managed engine's 404 for a model the fleet lists
 there (outcome `model_unloaded`) says so (`ModelsStale` on ``llmgw.v1.fleet.models_stale``, one
@@ -170,7 +173,7 @@ class ServedModelsFollower:
         following = {
             endpoint_id: entry
             for endpoint_id, entry in entries.items()
-            if entry[0].models_from_engine and entry[0].state is EndpointState.ACTIVE
+            if entry[0].models_from_engine and _followed_state(entry[0])
         }
         if not following:
             return
@@ -200,49 +203,66 @@ class ServedModelsFollower:
 
     async def _follow(self, config: Config, read: FleetRecord, served: list[ServedModel]) -> None:
         """Write what the engine serves now into the record, read again at the write."""
-        outcome: list[tuple[EndpointConfig, EndpointConfig]] = []  # (was, now) when written
+        outcome: list[FleetRecord] = []  # the record as it was and as written
 
         def follow(record: FleetRecord) -> FleetRecord | None:
             endpoint = record.endpoint
             if (
                 not record.models_from_engine
-                or record.state is not EndpointState.ACTIVE
+                or not _followed_state(record)
                 or endpoint.url != read.endpoint.url
                 or endpoint.provider != read.endpoint.provider
             ):
                 return None  # changed by hand since the list was asked for: next time
-            followed = self._followed(config, endpoint, served)
-            if followed is None:
-                return None
-            outcome[:] = [(endpoint, followed)]
-            return record.model_copy(update={"endpoint": followed})
+            followed = self._followed(config, record, served)
+            if followed is not None:
+                outcome[:] = [record, followed]
+            return followed
 
         # Removed meanwhile, or a conflict on every one of the tries: next time.
         with contextlib.suppress(CasConflict, LookupError):
             if await self.bucket.change_if(read.id, follow) is not None:
                 self.changed += 1
-                was, now = outcome[0]
-                log.info(
-                    "endpoint %s serves %s now (was %s)",
-                    now.id,
-                    ", ".join(now.models),
-                    ", ".join(was.models),
-                )
+                was, now = outcome
+                if now.unserved:
+                    log.warning(
+                        "endpoint %s serves none of provider %s's models now (its adapters "
+                        "were unloaded): drained until it serves one again",
+                        now.id,
+                        now.endpoint.provider,
+                    )
+                else:
+                    log.info(
+                        "endpoint %s serves %s now (was %s)",
+                        now.id,
+                        ", ".join(now.endpoint.models),
+                        "nothing" if was.unserved else ", ".join(was.endpoint.models),
+                    )
 
     def _followed(
-        self, config: Config, endpoint: EndpointConfig, served: list[ServedModel]
-    ) -> EndpointConfig | None:
-        """The endpoint serving what its engine lists, or None: nothing to change (or a change
+        self, config: Config, record: FleetRecord, served: list[ServedModel]
+    ) -> FleetRecord | None:
+        """The record serving what its engine lists, or None: nothing to change (or a change
         that does not fit the config, logged)."""
+        endpoint = record.endpoint
         try:
             provider = config.provider(endpoint.provider)
         except KeyError:
             return None  # the live config left this endpoint out already (live_config)
         canonical = config.model_names()
         offered = [m.name for m in provider.models]
-        change = served_change(endpoint.models, endpoint.upstream_model, served, canonical, offered)
+        change = served_change(
+            endpoint.models, endpoint.upstream_model, served, canonical, offered, record.adapters
+        )
+        if change is not None and not change.models:  # its adapters unloaded: nothing of ours
+            if record.unserved:
+                return None
+            return record.model_copy(update={"state": EndpointState.DRAINING, "unserved": True})
+        ours = any(canonical.get(s.id) in offered for s in served)
         if change is None:
-            if not served or not any(canonical.get(s.id) in offered for s in served):
+            if record.unserved and ours:  # it serves its models again
+                return record.model_copy(update={"state": EndpointState.ACTIVE, "unserved": False})
+            if not ours:
                 if endpoint.id not in self._unmatched:
                     self._unmatched.add(endpoint.id)
                     listed = ", ".join(s.id for s in served) or "nothing"
@@ -268,4 +288,13 @@ class ServedModelsFollower:
         if problems:
             log.warning("endpoint %s: %s", endpoint.id, "; ".join(problems))
             return None
-        return followed
+        update: dict[str, object] = {"endpoint": followed, "adapters": dict(change.adapters)}
+        if record.unserved:
+            update.update(state=EndpointState.ACTIVE, unserved=False)
+        return record.model_copy(update=update)
+
+
+def _followed_state(record: FleetRecord) -> bool:
+    """Active, or drained by the follower itself (`unserved`): a drain by hand, the janitor's
+    or a Service's is left alone."""
+    return record.state is EndpointState.ACTIVE or record.unserved

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Hashable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = [
     "Discovered",
@@ -142,11 +142,13 @@ class ServedModel:
 @dataclass(frozen=True, slots=True)
 class Discovered:
     """What an engine's served names mean here: our models it serves, the name each goes
-    upstream under where it differs, and what it serves that the config does not name."""
+    upstream under where it differs, what it serves that the config does not name, and our
+    models it serves through a LoRA adapter, with the adapter's base (its `parent`)."""
 
     models: tuple[str, ...]
     upstream_model: Mapping[str, str]
     unmatched: tuple[ServedModel, ...]
+    adapters: Mapping[str, str] = field(default_factory=dict)
 
 
 def served_models(body: object) -> list[ServedModel]:
@@ -171,9 +173,10 @@ def match_served(
     an alias."""
     offered_list = list(offered)
     offered_set = set(offered_list)
+    served_list = list(served)
     chosen: dict[str, str] = {}
     unmatched = []
-    ordered = sorted(served, key=lambda s: canonical.get(s.id) != s.id)  # exact names first
+    ordered = sorted(served_list, key=lambda s: canonical.get(s.id) != s.id)  # exact names first
     for model in ordered:
         ours = canonical.get(model.id)
         if ours is None or ours not in offered_set:
@@ -182,7 +185,21 @@ def match_served(
             chosen[ours] = model.id
     models = tuple(m for m in offered_list if m in chosen)
     renames = {m: chosen[m] for m in models if chosen[m] != m}
-    return Discovered(models, renames, tuple(unmatched))
+    return Discovered(models, renames, tuple(unmatched), _adapters(models, renames, served_list))
+
+
+def _adapters(
+    models: Iterable[str], renames: Mapping[str, str], served: Iterable[ServedModel]
+) -> dict[str, str]:
+    """Of `models`, those whose served name (`renames`, else their own) is an adapter: its
+    base."""
+    parents = {s.id: s.parent for s in served}
+    found = {}
+    for model in models:
+        parent = parents.get(renames.get(model, model))
+        if parent is not None:
+            found[model] = parent
+    return found
 
 
 def served_change(
@@ -191,21 +208,40 @@ def served_change(
     served: Iterable[ServedModel],
     canonical: Mapping[str, str],
     offered: Iterable[str],
+    adapters: Mapping[str, str] | None = None,
 ) -> Discovered | None:
     """What an endpoint whose models came from its engine serves now, when that differs from
     `models` and `upstream_model` (the record's): the engine's served names read again
     (`match_served`). A model still served keeps the name it goes upstream under while the
     engine still lists that name and the config does not name another model by it (a rename
     given by hand stays; an alias an applied config moved to another model does not: it
-    would send this model's requests to that one). None: nothing changed, or
-    the engine serves none of the provider's models now (an engine restarting, or one whose
-    list is empty for a moment, keeps what it had: placement's health checks judge it)."""
+    would send this model's requests to that one). The answer's `adapters` are those of the
+    models it names (a change in them alone is no change). None: nothing changed, or the
+    engine serves none of the provider's models now (an engine restarting, or one whose list
+    is empty for a moment, keeps what it had: placement's health checks judge it), except
+    that a model served through an adapter (`adapters`: the record's, model -> the adapter's
+    base) whose base the engine still lists without the adapter was unloaded: it is left
+    out, and with no model left the answer names none (the endpoint serves nothing of ours)."""
     served_list = list(served)
     found = match_served(served_list, canonical, offered)
-    if not found.models:
-        return None
     names = {s.id for s in served_list}
     current = list(models)
+    if not found.models:
+        adapters = adapters or {}
+        gone = {
+            m
+            for m in current
+            if m in adapters and adapters[m] in names and upstream_model.get(m, m) not in names
+        }
+        if not gone:
+            return None
+        left = tuple(m for m in current if m not in gone)
+        return Discovered(
+            left,
+            {m: n for m, n in upstream_model.items() if m in left},
+            found.unmatched,
+            {m: p for m, p in adapters.items() if m in left},
+        )
     renames = dict(found.upstream_model)
     for model in found.models:
         kept = upstream_model.get(model, model)  # the name it goes upstream under now
@@ -214,7 +250,9 @@ def served_change(
                 renames.pop(model, None)
             else:
                 renames[model] = kept
-    now = Discovered(found.models, renames, found.unmatched)
+    now = Discovered(
+        found.models, renames, found.unmatched, _adapters(found.models, renames, served_list)
+    )
     unchanged = {m: n for m, n in upstream_model.items() if m in now.models and n != m}
     if list(now.models) == current and dict(now.upstream_model) == unchanged:
         return None

@@ -187,6 +187,28 @@ def test_a_kept_upstream_name_that_an_applied_config_moved_to_another_model_is_n
     assert served_change(["sql", "chat"], hand, listed, before, offered) is None
 
 
+def test_models_served_by_adapters_unloaded_while_their_base_is_listed_are_left():
+    """Only adapters of ours on a base that is none of ours: once unloaded the engine lists
+    nothing of ours, and its base still listed says they left (not a restart: an empty list, or
+    another base, keeps them)."""
+    canonical = {"sql": "sql", "sql-lora": "sql", "chat": "chat", "llama": "llama"}
+    offered = ["sql", "chat", "llama"]
+    loaded = [ServedModel("base-x"), ServedModel("sql-lora", "base-x"), ServedModel("chat")]
+    found = match_served(loaded, canonical, offered)
+    assert found.models == ("sql", "chat") and found.adapters == {"sql": "base-x"}
+    record = (["sql"], {"sql": "sql-lora"}, {"sql": "base-x"})
+    gone = served_change(*record[:2], [ServedModel("base-x")], canonical, offered, record[2])
+    assert gone is not None and gone.models == () and gone.adapters == {}
+    for listed in ([], [ServedModel("base-y")]):
+        assert served_change(*record[:2], listed, canonical, offered, record[2]) is None
+    assert served_change(*record[:2], [ServedModel("base-x")], canonical, offered) is None
+    # One of two gone: the other (its base renamed meanwhile) is kept as it was.
+    two = (["sql", "llama"], {"sql": "sql-lora", "llama": "base-z"}, {"sql": "base-x"})
+    left = served_change(*two[:2], [ServedModel("base-x")], canonical, offered, two[2])
+    assert left is not None and left.models == ("llama",)
+    assert left.upstream_model == {"llama": "base-z"} and left.adapters == {}
+
+
 @given(
     st.lists(st.builds(ServedModel, names, st.one_of(st.none(), names))),
     st.dictionaries(names, st.sampled_from(["a", "b", "c"])),

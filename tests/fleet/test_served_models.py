@@ -24,7 +24,7 @@ from llmgw.config.fleet import fleet_bucket
 from llmgw.core.fleet import EndpointState
 from llmgw.fleet import FleetRecord
 from llmgw.services.fleet.apply import apply_file
-from llmgw.services.fleet.janitor import HeartbeatJanitor
+from llmgw.services.fleet.janitor import HeartbeatJanitor, heartbeat_token
 from llmgw.services.fleet.ops import FleetOps, running_config
 from llmgw.services.fleet.served import ServedModelsFollower
 from llmgw.services.sim.apps import create_engine_app
@@ -345,3 +345,41 @@ async def test_a_follower_write_is_no_heartbeat_of_a_silent_registrant(
     await ops.heartbeat("engine-9")  # a heartbeat is still heard
     await janitor.sweep()
     assert janitor.silent_for("engine-9") == 0.0
+
+
+async def test_an_endpoint_whose_only_model_was_an_adapter_is_drained_after_the_unload(
+    ops: FleetOps, fleet: FleetBucket, follower: ServedModelsFollower
+) -> None:
+    """The engine's base is none of ours; only its adapter is. Unloaded, the engine still lists
+    its base: the endpoint serves nothing of ours now (it keeps no model: no request is placed
+    there to get the engine's 404), until the adapter is loaded again. An engine whose own base
+    is renamed still keeps its models (the other test): only a listed base whose adapter left
+    tells an unload."""
+    app = create_engine_app(EngineParams.zero_delay(served_models=["base-x"], max_num_seqs=4))
+    engine = await start_server(app)
+    try:
+        assert (await lora(engine, "load", "sql-lora")).status_code == 200
+        added = await ops.add({"id": "engine-9", "url": engine.url, "provider": "iris"})
+        assert added["models"] == ["sql-assistant"]
+        assert (await lora(engine, "unload", "sql-lora")).status_code == 200
+        serving, _ = await fleet.get("engine-9")
+        await follower.sweep()
+        record, _ = await fleet.get("engine-9")
+        assert record.state is EndpointState.DRAINING and record.unserved
+        assert heartbeat_token(record) == heartbeat_token(serving)  # the janitor hears nothing
+        await follower.sweep()  # settled: nothing more to write
+        assert follower.changed == 1
+        shown = await ops.show("engine-9")
+        assert shown["state"] == "draining" and shown["unserved"] is True
+
+        assert (await lora(engine, "load", "sql-lora")).status_code == 200
+        await follower.sweep()
+        record, _ = await fleet.get("engine-9")
+        assert record.state is EndpointState.ACTIVE and not record.unserved
+        assert await served_at(fleet, "engine-9") == (
+            ["sql-assistant"],
+            {"sql-assistant": "sql-lora"},
+        )
+        assert follower.changed == 2
+    finally:
+        await stop_servers([engine])
