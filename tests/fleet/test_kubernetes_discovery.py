@@ -207,3 +207,27 @@ async def test_a_services_ready_engines_join_the_fleet_and_leave_it_drained(
             for queue in server.watches:
                 queue.put_nowait(None)
             await asyncio.wait_for(task, 5)
+
+
+async def test_a_ready_pods_endpoint_the_model_follower_drained_is_left_drained(
+    fleet: FleetBucket, config: Config
+) -> None:
+    """A pod that comes back ready is undrained; but one drained by the model follower (its
+    engine serves none of our models now: `unserved`) is the follower's to undrain."""
+    settings = KubernetesDiscovery(
+        namespace=NAMESPACE, service="vllm", provider="iris", models=["llama-3.3-70b"]
+    )
+    leases = Leases()
+    ops = FleetOps(fleet, config, leases)
+    async with httpx.AsyncClient() as k8s:
+        watcher = SliceWatcher(ops, settings, k8s, leases)
+        watcher.slices = {"vllm-abc": {"k8s-vllm-0": "http://10.0.0.1:8000"}}
+        await watcher.reconcile()
+        drained = {"state": EndpointState.DRAINING, "unserved": True}
+        await fleet.change("k8s-vllm-0", lambda r: r.model_copy(update=drained))
+        await watcher.reconcile()
+        record, _ = await fleet.get("k8s-vllm-0")
+        assert record.state is EndpointState.DRAINING and record.unserved
+        await ops.set_state("k8s-vllm-0", EndpointState.DRAINING)  # a drain by hand
+        await watcher.reconcile()
+        assert (await fleet.get("k8s-vllm-0"))[0].state is EndpointState.ACTIVE
