@@ -33,6 +33,7 @@ from llmgw.core.spend import (
 from llmgw.runtime import load_tool_config
 from llmgw.services.spend.options import BY_FIELDS
 from llmgw.services.spend.report import SpendRecord, open_spend_reader, read_spend
+from llmgw.state.fleet import read_live_config
 
 __all__ = ["report", "run"]
 
@@ -53,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
     refusals = natsconn.Refusals()
     try:
-        record = asyncio.run(_read(config, refusals))
+        record, live = asyncio.run(_read(config, refusals))
     except natsconn.UNREACHABLE as exc:
         return refusals.report("spend", exc, f"cannot read from NATS at {config.nats.url}")
     now = time.time()
@@ -64,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         since=args.since,
         until=args.until or period_of(now),
         currency=config.spend.currency,
-        fleet=fleet_of(config, now),
+        fleet=fleet_of(live, now),
     )
     if args.json:
         print(json.dumps(result))
@@ -73,18 +74,22 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _read(config: Config, refusals: natsconn.Refusals) -> SpendRecord:
+async def _read(config: Config, refusals: natsconn.Refusals) -> tuple[SpendRecord, Config]:
+    """The spend record, and the config the services run on (the live fleet's endpoints: with
+    `endpoints: []` the file lists none), read only when an endpoint-hour prices the fleet."""
     nc = await natsconn.connect_tool(config.nats, "llmgw-spend", refusals)
     try:
         bucket = await open_spend_reader(nc.jetstream(), config.spend.bucket)
-        return SpendRecord() if bucket is None else await read_spend(bucket)
+        record = SpendRecord() if bucket is None else await read_spend(bucket)
+        live = await read_live_config(nc, config) if config.spend.endpoint_hours() else config
+        return record, live
     finally:
         await nc.close()
 
 
 def fleet_of(config: Config, now: float) -> Callable[[str], dict[str, int]]:
-    """Per UTC day: picos of each provider with an endpoint-hour price (spend.prices), for its
-    configured endpoints over the day (today: so far)."""
+    """Per UTC day: picos of each provider with an endpoint-hour price (spend.prices), for the
+    endpoints `config` lists (the live fleet's, `_read`) over the day (today: so far)."""
     rates = config.spend.endpoint_hours()
     counts = {p: sum(e.provider == p for e in config.endpoints) for p in rates}
     today = period_of(now)

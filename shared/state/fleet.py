@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from nats.js.errors import NotFoundError
 from pydantic import ValidationError
 
 from llmgw.config.fleet import fleet_bucket
@@ -29,11 +30,12 @@ from llmgw.fleet import (
     Fleet,
     FleetRecord,
     endpoint_key,
+    live_config,
     seed_key,
 )
 from llmgw.state.follow import WatchFollower
 from llmgw.state.kv import CasConflict, KVEntry, KVStore
-from llmgw.state.nats_kv import open_routing_bucket
+from llmgw.state.nats_kv import NatsKV, open_routing_bucket
 
 if TYPE_CHECKING:
     from nats.aio.client import Client as NATS
@@ -47,6 +49,7 @@ __all__ = [
     "FleetBucket",
     "FleetMirror",
     "open_fleet",
+    "read_live_config",
     "start_fleet",
 ]
 
@@ -75,6 +78,21 @@ async def open_fleet(nc: NATS, config: Config) -> FleetBucket:
         history=1,
     )
     return FleetBucket(kv)
+
+
+async def read_live_config(nc: NATS, config: Config) -> Config:
+    """What the services run on now, read once for a tool (a service follows it with a
+    `FleetMirror`): `config` with the live fleet applied (`llmgw.fleet.live_config`, as admission
+    applies it). A cluster that never ran has no fleet bucket: then the file's config (what its
+    first start would seed the fleet with); the bucket is not created here."""
+    js = nc.jetstream()
+    name = fleet_bucket(config)
+    try:
+        info = await js.stream_info(f"KV_{name}")
+    except NotFoundError:
+        return config
+    bucket = FleetBucket(NatsKV(js, name, direct=bool(info.config.allow_direct)))
+    return live_config(config, await bucket.snapshot())
 
 
 class FleetBucket:
@@ -120,6 +138,22 @@ class FleetBucket:
                 records[record.id] = record
             revision = max(revision, entry.revision)
         return Fleet(records, revision)
+
+    async def snapshot(self) -> Fleet:
+        """The fleet as a `FleetMirror` holds it (its records and the applied config), read
+        once."""
+        records: dict[str, FleetRecord] = {}
+        revision, applied, config_revision = 0, None, 0
+        for entry in await self.kv.list(""):
+            if entry.key == APPLIED_KEY:
+                applied = _decode_applied(entry.value)
+                config_revision = entry.revision if applied is not None else 0
+            elif entry.key.startswith(ENDPOINT_PREFIX):
+                record = _decode(entry.key, entry.value)
+                if record is not None:
+                    records[record.id] = record
+                revision = max(revision, entry.revision)
+        return Fleet(records, revision, applied, config_revision)
 
     async def revisions(self) -> dict[str, tuple[FleetRecord, int]]:
         """Every record with the revision of its last write (what a CAS on it expects)."""
