@@ -33,14 +33,14 @@ from llmgw.core.fleet import (
     served_models,
 )
 from llmgw.fleet import FleetRecord, Source, applied_config, endpoint_problems
-from llmgw.state.fleet import EndpointExists, EndpointNotFound, FleetBucket
+from llmgw.state.fleet import EndpointExists, EndpointNotFound, FleetBucket, FleetMirror
 
 if TYPE_CHECKING:
     from nats.aio.client import Client as NATS
 
     from llmgw.config.schema import Config
 
-__all__ = ["FleetCalls", "FleetError", "FleetOps", "admission_leases"]
+__all__ = ["FleetCalls", "FleetError", "FleetOps", "FollowedConfig", "admission_leases"]
 
 _PROBE_TIMEOUT = 3.0
 _ANSWER_WINDOW = 0.3  # seconds to collect every admission instance's state answer
@@ -120,6 +120,26 @@ async def running_config(bucket: FleetBucket, config: Config) -> Config:
     applied config added takes endpoints."""
     applied = await bucket.applied()
     return config if applied is None else applied_config(config, applied)
+
+
+class FollowedConfig:
+    """`running_config` for a long-running caller (the reaper's Kubernetes watcher): `base` with
+    the applied config's live fields on top, from the fleet as `mirror` follows it (as
+    admission follows it), parsed once per applied revision. A `FleetOps` config."""
+
+    def __init__(self, base: Config, mirror: FleetMirror) -> None:
+        self._base = base
+        self._mirror = mirror
+        self._revision = 0
+        self._config = base
+
+    def __call__(self) -> Config:
+        fleet = self._mirror.fleet
+        if fleet.config_revision != self._revision:
+            applied = fleet.applied
+            self._config = self._base if applied is None else applied_config(self._base, applied)
+            self._revision = fleet.config_revision
+        return self._config
 
 
 class FleetOps:

@@ -25,11 +25,11 @@ from llmgw.config.fleet import fleet_bucket
 from llmgw.events import EventPublisher
 from llmgw.runtime import load_or_exit, run_service, setup_logging
 from llmgw.services.fleet.janitor import HeartbeatJanitor
-from llmgw.services.fleet.ops import admission_leases, running_config
+from llmgw.services.fleet.ops import FollowedConfig, admission_leases, running_config
 from llmgw.services.fleet.served import ServedModelsFollower
 from llmgw.services.reaper.metrics import ReaperMetrics
 from llmgw.services.reaper.service import Reaper
-from llmgw.state.fleet import open_fleet
+from llmgw.state.fleet import FleetMirror, open_fleet
 from llmgw.state.setup import open_events_stream, open_routing_store
 
 if TYPE_CHECKING:
@@ -149,12 +149,17 @@ async def serve(
             loops.append(followed.run(stop))
         discovery = config.fleet.kubernetes
         client = None
+        mirror = None
         if discovery is not None:  # the engines behind a Kubernetes Service
             from llmgw.services.fleet.kubernetes import SliceWatcher, kubernetes_client
             from llmgw.services.fleet.ops import FleetOps
 
             client = kubernetes_client(discovery)
-            ops = FleetOps.on(nc, janitor.bucket, config)
+            # An engine joins checked against the config the cluster runs on (an applied
+            # config's models and aliases too), followed as admission follows it.
+            mirror = FleetMirror(janitor.bucket)
+            await mirror.start()
+            ops = FleetOps.on(nc, janitor.bucket, FollowedConfig(config, mirror))
             watcher = SliceWatcher(ops, discovery, client, lambda: admission_leases(nc))
             loops.append(watcher.run(stop))
         try:
@@ -162,6 +167,8 @@ async def serve(
         finally:
             if client is not None:
                 await client.aclose()
+            if mirror is not None:
+                await mirror.stop()
         log.info("stopping after %d passes", reaper.passes)
     finally:
         if admin_server is not None:

@@ -6,25 +6,32 @@ with a 410 Status), on a real nats-server."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import pytest_asyncio
-from fleet_helpers import Leases, eventually
+import yaml
+from fleet_helpers import LOCAL_CONFIG, Leases, eventually, local_config
+from nats.aio.client import Client as NatsClient
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from llmgw.config import Config
-from llmgw.config.fleet import KubernetesDiscovery
+from llmgw.config import Config, config_from_dict
+from llmgw.config.fleet import KubernetesDiscovery, fleet_bucket
 from llmgw.core.fleet import EndpointState
+from llmgw.services.fleet.apply import apply_file
 from llmgw.services.fleet.kubernetes import SliceWatcher
 from llmgw.services.fleet.ops import FleetOps
+from llmgw.services.reaper.main import serve
+from llmgw.services.sim.apps import create_engine_app
+from llmgw.services.sim.params import EngineParams
 from llmgw.serving import RunningServer, start_server
-from llmgw.state.fleet import FleetBucket
+from llmgw.state.fleet import FleetBucket, open_fleet
 
 NAMESPACE = "llm"
 SELECTOR = "kubernetes.io/service-name=vllm"
@@ -231,3 +238,65 @@ async def test_a_ready_pods_endpoint_the_model_follower_drained_is_left_drained(
         await ops.set_state("k8s-vllm-0", EndpointState.DRAINING)  # a drain by hand
         await watcher.reconcile()
         assert (await fleet.get("k8s-vllm-0"))[0].state is EndpointState.ACTIVE
+
+
+async def test_the_reapers_watcher_matches_an_engines_models_against_the_applied_config(
+    nats_client: NatsClient, nats_url: str, unique_id: str, api: tuple[ApiServer, RunningServer]
+) -> None:
+    """The cluster started without `sql-assistant`; `llmgw config apply` added it (alias
+    `sql-lora`, an adapter's name). An engine behind the Service that serves the adapter joins
+    with it: the reaper's watcher checks against the config the cluster runs on, as admission
+    does, not the reaper's file."""
+    server, running = api
+    engine = await start_server(
+        create_engine_app(EngineParams.zero_delay(served_models=["llama"], max_num_seqs=4))
+    )
+    discovery = {"namespace": NAMESPACE, "service": "vllm", "provider": "iris"}
+    discovery |= {"port_name": "http", "api_server": running.url}
+    fleet_section = {"kubernetes": discovery, "models_refresh": None}
+    started = local_config(nats_url, unique_id, fleet=fleet_section)
+    values = yaml.safe_load(LOCAL_CONFIG.read_text())
+    values |= {"nats": {"url": nats_url, "connect_timeout": "1s"}, "fleet": fleet_section}
+    values |= {"pinning": {"bucket": unique_id}, "router": {"load_bucket": f"load_{unique_id}"}}
+    values["models"].append({"name": "sql-assistant", "aliases": ["sql-lora"]})
+    iris = next(p for p in values["providers"] if p["id"] == "iris")
+    iris["models"].append({"name": "sql-assistant", "features": ["chat", "completions"]})
+    stop, ready = asyncio.Event(), asyncio.Event()
+    reaper = None
+    try:
+        body = {"lora_name": "sql-lora", "lora_path": "/adapters/sql-lora"}
+        async with httpx.AsyncClient() as http:
+            loaded = await http.post(f"{engine.url}/v1/load_lora_adapter", json=body)
+        assert loaded.status_code == 200, loaded.text
+        applied = config_from_dict(values, env={})
+        await apply_file(nats_client, applied, values, "<test>", wait=0.1)
+        pod = endpoint("vllm-0", "127.0.0.1")
+        slice_obj = endpoint_slice("vllm-abc", pod)
+        slice_obj["ports"] = [{"name": "http", "port": int(engine.url.rsplit(":", 1)[1])}]
+        server.change("ADDED", slice_obj)
+        reaper = asyncio.create_task(serve(started, stop=stop, ready=ready))
+        fleet = await open_fleet(nats_client, started)
+
+        async def joined() -> bool:
+            return "k8s-vllm-0" in (await fleet.fleet()).records
+
+        for _ in range(300):
+            if await joined():
+                break
+            await asyncio.sleep(0.02)
+        record, _ = await fleet.get("k8s-vllm-0")
+        assert record.endpoint.models == ["llama-3.3-70b", "sql-assistant"]
+        assert record.endpoint.upstream_model == {
+            "llama-3.3-70b": "llama",
+            "sql-assistant": "sql-lora",
+        }
+    finally:
+        stop.set()
+        for queue in server.watches:  # the watch sees its stop at its next line
+            queue.put_nowait(None)
+        if reaper is not None:
+            async with asyncio.timeout(10):
+                await reaper
+        await engine.stop()
+        with contextlib.suppress(Exception):
+            await nats_client.jetstream().delete_key_value(fleet_bucket(started))
