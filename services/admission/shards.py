@@ -439,8 +439,8 @@ class ShardKeeper:
         ledger without a handover; the new owner adopts its leases by roll call."""
         if record.phase is ShardPhase.GONE:
             return  # ended meanwhile (its handover or release finished first)
-        self.ctx.pins.abandon(record.number)  # its writes not made yet: never (another's)
         await self.stop_serving(record)
+        self.ctx.pins.abandon(record.number)  # its writes not made yet: never (another's)
         self.ctx.ledger.take_shard(record.number, self.ctx.clock(), EndReason.DROPPED)
         self.end(record)
 
