@@ -99,17 +99,19 @@ def test_a_lease_a_fenced_instance_grants_on_a_pin_it_held_is_caught():
     on_pin = LeaseRecord(
         "before", "a", "m", LeaseKind.PINNED, False, 0, "edge", 0.0, 0.0, "s1", "p1"
     )
-    log.observer("g").lease_granted(on_pin, None, (0, 0, 1))  # t=2: still deciding
+    log.observer("g").lease_granted(on_pin, None, QuotaCounts(0, 0, 1))  # t=2: still deciding
     log.observer("g").fenced(2.5)
     assert check(log) == []
     late = LeaseRecord("late", "a", "m", LeaseKind.PINNED, False, 0, "edge", 0.0, 0.0, "s1", "p1")
-    log.observer("g").lease_granted(late, None, (1, 0, 0))  # t=3: a fenced instance decides
+    log.observer("g").lease_granted(
+        late, None, QuotaCounts(1, 0, 0)
+    )  # t=3: a fenced instance decides
     found = check(log)
     assert [v.invariant for v in found] == ["fenced"]
     assert "granted by g on pin p1, which it held when fenced at 2.500" in found[0].message
     add(log, "g", "s2", "p2")  # t=4: pins it adds after its fence count, and so do their leases
     again = LeaseRecord("new", "a", "m", LeaseKind.NEW_PIN, False, 0, "edge", 0.0, 0.0, "s2", "p2")
-    log.observer("g").lease_granted(again, None, (1, 0, 1))
+    log.observer("g").lease_granted(again, None, QuotaCounts(1, 0, 1))
     assert [v.invariant for v in check(log)] == ["fenced"]
 
 
