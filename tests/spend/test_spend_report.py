@@ -17,9 +17,9 @@ from nats.aio.client import Client as NatsClient
 from llmgw.config import ConfigWarning, config_from_dict
 from llmgw.config.catalog import EndpointConfig
 from llmgw.config.fleet import fleet_bucket
-from llmgw.core.spend import PICOS, SpendTotals, TokenUse, fleet_cost, period_of
+from llmgw.core.spend import PICOS, SpendTotals, TokenUse, fleet_cost, period_of, spend_key
 from llmgw.fleet import FleetRecord
-from llmgw.services.admission.spend import open_spend_bucket, spend_key
+from llmgw.services.admission.spend import open_spend_bucket
 from llmgw.services.spend.main import fleet_of, report, run
 from llmgw.services.spend.report import record_of
 from llmgw.state.fleet import open_fleet
