@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Protocol, TypeVar, runtime_checkable
 
+from llmgw.clock import Clock  # wall and monotonic time, one object (llmgw.clock)
+
 if TYPE_CHECKING:
     from llmgw.core.ledger import LeaseRecord
     from llmgw.events import RoutingEvent
@@ -24,12 +26,6 @@ __all__ = [
     "LeaseStore",
     "RequestReporter",
 ]
-
-
-class Clock(Protocol):
-    """Seconds; `time.time` for stamps other hosts read, `time.monotonic` for durations."""
-
-    def __call__(self) -> float: ...
 
 
 class AdmissionUnavailable(Exception):

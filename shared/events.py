@@ -25,14 +25,14 @@ import functools
 import logging
 import operator
 import random
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Annotated, Final, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
+from llmgw.clock import SYSTEM, Clock, TimeSource, wall_of
 from llmgw.load import EndpointReport, PoolReport
 
 __all__ = [
@@ -291,12 +291,12 @@ class EventPublisher:
         nc: EventTransport,
         instance: str,
         *,
-        clock: Callable[[], float] = time.time,
+        clock: Clock | TimeSource = SYSTEM,
         rng: random.Random | None = None,
     ) -> None:
         self._nc = nc
         self.instance = instance
-        self._clock = clock
+        self._clock = wall_of(clock)
         self._rng = rng if rng is not None else random.Random()
         self.published = 0
         self.failures = 0

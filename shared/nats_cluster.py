@@ -38,11 +38,12 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from llmgw.clock import SYSTEM, Clock, TimeSource, monotonic_of
 from llmgw.nats_embedded import (
     MIN_NATS_VERSION,
     EmbeddedNats,
@@ -128,7 +129,7 @@ class EmbeddedNatsCluster(ServerLifetime):
         min_version: tuple[int, int, int] = MIN_NATS_VERSION,
         extra_args: Sequence[str] = (),
         kill_with_parent: bool = False,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock | TimeSource = SYSTEM,
         client_auth: tuple[str, str] | None = None,
     ) -> None:
         if size < MIN_CLUSTER_SIZE:
@@ -146,7 +147,7 @@ class EmbeddedNatsCluster(ServerLifetime):
         self.extra_args = tuple(extra_args)
         self.kill_with_parent = kill_with_parent
         self.client_auth = client_auth  # (user, password) of JetStream API probes, if needed
-        self._clock = clock
+        self._clock = monotonic_of(clock)
         self._given_store_dir = Path(store_dir) if store_dir is not None else None
         self._temp_root: Path | None = None
         self._nodes: list[ClusterNode] = []

@@ -10,10 +10,10 @@ a request on a provider whose strategy is "rate" draws its endpoint with the bal
 from __future__ import annotations
 
 import random
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from llmgw.clock import SYSTEM, Clock, TimeSource, wall_of
 from llmgw.core.balancer import BalancerSettings, RateSample, RateWindows, choose, weights
 from llmgw.wire import RequestEnded
 
@@ -43,12 +43,12 @@ class RateBoard:
         config: Config,
         *,
         rng: random.Random | None = None,
-        clock: Callable[[], float] = time.time,
+        clock: Clock | TimeSource = SYSTEM,
     ) -> None:
         self.windows = RateWindows(balancer_settings(config))
         self._known = {e.id for e in config.endpoints}
         self._rng = rng or random.Random()
-        self._clock = clock
+        self._clock = wall_of(clock)
         self.max_exploring = config.balancer.max_exploring
         self.samples = 0
 

@@ -16,10 +16,10 @@ draining out of the fleet is in no placement snapshot, but still known by id (it
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
+from llmgw.clock import SYSTEM, Clock, TimeSource, wall_of
 from llmgw.core.affinity import HashRing
 from llmgw.core.context import ContextNeed, ContextWindow, effective_window
 from llmgw.core.placement import EndpointState, PinState, PlacementSettings, ProviderState, Snapshot
@@ -48,7 +48,7 @@ class ProviderCatalog:
         breakers: BreakerBoard,
         ledger: Ledger,
         *,
-        clock: Callable[[], float] = time.time,
+        clock: Clock | TimeSource = SYSTEM,
         draining: Collection[str] = frozenset(),
         prefixes: PrefixBoard | None = None,
     ) -> None:
@@ -60,7 +60,7 @@ class ProviderCatalog:
         self._rates = rates
         self._breakers = breakers
         self._ledger = ledger
-        self.clock = clock
+        self.clock = wall_of(clock)
         pinning = config.pinning
         self.settings = PlacementSettings(
             session_load_factor=config.scoring.session_load_factor,

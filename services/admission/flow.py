@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 from pydantic import ValidationError
 
+from llmgw.clock import SYSTEM, Clock, TimeSource, wall_of
 from llmgw.core.flow import BandPolicy, FlowQueues, GateDecision, Waiter, gate, plan_dispatch
 from llmgw.tasks import cancel_and_wait
 from llmgw.wire import ADMISSION_CANCEL_SUBJECT, ADMISSION_FLOW_SUBJECT, AdmitCancel, FlowState
@@ -165,7 +166,7 @@ class FlowControl:
         metrics: AdmissionMetrics,
         dispatch: Dispatch,
         *,
-        clock: Callable[[], float] = time.time,
+        clock: Clock | TimeSource = SYSTEM,
     ) -> None:
         admission = config.admission
         self.bands = band_policies(config)
@@ -179,7 +180,7 @@ class FlowControl:
         self.instance = instance
         self._metrics = metrics
         self._dispatch = dispatch
-        self._clock = clock
+        self._clock = wall_of(clock)
         self._peers: dict[str, FlowState] = {}
         self._cancelled: dict[str, float] = {}
         # model -> when a waiter of it was last put back (`Held`): its held bands wait for

@@ -28,10 +28,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from llmgw.clock import SYSTEM, Clock, TimeSource, monotonic_of, wall_of
 from llmgw.core.keys import MEMBER_PREFIX, SHARD_PREFIX, MemberValue, ShardValue, ValueFormatError
 from llmgw.core.shards import Member, live_members
 from llmgw.state.kv import CasConflict
@@ -51,8 +51,8 @@ class Membership:
         *,
         heartbeat: float,
         ttl: float,
-        clock: Callable[[], float] = time.time,
-        monotonic: Callable[[], float] = time.monotonic,
+        clock: Clock | TimeSource = SYSTEM,
+        monotonic: Clock | TimeSource = SYSTEM,
     ) -> None:
         self.store = store
         self.instance = instance
@@ -61,8 +61,8 @@ class Membership:
         # Stop serving a safety margin before the TTL runs out without a successful heartbeat:
         # the margin covers clock skew between hosts and a heartbeat's own latency.
         self.fence_after = ttl - max(2.0, 0.2 * ttl) if ttl > 4.0 else 0.5 * ttl
-        self._clock = clock
-        self._monotonic = monotonic
+        self._clock = wall_of(clock)
+        self._monotonic = monotonic_of(monotonic)
         self._revision = 0
         # One renewal at a time: two at the same revision (the heartbeat's and
         # announce_leaving's) would have the second refused and the instance think itself lost.

@@ -8,7 +8,6 @@ Pool saturation and scrape age are computed when scraped, from the live `LoadBoa
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
@@ -16,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from llmgw.clock import SYSTEM, Clock, TimeSource, wall_of
 from llmgw.telemetry import LabelledChildren, service_registry
 
 if TYPE_CHECKING:
@@ -155,10 +155,10 @@ class AdmissionMetrics:
         )
 
     def watch_load(
-        self, board: LoadBoard, models: Iterable[str], clock: Callable[[], float] = time.time
+        self, board: LoadBoard, models: Iterable[str], clock: Clock | TimeSource = SYSTEM
     ) -> None:
         """Export pool saturation per model and scrape age per endpoint from `board`."""
-        self.registry.register(_LoadCollector(board, list(models), clock))
+        self.registry.register(_LoadCollector(board, list(models), wall_of(clock)))
 
     def watch_ledger(self, ledger: Ledger, shards: Callable[[], int]) -> None:
         """Export leases, pins and quotas per pair, and the shards served."""
@@ -178,12 +178,12 @@ class AdmissionMetrics:
         self,
         breakers: BreakerBoard,
         endpoints: Callable[[], Iterable[str]],
-        clock: Callable[[], float] = time.time,
+        clock: Clock | TimeSource = SYSTEM,
     ) -> None:
         """Export each endpoint's breaker state (1 for its current state, 0 for the others):
         of the endpoints `endpoints()` names at each scrape (the live fleet the instance runs
         on, so an endpoint added or removed at run time appears or leaves)."""
-        self.registry.register(_BreakerCollector(breakers, endpoints, clock))
+        self.registry.register(_BreakerCollector(breakers, endpoints, wall_of(clock)))
 
 
 class _PrefixCollector(Collector):

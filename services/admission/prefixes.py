@@ -25,13 +25,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from nats.js.api import DeliverPolicy
 from pydantic import ValidationError
 
+from llmgw.clock import SYSTEM, Clock, TimeSource, wall_of
 from llmgw.core.prefix import HeldIndex, PromptPrefix, SentIndex, pack, unpack
 from llmgw.prefix_stream import ensure_prefix_stream
 from llmgw.wire import (
@@ -78,11 +77,11 @@ class PrefixBoard:
         load: LoadBoard,
         instance: str,
         *,
-        clock: Callable[[], float] = time.time,
+        clock: Clock | TimeSource = SYSTEM,
     ) -> None:
         self.instance = instance
         self._load = load
-        self._clock = clock
+        self._clock = wall_of(clock)
         self.reconfigure(config)
         self.sent = SentIndex(self._blocks_of(config.prefix.default_kv_tokens))
         self.held = HeldIndex()

@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
+
+from llmgw.clock import SYSTEM, Clock, TimeSource, wall_of
 
 if TYPE_CHECKING:
     from llmgw.core.keys import MemberValue
@@ -62,7 +63,7 @@ async def supersede_name(
     *,
     heartbeat: float,
     member_ttl: float,
-    clock: Callable[[], float] = time.time,
+    clock: Clock | TimeSource = SYSTEM,
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
 ) -> list[str]:
     """Remove the member keys of the earlier incarnations of the stable `name`, each once it
@@ -70,6 +71,7 @@ async def supersede_name(
     agree within the fencing margin, ADR 0002). Returns the ids removed. Raises `NameInUse` when
     one is renewed meanwhile (another process runs under the name), unless it is leaving: then
     it is waited for, up to ``2 x member_ttl``."""
+    clock = wall_of(clock)
     quiet = 2 * heartbeat + 0.5
     removed: list[str] = []
     for first in [s for s in await store.members() if s.value.name == name]:

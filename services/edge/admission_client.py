@@ -46,6 +46,7 @@ from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from llmgw.clock import SYSTEM, Clock, TimeSource, monotonic_of
 from llmgw.contracts import AdmissionUnavailable
 from llmgw.core.outcomes import Outcome, Refusal
 from llmgw.tasks import cancel_and_wait
@@ -128,7 +129,7 @@ class NatsAdmission:
         *,
         request_timeout: float,
         queue_ttl: float,
-        monotonic: Callable[[], float] = time.monotonic,
+        monotonic: Clock | TimeSource = SYSTEM,
     ) -> None:
         self._nc = nc
         self.request_timeout = request_timeout
@@ -136,7 +137,7 @@ class NatsAdmission:
         # An ask without an answer after this long is asked again (the first answer is
         # immediate: the decision, or QUEUED).
         self.reask_after = max(request_timeout / 4, 0.05)
-        self._monotonic = monotonic
+        self._monotonic = monotonic_of(monotonic)
         self._pending: dict[str, _Pending] = {}
         self._tokens = itertools.count()
         self._prefix = ""

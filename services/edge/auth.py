@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 from starlette.responses import Response
 
+from llmgw.clock import Clock, TimeSource, wall_of
 from llmgw.core.apikeys import ApiKey, Denial, authenticate, bearer_token, digest_of
 from llmgw.core.outcomes import Outcome
 from llmgw.services.edge.errors import error_response
@@ -68,12 +68,12 @@ class KeyAuth:
         limiter: KeyLimiter,
         *,
         default_band: str,
-        clock: Callable[[], float],
+        clock: Clock | TimeSource,
     ) -> None:
         self.mirror = mirror
         self.limiter = limiter
         self.default_band = default_band
-        self._clock = clock
+        self._clock = wall_of(clock)
         self._model_decisions: dict[tuple[tuple[str, ...], str, str], bool] = {}
 
     def identify(self, authorization: str | None, headers: dict[str, str]) -> ApiKey | Response:

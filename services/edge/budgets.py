@@ -36,11 +36,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from llmgw.clock import SYSTEM, Clock
 from llmgw.core.budget import (
     Budget,
     BudgetKind,
@@ -158,13 +158,14 @@ class BudgetGuard:
         *,
         metrics: SpendMetrics | None = None,
         scale: Callable[[str, int], int] = lambda model, tokens: tokens,
-        clock: Callable[[], float] = time.time,
+        clock: Clock = SYSTEM,
     ) -> None:
         self._nc = nc
         self._metrics = metrics
         self._scale = scale  # estimated prompt tokens as providers count them (SpendBook)
         self.edge_id = edge_id
-        self._clock = clock
+        self._clock = clock.wall  # names the period
+        self._monotonic = clock.monotonic  # an account's idleness
         self.interval = config.spend.interval
         self.request_timeout = config.nats.request_timeout
         self._accounts: dict[str, _Account] = {}
@@ -332,7 +333,7 @@ class BudgetGuard:
         it: refused when, as last heard, the account cannot (every holder's spend; no ask
         then), or when an ask of this request's brought nothing (the others' grants are
         reserved, not idle)."""
-        account.used_at = time.monotonic()
+        account.used_at = self._monotonic()
         purse = account.purse
         if purse.reserve(estimate):
             return True
@@ -470,7 +471,7 @@ class BudgetGuard:
     async def _sync(self, *, final: bool = False) -> None:
         """Report every account's spend; shrink grants to what is spent and reserved (plus
         spare while in use and the account has room); forget idle accounts of past periods."""
-        now = time.monotonic()
+        now = self._monotonic()
         for key, account in list(self._accounts.items()):
             purse = account.purse
             idle = now - account.used_at > self.interval * _IDLE_PERIODS

@@ -19,9 +19,9 @@ whether its request ended by itself or was cut.
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+from llmgw.clock import SYSTEM, Clock, TimeSource, monotonic_of
 
 if TYPE_CHECKING:
     from starlette.types import Message, Send
@@ -38,8 +38,8 @@ _CUT_EVERY = 0.05  # seconds between cut rounds (a request may take its lease me
 class EdgeDrain:
     """Shutdown state of one edge process (see the module docstring)."""
 
-    def __init__(self, monotonic: Callable[[], float] = time.monotonic) -> None:
-        self._monotonic = monotonic
+    def __init__(self, monotonic: Clock | TimeSource = SYSTEM) -> None:
+        self._monotonic = monotonic_of(monotonic)
         self.draining = False
         self.began_at: float | None = None
         self.cut_requests = 0  # requests ended by the drain deadline

@@ -16,7 +16,8 @@ through as they are), and no ``Expect: 100-continue``.
 - `UpstreamResponse`: ``status``, ``headers`` (lower-case names), `read(deadline)` (the whole
   body), `readany(deadline)` (what has arrived, ``b""`` at the end), `release()` (the connection
   goes back to the pool if the response is complete and both sides keep it alive, else it is
-  closed) and `close()`. Deadlines are the event loop's clock (`loop.time()`).
+  closed) and `close()`. Deadlines are the event loop's clock (`loop.time()`); how long a
+  connection has been idle is the injected clock's monotonic time (`llmgw.clock`).
 
 Errors: `UpstreamConnectError` when no connection could be made (refused, no such host, dial
 timeout); `UpstreamBrokenError` when the connection broke or the answer was not HTTP
@@ -39,13 +40,14 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-import time
 from collections import deque
 from collections.abc import Mapping
 from typing import Any, cast
 from urllib.parse import urlsplit
 
 import httptools
+
+from llmgw.clock import SYSTEM, Clock
 
 __all__ = [
     "UpstreamBrokenError",
@@ -287,10 +289,12 @@ class UpstreamPool:
         keepalive: float = 30.0,
         tls: ssl.SSLContext | None = None,
         read_high_water: int = _HIGH_WATER,
+        clock: Clock = SYSTEM,
     ) -> None:
         self._dial = dial
         self._high_water = read_high_water  # buffered body bytes at which reading pauses
         self._keepalive = keepalive
+        self._monotonic = clock.monotonic  # how long a connection has been idle
         self._idle: dict[Any, list[_Connection]] = {}
         self._targets: dict[str, tuple[Any, bytes]] = {}  # url -> (pool key, request line head)
         self._tls = tls  # for https: the system's trust store unless given
@@ -359,7 +363,7 @@ class UpstreamPool:
         idle = self._idle.get(key)
         if not idle:
             return None
-        now = time.monotonic()
+        now = self._monotonic()
         while idle:
             connection = idle.pop()
             usable = not connection.closed and not connection.transport_closing()
@@ -399,7 +403,7 @@ class UpstreamPool:
         if self._closed or len(idle) >= _MAX_IDLE_PER_HOST:
             connection.close()
             return
-        connection.idle_since = time.monotonic()
+        connection.idle_since = self._monotonic()
         idle.append(connection)
 
     async def close(self) -> None:

@@ -32,12 +32,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
+from llmgw.clock import SYSTEM, Clock, TimeSource, monotonic_of
 from llmgw.tasks import cancel_and_wait
 from llmgw.wire import (
     ADMISSION_ROLLCALL_SUBJECT,
@@ -120,7 +120,7 @@ class EdgeLeases:
         *,
         lease_timeout: float,
         request_timeout: float,
-        monotonic: Callable[[], float] = time.monotonic,
+        monotonic: Clock | TimeSource = SYSTEM,
         local_budget: LocalBudget | None = None,
     ) -> None:
         self._nc = nc
@@ -129,7 +129,7 @@ class EdgeLeases:
         self.lease_timeout = lease_timeout
         self.renew_every = lease_timeout / 3
         self.request_timeout = request_timeout
-        self._monotonic = monotonic
+        self._monotonic = monotonic_of(monotonic)
         self.held: dict[str, HeldLease] = {}
         self._task: asyncio.Task[None] | None = None
         self._sub: Subscription | None = None

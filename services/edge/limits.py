@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
+from llmgw.clock import Clock, TimeSource, wall_of
 from llmgw.core.apikeys import ApiKey, RateWindow
 from llmgw.tasks import cancel_and_wait
 from llmgw.wire import KEYS_USAGE_SUBJECT, KeyUsage, KeyWindowUse
@@ -61,15 +61,15 @@ class KeyLimiter:
         edge_id: str,
         *,
         interval: float,
-        clock: Callable[[], float],
+        clock: Clock | TimeSource,
         window: RateWindow | None = None,
     ) -> None:
         self._nc = nc
         self.edge_id = edge_id
         self.interval = interval
-        self._clock = clock
+        self._clock = wall_of(clock)
         self.window = window or RateWindow()
-        self._index = self.window.index(clock())
+        self._index = self.window.index(self._clock())
         self._mine: dict[str, _Use] = {}
         self._others: dict[str, dict[str, KeyWindowUse]] = {}  # edge -> key id -> use
         self._dirty = False

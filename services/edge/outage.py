@@ -16,10 +16,10 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
+from llmgw.clock import SYSTEM, Clock, TimeSource, wall_of
 from llmgw.contracts import AdmissionUnavailable
 from llmgw.core.ledger import LeaseKind, LeaseRecord
 from llmgw.core.outage import LocalBudget, LocalEndpoint, LocalProvider
@@ -72,14 +72,14 @@ class OutageAdmission:
         budget: LocalBudget,
         *,
         is_connected: Callable[[], bool],
-        clock: Callable[[], float] = time.time,
+        clock: Clock | TimeSource = SYSTEM,
     ) -> None:
         self.inner = inner
         self.edge_id = edge_id
         self.budget = budget
         self._config = config
         self._is_connected = is_connected
-        self._clock = clock
+        self._clock = wall_of(clock)
         self._providers: dict[tuple[str, str], tuple[LocalProvider, ...]] = {}
         self._ids = itertools.count()
         self._prefix = f"{LOCAL_LEASE_PREFIX}{edge_id}-{os.urandom(3).hex()}-"

@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from llmgw.clock import SYSTEM, Clock, TimeSource, monotonic_of
 from llmgw.core.outcomes import Outcome
 from llmgw.wire import MODELS_STALE_SUBJECT, REQUEST_STATS_SUBJECT, ModelsStale
 
@@ -76,13 +76,13 @@ class NatsReporter:
         hold: float = HOLD,
         *,
         scope: str = "",
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock | TimeSource = SYSTEM,
     ) -> None:
         self._nc = nc
         self._local = local
         self._hold = hold
         self._scope = scope
-        self._clock = clock
+        self._clock = monotonic_of(clock)
         self._gate = NoticeGate()
         self._notices: list[bytes] = []
         self.notices = 0  # model-list notices sent

@@ -25,13 +25,12 @@ import asyncio
 import hashlib
 import json
 import logging
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from starlette.responses import JSONResponse, Response
 
+from llmgw.clock import SYSTEM, Clock, TimeSource, wall_of
 from llmgw.core.outcomes import Outcome
 from llmgw.core.requests import InvalidRequest
 from llmgw.core.responses import (
@@ -240,11 +239,11 @@ class ResponsesApi:
         config: Config,
         store: ResponseStore,
         rng: random.Random,
-        clock: Callable[[], float] = time.time,
+        clock: Clock | TimeSource = SYSTEM,
     ) -> None:
         self.store = store
         self.rng = rng
-        self.clock = clock
+        self.clock = wall_of(clock)
         self.apis = {p.id: frozenset(p.apis) for p in config.providers}
 
     async def _read(self, read: Any) -> Any:

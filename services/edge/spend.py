@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter
 
+from llmgw.clock import SYSTEM, Clock, TimeSource, wall_of
 from llmgw.core.spend import (
     PICOS,
     PriceBook,
@@ -100,15 +100,15 @@ class SpendBook:
         config: Config,
         metrics: SpendMetrics | None = None,
         *,
-        clock: Callable[[], float] = time.time,
+        clock: Clock | TimeSource = SYSTEM,
     ) -> None:
         self._nc = nc
         self.edge_id = edge_id
         self.currency = config.spend.currency
         self.interval = config.spend.interval
         self._metrics = metrics
-        self._clock = clock
-        self.day = period_of(clock())
+        self._clock = wall_of(clock)
+        self.day = period_of(self._clock())
         self._day_ends = 0.0
         self.totals = SpendTotals()
         self._previous: tuple[str, SpendTotals] | None = None  # the day before, not yet sent

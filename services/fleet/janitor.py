@@ -23,10 +23,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Awaitable, Callable, Hashable
 from typing import Any
 
+from llmgw.clock import SYSTEM, Clock, TimeSource, monotonic_of
 from llmgw.core.fleet import EndpointState, HeartbeatVerdict, heard, heartbeat_verdict
 from llmgw.fleet import FleetRecord
 from llmgw.state.fleet import FleetBucket
@@ -63,12 +63,12 @@ class HeartbeatJanitor:
         leases: Callable[[], Awaitable[dict[str, int] | None]],
         *,
         interval: float = 1.0,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock | TimeSource = SYSTEM,
     ) -> None:
         self.bucket = bucket
         self._leases = leases
         self.interval = interval
-        self._clock = clock
+        self._clock = monotonic_of(clock)
         # endpoint id -> (its heartbeat as last seen, when this janitor first saw it)
         self._heard: dict[str, tuple[Hashable, float]] = {}
         self.drained = 0

@@ -16,7 +16,6 @@ Errors are `FleetError`s carrying the HTTP status and code the admin API answers
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -24,6 +23,7 @@ import httpx
 from pydantic import ValidationError
 
 from llmgw.broadcast import ask_instances
+from llmgw.clock import SYSTEM, Clock, TimeSource, monotonic_of, wall_of
 from llmgw.config.catalog import EndpointConfig
 from llmgw.core.fleet import (
     EndpointState,
@@ -150,8 +150,8 @@ class FleetOps:
         leases: Callable[[], Awaitable[dict[str, int] | None]],
         *,
         probe_client: httpx.AsyncClient | None = None,
-        clock: Callable[[], float] = time.monotonic,
-        wall: Callable[[], float] = time.time,
+        clock: Clock | TimeSource = SYSTEM,
+        wall: Clock | TimeSource = SYSTEM,
     ) -> None:
         self.bucket = bucket
         # what a change is checked against: the config the cluster runs on (an applied
@@ -159,8 +159,8 @@ class FleetOps:
         self._config = config
         self._leases = leases
         self._probe_client = probe_client
-        self._clock = clock
-        self._wall = wall
+        self._clock = monotonic_of(clock)
+        self._wall = wall_of(wall)
 
     @classmethod
     def on(cls, nc: NATS, bucket: FleetBucket, config: Config | Callable[[], Config]) -> FleetOps:

@@ -13,13 +13,13 @@ import asyncio
 import logging
 import signal
 import sys
-import time
 import uuid
 from typing import TYPE_CHECKING
 
 from nats.aio.client import Client as NATS
 
 from llmgw import natsconn
+from llmgw.clock import SYSTEM
 from llmgw.config import Config, parse_hostport
 from llmgw.config.fleet import fleet_bucket
 from llmgw.events import EventPublisher
@@ -71,7 +71,6 @@ async def open_reaper(
     *,
     instance: str,
     clock: Clock,
-    timer: Clock,
     metrics: ReaperMetrics | None = None,
 ) -> Reaper:
     """A Reaper over the configured bucket, publishing on `nc`."""
@@ -82,7 +81,6 @@ async def open_reaper(
         EventPublisher(nc, instance, clock=clock),
         metrics or ReaperMetrics(),
         clock=clock,
-        timer=timer,
         interval=config.pinning.reaper_interval,
         member_ttl=config.admission.member_ttl,
         quota_grace=quota_grace(config),
@@ -96,14 +94,13 @@ async def serve(
     stop: asyncio.Event | None = None,
     ready: asyncio.Event | None = None,
     metrics: ReaperMetrics | None = None,
-    clock: Clock = time.time,
-    timer: Clock = time.perf_counter,
+    clock: Clock = SYSTEM,
 ) -> None:
     """Run one reaper until `stop` is set (default: until SIGTERM or SIGINT).
 
-    `ready` is set once it runs (and its admin port, if any, accepts connections). `clock`
-    judges expiry (unix seconds: the stamps it compares are other hosts'); `timer` measures
-    passes. Tests step them.
+    `ready` is set once it runs (and its admin port, if any, accepts connections). `clock`'s
+    wall time judges expiry (unix seconds: the stamps it compares are other hosts'); its
+    monotonic time measures passes. Tests step it.
     """
     if stop is None:
         stop = asyncio.Event()
@@ -114,9 +111,7 @@ async def serve(
     nc = await natsconn.connect(config.nats, name="llmgw-reaper")
     admin_server = None
     try:
-        reaper = await open_reaper(
-            nc, config, instance=instance, clock=clock, timer=timer, metrics=metrics
-        )
+        reaper = await open_reaper(nc, config, instance=instance, clock=clock, metrics=metrics)
         where = ""
         if admin is not None:
             # Imported only when asked for: the HTTP stack is not the reaper's default path.

@@ -16,8 +16,9 @@ quota simply stays unavailable (under-admission, the safe direction).
 
 Stopping: `run(stop)` checks `stop` between passes only, so a pass in progress is finished.
 
-Time: `clock` (unix seconds in the product) is what expiry is judged by, against the stamps
-instances write; `timer` measures a pass. Both are given by the composition root (`main.serve`).
+Time: the `clock`'s wall time (unix seconds in the product) is what expiry is judged by, against
+the stamps instances write; its monotonic time measures a pass. The composition root
+(`main.serve`) gives it.
 """
 
 from __future__ import annotations
@@ -62,7 +63,6 @@ class Reaper:
         metrics: ReaperMetrics,
         *,
         clock: Clock,
-        timer: Clock,
         interval: float,
         member_ttl: float,
         quota_grace: float,
@@ -70,8 +70,8 @@ class Reaper:
         self.store = store
         self.events = events
         self.metrics = metrics
-        self._clock = clock
-        self._timer = timer
+        self._clock = clock.wall
+        self._timer = clock.monotonic
         self.interval = interval
         self.member_ttl = member_ttl
         self.quota_grace = quota_grace

@@ -128,12 +128,12 @@ class StreamSink:
     messages are looked at in order by `lost`, the next time its reader asks."""
 
     def __init__(
-        self, js: JetStreamContext, stream: str, *, ack_timeout: float, timer: Clock
+        self, js: JetStreamContext, stream: str, *, ack_timeout: float, clock: Clock
     ) -> None:
         self._js = js
         self._stream = stream
         self._ack_timeout = ack_timeout
-        self._timer = timer
+        self._timer = clock.monotonic
         self._pending: dict[str, deque[tuple[float, asyncio.Future[PubAck]]]] = {}
 
     async def send(self, message: PrefixHeld) -> None:
@@ -182,14 +182,13 @@ class LiveSink:
 @dataclass(frozen=True, slots=True)
 class ReaderDeps:
     """What every reader shares: the ZMQ context, where updates go, the scraper's metrics, the
-    settings, and the clocks (`clock`: unix seconds, for timestamps; `timer`: intervals)."""
+    settings, and the clock (wall: unix seconds, for timestamps; monotonic: intervals)."""
 
     context: zmq.asyncio.Context
     sink: HeldSink
     metrics: ScraperMetrics
     settings: KvEventsSettings
     clock: Clock
-    timer: Clock
 
 
 class KvEventsReader:
@@ -205,8 +204,8 @@ class KvEventsReader:
         self._sink = deps.sink
         self._metrics = deps.metrics
         self._settings = settings = deps.settings
-        self._clock = deps.clock
-        self._timer = timer = deps.timer
+        self._clock = deps.clock.wall
+        self._timer = timer = deps.clock.monotonic
         self._last_replay: float | None = None
         self._resync = False
         self._next_resync = timer()
@@ -473,10 +472,9 @@ class KvEvents:
         metrics: ScraperMetrics,
         settings: KvEventsSettings,
         clock: Clock,
-        timer: Clock,
     ) -> None:
         self._context = zmq.asyncio.Context()
-        self._deps = ReaderDeps(self._context, sink, metrics, settings, clock, timer)
+        self._deps = ReaderDeps(self._context, sink, metrics, settings, clock)
         self._settings = settings
         self._readers: dict[str, tuple[KvEventsSource, asyncio.Task[None]]] = {}
         self._retiring: set[asyncio.Task[None]] = set()
@@ -519,7 +517,7 @@ class KvEvents:
             await asyncio.wait({after})
         delay = self._settings.restart_delay
         while True:
-            started = self._deps.timer()
+            started = self._deps.clock.monotonic()
             try:
                 await KvEventsReader(endpoint, source, self._deps).run()
             except Exception:  # a bug must not end the endpoint's events for good
@@ -527,7 +525,7 @@ class KvEvents:
                     "KV events of %s: the reader failed; starting again in %gs", endpoint, delay
                 )
             # Doubled while it keeps failing soon after its start (up to `max_restart_delay`).
-            if self._deps.timer() - started > self._settings.max_restart_delay:
+            if self._deps.clock.monotonic() - started > self._settings.max_restart_delay:
                 delay = self._settings.restart_delay
             await asyncio.sleep(delay)
             delay = min(2 * delay, self._settings.max_restart_delay)

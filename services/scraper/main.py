@@ -17,10 +17,10 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import time
 from typing import TYPE_CHECKING
 
 from llmgw import natsconn
+from llmgw.clock import SYSTEM
 from llmgw.config import Config, parse_hostport
 from llmgw.fleet import Fleet, live_config
 from llmgw.load import capacity_floors
@@ -64,7 +64,7 @@ async def _set_on_signal(stop: asyncio.Event) -> None:
 
 
 async def start_kv_events(
-    nc: NATS, config: Config, metrics: ScraperMetrics, *, clock: Clock, timer: Clock
+    nc: NATS, config: Config, metrics: ScraperMetrics, *, clock: Clock
 ) -> KvEvents | None:
     """The KV cache events' readers (none yet: `retarget` starts them), publishing to the
     prefix stream (created if missing); None when cache-aware placement is off or the
@@ -87,10 +87,10 @@ async def start_kv_events(
     js = nc.jetstream()
     sink: StreamSink | LiveSink
     if await ensure_prefix_stream(js, config):
-        sink = StreamSink(js, config.prefix_stream, ack_timeout=settings.ack_timeout, timer=timer)
+        sink = StreamSink(js, config.prefix_stream, ack_timeout=settings.ack_timeout, clock=clock)
     else:
         sink = LiveSink(nc, config.prefix_stream)
-    return KvEvents(sink=sink, metrics=metrics, settings=settings, clock=clock, timer=timer)
+    return KvEvents(sink=sink, metrics=metrics, settings=settings, clock=clock)
 
 
 async def serve(
@@ -101,14 +101,14 @@ async def serve(
     ready: asyncio.Event | None = None,
     instance: str | None = None,
     metrics: ScraperMetrics | None = None,
-    clock: Clock = time.time,
-    timer: Clock = time.perf_counter,
+    clock: Clock = SYSTEM,
 ) -> None:
     """Run one scraper until `stop` is set (default: until SIGTERM or SIGINT).
 
     `ready` is set once it runs (and its admin port, if any, accepts connections). `instance`
-    names it in reports (default: service, host and pid). `clock` stamps reports (unix seconds:
-    other hosts judge their age); `timer` paces rounds and measures them. Tests step them.
+    names it in reports (default: service, host and pid). `clock`'s wall time stamps reports (unix
+    seconds: other hosts judge their age); its monotonic time paces rounds and measures them.
+    Tests step it.
     """
     signal_task = None
     if stop is None:
@@ -143,11 +143,10 @@ async def serve(
             timeout=router.scrape_timeout,
             capacities=capacity_floors(config),
             clock=clock,
-            timer=timer,
             window_refresh=config.fleet.models_refresh,
         )
         await scraper.adopt_known_capacity()
-        kv_events = await start_kv_events(nc, config, metrics, clock=clock, timer=timer)
+        kv_events = await start_kv_events(nc, config, metrics, clock=clock)
         missing_extra_said = False
 
         def follow(snapshot: Fleet) -> None:

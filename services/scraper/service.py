@@ -149,9 +149,9 @@ def new_http_client(timeout: float, endpoints: int) -> httpx.AsyncClient:
 class Scraper:
     """Scrapes `targets` every `interval` seconds; see the module docstring.
 
-    `clock` (unix seconds in the product) stamps reports and judges staleness; readers compare
-    ``scraped_at`` with their own clock. `timer` measures durations and paces rounds. Both are
-    given by the composition root (`main.serve`).
+    The `clock`'s wall time (unix seconds in the product) stamps reports and judges staleness;
+    readers compare ``scraped_at`` with their own clock. Its monotonic time measures durations
+    and paces rounds. The composition root (`main.serve`) gives it.
     """
 
     def __init__(
@@ -167,7 +167,6 @@ class Scraper:
         interval: float,
         timeout: float,
         clock: Clock,
-        timer: Clock,
         capacities: dict[str, int] | None = None,
         window_refresh: float | None = None,
     ) -> None:
@@ -184,8 +183,8 @@ class Scraper:
         self.timeout = timeout
         # A stalled NATS call must not hold the loop for longer than a round is meant to take.
         self.publish_timeout = interval
-        self._clock = clock
-        self._timer = timer
+        self._clock = clock.wall
+        self._timer = clock.monotonic
         self._loads: dict[str, EndpointLoad] = {}
         self._read_at: dict[str, float] = {}  # when each endpoint's /metrics was last read
         self._healthy: dict[str, bool] = {}

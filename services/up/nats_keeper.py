@@ -20,9 +20,9 @@ progress when the keeper is cancelled finishes its bounded readiness wait in a w
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 
+from llmgw.clock import SYSTEM, Clock, TimeSource, monotonic_of
 from llmgw.nats_cluster import EmbeddedNatsCluster
 from llmgw.nats_embedded import EmbeddedNats, NatsServerError
 from llmgw.services.up.restart import RestartPolicy
@@ -73,7 +73,7 @@ class NatsKeeper:
         say: Callable[[str], None],
         on_give_up: Callable[[str], None],
         policy_factory: Callable[[], RestartPolicy] = RestartPolicy,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock | TimeSource = SYSTEM,
         poll_interval: float = DEFAULT_POLL_INTERVAL_S,
         restart_timeout: float = DEFAULT_RESTART_TIMEOUT_S,
         label: Callable[[int], str] = node_label,
@@ -85,7 +85,7 @@ class NatsKeeper:
         self._say = say
         self._on_give_up = on_give_up
         self._policies = [policy_factory() for _ in cluster.nodes]
-        self._clock = clock
+        self._clock = monotonic_of(clock)
         self._poll_interval = poll_interval
         self._restart_timeout = restart_timeout
         self.restarts = 0  # successful restarts, for tests and the curious

@@ -21,11 +21,11 @@ import os
 import secrets
 import signal
 import sys
-import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
+from llmgw.clock import SYSTEM, Clock, TimeSource, monotonic_of
 from llmgw.nats_embedded import die_with_parent
 from llmgw.services.up.plan import ServiceSpec, url_in_line
 from llmgw.services.up.restart import RestartPolicy
@@ -69,7 +69,7 @@ class ClusterSupervisor:
         ready_timeout: float = 60.0,
         grace: float = 10.0,
         policy_factory: Callable[[], RestartPolicy] = RestartPolicy,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock | TimeSource = SYSTEM,
         command_prefix: Sequence[str] = (sys.executable, "-m", "llmgw"),
         spec_env: Mapping[str, Mapping[str, str]] | None = None,
     ) -> None:
@@ -80,7 +80,7 @@ class ClusterSupervisor:
         self._out = out or sys.stdout
         self._ready_timeout = ready_timeout
         self._grace = grace
-        self._clock = clock
+        self._clock = monotonic_of(clock)
         self._command_prefix = tuple(command_prefix)
         self._stop = asyncio.Event()
         self._force = asyncio.Event()

@@ -18,6 +18,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from llmgw.clock import Clock, TimeSource, wall_of
 from llmgw.core.apikeys import API_KEY_PREFIX, ApiKey, ApiKeyError, key_id_of
 from llmgw.state.follow import WatchFollower
 from llmgw.state.kv import CasConflict, KVStore
@@ -122,10 +123,10 @@ class KeyMirror(WatchFollower):
     what = "key"
     log = log
 
-    def __init__(self, kv: KVStore, clock: Callable[[], float]) -> None:
+    def __init__(self, kv: KVStore, clock: Clock | TimeSource) -> None:
         super().__init__()
         self._kv = kv
-        self._clock = clock
+        self._clock = wall_of(clock)
         self.keys: dict[str, ApiKey] = {}
         self.last_change: float | None = None
         self.changes = 0

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from nats.js.errors import NotFoundError
 from pydantic import ValidationError
 
+from llmgw.clock import SYSTEM, Clock, TimeSource, wall_of
 from llmgw.config.fleet import fleet_bucket
 from llmgw.core.fleet import EndpointState, seed_missing
 from llmgw.fleet import (
@@ -96,9 +96,9 @@ async def read_live_config(nc: NATS, config: Config) -> Config:
 
 
 class FleetBucket:
-    def __init__(self, kv: KVStore, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, kv: KVStore, clock: Clock | TimeSource = SYSTEM) -> None:
         self.kv = kv
-        self._clock = clock
+        self._clock = wall_of(clock)
 
     async def seed(self, config: Config) -> list[str]:
         """Seed the fleet from the config's endpoints, once per distinct endpoint list (a seed
@@ -272,10 +272,10 @@ class FleetMirror(WatchFollower):
     what = "fleet"
     log = log
 
-    def __init__(self, bucket: FleetBucket, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, bucket: FleetBucket, clock: Clock | TimeSource = SYSTEM) -> None:
         super().__init__()
         self.bucket = bucket
-        self._clock = clock
+        self._clock = wall_of(clock)
         self.fleet = Fleet()
         self.changes = 0
         self.last_change: float | None = None

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import builtins
-import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 
+from llmgw.clock import SYSTEM, Clock, TimeSource, wall_of
 from llmgw.state.kv import CasConflict, KVEntry, validate_key, validate_prefix
 
 __all__ = ["BeforeOp", "MemoryKV"]
@@ -30,12 +30,12 @@ class MemoryKV:
     def __init__(
         self,
         *,
-        clock: Callable[[], float] = time.time,
+        clock: Clock | TimeSource = SYSTEM,
         before_op: BeforeOp | None = None,
     ) -> None:
         self.before_op = before_op
         self.history: list[KVEntry] = []
-        self._clock = clock
+        self._clock = wall_of(clock)
         self._revision = 0
         self._last: dict[str, KVEntry] = {}  # last write per key, tombstones included
         self._watchers: list[tuple[str, asyncio.Queue[KVEntry]]] = []

@@ -38,11 +38,11 @@ import asyncio
 import contextlib
 import logging
 import random
-import time
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from llmgw.clock import SYSTEM, Clock, TimeSource, wall_of
 from llmgw.core.responses import RESPONSE_ID_PATTERN, WRITER_DIGITS, StoredResponse, writer_of
 from llmgw.wire import RESPONSES_ASK_PREFIX, RESPONSES_DELETED_SUBJECT
 
@@ -115,7 +115,7 @@ class ResponseStore:
         retention: float = 30 * 24 * 3600.0,
         wait: float = 1.0,
         writer: str | None = None,
-        clock: Callable[[], float] = time.time,
+        clock: Clock | TimeSource = SYSTEM,
     ) -> None:
         self.kv = kv
         self.max_value_bytes = max_value_bytes - _RECORD_OVERHEAD
@@ -123,7 +123,7 @@ class ResponseStore:
         self.retention = retention
         self.wait = wait  # bounds a write, and a read's wait for one
         self.writer = writer or f"{random.getrandbits(4 * WRITER_DIGITS):0{WRITER_DIGITS}x}"
-        self.clock = clock
+        self.clock = wall_of(clock)
         self.on_result: Callable[[str], None] = lambda result: None
         # Writes in flight by id: each future says whether its write landed.
         self.pending: dict[str, asyncio.Future[bool]] = {}

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
+from timing import SteppedClock, eventually
 
 from llmgw.services.edge.http_client import (
     UpstreamBrokenError,
@@ -77,14 +78,6 @@ async def serve() -> AsyncIterator[Callable[..., RawServer]]:
         raw.server.close()
 
 
-async def until(condition: Callable[[], bool], timeout: float = 2.0) -> None:
-    """Wait for an observable condition of the client (set by its socket callbacks)."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, "condition never held"
-        await asyncio.sleep(0.002)
-
-
 def fixed(body: bytes, *extra: bytes) -> bytes:
     return b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n%s\r\n%s" % (
         len(body),
@@ -111,6 +104,22 @@ async def test_one_connection_serves_request_after_request(serve):
     assert request.startswith(b"POST /v1/x HTTP/1.1\r\nhost: 127.0.0.1:")
     assert b"content-type: application/json\r\n" in request and request.endswith(b'{"a":1}')
     assert b"accept-encoding" not in request.lower()  # bodies pass through as they are
+    await pool.close()
+
+
+async def test_a_connection_idle_for_keepalive_seconds_of_the_pools_clock_is_not_reused(serve):
+    """Idleness is read from the pool's injected clock: a connection idle for less than
+    `keepalive` serves the next request, one idle for `keepalive` is closed and a new one
+    dialled (the server itself keeps both open)."""
+    raw = await serve(lambda request: fixed(b"ok"))
+    clock = SteppedClock()
+    pool = UpstreamPool(dial=1, keepalive=30.0, clock=clock)
+    for wait, connections in ((0.0, 1), (29.9, 1), (30.0, 2)):
+        clock.advance(wait)
+        response = await pool.post(raw.url, b"{}", {})
+        assert await response.read() == b"ok"
+        response.release()
+        assert raw.connections == connections
     await pool.close()
 
 
@@ -167,7 +176,7 @@ async def test_a_server_that_closed_an_idle_connection_costs_a_new_dial_not_an_e
     first = await pool.post(raw.url, b"{}", {})
     assert await first.read() == b"ok"
     first.release()  # pooled: no connection: close header came
-    await until(lambda: first._connection.closed)  # the server's close reached the client
+    await eventually(lambda: first._connection.closed)  # the server's close reached the client
     second = await pool.post(raw.url, b"{}", {})
     assert await second.read() == b"ok"
     assert raw.connections == 2
@@ -222,7 +231,7 @@ async def test_closing_a_response_mid_body_fails_its_reader_even_without_length(
     pool = UpstreamPool(dial=1)
     response = await pool.post(raw.url, b"{}", {})
     reader = asyncio.ensure_future(response.readany())
-    await until(lambda: response._connection._waiter is not None)  # waiting for more body
+    await eventually(lambda: response._connection._waiter is not None)  # waiting for more body
     response.close()
     with pytest.raises(UpstreamBrokenError):
         await reader
@@ -260,7 +269,7 @@ async def test_garbage_on_an_idle_connection_closes_it_and_the_next_request_dial
     first = await pool.post(raw.url, b"{}", {})
     assert await first.read() == b"ok"
     first.release()
-    await until(lambda: first._connection.closed)  # the garbage arrived and closed it
+    await eventually(lambda: first._connection.closed)  # the garbage arrived and closed it
     second = await pool.post(raw.url, b"{}", {})
     assert await second.read() == b"ok"
     assert raw.connections == 2
@@ -294,7 +303,7 @@ async def test_a_response_nobody_asked_for_neither_joins_the_answer_nor_the_next
     pool = UpstreamPool(dial=1)
     for _ in range(2):
         response = await pool.post(raw.url, b"{}", {})
-        await until(lambda r=response: r._connection.closed)  # the stray came and closed it
+        await eventually(lambda r=response: r._connection.closed)  # the stray came and closed it
         assert await response.read() == b"hello"
         response.release()
     assert raw.connections == 2
@@ -308,7 +317,7 @@ async def test_a_connection_paused_at_the_end_of_a_large_body_reads_again_when_r
     raw = await serve(lambda request: fixed(body))
     pool = UpstreamPool(dial=1, read_high_water=16)
     first = await pool.post(raw.url, b"{}", {})
-    await until(lambda: first._connection.complete)  # all of it is in; reading paused
+    await eventually(lambda: first._connection.complete)  # all of it is in; reading paused
     assert first._connection._paused
     first.release()  # complete: back to the pool, its body unread
     async with asyncio.timeout(2):
@@ -369,7 +378,7 @@ async def test_a_body_that_stalls_ends_at_its_deadline_and_what_came_is_read_at_
     assert 0.2 <= loop.time() - began < 1.5
     response.close()
     whole = await pool.post(raw.url, b"{}", {}, within=1)
-    await until(lambda: whole._connection.complete)
+    await eventually(lambda: whole._connection.complete)
     assert await whole.read(loop.time() - 1) == b"whole"  # all in: a passed deadline is moot
     whole.release()
     again = await pool.post(raw.url, b"stall", {}, within=1)

@@ -4,18 +4,12 @@ depends on no owner and never expires. No NATS: the store is not started (no ren
 
 from __future__ import annotations
 
+from timing import SteppedClock
+
 from llmgw.core.ledger import LeaseKind, LeaseRecord
 from llmgw.services.edge.leases import LOCAL_LEASE_PREFIX, EdgeLeases
 
 LEASE_TIMEOUT = 3.0
-
-
-class SteppedClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def record(lease_id: str) -> LeaseRecord:
@@ -43,7 +37,7 @@ def leases(clock: SteppedClock) -> EdgeLeases:
 
 
 def test_a_lease_not_confirmed_for_lease_timeout_is_lost_and_ends_its_request() -> None:
-    clock = SteppedClock()
+    clock = SteppedClock(100.0)
     store = leases(clock)
     hold = store.hold(record("l-1"))
     ended = []
@@ -59,14 +53,14 @@ def test_a_lease_not_confirmed_for_lease_timeout_is_lost_and_ends_its_request() 
 
 
 def test_an_unclaimed_local_grant_never_expires() -> None:
-    clock = SteppedClock()
+    clock = SteppedClock(100.0)
     store = leases(clock)
     hold = store.hold(record(f"{LOCAL_LEASE_PREFIX}edge-test-1"))
     clock.now += 100 * LEASE_TIMEOUT
     assert not store.expired(hold) and not hold.lost
     # An owner takes it in a renewal round (which confirms it): from then on it is renewed, or
     # it expires like any other.
-    hold.claimed, hold.confirmed_at = True, clock.now
+    hold.claimed, hold.confirmed_at = True, clock.monotonic()
     assert not store.expired(hold)
     clock.now += LEASE_TIMEOUT
     assert store.expired(hold) and hold.lost

@@ -4,10 +4,10 @@ quota. It never touches a live instance's, and two reapers make each change once
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 from reaper_helpers import IRIS, MODEL, WAIT, Connect, EventLog
+from timing import SteppedClock
 
 from llmgw.config import Config
 from llmgw.core.keys import MemberValue
@@ -33,7 +33,7 @@ async def test_dead_members_keys_go_after_three_ttls_and_live_ones_stay(
     await store.join(MemberValue("admission-late", 0.0, NOW - 2 * ttl))  # dead, not long enough
     await store.join(MemberValue("admission-live", 0.0, NOW - 0.5))
     reaper = await open_reaper(
-        await connect(), config, instance="reaper-a", clock=lambda: NOW, timer=time.perf_counter
+        await connect(), config, instance="reaper-a", clock=SteppedClock(NOW)
     )
     result = await reaper.run_pass()
     assert result.members_removed == ("admission-dead",)
@@ -59,7 +59,7 @@ async def test_a_dead_instances_leftover_quota_returns_to_the_pool_after_the_gra
     )
     assert await store.write_quota_book(book, 0) is not None
     reaper = await open_reaper(
-        await connect(), config, instance="reaper-a", clock=lambda: NOW, timer=time.perf_counter
+        await connect(), config, instance="reaper-a", clock=SteppedClock(NOW)
     )
     result = await reaper.run_pass()
     assert result.quota_reclaimed == ((IRIS, MODEL, "admission-gone"),)
@@ -79,8 +79,7 @@ async def test_an_event_that_cannot_be_published_is_counted_and_the_change_stand
         await connect(),
         config,
         instance="reaper-a",
-        clock=lambda: NOW,
-        timer=time.perf_counter,
+        clock=SteppedClock(NOW),
         metrics=metrics,
     )
     lost = await connect()
@@ -97,11 +96,9 @@ async def test_two_reapers_make_each_change_once(
     ttl = config.admission.member_ttl
     for n in range(5):
         await store.join(MemberValue(f"admission-dead-{n}", 0.0, NOW - 4 * ttl))
-    first = await open_reaper(
-        await connect(), config, instance="reaper-a", clock=lambda: NOW, timer=time.perf_counter
-    )
+    first = await open_reaper(await connect(), config, instance="reaper-a", clock=SteppedClock(NOW))
     second = await open_reaper(
-        await connect(), config, instance="reaper-b", clock=lambda: NOW, timer=time.perf_counter
+        await connect(), config, instance="reaper-b", clock=SteppedClock(NOW)
     )
     a, b = await asyncio.gather(first.run_pass(), second.run_pass())
     removed = [*a.members_removed, *b.members_removed]
@@ -122,16 +119,6 @@ async def test_a_successor_removes_its_exited_predecessors_keys_at_once_and_no_o
     remaining = {m.value.instance for m in await store.members()}
     assert remaining == {"up-edge-1a2b3c-00", "other"}
     assert not await remove_exited_member(store, "up-edge-1a2b3c-0")  # nothing left to remove
-
-
-class SteppedClock:
-    """Unix seconds that move only when the test moves them."""
-
-    def __init__(self, now: float) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 async def _passes_after(metrics: ReaperMetrics, count: int) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +14,7 @@ import httpx
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
+from llmgw.clock import SYSTEM, Clock
 from llmgw.config import Config
 from llmgw.events import EndpointEvent, PoolMeasured, parse_event
 from llmgw.load import EndpointReport, PoolReport
@@ -70,16 +70,6 @@ def config_data(
             },
         ],
     }
-
-
-class SteppedClock:
-    """Unix seconds that move only when the test moves them."""
-
-    def __init__(self, now: float) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @dataclass(frozen=True)
@@ -204,10 +194,10 @@ async def running_scraper(
     *,
     instance: str,
     metrics: ScraperMetrics | None = None,
-    clock: Callable[[], float] = time.time,
+    clock: Clock = SYSTEM,
 ) -> AsyncIterator[None]:
     """`serve(config)` in a task, ready when entered; stopped (and awaited) on exit. `clock`
-    stamps its reports (a test may step it)."""
+    stamps its reports and paces its rounds (a test may step it)."""
     stop, ready = asyncio.Event(), asyncio.Event()
     task = asyncio.create_task(
         serve(config, stop=stop, ready=ready, instance=instance, metrics=metrics, clock=clock)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,7 +17,8 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js.client import JetStreamContext
 from nats.js.errors import NotFoundError
-from scraper_helpers import WAIT, SteppedClock, config_data, running_scraper
+from scraper_helpers import WAIT, config_data, running_scraper
+from timing import SteppedClock
 from vllm_kv import VllmKvPublisher, encode_batch, removed, stored
 
 from llmgw.config import Config, config_from_dict
@@ -349,9 +349,9 @@ class CountingSink(StreamSink):
     """The stream's sink, telling the test how many updates it found not stored."""
 
     def __init__(
-        self, js: JetStreamContext, stream: str, *, ack_timeout: float, timer: SteppedClock
+        self, js: JetStreamContext, stream: str, *, ack_timeout: float, clock: SteppedClock
     ) -> None:
-        super().__init__(js, stream, ack_timeout=ack_timeout, timer=timer)
+        super().__init__(js, stream, ack_timeout=ack_timeout, clock=clock)
         self.lost_total = 0
         self._changed = asyncio.Event()
 
@@ -384,13 +384,12 @@ async def test_lost_acks_and_the_snapshot_interval_republish_all_an_endpoint_hol
         tick=0.02, snapshot_interval=100.0, resync_interval=10.0, ack_timeout=5.0
     )
     metrics = ScraperMetrics()
-    sink = CountingSink(js, kv.stream, ack_timeout=settings.ack_timeout, timer=timer)
+    sink = CountingSink(js, kv.stream, ack_timeout=settings.ack_timeout, clock=timer)
     readers = KvEvents(
         sink=sink,
         metrics=metrics,
         settings=settings,
-        clock=time.time,
-        timer=timer,
+        clock=timer,
     )
     readers.retarget(kv_event_sources(config))
     try:

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import httpx
 import yaml
-from scraper_helpers import WAIT, EventLog, StartEngine, SteppedClock, config_data
+from scraper_helpers import WAIT, EventLog, StartEngine, config_data
+from timing import SteppedClock
 
 from llmgw.core.saturation import SaturationSettings
 from llmgw.services.scraper.admin import create_admin_app
@@ -135,7 +136,6 @@ async def test_admin_health_is_503_when_the_loop_stalls_or_nats_is_lost() -> Non
             interval=2.0,
             timeout=1.0,
             clock=clock,
-            timer=clock,
             settings=SaturationSettings(target_waiting=4, kv_ceiling=0.9, stale_after=10),
         )
     assert health_window(2.0, 1.0) == 4.0

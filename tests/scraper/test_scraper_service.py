@@ -4,7 +4,6 @@ in the load bucket and on the event subjects."""
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import httpx
@@ -18,7 +17,6 @@ from scraper_helpers import (
     EventLog,
     LoadGenerator,
     StartEngine,
-    SteppedClock,
     config_data,
     running_scraper,
 )
@@ -26,7 +24,9 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
+from timing import SteppedClock
 
+from llmgw.clock import SYSTEM
 from llmgw.config import Config, config_from_dict
 from llmgw.load import (
     LOAD_BUCKET_HISTORY,
@@ -465,8 +465,7 @@ async def test_failed_publishing_is_counted_and_never_stops_the_loop(
             instance="scraper-one",
             interval=0.5,
             timeout=0.5,
-            clock=time.time,
-            timer=time.perf_counter,
+            clock=SYSTEM,
         )
 
         def failures(kind: str) -> float | None:

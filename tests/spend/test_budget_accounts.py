@@ -16,11 +16,12 @@ from pathlib import Path
 import nats
 import pytest
 import yaml
+from timing import SteppedClock
 
 from llmgw.config import config_from_dict
 from llmgw.core.budget import Account, account_key, period_id
 from llmgw.services.admission.spend import BudgetAccounts, open_spend_bucket
-from llmgw.services.edge.budgets import BudgetGuard, BudgetRefused
+from llmgw.services.edge.budgets import _IDLE_PERIODS, BudgetGuard, BudgetRefused
 
 REPO = Path(__file__).resolve().parents[2]
 BODY = {"messages": [{"role": "user", "content": "what is a cache"}], "max_tokens": 100}
@@ -144,6 +145,33 @@ async def test_an_account_forgotten_while_idle_keeps_what_the_edge_spent(account
                 again.settle(estimate, third_party=True)
                 admitted += 1
         assert (admitted + 1) * estimate <= limit < (admitted + 2) * estimate
+    finally:
+        await nc.close()
+
+
+async def test_an_account_unused_for_its_idle_periods_on_the_guards_clock_is_forgotten(
+    accounts,
+) -> None:
+    """Idleness is read from the guard's injected clock: an account whose grant is what it
+    spent stays in memory for `_IDLE_PERIODS` sync intervals without use, and is dropped after."""
+    config, _ = accounts
+    nc = await nats.connect(config.nats.url)
+    try:
+        clock = SteppedClock()
+        guard = BudgetGuard(nc, "edge-idle", config, clock=clock)
+        hold = await guard.reserve("t", "llama-3.3-70b", BODY)
+        assert hold is not None
+        hold.settle(hold.parts[0][1], third_party=True)
+        await guard._sync(final=True)  # reported; the grant is what was spent
+        kept = set(guard._accounts)
+        assert kept
+        allowance = guard.interval * _IDLE_PERIODS
+        clock.advance(0.99 * allowance)
+        await guard._sync()
+        assert set(guard._accounts) == kept  # idle, but not for long enough: kept
+        clock.advance(0.02 * allowance)
+        await guard._sync()
+        assert guard._accounts == {}
     finally:
         await nc.close()
 

@@ -4,13 +4,13 @@ and day, read back by `llmgw spend`'s reader; the day turns on the edge's clock.
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from pathlib import Path
 
 import nats
 import pytest
 import yaml
+from timing import SteppedClock, eventually
 
 from llmgw.config import config_from_dict
 from llmgw.core.usage import Usage
@@ -20,14 +20,6 @@ from llmgw.services.spend.report import read_spend
 
 REPO = Path(__file__).resolve().parents[2]
 DAY = 1_796_256_000.0  # 2026-12-03T00:00:00Z
-
-
-class SteppedClock:
-    def __init__(self, now: float) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture
@@ -55,13 +47,6 @@ async def pipeline(nats_url: str):
             await nc.close()
 
 
-async def _until(condition, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not await condition():
-        assert asyncio.get_running_loop().time() < deadline, "timed out"
-        await asyncio.sleep(0.05)
-
-
 async def test_an_edges_daily_totals_reach_the_bucket_once_per_edge_and_day(pipeline) -> None:
     config, edge_nc, recorders = pipeline
     clock = SteppedClock(DAY - 60)  # a minute before midnight
@@ -86,7 +71,7 @@ async def test_an_edges_daily_totals_reach_the_bucket_once_per_edge_and_day(pipe
             record = await read_spend(bucket)
             return set(record.days) == {"2026-12-02", "2026-12-03"}
 
-        await _until(both_days)
+        await eventually(both_days)
     finally:
         await book.stop()
     record = await read_spend(bucket)

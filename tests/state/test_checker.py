@@ -3,6 +3,8 @@ leaves the count, and a real breach is still caught around it."""
 
 from __future__ import annotations
 
+from timing import SteppedClock
+
 from llmgw.core.ledger import EndReason, LeaseKind, LeaseRecord, PinRecord
 from llmgw.core.quota import Quota, QuotaCounts
 from llmgw.state.checker import AuditLog, check_audit
@@ -18,14 +20,6 @@ class Limits:
 LIMITS = {("a", "m"): Limits()}
 
 
-class Clock:
-    t = 0.0
-
-    def __call__(self) -> float:
-        Clock.t += 1.0
-        return Clock.t
-
-
 def pin(session: str, pin_id: str) -> PinRecord:
     return PinRecord(f"pin.0.m.{session}", pin_id, "a", "m", session, 0, 0.0, 0.0, 0.0, 0.0)
 
@@ -39,7 +33,7 @@ def check(log: AuditLog) -> list:
 
 
 def test_a_stopped_instances_leftover_pins_leave_the_count():
-    log = AuditLog(clock=Clock())
+    log = AuditLog(clock=SteppedClock(0.0, tick=1.0).wall)
     add(log, "g", "s1", "p1")
     add(log, "g", "s2", "p2")
     log.stopped("g")  # it released the shard: s1 and s2 are only in the bucket now
@@ -49,7 +43,7 @@ def test_a_stopped_instances_leftover_pins_leave_the_count():
 
 
 def test_pins_beyond_p_are_still_caught_next_to_a_stopped_instance():
-    log = AuditLog(clock=Clock())
+    log = AuditLog(clock=SteppedClock(0.0, tick=1.0).wall)
     add(log, "g", "s1", "p1")
     log.stopped("g")
     add(log, "r", "s2", "p2")
@@ -63,7 +57,7 @@ def test_pins_beyond_p_are_still_caught_next_to_a_stopped_instance():
 
 
 def test_two_live_pins_of_one_session_are_caught_with_the_first_one_named():
-    log = AuditLog(clock=Clock())
+    log = AuditLog(clock=SteppedClock(0.0, tick=1.0).wall)
     add(log, "g", "s1", "p1")
     add(log, "r", "s1", "p2")
     found = check(log)
@@ -75,8 +69,8 @@ def test_a_fenced_instances_pins_leave_the_count_but_a_pin_it_adds_after_is_caug
     """Fenced, an instance decides nothing with the pins it holds; the shard's next owner may
     have found no copy of one in the bucket (its write had not landed) and pinned the session
     again. That is no second pin in use: it was reported as I3 before fences were recorded."""
-    Clock.t = 0.0
-    log = AuditLog(clock=Clock())
+    clock = SteppedClock(0.0, tick=1.0)  # each entry a second after the last
+    log = AuditLog(clock=clock.wall)
     add(log, "g", "s1", "p1")  # t=1: its write is still on its way to the bucket
     add(log, "g", "s2", "p2")  # t=2
     log.observer("g").fenced(2.5)  # learnt at its next heartbeat, stamped with the fence
@@ -129,15 +123,15 @@ def test_a_lease_granted_while_its_instance_was_being_killed_counts_until_lease_
     """A kill is not instantaneous: a decision in flight may land after the crash is recorded.
     Its edge (if it got the reply) ends it within lease_timeout of the grant, as for the
     instance's other leases: counted until then, not forever, and not less."""
-    Clock.t = 0.0
-    log = AuditLog(clock=Clock())
+    clock = SteppedClock(0.0, tick=1.0)  # each entry a second after the last
+    log = AuditLog(clock=clock.wall)
     log.crash("g")  # t=1
     grant(log, "g", "late")  # t=2: live until t=7 (lease_timeout 5)
     grant(log, "r", "early")  # t=3: a second live lease of a key limited to 1
     found = check(log)
     assert [v.invariant for v in found] == ["IK"]
     assert "late at g (crashed at 1.000), since 2.000" in found[0].context
-    Clock.t = 10.0
+    clock.now = 10.0
     grant(log, "r", "after")  # t=11: the late one is over; "early" is still live
     assert [v.invariant for v in check(log)] == ["IK", "IK"]
     log.observer("r").lease_ended(lease("early"), EndReason.RELEASED, 0.0)
@@ -154,12 +148,12 @@ def numbered(n: int) -> LeaseRecord:
 
 
 def test_a_grant_after_a_lowered_limit_is_held_to_it_and_older_leases_are_not_revoked():
-    Clock.t = 0.0
-    log = AuditLog(clock=Clock())
+    clock = SteppedClock(0.0, tick=1.0)  # each entry a second after the last
+    log = AuditLog(clock=clock.wall)
     granting = log.observer("i1")
     for n in range(6):  # t = 1..6: six live leases under G = 8
         granting.lease_granted(numbered(n), None, (n, 0, 0))
-    lowered = Clock.t + 0.5  # G = 4 from here: the six keep running
+    lowered = clock.now + 0.5  # G = 4 from here: the six keep running
     changed = [(lowered, {("a", "m"): Halved()})]
     assert check_audit(log.events, LIMITS, lease_timeout=5.0, changed=changed) == []
     for n in range(4):

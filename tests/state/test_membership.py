@@ -10,35 +10,29 @@ from __future__ import annotations
 import asyncio
 import time
 
+from timing import SteppedClock
+
 from llmgw.core.keys import MemberValue
 from llmgw.services.admission.membership import Membership
 from llmgw.state.store import RoutingStore
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 class SlowStore(RoutingStore):
     """A store whose renewals land `delay` seconds (of the injected clock) after they start."""
 
-    def __init__(self, kv, clock: Clock) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, kv, clock: SteppedClock) -> None:  # type: ignore[no-untyped-def]
         super().__init__(kv)
         self.clock = clock
         self.delay = 0.0
 
     async def renew_member(self, member, revision):  # type: ignore[no-untyped-def]
         result = await super().renew_member(member, revision)
-        self.clock.t += self.delay
+        self.clock.now += self.delay
         return result
 
 
-async def joined(kv_store, ttl: float = 15.0) -> tuple[Membership, SlowStore, Clock]:  # type: ignore[no-untyped-def]
-    clock = Clock()
+async def joined(kv_store, ttl: float = 15.0) -> tuple[Membership, SlowStore, SteppedClock]:  # type: ignore[no-untyped-def]
+    clock = SteppedClock(1000.0)
     store = SlowStore(kv_store, clock)
     membership = Membership(store, "adm-1", heartbeat=1.0, ttl=ttl, clock=clock, monotonic=clock)
     await membership.join()
@@ -53,7 +47,7 @@ async def test_heartbeats_within_the_fence_keep_it_serving(kv_store):
     membership, store, clock = await joined(kv_store)
     try:
         for _ in range(5):
-            clock.t += 11.0  # just inside fence_after (15 - 3 = 12)
+            clock.now += 11.0  # just inside fence_after (15 - 3 = 12)
             assert await membership.renew_now()
             assert membership.can_serve()
         assert await members(store) == ["adm-1"]
@@ -65,7 +59,7 @@ async def test_a_fenced_instance_is_lost_and_leaves_its_key(kv_store):
     membership, store, clock = await joined(kv_store)
     try:
         assert membership.fence_after == 12.0
-        clock.t += 12.5  # paused (or cut off from NATS) past the fence
+        clock.now += 12.5  # paused (or cut off from NATS) past the fence
         assert not membership.can_serve()
         assert not await membership.renew_now()  # lost: never resumes with what it held
         assert not membership.can_serve()
@@ -78,7 +72,7 @@ async def test_a_fenced_instance_is_lost_and_leaves_its_key(kv_store):
 async def test_a_renewal_that_lands_after_the_fence_does_not_unfence_it(kv_store):
     membership, store, clock = await joined(kv_store)
     try:
-        clock.t += 10.0  # starts inside the fence ...
+        clock.now += 10.0  # starts inside the fence ...
         store.delay = 5.0  # ... but lands 15 s after the last renewal: others may have claimed
         assert not await membership.renew_now()
         assert not membership.can_serve()
@@ -93,7 +87,7 @@ async def test_a_heartbeat_whose_key_changed_hands_stops_it_deciding_at_once(kv_
     the instance decides nothing more from that moment, not from its fence's."""
     membership, store, clock = await joined(kv_store)
     try:
-        clock.t += 5.0
+        clock.now += 5.0
         [stored] = await store.members()
         assert await store.remove_member("adm-1", stored.revision)  # taken for dead
         assert not await membership.renew_now()
@@ -164,7 +158,7 @@ async def test_leaving_deletes_the_key_a_renewal_cancelled_in_flight_rewrote(kv_
     """The renewal landed but its revision was never read: the delete at the revision the
     instance knows conflicts, and the key must still go (left, the peers would keep a share
     of every quota for an instance that is gone until its TTL ran out)."""
-    clock = Clock()
+    clock = SteppedClock(1000.0)
     store = AnswerLost(kv_store, clock)
     membership = Membership(store, "adm-1", heartbeat=1.0, ttl=15.0, clock=clock, monotonic=clock)
     await membership.join()
@@ -186,11 +180,11 @@ async def test_leaving_spares_a_later_incarnations_key(kv_store):
     membership, store, clock = await joined(kv_store)
     [stored] = await store.members()
     assert await store.remove_member("adm-1", stored.revision)
-    clock.t += 1.0
-    await store.join(MemberValue("adm-1", clock.t, clock.t))  # another process, same id
+    clock.now += 1.0
+    await store.join(MemberValue("adm-1", clock.now, clock.now))  # another process, same id
     await membership.leave()
     [left] = await store.members()
-    assert left.value.joined_at == clock.t
+    assert left.value.joined_at == clock.now
 
 
 async def test_two_renewals_at_once_both_land(kv_store):
