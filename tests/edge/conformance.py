@@ -4,10 +4,9 @@ fails the check. Nothing here runs."""
 
 from __future__ import annotations
 
-import time
-
 from fakes import FakeAdmission, FakeHold, FakeLeases, RecordingReporter
 
+from llmgw.clock import SYSTEM, SteppedClock, SystemClock
 from llmgw.contracts import (
     AdmissionClient,
     Clock,
@@ -54,5 +53,5 @@ def event_sinks(publisher: EventPublisher) -> list[EventSink]:
     return [publisher]
 
 
-def clocks() -> list[Clock]:
-    return [time.time, time.monotonic]
+def clocks(stepped: SteppedClock) -> list[Clock]:
+    return [SYSTEM, SystemClock(), stepped]
