@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import nats
+from timing import eventually
 
 from llmgw.config import Config, limits_from_config
 from llmgw.core.ledger import LedgerObserver
@@ -243,32 +244,30 @@ class Cluster:
     async def settled(self, timeout: float = 10.0) -> None:
         """Until every shard is served by exactly one live instance."""
         shards = self.config.admission.shards
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while True:
-            served = [s for a in self.live_admissions() for s in a.shards.serving]
-            if sorted(served) == list(range(shards)):
-                return
-            if loop.time() > deadline:
-                raise AssertionError(f"shards not settled: {sorted(served)}")
-            await asyncio.sleep(0.02)
+
+        def served() -> list[int]:
+            return sorted(s for a in self.live_admissions() for s in a.shards.serving)
+
+        try:
+            await eventually(lambda: served() == list(range(shards)), timeout, interval=0.02)
+        except AssertionError:
+            raise AssertionError(f"shards not settled: {served()}") from None
 
     async def balanced(self, timeout: float = 15.0) -> None:
         """Until every shard is served by the live instance rendezvous hashing gives it to."""
         from llmgw.core.shards import desired_owner
 
         shards = self.config.admission.shards
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while True:
+
+        def balanced() -> bool:
             live = self.live_admissions()
             names = [a.instance for a in live]
             serving = {s: a.instance for a in live for s in a.shards.serving}
-            if all(serving.get(s) == desired_owner(s, names) for s in range(shards)):
-                return
-            if loop.time() > deadline:
-                raise AssertionError("shards not balanced over the live instances")
-            await asyncio.sleep(0.02)
+            return all(serving.get(s) == desired_owner(s, names) for s in range(shards))
+
+        await eventually(
+            balanced, timeout, "shards balanced over the live instances", interval=0.02
+        )
 
     async def stop(self, *, delete_buckets: bool = True) -> None:
         for edge in self.edges:

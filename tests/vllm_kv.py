@@ -26,6 +26,7 @@ from typing import Any, Literal
 import msgpack
 import zmq
 import zmq.asyncio
+from timing import eventually
 
 Encoding = Literal["array", "map"]
 HashForm = Literal["u64", "i64", "bytes"]
@@ -166,14 +167,14 @@ class VllmKvPublisher:
     async def _bind(self, socket: zmq.asyncio.Socket, port: int | None) -> int:
         if port is None:
             return socket.bind_to_random_port("tcp://127.0.0.1")
+
         # The old socket's port is free once ZMQ's I/O thread has closed it: retry until then.
-        async with asyncio.timeout(10):
-            while True:
-                try:
-                    socket.bind(f"tcp://127.0.0.1:{port}")
-                    return port
-                except zmq.ZMQError:
-                    await asyncio.sleep(0.01)
+        def bound() -> bool:
+            socket.bind(f"tcp://127.0.0.1:{port}")
+            return True
+
+        await eventually(bound, 10, f"port {port} bound again", ignoring=(zmq.ZMQError,))
+        return port
 
     async def start(self) -> VllmKvPublisher:
         pub = self._context.socket(zmq.XPUB)

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -114,13 +112,3 @@ def stop_all(services: Iterable[Service]) -> None:
 
 def edge_url(config: Path) -> str:
     return "http://" + yaml.safe_load(config.read_text())["listen"]
-
-
-async def eventually(predicate, timeout: float, interval: float = 0.05) -> float:
-    """Poll an observable async condition; the seconds it took (AssertionError past `timeout`)."""
-    started = time.monotonic()
-    while not await predicate():
-        if time.monotonic() - started > timeout:
-            raise AssertionError("condition never held")
-        await asyncio.sleep(interval)
-    return time.monotonic() - started

@@ -18,7 +18,8 @@ import time
 import httpx
 import pytest
 import yaml
-from cluster import MODEL, Service, edge_url, eventually, stop_all, write_config
+from cluster import MODEL, Service, edge_url, stop_all, write_config
+from timing import eventually
 
 from llmgw.core.keys import PIN_PREFIX
 from llmgw.events import EVENTS_SUBJECT_PREFIX, parse_event
@@ -167,7 +168,7 @@ async def test_a_killed_edge_loses_exactly_its_leases_and_the_pins_survive(world
     async def none_held():
         return leases_held(await held_by_admission(nats_client)) == 0
 
-    await eventually(none_held, timeout=LEASE_TIMEOUT + 5)
+    await eventually(none_held, timeout=LEASE_TIMEOUT + 5, interval=0.05)
     elapsed = time.monotonic() - killed_at
     # Ended by the owner's expiry sweep: lease_timeout after the last renewal, plus one sweep.
     assert elapsed <= LEASE_TIMEOUT + 1.5, elapsed
@@ -201,7 +202,7 @@ async def test_a_paused_edge_never_frees_a_slot_granted_to_someone_else(
     async def none_held():
         return leases_held(await held_by_admission(nats_client)) == 0
 
-    await eventually(none_held, timeout=LEASE_TIMEOUT + 5)
+    await eventually(none_held, timeout=LEASE_TIMEOUT + 5, interval=0.05)
     assert [e.lease_id for e in events if e.event == "lease.expired"] == [paused_lease]
     # The only slot goes to another request, through a second edge.
     second_config = write_config(
@@ -232,7 +233,7 @@ async def test_a_paused_edge_never_frees_a_slot_granted_to_someone_else(
             return any(e.outcome == "lease_lost" for e in ended)
 
         # Its end message went out: lease_lost, releasing nothing (it knows it holds nothing)...
-        await eventually(paused_end_seen, timeout=5)
+        await eventually(paused_end_seen, timeout=5, interval=0.05)
         [lost_end] = [e for e in ended if e.outcome == "lease_lost"]
         assert lost_end.lease is None and not lost_end.sent
         # ...and freed nothing: the slot is still the other request's.

@@ -18,6 +18,7 @@ import httpx
 import pytest_asyncio
 from gated import GatedEngine, gated_config
 from inproc import Admission, Edge, before_any_lease, connect, start_admission
+from timing import eventually
 
 from llmgw.config import Config
 from llmgw.core.requests import Feature
@@ -95,8 +96,8 @@ async def running_rig(nats_url: str, bucket: str, g: int, capacity: int) -> Asyn
             serving = [e.instance.service.shards.serving for e in edges]
             return all(serving) and sum(len(s) for s in serving) == shards
 
-        await until(split, 15, "both instances serving a share of the shards")
-        await until(
+        await eventually(split, 15, "both instances serving a share of the shards")
+        await eventually(
             lambda: all(e.instance.service.load.reports >= 1 for e in edges), 10, "load reports"
         )
         yield Rig(config, engine, edges)
@@ -120,13 +121,6 @@ async def rig(nats_url: str, unique_id: str) -> AsyncIterator[Rig]:
 async def queueing_rig(nats_url: str, unique_id: str) -> AsyncIterator[Rig]:
     async with running_rig(nats_url, f"colocq_{unique_id}", 64, capacity=ENGINE_SLOTS) as rig:
         yield rig
-
-
-async def until(predicate: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"never: {what}"
-        await asyncio.sleep(0.02)
 
 
 def chat(user: str) -> dict[str, Any]:
@@ -154,7 +148,7 @@ async def test_each_edge_decides_its_own_shards_in_process_and_g_holds_across_bo
             asyncio.create_task(http.post(rig.edges[i % 2].edge.url + CHAT, json=chat(u)))
             for i, u in enumerate(users)
         ]
-        await until(lambda: rig.engine.running == G, 10, "G requests running")
+        await eventually(lambda: rig.engine.running == G, 10, "G requests running")
         await asyncio.sleep(0.3)  # the others queue; none may reach the engine
         assert rig.engine.running == G
         rig.engine.gate.set()
@@ -169,7 +163,7 @@ async def test_each_edge_decides_its_own_shards_in_process_and_g_holds_across_bo
         own = [u for u in sent if e.owns(session_of(u), shards)]
         assert own and len(own) < len(sent)  # both kinds went through this edge
         assert e.client.decided_here == len(own)  # own shards here, the rest over NATS
-    await until(lambda: leases(rig) == 0, 10, "every lease ended")
+    await eventually(lambda: leases(rig) == 0, 10, "every lease ended")
 
 
 async def test_ends_are_applied_in_process_once_and_still_reach_the_other_instance(rig: Rig):
@@ -187,9 +181,9 @@ async def test_ends_are_applied_in_process_once_and_still_reach_the_other_instan
         for user in users:  # one at a time: no request is refused for G
             answer = await http.post(edge.edge.url + CHAT, json=chat(user))
             assert answer.status_code == 200, answer.text
-    await until(lambda: leases(rig) == 0, 10, "every lease ended")
+    await eventually(lambda: leases(rig) == 0, 10, "every lease ended")
     n = len(users)
-    await until(
+    await eventually(
         lambda: other.instance.service.rates.samples == before[1] + n, 10, "the NATS copies"
     )
     # A marker end from another edge, published after the ends on edge 0's connection: once
@@ -205,7 +199,9 @@ async def test_ends_are_applied_in_process_once_and_still_reach_the_other_instan
         ended_at=time.time(),
     )
     await edge.edge.nc.publish(REQUEST_STATS_SUBJECT, marker.model_dump_json().encode())
-    await until(lambda: edge.instance.service.rates.samples >= before[0] + n + 1, 10, "the marker")
+    await eventually(
+        lambda: edge.instance.service.rates.samples >= before[0] + n + 1, 10, "the marker"
+    )
     assert edge.instance.service.rates.samples == before[0] + n + 1  # each end once, no echo
 
 
@@ -223,19 +219,23 @@ async def test_a_queued_request_whose_client_leaves_is_cancelled_in_process(queu
             holders.append(
                 asyncio.create_task(http.post(edge.edge.url + CHAT, json=chat(next(own))))
             )
-            await until(lambda: rig.engine.running + len(flow.queues) == len(holders), 10, "placed")
+            await eventually(
+                lambda: rig.engine.running + len(flow.queues) == len(holders), 10, "placed"
+            )
         cancelled = edge.instance.service.metrics.cancellations
         before = _value(cancelled)
         with contextlib.suppress(httpx.ReadTimeout):
             await http.post(edge.edge.url + CHAT, json=chat(next(own)), timeout=1.0)
-        await until(lambda: _value(cancelled) == before + 1, 10, "the queued request cancelled")
+        await eventually(
+            lambda: _value(cancelled) == before + 1, 10, "the queued request cancelled"
+        )
         assert len(flow.queues) == 1  # only the holder that waits
         rig.engine.gate.set()
         done = await asyncio.gather(*holders)
     assert [d.status_code for d in done] == [200] * len(holders)
     assert rig.engine.served == len(holders)  # the cancelled one never ran
     assert edge.client.decided_here == len(holders) + 1
-    await until(lambda: leases(rig) == 0, 10, "every lease ended")
+    await eventually(lambda: leases(rig) == 0, 10, "every lease ended")
 
 
 def _value(counter: Any) -> float:

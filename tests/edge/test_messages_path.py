@@ -15,7 +15,8 @@ from anthropic import AsyncAnthropic
 from inproc import start_admission, start_edge, stop_servers
 from sse_app import FixedStream
 from test_upstream import set_faults
-from test_usage_path import collect_stats, until
+from test_usage_path import collect_stats
+from timing import eventually
 
 from llmgw.core.anthropic import opening
 from llmgw.core.requests import Feature
@@ -105,7 +106,7 @@ async def test_messages_are_measured_like_chat(gateway, nats_url):
             )
         assert response.status_code == 200
         assert response.text.rstrip().endswith('data: {"type":"message_stop"}')
-        await until(lambda: len(seen) == 1)
+        await eventually(lambda: len(seen) == 1)
         assert seen[0].ok and seen[0].output_tokens == 5 and seen[0].input_tokens > 0
     finally:
         await nc.close()
@@ -187,7 +188,7 @@ async def test_an_engine_serving_messages_gets_them_as_they_are(native_gateway, 
             model="m1", max_tokens=3, messages=[{"role": "user", "content": "again"}]
         ) as stream:
             final = await stream.get_final_message()
-        await until(lambda: len(seen) == 2)
+        await eventually(lambda: len(seen) == 2)
     finally:
         await nc.close()
     assert message.usage.output_tokens == 6 and final.usage.output_tokens == 3
@@ -410,7 +411,7 @@ async def test_a_messages_conversation_is_one_pinned_session_and_its_leases_end(
         Feature.CHAT, "m1", opening({"system": "You are a travel agent.", "messages": history})
     )
     assert gateway.admission.ledger.pin("m1", session).provider == "iris"
-    await until(lambda: not gateway.admission.ledger.leases and not gateway.deps.leases.held)
+    await eventually(lambda: not gateway.admission.ledger.leases and not gateway.deps.leases.held)
 
 
 OVERLOADED = (  # Anthropic's overloaded error in place of a stream's first event
@@ -469,7 +470,7 @@ async def test_failures_of_the_gateway_itself_are_anthropic_500s(gateway):
             "type": "error",
             "error": {"type": "api_error", "message": "The gateway failed unexpectedly."},
         }
-    await until(lambda: not gateway.admission.ledger.leases and not gateway.deps.leases.held)
+    await eventually(lambda: not gateway.admission.ledger.leases and not gateway.deps.leases.held)
 
 
 async def test_claude_codes_beta_query_and_headers_are_accepted(gateway):

@@ -13,7 +13,7 @@ import nats
 import pytest_asyncio
 from inproc import before_any_lease, start_admission, start_edge, stop_servers
 from openai import AsyncOpenAI
-from test_usage_path import until
+from timing import eventually
 
 from llmgw.config.fleet import fleet_bucket
 from llmgw.core.breaker import BreakerState
@@ -83,7 +83,7 @@ async def test_a_model_the_engine_no_longer_serves_is_retried_where_it_is_served
             assert raw.parse().choices[0].message.content
         elapsed = time.monotonic() - started
         # Every attempt's end (the notices go out in the same flushes, after them).
-        await until(lambda: len(seen) == 2 * REQUESTS)
+        await eventually(lambda: len(seen) == 2 * REQUESTS)
         await nc.flush()
     finally:
         for sub in subs:

@@ -22,6 +22,7 @@ import httpx
 import pytest_asyncio
 from gated import GatedEngine, gated_config
 from inproc import Admission, Edge, start_admission, start_edge
+from timing import eventually
 
 from llmgw.config import Config
 from llmgw.core.fleet import EndpointState
@@ -62,7 +63,7 @@ async def running_rig(mode: str, store: Path) -> AsyncIterator[Rig]:
     )
     await asyncio.wait_for(scraped.wait(), 10)
     admission = await start_admission(config, server.url, instance="adm")
-    await until(lambda: admission.service.load.reports >= 1, 10, "a load report at admission")
+    await eventually(lambda: admission.service.load.reports >= 1, 10, "a load report at admission")
     edge = await start_edge(config, server.url, edge_id="edge-1")
     try:
         yield Rig(server, engine, admission, edge)
@@ -70,7 +71,7 @@ async def running_rig(mode: str, store: Path) -> AsyncIterator[Rig]:
         engine.gate.set()
         if not server.running:  # stop the services the way they stop in production: connected
             await server.astart()
-            await until(lambda: edge.nc.is_connected, 15, "reconnected for teardown")
+            await eventually(lambda: edge.nc.is_connected, 15, "reconnected for teardown")
         await edge.stop()
         await admission.stop()
         stop_scraper.set()
@@ -91,14 +92,6 @@ async def local_rig(tmp_path: Path) -> AsyncIterator[Rig]:
         yield rig
 
 
-async def until(predicate: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout}s: {what}")
-        await asyncio.sleep(0.02)
-
-
 def chat(session: str) -> dict[str, Any]:
     return {
         "json": {"model": "m1", "messages": [{"role": "user", "content": "hi"}]},
@@ -108,7 +101,7 @@ def chat(session: str) -> dict[str, Any]:
 
 async def stop_nats(rig: Rig) -> None:
     await rig.nats.astop()
-    await until(lambda: not rig.edge.nc.is_connected, 10, "the edge noticed NATS is gone")
+    await eventually(lambda: not rig.edge.nc.is_connected, 10, "the edge noticed NATS is gone")
 
 
 async def test_reject_answers_503_with_retry_after_at_once(reject_rig: Rig) -> None:
@@ -146,7 +139,7 @@ async def test_local_serves_within_the_share_and_the_owner_takes_the_grants_back
             asyncio.create_task(client.post("/v1/chat/completions", **chat(f"s{i}")))
             for i in range(G)
         ]
-        await until(lambda: engine.running == G, 10, f"{G} local grants at the engine")
+        await eventually(lambda: engine.running == G, 10, f"{G} local grants at the engine")
         # Beyond the share: refused at once, never sent upstream.
         extra = await client.post("/v1/chat/completions", **chat("one-too-many"))
         assert extra.status_code in (429, 503), extra.text
@@ -158,9 +151,9 @@ async def test_local_serves_within_the_share_and_the_owner_takes_the_grants_back
 
         # NATS returns (same port, same store): the owner takes the grants into its books.
         await rig.nats.astart()
-        await until(lambda: rig.edge.nc.is_connected, 15, "the edge reconnected")
+        await eventually(lambda: rig.edge.nc.is_connected, 15, "the edge reconnected")
         ids = {h.record.lease_id for h in local}
-        await until(
+        await eventually(
             lambda: ids <= set(admission.ledger.leases) and leases.unclaimed() == 0,
             15,
             "the shard's owner holds the edge's local grants",
@@ -173,7 +166,7 @@ async def test_local_serves_within_the_share_and_the_owner_takes_the_grants_back
         responses = await asyncio.gather(*held)
         assert [r.status_code for r in responses] == [200] * G
         assert all(r.headers["x-llmgw-route"] == "local" for r in responses)
-        await until(lambda: not (ids & set(admission.ledger.leases)), 10, "released")
+        await eventually(lambda: not (ids & set(admission.ledger.leases)), 10, "released")
         assert rig.edge.deps.admission.budget.in_flight() == 0
         # Back to admission's decisions.
         after = await client.post("/v1/chat/completions", **chat("after"))

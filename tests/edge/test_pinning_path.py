@@ -1,10 +1,10 @@
 """Pins and leases through the real edge: sessions stick, move once, and leases end cleanly."""
 
-import asyncio
 import json
 
 import httpx
 import pytest
+from timing import eventually
 
 from llmgw.core.ledger import EndReason
 from llmgw.events import EVENTS_SUBJECT_PREFIX, parse_event
@@ -32,14 +32,6 @@ def turn(*history, max_tokens=2, stream=False):
 def live_leases(gateway):
     """The leases admission accounts (they live in its ledger, not in the bucket)."""
     return list(gateway.admission.ledger.leases.values())
-
-
-async def eventually(predicate, timeout=5.0):
-    """Poll an observable condition until it holds (state written by background tasks)."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not await predicate():
-        assert asyncio.get_running_loop().time() < deadline, "condition never held"
-        await asyncio.sleep(0.02)
 
 
 async def test_every_turn_of_a_chat_reaches_the_pinned_provider(gateway):

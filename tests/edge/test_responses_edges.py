@@ -17,6 +17,7 @@ import httpx
 import pytest
 import pytest_asyncio
 from inproc import Edge, start_edge
+from timing import eventually
 
 from llmgw.services.sim.params import EngineParams
 from llmgw.serving import free_port
@@ -165,7 +166,7 @@ async def test_a_response_deleted_on_one_edge_is_gone_from_the_other(gateway, se
         assert first["id"] in other.recent  # it read the first turn: it holds it now
         gone = await http.delete(f"{gateway.url}/v1/responses/{first['id']}")
         assert gone.status_code == 200
-        await until(lambda: first["id"] not in other.recent, 5, "the delete told to the other")
+        await eventually(lambda: first["id"] not in other.recent, 5, "the delete told to the other")
         status, error = await turn(http, second_edge.url, "and?", first["id"], False)
         assert status == 404 and error["error"]["code"] == "previous_response_not_found"
         retrieved = await http.get(f"{second_edge.url}/v1/responses/{first['id']}")
@@ -220,11 +221,3 @@ async def test_a_response_whose_edge_hangs_with_its_write_pending_is_not_found_a
     # The writer waited its bound for its write, answered nothing; the asker's own bound (the
     # same) ran out meanwhile: one bound, not two, and well before the client's timeout.
     assert bound * 0.9 <= took < bound * 2, took
-
-
-async def until(predicate: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout}s: {what}")
-        await asyncio.sleep(0.01)

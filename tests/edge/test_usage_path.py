@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import httpx
 import nats
+from timing import eventually
 
 from llmgw.wire import REQUEST_STATS_SUBJECT, RequestEnded
 
@@ -30,13 +30,6 @@ async def collect_stats(nats_url: str) -> tuple[object, list[RequestEnded]]:
     return nc, seen
 
 
-async def until(condition, timeout: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, "timed out"
-        await asyncio.sleep(0.01)
-
-
 def events(body: str) -> list[str]:
     return [line[len("data: ") :] for line in body.split("\n") if line.startswith("data: ")]
 
@@ -55,7 +48,7 @@ async def test_a_stream_without_include_usage_gets_no_usage_chunk_but_is_measure
         assert payloads[-1] == "[DONE]"
         chunks = [json.loads(p) for p in payloads[:-1]]
         assert chunks and all(c["choices"] and "usage" not in c for c in chunks)
-        await until(lambda: len(seen) == 1)
+        await eventually(lambda: len(seen) == 1)
         stats = seen[0]
         assert stats.ok and stats.output_tokens == 5 and stats.input_tokens > 0
         assert stats.endpoint == response.headers["x-llmgw-endpoint"] and stats.latency > 0
@@ -74,7 +67,7 @@ async def test_a_stream_that_asked_for_usage_still_gets_it(gateway, nats_url):
             )
         chunks = [json.loads(p) for p in events(response.text)[:-1]]
         assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
-        await until(lambda: len(seen) == 1)
+        await eventually(lambda: len(seen) == 1)
         assert seen[0].output_tokens == 5
     finally:
         await nc.close()
@@ -92,7 +85,7 @@ async def test_non_streamed_requests_and_failures_are_measured(gateway, nats_url
                 gateway.url + "/v1/chat/completions", json={**CHAT, "model": "m2"}, timeout=10
             )
         assert failed.status_code == 502
-        await until(lambda: len(seen) == 2)
+        await eventually(lambda: len(seen) == 2)
         good, bad = seen
         assert good.ok and good.output_tokens == 5
         assert not bad.ok and (bad.input_tokens, bad.output_tokens) == (0, 0)

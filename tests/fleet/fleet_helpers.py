@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,16 +39,6 @@ class Leases:
 
     async def __call__(self) -> dict[str, int] | None:
         return self.held
-
-
-async def eventually(check: Callable[[], bool], timeout: float, what: str) -> float:
-    """Seconds until `check()` holds (polled every 10 ms); fails after `timeout`."""
-    started = time.monotonic()
-    while not check():
-        if time.monotonic() - started > timeout:
-            raise AssertionError(f"not within {timeout}s: {what}")
-        await asyncio.sleep(0.01)
-    return time.monotonic() - started
 
 
 def engines_values(nats_url: str, urls: dict[str, str], bucket: str) -> dict[str, Any]:

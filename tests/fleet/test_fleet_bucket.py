@@ -4,12 +4,13 @@ follows."""
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import AsyncIterator
 
 import pytest
 import pytest_asyncio
-from fleet_helpers import eventually
 from nats.aio.client import Client as NatsClient
+from timing import eventually
 
 from llmgw.config import Config, EndpointConfig, config_from_dict
 from llmgw.config.fleet import fleet_bucket
@@ -104,10 +105,11 @@ async def test_the_mirror_follows_every_change_within_a_second_as_whole_snapshot
     try:
         assert sorted(mirror.fleet.records) == sorted(e.id for e in config.endpoints)
         await bucket.add(FleetRecord(endpoint=engine("engine-3")))
-        took = await eventually(
+        started = time.monotonic()
+        await eventually(
             lambda: "engine-3" in mirror.fleet.records, 1.0, "the new endpoint in the mirror"
         )
-        assert took < 1.0
+        assert time.monotonic() - started < 1.0
         await bucket.set_state("engine-3", EndpointState.DRAINING)
         await eventually(
             lambda: mirror.fleet.view().draining == {"engine-3"}, 1.0, "engine-3 draining"

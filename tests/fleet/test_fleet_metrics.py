@@ -4,13 +4,12 @@ added through the admin API gets its breaker gauge, and one drained and removed 
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import Callable
 
 import httpx
 from inproc import before_any_lease, stop_servers
 from prometheus_client.parser import text_string_to_metric_families
+from timing import eventually
 
 from llmgw.config import Config
 from llmgw.services.admission.admin import create_admin_app
@@ -41,11 +40,17 @@ async def breaker_endpoints(http: httpx.AsyncClient) -> dict[str, str]:
 async def until_metrics(
     http: httpx.AsyncClient, check: Callable[[dict[str, str]], bool], what: str
 ) -> dict[str, str]:
-    deadline = time.monotonic() + 10.0
-    while not check(seen := await breaker_endpoints(http)):
-        assert time.monotonic() < deadline, f"not within 10 s: {what} ({seen})"
-        await asyncio.sleep(0.02)
-    return seen
+    seen: dict[str, str] = {}
+
+    async def shown() -> dict[str, str] | None:
+        nonlocal seen
+        seen = await breaker_endpoints(http)
+        return seen if check(seen) else None
+
+    try:
+        return await eventually(shown, 10.0, what, interval=0.02)
+    except AssertionError as failure:
+        raise AssertionError(f"{failure} ({seen})") from None
 
 
 async def test_the_breaker_gauge_names_the_endpoints_an_instance_runs_on_after_a_fleet_change(

@@ -14,8 +14,9 @@ import time
 import uuid
 from typing import Any
 
-from fleet_helpers import LoadRun, engines_values, eventually
+from fleet_helpers import LoadRun, engines_values
 from inproc import InFlight
+from timing import eventually
 
 from llmgw.config import config_from_dict, limits_from_config
 from llmgw.services.sim.apps import create_engine_app

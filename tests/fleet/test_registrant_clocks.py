@@ -12,6 +12,7 @@ import time
 
 from fleet_helpers import Leases, local_config
 from nats.aio.client import Client as NatsClient
+from timing import eventually
 
 from llmgw.config import Config
 from llmgw.config.fleet import fleet_bucket
@@ -51,9 +52,11 @@ async def heartbeat(ops: FleetOps, endpoint_id: str, stop: asyncio.Event) -> Non
 async def drained(fleet: FleetBucket, endpoint_id: str, within: float) -> float:
     """Seconds until the reaper drains `endpoint_id`; fails after `within`."""
     started = time.monotonic()
-    while (await fleet.get(endpoint_id))[0].state is EndpointState.ACTIVE:
-        assert time.monotonic() - started < within, f"{endpoint_id} not drained in {within}s"
-        await asyncio.sleep(0.02)
+
+    async def drained_now() -> bool:
+        return (await fleet.get(endpoint_id))[0].state is not EndpointState.ACTIVE
+
+    await eventually(drained_now, within, f"{endpoint_id} drained", interval=0.02)
     return time.monotonic() - started
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import nats
 from inproc import Cluster, before_any_lease
+from timing import eventually
 
 from llmgw.config import Config, config_from_dict
 from llmgw.config.sections import default_bands
@@ -194,7 +195,7 @@ class Rig:
             scraper="test",
         )
         await self.load_kv.put(report_key(endpoint), report.to_bytes())
-        await until(
+        await eventually(
             lambda: all(a.load.reports > b for a, b in zip(self.admissions, before, strict=True))
         )
 
@@ -263,7 +264,7 @@ class Rig:
                 await self.end(service, lease_id)
                 ended += 1
         await self.nc.flush()
-        await until(lambda: all(not a.ledger.leases for a in self.admissions), what="releases")
+        await eventually(lambda: all(not a.ledger.leases for a in self.admissions), what="releases")
         # Past the window in which admission compares an engine reading with its own count.
         await asyncio.sleep(2 * FOREIGN_WINDOW + 0.06)
         return ended
@@ -352,16 +353,6 @@ async def open_rig(
     return Rig(config, nc, load_kv, cluster, client)
 
 
-async def until(
-    condition: Callable[[], bool], timeout: float = 5.0, what: str = "condition"
-) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.002)
-
-
 __all__ = [
     "BINDING_LIMITS",
     "ENDPOINTS",
@@ -370,5 +361,4 @@ __all__ = [
     "admitted",
     "contextlib",
     "open_rig",
-    "until",
 ]

@@ -14,8 +14,9 @@ import time
 
 import nats
 import pytest
-from rig import admitted, open_rig, until
+from rig import admitted, open_rig
 from test_flow_control import open_headroom, saturate
+from timing import eventually
 
 from llmgw.core.ledger import LeaseKind, LeaseRecord
 from llmgw.core.outcomes import Refusal
@@ -50,7 +51,7 @@ async def test_a_grant_whose_answer_was_lost_is_answered_again_with_the_same_lea
     service = rig.admissions[0]
     request = rig.request(band="gold", session="s1")
     await lose_the_answer(rig, request)
-    await until(lambda: len(service.ledger.leases) == 1, what="the first ask granted")
+    await eventually(lambda: len(service.ledger.leases) == 1, what="the first ask granted")
     (granted,) = service.ledger.leases
 
     reply, _ = await rig.client.admit(request)
@@ -75,7 +76,7 @@ async def test_a_grant_asked_again_after_its_shard_moved_gets_the_same_lease_fro
         giver, receiver = handle.service, other.service
         request = rig.request(band="gold", shard=min(giver.shards.serving))
         await lose_the_answer(rig, request)
-        await until(lambda: len(giver.ledger.leases) == 1, what="the first ask granted")
+        await eventually(lambda: len(giver.ledger.leases) == 1, what="the first ask granted")
         (granted,) = giver.ledger.leases
         await handle.stop()  # every shard to the receiver, with the lease
         assert list(receiver.ledger.leases) == [granted]
@@ -96,7 +97,7 @@ async def test_a_refusal_asked_again_is_the_same_refusal_even_once_there_is_room
     assert admitted(first)
     refused = rig.request(band="gold").model_copy(update=keyed)
     await lose_the_answer(rig, refused)  # refused: the key's one slot is taken
-    await until(lambda: service.metrics.rejections.labels("key_limit")._value.get() == 1)
+    await eventually(lambda: service.metrics.rejections.labels("key_limit")._value.get() == 1)
     await rig.finish_all()  # now the key has room
     reply, _ = await rig.client.admit(refused)
     assert reply.refusal is Refusal.KEY_LIMIT  # decided once: the answer the edge missed
@@ -125,7 +126,7 @@ async def test_a_queued_attempt_asked_again_waits_once_and_its_decision_follows_
     service = rig.admissions[0]
     request = rig.request(band="silver")
     await lose_the_answer(rig, request)  # its QUEUED went nowhere
-    await until(lambda: rig.queued() == 1, what="queued")
+    await eventually(lambda: rig.queued() == 1, what="queued")
 
     asked = asyncio.create_task(rig.client.admit(request))
     await asyncio.sleep(3 * rig.client.reask_after)  # it asks again (QUEUED) and waits
@@ -204,7 +205,7 @@ async def test_a_second_grant_of_an_answered_attempt_is_ended_at_once(nats_url):
     await client.start()
     try:
         reply, _ = await client.admit(request)
-        await until(lambda: len(ends) == 1, what="the stray grant ended")
+        await eventually(lambda: len(ends) == 1, what="the stray grant ended")
     finally:
         await client.stop()
         for sub in subs:

@@ -17,7 +17,8 @@ import time
 
 import pytest
 from inproc import Admission
-from rig import MODEL, open_rig, until
+from rig import MODEL, open_rig
+from timing import eventually
 
 from llmgw.core.shards import shard_of
 from llmgw.services.admission.compose import open_admission
@@ -57,11 +58,11 @@ async def _holders(store) -> set[str]:  # type: ignore[no-untyped-def]
 
 async def _until_dropped(store, instance: str) -> None:  # type: ignore[no-untyped-def]
     """Until no quota book holds an entry of `instance`, within `BOUND`."""
-    for _ in range(int(BOUND / 0.05)):
-        if instance not in {i for b in await store.quota_books() for i in b.value.holders}:
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"{instance}'s quota is still booked {BOUND} s on")
+
+    async def dropped() -> bool:
+        return instance not in {i for b in await store.quota_books() for i in b.value.holders}
+
+    await eventually(dropped, BOUND, f"{instance}'s quota no longer booked", interval=0.05)
 
 
 @pytest.fixture
@@ -99,7 +100,7 @@ async def test_a_successor_takes_the_dead_instances_shards_and_capacity_back_at_
 
     await _until_dropped(store, DEAD)
     back = time.monotonic() - started
-    await until(
+    await eventually(
         lambda: (
             successor.ledger.quota.get(("iris", MODEL)) is not None
             and successor.ledger.quota[("iris", MODEL)].g == G
@@ -134,7 +135,7 @@ async def test_a_stable_name_takes_over_from_its_dead_incarnation_and_refuses_a_
                 await open_admission(config, "adm-b", "second", name="adm")
         assert first.service.membership.can_serve()  # the running one is untouched
         assert len(first.service.shards.serving) == config.admission.shards
-        await until(lambda: bool(first.service.ledger.quota), what="the first one's quota")
+        await eventually(lambda: bool(first.service.ledger.quota), what="the first one's quota")
     except BaseException:
         await first.close()
         raise
@@ -167,13 +168,13 @@ async def test_a_live_instance_whose_key_a_successor_removes_stops_deciding_at_o
         assert service.membership.can_serve()
         started = time.monotonic()
         assert await remove_exited_member(store, old)
-        await until(
+        await eventually(
             lambda: not service.membership.can_serve() or service.instance != old,
             timeout=1.0,
             what="the instance to stop deciding",
         )
         assert time.monotonic() - started < 1.0
-        await until(lambda: service.instance != old, timeout=5.0, what="its new id")
+        await eventually(lambda: service.instance != old, timeout=5.0, what="its new id")
         assert service.instance.startswith(f"{old}-r")
     finally:
         await rig.close()

@@ -7,8 +7,9 @@ import time
 
 import httpx
 import pytest
-from rig import BODY, until
+from rig import BODY
 from test_flow_control import open_headroom, saturate
+from timing import eventually
 
 
 async def post(rig, band: str, timeout: float = 10) -> httpx.Response:
@@ -27,7 +28,7 @@ async def leases(rig) -> int:
 async def test_a_full_queue_answers_429_with_retry_after(stack):
     await saturate(stack)
     first = asyncio.create_task(post(stack, "bronze"))
-    await until(lambda: stack.queued() == 1)
+    await eventually(lambda: stack.queued() == 1)
     response = await post(stack, "bronze")
     assert response.status_code == 429
     assert int(response.headers["retry-after"]) >= 1
@@ -63,7 +64,7 @@ async def test_a_client_that_leaves_while_queued_leaves_the_queue(stack):
     await saturate(stack)
     with pytest.raises(httpx.ReadTimeout):
         await post(stack, "bronze", timeout=0.3)
-    await until(lambda: stack.queued() == 0, what="the queue to empty after the client left")
+    await eventually(lambda: stack.queued() == 0, what="the queue to empty after the client left")
     assert stack.admissions[0].metrics.cancellations._value.get() == 1
 
 
@@ -76,13 +77,13 @@ async def test_a_client_leaving_does_not_cancel_another_with_the_same_request_id
         staying = asyncio.create_task(
             client.post(stack.edge_url + "/v1/chat/completions", json=BODY, headers=same)
         )
-        await until(lambda: stack.queued() == 1)
+        await eventually(lambda: stack.queued() == 1)
         async with httpx.AsyncClient(timeout=0.3) as impatient:
             with pytest.raises(httpx.ReadTimeout):
                 await impatient.post(
                     stack.edge_url + "/v1/chat/completions", json=BODY, headers=same
                 )
-        await until(lambda: stack.queued() == 1, what="only the client that left, gone")
+        await eventually(lambda: stack.queued() == 1, what="only the client that left, gone")
         await open_headroom(stack)
         response = await staying
     assert response.status_code == 200
@@ -90,11 +91,10 @@ async def test_a_client_leaving_does_not_cancel_another_with_the_same_request_id
 
 
 async def until_no_leases(rig, timeout: float = 2.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while await leases(rig):
-        assert time.monotonic() < deadline, "a lease outlived its request"
-        await asyncio.sleep(0.02)
-    return True
+    async def none_left() -> bool:
+        return await leases(rig) == 0
+
+    return await eventually(none_left, timeout, "no lease outlives its request", interval=0.02)
 
 
 async def test_a_grant_that_races_with_the_client_leaving_is_released_at_once(stack):
@@ -107,14 +107,15 @@ async def test_a_grant_that_races_with_the_client_leaving_is_released_at_once(st
     for attempt in range(12):
         await saturate(stack)
         leaving = asyncio.create_task(post(stack, "bronze", timeout=0.2))
-        await until(lambda: stack.queued() == 1)
+        # Queued only until the client leaves (0.2 s): looked at often enough not to miss it.
+        await eventually(lambda: stack.queued() == 1, interval=0.002)
         await asyncio.sleep(0.2 - 0.012 * attempt)  # room opens around the client's timeout
         await stack.report_all(running=8, waiting=0)
         try:
             outcomes.append((await leaving).status_code)
         except httpx.ReadTimeout:
             outcomes.append("left")
-        await until(lambda: stack.queued() == 0)
+        await eventually(lambda: stack.queued() == 0)
         await until_no_leases(stack)
     assert "left" in outcomes
 
@@ -127,7 +128,7 @@ async def test_a_finished_request_stops_counting_against_its_engine_before_the_n
         response = await post(stack, "bronze")
         assert response.status_code == 200
         endpoint = response.headers["x-llmgw-endpoint"]
-        await until(
+        await eventually(
             lambda e=endpoint: board.own(e) == 0,
             what="the edge's end-of-request notice to reach admission",
         )

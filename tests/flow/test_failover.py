@@ -7,7 +7,8 @@ from collections import Counter
 
 import httpx
 import pytest
-from rig import BODY, until
+from rig import BODY
+from timing import eventually
 
 
 async def set_faults(url: str, **faults) -> None:
@@ -51,7 +52,7 @@ async def test_a_failing_engine_is_hidden_from_clients_then_avoided_then_readmit
     assert service.breakers.state("engine-1", time.time()).value in ("open", "half_open")
 
     await set_faults(stack.engines["engine-1"].url, error_rate=0.0)  # it heals
-    await until(
+    await eventually(
         lambda: service.breakers.available("engine-1", time.time()),
         timeout=3,
         what="the cooldown to end",

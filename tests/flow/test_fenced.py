@@ -24,7 +24,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from rig import admitted, open_rig, until
+from rig import admitted, open_rig
+from timing import eventually
 
 from llmgw.core.shards import shard_of
 from llmgw.state.checker import AuditLog, check_audit
@@ -87,11 +88,11 @@ async def test_a_fenced_instance_hands_back_its_queued_requests_instead_of_placi
     # Saturation 0.5 (KV half full): bronze (ceiling 0.3) waits, gold (0.85) is placed.
     await rig.report_all(running=0, kv_usage=0.45)
     queued = asyncio.create_task(rig.ask(band="bronze", session=session, timeout=30))
-    await until(lambda: len(fenced.flow.queues) == 1, what="queued at the instance")
+    await eventually(lambda: len(fenced.flow.queues) == 1, what="queued at the instance")
 
     fenced.membership.store = _Held(fenced.membership.store, "renew_member")  # never lands
-    await until(lambda: not fenced.membership.can_serve(), timeout=5, what="the fence")
-    await until(lambda: shard in owner.shards.serving, timeout=10, what="the claim")
+    await eventually(lambda: not fenced.membership.can_serve(), timeout=5, what="the fence")
+    await eventually(lambda: shard in owner.shards.serving, timeout=10, what="the claim")
     # The owner decides the session: pinned on our engines.
     pinned = await owner.decide(rig.request(band="gold", session=session))
     assert admitted(pinned) and pinned.owner == owner.instance, pinned
@@ -114,14 +115,14 @@ async def test_a_pin_a_fenced_instance_could_not_write_is_no_second_live_pin(rig
     try:
         first = await fenced.decide(rig.request(band="gold", session=session))
         assert admitted(first) and first.owner == fenced.instance, first
-        await until(lambda: not fenced.membership.can_serve(), timeout=5, what="the fence")
-        await until(lambda: shard in owner.shards.serving, timeout=10, what="the claim")
+        await eventually(lambda: not fenced.membership.can_serve(), timeout=5, what="the fence")
+        await eventually(lambda: shard in owner.shards.serving, timeout=10, what="the claim")
         assert owner.ledger.pin(first.served_model, session) is None  # no copy in the bucket
         again = await owner.decide(rig.request(band="gold", session=session))
         assert admitted(again) and again.route == "new_pin", again
 
         heartbeats.go.set()  # its heartbeat lands, late: it learns it is lost
-        await until(
+        await eventually(
             lambda: any(e.kind == "fenced" for e in rig.audit.events), what="the fence recorded"
         )
         [fence] = [e for e in rig.audit.events if e.kind == "fenced"]

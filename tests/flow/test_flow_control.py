@@ -6,7 +6,8 @@ import asyncio
 import time
 
 import pytest
-from rig import ENDPOINTS, admitted, open_rig, until
+from rig import ENDPOINTS, admitted, open_rig
+from timing import eventually
 
 from llmgw.config.sections import default_bands
 from llmgw.core.outcomes import Refusal
@@ -40,7 +41,7 @@ async def ticks(service, n: int = 5) -> None:
     queued the tick idles (nothing to dispatch): then as long as `n` rounds would take."""
     start = service.flow.ticks
     idle_until = time.monotonic() + n * service.flow.interval
-    await until(
+    await eventually(
         lambda: (
             service.flow.ticks >= start + n
             or (not service.flow.queues and time.monotonic() >= idle_until)
@@ -64,9 +65,9 @@ async def test_no_lower_band_dispatch_while_a_higher_band_waits(rig):
     await saturate(rig)
     service = rig.admissions[0]
     silver = [asyncio.create_task(rig.ask(band="silver")) for _ in range(6)]
-    await until(lambda: rig.queued() == 6, what="silver queued")
+    await eventually(lambda: rig.queued() == 6, what="silver queued")
     bronze = [asyncio.create_task(rig.ask(band="bronze")) for _ in range(6)]
-    await until(lambda: rig.queued() == 12, what="bronze queued")
+    await eventually(lambda: rig.queued() == 12, what="bronze queued")
     await ticks(service)
     assert not any(t.done() for t in silver + bronze)  # saturated: nothing moves
 
@@ -122,14 +123,14 @@ async def test_a_full_band_rejects_at_once(nats_url, unique_id):
     try:
         await saturate(rig)
         waiting = [asyncio.create_task(rig.ask(band="bronze")) for _ in range(3)]
-        await until(lambda: rig.queued() == 3)
+        await eventually(lambda: rig.queued() == 3)
         started = time.monotonic()
         reply = await rig.ask(band="bronze")
         assert time.monotonic() - started < 0.5
         assert (admitted(reply), reply.refusal) == (False, Refusal.QUEUE_FULL)
         assert reply.retry_after >= 1
         silver = asyncio.create_task(rig.ask(band="silver"))  # each band has its own capacity
-        await until(lambda: rig.queued() == 4, what="silver queued next to a full bronze band")
+        await eventually(lambda: rig.queued() == 4, what="silver queued next to a full bronze band")
         for task in [*waiting, silver]:
             task.cancel()
     finally:
@@ -154,7 +155,7 @@ async def test_a_request_that_waits_queue_ttl_is_rejected(nats_url, unique_id):
 async def test_a_cancelled_request_leaves_the_queue_at_once(rig):
     await saturate(rig)
     asking = asyncio.create_task(rig.ask(band="bronze", request_id="leaving"))
-    await until(lambda: rig.queued() == 1)
+    await eventually(lambda: rig.queued() == 1)
     await rig.cancel("leaving")
     reply = await asyncio.wait_for(asking, 1)
     assert reply.refusal is Refusal.CANCELLED
@@ -167,7 +168,7 @@ async def test_interactive_bands_overflow_to_a_third_party_and_batch_bands_wait(
     gold = await rig.ask(band="gold")
     assert admitted(gold) and (gold.target.provider, gold.route) == ("tensorx", "overflow")
     bronze = asyncio.create_task(rig.ask(band="bronze"))
-    await until(lambda: rig.queued() == 1)
+    await eventually(lambda: rig.queued() == 1)
     await open_headroom(rig)
     reply = await bronze
     assert admitted(reply) and reply.target.provider == "iris"
@@ -178,7 +179,7 @@ async def test_stale_metrics_hold_back_lower_bands_but_never_drop_the_pool(rig):
     platinum = await rig.ask(band="platinum")
     assert admitted(platinum) and platinum.target.provider == "iris"  # 1.0: at the healthy limit
     silver = asyncio.create_task(rig.ask(band="silver"))
-    await until(lambda: rig.queued() == 1)
+    await eventually(lambda: rig.queued() == 1)
     await ticks(rig.admissions[0])
     assert not silver.done()
     await rig.report_all(running=0)  # fresh again: it flows
@@ -214,7 +215,7 @@ async def test_batch_headroom_keeps_a_slot_per_engine_for_the_interactive_bands(
         service = rig.admissions[0]
         await rig.report_all(running=7, capacity=8)  # one free slot per engine: the headroom
         batch = [asyncio.create_task(rig.ask(band=b)) for b in ("silver", "bronze", "bronze")]
-        await until(lambda: rig.queued() == 3, what="silver and bronze queued")
+        await eventually(lambda: rig.queued() == 3, what="silver and bronze queued")
         await ticks(service)
         assert not any(t.done() for t in batch)  # not saturated, yet held back
         urgent = [await rig.ask(band="platinum"), await rig.ask(band="gold")]
@@ -226,7 +227,7 @@ async def test_batch_headroom_keeps_a_slot_per_engine_for_the_interactive_bands(
         await ticks(service)
         assert all(t.done() and admitted(t.result()) for t in batch)
         more = [asyncio.create_task(rig.ask(band="bronze")) for _ in range(2)]
-        await until(lambda: sum(t.done() for t in more) == 1, what="one more bronze grant")
+        await eventually(lambda: sum(t.done() for t in more) == 1, what="one more bronze grant")
         await ticks(service)
         assert sum(t.done() for t in more) == 1  # the second would take the headroom
     finally:
@@ -242,7 +243,7 @@ async def test_the_tick_idles_while_nothing_waits_and_a_queued_request_wakes_it(
     assert service.flow.ticks - start <= 1  # at most the once-a-second housekeeping round
     await saturate(rig)
     silver = asyncio.create_task(rig.ask(band="silver"))
-    await until(lambda: service.flow.ticks > start + 1, what="a round for the queued request")
+    await eventually(lambda: service.flow.ticks > start + 1, what="a round for the queued request")
     assert not silver.done() and rig.queued() == 1
     await open_headroom(rig)
     assert admitted(await silver)
@@ -253,7 +254,7 @@ async def test_a_band_removed_live_answers_its_queued_requests_and_the_kept_ones
     service = rig.admissions[0]
     silver = [asyncio.create_task(rig.ask(band="silver")) for _ in range(3)]
     bronze = [asyncio.create_task(rig.ask(band="bronze")) for _ in range(3)]
-    await until(lambda: rig.queued() == 6, what="silver and bronze queued")
+    await eventually(lambda: rig.queued() == 6, what="silver and bronze queued")
     admission = service.config.admission
     bands = [band for band in admission.bands if band.name != "bronze"]
     config = service.config.model_copy(
@@ -276,7 +277,7 @@ async def test_queue_bounds_applied_live_expire_and_refuse_by_the_new_values(rig
     await saturate(rig)
     service = rig.admissions[0]
     queued = [asyncio.create_task(rig.ask(band="bronze")) for _ in range(3)]
-    await until(lambda: rig.queued() == 3, what="bronze queued")
+    await eventually(lambda: rig.queued() == 3, what="bronze queued")
     admission = service.config.admission
     shorter = admission.model_copy(update={"queue_ttl": 0.4, "queue_capacity_per_band": 2})
     applied = service.config.model_copy(update={"admission": shorter})
@@ -303,10 +304,10 @@ async def test_a_lease_end_releases_a_queued_request_without_waiting_for_a_tick(
         await rig.report_all(running=0, capacity=8)
         first = [await rig.ask(band="silver") for _ in range(21)]
         assert all(admitted(r) for r in first)
-        await until(lambda: service.load.own("engine-1") + service.load.own("engine-2") == 21)
+        await eventually(lambda: service.load.own("engine-1") + service.load.own("engine-2") == 21)
         late = [asyncio.create_task(rig.ask(band="silver", timeout=30)) for _ in range(2)]
-        await until(lambda: rig.queued() == 2, what="two late requests queued")
-        await until(lambda: service.flow._room is not None, what="the tick's first round")
+        await eventually(lambda: rig.queued() == 2, what="two late requests queued")
+        await eventually(lambda: service.flow._room is not None, what="the tick's first round")
         ticks_before, releases_before = service.flow.ticks, service.flow.releases
         await rig.end(service, next(iter(service.ledger.leases)))  # room for one
         done, _ = await asyncio.wait(late, return_when=asyncio.FIRST_COMPLETED, timeout=10)

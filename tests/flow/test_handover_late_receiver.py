@@ -15,7 +15,8 @@ import contextlib
 import pytest
 from nats.aio.client import Client
 from nats.errors import NoRespondersError
-from rig import EDGE_LIMITS, admitted, open_rig, until
+from rig import EDGE_LIMITS, admitted, open_rig
+from timing import eventually
 
 from llmgw.core.shards import desired_owner
 from llmgw.wire import handover_subject
@@ -62,14 +63,14 @@ async def test_a_receiver_that_subscribes_late_still_gets_the_handover(rig, monk
     monkeypatch.setattr(Client, "request", counted_request)
     joining = asyncio.create_task(rig.cluster.add_admission(RECEIVER))
     try:
-        await until(lambda: unanswered, timeout=10, what="a handover that found no responders")
+        await eventually(lambda: unanswered, timeout=10, what="a handover that found no responders")
     finally:
         listen.set()
     receiver = (await joining).service
 
     with contextlib.suppress(AssertionError):  # the assert below says what is missing
-        await until(lambda: set(leases) <= set(receiver.ledger.leases), timeout=5)
+        await eventually(lambda: set(leases) <= set(receiver.ledger.leases), timeout=5)
     assert set(leases) <= set(receiver.ledger.leases), (leases, list(receiver.ledger.leases))
-    await until(lambda: set(moving) <= set(receiver.shards.serving), what="the moved shards")
+    await eventually(lambda: set(moving) <= set(receiver.shards.serving), what="the moved shards")
     assert receiver.shards.adopted_leases == len(leases)
     assert receiver.shards.refused_leases == 0

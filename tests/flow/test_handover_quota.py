@@ -15,7 +15,8 @@ import asyncio
 import time
 
 import pytest
-from rig import MODEL, open_rig, until
+from rig import MODEL, open_rig
+from timing import eventually
 
 from llmgw.core.quota import NO_COUNTS
 from llmgw.core.shards import desired_owner, shard_of
@@ -98,7 +99,7 @@ async def test_a_slow_receiver_never_lets_the_giver_spend_the_shards_quota_twice
             break
         await asyncio.sleep(0.05)
     receiver = (await joined).service
-    await until(lambda: moved in receiver.shards.serving, timeout=15, what="the moved shard")
+    await eventually(lambda: moved in receiver.shards.serving, timeout=15, what="the moved shard")
     for _ in range(10):  # and a few more once the move is done
         await rig.ask(session=next(fresh))
 

@@ -18,7 +18,8 @@ import contextlib
 
 import pytest
 from nats.errors import TimeoutError as NatsTimeoutError
-from rig import MODEL, open_rig, until
+from rig import MODEL, open_rig
+from timing import eventually
 
 from llmgw.core.apikeys import KeyLimits, key_pair
 from llmgw.core.shards import shard_of
@@ -215,7 +216,7 @@ async def test_a_take_in_that_fails_leaves_the_quota_moved_in_for_it_spendable(
         assert (giver.instance, moving) not in book.handing  # its earmark moved, then it failed
         # Alone now: the whole limit is the receiver's to spend, none held for the failed shard.
         with contextlib.suppress(AssertionError):  # the assert below says what is held
-            await until(lambda: receiver.ledger.pair_quota(pair).g == G, timeout=5)
+            await eventually(lambda: receiver.ledger.pair_quota(pair).g == G, timeout=5)
         spendable = receiver.ledger.pair_quota(pair)
         assert spendable.g == G, (spendable, book.quota(receiver.instance), G)
         assert await _grants(rig, set(receiver.shards.serving) - {moving}, G) == G

@@ -6,10 +6,10 @@ scraper saw; the engine's numbers only add what the gateway did not send.
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 from rig import MODEL, rig_config
+from timing import eventually
 
 from llmgw.core.context import ContextWindow
 from llmgw.load import EndpointReport, LoadSample, report_key
@@ -196,10 +196,8 @@ async def test_a_load_bucket_that_does_not_answer_at_start_is_followed_once_it_d
     follower = LoadFollower(b, kv)
     await follower.start()  # the read timed out: the start goes on
     try:
-        deadline = time.monotonic() + 5
-        while not b.knows("engine-1"):  # the watch replays the stored report
-            assert time.monotonic() < deadline, "the report never reached the board"
-            await asyncio.sleep(0.01)
+        # The watch replays the stored report.
+        await eventually(lambda: b.knows("engine-1"), 5, "the report on the board")
         assert b.capacity("engine-1") == 8
     finally:
         await follower.stop()

@@ -15,7 +15,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from rig import EDGE_LIMITS, open_rig, until
+from rig import EDGE_LIMITS, open_rig
+from timing import eventually
 
 from llmgw.services.admission import shards as shards_module
 from llmgw.services.admission.shards import ShardKeeper
@@ -67,12 +68,12 @@ async def test_a_shard_adopted_across_a_rejoin_is_not_served_under_the_new_id(ri
     await dead.kill()
     store = await open_routing_store(rig.nc, rig.config)
     assert await remove_exited_member(store, dead.name)  # its shards can be claimed at once
-    await until(held.is_set, timeout=10, what="the adoption of the dead peer's shards")
+    await eventually(held.is_set, timeout=10, what="the adoption of the dead peer's shards")
 
     assert await remove_exited_member(store, old)  # the adopter's own key taken away: lost
-    await until(lambda: not service.membership.can_serve(), timeout=10, what="lost")
+    await eventually(lambda: not service.membership.can_serve(), timeout=10, what="lost")
     go.set()
-    await until(lambda: service.instance != old, timeout=10, what="the rejoin")
-    await until(lambda: orphans <= service.shards.serving, timeout=20, what="adopted anew")
+    await eventually(lambda: service.instance != old, timeout=10, what="the rejoin")
+    await eventually(lambda: orphans <= service.shards.serving, timeout=20, what="adopted anew")
     wrong = [entry for entry in served if entry[2] != entry[1] or not entry[3]]
     assert wrong == [], "served under another id than its key names, or while lost"

@@ -6,7 +6,8 @@ events said so) is forgotten."""
 from __future__ import annotations
 
 import pytest
-from rig import ENDPOINTS, MODEL, admitted, open_rig, rig_config, until
+from rig import ENDPOINTS, MODEL, admitted, open_rig, rig_config
+from timing import eventually
 
 from llmgw.core.prefix import PromptPrefix, model_root, pack, text_chain, token_chain
 from llmgw.services.admission.health import HealthBoard
@@ -39,7 +40,9 @@ async def test_every_instance_learns_where_a_prompt_went_and_sends_the_next_ther
     placed = await rig.ask(session="s-1", shard=rig.shard_of_instance(first), prompt=prompt("a"))
     assert admitted(placed)
     endpoint = placed.target.endpoint
-    await until(lambda: min(held_by(rig, endpoint, prompt("b"))) > 0.9, what="both instances know")
+    await eventually(
+        lambda: min(held_by(rig, endpoint, prompt("b"))) > 0.9, what="both instances know"
+    )
     # New sessions of the same tenant, decided by the other instance, start where it is cached,
     # though the other endpoint is as idle.
     for n in range(4):
@@ -51,7 +54,7 @@ async def test_every_instance_learns_where_a_prompt_went_and_sends_the_next_ther
     assert max(held_by(rig, other, prompt("b"))) == 0.0
     # An instance that joins now reads what the stream kept.
     late = await rig.add_admission()
-    await until(
+    await eventually(
         lambda: late.prefixes.share(endpoint, _asked(rig, prompt("c")), 0.0) > 0.9,
         what="the late instance caught up",
     )
@@ -64,13 +67,13 @@ def _asked(rig, data: bytes) -> PromptPrefix:  # type: ignore[no-untyped-def]
 async def test_an_engine_that_emptied_its_cache_is_forgotten_by_every_instance(rig):
     placed = await rig.ask(session="s-2", prompt=prompt("a"))
     endpoint = placed.target.endpoint
-    await until(lambda: min(held_by(rig, endpoint, prompt("a"))) > 0.9, what="known")
+    await eventually(lambda: min(held_by(rig, endpoint, prompt("a"))) > 0.9, what="known")
     held = PrefixHeld(endpoint=endpoint, seq=0, block_size=16, cleared=True, emptied=True)
     js = rig.nc.jetstream()
     await js.publish(
         prefix_held_subject(rig.config.prefix_stream, endpoint), held.model_dump_json().encode()
     )
-    await until(lambda: max(held_by(rig, endpoint, prompt("a"))) == 0.0, what="forgotten")
+    await eventually(lambda: max(held_by(rig, endpoint, prompt("a"))) == 0.0, what="forgotten")
 
 
 def test_tokens_that_never_match_the_engines_blocks_fall_back_to_what_was_sent(nats_url, unique_id):

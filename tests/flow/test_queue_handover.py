@@ -14,8 +14,9 @@ import asyncio
 import time
 
 import pytest
-from rig import MODEL, admitted, open_rig, until
+from rig import MODEL, admitted, open_rig
 from test_flow_control import open_headroom, saturate
+from timing import eventually
 
 from llmgw.wire import RequestEnded
 
@@ -33,13 +34,13 @@ async def test_requests_queued_at_a_stopping_instance_are_granted_by_the_next_ow
     shard = rig.shard_of_instance(leaving.service)
     await saturate(rig)  # bronze waits: no ceiling room, and bronze never overflows
     tasks = [asyncio.create_task(rig.ask(band="bronze", shard=shard, timeout=30)) for _ in range(4)]
-    await until(lambda: len(leaving.service.flow.queues) == 4, what="queued at the leaver")
+    await eventually(lambda: len(leaving.service.flow.queues) == 4, what="queued at the leaver")
     # Longer than one request timeout in its queue: the new owner must still get a full one.
     await asyncio.sleep(rig.config.nats.request_timeout + 0.5)
     assert not any(t.done() for t in tasks)
 
     await leaving.stop()
-    await until(lambda: len(staying.service.flow.queues) == 4, what="queued at the new owner")
+    await eventually(lambda: len(staying.service.flow.queues) == 4, what="queued at the new owner")
     assert shard in staying.service.shards.serving
     while not all(t.done() for t in tasks):
         await open_headroom(rig)
@@ -84,6 +85,6 @@ async def test_an_end_that_overtakes_its_leases_handover_leaves_nothing_behind(r
     assert lease.lease_id in leaving.service.ledger.leases
 
     await leaving.stop()  # the shard goes to `staying` with the lease in its state
-    await until(lambda: shard in staying.service.shards.serving, what="the shard handed over")
+    await eventually(lambda: shard in staying.service.shards.serving, what="the shard handed over")
     assert lease.lease_id not in staying.service.ledger.leases
     assert not staying.service.ledger.leases

@@ -15,7 +15,8 @@ import asyncio
 import time
 
 import pytest
-from rig import BINDING_LIMITS, MODEL, admitted, open_rig, until
+from rig import BINDING_LIMITS, MODEL, admitted, open_rig
+from timing import eventually
 
 from llmgw.state.checker import AuditLog, check_audit
 from llmgw.wire import Refusal
@@ -53,7 +54,7 @@ async def test_a_batch_request_waits_for_our_quota_while_an_overflow_band_runs_e
     (service,) = rig.admissions
     leases = await fill_unreserved(rig)
     silver = asyncio.ensure_future(rig.ask(band="silver", session="batch-1"))
-    await until(lambda: holds(service, "silver") >= 1, what="the silver request held")
+    await eventually(lambda: holds(service, "silver") >= 1, what="the silver request held")
     assert not silver.done()
     assert len(service.flow.queues) == 1  # back in its queue, holding nothing
     assert service.ledger.pair_use(PAIR).unreserved == G - R
@@ -77,7 +78,7 @@ async def test_a_held_request_can_be_cancelled_and_expires_like_any_queued_one(r
     leases_before = set(service.ledger.leases)
     cancelled = rig.request(band="bronze", session="batch-2")
     asking = asyncio.ensure_future(rig.client.admit(cancelled))
-    await until(lambda: holds(service, "bronze") >= 1, what="the bronze request held")
+    await eventually(lambda: holds(service, "bronze") >= 1, what="the bronze request held")
     await rig.cancel(cancelled.id)
     reply, _ = await asyncio.wait_for(asking, 5)
     assert reply.refusal is Refusal.CANCELLED, reply
@@ -140,7 +141,7 @@ async def test_an_overflow_band_with_nowhere_to_overflow_waits_in_its_queue(nats
         waiting = [
             asyncio.ensure_future(rig.ask(band="gold", session=f"new-{i}")) for i in range(2)
         ]
-        await until(lambda: holds(service, "gold") >= 2, what="both gold requests held")
+        await eventually(lambda: holds(service, "gold") >= 2, what="both gold requests held")
         await asyncio.sleep(0.3)  # six times limit_grace: they still wait, holding nothing
         assert not any(w.done() for w in waiting)
         assert service.ledger.pair_use(PAIR).unreserved == G - R

@@ -14,7 +14,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from rig import BINDING_LIMITS, MODEL, admitted, open_rig, until
+from rig import BINDING_LIMITS, MODEL, admitted, open_rig
+from timing import eventually
 
 from llmgw.core.shards import shard_of
 from llmgw.state.checker import AuditLog, check_audit
@@ -55,7 +56,7 @@ def _checked(rig) -> None:  # type: ignore[no-untyped-def]
 async def test_one_instance_takes_the_whole_unreserved_limit_when_the_other_is_idle(rig2):
     rig = rig2
     a, b = rig.admissions
-    await until(lambda: b.quotas.books[PAIR].value.quota(b.instance).u > 0, what="b's share")
+    await eventually(lambda: b.quotas.books[PAIR].value.quota(b.instance).u > 0, what="b's share")
     shard = rig.shard_of_instance(a)
     # Sessionless requests at one instance: a lone instance would run G - R of them on iris.
     replies = [await rig.ask(shard=shard) for _ in range(G - R)]
@@ -108,15 +109,15 @@ async def test_the_reserve_serves_pinned_sessions_whatever_instance_owns_them(ri
 async def test_a_peer_that_lent_nothing_is_asked_again_once_one_of_its_requests_ends(rig2):
     rig = rig2
     a, b = rig.admissions
-    await until(lambda: b.quotas.books[PAIR].value.quota(b.instance).u > 0, what="b's share")
+    await eventually(lambda: b.quotas.books[PAIR].value.quota(b.instance).u > 0, what="b's share")
     held = await rig.ask(shard=rig.shard_of_instance(b))
     assert admitted(held) and held.target.provider == "iris"
-    await until(lambda: a.load.inflight(held.target.endpoint, a._clock()) >= 1, what="gossip")
+    await eventually(lambda: a.load.inflight(held.target.endpoint, a._clock()) >= 1, what="gossip")
     # `a` asked `b` a moment ago and got nothing: `b` is left out of a's loans for a while...
     a.quotas.loans._dry[(PAIR, b.instance)] = a.quotas.loans._monotonic() + 3600
     # ... until b's request ends (its load gossip shows one fewer): then it is asked at once.
     await rig.finish_all()
-    await until(lambda: (PAIR, b.instance) not in a.quotas.loans._dry, what="b asked again")
+    await eventually(lambda: (PAIR, b.instance) not in a.quotas.loans._dry, what="b asked again")
 
 
 @pytest.fixture

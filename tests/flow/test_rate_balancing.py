@@ -10,7 +10,7 @@ from collections import Counter
 import nats
 import pytest
 from inproc import start_admission
-from rig import until
+from timing import eventually
 
 from llmgw.config import config_from_dict
 from llmgw.wire import (
@@ -85,7 +85,7 @@ async def test_deployments_are_chosen_by_their_learned_rates(admission):
                 outcome="success" if ok else "upstream_error",
             )
             await nc.publish(REQUEST_STATS_SUBJECT, stats.model_dump_json().encode())
-    await until(lambda: service.rates.samples == 60, what="stats to reach admission")
+    await eventually(lambda: service.rates.samples == 60, what="stats to reach admission")
     after = await picks(nc, 300)
     # north failed 20 times in a row: its breaker is open, it is not a candidate at all. Among
     # east and west the SLA (the median of their samples) lies between them: east ~1, west ~0.

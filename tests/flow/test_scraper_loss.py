@@ -7,7 +7,8 @@ import contextlib
 import time
 
 from inproc import stop_servers
-from rig import ENDPOINTS, admitted, open_rig, until
+from rig import ENDPOINTS, admitted, open_rig
+from timing import eventually
 
 from llmgw.services.scraper.main import serve
 from llmgw.services.sim.apps import create_engine_app
@@ -42,7 +43,7 @@ async def test_admission_stays_safe_when_the_scraper_dies(nats_url, unique_id):
 
     scraper = start_scraper()
     try:
-        await until(
+        await eventually(
             lambda: all(a is not None and a < STALE_AFTER for a in scrape_ages()),
             what="fresh reports from the scraper",
         )
@@ -52,11 +53,11 @@ async def test_admission_stays_safe_when_the_scraper_dies(nats_url, unique_id):
         scraper.cancel()  # dies mid-flight: no goodbye, its last reports stay in the bucket
         with contextlib.suppress(asyncio.CancelledError):
             await scraper
-        await until(lambda: all(a > STALE_AFTER for a in scrape_ages()), what="stale reports")
+        await eventually(lambda: all(a > STALE_AFTER for a in scrape_ages()), what="stale reports")
 
         # Stale engines count as saturated, never as idle and never as gone.
         bronze = asyncio.create_task(rig.ask(band="bronze"))
-        await until(lambda: rig.queued() == 1, what="bronze to wait")
+        await eventually(lambda: rig.queued() == 1, what="bronze to wait")
         platinum = await rig.ask(band="platinum")
         assert admitted(platinum) and platinum.target.provider == "iris"
         gold = await rig.ask(band="gold")

@@ -12,8 +12,9 @@ import asyncio
 import time
 
 import pytest
-from rig import admitted, open_rig, until
+from rig import admitted, open_rig
 from test_flow_control import open_headroom, saturate
+from timing import eventually
 
 
 @pytest.fixture
@@ -33,7 +34,7 @@ async def all_ticked(rig, n: int = 5) -> None:
     dispatch: for it, as long as `n` rounds would take)."""
     starts = [a.flow.ticks for a in rig.admissions]
     idle_until = time.monotonic() + n * rig.admissions[0].flow.interval
-    await until(
+    await eventually(
         lambda: all(
             a.flow.ticks >= s + n or (not a.flow.queues and time.monotonic() >= idle_until)
             for a, s in zip(rig.admissions, starts, strict=True)
@@ -73,7 +74,7 @@ async def test_instances_share_one_headroom_instead_of_multiplying_it(rig3):
     tasks = [
         asyncio.create_task(ask_at(rig, a, "bronze")) for a in rig.admissions for _ in range(10)
     ]
-    await until(lambda: [len(a.flow.queues) for a in rig.admissions] == [10, 10, 10])
+    await eventually(lambda: [len(a.flow.queues) for a in rig.admissions] == [10, 10, 10])
     await drive_rounds_here(rig)
     for service in rig.admissions:
         service.flow.tick()  # publishes its depths (nothing to dispatch: saturated)
@@ -85,7 +86,7 @@ async def test_instances_share_one_headroom_instead_of_multiplying_it(rig3):
         await saturate(rig)
         await rig.finish_all()
         await rig.report_all(running=8, waiting=0)
-        await until(lambda: gossip_heard(rig), what="every instance heard the others' depths")
+        await eventually(lambda: gossip_heard(rig), what="every instance heard the others' depths")
         with_waiters = sum(1 for a in rig.admissions if a.flow.queues)
         before = rig.queued()
         for service in rig.admissions:
@@ -106,7 +107,7 @@ async def test_a_band_waiting_in_one_instance_holds_back_lower_bands_in_the_othe
     await saturate(rig)
     silver = [asyncio.create_task(ask_at(rig, a, "silver")) for _ in range(8)]
     bronze = [asyncio.create_task(ask_at(rig, b, "bronze")) for _ in range(8)]
-    await until(lambda: (len(a.flow.queues), len(b.flow.queues)) == (8, 8))
+    await eventually(lambda: (len(a.flow.queues), len(b.flow.queues)) == (8, 8))
     await all_ticked(rig)
     await open_headroom(rig)  # room for 5 silver: silver still waits after it
     await all_ticked(rig)

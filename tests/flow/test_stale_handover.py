@@ -16,7 +16,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from rig import EDGE_LIMITS, MODEL, admitted, open_rig, until
+from rig import EDGE_LIMITS, MODEL, admitted, open_rig
+from timing import eventually
 
 from llmgw.core.shards import desired_owner, shard_of
 from llmgw.services.admission.shards import Handovers
@@ -71,10 +72,10 @@ async def test_a_handover_that_arrives_after_the_shard_moved_on_is_not_taken_in(
 
     monkeypatch.setattr(Handovers, "receive", held)
     r = (await rig.cluster.add_admission()).service
-    await until(lambda: k in r.shards.serving, timeout=10, what="R adopting k by roll call")
+    await eventually(lambda: k in r.shards.serving, timeout=10, what="R adopting k by roll call")
     assert taken, "G's handover of k should be held"
     n = (await rig.cluster.add_admission()).service
-    await until(
+    await eventually(
         lambda: k in n.shards.serving and k not in r.shards.serving,
         timeout=10,
         what="k handed on from R to N",

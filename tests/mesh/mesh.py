@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from inproc import Cluster, before_any_lease, connect, stop_servers
+from timing import eventually
 
 from llmgw.config import Config, config_from_dict
 from llmgw.core.apikeys import ApiKey
@@ -231,11 +232,12 @@ async def start_mesh(
         for i in range(admissions):
             await cluster.add_admission(f"admission-{i}")
         await cluster.settled()
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + 10
-    while not all(a.load.reports >= 2 for a in cluster.live_admissions()):
-        assert loop.time() < deadline, "the scraper's reports never reached admission"
-        await asyncio.sleep(0.02)
+    await eventually(
+        lambda: all(a.load.reports >= 2 for a in cluster.live_admissions()),
+        10,
+        "the scraper's reports in every admission instance",
+        interval=0.02,
+    )
     if keys is not None:
         mesh.keys = await create_keys(config, nats_url, keys)
     for _ in range(edges):

@@ -25,6 +25,7 @@ import aiohttp
 import httpx
 import pytest
 from mesh import MODEL, Mesh, start_mesh
+from timing import eventually
 
 from llmgw.core.ledger import Ledger
 from llmgw.core.quota import Quota
@@ -128,10 +129,13 @@ async def _churn(mesh: Mesh, seconds: float, log: list[str]) -> None:
 
 async def _quiet(mesh: Mesh, timeout: float) -> None:
     """Until no instance holds a lease (I1: every one released, or expired and ended)."""
-    deadline = time.monotonic() + timeout
-    while any(a.ledger.leases for a in mesh.admissions):
-        assert time.monotonic() < deadline, [len(a.ledger.leases) for a in mesh.admissions]
-        await asyncio.sleep(0.1)
+    try:
+        await eventually(
+            lambda: not any(a.ledger.leases for a in mesh.admissions), timeout, interval=0.1
+        )
+    except AssertionError as failure:
+        counts = [len(a.ledger.leases) for a in mesh.admissions]
+        raise AssertionError(f"{failure}: leases held {counts}") from None
 
 
 async def _run(nats_client, nats_url, unique_id, seconds, *, churn=True, tamper=None, **options):

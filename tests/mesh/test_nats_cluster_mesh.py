@@ -31,6 +31,7 @@ import pytest
 from inproc import connect
 from mesh import MODEL, start_mesh
 from test_concurrency import _quiet, _run
+from timing import eventually
 
 from llmgw.core.requests import Feature
 from llmgw.core.sessions import session_id
@@ -112,8 +113,12 @@ async def _load(mesh, http, sessions: int, stop: asyncio.Event, done: list[Done]
 
 async def _reconnected(nc, port: int, since: float) -> float:
     """When `nc` was connected again to a server other than the one on `port`."""
-    while not (nc.is_connected and nc.connected_url and nc.connected_url.port != port):  # noqa: ASYNC110 (nats-py has no such event)
-        await asyncio.sleep(0.005)
+    await eventually(  # nats-py has no such event
+        lambda: nc.is_connected and nc.connected_url and nc.connected_url.port != port,
+        60,
+        "connected to another server",
+        interval=0.005,
+    )
     return time.monotonic() - since
 
 
@@ -189,10 +194,9 @@ async def test_losing_the_routing_stream_leader_fails_only_requests_in_flight_on
             current = replicas.get(r3.nodes[leader].name, {}).get("current")
             return bool(current) and r3.replica_last_seq(leader, stream) == last
 
-        deadline = time.monotonic() + 15
-        while not await asyncio.to_thread(caught_up):
-            assert time.monotonic() < deadline, "the restarted node never caught up"
-            await asyncio.sleep(0.2)
+        await eventually(
+            lambda: asyncio.to_thread(caught_up), 15, "the restarted node caught up", interval=0.2
+        )
         await recorder.stop()
         await recorder_nc.close()
         asked_again = sum(edge.deps.admission.asked_again for edge in mesh.edges)

@@ -12,42 +12,24 @@ import asyncio
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import TypeVar
 
 import nats
 import pytest
 import pytest_asyncio
 from nats.aio.client import Client as NatsClient
 from nats.errors import Error as NatsError
+from timing import eventually
 
 from llmgw.nats_cluster import EmbeddedNatsCluster
 from llmgw.nats_embedded import NatsStartError
 from llmgw.state import CasConflict, NatsKV, open_routing_bucket
 
-T = TypeVar("T")
 ELECTION_DEADLINE_S = 15.0
 BUCKET = "routing_r3"
+UNAVAILABLE = (NatsError, TimeoutError)  # a node between leaders: not yet, poll again
 STREAM = f"KV_{BUCKET}"
-
-
-async def eventually(
-    probe: Callable[[], Awaitable[T | None]], timeout: float, what: str, interval: float = 0.05
-) -> T:
-    """The first truthy result of `probe` within `timeout` seconds; fails naming `what`."""
-    deadline = time.monotonic() + timeout
-    last_error: BaseException | None = None
-    while True:
-        try:
-            result = await probe()
-            if result:
-                return result
-        except (NatsError, TimeoutError) as exc:  # unavailable during an election
-            last_error = exc
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"not {what} within {timeout:g}s (last error: {last_error!r})")
-        await asyncio.sleep(interval)
 
 
 async def cas_until_done(kv: NatsKV, key: str, value: bytes, revision: int, timeout: float) -> int:
@@ -67,7 +49,9 @@ async def cas_until_done(kv: NatsKV, key: str, value: bytes, revision: int, time
                 return entry.revision
             raise
 
-    return await eventually(attempt, timeout, f"CAS update of {key!r} accepted")
+    return await eventually(
+        attempt, timeout, f"CAS update of {key!r} accepted", interval=0.05, ignoring=UNAVAILABLE
+    )
 
 
 def _process_gone(pid: int) -> bool:
@@ -126,6 +110,8 @@ async def test_start_returns_a_ready_cluster_of_three_distinct_nodes(
         ),
         5,
         "every replica at the first write",
+        interval=0.05,
+        ignoring=UNAVAILABLE,
     )
 
 
@@ -142,7 +128,11 @@ async def test_cas_holds_through_any_node(cluster: EmbeddedNatsCluster) -> None:
             await stores[2].create("pin.m.s", b"engine-3")
         for store in stores:  # direct gets may lag on a follower: poll, then compare
             entry = await eventually(
-                lambda store=store: _at_revision(store, "pin.m.s", second), 5, "read back"
+                lambda store=store: _at_revision(store, "pin.m.s", second),
+                5,
+                "read back",
+                interval=0.05,
+                ignoring=UNAVAILABLE,
             )
             assert entry.value == b"engine-2"
     finally:
@@ -190,13 +180,25 @@ async def test_killing_the_stream_leader_keeps_a_full_list_client_writing(
             replicas.get(name, {}).get("current")
         )
 
-    await eventually(lambda: asyncio.to_thread(caught_up), 10, "the restarted node current")
+    await eventually(
+        lambda: asyncio.to_thread(caught_up),
+        10,
+        "the restarted node current",
+        interval=0.05,
+        ignoring=UNAVAILABLE,
+    )
 
     # Through the restarted node alone, the latest value is read and CAS works.
     solo = await nats.connect(cluster.nodes[leader].url, allow_reconnect=False)
     try:
         store = await open_routing_bucket(solo.jetstream(timeout=1), BUCKET, replicas=3)
-        entry = await eventually(lambda: _at_revision(store, "pin.m.s", third), 5, "read back")
+        entry = await eventually(
+            lambda: _at_revision(store, "pin.m.s", third),
+            5,
+            "read back",
+            interval=0.05,
+            ignoring=UNAVAILABLE,
+        )
         assert entry.value == b"engine-3"
         assert await store.update("pin.m.s", b"engine-4", third) > third
     finally:
@@ -235,6 +237,8 @@ async def test_losing_a_follower_does_not_interrupt_writes(
         lambda: asyncio.to_thread(lambda: cluster.replica_last_seq(follower, STREAM) == revision),
         10,
         "the follower caught up on 20 writes",
+        interval=0.05,
+        ignoring=UNAVAILABLE,
     )
 
 

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 from reaper_helpers import IRIS, MODEL, WAIT, Connect, EventLog
-from timing import SteppedClock
+from timing import SteppedClock, eventually
 
 from llmgw.config import Config
 from llmgw.core.keys import MemberValue
@@ -129,9 +129,7 @@ async def _passes_after(metrics: ReaperMetrics, count: int) -> None:
         return value or 0.0
 
     wanted = ended() + count
-    async with asyncio.timeout(WAIT):
-        while ended() < wanted:  # noqa: ASYNC110 (a metric has no event to wait on)
-            await asyncio.sleep(0.01)
+    await eventually(lambda: ended() >= wanted, WAIT, f"{count} more passes")  # a metric: no event
 
 
 async def test_a_served_reaper_judges_expiry_by_the_clock_it_is_given(

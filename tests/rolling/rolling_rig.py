@@ -13,7 +13,6 @@ import contextlib
 import itertools
 import json
 import random
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -316,12 +315,3 @@ async def leases_of_edges(nc, wait: float = 0.5) -> dict[str, set[str]]:
     await asyncio.sleep(wait)
     await sub.unsubscribe()
     return answers
-
-
-async def until(predicate, timeout: float, interval: float = 0.1) -> None:  # type: ignore[no-untyped-def]
-    """Poll an observable async condition (AssertionError past `timeout`)."""
-    deadline = time.monotonic() + timeout
-    while not await predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{getattr(predicate, '__name__', predicate)} never held")
-        await asyncio.sleep(interval)

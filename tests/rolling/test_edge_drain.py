@@ -16,7 +16,8 @@ import time
 
 import httpx
 import pytest
-from rolling_rig import MODEL, admission_states, until
+from rolling_rig import MODEL, admission_states
+from timing import eventually
 
 pytestmark = pytest.mark.e2e
 
@@ -67,7 +68,7 @@ async def test_sigterm_unready_first_then_drains_then_ends_the_rest_and_releases
                 headers={"x-session-id": "plain"},
             )
         )
-        await until(lambda: _held(nats_client, 2), timeout=10)
+        await eventually(lambda: _held(nats_client, 2), timeout=10, interval=0.1)
         assert (await http.get(edge.admin + "/ready")).status_code == 200
 
         # Before the signal: the edge may start its drain clock before this process runs again.
@@ -78,7 +79,7 @@ async def test_sigterm_unready_first_then_drains_then_ends_the_rest_and_releases
             r = await http.get(edge.admin + "/ready")
             return r.status_code == 503 and r.json()["status"] == "draining"
 
-        await until(unready, timeout=DRAIN_DELAY)
+        await eventually(unready, timeout=DRAIN_DELAY, interval=0.1)
         # Still served during the delay (the balancer has not noticed yet), connection closed.
         short = await http.post(
             edge.url + "/v1/chat/completions",
@@ -102,7 +103,7 @@ async def test_sigterm_unready_first_then_drains_then_ends_the_rest_and_releases
 
     assert await asyncio.to_thread(edge.service.process.wait, 15) == 0
     # Released by the edge's end messages: lease_timeout (30 s) is far from over.
-    await until(lambda: _held(nats_client, 0), timeout=3)
+    await eventually(lambda: _held(nats_client, 0), timeout=3, interval=0.1)
     assert time.monotonic() - signalled < 15
 
 

@@ -29,9 +29,9 @@ from rolling_rig import (
     admission_states,
     leases_of_edges,
     steady_load,
-    until,
     watch_limits,
 )
+from timing import eventually
 
 from llmgw.config import limits_from_config, load_config
 from llmgw.state.checker import check_history
@@ -61,7 +61,7 @@ async def test_every_service_kind_restarts_in_turn_under_load_with_no_failed_req
         gateway.start(kind)
     for service in [s for kinds in gateway.services.values() for s in kinds]:
         await asyncio.to_thread(service.wait_ready)
-    await until(lambda: _both_serve(nats_client), timeout=20)
+    await eventually(lambda: _both_serve(nats_client), timeout=20, interval=0.1)
     await asyncio.gather(gateway.started("edge"), gateway.started("edge"))
 
     results = Results()
@@ -73,7 +73,7 @@ async def test_every_service_kind_restarts_in_turn_under_load_with_no_failed_req
     async with aiohttp.ClientSession(timeout=timeout) as http:
         balancer = Balancer(gateway)
         balancer.start(http)
-        await until(lambda: _edges_ready(gateway, 2), timeout=10)
+        await eventually(lambda: _edges_ready(gateway, 2), timeout=10, interval=0.1)
         load = asyncio.create_task(steady_load(balancer, http, SESSIONS, stop, results))
         watch = asyncio.create_task(watch_limits(nats_client, limits, stop, samples, breaches))
         await asyncio.sleep(2)
@@ -89,7 +89,7 @@ async def test_every_service_kind_restarts_in_turn_under_load_with_no_failed_req
             old = gateway.services["admission"][0]
             codes[f"admission-{index}"] = await gateway.sigterm(old)
             await gateway.started("admission")
-            await until(lambda: _both_serve(nats_client), timeout=20)
+            await eventually(lambda: _both_serve(nats_client), timeout=20, interval=0.1)
             progress.append(sum(results.ok.values()))
         for kind in ("reaper", "scraper"):
             codes[kind] = await gateway.sigterm(gateway.services[kind][0])
@@ -123,7 +123,7 @@ async def test_every_service_kind_restarts_in_turn_under_load_with_no_failed_req
     # second grant that a new owner made for an attempt asked again across a handover (its edge
     # already had an answer) leaves at that edge's next renewal, every lease_timeout / 3.
     renewal = config.pinning.lease_timeout / 3
-    await until(nothing_held, timeout=renewal + 5)
+    await eventually(nothing_held, timeout=renewal + 5, interval=0.1)
     assert all(not held for held in (await leases_of_edges(nats_client)).values())
     entries = await recorder.sync(timeout=10)
     await recorder.stop()

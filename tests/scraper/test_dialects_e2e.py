@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import nats
@@ -25,6 +25,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
+from timing import eventually
 
 from llmgw.config import Config, config_from_dict
 from llmgw.services.admission.loadboard import LoadBoard
@@ -100,21 +101,15 @@ class Gateway:
         assert reply.status is ReplyStatus.ADMITTED, reply
         return reply
 
-    async def until(self, condition: Callable[[], bool], what: str) -> None:
-        deadline = time.monotonic() + WAIT
-        while not condition():
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out waiting for {what}")
-            await asyncio.sleep(0.01)
-
     async def fresh(self) -> None:
         """Until admission holds a fresh report of every engine (none is stale any more)."""
-        await self.until(
+        await eventually(
             lambda: all(
                 (age := self.board.scrape_age(e, time.time())) is not None
                 and age < self.config.router.stale_after
                 for e in ENGINES
             ),
+            WAIT,
             "fresh reports of both engines",
         )
 
@@ -159,8 +154,9 @@ async def test_foreign_load_moves_placement_away_and_nothing_overflows_with_a_sl
             # Somebody else's requests, straight to engine-1: a full batch and a queue behind.
             foreign = SLOTS + 2
             load.start(engines["engine-1"].url, foreign)
-            await gw.until(
+            await eventually(
                 lambda: gw.board.foreign("engine-1") == foreign,
+                WAIT,
                 f"admission to see {foreign} foreign requests on engine-1",
             )
             assert gw.board.foreign("engine-2") == 0
@@ -193,8 +189,9 @@ async def test_an_engine_that_states_its_capacity_is_taken_at_its_word(
             default = gw.config.scoring.target_inflight
             assert SLOTS < default
             expected = SLOTS if dialect in STATES_CAPACITY else default
-            await gw.until(
+            await eventually(
                 lambda: all(gw.board.capacity(e) == expected for e in ENGINES),
+                WAIT,
                 f"admission to hold capacity {expected}",
             )
             stated = expected == SLOTS
@@ -233,15 +230,18 @@ async def test_an_engine_whose_metrics_fail_runs_on_the_gateways_accounting(
         urls = {e: s.url for e, s in zip(ENGINES, servers, strict=True)}
         async with gateway(nats_url, unique_id, urls) as gw:
             await gw.fresh()
-            await gw.until(
-                lambda: all(gw.board.foreign(e) == 16 for e in ENGINES), "the saturated reading"
+            await eventually(
+                lambda: all(gw.board.foreign(e) == 16 for e in ENGINES),
+                WAIT,
+                "the saturated reading",
             )
             overflow = await gw.ask("gold")
             assert overflow.target is not None and overflow.target.provider == "tensorx"
 
             state.update(metrics="oops", status=500)
-            await gw.until(
+            await eventually(
                 lambda: all(gw.board.metrics_mode(e) == "error" for e in ENGINES),
+                WAIT,
                 "reports of failed metrics",
             )
             replies = [await gw.ask("gold") for _ in range(2 * SLOTS)]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import Awaitable, Callable
@@ -38,15 +37,6 @@ def content_of(chunk: dict[str, Any]) -> str | None:
     if "delta" in choice:
         return choice["delta"].get("content") or None
     return choice.get("text") or None
-
-
-async def wait_until(predicate: Callable[[], Awaitable[bool]], timeout: float = 5.0) -> None:
-    """Poll an async predicate until it holds (fails the test after `timeout`)."""
-    deadline = time.monotonic() + timeout
-    while not await predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.01)
 
 
 def metric(text: str, name: str, **labels: str) -> float:

@@ -11,7 +11,8 @@ import time
 import httpx
 import openai
 import pytest
-from sim_helpers import Serve, content_of, metric, read_sse, wait_until
+from sim_helpers import Serve, content_of, metric, read_sse
+from timing import eventually
 
 from llmgw.services.sim.apps import create_engine_app, create_provider_app
 from llmgw.services.sim.params import EngineParams, ProviderParams
@@ -277,13 +278,13 @@ async def test_queueing_beyond_max_num_seqs_shows_in_metrics_and_ttft(serve: Ser
     async def running() -> bool:
         return (await client.get("/sim/state")).json()["running"] == 1
 
-    await wait_until(running)
+    await eventually(running)
     second = asyncio.create_task(_ttft(client, chat("two", max_tokens=2, **exact)))
 
     async def waiting() -> bool:
         return (await client.get("/sim/state")).json()["waiting"] == 1
 
-    await wait_until(waiting)
+    await eventually(waiting)
     text = (await client.get("/metrics")).text
     assert metric(text, "vllm:num_requests_running", model_name=MODEL) == 1
     assert metric(text, "vllm:num_requests_waiting", model_name=MODEL) == 1
@@ -317,7 +318,7 @@ async def test_client_disconnect_mid_stream_aborts_the_sequence(serve: Serve) ->
         state = (await client.get("/sim/state")).json()
         return state["finished"]["abort"] == 1 and state["running"] == 0
 
-    await wait_until(aborted)
+    await eventually(aborted)
     assert (await client.get("/sim/state")).json()["kv_blocks"]["used"] == 0
 
 

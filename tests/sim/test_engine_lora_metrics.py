@@ -8,7 +8,8 @@ import time
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from sim_helpers import Serve, wait_until
+from sim_helpers import Serve
+from timing import eventually
 
 from llmgw.core.engine_metrics import parse_engine_metrics
 from llmgw.services.sim.apps import create_engine_app
@@ -57,9 +58,9 @@ async def test_lora_info_names_the_adapters_of_running_and_waiting_requests(serv
 
     tasks = [asyncio.create_task(hold(client, "sql-lora"))]
     try:
-        await wait_until(lambda: state_is(1, 0))
+        await eventually(lambda: state_is(1, 0))
         tasks += [asyncio.create_task(hold(client, name)) for name in ("chat-lora", MODEL)]
-        await wait_until(lambda: state_is(1, 2))
+        await eventually(lambda: state_is(1, 2))
         before = time.time()
         text = (await client.get("/metrics")).text
         after = time.time()
@@ -76,7 +77,7 @@ async def test_lora_info_names_the_adapters_of_running_and_waiting_requests(serv
     }
     assert before <= value <= after  # the Unix time it was set
 
-    await wait_until(lambda: state_is(0, 0))  # the clients left: their requests were aborted
+    await eventually(lambda: state_is(0, 0))  # the clients left: their requests were aborted
     series = lora_series((await client.get("/metrics")).text)
     assert series[0][0] == {
         "max_lora": "2",

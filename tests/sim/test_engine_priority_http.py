@@ -6,7 +6,8 @@ import asyncio
 import time
 
 import pytest
-from sim_helpers import Serve, metric, wait_until
+from sim_helpers import Serve, metric
+from timing import eventually
 
 from llmgw.services.sim.apps import create_engine_app, create_provider_app
 from llmgw.services.sim.params import EngineParams, ProviderParams
@@ -108,11 +109,11 @@ async def test_priority_policy_serves_the_urgent_request_first_and_counts_no_pre
         return (state["running"], state["waiting"]) == (running, waiting)
 
     tasks = [asyncio.create_task(send("busy", 0, 8))]
-    await wait_until(lambda: state_is(1, 0))
+    await eventually(lambda: state_is(1, 0))
     tasks.append(asyncio.create_task(send("batch", 10, 3)))
-    await wait_until(lambda: state_is(1, 1))
+    await eventually(lambda: state_is(1, 1))
     tasks.append(asyncio.create_task(send("urgent", -5, 3)))
-    await wait_until(lambda: state_is(1, 2))
+    await eventually(lambda: state_is(1, 2))
     text = (await client.get("/metrics")).text
     assert metric(text, "vllm:num_requests_waiting", model_name=MODEL) == 2
     await asyncio.gather(*tasks)

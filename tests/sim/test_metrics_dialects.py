@@ -7,7 +7,8 @@ import argparse
 import asyncio
 
 import pytest
-from sim_helpers import Serve, wait_until
+from sim_helpers import Serve
+from timing import eventually
 
 from llmgw.cli import build_parser
 from llmgw.core.engine_capacity import CAPACITY_PATHS, parse_capacity
@@ -66,7 +67,7 @@ async def test_each_dialect_shows_the_real_batch_and_queue(serve: Serve, dialect
             state = (await client.get("/sim/state")).json()
             return (state["running"], state["waiting"]) == (2, 1)
 
-        await wait_until(queued)
+        await eventually(queued)
         _, busy = await read()
         state = (await client.get("/sim/state")).json()
         assert busy is not None and (busy.running, busy.waiting) == (
@@ -86,7 +87,7 @@ async def test_each_dialect_shows_the_real_batch_and_queue(serve: Serve, dialect
         sample = (await read())[1]
         return sample is not None and (sample.running, sample.waiting) == (0, 0)
 
-    await wait_until(drained)
+    await eventually(drained)
 
 
 def test_the_dialect_comes_from_the_flag_the_set_or_the_simulate_block() -> None:

@@ -6,7 +6,8 @@ import asyncio
 import time
 
 import pytest
-from sim_helpers import Serve, content_of, read_sse, wait_until
+from sim_helpers import Serve, content_of, read_sse
+from timing import eventually
 
 from llmgw.services.sim.apps import create_provider_app
 from llmgw.services.sim.params import ProviderParams
@@ -134,7 +135,7 @@ async def test_max_concurrent_limit_answers_429_while_a_request_is_in_flight(ser
     async def in_flight() -> bool:
         return (await client.get("/sim/state")).json()["in_flight"] == 1
 
-    await wait_until(in_flight)
+    await eventually(in_flight)
     second = await client.post("/v1/completions", json=request)
     assert second.status_code == 429
     assert "retry-after" in second.headers
