@@ -12,8 +12,9 @@ from typing import Any
 
 import httpx
 import nats
-from fleet_helpers import add_following_admission, engines_values, eventually, stop_fleet_cluster
+from fleet_helpers import add_following_admission, engines_values, stop_fleet_cluster
 from inproc import Cluster, InFlight
+from timing import eventually
 
 from llmgw.config import config_from_dict, limits_from_config
 from llmgw.core.fleet import EndpointState
@@ -80,7 +81,13 @@ async def test_a_drained_replicas_sessions_move_and_its_leases_end_exactly_once(
 
         sessions = [f"s{n}" for n in range(6)]  # within P = 8 pins
         chats = [asyncio.create_task(chat(s)) for s in sessions]
-        await asyncio.sleep(1.5)
+
+        def homed() -> bool:  # every session answered on our provider: it has a home
+            return {s for _, s, status, _, p in answers if status == 200 and p == "iris"} == set(
+                sessions
+            )
+
+        await eventually(homed, 10, "every session at home on an engine")
         homes = {s: e for _, s, status, e, p in answers if status == 200 and p == "iris"}
         moving = {s for s, e in homes.items() if e == "engine-2"}
         assert moving, f"no session lives on engine-2: {homes}"

@@ -14,12 +14,13 @@ from typing import Any
 import httpx
 import pytest_asyncio
 import yaml
-from fleet_helpers import LOCAL_CONFIG, Leases, eventually, local_config
+from fleet_helpers import LOCAL_CONFIG, Leases, local_config
 from nats.aio.client import Client as NatsClient
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from timing import eventually
 
 from llmgw.config import Config, config_from_dict
 from llmgw.config.fleet import KubernetesDiscovery, fleet_bucket
@@ -159,15 +160,16 @@ async def test_a_services_ready_engines_join_the_fleet_and_leave_it_drained(
             records.update((await fleet.fleet()).records)
 
         async def until(check, what: str) -> None:  # type: ignore[no-untyped-def]
+            """`check` on the fleet as read afresh (named in the failure)."""
+
             async def poll() -> bool:
                 await refresh()
                 return bool(check())
 
-            for _ in range(300):
-                if await poll():
-                    return
-                await asyncio.sleep(0.02)
-            raise AssertionError(f"not within 6 s: {what}; fleet: {sorted(records)}")
+            try:
+                await eventually(poll, 6.0, what, interval=0.02)
+            except AssertionError as failure:
+                raise AssertionError(f"{failure}; fleet: {sorted(records)}") from None
 
         try:
             await until(lambda: "k8s-vllm-0" in records, "the ready pod joins")
@@ -200,7 +202,9 @@ async def test_a_services_ready_engines_join_the_fleet_and_leave_it_drained(
                 lambda: records["k8s-vllm-0"].state is EndpointState.DRAINING,
                 "a terminating pod drains",
             )
-            await asyncio.sleep(0.3)  # sweeps go by: its lease keeps it
+            swept = watcher.reconciled
+            # Sweeps go by (two whole ones after this point): its lease keeps it.
+            await eventually(lambda: watcher.reconciled >= swept + 3, 5, "two more sweeps")
             await refresh()
             assert "k8s-vllm-0" in records
             leases.held = {}
@@ -280,10 +284,7 @@ async def test_the_reapers_watcher_matches_an_engines_models_against_the_applied
         async def joined() -> bool:
             return "k8s-vllm-0" in (await fleet.fleet()).records
 
-        for _ in range(300):
-            if await joined():
-                break
-            await asyncio.sleep(0.02)
+        await eventually(joined, 6.0, "the pod joins", interval=0.02)
         record, _ = await fleet.get("k8s-vllm-0")
         assert record.endpoint.models == ["llama-3.3-70b", "sql-assistant"]
         assert record.endpoint.upstream_model == {

@@ -6,12 +6,12 @@ checker finds no grant above the limit in force when it was made."""
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from typing import Any
 
 from fleet_helpers import LoadRun, engines_values
 from inproc import InFlight
+from timing import eventually
 
 from llmgw.config import limits_from_config
 from llmgw.services.sim.apps import create_engine_app
@@ -40,7 +40,11 @@ async def test_halving_a_limit_under_load_never_starts_a_request_above_the_new_l
     config, audit = run.config, run.audit
     try:
         await run.start()
-        await asyncio.sleep(2.0)
+        await eventually(  # the load runs past the new limit under the old one
+            lambda: max((count for _, count in ours["starts"]), default=0) > NEW,
+            10,
+            f"more than {NEW} requests running at our engines",
+        )
         before = max(count for _, count in ours["starts"])
         assert NEW < before <= OLD  # more than the new limit ran under the old one
         values["providers"][0]["models"][0]["limits"]["max_global_in_flight_request_slots"] = NEW

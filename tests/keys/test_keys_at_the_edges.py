@@ -8,6 +8,7 @@ import time
 import httpx
 import nats
 import pytest
+from timing import eventually
 
 from llmgw.core.apikeys import RateWindow
 from llmgw.state.checker import check_audit
@@ -127,10 +128,9 @@ async def test_revocation_reaches_every_edge_within_a_second_and_spares_running_
             for url in keyed.edges
             for _ in range(3)
         ]
-        deadline = time.monotonic() + 10
-        while keyed.in_flight["now"] < len(running):  # all six are at the engines
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.01)
+        await eventually(
+            lambda: keyed.in_flight["now"] >= len(running), 10, "all six at the engines"
+        )
         await keyed.keys("revoke", created["id"])
         revoked_at = time.monotonic()
         pending = set(keyed.edges)
@@ -161,6 +161,11 @@ async def test_expired_and_disabled_keys_are_refused(keyed) -> None:
             assert time.monotonic() < deadline
 
 
+def counted(keyed, key_id: str) -> list[int]:  # type: ignore[no-untyped-def]
+    """The requests of `key_id` in this window as each edge counts them (its own and heard)."""
+    return [e.deps.auth.limiter.used(key_id, time.time())[0] for e in keyed.cluster.edges]
+
+
 async def test_rpm_holds_across_both_edges(keyed) -> None:
     created = await keyed.keys("create", "--tenant", "team-a", "--rpm", "10")
     window = RateWindow()
@@ -178,7 +183,12 @@ async def test_rpm_holds_across_both_edges(keyed) -> None:
             if response.status_code == 429:
                 assert response.json()["error"]["code"] == "rate_limit_exceeded"
                 assert int(response.headers["retry-after"]) >= 1
-            await asyncio.sleep(0.12)  # longer than auth.usage_interval: the edges have heard
+            # Until both edges have heard of every request let in (auth.usage_interval apart).
+            let_in = statuses.count(200)
+            await eventually(
+                lambda n=let_in: counted(keyed, created["id"]) == [n, n],
+                what="the key's requests counted at both edges",
+            )
     assert statuses == [200] * 10 + [429] * 10
 
 
