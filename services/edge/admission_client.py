@@ -41,12 +41,11 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import time
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from llmgw.clock import SYSTEM, Clock, TimeSource, monotonic_of
+from llmgw.clock import SYSTEM, Clock
 from llmgw.contracts import AdmissionUnavailable
 from llmgw.core.outcomes import Outcome, Refusal
 from llmgw.tasks import cancel_and_wait
@@ -129,7 +128,7 @@ class NatsAdmission:
         *,
         request_timeout: float,
         queue_ttl: float,
-        monotonic: Clock | TimeSource = SYSTEM,
+        clock: Clock = SYSTEM,
     ) -> None:
         self._nc = nc
         self.request_timeout = request_timeout
@@ -137,7 +136,8 @@ class NatsAdmission:
         # An ask without an answer after this long is asked again (the first answer is
         # immediate: the decision, or QUEUED).
         self.reask_after = max(request_timeout / 4, 0.05)
-        self._monotonic = monotonic_of(monotonic)
+        self._monotonic = clock.monotonic  # deadlines, when to ask again
+        self._wall = clock.wall  # the stamp of an end it reports
         self._pending: dict[str, _Pending] = {}
         self._tokens = itertools.count()
         self._prefix = ""
@@ -323,7 +323,7 @@ class NatsAdmission:
             model=request.model,
             provider=lease.provider,
             endpoint=lease.endpoint or "?",
-            ended_at=time.time(),
+            ended_at=self._wall(),
             sent=False,
         )
         with contextlib.suppress(Exception):

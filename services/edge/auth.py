@@ -21,12 +21,11 @@ Errors never repeat the token: a 401 names no part of it.
 from __future__ import annotations
 
 import logging
-import time
 from typing import TYPE_CHECKING, NamedTuple
 
 from starlette.responses import Response
 
-from llmgw.clock import Clock, TimeSource, wall_of
+from llmgw.clock import SYSTEM, Clock, TimeSource, wall_of
 from llmgw.core.apikeys import ApiKey, Denial, authenticate, bearer_token, digest_of
 from llmgw.core.outcomes import Outcome
 from llmgw.services.edge.errors import error_response
@@ -145,7 +144,9 @@ class TokenCountingReporter:
         await self.inner.drain(timeout)
 
 
-async def open_key_auth(nc: NATS, config: Config, edge_id: str) -> KeyAuth | None:
+async def open_key_auth(
+    nc: NATS, config: Config, edge_id: str, *, clock: Clock = SYSTEM
+) -> KeyAuth | None:
     """The edge's key checks, started (its mirror holds every key), or None for mode none."""
     if config.auth.mode != "keys":
         return None
@@ -157,11 +158,11 @@ async def open_key_auth(nc: NATS, config: Config, edge_id: str) -> KeyAuth | Non
             "role (docs/keys.md, NATS permissions) the edge may read it but not create it: seed "
             "the keys first (`llmgw keys seed`, as the keys role)"
         ) from exc
-    mirror = KeyMirror(bucket.kv, time.time)
+    mirror = KeyMirror(bucket.kv, clock)
     await mirror.start()
-    limiter = KeyLimiter(nc, edge_id, interval=config.auth.usage_interval, clock=time.time)
+    limiter = KeyLimiter(nc, edge_id, interval=config.auth.usage_interval, clock=clock)
     await limiter.start()
-    return KeyAuth(mirror, limiter, default_band=config.admission.default_band, clock=time.time)
+    return KeyAuth(mirror, limiter, default_band=config.admission.default_band, clock=clock)
 
 
 async def close_key_auth(auth: KeyAuth) -> None:

@@ -49,9 +49,10 @@ class EdgeDrain:
             self.draining = True
             self.began_at = self._monotonic()
 
-    async def cut(self, leases: LeaseStore[Any], until: float) -> int:
-        """End every request that still holds a lease, until none does or `until` (monotonic)
-        passes; returns how many were cut."""
+    async def cut(self, leases: LeaseStore[Any], within: float) -> int:
+        """End every request that still holds a lease, until none does or `within` seconds (of
+        this drain's clock) have passed; returns how many were cut."""
+        until = self._monotonic() + within
         cut: set[str] = set()
         while leases.held:
             for lease_id, hold in list(leases.held.items()):

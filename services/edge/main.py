@@ -11,11 +11,11 @@ import argparse
 import asyncio
 import logging
 import sys
-import time
 import uuid
 from typing import TYPE_CHECKING
 
 from llmgw import natsconn
+from llmgw.clock import SYSTEM, Clock
 from llmgw.config import parse_hostport
 from llmgw.config.credentials import CredentialsError, provider_keys
 from llmgw.config.fleet import fleet_bucket
@@ -173,27 +173,35 @@ async def drain(deps: EdgeDeps, api: RunningServer, delay: float, timeout: float
     stopping = asyncio.ensure_future(api.stop(timeout=timeout + _CUT_GRACE))
     done, _ = await asyncio.wait({stopping}, timeout=timeout)
     if not done:
-        cut = await deps.drain.cut(deps.leases, until=time.monotonic() + _CUT_GRACE)
+        cut = await deps.drain.cut(deps.leases, within=_CUT_GRACE)
         log.warning("drain deadline (%.1fs) passed: ended %d running requests", timeout, cut)
     await stopping
 
 
 async def open_edge_deps(
-    nc: NATS, config: Config, edge_id: str, *, colocated: AdmissionService | None = None
+    nc: NATS,
+    config: Config,
+    edge_id: str,
+    *,
+    colocated: AdmissionService | None = None,
+    clock: Clock = SYSTEM,
 ) -> EdgeDeps:
     """The edge's ports over one NATS connection, started. With `admission.on_nats_outage:
     local` the admission client decides alone while NATS is unreachable (`OutageAdmission`);
     with a `colocated` admission instance it decides its shards' requests in this process
-    (`ColocatedAdmission`)."""
+    (`ColocatedAdmission`). Every part reads time from `clock`."""
     over_nats = NatsAdmission(
-        nc, request_timeout=config.nats.request_timeout, queue_ttl=config.admission.queue_ttl
+        nc,
+        request_timeout=config.nats.request_timeout,
+        queue_ttl=config.admission.queue_ttl,
+        clock=clock,
     )
     budget = LocalBudget() if config.admission.on_nats_outage == "local" else None
     admission: AdmissionClient = over_nats
     followers: list[ConfigFollower] = [over_nats.follow]
     if budget is not None:
         outage = OutageAdmission(
-            over_nats, config, edge_id, budget, is_connected=lambda: nc.is_connected
+            over_nats, config, edge_id, budget, is_connected=lambda: nc.is_connected, clock=clock
         )
         admission = outage
         followers.append(outage.follow)
@@ -207,22 +215,26 @@ async def open_edge_deps(
         lease_timeout=config.pinning.lease_timeout,
         request_timeout=config.nats.request_timeout,
         local_budget=budget,
+        monotonic=clock,
     )
     await leases.start()
-    auth = await open_key_auth(nc, config, edge_id)
+    auth = await open_key_auth(nc, config, edge_id, clock=clock)
     reporter: RequestReporter = NatsReporter(
         nc,
         local=colocated.ended_here if colocated is not None else None,
         scope=fleet_bucket(config),
+        clock=clock,
     )
     metrics = EdgeMetrics(
         tenant_label=config.metrics.tenant_label, max_tenants=config.metrics.max_tenants
     )
     if auth is not None:
         reporter = TokenCountingReporter(reporter, auth)
-    spend = SpendBook(nc, edge_id, config, metrics.spend)
+    spend = SpendBook(nc, edge_id, config, metrics.spend, clock=clock)
     await spend.start()
-    budgets = BudgetGuard(nc, edge_id, config, metrics=metrics.spend, scale=spend.scaled_input)
+    budgets = BudgetGuard(
+        nc, edge_id, config, metrics=metrics.spend, scale=spend.scaled_input, clock=clock
+    )
     await budgets.start()
     followers += [spend.follow, budgets.follow]
     return EdgeDeps(
@@ -232,12 +244,12 @@ async def open_edge_deps(
         admission=admission,
         leases=leases,
         reporter=reporter,
-        upstream=new_pool(config.timeouts),
+        upstream=new_pool(config.timeouts, clock),
         metrics=metrics,
         edge_id=edge_id,
         tracing=open_tracing("edge", config.tracing),
         auth=auth,
-        responses=await open_response_store(nc, config),
+        responses=await open_response_store(nc, config, clock),
     )
 
 

@@ -21,6 +21,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Protocol
 
+from llmgw.clock import SYSTEM, Clock
 from llmgw.core.outcomes import Outcome
 from llmgw.core.sse import StartKind, stream_start
 from llmgw.core.usage import Usage
@@ -72,9 +73,9 @@ class UpstreamFailure(Exception):
         self.refused = refused  # no connection could be made: nothing serves there
 
 
-def new_pool(timeouts: Timeouts) -> UpstreamPool:
+def new_pool(timeouts: Timeouts, clock: Clock = SYSTEM) -> UpstreamPool:
     """The edge's one upstream pool: keep-alive connections, dialled within ``timeouts.dial``."""
-    return UpstreamPool(dial=timeouts.dial, keepalive=30.0)
+    return UpstreamPool(dial=timeouts.dial, keepalive=30.0, clock=clock)
 
 
 async def open_upstream(

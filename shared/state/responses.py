@@ -384,7 +384,9 @@ def _decoded(response_id: str, raw: bytes) -> tuple[StoredResponse, int] | None:
     return (stored, len(raw)) if stored.id == response_id else None
 
 
-async def open_response_store(nc: NATS, config: Config) -> ResponseStore:
+async def open_response_store(
+    nc: NATS, config: Config, clock: Clock | TimeSource = SYSTEM
+) -> ResponseStore:
     """The response bucket (file storage, created on first use with `responses.retention` as its
     max age; an existing bucket keeps its own, with a warning when it differs), answering and
     asking the other edges on `nc`."""
@@ -413,6 +415,7 @@ async def open_response_store(nc: NATS, config: Config) -> ResponseStore:
         cache_bytes=settings.cache_bytes,
         retention=settings.retention,
         wait=config.nats.request_timeout,
+        clock=clock,
     )
     await store.connect(nc)
     return store
