@@ -15,7 +15,6 @@ token, so a prompt estimated at 7000 tokens (asking for 8) fits 8192 by the esti
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,6 +22,7 @@ import httpx
 import nats
 import pytest
 from test_up_context_window import Cluster, cluster, text
+from timing import eventually
 from up_harness import UpProcess
 
 from llmgw.services.fleet.ops import admission_leases
@@ -40,13 +40,14 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     up = UpProcess(config)
     try:
         running = Cluster(up, config)
-        deadline = time.monotonic() + 30
-        while True:  # the scraper's first reports, with each engine's window
-            reported = {e["endpoint"]: e["context_window"] for e in running.state()["endpoints"]}
-            if reported == WINDOWS:
-                break
-            assert time.monotonic() < deadline, reported
-            time.sleep(0.5)
+
+        def reported() -> dict[str, Any]:
+            return {e["endpoint"]: e["context_window"] for e in running.state()["endpoints"]}
+
+        try:  # the scraper's first reports, with each engine's window
+            asyncio.run(eventually(lambda: reported() == WINDOWS, 30, interval=0.5))
+        except AssertionError as failure:
+            raise AssertionError(f"{failure}: {reported()}") from None
         yield running
     finally:
         up.kill_everything()

@@ -15,10 +15,10 @@ is 1.2 times the estimate, and an estimate over a window is truly over it.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import re
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from test_up_operability import READY
+from timing import eventually
 from up_harness import UpProcess, llmgw_cli, write_cluster_config
 
 from llmgw.core.context import BYTES_PER_TOKEN
@@ -117,13 +118,14 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     up = UpProcess(config)
     try:
         running = Cluster(up, config)
-        deadline = time.monotonic() + 30
-        while True:  # the scraper's first reports, with each engine's window
-            reported = {e["endpoint"]: e["context_window"] for e in running.state()["endpoints"]}
-            if reported == WINDOWS:
-                break
-            assert time.monotonic() < deadline, reported
-            time.sleep(0.5)
+
+        def reported() -> dict[str, Any]:
+            return {e["endpoint"]: e["context_window"] for e in running.state()["endpoints"]}
+
+        try:  # the scraper's first reports, with each engine's window
+            asyncio.run(eventually(lambda: reported() == WINDOWS, 30, interval=0.5))
+        except AssertionError as failure:
+            raise AssertionError(f"{failure}: {reported()}") from None
         yield running
     finally:
         up.kill_everything()

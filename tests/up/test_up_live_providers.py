@@ -21,6 +21,7 @@ import nats
 import pytest
 import yaml
 from test_up_operability import NATS, READY
+from timing import eventually
 from up_harness import UpProcess, write_cluster_config
 
 from llmgw.broadcast import ask_instances
@@ -179,10 +180,11 @@ async def _scenario(
             return [line async for line in response.aiter_lines() if line.startswith("data:")]
 
     running = asyncio.create_task(stream())
-    for _ in range(200):
-        if (await _leases(nc)).get("vela-1"):
-            break
-        await asyncio.sleep(0.01)
+
+    async def held_on_vela() -> bool:
+        return bool((await _leases(nc)).get("vela-1"))
+
+    await eventually(held_on_vela, 5, "the stream's lease on vela-1")
     assert (await _leases(nc)).get("vela-1") == 1
 
     original = config_from_dict(data, env={})
@@ -197,9 +199,11 @@ async def _scenario(
     lines = await running
     assert lines[-1] == "data: [DONE]", lines[-3:]
     assert any(json.loads(x[5:]).get("choices") for x in lines[:-1])
-    for _ in range(200):  # its lease ends with the request (the edge's end message)
-        if not await _leases(nc):
-            break
-        await asyncio.sleep(0.01)
+
+    async def none_held() -> bool:
+        return not await _leases(nc)
+
+    # Its lease ends with the request (the edge's end message).
+    await eventually(none_held, 5, "no lease left")
     assert await _leases(nc) == {}
     return {"ack": acknowledged, "served": first_answer}

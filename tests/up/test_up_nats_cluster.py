@@ -8,7 +8,6 @@ import os
 import re
 import signal
 import socket
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import httpx
 import nats
 import pytest
 import yaml
+from timing import eventually
 from up_harness import LOCAL_CONFIG, UpProcess, process_exists
 
 from llmgw.config import config_from_dict, load_config
@@ -148,10 +148,10 @@ def _chat(api: str, key: str) -> httpx.Response:
 
 
 def _eventually_200(api: str, key: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while (status := _chat(api, key).status_code) != 200:
-        assert time.monotonic() < deadline, f"still {status} after {timeout:g}s"
-        time.sleep(0.2)  # pacing between probes of a remote condition, not a synchronisation
+    def answered() -> bool:
+        return _chat(api, key).status_code == 200
+
+    asyncio.run(eventually(answered, timeout, "a 200 answer", interval=0.2))
 
 
 @pytest.mark.e2e

@@ -16,6 +16,7 @@ import httpx
 import pytest
 import yaml
 from test_up_operability import NATS, READY
+from timing import eventually
 from up_harness import REPO, UpProcess, llmgw_cli, write_cluster_config
 
 from llmgw.serving import free_port
@@ -148,17 +149,22 @@ def test_engines_kv_events_show_a_prompt_cached_by_traffic_the_gateway_never_saw
 
 async def _until_held(nats_url: str, config: Path, engines: set[str]) -> None:
     """Until `llmgw state` shows blocks held (by KV cache events) on every engine."""
-    deadline = asyncio.get_running_loop().time() + 30
-    while True:
+    output = ""
+
+    async def held_everywhere() -> bool:
+        nonlocal output
         state = await asyncio.to_thread(
             llmgw_cli, config, "state", "--json", env={"LLMGW_NATS__URL": nats_url}
         )
+        output = state.stdout
         held = {
             e["endpoint"]
             for e in json.loads(state.stdout or "{}").get("prefixes", [])
             if e["held_blocks"] > 0
         }
-        if held >= engines:
-            return
-        assert asyncio.get_running_loop().time() < deadline, state.stdout[-2000:]
-        await asyncio.sleep(0.5)
+        return held >= engines
+
+    try:
+        await eventually(held_everywhere, 30, "blocks held on every engine", interval=0.5)
+    except AssertionError as failure:
+        raise AssertionError(f"{failure}: {output[-2000:]}") from None
