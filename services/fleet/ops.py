@@ -163,10 +163,17 @@ class FleetOps:
         self._wall = wall_of(wall)
 
     @classmethod
-    def on(cls, nc: NATS, bucket: FleetBucket, config: Config | Callable[[], Config]) -> FleetOps:
+    def on(
+        cls,
+        nc: NATS,
+        bucket: FleetBucket,
+        config: Config | Callable[[], Config],
+        *,
+        clock: Clock = SYSTEM,
+    ) -> FleetOps:
         """Checked changes over the connection `nc`: the leases on an endpoint are those the
         admission instances answering on it hold (`admission_leases`)."""
-        return cls(bucket, config, lambda: admission_leases(nc))
+        return cls(bucket, config, lambda: admission_leases(nc), clock=clock, wall=clock)
 
     @property
     def config(self) -> Config:

@@ -129,7 +129,10 @@ async def serve(
             ready.set()
         # Self-registered endpoints that went silent: drained, then removed.
         janitor = HeartbeatJanitor(
-            await open_fleet(nc, config), lambda: admission_leases(nc), interval=reaper.interval
+            await open_fleet(nc, config, clock),
+            lambda: admission_leases(nc),
+            interval=reaper.interval,
+            clock=clock,
         )
         loops = [reaper.run(stop), janitor.run(stop)]
         if config.fleet.models_refresh is not None:  # engines' model lists, read again
@@ -154,7 +157,7 @@ async def serve(
             # config's models and aliases too), followed as admission follows it.
             mirror = FleetMirror(janitor.bucket)
             await mirror.start()
-            ops = FleetOps.on(nc, janitor.bucket, FollowedConfig(config, mirror))
+            ops = FleetOps.on(nc, janitor.bucket, FollowedConfig(config, mirror), clock=clock)
             watcher = SliceWatcher(ops, discovery, client, lambda: admission_leases(nc))
             loops.append(watcher.run(stop))
         try:

@@ -66,9 +66,9 @@ class EndpointExists(ValueError):
     """An endpoint with that id is already in the fleet (add refuses to replace it)."""
 
 
-async def open_fleet(nc: NATS, config: Config) -> FleetBucket:
+async def open_fleet(nc: NATS, config: Config, clock: Clock | TimeSource = SYSTEM) -> FleetBucket:
     """The fleet bucket (file storage: the fleet outlives a server restart), created on first
-    use."""
+    use; `clock` stamps its records."""
     name = fleet_bucket(config)
     kv = await open_routing_bucket(
         nc.jetstream(),
@@ -77,7 +77,7 @@ async def open_fleet(nc: NATS, config: Config) -> FleetBucket:
         replicas=config.replicas_of(name),
         history=1,
     )
-    return FleetBucket(kv)
+    return FleetBucket(kv, clock)
 
 
 async def read_live_config(nc: NATS, config: Config) -> Config:
