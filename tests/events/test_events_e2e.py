@@ -12,12 +12,12 @@ left), and idle pins expire meanwhile."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import re
 import signal
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -27,6 +27,7 @@ from event_doc import example_replay, example_subscriber
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "up"))
 from test_up_operability import NATS, READY
+from timing import eventually
 from up_harness import UpProcess, WatchedProcess, write_cluster_config
 
 from llmgw.core.requests import Feature
@@ -83,15 +84,17 @@ def _faults(urls: dict[str, str], **knobs: object) -> None:
 def _served_by(http: httpx.Client, api: str, session: str, provider: str) -> None:
     """Send the session's requests until `provider` serves one (the admission instances follow
     the scraper's reports a moment after the subscriber sees them)."""
-    deadline = time.monotonic() + 15
-    served = []
-    while time.monotonic() < deadline:
+    served: list[tuple[int, str | None]] = []
+
+    def served_there() -> bool:
         response = _chat(http, api, session)
         served.append((response.status_code, response.headers.get("x-llmgw-provider")))
-        if served[-1] == (200, provider):
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"{session} never served by {provider}: {served}")
+        return served[-1] == (200, provider)
+
+    try:
+        asyncio.run(eventually(served_there, 15, interval=0.1))
+    except AssertionError as failure:
+        raise AssertionError(f"{failure}: {session} served by {served}") from None
 
 
 def _chat(http: httpx.Client, api: str, session: str) -> httpx.Response:

@@ -102,7 +102,7 @@ async def test_a_drained_replicas_sessions_move_and_its_leases_end_exactly_once(
             "every instance runs on the drained fleet",
         )
         drained = time.time()
-        await asyncio.sleep(1.5)
+        await asyncio.sleep(1.5)  # the conversations go on on the drained fleet
         stop.set()
         await asyncio.gather(*chats)
         for admission in cluster.live_admissions():

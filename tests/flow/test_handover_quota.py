@@ -97,7 +97,7 @@ async def test_a_slow_receiver_never_lets_the_giver_spend_the_shards_quota_twice
         await rig.ask(session=next(fresh))
         if joined.done() and moved in joined.result().service.shards.serving:
             break
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)  # pacing: a new session every 50 ms while the shard moves
     receiver = (await joined).service
     await eventually(lambda: moved in receiver.shards.serving, timeout=15, what="the moved shard")
     for _ in range(10):  # and a few more once the move is done

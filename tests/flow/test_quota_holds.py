@@ -104,7 +104,7 @@ async def test_an_overflow_band_waits_limit_grace_for_a_lease_to_end_then_runs_e
         leases = await fill_unreserved(rig)
         started = time.monotonic()
         waiting = asyncio.ensure_future(rig.ask(band="gold", session="chat-2"))
-        await asyncio.sleep(0.15)
+        await asyncio.sleep(0.15)  # well inside limit_grace (0.5 s): it must still wait
         assert not waiting.done()
         await rig.end(service, leases[0])
         reply = await asyncio.wait_for(waiting, 5)

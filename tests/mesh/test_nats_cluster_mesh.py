@@ -157,7 +157,7 @@ async def test_losing_the_routing_stream_leader_fails_only_requests_in_flight_on
         timeout = aiohttp.ClientTimeout(total=20)
         async with aiohttp.ClientSession(timeout=timeout) as http:
             load = asyncio.create_task(_load(mesh, http, 24, stop, done))
-            await asyncio.sleep(3)
+            await asyncio.sleep(3)  # the load runs on the whole cluster before the kill
             owners = {s: a.instance for a in mesh.admissions for s in a.shards.serving}
             killing = time.monotonic()
             await asyncio.to_thread(r3.kill, leader)
@@ -179,7 +179,7 @@ async def test_losing_the_routing_stream_leader_fails_only_requests_in_flight_on
                 new_leader = await asyncio.to_thread(r3.stream_leader, stream)
             rejoin = time.monotonic()
             await r3.arestart(leader)
-            await asyncio.sleep(2)
+            await asyncio.sleep(2)  # and on after the node's restart
             stop.set()
             await load
         await mesh.drain_edges()

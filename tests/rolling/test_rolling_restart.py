@@ -76,7 +76,7 @@ async def test_every_service_kind_restarts_in_turn_under_load_with_no_failed_req
         await eventually(lambda: _edges_ready(gateway, 2), timeout=10, interval=0.1)
         load = asyncio.create_task(steady_load(balancer, http, SESSIONS, stop, results))
         watch = asyncio.create_task(watch_limits(nats_client, limits, stop, samples, breaches))
-        await asyncio.sleep(2)
+        await asyncio.sleep(2)  # the load runs before the first restart
         progress = [sum(results.ok.values())]
 
         for index in range(2):  # edges: the replacement first, then the old one drains
@@ -95,7 +95,7 @@ async def test_every_service_kind_restarts_in_turn_under_load_with_no_failed_req
             codes[kind] = await gateway.sigterm(gateway.services[kind][0])
             await gateway.started(kind)
             progress.append(sum(results.ok.values()))
-        await asyncio.sleep(2)
+        await asyncio.sleep(2)  # and after the last
         stop.set()
         await asyncio.gather(load, watch)
         await balancer.stop()

@@ -7,7 +7,7 @@ spend` prices exactly those tokens at `cached_input`."""
 
 from __future__ import annotations
 
-import time
+import asyncio
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,6 +15,7 @@ import pytest
 from anthropic import Anthropic
 from openai import OpenAI
 from spend_cluster import SpendCluster, start_cluster
+from timing import eventually
 
 pytestmark = pytest.mark.e2e
 
@@ -49,8 +50,10 @@ def engines_bill(cluster: SpendCluster) -> dict[str, int]:
 def spend_row(cluster: SpendCluster, tenant: str, requests: int) -> dict[str, Any]:
     """`llmgw spend`'s row of `tenant` on iris and MODEL once it counts `requests` (the edge
     publishes its totals every spend.interval)."""
-    deadline = time.monotonic() + 30
-    while True:
+    report: dict[str, Any] = {}
+
+    def counted() -> dict[str, Any] | None:
+        nonlocal report
         report = cluster.cli("spend", "--period", "total", "--by", "tenant,provider,model")
         rows = [
             r
@@ -58,10 +61,12 @@ def spend_row(cluster: SpendCluster, tenant: str, requests: int) -> dict[str, An
             for r in p["rows"]
             if (r["tenant"], r["provider"], r["model"]) == (tenant, "iris", MODEL)
         ]
-        if rows and rows[0]["requests"] >= requests:
-            return rows[0]
-        assert time.monotonic() < deadline, report
-        time.sleep(0.5)
+        return rows[0] if rows and rows[0]["requests"] >= requests else None
+
+    try:
+        return asyncio.run(eventually(counted, 30, interval=0.5))
+    except AssertionError as failure:
+        raise AssertionError(f"{failure}: {report}") from None
 
 
 def check(cluster: SpendCluster, tenant: str, before: dict[str, int], counted: list[Counts]):

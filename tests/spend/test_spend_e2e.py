@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 from spend_cluster import SpendCluster, start_cluster
+from timing import eventually
 
 pytestmark = pytest.mark.e2e
 
@@ -85,12 +86,12 @@ async def _traffic(api: str, key: str) -> list[dict[str, Any]]:
 
 def _wait_for_third_party(cluster: SpendCluster, key: str) -> None:
     """Until the engines are reported unhealthy and requests go to the third party."""
-    for _ in range(60):
+
+    def third_party() -> bool:
         response = cluster.chat(key, messages=[{"role": "user", "content": "ping"}], max_tokens=1)
-        if response.headers.get("x-llmgw-provider") == "tensorx":
-            return
-        asyncio.run(asyncio.sleep(0.5))
-    raise AssertionError("requests never went to the third party")
+        return response.headers.get("x-llmgw-provider") == "tensorx"
+
+    asyncio.run(eventually(third_party, 60, "requests going to the third party", interval=0.5))
 
 
 def test_spend_equals_the_third_partys_own_count_to_the_cent_under_retries_and_cut_streams(
@@ -122,15 +123,18 @@ def test_spend_equals_the_third_partys_own_count_to_the_cent_under_retries_and_c
     assert bill["requests"] >= REQUESTS * 0.4, bill
     truth = cluster.third_party_cost([MODEL])
     # The edges publish their totals every spend.interval (1 s); admission writes them down.
-    reported = None
-    for _ in range(40):
+    report: dict[str, Any] = {}
+
+    def written_down() -> dict[str, Any] | None:
+        nonlocal report
         report = cluster.cli("spend", "--period", "total", "--by", "provider,model")
         rows = [r for p in report["periods"] for r in p["rows"] if r["model"] == MODEL]
-        if rows and rows[0]["requests"] >= bill["requests"]:
-            reported = rows[0]
-            break
-        asyncio.run(asyncio.sleep(0.5))
-    assert reported is not None, report
+        return rows[0] if rows and rows[0]["requests"] >= bill["requests"] else None
+
+    try:
+        reported = asyncio.run(eventually(written_down, 60, interval=0.5))
+    except AssertionError as failure:
+        raise AssertionError(f"{failure}: {report}") from None
     print(f"third party's bill: {bill}, cost {truth}; llmgw spend: {reported}")
     spent = Decimal(reported["picos"]) / 10**12
     # Each attempt that delivered output is counted once: retries (500, 429, a stream dead

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -19,6 +18,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from test_up_operability import READY
+from timing import eventually
 from up_harness import UpProcess, write_cluster_config
 
 pytestmark = pytest.mark.e2e
@@ -102,14 +102,17 @@ def test_short_requests_past_the_scraped_running_count_never_wait_or_overflow(
     try:
         up = start_up(config)
         api, key = up.wait_for(READY, timeout=90).groups()
-        deadline = time.monotonic() + 30
-        while True:  # until admission holds a scrape of both engines (not stale)
+        ages: dict[tuple[tuple[str, str], ...], float] = {}
+
+        def scraped() -> bool:  # admission holds a scrape of both engines (not stale)
+            nonlocal ages
             ages = by_name(admission_metrics(admin), "llmgw_admission_scrape_age_seconds")
-            fresh = {dict(k)["endpoint"] for k, v in ages.items() if v < 5}
-            if set(ENGINES) <= fresh:
-                break
-            assert time.monotonic() < deadline, f"no scrape of the engines: {ages}"
-            time.sleep(0.2)
+            return set(ENGINES) <= {dict(k)["endpoint"] for k, v in ages.items() if v < 5}
+
+        try:
+            asyncio.run(eventually(scraped, 30, interval=0.2))
+        except AssertionError as failure:
+            raise AssertionError(f"{failure}: no scrape of the engines: {ages}") from None
 
         statuses = asyncio.run(short_requests(api, key))
         assert statuses == [200] * REQUESTS

@@ -22,6 +22,7 @@ import yaml
 from poisson_load import PoissonLoad, Sent
 from prometheus_client.parser import text_string_to_metric_families
 from test_up_operability import NATS, READY
+from timing import eventually
 from up_harness import REPO, UpProcess, config_apply, llmgw_cli, write_cluster_config
 
 from llmgw.config import load_config
@@ -102,10 +103,10 @@ WARM_ANSWERS = 2 * 2 * SLOTS_PER_ENGINE
 
 async def _warmed(records: list[Sent], timeout: float = 60.0) -> None:
     """Until the load has had `WARM_ANSWERS` requests answered (however long this host takes)."""
-    deadline = time.monotonic() + timeout
-    while len(records) < WARM_ANSWERS:
-        assert time.monotonic() < deadline, f"{len(records)} requests answered in {timeout:g}s"
-        await asyncio.sleep(0.05)
+    try:
+        await eventually(lambda: len(records) >= WARM_ANSWERS, timeout, interval=0.05)
+    except AssertionError:
+        raise AssertionError(f"{len(records)} requests answered in {timeout:g}s") from None
 
 
 def _errors(records: list[Sent]) -> list[Sent]:
@@ -134,7 +135,7 @@ def test_an_engine_added_under_load_serves_within_2s_and_no_client_sees_an_error
         async with httpx.AsyncClient(timeout=10, headers=up.admin_headers()) as client:
             added = await client.post(f"http://{admin}/admin/endpoints", json=body)
         assert added.status_code == 201, added.text
-        await asyncio.sleep(8)
+        await asyncio.sleep(8)  # the load runs on through the change
         return await load.stop(), issued
 
     records, issued = asyncio.run(scenario())
@@ -179,7 +180,7 @@ def test_an_engine_drained_under_load_finishes_its_requests_and_is_removed_with_
         acknowledged = time.monotonic()
         assert drained.status_code == 200, drained.text
         assert drained.json()["state"] == "draining"
-        await asyncio.sleep(6)
+        await asyncio.sleep(6)  # the load runs on through the drain
         records = await load.stop()
         removed = await asyncio.to_thread(
             _cli, config, nats_url, "endpoints", "remove", "engine-3", "--wait", "30"
@@ -268,7 +269,7 @@ def test_halving_a_limit_on_sighup_under_load_keeps_the_engines_within_the_new_l
         applied = await asyncio.to_thread(up.wait_for, r"SIGHUP: applied .*; (\d+) of (\d+)", 20)
         acknowledged = time.monotonic()
         assert applied.group(1) == applied.group(2) != "0", applied.group(0)
-        await asyncio.sleep(6)
+        await asyncio.sleep(6)  # the load runs on under the new limit
         stop.set()
         await asyncio.gather(*workers, sampler)
         await load.stop()
@@ -455,9 +456,16 @@ async def _model_left(
     nc = await nats.connect(nats_url)
     try:
         bucket = await open_fleet(nc, load_config(config, env={"LLMGW_NATS__URL": nats_url}))
-        while model in (await bucket.get(endpoint))[0].endpoint.models:
-            assert time.monotonic() - since < limit, f"{endpoint} still lists {model}"
-            await asyncio.sleep(0.005)
+
+        async def left() -> bool:
+            return model not in (await bucket.get(endpoint))[0].endpoint.models
+
+        await eventually(
+            left,
+            limit - (time.monotonic() - since),
+            f"{endpoint} no longer lists {model}",
+            interval=0.005,
+        )
         return time.monotonic() - since
     finally:
         await nc.close()
