@@ -189,7 +189,7 @@ async def open_edge_deps(
     """The edge's ports over one NATS connection, started. With `admission.on_nats_outage:
     local` the admission client decides alone while NATS is unreachable (`OutageAdmission`);
     with a `colocated` admission instance it decides its shards' requests in this process
-    (`ColocatedAdmission`). Every part reads time from `clock`."""
+    (`ColocatedAdmission`). The parts built here read time from `clock`."""
     over_nats = NatsAdmission(
         nc,
         request_timeout=config.nats.request_timeout,
