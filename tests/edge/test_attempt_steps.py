@@ -19,7 +19,7 @@ import httpx
 import pytest
 from fakes import FakeAdmission, FakeLeases, Queued, RecordingReporter, target
 from inproc import HeaderRecorder
-from test_usage_path import until
+from timing import eventually
 
 from llmgw.config import config_from_dict
 from llmgw.config.sections import Timeouts
@@ -507,7 +507,7 @@ async def test_an_attempt_is_sent_on_the_config_current_once_it_is_admitted(
     try:
         async with httpx.AsyncClient(timeout=10) as http:
             asking = asyncio.create_task(http.post(server.url + "/v1/chat/completions", json=CHAT))
-            await until(lambda: admission.asked)  # queued
+            await eventually(lambda: admission.asked)  # queued
             key.write_text("key-after\n")
             app.edge.follow_config(config_from_dict(data, source="<test>", env={}))
             queued.release.set()

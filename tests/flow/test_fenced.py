@@ -150,8 +150,8 @@ async def test_a_pin_write_a_lost_instance_queued_does_not_land_after_it_dropped
         assert admitted(first) and first.owner == fenced.instance, first
         model = first.served_model
         key = fenced.ledger.pin(model, session).key
-        await until(lambda: not fenced.membership.can_serve(), timeout=5, what="the fence")
-        await until(lambda: shard in owner.shards.serving, timeout=10, what="the claim")
+        await eventually(lambda: not fenced.membership.can_serve(), timeout=5, what="the fence")
+        await eventually(lambda: shard in owner.shards.serving, timeout=10, what="the claim")
         again = await owner.decide(rig.request(band="gold", session=session))
         assert admitted(again) and again.route == "new_pin", again
         ours = owner.ledger.pin(model, session)
@@ -159,7 +159,7 @@ async def test_a_pin_write_a_lost_instance_queued_does_not_land_after_it_dropped
         assert (await owner.pins.store.get_pin(key)).value.pin_id == ours.pin_id
 
         heartbeats.go.set()  # it learns it is lost, and drops the shard
-        await until(lambda: fenced.ledger.pin(model, session) is None, what="the drop")
+        await eventually(lambda: fenced.ledger.pin(model, session) is None, what="the drop")
         writes.go.set()  # its stalled write goes on
         await fenced.pins.drain()
         stored = await owner.pins.store.get_pin(key)

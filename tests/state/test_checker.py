@@ -87,8 +87,8 @@ def test_a_lease_a_fenced_instance_grants_on_a_pin_it_held_is_caught():
     """Its pins leave the count at its fence, so I2c and I3 no longer see a lease on one: a
     grant on such a pin after the fence is a breach of its own. Before the fence it is not,
     and a lease on a pin it adds after the fence counts like any other."""
-    Clock.t = 0.0
-    log = AuditLog(clock=Clock())
+    clock = SteppedClock(0.0, tick=1.0)  # each entry a second after the last
+    log = AuditLog(clock=clock.wall)
     add(log, "g", "s1", "p1")  # t=1
     on_pin = LeaseRecord(
         "before", "a", "m", LeaseKind.PINNED, False, 0, "edge", 0.0, 0.0, "s1", "p1"
