@@ -27,10 +27,10 @@ import asyncio
 import contextlib
 import logging
 import random
-import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from llmgw.clock import SYSTEM, Clock
 from llmgw.config.schema import limits_from_config
 from llmgw.core.breaker import BreakerBoard, BreakerSettings
 from llmgw.core.ledger import LeaseKind, Ledger, LedgerObserver
@@ -98,19 +98,22 @@ class AdmissionService:
         events: EventPublisher | None = None,
         observer: LedgerObserver | None = None,
         rng: random.Random | None = None,
-        clock: Callable[[], float] = time.time,
-        monotonic: Callable[[], float] = time.monotonic,
+        clock: Clock = SYSTEM,
         tracing: Tracing | None = None,
     ) -> None:
+        # One clock for every room: the wall reader stamps what other hosts read (pins, quota
+        # books, events), the monotonic one measures graces, intervals and expiries here.
+        monotonic = clock.monotonic
+        wall = clock.wall
         spans = DecisionSpans(tracing) if tracing is not None else None
         self.nc = nc
         self.store = store
-        self._clock = clock
+        self._clock = wall
         self._rng = rng or random.Random()
         self.health = health or HealthBoard()
         self.load = load or LoadBoard(config, self.health)
         self.metrics = metrics or AdmissionMetrics()
-        self.events = events or EventPublisher(nc, instance, clock=clock)
+        self.events = events or EventPublisher(nc, instance, clock=wall)
         pinning, admission = config.pinning, config.admission
         # ---- the state: ledger, boards, catalog ----
         self.limits = limits_from_config(config)
@@ -120,14 +123,14 @@ class AdmissionService:
             pin_inactivity_timeout=pinning.pin_inactivity_timeout,
             observer=observer,
         )
-        self.rates = rates or RateBoard(config, rng=self._rng, clock=clock)
+        self.rates = rates or RateBoard(config, rng=self._rng, clock=wall)
         self.breakers = BreakerBoard(
             BreakerSettings(
                 failure_threshold=config.router.failure_threshold, cooldown=config.router.cooldown
             ),
             self._rng.random,
         )
-        self.prefixes = PrefixBoard(config, self.load, instance, clock=clock)
+        self.prefixes = PrefixBoard(config, self.load, instance, clock=wall)
         catalog = ProviderCatalog(
             config,
             self.health,
@@ -135,7 +138,7 @@ class AdmissionService:
             self.rates,
             self.breakers,
             self.ledger,
-            clock=clock,
+            clock=wall,
             prefixes=self.prefixes,
         )
         self.current = Current(config, catalog)
@@ -148,7 +151,7 @@ class AdmissionService:
             instance,
             heartbeat=admission.heartbeat,
             ttl=admission.member_ttl,
-            clock=clock,
+            clock=wall,
             monotonic=monotonic,
         )
         self.quotas = QuotaKeeper(
@@ -157,7 +160,7 @@ class AdmissionService:
             self.membership,
             self.limits,
             interval=admission.quota_interval,
-            clock=clock,
+            clock=wall,
         )
         loans = self.quotas.loans
         self.pins = PinWriter(store, self.ledger)
@@ -166,7 +169,7 @@ class AdmissionService:
             nc,
             self.ledger,
             self.metrics,
-            clock=clock,
+            clock=wall,
             remember_for=2 * config.nats.request_timeout,
             spans=spans,
         )
@@ -183,14 +186,14 @@ class AdmissionService:
             membership=self.membership,
             flow_on=admission.enabled,
             rng=self._rng,
-            clock=clock,
+            clock=wall,
         )
         self.waiting = Waiting(
-            self.placer, loans, self.answers, self.metrics, decides=self.decides, clock=clock
+            self.placer, loans, self.answers, self.metrics, decides=self.decides, clock=wall
         )
         self.flow = (
             FlowControl(
-                config, self.load, nc, instance, self.metrics, self.waiting.dispatch, clock=clock
+                config, self.load, nc, instance, self.metrics, self.waiting.dispatch, clock=wall
             )
             if admission.enabled
             else None
@@ -210,7 +213,7 @@ class AdmissionService:
             serves=self.serves,
             decides=self.decides,
             room_freed=self.waiting.room_freed,
-            clock=clock,
+            clock=wall,
             settle=min(2.0, pinning.lease_timeout / 3),
         )
         self.intake = Intake(
@@ -225,7 +228,7 @@ class AdmissionService:
             metrics=self.metrics,
             decides=self.decides,
             spawn=self._spawn,
-            clock=clock,
+            clock=wall,
             spans=spans,
         )
         # ---- between instances: load gossip, loans, shards ----
@@ -237,7 +240,7 @@ class AdmissionService:
             self.membership,
             peer_freed=self._peer_freed,
             spawn=self._spawn,
-            clock=clock,
+            clock=wall,
         )
         self.ledger.on_endpoint_change = self.gossip.endpoint_changed
         # A peer's loan is one request/reply and one CAS: a peer that takes longer is skipped.
@@ -253,7 +256,7 @@ class AdmissionService:
                 quotas=self.quotas,
                 pins=self.pins,
                 events=self.events,
-                clock=clock,
+                clock=wall,
                 settings=admission,
                 intake=self.intake,
                 upkeep=self.upkeep,
