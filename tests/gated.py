@@ -57,9 +57,10 @@ def gated_config(
     g: int,
     admission: dict[str, Any],
     capacity: int | None = None,
+    per_session: int = 2,
     **sections: Any,
 ) -> Config:
-    """One managed pair (iris/m1: G slots, no reserve, S=2, 64 pins) on one engine at
+    """One managed pair (iris/m1: G slots, no reserve, S=`per_session`, 64 pins) on one engine at
     `engine_url`; flow control on as shipped (a scraper finds the engine healthy and without
     load metrics, so admission runs it on its own count). `sections` replace whole sections."""
     endpoint: dict[str, Any] = {
@@ -74,7 +75,7 @@ def gated_config(
         "max_pinned_sessions": 64,
         "max_global_in_flight_request_slots": g,
         "global_in_flight_request_slots_reserved_for_pinned_sessions": 0,
-        "max_per_session_in_flight_request_slots": 2,
+        "max_per_session_in_flight_request_slots": per_session,
     }
     data: dict[str, Any] = {
         "nats": {"url": nats_url, "request_timeout": "3s"},

@@ -150,6 +150,7 @@ def run(args: argparse.Namespace) -> int:
             await drain(deps, api, router.drain_delay, router.drain_timeout)
         finally:
             await asyncio.gather(api.stop(timeout=_CUT_GRACE), admin.stop())
+            app.edge.telemetry.flush()  # the last ends' metrics and access lines
             await applied.stop()
             await close_edge_deps(deps)  # the cut requests' releases are sent before this ends
             await app.edge.prompts.aclose()

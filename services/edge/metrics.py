@@ -9,7 +9,11 @@ config or a closed enum, so the series are bounded. The tenant is a label only o
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 from llmgw.services.edge.spend import SpendMetrics
 from llmgw.telemetry import LabelledChildren, service_registry
@@ -50,6 +54,10 @@ class EdgeMetrics:
     ) -> None:
         self.registry = registry or service_registry("edge")
         r = self.registry
+        # Run before the request metrics are read (a scrape): the ends that wait are counted
+        # first (`EdgeTelemetry.flush`).
+        self.before_scrape: Callable[[], None] | None = None
+        r.register(_BeforeScrape(self))
         self.requests = Counter(
             "llmgw_edge_requests",
             "Requests through the edge by feature, outcome, model, and the provider and endpoint "
@@ -134,3 +142,19 @@ class EdgeMetrics:
             self._tenants.add(tenant)
             return tenant
         return OTHER_TENANT
+
+
+class _BeforeScrape(Collector):
+    """Registered ahead of the edge's metrics: a scrape calls `EdgeMetrics.before_scrape`
+    first. It exports nothing."""
+
+    def __init__(self, metrics: EdgeMetrics) -> None:
+        self._metrics = metrics
+
+    def describe(self) -> Iterable[Metric]:
+        return ()
+
+    def collect(self) -> Iterable[Metric]:
+        if self._metrics.before_scrape is not None:
+            self._metrics.before_scrape()
+        return ()

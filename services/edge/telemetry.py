@@ -3,7 +3,8 @@
 A `RequestRecord` is made when a request arrives and filled as it goes (the model asked, band,
 tenant by the ingress; provider, endpoint, route, served model, status and usage by each
 attempt; the first chunk's time by a stream). `EdgeTelemetry.ended` is called exactly once per
-request, once its response has been sent (for a stream: when its body ended), and writes both:
+request, once its response has been sent (for a stream: when its body ended); it notes the time,
+and within `HOLD` seconds one batch writes the ends of that window (`EdgeTelemetry.flush`):
 
 - metrics (`EdgeMetrics`): requests, end-to-end duration, TTFT and TPOT for streams, tokens;
 - one access line (logger ``llmgw.access``, fields below); successful requests are sampled at
@@ -13,10 +14,18 @@ request, once its response has been sent (for a stream: when its body ended), an
 Access fields: request_id, feature, model (asked), served_model, provider, endpoint, route,
 band, tenant, stream, status, outcome, ttft_ms, duration_ms, prompt_tokens, completion_tokens,
 retries.
+
+Writing them waits so that it is off the client's critical path: a sequential client's next
+request is read, admitted and on its way upstream before the last one's metrics and access line
+are written (what the next request depends on, the lease's release, the tpm key's tokens, the
+budget's settlement, is done at the end itself: services/edge/attempts.py). A scrape of the
+edge's metrics (`EdgeMetrics.before_scrape`) and the edge's stop write what waits first; outside
+an event loop an end is written at once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import time
@@ -37,6 +46,9 @@ if TYPE_CHECKING:
     from llmgw.tracing import Tracing
 
 access_log = logging.getLogger("llmgw.access")
+log = logging.getLogger("llmgw.edge.telemetry")
+
+HOLD = 0.002  # seconds the ends of a window wait to be written together
 
 
 @dataclass(slots=True)
@@ -116,6 +128,10 @@ class EdgeTelemetry:
         self.access = log.access_log if log is not None else True
         self._rng = rng or random.Random()
         self._access_log = AccessLog(access_log)
+        self.hold = HOLD
+        self._pending: list[tuple[RequestRecord, Outcome, int, float]] = []
+        self._timer: asyncio.TimerHandle | None = None
+        metrics.before_scrape = self.flush
 
     def began(self, record: RequestRecord, headers: Mapping[str, str]) -> None:
         """With tracing: the request's span (child of the client's ``traceparent``), made the
@@ -135,8 +151,34 @@ class EdgeTelemetry:
         return headers
 
     def ended(self, record: RequestRecord, outcome: Outcome, status: int) -> None:
-        """The request's response ended with `outcome`; called once per request."""
-        now = time.perf_counter()
+        """The request's response ended with `outcome` (now); called once per request. Its
+        metrics, access line and span are written within `hold` seconds (`flush`)."""
+        if record.span is not None:  # its end time is now
+            self._end_span(record, outcome, status)
+        self._pending.append((record, outcome, status, time.perf_counter()))
+        if self._timer is not None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.flush()
+            return
+        self._timer = loop.call_later(self.hold, self.flush)
+
+    def flush(self) -> None:
+        """Write the ends that wait, in the order they ended."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        while self._pending:
+            pending, self._pending = self._pending, []
+            for record, outcome, status, now in pending:
+                try:
+                    self._write(record, outcome, status, now)
+                except Exception:  # the others are still written
+                    log.exception("a request's metrics or access line not written")
+
+    def _write(self, record: RequestRecord, outcome: Outcome, status: int, now: float) -> None:
         m = self.metrics
         model = record.model or NONE
         provider = record.provider or NONE
@@ -159,8 +201,6 @@ class EdgeTelemetry:
             m.child(m.fallbacks, model, record.served_model).inc()
         if m.tenant_requests is not None:
             m.child(m.tenant_requests, m.tenant(record.tenant), model, outcome.value).inc()
-        if record.span is not None:
-            self._end_span(record, outcome, status)
         if not self.access or (
             outcome is Outcome.SUCCESS and self.sample < 1.0 and self._rng.random() >= self.sample
         ):

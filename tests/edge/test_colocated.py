@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -36,12 +37,15 @@ ENGINE_SLOTS = 2  # the engine's batch capacity in the second: flow control queu
 CHAT = "/v1/chat/completions"
 
 
-def colocated_config(nats_url: str, engine_url: str, bucket: str, g: int, capacity: int) -> Config:
+def colocated_config(
+    nats_url: str, engine_url: str, bucket: str, g: int, capacity: int, per_session: int = 2
+) -> Config:
     return gated_config(
         nats_url,
         engine_url,
         g=g,
         capacity=capacity,
+        per_session=per_session,
         admission={"colocated": True, "queue_ttl": "10s", "shards": 8},
         pinning={"bucket": bucket, "lease_timeout": "3s"},
         router={"load_bucket": f"load_{bucket}"},
@@ -78,10 +82,12 @@ class Rig:
 
 
 @contextlib.asynccontextmanager
-async def running_rig(nats_url: str, bucket: str, g: int, capacity: int) -> AsyncIterator[Rig]:
+async def running_rig(
+    nats_url: str, bucket: str, g: int, capacity: int, per_session: int = 2
+) -> AsyncIterator[Rig]:
     engine = GatedEngine()
     upstream = await start_server(engine)
-    config = colocated_config(nats_url, upstream.url, bucket, g, capacity)
+    config = colocated_config(nats_url, upstream.url, bucket, g, capacity, per_session)
     scraped, stop_scraper = asyncio.Event(), asyncio.Event()
     scraper = asyncio.create_task(
         serve_scraper(config, stop=stop_scraper, ready=scraped, instance="scraper-coloc")
@@ -120,6 +126,12 @@ async def rig(nats_url: str, unique_id: str) -> AsyncIterator[Rig]:
 @pytest_asyncio.fixture
 async def queueing_rig(nats_url: str, unique_id: str) -> AsyncIterator[Rig]:
     async with running_rig(nats_url, f"colocq_{unique_id}", 64, capacity=ENGINE_SLOTS) as rig:
+        yield rig
+
+
+@pytest_asyncio.fixture
+async def one_per_session_rig(nats_url: str, unique_id: str) -> AsyncIterator[Rig]:
+    async with running_rig(nats_url, f"colocs_{unique_id}", G, capacity=64, per_session=1) as rig:
         yield rig
 
 
@@ -205,6 +217,47 @@ async def test_ends_are_applied_in_process_once_and_still_reach_the_other_instan
     assert edge.instance.service.rates.samples == before[0] + n + 1  # each end once, no echo
 
 
+async def test_a_sequential_client_with_one_slot_per_session_finds_its_slot_free(
+    one_per_session_rig: Rig,
+):
+    """max_per_session_in_flight_request_slots: 1. A client that sends its next request once
+    the last one's answer is in finds the last one's slot free: the lease of an instance in
+    the edge's process is released in the response's turn, before the next request is read
+    (services/edge/reporting.py). Every request is admitted on its pin at once: none waits in
+    a queue, none is sent elsewhere or refused."""
+    rig = one_per_session_rig
+    rig.engine.gate.set()
+    edge = rig.edges[0]
+    shards = rig.config.admission.shards
+    user = next(u for u in (f"seq-{i}" for i in range(256)) if edge.owns(session_of(u), shards))
+    metrics = edge.instance.service.metrics
+    waited_before = _observations(metrics.queue_wait)
+    # A bare HTTP/1.1 client on one connection: its next request leaves as soon as the last
+    # answer is read, within the edge's next event-loop turns (an HTTP client library's own
+    # work per request would give the edge time it does not get from a fast client).
+    host, port = edge.edge.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    body = json.dumps(chat(user)).encode()
+    request = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: edge\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    routes = []
+    try:
+        for _ in range(40):
+            writer.write(request)
+            status, headers, answer = await asyncio.wait_for(_answer(reader), 10)
+            assert status == 200, answer
+            routes.append(headers["x-llmgw-route"])
+    finally:
+        writer.close()
+    assert routes == ["new_pin"] + ["pinned"] * 39
+    assert _observations(metrics.queue_wait) == waited_before  # no request queued
+    assert _value(metrics.rejections) == 0
+    assert edge.client.decided_here == 40  # all in process
+    await eventually(lambda: leases(rig) == 0, 10, "every lease ended")
+
+
 async def test_a_queued_request_whose_client_leaves_is_cancelled_in_process(queueing_rig: Rig):
     rig = queueing_rig
     shards = rig.config.admission.shards
@@ -240,3 +293,18 @@ async def test_a_queued_request_whose_client_leaves_is_cancelled_in_process(queu
 
 def _value(counter: Any) -> float:
     return sum(s.value for m in counter.collect() for s in m.samples if s.name.endswith("_total"))
+
+
+def _observations(histogram: Any) -> float:
+    return sum(s.value for m in histogram.collect() for s in m.samples if s.name.endswith("_count"))
+
+
+async def _answer(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
+    """One HTTP/1.1 answer with a content-length: its status, headers and body."""
+    head = (await reader.readuntil(b"\r\n\r\n")).decode().split("\r\n")
+    headers = dict(line.lower().split(": ", 1) for line in head[1:] if line)
+    return (
+        int(head[0].split()[1]),
+        headers,
+        await reader.readexactly(int(headers["content-length"])),
+    )

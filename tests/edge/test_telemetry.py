@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -12,7 +14,11 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from llmgw.core.outcomes import Outcome
+from llmgw.core.requests import Feature
 from llmgw.logs import JsonFormatter
+from llmgw.services.edge.metrics import EdgeMetrics
+from llmgw.services.edge.telemetry import EdgeTelemetry, RequestRecord
 
 CHAT = "/v1/chat/completions"
 ACCESS_FIELDS = {
@@ -88,6 +94,7 @@ async def test_access_line_request_id_and_labelled_metrics(
     forwarded = [h["x-request-id"] for r in recorders.values() for h in r.seen]
     assert forwarded == ["client-id-1", streamed.headers["x-request-id"]]
 
+    edge.app.edge.telemetry.flush()  # the last ends wait `hold` to be written: now
     by_id = {line["request_id"]: line for line in lines.records}
     assert set(by_id) == {"client-id-1", streamed.headers["x-request-id"], "bad-1"}
     first = by_id["client-id-1"]
@@ -121,3 +128,35 @@ async def test_access_line_request_id_and_labelled_metrics(
     assert not [line for line in scraped.splitlines() if "_created" in line]
     assert _samples(scraped, "llmgw_build_info")[0][0]["service"] == "edge"
     assert _samples(scraped, "process_cpu_seconds_total")
+
+
+async def test_a_request_end_is_written_after_the_response_turn_and_before_a_scrape(
+    access_lines: Lines,
+) -> None:
+    """The metrics and access line of an end wait (off the client's critical path) and are
+    written within `hold` seconds, batched; a scrape writes what waits first."""
+    metrics = EdgeMetrics()
+    telemetry = EdgeTelemetry(metrics)
+    started = time.perf_counter()
+    first = RequestRecord("late-1", Feature.CHAT, started, model="m", provider="p", endpoint="e")
+    telemetry.ended(first, Outcome.SUCCESS, 200)
+    assert access_lines.records == []  # not in the turn that ended it
+    assert metrics.requests.labels("chat", "success", "m", "p", "e")._value.get() == 0
+    deadline = time.monotonic() + 5
+    while not access_lines.records:
+        assert time.monotonic() < deadline, "the access line never written"
+        await asyncio.sleep(telemetry.hold)
+    assert [line["request_id"] for line in access_lines.records] == ["late-1"]
+    assert metrics.requests.labels("chat", "success", "m", "p", "e")._value.get() == 1
+
+    telemetry.hold = 60.0  # the next end waits for the scrape
+    second = RequestRecord("late-2", Feature.CHAT, started, model="m", provider="p", endpoint="e")
+    telemetry.ended(second, Outcome.SUCCESS, 200)
+    ended = time.perf_counter()
+    await asyncio.sleep(0.05)  # the clock moves on before the scrape: the duration is the end's
+    assert [line["request_id"] for line in access_lines.records] == ["late-1"]
+    scraped = generate_latest(metrics.registry).decode()
+    requests = _samples(scraped, "llmgw_edge_requests_total")
+    assert [v for labels, v in requests if labels["outcome"] == "success"] == [2.0]
+    assert [line["request_id"] for line in access_lines.records] == ["late-1", "late-2"]
+    assert access_lines.records[1]["duration_ms"] <= (ended - started) * 1000
