@@ -86,7 +86,7 @@ class NatsReporter:
         self._gate = NoticeGate()
         self._notices: list[bytes] = []
         self.notices = 0  # model-list notices sent
-        self._queued: list[bytes] = []
+        self._queued: list[RequestEnded] = []  # serialized by the flush, off the request path
         self._flushing: asyncio.Task[None] | None = None
         self._wake: asyncio.Future[None] | None = None  # set: flush without waiting `hold`
         self.sent = 0
@@ -99,7 +99,7 @@ class NatsReporter:
                 urgent = not self._local(message)
             except Exception:  # the NATS copy still reaches every instance
                 log.exception("request end not applied in process")
-        self._queued.append(message.model_dump_json(exclude_defaults=True).encode())
+        self._queued.append(message)
         if message.outcome == _MODEL_UNLOADED:
             urgent = self._notice(message) or urgent
         if self._flushing is None or self._flushing.done():
@@ -136,8 +136,9 @@ class NatsReporter:
                 self._wake = None
         while self._queued or self._notices:
             batch, self._queued = self._queued, []
-            for payload in batch:
+            for message in batch:
                 try:
+                    payload = message.model_dump_json(exclude_defaults=True).encode()
                     await self._nc.publish(REQUEST_STATS_SUBJECT, payload)
                     self.sent += 1
                 except Exception as exc:
