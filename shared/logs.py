@@ -21,7 +21,7 @@ import logging
 import random
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
@@ -191,30 +191,41 @@ class AccessLog:
         self._root = logging.getLogger()
 
     def write(self, message: str, fields: dict[str, Any]) -> None:
+        self.write_all(message, (fields,))
+
+    def write_all(self, message: str, batch: Sequence[dict[str, Any]]) -> None:
+        """One line per fields of `batch`, written (and flushed) together: one write to the
+        stream for a batch of request ends."""
         logger = self._logger
-        if not logger.isEnabledFor(logging.INFO):
+        if not batch or not logger.isEnabledFor(logging.INFO):
             return
         handler = self._direct_handler()
         if handler is None:
-            logger.info(message, extra={_FIELDS: fields})
+            for fields in batch:
+                logger.info(message, extra={_FIELDS: fields})
             return
-        created = time.time()
         rid = request_id.get()
-        line = handler.formatter.line(  # type: ignore[union-attr]
-            created,
-            int((created - int(created)) * 1000),
-            "INFO",
-            logger.name,
-            message,
-            rid,
-            fields,
-        )
+        lines = []
+        for fields in batch:
+            created = time.time()
+            lines.append(
+                handler.formatter.line(  # type: ignore[union-attr]
+                    created,
+                    int((created - int(created)) * 1000),
+                    "INFO",
+                    logger.name,
+                    message,
+                    rid,
+                    fields,
+                )
+            )
+        terminator = handler.terminator
         with handler.lock:  # type: ignore[union-attr]
             try:
-                handler.stream.write(line + handler.terminator)
+                handler.stream.write(terminator.join(lines) + terminator)
                 handler.flush()
             except Exception:  # as logging does: a broken stream never fails the request
-                handler.handleError(logging.makeLogRecord({"msg": line}))
+                handler.handleError(logging.makeLogRecord({"msg": lines[0]}))
 
     def _direct_handler(self) -> _ServiceHandler | None:
         """The service handler, if it is all that `logger` reaches (else None: use logging)."""

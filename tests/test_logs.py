@@ -140,6 +140,36 @@ def test_the_access_log_writes_the_line_a_record_would(restore_logging: None, fm
     request_id.set(None)
 
 
+class _Writes(io.StringIO):
+    """A stream that counts its writes."""
+
+    writes = 0
+
+    def write(self, text: str) -> int:
+        self.writes += 1
+        return super().write(text)
+
+
+def test_a_batch_of_access_lines_is_one_write_of_the_lines_each_would_be(
+    restore_logging: None,
+) -> None:
+    """`write_all` (the edge's batch of request ends): the lines `write` writes one by one, in
+    order, in one write to the stream."""
+    one, batch = _Writes(), _Writes()
+    fields = [{"request_id": f"r-{i}", "status": 200} for i in range(5)]
+    setup_logging("edge", LogConfig(format="json"), one)
+    access = AccessLog(logging.getLogger("llmgw.access"))
+    for each in fields:
+        access.write("request", each)
+    setup_logging("edge", LogConfig(format="json"), batch)
+    access.write_all("request", fields)
+    access.write_all("request", [])  # nothing to write: no write
+    assert (one.writes, batch.writes) == (5, 1)
+    expected = [_without_time(line, "json") for line in one.getvalue().splitlines()]
+    assert [_without_time(line, "json") for line in batch.getvalue().splitlines()] == expected
+    assert [line["request_id"] for line in expected] == [f"r-{i}" for i in range(5)]  # type: ignore[index]
+
+
 def test_the_access_log_goes_through_logging_when_anything_else_listens(
     restore_logging: None,
 ) -> None:

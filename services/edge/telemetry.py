@@ -152,7 +152,7 @@ class EdgeTelemetry:
 
     def ended(self, record: RequestRecord, outcome: Outcome, status: int) -> None:
         """The request's response ended with `outcome` (now); called once per request. Its
-        metrics, access line and span are written within `hold` seconds (`flush`)."""
+        span ends now; its metrics and access line are written within `hold` seconds (`flush`)."""
         if record.span is not None:  # its end time is now
             self._end_span(record, outcome, status)
         self._pending.append((record, outcome, status, time.perf_counter()))
@@ -172,13 +172,22 @@ class EdgeTelemetry:
             self._timer = None
         while self._pending:
             pending, self._pending = self._pending, []
+            lines = []
             for record, outcome, status, now in pending:
                 try:
-                    self._write(record, outcome, status, now)
+                    line = self._write(record, outcome, status, now)
                 except Exception:  # the others are still written
-                    log.exception("a request's metrics or access line not written")
+                    log.exception("a request's metrics not written")
+                    continue
+                if line is not None:
+                    lines.append(line)
+            self._access_log.write_all("request", lines)  # one write for the batch
 
-    def _write(self, record: RequestRecord, outcome: Outcome, status: int, now: float) -> None:
+    def _write(
+        self, record: RequestRecord, outcome: Outcome, status: int, now: float
+    ) -> dict[str, Any] | None:
+        """Count the request in the metrics; its access line's fields, unless it is not
+        logged."""
         m = self.metrics
         model = record.model or NONE
         provider = record.provider or NONE
@@ -204,29 +213,26 @@ class EdgeTelemetry:
         if not self.access or (
             outcome is Outcome.SUCCESS and self.sample < 1.0 and self._rng.random() >= self.sample
         ):
-            return
-        self._access_log.write(
-            "request",
-            {
-                "request_id": record.request_id,
-                "feature": feature,
-                "model": record.asked_model,
-                "served_model": record.served_model or record.model,
-                "provider": record.provider,
-                "endpoint": record.endpoint,
-                "route": record.route,
-                "band": record.band,
-                "tenant": record.tenant,
-                "stream": record.stream,
-                "status": status,
-                "outcome": outcome.value,
-                "ttft_ms": round(ttft * 1000, 3) if ttft is not None else None,
-                "duration_ms": round(duration * 1000, 3),
-                "prompt_tokens": record.prompt_tokens,
-                "completion_tokens": record.completion_tokens,
-                "retries": record.retries,
-            },
-        )
+            return None
+        return {
+            "request_id": record.request_id,
+            "feature": feature,
+            "model": record.asked_model,
+            "served_model": record.served_model or record.model,
+            "provider": record.provider,
+            "endpoint": record.endpoint,
+            "route": record.route,
+            "band": record.band,
+            "tenant": record.tenant,
+            "stream": record.stream,
+            "status": status,
+            "outcome": outcome.value,
+            "ttft_ms": round(ttft * 1000, 3) if ttft is not None else None,
+            "duration_ms": round(duration * 1000, 3),
+            "prompt_tokens": record.prompt_tokens,
+            "completion_tokens": record.completion_tokens,
+            "retries": record.retries,
+        }
 
     @staticmethod
     def _end_span(record: RequestRecord, outcome: Outcome, status: int) -> None:
