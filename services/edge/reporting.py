@@ -10,9 +10,8 @@ process (`local`, `AdmissionService.ended_here`): a lease of that instance is re
 the next request is read, and the instance ignores the copy that comes back over NATS. An end
 that settled everything here leaves for the others (their samples and evidence) within `hold`
 seconds (20 ms), batched with the ends of that window: that saves nats-server and this process
-a wake-up per request at low rates, and a socket write per window (the largest single cost of
-a request's end in a profile) at any rate. An end whose lease another instance holds goes at
-the next event-loop turn, as without a colocated instance.
+a wake-up per request at low rates, and socket writes (one per window) at any rate. An end whose
+lease another instance holds goes at the next event-loop turn, as without a colocated instance.
 
 An attempt that ended `model_unloaded` (a managed engine's 404 for a model the fleet lists
 there) also asks the reapers to read that engine's model list again (`ModelsStale` on
