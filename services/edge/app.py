@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from llmgw.clock import SYSTEM, Clock
 from llmgw.config.credentials import provider_keys, read_keys
 from llmgw.core.anthropic import opening, parse_messages_request
 from llmgw.core.outcomes import Outcome
@@ -114,6 +115,7 @@ class EdgeDeps:
     # fallback's endpoints, the admission client's queue wait): each takes the config the edge
     # runs on, then each applied config and fleet change (`Edge.follow_config`).
     followers: list[ConfigFollower] = field(default_factory=list)
+    clock: Clock = SYSTEM  # what its parts read time from: a tpm window's now, an end's stamp
 
 
 class Edge:
@@ -326,7 +328,7 @@ class Edge:
         tpm = caller.key.tpm
         limiter = self.auth.limiter
         key_id = caller.key.key_id
-        now = time.time()
+        now = self.deps.clock.wall()
         if limiter.used(key_id, now)[1] >= tpm:
             reset = limiter.window.reset_in(now)
             return error_response(
@@ -396,6 +398,7 @@ class Edge:
             timeouts={name: p.timeouts for name, p in profiles.items()},
             default_timeouts=config.timeouts,
             provider_headers=self.upstream_headers,
+            clock=deps.clock,
         )
         attempts: Attempts | None = getattr(self, "attempts", None)
         if attempts is None:

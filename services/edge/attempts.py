@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from starlette.responses import Response
 
+from llmgw.clock import SYSTEM, Clock
 from llmgw.contracts import AdmissionUnavailable
 from llmgw.core.context import refused_window, requested_output
 from llmgw.core.outcomes import REFUSAL_OUTCOMES, Outcome
@@ -222,6 +223,7 @@ class AttemptDeps:
     timeouts: Mapping[str, Timeouts]  # by model: its profile's timeouts
     default_timeouts: Timeouts
     provider_headers: Mapping[str, dict[str, str]]  # by provider: its upstream headers (its key)
+    clock: Clock = SYSTEM  # the edge's one clock (an end's stamp)
 
     def timeouts_for(self, model: str) -> Timeouts:
         return self.timeouts.get(model, self.default_timeouts)
@@ -931,7 +933,7 @@ class AttemptEnd:
                 route=self.reply.route,
                 tenant=self.routed.tenant,
                 key=self.routed.key,
-                ended_at=time.time(),
+                ended_at=deps.clock.wall(),
                 latency=time.perf_counter() - self.upstream_started
                 if self.upstream_started is not None
                 else 0.0,

@@ -239,6 +239,7 @@ async def open_edge_deps(
     await budgets.start()
     followers += [spend.follow, budgets.follow]
     return EdgeDeps(
+        clock=clock,
         followers=followers,
         spend=spend,
         budgets=budgets,

@@ -13,6 +13,7 @@ from timing import SteppedClock
 
 from llmgw.core.ledger import LeaseKind, LeaseRecord
 from llmgw.services.edge.drain import EdgeDrain
+from llmgw.services.edge.app import Edge
 from llmgw.services.edge.main import close_edge_deps, open_edge_deps
 from llmgw.serving import free_port
 
@@ -53,7 +54,8 @@ async def test_the_edges_parts_read_the_one_clock_its_composition_root_is_given(
     make_gateway_config: Any, nats_url: str, unique_id: str
 ) -> None:
     """`open_edge_deps(clock=...)`: a lease unconfirmed for lease_timeout of that clock is lost,
-    and spend is counted in that clock's day (1970-01-12 here, not today)."""
+    spend is counted in that clock's day (1970-01-12 here, not today), and the edge and its
+    request attempts are handed that clock (an end's stamp, a tpm key's window)."""
     urls = {n: f"http://127.0.0.1:{free_port()}" for n in ("engine-1", "engine-2", "tensorx-1")}
     config = make_gateway_config(nats_url, urls, f"routing_{unique_id}")
     clock = SteppedClock()
@@ -66,6 +68,9 @@ async def test_the_edges_parts_read_the_one_clock_its_composition_root_is_given(
         assert deps.leases.expired(hold)
         deps.leases.end(hold)
         assert deps.spend is not None and deps.spend.day == "1970-01-12"
+        assert deps.clock is clock
+        edge = Edge(config, deps)
+        assert edge.attempts.deps.clock is clock
     finally:
         await close_edge_deps(deps)
         await nc.close()
