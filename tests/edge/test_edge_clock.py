@@ -12,8 +12,8 @@ from fakes import FakeLeases
 from timing import SteppedClock
 
 from llmgw.core.ledger import LeaseKind, LeaseRecord
-from llmgw.services.edge.drain import EdgeDrain
 from llmgw.services.edge.app import Edge
+from llmgw.services.edge.drain import EdgeDrain
 from llmgw.services.edge.main import close_edge_deps, open_edge_deps
 from llmgw.serving import free_port
 
