@@ -14,9 +14,10 @@ its own session fixtures (its own NATS server). Work goes out a test module at a
 module's fixtures are set up once, on one worker), except that every module marked `latency`
 (figures measured on the wall clock: placement's cache hits and TTFT, the interference test,
 the balancer's evaluation) belongs to one unit, so those run one after another on one worker,
-never beside each other, while the other workers run the rest (`pytest_xdist_make_scheduler`
-below: xdist's own `--dist loadgroup` reads its groups into node ids, which pytest 9 no longer
-lets a plugin rewrite, so it grouped nothing). Each worker draws the ports it hands out
+never beside each other, while the other workers run the rest at a lower CPU priority
+(`pytest_xdist_make_scheduler` and `pytest_runtest_setup` below; xdist's own `--dist
+loadgroup` reads its groups into node ids, which pytest 9 no longer lets a plugin rewrite, so it
+grouped nothing). Each worker draws the ports it hands out
 (`llmgw.serving.free_port`) from a range of its own (`LLMGW_FREE_PORTS`, inherited by the
 processes it starts), so two workers never start servers on one port.
 """
@@ -76,7 +77,32 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
             module = nodeid.split("::", 1)[0]
             return LATENCY_UNIT if is_latency(module) else module
 
+        def _assign_work_unit(self, node: Any) -> None:
+            # The latency unit goes out first, so its worker runs it before any other module
+            # (`pytest_runtest_setup` below: the others yield the CPU to it).
+            if LATENCY_UNIT in self.workqueue:
+                self.workqueue.move_to_end(LATENCY_UNIT, last=False)
+            super()._assign_work_unit(node)
+
     return ModulesWithOneLatencyUnit(config, log)
+
+
+OTHERS_NICENESS = 10  # a worker's niceness once it runs a test not marked `latency`
+_reniced: list[bool] = []
+
+
+@pytest.hookimpl(tryfirst=True)  # before the fixtures it sets up start their processes
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """On an xdist worker, the first test not marked `latency` lowers the worker's CPU priority
+    (and that of every process it starts from then on) for good: on a machine with fewer cores
+    than workers, the latency tests' worker, which runs its unit first at the normal priority,
+    gets the CPU when it needs it (the scheduler weighs niceness 0 about 9 to 1 against 10),
+    while the others still use whatever it leaves idle."""
+    if _reniced or not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    if item.get_closest_marker("latency") is None:
+        os.nice(OTHERS_NICENESS)
+        _reniced.append(True)
 
 
 def _nats_mode() -> str:

@@ -23,7 +23,7 @@ def test_readme_has_exactly_two_setup_commands_run_and_test():
     assert len(commands) == 2
     run, test = commands
     assert run.endswith("llmgw up")
-    assert "[test]" in test and test.endswith("pytest")
+    assert "[test]" in test and test.endswith(("pytest", "pytest -n 4"))
 
 
 def test_ci_runs_exactly_the_readme_test_command():
