@@ -70,6 +70,9 @@ class Waiting:
         # again, and its decision goes to the latest ask's reply subject.
         self.queued: dict[str, Deciding] = {}
         self._room: asyncio.Future[None] | None = None  # `_room_freed_or`'s, while one waits
+        # `room_freed` calls so far: a request that placed when it was n and would wait for room
+        # looks again at once if it has moved on since (room freed while it was borrowing).
+        self._freed = 0
 
     def placed(
         self, context: Deciding, *, overflow: bool
@@ -82,7 +85,7 @@ class Waiting:
         if isinstance(placed, QuotaWait) and placed.in_queue:
             return context, self.hold(context)
         context.borrowing = True
-        return context, asyncio.ensure_future(self._borrowed(context, placed))
+        return context, asyncio.ensure_future(self._borrowed(context, placed, self._freed))
 
     def hold(self, context: Deciding) -> asyncio.Future[QueueResult]:
         """Queue `context` at the head of its band's queue (`QuotaWait`)."""
@@ -98,22 +101,29 @@ class Waiting:
             context,
         )
 
-    async def _borrowed(self, context: Deciding, loan: Loan | QuotaWait) -> QueueResult:
+    async def _borrowed(self, context: Deciding, loan: Loan | QuotaWait, seen: int) -> QueueResult:
         """`_after_loan` as a wait's result (a request that waits for a loan, not a queue)."""
-        return Dispatched(await self._after_loan(context, loan))
+        return Dispatched(await self._after_loan(context, loan, seen))
 
-    async def _after_loan(self, context: Deciding, loan: Loan | QuotaWait) -> AdmitReply:
+    async def _after_loan(
+        self, context: Deciding, loan: Loan | QuotaWait, seen: int | None = None
+    ) -> AdmitReply:
         """Borrow `loan.need`, then place the request in the turn the loan lands (placement
         decides again: the loan may have brought nothing, or others may have used it). A
         request may need a loan of each of its pairs (its API key's, then a provider's), and a
         second round of a pair when requests that did not wait took what the first brought:
         two per pair at most (placing.py's ``_LOAN_ROUNDS``). A request held for quota
-        (`QuotaWait`) waits in its queue, and borrows afresh when the tick lets it go again."""
+        (`QuotaWait`) waits in its queue, and borrows afresh when the tick lets it go again.
+        `seen`: `room_freed`'s count when `loan` was decided (room freed since is looked at at
+        once, not waited for)."""
         request = context.request
+        seen = self._freed if seen is None else seen
         tried: list[tuple[str, str]] = []  # one entry per round waited for, by pair
         overflow = isinstance(loan, Loan) and loan.overflow
 
         def place_now() -> AdmitReply | Loan | QuotaWait:
+            nonlocal seen
+            seen = self._freed
             if not self.decides(request.shard):
                 return self.answers.refusal(request.id, Refusal.NOT_OWNER)
             placed = self.placer.place_or_borrow(context, overflow=overflow, tried=tried)
@@ -122,7 +132,7 @@ class Waiting:
         result: AdmitReply | Loan | QuotaWait = loan
         while not isinstance(result, AdmitReply):
             if isinstance(result, QuotaWait) and result.until is not None:  # not in_queue
-                if not await self._room_freed_or(result.until):
+                if self._freed == seen and not await self._room_freed_or(result.until):
                     context.grace_spent = True
                 tried.clear()
                 result = place_now()
@@ -137,6 +147,7 @@ class Waiting:
                         return reply
                     case Borrowing(again):
                         tried.clear()
+                        seen = self._freed
                         result = again
                         continue
                     case ended:
@@ -214,6 +225,7 @@ class Waiting:
     def room_freed(self) -> None:
         """A lease ended here, or a peer's request ended: room may be back for requests held
         for quota (the queue's, at the next tick; those in their `limit_grace`, at once)."""
+        self._freed += 1
         if self.flow is not None:
             self.flow.room_freed()
         if self._room is not None:
