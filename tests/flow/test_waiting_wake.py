@@ -49,7 +49,7 @@ class LoanDesk:
     def __init__(self) -> None:
         self.waiting: Waiting | None = None
 
-    async def borrow(self, pair: Any, need: Any, then: Any, *, grace: float = 0.0) -> Any:
+    async def borrow(self, pair: Any, need: Any, then: Any) -> Any:
         placed = then()
         assert self.waiting is not None
         self.waiting.room_freed()  # the lease's end, in the turn after the round settled
@@ -75,7 +75,7 @@ async def test_a_wake_between_the_rounds_placement_and_the_requests_turn_is_not_
         grace_spent=False,
         started=time.perf_counter(),
     )
-    loan = Loan(PAIR, QuotaCounts(1, 1, 0), grace_until=clock.monotonic() + GRACE)
+    loan = Loan(PAIR, QuotaCounts(1, 1, 0))
     reply = await asyncio.wait_for(waiting._after_loan(context, loan), 5.0)
     assert reply.status is ReplyStatus.ADMITTED
     assert placer.calls == 2  # placed again at once, not after its grace
