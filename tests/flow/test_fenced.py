@@ -22,6 +22,7 @@ decides nothing), but without the fence in the audit trail the checker took both
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 from rig import admitted, open_rig
@@ -57,6 +58,19 @@ class _Held:
             return await call(*args, **kwargs)
 
         return held
+
+
+@contextlib.asynccontextmanager
+async def _stalled(instance):  # type: ignore[no-untyped-def]
+    """`instance`'s pin writes and heartbeats held (`_Held`) until the test lets them go, and
+    let go at the end whatever happened."""
+    writes = instance.pins.store = _Held(instance.pins.store, "create_pin", "update_pin", "get_pin")
+    heartbeats = instance.membership.store = _Held(instance.membership.store, "renew_member")
+    try:
+        yield writes, heartbeats
+    finally:
+        writes.go.set()
+        heartbeats.go.set()
 
 
 def _parts(rig):  # type: ignore[no-untyped-def]
@@ -110,9 +124,7 @@ async def test_a_fenced_instance_hands_back_its_queued_requests_instead_of_placi
 async def test_a_pin_a_fenced_instance_could_not_write_is_no_second_live_pin(rig):
     fenced, owner, session, shard = _parts(rig)
     await rig.report_all(running=0, kv_usage=0.1)
-    writes = fenced.pins.store = _Held(fenced.pins.store, "create_pin", "update_pin", "get_pin")
-    heartbeats = fenced.membership.store = _Held(fenced.membership.store, "renew_member")
-    try:
+    async with _stalled(fenced) as (_writes, heartbeats):
         first = await fenced.decide(rig.request(band="gold", session=session))
         assert admitted(first) and first.owner == fenced.instance, first
         await eventually(lambda: not fenced.membership.can_serve(), timeout=5, what="the fence")
@@ -131,9 +143,6 @@ async def test_a_pin_a_fenced_instance_could_not_write_is_no_second_live_pin(rig
         assert added[0].at < fence.at < added[1].at  # stamped when it stopped deciding
         violations = check_audit(rig.audit.events, rig.cluster.limits, lease_timeout=30.0)
         assert violations == [], "\n".join(str(v) for v in violations[:3])
-    finally:
-        writes.go.set()
-        heartbeats.go.set()
 
 
 async def test_a_pin_write_a_lost_instance_queued_does_not_land_after_it_dropped_the_shard(rig):
@@ -143,9 +152,7 @@ async def test_a_pin_write_a_lost_instance_queued_does_not_land_after_it_dropped
     it), or the bucket's copy names a pin nobody holds and the owner's is lost."""
     fenced, owner, session, shard = _parts(rig)
     await rig.report_all(running=0, kv_usage=0.1)
-    writes = fenced.pins.store = _Held(fenced.pins.store, "create_pin", "update_pin", "get_pin")
-    heartbeats = fenced.membership.store = _Held(fenced.membership.store, "renew_member")
-    try:
+    async with _stalled(fenced) as (writes, heartbeats):
         first = await fenced.decide(rig.request(band="gold", session=session))
         assert admitted(first) and first.owner == fenced.instance, first
         model = first.served_model
@@ -165,6 +172,3 @@ async def test_a_pin_write_a_lost_instance_queued_does_not_land_after_it_dropped
         stored = await owner.pins.store.get_pin(key)
         assert stored is not None and stored.value.pin_id == ours.pin_id, stored
         assert owner.ledger.pin(model, session) is ours
-    finally:
-        writes.go.set()
-        heartbeats.go.set()
