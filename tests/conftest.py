@@ -14,8 +14,8 @@ its own session fixtures (its own NATS server). Work goes out a test module at a
 module's fixtures are set up once, on one worker), except that every module marked `latency`
 (figures measured on the wall clock: placement's cache hits and TTFT, the interference test,
 the balancer's evaluation) belongs to one unit, so those run one after another on one worker,
-never beside each other, while the other workers run the rest at a lower CPU priority
-(`pytest_xdist_make_scheduler` and `pytest_runtest_setup` below; xdist's own `--dist
+never beside each other, while the other workers run the rest at a lower CPU priority (their
+NATS servers, started first, at the normal one) (`pytest_xdist_make_scheduler` and `pytest_runtest_setup` below; xdist's own `--dist
 loadgroup` reads its groups into node ids, which pytest 9 no longer lets a plugin rewrite, so it
 grouped nothing). Each worker draws the ports it hands out
 (`llmgw.serving.free_port`) from a range of its own (`LLMGW_FREE_PORTS`, inherited by the
@@ -101,8 +101,16 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if _reniced or not os.environ.get("PYTEST_XDIST_WORKER"):
         return
     if item.get_closest_marker("latency") is None:
+        if _nats_mode() == "embedded" and not _worker_nats:
+            # The worker's NATS server starts before the worker yields: it answers every test
+            # here, and a KV write it answers late fails a test as a timeout, while the tests'
+            # own processes only run slower.
+            _worker_nats.append(EmbeddedNats(kill_with_parent=True).start())
         os.nice(OTHERS_NICENESS)
         _reniced.append(True)
+
+
+_worker_nats: list[EmbeddedNats] = []  # an xdist worker's session NATS server, at niceness 0
 
 
 def _nats_mode() -> str:
@@ -118,6 +126,13 @@ def nats_server() -> Iterator[EmbeddedNats | None]:
     """The session's embedded NATS server, or None when NATS_URL / the container is used."""
     if _nats_mode() != "embedded":
         yield None
+        return
+    if _worker_nats:  # started by `pytest_runtest_setup`, before the worker lowered its priority
+        server = _worker_nats[0]
+        try:
+            yield server
+        finally:
+            server.stop()
         return
     with EmbeddedNats(kill_with_parent=True) as server:
         yield server
