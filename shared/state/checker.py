@@ -43,7 +43,8 @@ instance *fenced* (`LedgerObserver.fenced`, stamped when its fence took effect, 
 learn later) keeps its leases (their edges still run them) but not the pins it held then: it
 decides nothing with them, and another instance may have claimed the shard and pinned the
 session again where a pin's write had not landed. Pins it adds after its fence count; a lease
-it grants on a pin it held at its fence is a breach of its own (``fenced``).
+it grants on a pin it held at its fence is a breach of its own (``fenced``), unless it added
+that pin again since (joined again, it adopted the bucket's copy of a shard's pins).
 """
 
 from __future__ import annotations
@@ -504,6 +505,10 @@ def check_audit(
             assert event.pin is not None
             provider, model, session, pin_id = event.pin
             skey = (model, session)
+            if where in fenced:
+                # Joined again after its fence and adopted the bucket's copy of a pin it held
+                # then: from here on it decides with it as any owner does.
+                fenced[where][1].discard(pin_id)
             live_pin = pins.get(skey)
             if live_pin is not None and live_pin[1] != pin_id and live_pin[2] not in crashed:
                 violations.append(

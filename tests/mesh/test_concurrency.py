@@ -121,6 +121,16 @@ async def _churn(mesh: Mesh, seconds: float, log: list[str]) -> None:
     await mesh.cluster.add_admission("admission-4")
     log.append("joined admission-4")
     await asyncio.sleep(seconds * 0.2)
+    # It stops while a long stream's lease is in flight on it, so the handover moves a lease
+    # (on a loaded host the moment may otherwise find only short requests, ended before the
+    # handover lands).
+    leaving = next(a for a in mesh.cluster.admissions if not a.stopped).service
+
+    def running_a_long_stream() -> bool:
+        now = time.time()
+        return any(now - lease.granted_at > 0.3 for lease in leaving.ledger.leases.values())
+
+    await eventually(running_a_long_stream, 10, "a long stream's lease at the leaving instance")
     log.append(f"stopped {await mesh.stop_admission(0)}")
     await asyncio.sleep(seconds * 0.1)
     await mesh.cluster.add_admission("admission-5")

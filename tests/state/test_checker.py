@@ -109,6 +109,21 @@ def test_a_lease_a_fenced_instance_grants_on_a_pin_it_held_is_caught():
     assert [v.invariant for v in check(log)] == ["fenced"]
 
 
+def test_a_lease_on_a_pin_a_fenced_instance_adopts_again_after_rejoining_counts():
+    """Fenced, an instance drops everything and joins again; a shard it claims then brings the
+    bucket's copy of a pin it held at its fence back into its ledger (the same pin id): a lease
+    on it from then on is an ordinary grant, not a fenced instance deciding."""
+    clock = SteppedClock(0.0, tick=1.0)
+    log = AuditLog(clock=clock.wall)
+    add(log, "g", "s1", "p1")  # t=1
+    log.observer("g").fenced(1.5)
+    log.observer("g").pin_removed(pin("s1", "p1"), 2.5, "dropped")  # t=2: dropped on rejoining
+    add(log, "g", "s1", "p1")  # t=3: the shard claimed again, p1's copy adopted
+    adopted = LeaseRecord("on", "a", "m", LeaseKind.PINNED, False, 0, "edge", 0.0, 0.0, "s1", "p1")
+    log.observer("g").lease_granted(adopted, None, QuotaCounts(0, 0, 1))  # t=4
+    assert check(log) == []
+
+
 def lease(lease_id: str, key: str = "k1") -> LeaseRecord:
     return LeaseRecord(
         lease_id, "a", "m", LeaseKind.TEMPORARY, True, 0, "edge", 0.0, 0.0, key=key, key_limit=1
