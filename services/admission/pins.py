@@ -13,6 +13,15 @@ unreachable, the bucket's stream electing a leader) leaves the key's revision un
 tried again every second (the newest value then; the next write reads first), for up to a
 minute. What a crash loses is only durability: the session re-pins, a prefix-cache miss.
 
+A new pin's first write waits until its session comes back (`defer`, then `used_again`): most
+conversations that open and never return (one-shot requests, a Responses chain of one turn) are
+evicted or expire with no write and no delete at all. A pin still unwritten after a refresh
+period (`pinning.pin_inactivity_timeout` / 4) is written by the next refresh round
+(`write_deferred`), and so are a shard's before it is released without a handover (`flush`);
+a handover carries them in its message like every pin (the receiver defers them again).
+Until then a crash loses such a pin: the session's next request pins again, placed by the
+prefix index where its prefix is.
+
 A shard this instance drops without a handover (its key names another owner, or the instance is
 lost: `abandon`) belongs to someone else from then on: its writes still queued, stalled or due
 for a retry are not made (a write waiting for a stalled connection would otherwise read the
@@ -25,7 +34,7 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterable
 from typing import TYPE_CHECKING, Any
 
 from llmgw.core.keys import PinValue, pin_shard_prefix
@@ -69,10 +78,52 @@ class PinWriter:
         self._epoch = 0
         self._shard_epoch: dict[int, int] = {}
         self.abandoned = 0  # writes not made because their shard was dropped
+        # New pins whose first write waits for their session's next request (key -> since when,
+        # oldest first), and how many left with none.
+        self._deferred: dict[str, tuple[float, tuple[str, str]]] = {}
+        self.never_written = 0
 
     def known(self, key: str, revision: int) -> None:
         """A pin loaded from the bucket (adoption): its current revision."""
         self._revision[key] = revision
+
+    # ---- deferred first writes --------------------------------------------------------------
+
+    def defer(self, pin: PinRecord, now: float) -> None:
+        """A new pin (or one handed here that was never written): written once its session
+        comes back (`used_again`), by a refresh round (`write_deferred`) or a release
+        (`flush`), whichever comes first; removed before that, it costs no write at all."""
+        self._deferred[pin.key] = (now, (pin.model, pin.session))
+
+    def used_again(self, pin: PinRecord) -> None:
+        """The pin's session sent another request: a deferred first write is made now."""
+        if pin.key in self._deferred:
+            self.put(pin)
+
+    def write_deferred(self, older_than: float) -> int:
+        """Write the deferred pins deferred before `older_than` that the ledger still holds
+        (one refresh round's share); how many were written."""
+        written = 0
+        while self._deferred:
+            key, (since, session) = next(iter(self._deferred.items()))
+            if since >= older_than:
+                break
+            del self._deferred[key]
+            pin = self.ledger.pins.get(session)
+            if pin is not None and pin.key == key:
+                self.put(pin)
+                written += 1
+        return written
+
+    def flush(self, pins: Iterable[PinRecord]) -> None:
+        """Write those of `pins` whose first write is deferred (a shard about to leave this
+        ledger for the bucket only)."""
+        for pin in pins:
+            if pin.key in self._deferred:
+                self.put(pin)
+
+    def deferred(self) -> int:
+        return len(self._deferred)
 
     def forget(self, key: str) -> None:
         self._revision.pop(key, None)
@@ -86,11 +137,14 @@ class PinWriter:
         if shard is None:
             self._epoch += 1
             self._revision.clear()
+            self._deferred.clear()
         else:
             self._shard_epoch[shard] = self._shard_epoch.get(shard, 0) + 1
             prefix = pin_shard_prefix(shard)
             for key in [k for k in self._revision if k.startswith(prefix)]:
                 del self._revision[key]
+            for key in [k for k in self._deferred if k.startswith(prefix)]:
+                del self._deferred[key]
 
     def _ticket(self, shard: int) -> tuple[int, int, int]:
         return (shard, self._epoch, self._shard_epoch.get(shard, 0))
@@ -101,13 +155,17 @@ class PinWriter:
     # ---- what the owner asks for ------------------------------------------------------------
 
     def put(self, pin: PinRecord) -> None:
-        """Store the pin's current value (a new pin, a move, a refresh)."""
+        """Store the pin's current value (a move, a refresh, a deferred first write)."""
+        self._deferred.pop(pin.key, None)
         ticket = self._ticket(pin.shard)
         self._chain(
             pin.key, ticket, self._put(pin.key, stored_value(pin), ticket), self._again(pin, False)
         )
 
     def delete(self, pin: PinRecord) -> None:
+        if self._deferred.pop(pin.key, None) is not None and pin.key not in self._last:
+            self.never_written += 1  # never written (nor queued): nothing to delete
+            return
         ticket = self._ticket(pin.shard)
         self._chain(pin.key, ticket, self._delete(pin.key, ticket), self._again(pin, True))
 

@@ -365,7 +365,7 @@ class Placer:
                 now,
                 request.parent,
             )
-            self.pins.put(listed)
+            self.pins.defer(listed, now)  # written once its session comes back
             pin_event(self.events, listed, "pin.created")
         elif placement.pin_action is PinAction.MOVE:
             assert pin is not None
@@ -386,6 +386,8 @@ class Placer:
                 self.metrics.returned_home.labels(pin.provider, provider).inc()
         elif placement.route is Route.PINNED:
             listed = pin
+        if pin is not None and placement.pin_action is PinAction.NONE:
+            self.pins.used_again(pin)  # its session came back: a deferred first write now
         return self.ledger.grant(
             new_token(self._rng),
             provider,

@@ -549,8 +549,11 @@ class Handovers:
             # 1. Stop serving (to LEAVING; a shard handed here while stopping was never
             #    subscribed). Leases: this ledger's.
             await self.keeper.stop_serving(record)
-            # 2. Its pin writes land: the next owner adopts the pins from the bucket.
-            await ctx.pins.drain([p.key for p in ctx.ledger.shard_state(shard).pins])
+            # 2. Its pin writes land (deferred first writes made now): the next owner adopts
+            #    the pins from the bucket.
+            pins = ctx.ledger.shard_state(shard).pins
+            ctx.pins.flush(pins)
+            await ctx.pins.drain([p.key for p in pins])
             # 3. Out of this (stopping) ledger, as in a handover, and earmarked before the
             #    shard key says it is free. Leases: their edges' only, until a roll call.
             await self._set_aside(record)
@@ -658,8 +661,11 @@ class Handovers:
                     self.adopted_leases += len(state.leases) - len(dropped)
                     self.refused_leases += len(dropped)
                     ctx.answers.take_in(handover.answers)
+                    now = ctx.clock()
                     for pin in state.pins:
                         ctx.pins.known(pin.key, pin.revision)
+                        if not pin.revision:  # never written: its first write still waits
+                            ctx.pins.defer(pin, now)
                     for pin in unpinned:
                         ctx.pins.delete(pin)
                     # 4. Subscribed: SERVING.

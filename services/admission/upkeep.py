@@ -202,5 +202,6 @@ class LeaseUpkeep:
         refresh_every = self.current.config.pinning.pin_inactivity_timeout / 4
         for pin in list(self.ledger.pins_to_refresh(refresh_every)):
             self.pins.put(pin)
+        self.pins.write_deferred(older_than=now - refresh_every)
         if self._failures_seen:
             self._failures_seen = {k: t for k, t in self._failures_seen.items() if now - t < 60.0}

@@ -336,7 +336,18 @@ def format_report(report: StateReport, *, with_pins: bool) -> str:
     lines += _endpoint_lines(report)
     lines += _prefix_lines(report)
     if with_pins:
-        lines += ["", f"pins ({len(report.pins)}):"]
+        unwritten = sum(max(p.pins - p.pins_stored, 0) for p in report.pairs)
+        lines += [
+            "",
+            f"pins ({len(report.pins)}, from the bucket"
+            + (
+                f"; {unwritten} more held in memory only: a new session's pin is written once "
+                "it sends another request"
+                if unwritten
+                else ""
+            )
+            + "):",
+        ]
     if with_pins and report.pins:
         depth = _depths(report.pins)
         lines += _table(

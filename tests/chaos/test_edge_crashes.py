@@ -21,7 +21,6 @@ import yaml
 from cluster import MODEL, Service, edge_url, stop_all, write_config
 from timing import eventually
 
-from llmgw.core.keys import PIN_PREFIX
 from llmgw.events import EVENTS_SUBJECT_PREFIX, parse_event
 from llmgw.services.sim.apps import create_engine_app
 from llmgw.services.sim.params import EngineParams
@@ -153,14 +152,12 @@ async def open_streams(url, sessions):
 
 
 async def test_a_killed_edge_loses_exactly_its_leases_and_the_pins_survive(world, nats_client):
-    config, kv, services, events = world
+    config, _kv, services, events = world
     client, _ = await open_streams(edge_url(config), ["a", "b", "c"])
     [held] = (await leases_of_edges(nats_client, 1)).values()
     assert len(held) == 3
     before = await held_by_admission(nats_client)
     assert leases_held(before) == 3 and pins_held(before) == 3
-    pins_before = {e.key for e in await kv.list(PIN_PREFIX)}
-    assert len(pins_before) == 3
 
     services["edge"].signal(signal.SIGKILL)
     killed_at = time.monotonic()
@@ -175,8 +172,9 @@ async def test_a_killed_edge_loses_exactly_its_leases_and_the_pins_survive(world
     expired = sorted(e.lease_id for e in events if e.event == "lease.expired")
     assert expired == sorted(held)  # exactly those, each once
     after = await held_by_admission(nats_client)
-    assert pins_held(after) == 3  # the sessions keep their engine (and its prefix cache)
-    assert {e.key for e in await kv.list(PIN_PREFIX)} == pins_before
+    # The sessions keep their engine (and its prefix cache): their owner holds their pins (in
+    # memory only: a new pin is written to the bucket once its session comes back).
+    assert pins_held(after) == 3
     await client.aclose()
 
 

@@ -244,6 +244,14 @@ async def test_a_sub_agent_starts_on_its_parents_engine_while_it_has_room_else_e
         assert shards == {shard_of(root, adm.config.admission.shards)}  # the family's shard
         await adm.pins.drain()
         stored = {v.value.session: v.value.parent for _, v in await adm.store.all_pins()}
+        assert stored == {root: None}  # a new pin is written once its session comes back
+        for agent in ("explore-1", "explore-2"):  # each sub-agent's next turn
+            again = await http.post(
+                "/v1/chat/completions", headers={**parent, AGENT: agent}, json=chat("Go on.")
+            )
+            assert again.headers["x-llmgw-route"] == "pinned", again.headers
+        await adm.pins.drain()
+        stored = {v.value.session: v.value.parent for _, v in await adm.store.all_pins()}
         assert stored == {root: None, subs[0]: root, subs[1]: root}
 
 

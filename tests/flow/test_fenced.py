@@ -155,12 +155,17 @@ async def test_a_pin_write_a_lost_instance_queued_does_not_land_after_it_dropped
     async with _stalled(fenced) as (writes, heartbeats):
         first = await fenced.decide(rig.request(band="gold", session=session))
         assert admitted(first) and first.owner == fenced.instance, first
+        # The session's second request: its pin's (deferred) first write is queued, and stalls.
+        second = await fenced.decide(rig.request(band="gold", session=session))
+        assert admitted(second) and second.route == "pinned", second
         model = first.served_model
         key = fenced.ledger.pin(model, session).key
         await eventually(lambda: not fenced.membership.can_serve(), timeout=5, what="the fence")
         await eventually(lambda: shard in owner.shards.serving, timeout=10, what="the claim")
         again = await owner.decide(rig.request(band="gold", session=session))
         assert admitted(again) and again.route == "new_pin", again
+        back = await owner.decide(rig.request(band="gold", session=session))  # written now
+        assert admitted(back) and back.route == "pinned", back
         ours = owner.ledger.pin(model, session)
         await owner.pins.drain([key])
         assert (await owner.pins.store.get_pin(key)).value.pin_id == ours.pin_id
