@@ -69,7 +69,9 @@ PER_REQUEST = {
 }
 # Extra per request of a session seen for the first time (its pin is created).
 PER_NEW_SESSION = {
-    "kv.pin": 1,  # the pin's put in the routing bucket (in the background: PinWriter)
+    # the pin's put in the routing bucket (in the background: PinWriter), at most: made once
+    # the session sends a second request, or a refresh period (75 s) after its first
+    "kv.pin": 1,
     "events.pin": 1,  # llmgw.v1.events.pin.created
 }
 # Bytes (measured by `count`): a pin's key and value in the routing bucket.

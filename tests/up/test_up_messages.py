@@ -105,13 +105,14 @@ def test_a_claude_code_session_whose_opening_changes_is_one_session_and_one_pin(
         system="This session is being continued from a previous conversation.",
         messages=[{"role": "user", "content": "Go on."}],
     )
-    sub = claude.messages.with_raw_response.create(
-        model="llama",
-        max_tokens=8,
-        system="You are an agent that explores a code base.",
-        messages=[{"role": "user", "content": "Find the test."}],
-        extra_headers={"x-claude-code-agent-id": "agent-explore-1"},
-    )
+    for _ in range(2):  # the sub-agent's second turn writes its pin to the bucket
+        sub = claude.messages.with_raw_response.create(
+            model="llama",
+            max_tokens=8,
+            system="You are an agent that explores a code base.",
+            messages=[{"role": "user", "content": "Find the test."}],
+            extra_headers={"x-claude-code-agent-id": "agent-explore-1"},
+        )
     session = first.headers["x-llmgw-session"]
     assert second.headers["x-llmgw-session"] == session
     assert (second.headers["x-llmgw-route"], second.headers["x-llmgw-endpoint"]) == (
