@@ -16,7 +16,8 @@ direct p50 of the same round) and CPU per request (the relay's process; the edge
 scraper's and nats-server's for llmgw), and the ratio llmgw / relay of each per round: the
 figures the goal "at most 1.5x the relay's added p50 at c=1, at most 2.5x its CPU per request at
 c=64" is read from. `--python` runs llmgw from another code tree's virtualenv. `--profile`
-py-spies the edge during an extra c=64 run and prints where its CPU goes.
+py-spies the edge during an extra c=64 run (`--profile-concurrency`: another) and prints where
+its CPU goes.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -48,6 +50,10 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=1000, help="requests per run")
     parser.add_argument("--python", default=None, help="the interpreter whose llmgw runs")
     parser.add_argument("--profile", action="store_true", help="py-spy the edge at c=64")
+    parser.add_argument(
+        "--profile-concurrency", type=int, default=64, help="the concurrency --profile runs at"
+    )
+    parser.add_argument("--profile-raw", default=None, help="also keep py-spy's raw samples here")
     parser.add_argument("--no-streams", action="store_true", help="only the non-streamed scenarios")
     args = parser.parse_args()
     os.sched_setaffinity(0, LOADGEN_CPUS)
@@ -121,10 +127,20 @@ def main() -> int:
             out = Path(cluster.procs["engine"].log.parent / "edge-profile.txt")
             spy = profile_edge(cluster.procs["edge"].pid, 8, out)
             time.sleep(0.5)
-            asyncio.run(run_load(cluster.edge_url, 64, 6000, False, api_key=cluster.api_key))
+            asyncio.run(
+                run_load(
+                    cluster.edge_url,
+                    args.profile_concurrency,
+                    6000 if args.profile_concurrency > 1 else 3000,
+                    False,
+                    api_key=cluster.api_key,
+                )
+            )
             spy.wait(30)
             if out.exists():
                 profile = summarize_profile(out, _AREAS)
+                if args.profile_raw:
+                    shutil.copyfile(out, args.profile_raw)
 
     print(
         f"\nllmgw (keys, limits, pins, flow control, metrics, access log; no capacity configured) "
@@ -157,7 +173,10 @@ def main() -> int:
             f"{fmt_ratio(cpu_ratio)} | {1 / statistics.median(cpu[scenario]['llmgw']):,.0f} |"
         )
     if profile:
-        print_profile(profile, "Where the edge's CPU goes (py-spy, c=64 non-streamed):")
+        print_profile(
+            profile,
+            f"Where the edge's CPU goes (py-spy, c={args.profile_concurrency} non-streamed):",
+        )
     return 0
 
 

@@ -351,6 +351,7 @@ class Attempts:
         deadline = loop_deadline(timeouts.total)
         ending.upstream_started = time.perf_counter()
         task = ending.stop_on_loss()  # until the answer's headers: a cut or loss stops the wait
+        deps.telemetry.upstream_wait(len(deps.leases.held))
         try:
             upstream = await open_upstream(
                 deps.upstream,

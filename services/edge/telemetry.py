@@ -18,7 +18,10 @@ retries.
 Writing them waits so that it is off the client's critical path: a sequential client's next
 request is read, admitted and on its way upstream before the last one's metrics and access line
 are written (what the next request depends on, the lease's release, the tpm key's tokens, the
-budget's settlement, is done at the end itself: services/edge/attempts.py). A scrape of the
+budget's settlement, is done at the end itself: services/edge/attempts.py). With few requests in
+flight, the ends are written as soon as a request has been sent upstream, while the edge waits
+for its answer (`upstream_wait`), so the window's timer does not fall in a request's own turn;
+under load the window's batch is what saves work. A scrape of the
 edge's metrics (`EdgeMetrics.before_scrape`) and the edge's stop write what waits first; outside
 an event loop an end is written at once.
 """
@@ -49,6 +52,9 @@ access_log = logging.getLogger("llmgw.access")
 log = logging.getLogger("llmgw.edge.telemetry")
 
 HOLD = 0.002  # seconds the ends of a window wait to be written together
+# With at most this many requests in flight, what waits is written while a request waits for
+# its upstream's answer (`upstream_wait`), not at the window's end.
+QUIET_IN_FLIGHT = 2
 
 
 @dataclass(slots=True)
@@ -131,6 +137,7 @@ class EdgeTelemetry:
         self.hold = HOLD
         self._pending: list[tuple[RequestRecord, Outcome, int, float]] = []
         self._timer: asyncio.TimerHandle | None = None
+        self._soon = False  # a write is due at the loop's next turn (`upstream_wait`)
         metrics.before_scrape = self.flush
 
     def began(self, record: RequestRecord, headers: Mapping[str, str]) -> None:
@@ -164,6 +171,18 @@ class EdgeTelemetry:
             self.flush()
             return
         self._timer = loop.call_later(self.hold, self.flush)
+
+    def upstream_wait(self, in_flight: int) -> None:
+        """A request is about to wait for its upstream's answer, `in_flight` requests running:
+        with few (a sequential client), what waits is written at the loop's next turn, inside
+        that wait, before its window's timer would fall in the next request's turn."""
+        if self._pending and in_flight <= QUIET_IN_FLIGHT and not self._soon:
+            self._soon = True
+            asyncio.get_running_loop().call_soon(self._write_soon)
+
+    def _write_soon(self) -> None:
+        self._soon = False
+        self.flush()
 
     def flush(self) -> None:
         """Write the ends that wait, in the order they ended."""

@@ -160,3 +160,25 @@ async def test_a_request_end_is_written_after_the_response_turn_and_before_a_scr
     assert [v for labels, v in requests if labels["outcome"] == "success"] == [2.0]
     assert [line["request_id"] for line in access_lines.records] == ["late-1", "late-2"]
     assert access_lines.records[1]["duration_ms"] <= (ended - started) * 1000
+
+
+async def test_with_few_requests_in_flight_the_ends_are_written_while_one_waits_upstream(
+    access_lines: Lines,
+) -> None:
+    """A sequential client: its last request's end is written as soon as its next request waits
+    for the upstream (the loop's next turn), not when the window's timer falls, maybe in the
+    next request's own turn. Under load (many in flight) the window's batch waits."""
+    metrics = EdgeMetrics()
+    telemetry = EdgeTelemetry(metrics)
+    telemetry.hold = 60.0  # only the upstream wait writes here
+    started = time.perf_counter()
+    for name, in_flight, written in (("busy", 64, []), ("quiet", 1, ["busy", "quiet"])):
+        record = RequestRecord(name, Feature.CHAT, started, model="m", provider="p", endpoint="e")
+        telemetry.ended(record, Outcome.SUCCESS, 200)
+        telemetry.upstream_wait(in_flight)
+        assert access_lines.records == []  # not in the caller's turn
+        await asyncio.sleep(0)  # the wait: the loop's next turn
+        assert [line["request_id"] for line in access_lines.records] == written
+    telemetry.upstream_wait(1)  # nothing waits: nothing to do
+    await asyncio.sleep(0)
+    assert len(access_lines.records) == 2
