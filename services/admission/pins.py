@@ -93,6 +93,7 @@ class PinWriter:
         """A new pin (or one handed here that was never written): written once its session
         comes back (`used_again`), by a refresh round (`write_deferred`) or a release
         (`flush`), whichever comes first; removed before that, it costs no write at all."""
+        self._deferred.pop(pin.key, None)  # oldest first: a key deferred again goes last
         self._deferred[pin.key] = (now, (pin.model, pin.session))
 
     def used_again(self, pin: PinRecord) -> None:
