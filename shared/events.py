@@ -301,7 +301,10 @@ class EventPublisher:
         self.published = 0
         self.failures = 0
         self._failing = False  # log one warning per outage, not one per event
-        self._pending: set[object] = set()
+        # Events emitted and not yet handed to the client, oldest first: one task publishes
+        # what an event-loop turn emitted (`_flush`), not a task per event.
+        self._outbox: list[RoutingEvent] = []
+        self._flushing: object | None = None
 
     def build(self, kind: type[RoutingEvent], **fields: object) -> RoutingEvent:
         return kind(
@@ -312,7 +315,8 @@ class EventPublisher:
         )
 
     def emit(self, kind: type[RoutingEvent], **fields: object) -> None:
-        """Build and send an event without waiting (the hot path)."""
+        """Build and send an event without waiting (the hot path): the events emitted in one
+        event-loop turn are published in order by one task, at the next turn."""
         import asyncio
 
         try:
@@ -320,9 +324,18 @@ class EventPublisher:
         except Exception as exc:  # a bug in an announcement must not fail the change
             self._failed(f"cannot build a {kind.__name__} event", exc)
             return
-        task = asyncio.ensure_future(self.publish(event))
-        self._pending.add(task)
-        task.add_done_callback(self._pending.discard)
+        self._outbox.append(event)
+        if self._flushing is None:
+            self._flushing = asyncio.ensure_future(self._flush())
+
+    async def _flush(self) -> None:
+        try:
+            while self._outbox:
+                batch, self._outbox = self._outbox, []
+                for event in batch:
+                    await self.publish(event)
+        finally:
+            self._flushing = None
 
     async def publish(self, event: RoutingEvent) -> bool:
         """Send `event`; True if handed to the client, False (logged, counted) if not."""
