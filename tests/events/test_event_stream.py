@@ -8,10 +8,12 @@ import asyncio
 import json
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 from nats.aio.client import Client as NatsClient
+from timing import eventually
 
 from llmgw.config import load_config
 from llmgw.event_stream import ensure_events_stream, read_events
@@ -128,3 +130,39 @@ async def test_llmgw_events_prints_what_was_kept(
     assert lines[0].split(" ")[1] == f"llmgw.v1.events.pin.created.{unique_id}"
     code, lines = await asyncio.to_thread(events, json_lines=True, subject="nothing.here.x")
     assert (code, lines) == (0, [])
+
+
+async def test_emitted_events_arrive_in_order_within_and_across_loop_turns(
+    nats_client: NatsClient, unique_id: str
+) -> None:
+    """`emit` (the hot path) sends nothing in the caller's turn; what one turn emits goes out in
+    order from one task at the next, and what a later turn emits after it."""
+    seen: list[str] = []
+
+    async def received(msg: Any) -> None:
+        seen.append(parse_event(msg.data).session)  # type: ignore[union-attr]
+
+    sub = await nats_client.subscribe(f"llmgw.v1.events.*.*.{unique_id}", cb=received)
+    publisher = EventPublisher(nats_client, "admission-test")
+
+    def emit(n: int) -> None:
+        publisher.emit(
+            PinEvent,
+            event="pin.created",
+            provider=unique_id,
+            model="m",
+            session=f"s{n}",
+            pin_id=f"p{n}",
+            shard=n,
+        )
+
+    for n in range(3):
+        emit(n)
+    assert publisher.published == 0  # not in the emitting turn
+    await asyncio.sleep(0)  # the next turn: the batch is handed to the client
+    emit(3)
+    await asyncio.sleep(0)
+    await nats_client.flush()
+    await eventually(lambda: len(seen) == 4, 5, "the four events")
+    assert seen == ["s0", "s1", "s2", "s3"] and publisher.published == 4
+    await sub.unsubscribe()
