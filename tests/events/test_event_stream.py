@@ -32,18 +32,21 @@ def _config(tmp_path: Path, nats_url: str) -> Path:
     return path
 
 
+def _pin_created(provider: str, n: int) -> dict[str, Any]:
+    """The fields of a pin.created event of session s<n>."""
+    return {
+        "event": "pin.created",
+        "provider": provider,
+        "model": "m",
+        "session": f"s{n}",
+        "pin_id": f"p{n}",
+        "shard": n,
+    }
+
+
 async def _publish_pins(publisher: EventPublisher, provider: str, sessions: range) -> None:
     for n in sessions:
-        event = publisher.build(
-            PinEvent,
-            event="pin.created",
-            provider=provider,
-            model="m",
-            session=f"s{n}",
-            pin_id=f"p{n}",
-            shard=n,
-        )
-        assert await publisher.publish(event)
+        assert await publisher.publish(publisher.build(PinEvent, **_pin_created(provider, n)))
 
 
 async def test_a_late_subscriber_replays_then_follows(
@@ -145,22 +148,11 @@ async def test_emitted_events_arrive_in_order_within_and_across_loop_turns(
     sub = await nats_client.subscribe(f"llmgw.v1.events.*.*.{unique_id}", cb=received)
     publisher = EventPublisher(nats_client, "admission-test")
 
-    def emit(n: int) -> None:
-        publisher.emit(
-            PinEvent,
-            event="pin.created",
-            provider=unique_id,
-            model="m",
-            session=f"s{n}",
-            pin_id=f"p{n}",
-            shard=n,
-        )
-
     for n in range(3):
-        emit(n)
+        publisher.emit(PinEvent, **_pin_created(unique_id, n))
     assert publisher.published == 0  # not in the emitting turn
     await asyncio.sleep(0)  # the next turn: the batch is handed to the client
-    emit(3)
+    publisher.emit(PinEvent, **_pin_created(unique_id, 3))
     await asyncio.sleep(0)
     await nats_client.flush()
     await eventually(lambda: len(seen) == 4, 5, "the four events")
