@@ -128,10 +128,12 @@ def unpack(data: bytes) -> tuple[int, ...]:
 # -- the canonical form of a prompt -------------------------------------------------------------
 
 
+# One encoder for every prompt (`json.dumps` with arguments makes one per call).
+_canonical_json = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode
+
+
 def _json(value: Any) -> bytes:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode(
-        "utf-8", "surrogatepass"
-    )
+    return _canonical_json(value).encode("utf-8", "surrogatepass")
 
 
 def _text(value: str) -> bytes:

@@ -394,5 +394,10 @@ class ResponsesStream:
             self.response = response
             self.completed = kind in _ENDED_OK
             self.usage = response_usage(response)
-        encoded = json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
+        encoded = _compact_json(payload)
         return f"event: {kind}\ndata: {encoded}\n\n".encode()
+
+
+# `json.dumps(value, separators=(",", ":"), ensure_ascii=False)`, with one encoder for every
+# event (`json.dumps` with arguments makes an encoder per call).
+_compact_json = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode

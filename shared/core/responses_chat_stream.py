@@ -62,7 +62,7 @@ class ChatToResponsesStream:
     def _emit(self, kind: str, **fields: Any) -> bytes:
         payload = {"type": kind, "sequence_number": self._sequence, **fields}
         self._sequence += 1
-        encoded = json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
+        encoded = _encode(payload)
         return f"event: {kind}\ndata: {encoded}\n\n".encode()
 
     def feed(self, chunk: bytes) -> bytes:
@@ -144,17 +144,15 @@ class ChatToResponsesStream:
                 )
             )
         self._text["text"] += text
-        out.append(
-            self._emit(
-                "response.output_text.delta",
-                item_id=self._text["id"],
-                output_index=self._text["index"],
-                content_index=0,
-                delta=text,
-                logprobs=[],
-            )
-        )
+        out.append(self._text_delta_event(text))
         return b"".join(out)
+
+    def _text_delta_event(self, text: str) -> bytes:
+        """The ``response.output_text.delta`` event of `text`, byte for byte what `_emit` makes
+        of it (`delta_event`), without building and encoding its object: one per token."""
+        assert self._text is not None
+        sequence, self._sequence = self._sequence, self._sequence + 1
+        return delta_event(sequence, self._text["id"], self._text["index"], text)
 
     def _call_delta(self, call: dict[str, Any]) -> bytes:
         out: list[bytes] = []
@@ -251,3 +249,24 @@ class ChatToResponsesStream:
         self.completed = True
         self.usage = response_usage(self._live)
         return b"".join(out)
+
+
+# `json.dumps(value, separators=(",", ":"), ensure_ascii=False)`, with one encoder for every
+# event (`json.dumps` with arguments makes an encoder per call).
+_encode = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
+
+_DELTA_HEAD = (
+    'event: response.output_text.delta\ndata: {"type":"response.output_text.delta",'
+    '"sequence_number":'
+)
+
+
+def delta_event(sequence: int, item_id: str, output_index: int, text: str) -> bytes:
+    """An ``response.output_text.delta`` SSE event as `ChatToResponsesStream._emit` encodes it
+    (``json.dumps`` with ``(",", ":")`` separators, ``ensure_ascii=False``; keys in its order),
+    from a template and the encoded strings alone."""
+    return (
+        f"{_DELTA_HEAD}{sequence},"
+        f'"item_id":{_encode(item_id)},"output_index":{output_index},'
+        f'"content_index":0,"delta":{_encode(text)},"logprobs":[]}}\n\n'
+    ).encode()

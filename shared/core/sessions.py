@@ -151,6 +151,11 @@ def _digest(*parts: str) -> str:
     return h.hexdigest()[:SESSION_ID_CHARS]
 
 
+# `json.dumps(value, sort_keys=True, ensure_ascii=False)` (the opening a session id hashes),
+# with one encoder for every request (`json.dumps` with arguments makes one per call).
+_stable_json = json.JSONEncoder(sort_keys=True, ensure_ascii=False).encode
+
+
 def stable_prefix(feature: Feature, body: dict[str, Any]) -> str | None:
     """The part of the prompt that stays the same for a whole conversation, or None."""
     if feature is Feature.CHAT:
@@ -159,7 +164,7 @@ def stable_prefix(feature: Feature, body: dict[str, Any]) -> str | None:
             return None
         for index, message in enumerate(messages):
             if isinstance(message, dict) and message.get("role") == "user":
-                return json.dumps(messages[: index + 1], sort_keys=True, ensure_ascii=False)
+                return _stable_json(messages[: index + 1])
         return None
     if feature is Feature.COMPLETIONS:
         prompt = body.get("prompt")

@@ -17,7 +17,7 @@ from llmgw.core.responses_chat import (
     chat_request,
     response_from_chat,
 )
-from llmgw.core.responses_chat_stream import ChatToResponsesStream
+from llmgw.core.responses_chat_stream import ChatToResponsesStream, delta_event
 
 DATA = Path(__file__).parent / "data" / "responses"
 TEXT_STREAM = (DATA / "chat_text_stream.sse").read_bytes()
@@ -293,3 +293,47 @@ def test_any_chat_stream_becomes_events_whose_deltas_add_up_to_the_final_respons
             s for kind, i, s in pieces if kind == "call" and i == index
         )
     assert reader.usage.input_tokens == 5 and reader.usage.output_tokens == 7
+
+
+@given(
+    text=st.text(),
+    sequence=st.integers(min_value=0, max_value=10**9),
+    index=st.integers(min_value=0, max_value=1000),
+    item=st.text(min_size=1),
+)
+def test_the_templated_text_delta_is_the_generic_event_byte_for_byte(text, sequence, index, item):
+    """The per-token delta event is written from a template; it is what the generic encoder
+    writes for the same fields, whatever the text (quotes, control characters, non-ASCII)."""
+    fields = {"item_id": item, "output_index": index, "content_index": 0, "delta": text}
+    kind = "response.output_text.delta"
+    payload = {"type": kind, "sequence_number": sequence, **fields, "logprobs": []}
+    encoded = json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
+    expected = f"event: {kind}\ndata: {encoded}\n\n".encode()
+    reader = ChatToResponsesStream(BODY, RESPONSE_ID, TURN, clock=lambda: 0.0)
+    reader._sequence = sequence
+    assert reader._emit(kind, **fields, logprobs=[]) == expected
+    assert delta_event(sequence, item, index, text) == expected
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(), children, max_size=4)
+    ),
+    max_leaves=12,
+)
+
+
+@given(value=JSON_VALUES)
+def test_the_shared_encoders_write_what_json_dumps_writes(value):
+    """The hot path's encoders, made once (`json.dumps` with arguments makes one per call), write
+    byte for byte what the `json.dumps` call they stand for writes: session ids and prompt
+    chains hash these bytes."""
+    from llmgw.core import prefix, responses, responses_chat_stream, sessions
+
+    compact = json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    assert responses_chat_stream._encode(value) == compact
+    assert responses._compact_json(value) == compact
+    canonical = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    assert prefix._canonical_json(value) == canonical
+    assert sessions._stable_json(value) == json.dumps(value, sort_keys=True, ensure_ascii=False)
