@@ -63,6 +63,9 @@ __all__ = ["Exchange", "ResponsesApi", "owner_of"]
 log = logging.getLogger("llmgw.edge")
 
 RESPONSES_PATH = "/v1/responses"
+# `json.dumps(value, ensure_ascii=False)`, one encoder for every answer (`json.dumps` with
+# arguments makes one per call).
+_response_json = json.JSONEncoder(ensure_ascii=False).encode
 CHAT_PATH = "/v1/chat/completions"
 
 
@@ -142,7 +145,7 @@ class Exchange:
             response = response_from_chat(value, self.body, self.response_id, self.turn)
         else:
             response = finalize(value, self.response_id, self.turn)
-        body = json.dumps(response, ensure_ascii=False).encode()
+        body = _response_json(response).encode()
         self.keep(response, body)
         return body, response_usage(response)
 

@@ -245,7 +245,7 @@ class StoredResponse:
     def encode(self, response_json: bytes | None = None) -> bytes:
         """The record as stored; `response_json`: `response` already encoded (as the client
         got it), so it is not encoded again."""
-        fields = json.dumps(
+        fields = _compact_json(
             {
                 "v": 1,
                 "id": self.id,
@@ -255,14 +255,10 @@ class StoredResponse:
                 "input": list(self.input),
                 "created_at": self.created_at,
                 "ancestors": list(self.ancestors),
-            },
-            separators=(",", ":"),
-            ensure_ascii=False,
+            }
         ).encode()
         if response_json is None:
-            response_json = json.dumps(
-                self.response, separators=(",", ":"), ensure_ascii=False
-            ).encode()
+            response_json = _compact_json(self.response).encode()
         return b'%s,"response":%s}' % (fields[:-1], response_json)
 
     @classmethod
