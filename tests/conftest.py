@@ -13,7 +13,9 @@ Workers: with `-n N` the suite runs on N pytest-xdist workers (the README), each
 its own session fixtures (its own NATS server). Work goes out a test module at a time (a
 module's fixtures are set up once, on one worker), except that every module marked `latency`
 (figures measured on the wall clock: placement's cache hits and TTFT, the interference test,
-the balancer's evaluation) belongs to one unit, so those run one after another on one worker,
+the balancer's evaluation), and every module marked `heavy` (hundreds of concurrent requests
+through several in-process instances against real timeouts: the mesh soaks), belongs to one
+unit, so those run one after another on one worker,
 never beside each other, while the other workers run the rest at a lower CPU priority (their
 NATS servers, started first, at the normal one) (`pytest_xdist_make_scheduler` and `pytest_runtest_setup` below; xdist's own `--dist
 loadgroup` reads its groups into node ids, which pytest 9 no longer lets a plugin rewrite, so it
@@ -56,12 +58,15 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 LATENCY_UNIT = "latency"
-LATENCY_MARK = "pytest.mark.latency"
+# Modules whose source names one of these marks go in the latency unit: wall-clock figures, and
+# heavy in-process loads whose timeouts a starved worker would miss.
+UNIT_MARKS = ("latency", "heavy")
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """xdist's scheduler (on the controller, which collects nothing: it sees node ids only):
-    a unit of work per test module, every module whose source marks it `latency` in one unit."""
+    a unit of work per test module, every module whose source marks it `latency` or `heavy` in
+    one unit."""
     from xdist.scheduler import LoadScopeScheduling
 
     latency: dict[str, bool] = {}
@@ -69,7 +74,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     def is_latency(module: str) -> bool:
         if module not in latency:
             path = config.rootpath / module
-            latency[module] = path.is_file() and LATENCY_MARK in path.read_text()
+            text = path.read_text() if path.is_file() else ""
+            latency[module] = any(f"pytest.mark.{mark}" in text for mark in UNIT_MARKS)
         return latency[module]
 
     class ModulesWithOneLatencyUnit(LoadScopeScheduling):
@@ -93,14 +99,14 @@ _reniced: list[bool] = []
 
 @pytest.hookimpl(tryfirst=True)  # before the fixtures it sets up start their processes
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """On an xdist worker, the first test not marked `latency` lowers the worker's CPU priority
-    (and that of every process it starts from then on) for good: on a machine with fewer cores
-    than workers, the latency tests' worker, which runs its unit first at the normal priority,
-    gets the CPU when it needs it (the scheduler weighs niceness 0 about 9 to 1 against 10),
+    """On an xdist worker, the first test marked neither `latency` nor `heavy` lowers the
+    worker's CPU priority (and that of every process it starts from then on) for good: on a
+    machine with fewer cores than workers, the latency tests' worker, which runs its unit first
+    at the normal priority, gets the CPU when it needs it (the scheduler weighs niceness 0 about 9 to 1 against 10),
     while the others still use whatever it leaves idle."""
     if _reniced or not os.environ.get("PYTEST_XDIST_WORKER"):
         return
-    if item.get_closest_marker("latency") is None:
+    if all(item.get_closest_marker(mark) is None for mark in UNIT_MARKS):
         if _nats_mode() == "embedded" and not _worker_nats:
             # The worker's NATS server starts before the worker yields: it answers every test
             # here, and a KV write it answers late fails a test as a timeout, while the tests'

@@ -44,7 +44,9 @@ learn later) keeps its leases (their edges still run them) but not the pins it h
 decides nothing with them, and another instance may have claimed the shard and pinned the
 session again where a pin's write had not landed. Pins it adds after its fence count; a lease
 it grants on a pin it held at its fence is a breach of its own (``fenced``), unless it added
-that pin again since (joined again, it adopted the bucket's copy of a shard's pins).
+that pin again since (joined again, it adopted the bucket's copy of a shard's pins). A grant
+counts as after the fence by its decision's time (``granted_at``), not by when the trail
+recorded it: a process stalled between the two (a loaded host) decided before its fence.
 """
 
 from __future__ import annotations
@@ -413,7 +415,9 @@ def check_audit(
             if (
                 event.kind == "granted"
                 and fence is not None
-                and event.at > fence[0]
+                # decided after the fence: the decision's own time (its instance's clock, the
+                # fence's), not when the trail recorded it (a stall between the two moves that)
+                and lease.granted_at > fence[0]
                 and lease.pin_id is not None
                 and lease.pin_id in fence[1]
             ):

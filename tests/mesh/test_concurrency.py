@@ -33,7 +33,7 @@ from llmgw.core.quota import Quota
 from llmgw.state.checker import check_audit, check_history
 from llmgw.state.history import HistoryRecorder
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.heavy]
 
 SESSIONS = 200
 SOAK_SECONDS = 20

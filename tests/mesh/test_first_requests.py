@@ -13,7 +13,7 @@ from mesh import MODEL, small_limits, start_mesh
 from llmgw.state.checker import check_audit, check_history
 from llmgw.state.history import HistoryRecorder
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.heavy]
 
 
 async def test_two_hundred_concurrent_first_requests_make_exactly_one_pin(

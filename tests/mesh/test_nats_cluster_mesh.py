@@ -40,7 +40,7 @@ from llmgw.nats_cluster import EmbeddedNatsCluster
 from llmgw.state.checker import check_audit, check_history
 from llmgw.state.history import HistoryRecorder
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.heavy]
 
 
 @pytest.fixture(scope="module")

@@ -91,12 +91,12 @@ def test_a_lease_a_fenced_instance_grants_on_a_pin_it_held_is_caught():
     log = AuditLog(clock=clock.wall)
     add(log, "g", "s1", "p1")  # t=1
     on_pin = LeaseRecord(
-        "before", "a", "m", LeaseKind.PINNED, False, 0, "edge", 0.0, 0.0, "s1", "p1"
+        "before", "a", "m", LeaseKind.PINNED, False, 0, "edge", 2.0, 2.0, "s1", "p1"
     )
     log.observer("g").lease_granted(on_pin, None, QuotaCounts(0, 0, 1))  # t=2: still deciding
     log.observer("g").fenced(2.5)
     assert check(log) == []
-    late = LeaseRecord("late", "a", "m", LeaseKind.PINNED, False, 0, "edge", 0.0, 0.0, "s1", "p1")
+    late = LeaseRecord("late", "a", "m", LeaseKind.PINNED, False, 0, "edge", 3.0, 3.0, "s1", "p1")
     log.observer("g").lease_granted(
         late, None, QuotaCounts(1, 0, 0)
     )  # t=3: a fenced instance decides
@@ -104,7 +104,7 @@ def test_a_lease_a_fenced_instance_grants_on_a_pin_it_held_is_caught():
     assert [v.invariant for v in found] == ["fenced"]
     assert "granted by g on pin p1, which it held when fenced at 2.500" in found[0].message
     add(log, "g", "s2", "p2")  # t=4: pins it adds after its fence count, and so do their leases
-    again = LeaseRecord("new", "a", "m", LeaseKind.NEW_PIN, False, 0, "edge", 0.0, 0.0, "s2", "p2")
+    again = LeaseRecord("new", "a", "m", LeaseKind.NEW_PIN, False, 0, "edge", 5.0, 5.0, "s2", "p2")
     log.observer("g").lease_granted(again, None, QuotaCounts(1, 0, 1))
     assert [v.invariant for v in check(log)] == ["fenced"]
 
@@ -119,8 +119,23 @@ def test_a_lease_on_a_pin_a_fenced_instance_adopts_again_after_rejoining_counts(
     log.observer("g").fenced(1.5)
     log.observer("g").pin_removed(pin("s1", "p1"), 2.5, "dropped")  # t=2: dropped on rejoining
     add(log, "g", "s1", "p1")  # t=3: the shard claimed again, p1's copy adopted
-    adopted = LeaseRecord("on", "a", "m", LeaseKind.PINNED, False, 0, "edge", 0.0, 0.0, "s1", "p1")
+    adopted = LeaseRecord("on", "a", "m", LeaseKind.PINNED, False, 0, "edge", 4.0, 4.0, "s1", "p1")
     log.observer("g").lease_granted(adopted, None, QuotaCounts(0, 0, 1))  # t=4
+    assert check(log) == []
+
+
+def test_a_grant_decided_before_the_fence_and_recorded_after_a_stall_is_no_breach():
+    """A loaded host stalls the instance between its decision (it could still decide) and the
+    trail's record of it; the fence, learnt later, is stamped back before that record. The
+    decision's own time says it came first."""
+    clock = SteppedClock(0.0, tick=1.0)
+    log = AuditLog(clock=clock.wall)
+    add(log, "g", "s1", "p1")  # t=1
+    stalled = LeaseRecord(
+        "stalled", "a", "m", LeaseKind.PINNED, False, 0, "e", 1.4, 1.4, "s1", "p1"
+    )
+    log.observer("g").lease_granted(stalled, None, QuotaCounts(0, 0, 1))  # recorded at t=2
+    log.observer("g").fenced(1.5)  # learnt at t=3, its fence at 1.5: after the decision
     assert check(log) == []
 
 
