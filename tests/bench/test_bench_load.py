@@ -91,12 +91,16 @@ async def test_sessions_resend_history_and_hit_the_prefix_cache(engine: StartEng
     by_session: dict[str, list] = {}
     for record in sorted(records, key=lambda r: r.index):
         by_session.setdefault(record.session_id, []).append(record)
-    assert len(by_session) == 8 and all(len(turns) == 3 for turns in by_session.values())
+    # 4 conversations at a time, each replaced by a new one after its 3 turns: in lockstep 8
+    # conversations of 3 turns, but one that runs ahead starts the next sooner, and the 24th
+    # request may then leave two conversations part-way (the replies' timing decides).
+    assert sum(len(turns) for turns in by_session.values()) == 24
+    assert sum(len(turns) == 3 for turns in by_session.values()) >= 6
     for turns in by_session.values():
-        assert [r.turn for r in turns] == [0, 1, 2]
+        assert [r.turn for r in turns] == list(range(len(turns))) and len(turns) <= 3
         assert turns[0].cached_tokens == 0
         # each turn resends the previous prompt and reply, so the cache holds its head
-        assert turns[0].prompt_tokens < turns[1].prompt_tokens < turns[2].prompt_tokens
+        assert all(a.prompt_tokens < b.prompt_tokens for a, b in itertools.pairwise(turns))
         assert all(r.cached_tokens >= 16 for r in turns[1:])
     state = (await sim.get("/sim/state")).json()
     cached = sum(r.cached_tokens for r in records)
@@ -120,11 +124,11 @@ async def test_sessions_resend_history_and_hit_the_prefix_cache(engine: StartEng
         replies = [m["content"] for m in messages if m["role"] == "assistant"]
         assert all(len(re.findall(r" \w+|\.", reply)) == 8 for reply in replies)
         history.setdefault(session, []).append(messages)
-    assert len(seen) == 8
+    assert set(seen) == set(by_session)
     for turns in history.values():  # each turn resends the previous one's messages unchanged
         assert all(b[: len(a)] == a for a, b in itertools.pairwise(turns))
-    assert (
-        sorted(len(r["body"]["messages"]) for r in recorder.requests) == [1] * 8 + [3] * 8 + [5] * 8
+    assert sorted(len(r["body"]["messages"]) for r in recorder.requests) == sorted(
+        1 + 2 * r.turn for r in records
     )
 
 
