@@ -120,8 +120,7 @@ class PinWriter:
         """Write those of `pins` whose first write is deferred (a shard about to leave this
         ledger for the bucket only)."""
         for pin in pins:
-            if pin.key in self._deferred:
-                self.put(pin)
+            self.used_again(pin)
 
     def deferred(self) -> int:
         return len(self._deferred)

@@ -36,6 +36,7 @@ __all__ = [
     "StoredResponse",
     "Turn",
     "as_input",
+    "compact_json",
     "expand",
     "finalize",
     "new_response_id",
@@ -245,7 +246,7 @@ class StoredResponse:
     def encode(self, response_json: bytes | None = None) -> bytes:
         """The record as stored; `response_json`: `response` already encoded (as the client
         got it), so it is not encoded again."""
-        fields = _compact_json(
+        fields = compact_json(
             {
                 "v": 1,
                 "id": self.id,
@@ -258,7 +259,7 @@ class StoredResponse:
             }
         ).encode()
         if response_json is None:
-            response_json = _compact_json(self.response).encode()
+            response_json = compact_json(self.response).encode()
         return b'%s,"response":%s}' % (fields[:-1], response_json)
 
     @classmethod
@@ -390,10 +391,10 @@ class ResponsesStream:
             self.response = response
             self.completed = kind in _ENDED_OK
             self.usage = response_usage(response)
-        encoded = _compact_json(payload)
+        encoded = compact_json(payload)
         return f"event: {kind}\ndata: {encoded}\n\n".encode()
 
 
 # `json.dumps(value, separators=(",", ":"), ensure_ascii=False)`, with one encoder for every
 # event (`json.dumps` with arguments makes an encoder per call).
-_compact_json = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
+compact_json = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode

@@ -15,7 +15,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from llmgw.core.responses import Turn, response_usage
+from llmgw.core.responses import Turn, compact_json, response_usage
 from llmgw.core.responses_chat import (
     call_item,
     chat_usage,
@@ -62,7 +62,7 @@ class ChatToResponsesStream:
     def _emit(self, kind: str, **fields: Any) -> bytes:
         payload = {"type": kind, "sequence_number": self._sequence, **fields}
         self._sequence += 1
-        encoded = _encode(payload)
+        encoded = compact_json(payload)
         return f"event: {kind}\ndata: {encoded}\n\n".encode()
 
     def feed(self, chunk: bytes) -> bytes:
@@ -251,10 +251,6 @@ class ChatToResponsesStream:
         return b"".join(out)
 
 
-# `json.dumps(value, separators=(",", ":"), ensure_ascii=False)`, with one encoder for every
-# event (`json.dumps` with arguments makes an encoder per call).
-_encode = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
-
 _DELTA_HEAD = (
     'event: response.output_text.delta\ndata: {"type":"response.output_text.delta",'
     '"sequence_number":'
@@ -267,6 +263,6 @@ def delta_event(sequence: int, item_id: str, output_index: int, text: str) -> by
     from a template and the encoded strings alone."""
     return (
         f"{_DELTA_HEAD}{sequence},"
-        f'"item_id":{_encode(item_id)},"output_index":{output_index},'
-        f'"content_index":0,"delta":{_encode(text)},"logprobs":[]}}\n\n'
+        f'"item_id":{compact_json(item_id)},"output_index":{output_index},'
+        f'"content_index":0,"delta":{compact_json(text)},"logprobs":[]}}\n\n'
     ).encode()

@@ -329,11 +329,10 @@ def test_the_shared_encoders_write_what_json_dumps_writes(value):
     """The hot path's encoders, made once (`json.dumps` with arguments makes one per call), write
     byte for byte what the `json.dumps` call they stand for writes: session ids and prompt
     chains hash these bytes."""
-    from llmgw.core import prefix, responses, responses_chat_stream, sessions
+    from llmgw.core import prefix, responses, sessions
 
     compact = json.dumps(value, separators=(",", ":"), ensure_ascii=False)
-    assert responses_chat_stream._encode(value) == compact
-    assert responses._compact_json(value) == compact
+    assert responses.compact_json(value) == compact
     canonical = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     assert prefix._canonical_json(value) == canonical
     assert sessions._stable_json(value) == json.dumps(value, sort_keys=True, ensure_ascii=False)
