@@ -160,14 +160,18 @@ class Answers:
         ):
             remembered.popitem(last=False)
 
-    def without_ended(self, state: ShardState) -> ShardState:
+    def without_ended(self, state: ShardState, now: float) -> ShardState:
         """`state` less the leases whose end reached this instance before the shard did (the
-        giver had taken them out, the end found them nowhere): taken in, they would stay here
-        until ``lease_timeout`` with nobody to end them (their edge renews them no more)."""
+        giver had taken them out, or crashed; the end found them nowhere): taken in, they would
+        stay here until ``lease_timeout`` with nobody to end them (their edge renews them no
+        more). Each one left out is reported to the ledger's observer as ended."""
         remembered = self._ended_elsewhere
         if not remembered:
             return state
-        kept = tuple(lease for lease in state.leases if lease.lease_id not in remembered)
+        kept = []
         for lease in state.leases:
-            remembered.pop(lease.lease_id, None)
-        return state if len(kept) == len(state.leases) else replace(state, leases=kept)
+            if remembered.pop(lease.lease_id, None) is None:
+                kept.append(lease)
+            else:
+                self.ledger.observer.lease_ended_in_transit(lease, now)
+        return state if len(kept) == len(state.leases) else replace(state, leases=tuple(kept))

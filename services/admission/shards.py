@@ -603,7 +603,8 @@ class Handovers:
             handover = Handover.model_validate_json(msg.data)
         except ValidationError:
             return
-        state = ctx.answers.without_ended(handover.state)  # ends that overtook the handover
+        # Less the ends that overtook the handover.
+        state = ctx.answers.without_ended(handover.state, ctx.clock())
         shard = state.shard
         me = ctx.instance
         refused: list[str] = []
@@ -749,7 +750,7 @@ class Handovers:
             for state, (record, _) in zip(states, records, strict=True):
                 # Less the leases whose end came after their edge answered the roll call:
                 # taken in, they would stay here until lease_timeout with nobody to end them.
-                state = ctx.answers.without_ended(state)
+                state = ctx.answers.without_ended(state, now)
                 dropped, unpinned = ctx.quotas.earmarks.take_in(record, state, now)
                 adopted += len(state.leases) - len(dropped)
                 refused += len(dropped)

@@ -196,6 +196,12 @@ class LedgerObserver:
 
     def lease_ended(self, lease: LeaseRecord, reason: EndReason, at: float) -> None: ...
 
+    def lease_ended_in_transit(self, lease: LeaseRecord, at: float) -> None:
+        """A lease of a shard on its way here (a handover or an adoption) whose edge reported
+        its end before the shard arrived: left out of what is taken in, never held here. The
+        end is its edge's word, wherever the lease was last counted (a crashed or stopped
+        previous owner never records it)."""
+
     def pin_added(self, pin: PinRecord, at: float, quota: Quota | None, before: int) -> None:
         """A pin taken on (new, moved or taken in with its shard); ``before``: the pair's pins
         at this instance just before it, ``quota`` the quota it came out of (None: no limits)."""

@@ -30,7 +30,11 @@ by `AuditLog`, a `LedgerObserver`), replayed in time order:
               I3 cannot see such a grant)
 
 A lease is live from its grant until its end; an adoption moves it to its adopter (same id,
-still live, never counted twice). An instance that *crashed* (`AuditLog.crash`) ends nothing:
+still live, never counted twice). An end counts at the instance that holds the lease, except one
+its edge sent while the lease's shard was on its way to a new owner (a handover, or an adoption
+after a crash): that owner leaves the lease out and records the end, which counts wherever the
+lease was last held (a crashed holder records nothing). An instance that *crashed*
+(`AuditLog.crash`) ends nothing:
 its leases stay live until adopted, or until ``lease_timeout`` after the crash (by then their
 edges have been told they are lost, or could not renew them, and ended their requests); one it
 granted after its crash was recorded (a decision in flight while it was being killed) until
@@ -203,6 +207,9 @@ class _InstanceObserver(LedgerObserver):
     def lease_ended(self, lease: LeaseRecord, reason: EndReason, at: float) -> None:
         self._log.add(self.instance, "ended", lease=lease, reason=reason.value)
 
+    def lease_ended_in_transit(self, lease: LeaseRecord, at: float) -> None:
+        self._log.add(self.instance, "ended", lease=lease, reason=ENDED_IN_TRANSIT)
+
     def pin_added(self, pin: PinRecord, at: float, quota: Quota | None, before: int) -> None:
         self._log.add(
             self.instance,
@@ -282,6 +289,11 @@ class AuditLog:
         )
 
 
+# The reason of an audit trail's end of a lease that its edge ended while its shard was on the way
+# to the instance that records it (`LedgerObserver.lease_ended_in_transit`).
+ENDED_IN_TRANSIT = "ended_in_transit"
+
+
 def check_audit(
     events: Iterable[AuditEvent],
     limits: Mapping[tuple[str, str], PairLimits | None],
@@ -337,6 +349,7 @@ def check_audit(
         return "\n".join(lines)
 
     granted_at: dict[str, float] = {}  # for the reports only
+    lease_events: dict[str, list[AuditEvent]] = defaultdict(list)  # for the reports only
 
     def key_context(key: str, at: float) -> str:
         lines = [f"  live leases of the key at {at:.3f}:"]
@@ -349,6 +362,20 @@ def check_audit(
                 if since
                 else f"    {lease_id} at {holder}{state}"
             )
+        lines.append("  instances: " + (", ".join(e.describe() for e in lifecycle) or "-"))
+        return "\n".join(lines)
+
+    def pair_context(pair: tuple[str, str], at: float) -> str:
+        lines = [f"  live leases on {pair[0]}/{pair[1]} at {at:.3f}:"]
+        for lease_id in sorted(per_pair[pair], key=lambda i: granted_at.get(i, 0.0)):
+            holder, lease = live[lease_id]
+            state = f" (crashed at {crashed[holder]:.3f})" if holder in crashed else ""
+            kind = "unreserved" if lease.unreserved else "reserved"
+            lines.append(
+                f"    {lease_id} {lease.kind.value} {kind} at {holder}{state}, "
+                f"since {granted_at.get(lease_id, 0.0):.3f}"
+            )
+            lines.extend(f"      {e.describe()}" for e in lease_events[lease_id])
         lines.append("  instances: " + (", ".join(e.describe() for e in lifecycle) or "-"))
         return "\n".join(lines)
 
@@ -395,6 +422,8 @@ def check_audit(
                     pins_per_pair[(provider, skey[0])].discard(skey)
                     dropped.add(pin_id)
             continue
+        if event.lease is not None:
+            lease_events[event.lease.lease_id].append(event)
         if event.kind in ("granted", "adopted"):
             lease = event.lease
             assert lease is not None
@@ -478,6 +507,7 @@ def check_audit(
                             lease.lease_id,
                             index,
                             f"{len(per_pair[pair])} live leases on {pair[0]}/{pair[1]} > G={g}",
+                            pair_context(pair, event.at),
                         )
                     )
                 if len(unreserved[pair]) > g - r:
@@ -488,6 +518,7 @@ def check_audit(
                             index,
                             f"{len(unreserved[pair])} unreserved "
                             f"leases on {pair[0]}/{pair[1]} > G-R={g - r}",
+                            pair_context(pair, event.at),
                         )
                     )
                 if lease.pin_id is not None and len(per_pin[lease.pin_id]) > s:
@@ -503,7 +534,9 @@ def check_audit(
             lease = event.lease
             assert lease is not None
             held = live.get(lease.lease_id)
-            if held is not None and held[0] == where:
+            # An instance's end of a lease counts where it holds it; one its edge ended while
+            # its shard was on the way to `where` counts wherever it was last held.
+            if held is not None and (held[0] == where or event.reason == ENDED_IN_TRANSIT):
                 end(lease.lease_id)
         elif event.kind == "pin_added":
             assert event.pin is not None

@@ -21,6 +21,7 @@ from timing import eventually
 
 from llmgw.config import Config, config_from_dict
 from llmgw.config.sections import default_bands
+from llmgw.core.ledger import LeaseRecord
 from llmgw.core.shards import shard_of
 from llmgw.load import EndpointReport, LoadSample, report_key
 from llmgw.services.admission.loadboard import FOREIGN_WINDOW
@@ -271,20 +272,7 @@ class Rig:
 
     async def end(self, service: AdmissionService, lease_id: str) -> None:
         """The request of `service`'s lease `lease_id` ends, as its edge reports it."""
-        lease = service.ledger.leases[lease_id]
-        message = RequestEnded(
-            id=uuid.uuid4().hex,
-            edge=lease.edge,
-            lease=lease.lease_id,
-            shard=lease.shard,
-            ok=True,
-            outcome="success",
-            model=lease.model,
-            provider=lease.provider,
-            endpoint=lease.endpoint or "?",
-            ended_at=time.time(),
-            sent=False,
-        )
+        message = request_ended(service.ledger.leases[lease_id], sent=False)
         await self.nc.publish(REQUEST_STATS_SUBJECT, message.model_dump_json().encode())
 
     def shard_of_instance(self, service: AdmissionService) -> int:
@@ -305,6 +293,23 @@ class Rig:
         await self.client.stop()
         await self.cluster.stop()
         await self.nc.close()
+
+
+def request_ended(lease: LeaseRecord, *, sent: bool) -> RequestEnded:
+    """What an edge publishes when the request of `lease` ends well."""
+    return RequestEnded(
+        id=uuid.uuid4().hex,
+        edge=lease.edge,
+        lease=lease.lease_id,
+        shard=lease.shard,
+        ok=True,
+        outcome="success",
+        model=lease.model,
+        provider=lease.provider,
+        endpoint=lease.endpoint or "?",
+        ended_at=time.time(),
+        sent=sent,
+    )
 
 
 def admitted(reply: AdmitReply) -> bool:

@@ -17,15 +17,17 @@ import time
 
 import pytest
 from inproc import Admission
-from rig import MODEL, open_rig
+from nats.aio.msg import Msg
+from rig import MODEL, open_rig, request_ended
 from timing import eventually
 
 from llmgw.core.shards import shard_of
 from llmgw.services.admission.compose import open_admission
 from llmgw.services.admission.successor import NameInUse, remove_exited_member
-from llmgw.services.edge.leases import EdgeLeases
-from llmgw.state.checker import AuditLog, check_audit
+from llmgw.services.edge.leases import EdgeLeases, HeldLease
+from llmgw.state.checker import ENDED_IN_TRANSIT, AuditLog, check_audit
 from llmgw.state.setup import open_routing_store
+from llmgw.wire import REQUEST_STATS_SUBJECT, RollCall
 
 G = 6
 LIMITS = {
@@ -63,6 +65,18 @@ async def _until_dropped(store, instance: str) -> None:  # type: ignore[no-untyp
         return instance not in {i for b in await store.quota_books() for i in b.value.holders}
 
     await eventually(dropped, BOUND, f"{instance}'s quota no longer booked", interval=0.05)
+
+
+async def _providers(rig, sessions: list[str], edge: EdgeLeases) -> list[str]:  # type: ignore[no-untyped-def]
+    """Where one request of each session goes, one after another; `edge` holds their leases."""
+    providers = []
+    for session in sessions:
+        reply = await rig.ask(session=session)
+        assert reply.target is not None, reply
+        providers.append(reply.target.provider)
+        if reply.lease is not None:
+            edge.hold(reply.lease)
+    return providers
 
 
 @pytest.fixture
@@ -111,17 +125,74 @@ async def test_a_successor_takes_the_dead_instances_shards_and_capacity_back_at_
     assert back < BOUND, back
 
     await rig.report_all(running=3, capacity=16)  # fresh reports: nothing stale
-    providers = []
-    for session in sessions[3:]:
-        reply = await rig.ask(session=session)
-        assert reply.target is not None, reply
-        providers.append(reply.target.provider)
-        if reply.lease is not None:
-            rig.edge.hold(reply.lease)
+    providers = await _providers(rig, sessions[3:], rig.edge)
     # Three more on our engines (G in all, the adopted three included), the next one beyond.
     assert providers == ["iris", "iris", "iris", "tensorx"], providers
     violations = check_audit(rig.audit.events, rig.cluster.limits, lease_timeout=30.0)
     assert violations == [], "\n".join(str(v) for v in violations[:3])
+
+
+class _EndsAfterTheRollCall(EdgeLeases):
+    """An edge whose request ends just after it answered a roll call with the request's lease:
+    the end reaches the adopting instance before the shard is taken in."""
+
+    ending: HeldLease | None = None
+
+    async def on_rollcall(self, msg: Msg) -> None:
+        await super().on_rollcall(msg)
+        hold = self.ending
+        if hold is None or hold.record.shard not in RollCall.model_validate_json(msg.data).shards:
+            return
+        self.ending = None
+        self.end(hold)
+        ended = request_ended(hold.record, sent=True)
+        await self._nc.publish(REQUEST_STATS_SUBJECT, ended.model_dump_json().encode())
+
+
+async def test_a_request_that_ends_while_its_shard_is_adopted_is_recorded_ended(rig):
+    """Its lease is left out of the adoption (its quota came in with the others), and the audit
+    trail says it ended: the checker counts it no longer at the dead instance while the
+    successor grants the whole limit again. (Before, the trail had no end for it: the checker
+    kept it live until lease_timeout, one over G once the successor's quota came back.)"""
+    shards = rig.config.admission.shards
+    edge = _EndsAfterTheRollCall(rig.nc, "edge-ending", lease_timeout=30.0, request_timeout=2.0)
+    await edge.start()
+    try:
+        await rig.report_all(running=0, capacity=16)
+        sessions = _sessions(shards, G + 2)
+        held = []
+        for session in sessions[:3]:  # three requests running when the instance dies
+            reply = await rig.ask(session=session)
+            assert reply.target is not None and reply.target.provider == "iris", reply
+            held.append(edge.hold(reply.lease))
+        edge.ending = held[0]
+        store = await open_routing_store(rig.nc, rig.config)
+        await rig.cluster.admissions[0].kill()
+        rig.audit.crash(DEAD)
+        assert await remove_exited_member(store, DEAD)
+        successor = (await rig.cluster.add_admission(SUCCESSOR)).service
+        await rig.cluster.settled()
+        assert edge.ending is None, "the roll call never asked for the ending lease's shard"
+        assert successor.shards.adopted_leases == 2  # the ended one left out
+        ended = [e for e in rig.audit.events if e.kind == "ended" and e.instance == SUCCESSOR]
+        assert [(e.lease.lease_id, e.reason) for e in ended] == [
+            (held[0].record.lease_id, ENDED_IN_TRANSIT)
+        ]
+
+        await _until_dropped(store, DEAD)
+        await eventually(
+            lambda: successor.ledger.quota[("iris", MODEL)].g == G,
+            timeout=BOUND,
+            what="the successor's quota of the whole limit",
+        )
+        await rig.report_all(running=2, capacity=16)
+        providers = await _providers(rig, sessions[3:], edge)
+        # G on our engines (the two adopted and four new), the next one beyond.
+        assert providers == ["iris"] * 4 + ["tensorx"], providers
+        violations = check_audit(rig.audit.events, rig.cluster.limits, lease_timeout=30.0)
+        assert violations == [], "\n".join(str(v) for v in violations[:3])
+    finally:
+        await edge.stop()
 
 
 async def test_a_stable_name_takes_over_from_its_dead_incarnation_and_refuses_a_live_one(rig):

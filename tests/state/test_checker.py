@@ -7,7 +7,7 @@ from timing import SteppedClock
 
 from llmgw.core.ledger import EndReason, LeaseKind, LeaseRecord, PinRecord
 from llmgw.core.quota import Quota, QuotaCounts
-from llmgw.state.checker import AuditLog, check_audit
+from llmgw.state.checker import ENDED_IN_TRANSIT, AuditLog, check_audit
 
 
 class Limits:
@@ -195,3 +195,22 @@ def test_a_grant_after_a_lowered_limit_is_held_to_it_and_older_leases_are_not_re
     found = check_audit(log.events, LIMITS, lease_timeout=5.0, changed=changed)
     assert [v.invariant for v in found] == ["I2a"] and "G=4" in found[0].message
     assert check_audit(log.events, LIMITS, lease_timeout=5.0) == []  # G = 8 throughout: fine
+
+
+def test_an_end_recorded_in_transit_counts_where_the_lease_was_held_and_others_do_not():
+    """A crashed instance records no end. The instance that takes its shard in records the end
+    of a lease its edge ended meanwhile (left out of what it took in): that lease is over, at
+    the crashed holder. An ordinary end recorded by an instance that does not hold the lease
+    (the giver of a handover, late) ends nothing."""
+    clock = SteppedClock(0.0, tick=1.0)
+    log = AuditLog(clock=clock.wall)
+    for n in range(8):  # G = 8 live leases at g
+        log.observer("g").lease_granted(numbered(n), None, (n, 0, 0))
+    log.crash("g")
+    log.observer("r").lease_ended_in_transit(numbered(0), 0.0)
+    log.observer("r").lease_granted(numbered(8), None, (0, 0, 0))  # 8 live: l0 is over
+    assert check(log) == []
+    log.observer("r").lease_ended(numbered(1), EndReason.RELEASED, 0.0)  # not r's: no end
+    log.observer("r").lease_granted(numbered(9), None, (1, 0, 0))
+    assert [v.invariant for v in check(log)] == ["I2a"]
+    assert [e.reason for e in log.events if e.kind == "ended"] == [ENDED_IN_TRANSIT, "released"]
