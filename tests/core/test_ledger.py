@@ -346,3 +346,39 @@ def test_a_sub_agents_pin_keeps_its_parent_when_it_moves_and_when_its_shard_does
     other.add_shard(state, 2.0)
     assert other.pin("m", "c").parent == "root"
     assert lg.create_pin("pin.0.d", "p3", *OPEN, "d", 0, 3.0).parent is None
+
+
+def _served(lg: Ledger, pin, now: float, times: int) -> None:  # type: ignore[no-untyped-def]
+    """`pin` serves `times` requests, one after another, each ending well at `now`."""
+    for n in range(times):
+        lease_id = f"{pin.pin_id}-{now}-{n}"
+        lg.grant(
+            lease_id, *LIMITED, LeaseKind.PINNED, shard=0, edge="e", now=now,
+            session=pin.session, pin=pin,
+        )  # fmt: skip
+        lg.release(lease_id, now, refresh=True)
+
+
+def test_eviction_finds_the_least_recently_used_candidate_past_recent_conversations():
+    """Conversations idle for less than min_idle are no candidates, however many; among the
+    candidates (one-shots, and conversations idle long enough) the least recently used goes
+    first. The idle index's heap stays within twice its pins, however often they are used."""
+    lg = ledger()
+    lg.set_quota(LIMITED, Quota(8, 8, 1000))
+    pins = [lg.create_pin(f"pin.0.c{i}", f"c{i}", *LIMITED, f"c{i}", 0, 0.0) for i in range(500)]
+    for n, pin in enumerate(pins):  # 500 conversations, used at t = 0 .. 99.8
+        _served(lg, pin, n * 0.2, 2)
+    assert lg.evictable(*LIMITED, 100.0, 60.0) is pins[0]  # idle since t = 0
+    for n, pin in enumerate(pins):  # each used again, at t = 100 .. 199.8
+        _served(lg, pin, 100 + n * 0.2, 1)
+    assert lg.evictable(*LIMITED, 200.0, 150.0) is None  # none idle 150 s
+    once = lg.create_pin("pin.0.o", "o", *LIMITED, "o", 0, 200.0)
+    _served(lg, once, 200.0, 1)
+    assert lg.evictable(*LIMITED, 201.0, 150.0) is once  # a one-shot goes at once
+    assert lg.evictable(*LIMITED, 260.0, 150.0) is pins[0]  # idle since t = 100: older
+    lg.set_quota(LIMITED, Quota(8, 8, 501))  # the table full: one goes
+    assert [p.pin_id for p in lg.to_evict(*LIMITED, 260.0, 150.0)] == ["c0"]
+    lg.set_quota(LIMITED, Quota(8, 8, 499))  # above a lowered quota: three go
+    assert [p.pin_id for p in lg.to_evict(*LIMITED, 260.0, 150.0)] == ["c0", "c1", "c2"]
+    heap = lg._idle[LIMITED]._heap  # entries of pins used since are dropped in bulk
+    assert len(heap) <= 2 * len(pins) + 64
