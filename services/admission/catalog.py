@@ -207,8 +207,10 @@ class ProviderCatalog:
         if pin is None and parent is not None:
             held = self._ledger.pin(model, parent)
             near = held.endpoint if held is not None else None
+        pinned_on = pin.provider if pin is not None else None
         providers = tuple(
-            self._provider(p, model, feature, exclude, now, prompt, near, need) for p in self.order
+            self._provider(p, model, feature, exclude, now, prompt, near, need, pinned_on)
+            for p in self.order
         )
         if self._overflow_costs is not None:
             costs, priorities = self._overflow_costs
@@ -230,7 +232,11 @@ class ProviderCatalog:
         prompt: PromptPrefix | None = None,
         near: str | None = None,
         need: ContextNeed | None = None,
+        pinned_on: str | None = None,
     ) -> ProviderState:
+        """`pinned_on`: the provider of the session's pin, where placement never makes it a
+        new pin (it keeps it, or moves it elsewhere): whether a pin could be evicted there for
+        one is not asked."""
         managed = not self.is_unlimited(provider)
         prefixes = self.prefixes if managed and prompt is not None else None
         configs = self._endpoints.get((provider, model), [])
@@ -285,8 +291,10 @@ class ProviderCatalog:
                 for s in endpoints
             ]
         room = self._ledger.room(provider, model)
-        evictable = not room.pin and bool(
-            self._ledger.to_evict(provider, model, now, self.min_idle_before_evict)
+        evictable = (
+            not room.pin
+            and provider != pinned_on
+            and bool(self._ledger.to_evict(provider, model, now, self.min_idle_before_evict))
         )
         return ProviderState(
             id=provider,
