@@ -7,12 +7,15 @@ One admission instance (flow control on, as shipped) on an embedded nats-server,
 provider of two engines (each reported running nothing, capacity 64) with limits whose pin table
 is full, and a third party. The decision is `Intake._start` called directly, synchronously, as
 the colocated edge calls it; each lease ends (the ledger's release) before the next decision.
-Two kinds of decision, interleaved in blocks, median per round:
+Two kinds of decision, interleaved in blocks of 200, median per round:
 
 - *known*: a request of one of `--conversations` pinned conversations, in turn;
 - *new*: a new conversation's first request: a new pin, which evicts a one-shot pin (the table
-  is full), with the `--conversations` conversations idle for less than
-  `pinning.min_idle_before_evict` (not candidates).
+  holds the conversations and as many one-shots, so it is full), the conversations idle for
+  less than `pinning.min_idle_before_evict` (not candidates).
+
+`--only-new`: no known requests during the measurement: the conversations, used before the
+one-shots, stay idle (agents thinking) while new conversations arrive.
 
 `--python` runs the same measurement with another code tree's interpreter (before/after in one
 run: the two alternate per round). `--profile known|new` prints cProfile's top functions for
@@ -94,7 +97,9 @@ def _config(nats_url: str, run: str, pins: int) -> Any:
     )
 
 
-async def _measure(decisions: int, rounds: int, conversations: int, profile: str | None) -> dict:
+async def _measure(
+    decisions: int, rounds: int, conversations: int, profile: str | None, only_new: bool = False
+) -> dict:
     server = EmbeddedNats(kill_with_parent=True).start()
     try:
         run = uuid.uuid4().hex[:8]
@@ -102,14 +107,16 @@ async def _measure(decisions: int, rounds: int, conversations: int, profile: str
         config = _config(server.url, run, 2 * conversations)
         running = await open_admission(config, "admission-0", "decision-benchmark")
         try:
-            return await _decide(running.service, config, decisions, rounds, conversations, profile)
+            return await _decide(
+                running.service, config, decisions, rounds, conversations, profile, only_new
+            )
         finally:
             await running.close()
     finally:
         server.stop()
 
 
-async def _decide(service, config, decisions, rounds, conversations, profile) -> dict:  # type: ignore[no-untyped-def]
+async def _decide(service, config, decisions, rounds, conversations, profile, only_new) -> dict:  # type: ignore[no-untyped-def]
     load = await open_load_bucket(service.nc, config)
     for engine in ENGINES:
         report = EndpointReport(
@@ -175,11 +182,12 @@ async def _decide(service, config, decisions, rounds, conversations, profile) ->
     for _ in range(rounds):
         times: dict[str, list[float]] = {"known": [], "new": []}
         for n in range(0, decisions, BLOCK):
-            for kind in ("new", "known"):  # new ones meet the conversations idle a while
+            for kind in ("new",) if only_new else ("new", "known"):
                 times[kind] += block(kind, n)
             await asyncio.sleep(0)  # what the decisions queued (events, pin writes) goes out
         for kind, taken in times.items():
-            medians[kind].append(statistics.median(taken) * 1e6)
+            if taken:
+                medians[kind].append(statistics.median(taken) * 1e6)
     return medians
 
 
@@ -190,13 +198,14 @@ def main() -> int:
     parser.add_argument("--conversations", type=int, default=256)
     parser.add_argument("--python", help="also measure with this interpreter's llmgw")
     parser.add_argument("--profile", choices=("known", "new"))
+    parser.add_argument("--only-new", action="store_true", help="no known requests measured")
     parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.profile:
         asyncio.run(_measure(args.decisions, 1, args.conversations, args.profile))
         return 0
     if args.json:
-        result = asyncio.run(_measure(args.decisions, 1, args.conversations, None))
+        result = asyncio.run(_measure(args.decisions, 1, args.conversations, None, args.only_new))
         print(json.dumps(result))
         return 0
     pythons = {"this": sys.executable, **({"other": args.python} if args.python else {})}
@@ -207,7 +216,8 @@ def main() -> int:
         for name, python in pythons.items():
             out = subprocess.run(
                 [python, __file__, "--json", "--decisions", str(args.decisions),
-                 "--conversations", str(args.conversations)],
+                 "--conversations", str(args.conversations),
+                 *(["--only-new"] if args.only_new else [])],
                 check=True, capture_output=True, text=True,
             )  # fmt: skip
             for kind, values in json.loads(out.stdout.strip().splitlines()[-1]).items():
@@ -217,7 +227,7 @@ def main() -> int:
     print("|---|---|---|")
     for name, kinds in results.items():
         cells = [
-            f"{statistics.median(v):.1f} [{min(v):.1f}..{max(v):.1f}]"
+            f"{statistics.median(v):.1f} [{min(v):.1f}..{max(v):.1f}]" if v else "-"
             for v in (kinds["known"], kinds["new"])
         ]
         print(f"| {name} | {cells[0]} | {cells[1]} |")
