@@ -351,33 +351,30 @@ def check_audit(
     granted_at: dict[str, float] = {}  # for the reports only
     lease_events: dict[str, list[AuditEvent]] = defaultdict(list)  # for the reports only
 
-    def key_context(key: str, at: float) -> str:
-        lines = [f"  live leases of the key at {at:.3f}:"]
-        for lease_id in sorted(per_key[key]):
-            holder = live[lease_id][0]
-            state = f" (crashed at {crashed[holder]:.3f})" if holder in crashed else ""
-            since = granted_at.get(lease_id)
-            lines.append(
-                f"    {lease_id} at {holder}{state}, since {since:.3f}"
-                if since
-                else f"    {lease_id} at {holder}{state}"
-            )
-        lines.append("  instances: " + (", ".join(e.describe() for e in lifecycle) or "-"))
-        return "\n".join(lines)
-
-    def pair_context(pair: tuple[str, str], at: float) -> str:
-        lines = [f"  live leases on {pair[0]}/{pair[1]} at {at:.3f}:"]
-        for lease_id in sorted(per_pair[pair], key=lambda i: granted_at.get(i, 0.0)):
+    def leases_context(heading: str, lease_ids: Iterable[str], detailed: bool) -> str:
+        """The live leases `lease_ids`, each with its holder and since when (`detailed`: its
+        kind and its events too), and the instances' crashes and stops."""
+        lines = [heading]
+        for lease_id in lease_ids:
             holder, lease = live[lease_id]
             state = f" (crashed at {crashed[holder]:.3f})" if holder in crashed else ""
+            since = granted_at.get(lease_id)
+            line = f"    {lease_id} at {holder}{state}" + (f", since {since:.3f}" if since else "")
+            if not detailed:
+                lines.append(line)
+                continue
             kind = "unreserved" if lease.unreserved else "reserved"
-            lines.append(
-                f"    {lease_id} {lease.kind.value} {kind} at {holder}{state}, "
-                f"since {granted_at.get(lease_id, 0.0):.3f}"
-            )
+            lines.append(f"{line} ({lease.kind.value}, {kind})")
             lines.extend(f"      {e.describe()}" for e in lease_events[lease_id])
         lines.append("  instances: " + (", ".join(e.describe() for e in lifecycle) or "-"))
         return "\n".join(lines)
+
+    def key_context(key: str, at: float) -> str:
+        return leases_context(f"  live leases of the key at {at:.3f}:", sorted(per_key[key]), False)
+
+    def pair_context(pair: tuple[str, str], at: float) -> str:
+        ids = sorted(per_pair[pair], key=lambda i: granted_at.get(i, 0.0))
+        return leases_context(f"  live leases on {pair[0]}/{pair[1]} at {at:.3f}:", ids, True)
 
     def end(lease_id: str) -> None:
         holder_lease = live.pop(lease_id, None)
