@@ -10,8 +10,10 @@ Completeness. The bucket's stream numbers writes 1, 2, 3... with no holes, so th
 tell when it missed one: a bucket keeps only `history` messages per key, and a write superseded
 before the consumer delivered it is gone. Start the recorder before the traffic (it then sees
 every write as it lands; misses need a consumer falling behind by a whole key history) and give
-test buckets a deeper history where possible. Missed revisions are listed in `gaps`; `sync()`
-raises HistoryIncomplete unless told to accept them.
+test buckets a deeper history where possible. `sync()` reads the revisions the consumer missed
+from the stream while it still keeps them (an ordered consumer made again on another server,
+after its own died, skips what it had not delivered); those it no longer keeps are listed in
+`gaps`, and `sync()` raises HistoryIncomplete unless told to accept them.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any, Protocol
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy
+from nats.js.errors import NotFoundError
 
 from llmgw.state.kv import KVEntry
 from llmgw.state.memory_kv import MemoryKV
@@ -127,26 +130,56 @@ class HistoryRecorder:
             return  # redelivery after an ordered-consumer reset: already recorded
         if revision > self._last_revision + 1:
             self.gaps.append((self._last_revision + 1, revision - 1))
-        headers = msg.headers or {}
-        deleted = headers.get(_KV_OPERATION) in ("DEL", "PURGE") or _MARKER_REASON in headers
         self._entries.append(
-            KVEntry(
-                key=msg.subject[len(self._pre) :],
-                value=b"" if deleted else msg.data,
-                revision=revision,
-                deleted=deleted,
-                timestamp=meta.timestamp.timestamp(),
-            )
+            self._entry(msg.subject, msg.data, msg.headers, revision, meta.timestamp.timestamp())
         )
         self._last_revision = revision
         async with self._progress:
             self._progress.notify_all()
 
+    def _entry(
+        self,
+        subject: str,
+        data: bytes | None,
+        headers: dict[str, str] | None,
+        revision: int,
+        timestamp: float,
+    ) -> KVEntry:
+        headers = headers or {}
+        deleted = headers.get(_KV_OPERATION) in ("DEL", "PURGE") or _MARKER_REASON in headers
+        return KVEntry(
+            key=subject[len(self._pre) :],
+            value=b"" if deleted or data is None else data,
+            revision=revision,
+            deleted=deleted,
+            timestamp=timestamp,
+        )
+
+    async def _fill_gaps(self) -> None:
+        """Read the missed revisions the stream still keeps, one by one (an ordered consumer
+        whose server died skips what it had not delivered when it is made again elsewhere);
+        what the stream no longer keeps stays in `gaps`."""
+        found: list[KVEntry] = []
+        left: list[tuple[int, int]] = []
+        for first, last in self.gaps:
+            for revision in range(first, last + 1):
+                try:
+                    msg = await self._js.get_msg(self.stream, revision)
+                except NotFoundError:
+                    left.append((revision, revision))
+                    continue
+                at = msg.time.timestamp() if msg.time is not None else 0.0
+                found.append(self._entry(msg.subject or "", msg.data, msg.headers, revision, at))
+        if found:
+            self._entries = sorted([*self._entries, *found], key=lambda e: e.revision)
+        self.gaps = left
+
     async def sync(self, timeout: float = 5.0, *, allow_gaps: bool = False) -> list[KVEntry]:
-        """Wait until every write applied so far is recorded; a copy of the entries.
+        """Wait until every write applied so far is recorded; a copy of the entries. Revisions
+        the consumer missed are read from the stream if it still keeps them.
 
         Raises TimeoutError if the recorder does not catch up within `timeout` seconds, and
-        HistoryIncomplete if revisions were missed (unless allow_gaps).
+        HistoryIncomplete if revisions were missed for good (unless allow_gaps).
         """
         if self._sub is None:
             raise RuntimeError("the recorder is not started")
@@ -154,6 +187,8 @@ class HistoryRecorder:
         target = info.state.last_seq
         async with asyncio.timeout(timeout), self._progress:
             await self._progress.wait_for(lambda: self._last_revision >= target)
+        if self.gaps:
+            await self._fill_gaps()
         if self.gaps and not allow_gaps:
             raise HistoryIncomplete(self.gaps)
         return list(self._entries)

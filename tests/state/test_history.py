@@ -92,3 +92,32 @@ async def test_recorder_keeps_every_revision_of_a_deeper_bucket_even_when_starte
             assert [e.value for e in await recorder.sync()] == [b"a", b"b"]
     finally:
         await js.delete_key_value(name)
+
+
+async def test_revisions_the_consumer_skipped_are_read_back_from_the_stream(
+    nats_client: NatsClient, unique_id: str
+) -> None:
+    """An ordered consumer made again on another server after its own died skips what it had
+    not delivered: `sync` reads those revisions from the stream (which keeps them: a history
+    of 8), in their place."""
+    js = nats_client.jetstream()
+    name = f"routing_{unique_id}"
+    store = await open_routing_bucket(js, name, history=8)
+    recorder = HistoryRecorder(js, name)
+    record = recorder._record
+
+    async def skipping(msg) -> None:  # type: ignore[no-untyped-def]
+        if msg.metadata.sequence.stream not in (2, 3, 5):
+            await record(msg)
+
+    recorder._record = skipping  # type: ignore[method-assign]
+    try:
+        async with recorder:
+            await _script(store)
+            recorded = await recorder.sync()
+    finally:
+        await js.delete_key_value(name)
+    assert [e.revision for e in recorded] == list(range(1, 7)) and recorder.gaps == []
+    memory = MemoryKV()
+    await _script(memory)
+    assert _shape(recorded) == _shape(await MemoryHistory(memory).sync())
