@@ -7,7 +7,13 @@ NATS: tests run against a real server, never a mock.
   testcontainers or a Docker engine is missing).
 
 Isolation: tests share the session's server, so each test names its KV buckets and subjects
-with `unique_id` (or takes a ready `kv_bucket`), and nothing a test creates outlives it.
+with `unique_id` (or takes a ready `kv_bucket`), and nothing a test creates outlives it: the
+streams (KV buckets included) a test module leaves on the session's server are deleted when the
+module ends (`_streams_end_with_their_module`). The session's server may reserve up to
+`TEST_MAX_FILE_STORE` for file streams, whatever the disk has free: left to itself, nats-server
+allows 75% of the disk space free when it starts, and on a machine with little free a few
+streams of the default `max_bytes` (256 MiB each, reserved whole when created) exhaust it, while
+the tests write kilobytes.
 
 Workers: with `-n N` the suite runs on N pytest-xdist workers (the README), each with
 its own session fixtures (its own NATS server). Work goes out a test module at a time (a
@@ -26,7 +32,10 @@ processes it starts), so two workers never start servers on one port.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import os
+import tempfile
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -42,6 +51,15 @@ from llmgw.nats_embedded import EmbeddedNats
 from llmgw.serving import _ephemeral_low
 
 NATS_CONTAINER_IMAGE = "nats:2.12"
+TEST_MAX_FILE_STORE = "1TB"  # what the session's server may reserve for file streams
+
+
+def _session_embedded_nats() -> EmbeddedNats:
+    """The session's embedded server (not started): JetStream with `TEST_MAX_FILE_STORE`."""
+    conf = os.path.join(tempfile.mkdtemp(prefix="llmgw-test-nats-"), "nats.conf")
+    with open(conf, "w") as file:
+        file.write(f"jetstream {{ max_file_store: {TEST_MAX_FILE_STORE} }}\n")
+    return EmbeddedNats(kill_with_parent=True, extra_args=("-c", conf))
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -111,7 +129,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             # The worker's NATS server starts before the worker yields: it answers every test
             # here, and a KV write it answers late fails a test as a timeout, while the tests'
             # own processes only run slower.
-            _worker_nats.append(EmbeddedNats(kill_with_parent=True).start())
+            _worker_nats.append(_session_embedded_nats().start())
         os.nice(OTHERS_NICENESS)
         _reniced.append(True)
 
@@ -140,8 +158,65 @@ def nats_server() -> Iterator[EmbeddedNats | None]:
         finally:
             server.stop()
         return
-    with EmbeddedNats(kill_with_parent=True) as server:
-        yield server
+    with _session_embedded_nats() as server:
+        _session_nats.append(server)
+        try:
+            yield server
+        finally:
+            _session_nats.clear()
+
+
+_session_nats: list[EmbeddedNats] = []  # the session's embedded server while it runs
+
+
+def _running_session_nats() -> EmbeddedNats | None:
+    """The session's embedded server if it runs (started by `nats_server`, or by an xdist
+    worker's `pytest_runtest_setup`)."""
+    for server in (*_session_nats, *_worker_nats):
+        if server.process is not None:
+            return server
+    return None
+
+
+def _on_a_thread_of_its_own(coroutine: Any) -> Any:
+    """Run `coroutine` on a loop of its own in another thread (not disturbing the event loop a
+    module's tests may share on this one)."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()
+
+
+async def _stream_names(url: str) -> set[str]:
+    client = await nats.connect(url, connect_timeout=2, max_reconnect_attempts=0)
+    try:
+        return {info.config.name for info in await client.jetstream().streams_info()}
+    finally:
+        await client.close()
+
+
+async def _delete_streams(url: str, names: set[str]) -> None:
+    client = await nats.connect(url, connect_timeout=2, max_reconnect_attempts=0)
+    try:
+        for name in names:
+            await client.jetstream().delete_stream(name)
+    finally:
+        await client.close()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _streams_end_with_their_module() -> Iterator[None]:
+    """Delete the streams (KV buckets included) the module created on the session's embedded
+    server and left there: processes and fixtures the module started are stopped by then
+    (autouse, this fixture is set up before the module's others and torn down after them). A
+    server started during the module held nothing before it."""
+    server = _running_session_nats()
+    before = _on_a_thread_of_its_own(_stream_names(server.url)) if server else set()
+    yield
+    server = _running_session_nats()
+    if server is None:
+        return
+    left = _on_a_thread_of_its_own(_stream_names(server.url)) - before
+    if left:
+        _on_a_thread_of_its_own(_delete_streams(server.url, left))
 
 
 @pytest.fixture(scope="session")

@@ -6,10 +6,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import nats
 import pytest
 import yaml
 from nats.aio.client import Client as NatsClient
@@ -18,6 +20,7 @@ from timing import eventually
 from llmgw.config import load_config
 from llmgw.event_stream import ensure_events_stream, read_events
 from llmgw.events import EventPublisher, PinEvent, PinMoved, parse_event
+from llmgw.nats_embedded import EmbeddedNats
 from llmgw.services.events.main import run
 
 REPO = Path(__file__).resolve().parents[2]
@@ -158,3 +161,34 @@ async def test_emitted_events_arrive_in_order_within_and_across_loop_turns(
     await eventually(lambda: len(seen) == 4, 5, "the four events")
     assert seen == ["s0", "s1", "s2", "s3"] and publisher.published == 4
     await sub.unsubscribe()
+
+
+async def test_a_server_that_cannot_reserve_the_stream_says_what_to_change(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """NATS reserves a file stream's max_bytes whole when it creates it: on a server that may
+    store less (a small disk), the stream is refused and the warning says which limit to
+    change; the same stream with a max_bytes that fits is created."""
+    conf = tmp_path / "nats.conf"
+    conf.write_text("jetstream { max_file_store: 64MB }\n")
+    async with EmbeddedNats(extra_args=("-c", str(conf))) as server:
+        client = await nats.connect(server.url)
+        try:
+            js = client.jetstream()
+            config = load_config(_config(tmp_path, server.url), env={})
+            assert config.events.max_bytes == 256 * 2**20  # the default, more than 64 MB
+            with caplog.at_level(logging.WARNING, logger="llmgw.state.streams"):
+                assert not await ensure_events_stream(js, config)
+            (warning,) = [r.getMessage() for r in caplog.records if "not available" in r.message]
+            assert "insufficient storage" in warning and "(256 MiB)" in warning
+            assert "set a smaller max_bytes" in warning and "max_file_store" in warning
+            assert "events are published live only" in warning
+
+            smaller = load_config(
+                _config(tmp_path, server.url), env={"LLMGW_EVENTS__MAX_BYTES": str(32 * 2**20)}
+            )
+            assert await ensure_events_stream(js, smaller)
+            info = await js.stream_info(smaller.events.stream)
+            assert info.config.max_bytes == 32 * 2**20
+        finally:
+            await client.close()
