@@ -6,8 +6,10 @@ this module adds what is the Responses API's own:
 
 - before admission, `ResponsesApi.prepare` resolves ``previous_response_id`` in the response
   store (unknown, expired, deleted or another key's: 404, nothing admitted) and expands the
-  chain into the whole conversation; the request's session is the chain's first response's id,
-  so every turn goes to the chain's replica (`llmgw.core.sessions.chain_session`);
+  chain into the whole conversation; the request's session is that of the conversation's
+  opening (its first user message and what precedes it), the same for every turn, so every turn
+  goes to the conversation's replica, chained or resent whole (`llmgw.core.sessions.
+  chain_session`);
 - per attempt, `Exchange.upstream` sends the provider the expanded input with ``store: false``
   on ``/v1/responses`` when the provider serves it (`providers[].apis`), else a chat
   completions request (`llmgw.core.responses_chat`); the answer comes back as a response object
@@ -45,7 +47,7 @@ from llmgw.core.responses import (
 )
 from llmgw.core.responses_chat import chat_request, response_from_chat
 from llmgw.core.responses_chat_stream import ChatToResponsesStream
-from llmgw.core.sessions import ClientKey, chain_session
+from llmgw.core.sessions import ClientKey, chain_session, responses_opening
 from llmgw.services.edge.errors import error_body, error_response
 
 if TYPE_CHECKING:
@@ -98,7 +100,7 @@ class Exchange:
     body: dict[str, Any]
     stream: bool
     ancestors: tuple[str, ...]  # the chain's responses before this one, oldest first
-    session: str  # the chain's (its first response's id, or the session header's)
+    session: str  # the conversation's (its opening's, or the session header's)
     # The request as chat completions (no model, not streamed), once translated: the prompt's
     # chains and every attempt on a chat-only provider start from it.
     _chat: dict[str, Any] | None = None
@@ -292,17 +294,19 @@ class ResponsesApi:
             if head is None or found is None:
                 return self._previous_not_found(previous, headers), Outcome.NOT_FOUND
             chain, root = found, head.root
+        items = expand(chain, turn.input)
+        session = chain_session(root, model, opening=responses_opening(items), client=client)
         return Exchange(
             self,
             response_id,
             turn,
             owner,
             root,
-            expand(chain, turn.input),
+            items,
             parsed.body,
             parsed.stream,
             tuple(stored.id for stored in chain),
-            chain_session(root, model, client=client),
+            session,
         )
 
     @staticmethod

@@ -11,6 +11,12 @@ A session is the run of requests of one conversation. Its id hashes
 - **completions**: the first STABLE_PROMPT_CHARS characters of the prompt.
   Clients that continue a conversation re-send the whole transcript as the
   prompt, so its beginning stays the same across turns.
+- **responses** (`chain_session`): the opening of the conversation's input
+  items (up to and including the first user message), the same for every
+  turn whether the client chains by `previous_response_id` (the edge expands
+  the chain, which starts with its first turn's input) or resends the whole
+  conversation each turn; without a user message, the chain's first
+  response's id.
 - **embeddings**, and requests with nothing stable (empty prompt, no user
   message, token-id prompts, batched prompts), form no session: they take
   the unpinned path.
@@ -52,8 +58,10 @@ SESSION_RESPONSE_HEADER = "x-llmgw-session"
 
 _FEATURE_CLASS = {Feature.CHAT: "chat", Feature.COMPLETIONS: "completions"}
 # The class a request's session is counted in: Messages as chat (its session is the chat
-# session of its opening), Responses on its own (`chain_session`).
+# session of its opening), Responses in a class of its own (`chain_session`).
 _SESSION_CLASS = {**_FEATURE_CLASS, Feature.MESSAGES: "chat", Feature.RESPONSES: "responses"}
+# Content parts that carry text, in a Responses message (`responses_opening`).
+_TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,15 +214,48 @@ def session_id(
     return _digest("prefix", user, model, feature_class, prefix)
 
 
+def responses_opening(items: Sequence[Any]) -> str | None:
+    """A Responses conversation's opening, or None: its input items up to and including the
+    first user message, each message as its role and text (whether its content came as a string
+    or as text parts), the whole as `stable_prefix` encodes chat's. `instructions` are not part
+    of it: a chain may send them on its first turn only, and a later turn must map to the same
+    session."""
+    opening: list[Any] = []
+    for item in items:
+        if not isinstance(item, dict):
+            return None
+        if item.get("type", "message") != "message":
+            opening.append(item)
+            continue
+        content = item.get("content")
+        if isinstance(content, list) and all(
+            isinstance(part, dict) and part.get("type") in _TEXT_PARTS for part in content
+        ):
+            content = "".join(str(part.get("text", "")) for part in content)
+        opening.append({"role": item.get("role"), "content": content})
+        if item.get("role") == "user":
+            return _stable_json(opening)
+    return None
+
+
 def chain_session(
-    root: str, model: str, *, header_key: str | None = None, client: ClientKey | None = None
+    root: str,
+    model: str,
+    *,
+    opening: str | None = None,
+    header_key: str | None = None,
+    client: ClientKey | None = None,
 ) -> str:
-    """The session of a Responses chain: its first response's id (the session headers, when
-    sent, as for chat). Every turn of the chain hashes to it, wherever it runs."""
+    """The session of a Responses conversation, the same for each of its turns wherever it runs:
+    the session headers' (as for chat), else that of its opening (`responses_opening`), so a
+    chain by `previous_response_id` and a conversation resent whole each turn both keep one
+    session, as chat does; else (no user message) its first response's id, `root`."""
     if client is not None:
         return key_session(client.key, model, "responses")
     if header_key:
         return _digest("key", header_key, model, "responses")
+    if opening is not None:
+        return _digest("prefix", "", model, "responses", opening)
     return _digest("chain", root, model)
 
 

@@ -13,6 +13,7 @@ from llmgw.core.sessions import (
     SessionRule,
     chain_session,
     client_key,
+    responses_opening,
     session_id,
     session_rules,
 )
@@ -226,3 +227,87 @@ def test_a_sub_agents_parent_id_is_the_id_its_parents_own_requests_get(
         assert named == home == ids({"x-session-id": parent}, model=model)[0]
     for sid in (main, parent_own, child, named, home):
         assert sid is None or re.fullmatch(f"[0-9a-f]{{{SESSION_ID_CHARS}}}", sid)
+
+
+def user(text):
+    return {"type": "message", "role": "user", "content": text}
+
+
+def said(text):
+    return {
+        "type": "message",
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": text}],
+    }
+
+
+DEVELOPER = {"type": "message", "role": "developer", "content": "Be terse."}
+LATER = st.lists(
+    st.one_of(
+        TEXT.map(user),
+        TEXT.map(said),
+        st.builds(
+            lambda call, out: {"type": "function_call_output", "call_id": call, "output": out},
+            TEXT,
+            TEXT,
+        ),
+    ),
+    max_size=6,
+)
+
+
+def responses_session(items, root="resp_first"):
+    return chain_session(root, "m", opening=responses_opening(items))
+
+
+@given(TEXT, LATER, LATER)
+def test_every_turn_of_a_responses_conversation_has_its_openings_session(first, one, other):
+    """Chained (the edge expands the chain: it starts with the first turn's input) or resent
+    whole each turn: whatever follows the first user message, and whichever response the chain
+    started with, the session is the opening's."""
+    opening = [DEVELOPER, user(first)]
+    assert responses_session([*opening, *one], "resp_a") == responses_session(
+        [*opening, *other], "resp_b"
+    )
+
+
+@given(TEXT, TEXT)
+def test_responses_conversations_with_other_openings_have_other_sessions(a, b):
+    assert (responses_session([user(a)]) == responses_session([user(b)])) == (a == b)
+    assert responses_session([user(a)]) != responses_session([DEVELOPER, user(a)])
+
+
+def test_a_responses_opening_is_its_text_however_the_content_came():
+    as_string = [user("hello"), said("hi")]
+    as_parts = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "input_text", "text": "hel"},
+                {"type": "input_text", "text": "lo"},
+            ],
+        }
+    ]
+    assert responses_opening(as_string) == responses_opening(as_parts)
+    image = {
+        "role": "user",
+        "content": [{"type": "input_image", "image_url": "https://x/a.png"}],
+    }
+    assert responses_opening([image]) not in (None, responses_opening(as_string))
+
+
+def test_a_responses_conversation_without_a_user_message_is_its_chains():
+    only_developer = [DEVELOPER]
+    assert responses_opening(only_developer) is None
+    assert responses_session(only_developer, "resp_a") != responses_session(
+        only_developer, "resp_b"
+    )
+    assert responses_session(only_developer, "resp_a") == chain_session("resp_a", "m")
+
+
+def test_a_responses_session_is_not_the_chat_session_of_the_same_opening():
+    """Responses is a session class of its own: its turns differ from chat's in form."""
+    opening = [user("hello")]
+    assert responses_session(opening) != session_id(
+        Feature.CHAT, "m", chat({"role": "user", "content": "hello"})
+    )

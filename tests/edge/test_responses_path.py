@@ -90,6 +90,38 @@ async def test_a_five_turn_chain_stays_on_its_replica_and_each_turn_carries_the_
     assert len(items.data) == 9  # five questions, four answers
 
 
+async def test_a_conversation_resent_whole_each_turn_keeps_one_session_and_replica(gateway):
+    """Agents that keep their own history (``store: false``, no ``previous_response_id``: the
+    whole conversation resent each turn) are one session, as chat's clients are: its opening's,
+    which a chain with the same opening shares; another opening is another session."""
+    client = AsyncOpenAI(base_url=gateway.url + "/v1", api_key="sk-one", max_retries=0)
+    history: list[dict] = [{"role": "developer", "content": "be brief"}]
+    sessions, endpoints = [], []
+    for turn in range(5):
+        history.append({"role": "user", "content": [{"type": "input_text", "text": f"q{turn}"}]})
+        raw = await client.responses.with_raw_response.create(
+            model="m1", input=history, max_output_tokens=3, store=False
+        )
+        sessions.append(raw.headers["x-llmgw-session"])
+        endpoints.append(raw.headers["x-llmgw-endpoint"])
+        history.append({"role": "assistant", "content": raw.parse().output_text})
+    assert len(set(sessions)) == 1 and len(set(endpoints)) == 1, (sessions, endpoints)
+
+    chained = await client.responses.with_raw_response.create(
+        model="m1",
+        input=[{"role": "developer", "content": "be brief"}, {"role": "user", "content": "q0"}],
+        max_output_tokens=3,
+    )
+    follow = await client.responses.with_raw_response.create(
+        model="m1", input="and?", max_output_tokens=3, previous_response_id=chained.parse().id
+    )
+    assert chained.headers["x-llmgw-session"] == follow.headers["x-llmgw-session"] == sessions[0]
+    other = await client.responses.with_raw_response.create(
+        model="m1", input="another opening", max_output_tokens=3, store=False
+    )
+    assert other.headers["x-llmgw-session"] != sessions[0]
+
+
 async def test_a_deleted_response_is_gone_and_ends_its_chain(client):
     first = await client.responses.create(model="m1", input="remember this", max_output_tokens=2)
     deleted = await client.responses.delete(first.id)
