@@ -14,11 +14,14 @@ the engine directly and through the gateway:
 - chat-new: the same, each opening a new session (a new conversation: its pin is written);
 - chat-long: a chat completion carrying the chain kind's conversation in chat form (the same
   prompt as a chained turn, 32 sessions in turn);
-- responses: a Responses request of one turn (the gateway stores it; a new chain each time,
-  so a new session, as chat-new);
+- responses: a Responses request of one turn (the gateway stores it), each opening a
+  conversation never seen before, so a new session, as chat-new;
 - chain: the next turn of one of 32 chains of `--turns` stored responses, written before the
   run (`previous_response_id`; the gateway reads the chain and sends the expanded input);
   directly, the engine gets that same expanded input;
+- stateless: the chain kind's conversation resent whole, as agents that keep their own history
+  send it (``store: false``, no ``previous_response_id``; the same body directly): one session per
+  conversation, its opening's, as chat-long;
 - live: chains as an agent runs them: each client continues its own chain with the response it
   has just got (so the previous response was written a moment ago), a new chain after
   `--turns` + 1 turns; directly, the engine gets the expanded input of the same turn.
@@ -56,18 +59,20 @@ from overhead import GATEWAY_CPUS, LOADGEN_CPUS, WARMUP, bodies, fmt_ms, run_loa
 from llmgw.core.responses_chat import chat_messages
 
 CHAINS = 32  # chains measured in turn (each a session of its own)
-KINDS = ("chat", "chat-new", "chat-long", "responses", "chain", "live")
-RESPONSES_KINDS = ("responses", "chain", "live")
+KINDS = ("chat", "chat-new", "chat-long", "responses", "chain", "stateless", "live")
+RESPONSES_KINDS = ("responses", "chain", "stateless", "live")
 CHAT_ONLY = ["chat_completions", "completions", "embeddings"]
 _JSON = {"content-type": "application/json"}
 
 
 def responses_bodies(stream: bool, count: int) -> list[bytes]:
+    """`count` one-turn Responses requests, each of a conversation never seen before."""
+    nonce = uuid.uuid4().hex
     return [
         json.dumps(
             {
                 "model": "bench-model",
-                "input": f"hello {i}",
+                "input": f"hello {nonce} {i}",
                 "max_output_tokens": 20,
                 "stream": stream,
             }
@@ -275,15 +280,15 @@ def main() -> int:
             last_ids, expanded = asyncio.run(make_chains(cluster.edge_url, args.turns))
             for stream in (False, True):
                 chat = bodies(stream)
-                single = responses_bodies(stream, CHAINS)
                 chain_direct, chain_gateway = chain_bodies(stream, last_ids, expanded)
                 long = chat_long_bodies(stream, expanded)
                 payloads[name, stream] = {
                     "chat": ("/v1/chat/completions", chat, chat),
                     "chat-new": ("/v1/chat/completions", None, None),
                     "chat-long": ("/v1/chat/completions", long, long),
-                    "responses": ("/v1/responses", single, single),
+                    "responses": ("/v1/responses", None, None),
                     "chain": ("/v1/responses", chain_direct, chain_gateway),
+                    "stateless": ("/v1/responses", chain_direct, chain_direct),
                     "live": ("/v1/responses", live_direct_bodies(stream, expanded), None),
                 }
         names = list(clusters)
@@ -293,9 +298,12 @@ def main() -> int:
                 concurrency, stream, kind = scenario
                 first = clusters[names[0]]
                 path, direct_bodies, _ = payloads[names[0], stream][kind]
-                fresh = args.requests + WARMUP + concurrency  # chat-new: every run's own
-                if kind == "chat-new":
-                    direct_bodies = chat_new_bodies(stream, fresh)
+                fresh = args.requests + WARMUP + concurrency  # chat-new, responses: every run's own
+                fresh_bodies = {"chat-new": chat_new_bodies, "responses": responses_bodies}.get(
+                    kind
+                )
+                if fresh_bodies is not None:
+                    direct_bodies = fresh_bodies(stream, fresh)
                 direct = asyncio.run(
                     run_load(
                         first.engine_url,
@@ -335,7 +343,7 @@ def main() -> int:
                                 stream,
                                 mark=mark,
                                 path=path,
-                                payloads=sent or chat_new_bodies(stream, fresh),
+                                payloads=sent or fresh_bodies(stream, fresh),  # type: ignore[misc]
                             )
                         )
                     cpu[name, scenario].append((marks[1] - marks[0]) / args.requests)
