@@ -371,8 +371,8 @@ def main() -> int:
         "\nnext to a chat kind, same round (c=1: added p50 - the chat kind's, ms; c=16: "
         "added p50 / the chat kind's):\n"
     )
-    print("| code | concurrency | streamed | next to | responses | chain | live |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"| code | concurrency | streamed | next to | {' | '.join(RESPONSES_KINDS)} |")
+    print("|---|---|---|---|" + "---|" * len(RESPONSES_KINDS))
     for name in names:
         for c in (1, 16):
             for s in (False, True):

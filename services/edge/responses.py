@@ -6,9 +6,9 @@ this module adds what is the Responses API's own:
 
 - before admission, `ResponsesApi.prepare` resolves ``previous_response_id`` in the response
   store (unknown, expired, deleted or another key's: 404, nothing admitted) and expands the
-  chain into the whole conversation; the request's session is that of the conversation's
-  opening (its first user message and what precedes it), the same for every turn, so every turn
-  goes to the conversation's replica, chained or resent whole (`llmgw.core.sessions.
+  chain into the whole conversation; the request's session is the chain's first response's id,
+  or, for a conversation its client keeps and resends whole, that of its opening, the same for
+  every turn, so every turn goes to the conversation's replica (`llmgw.core.sessions.
   chain_session`);
 - per attempt, `Exchange.upstream` sends the provider the expanded input with ``store: false``
   on ``/v1/responses`` when the provider serves it (`providers[].apis`), else a chat
@@ -47,7 +47,12 @@ from llmgw.core.responses import (
 )
 from llmgw.core.responses_chat import chat_request, response_from_chat
 from llmgw.core.responses_chat_stream import ChatToResponsesStream
-from llmgw.core.sessions import ClientKey, chain_session, responses_opening
+from llmgw.core.sessions import (
+    ClientKey,
+    chain_session,
+    keeps_its_own_history,
+    responses_opening,
+)
 from llmgw.services.edge.errors import error_body, error_response
 
 if TYPE_CHECKING:
@@ -100,7 +105,7 @@ class Exchange:
     body: dict[str, Any]
     stream: bool
     ancestors: tuple[str, ...]  # the chain's responses before this one, oldest first
-    session: str  # the conversation's (its opening's, or the session header's)
+    session: str  # the chain's, the resent conversation's opening's, or the session header's
     # The request as chat completions (no model, not streamed), once translated: the prompt's
     # chains and every attempt on a chat-only provider start from it.
     _chat: dict[str, Any] | None = None
@@ -295,7 +300,9 @@ class ResponsesApi:
                 return self._previous_not_found(previous, headers), Outcome.NOT_FOUND
             chain, root = found, head.root
         items = expand(chain, turn.input)
-        session = chain_session(root, model, opening=responses_opening(items), client=client)
+        resent = previous is None and keeps_its_own_history(turn.input, turn.store)
+        opening = responses_opening(items) if resent else None
+        session = chain_session(root, model, opening=opening, client=client)
         return Exchange(
             self,
             response_id,

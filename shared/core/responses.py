@@ -5,7 +5,7 @@ each response it serves with ``store: true`` is kept (`StoredResponse`: this tur
 and the response object), and the next turn is sent upstream *expanded* (`expand`): every
 earlier turn's input and output items, oldest first, then the new input, with ``store: false``.
 So any engine can serve any turn, and the replica a chain is pinned to still finds the whole
-prefix in its cache. A chain's session is its opening's (`llmgw.core.sessions.chain_session`).
+prefix in its cache. A chain's session is its first response's id (`llmgw.core.sessions.chain_session`).
 
 What a request may hold is checked here, before anything is admitted (`parse_responses_request`
 raises `InvalidRequest`, whose ``param`` names the field): input items must be messages,
@@ -234,7 +234,7 @@ class StoredResponse:
 
     id: str
     owner: str  # a digest of the API key (or bearer token) that created it
-    root: str  # the chain's first response
+    root: str  # the chain's first response: the session of every turn
     previous: str | None
     input: tuple[dict[str, Any], ...]  # this turn's input items (earlier turns: `previous`)
     response: dict[str, Any]  # the response object as the client got it

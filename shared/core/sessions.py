@@ -11,12 +11,11 @@ A session is the run of requests of one conversation. Its id hashes
 - **completions**: the first STABLE_PROMPT_CHARS characters of the prompt.
   Clients that continue a conversation re-send the whole transcript as the
   prompt, so its beginning stays the same across turns.
-- **responses** (`chain_session`): the opening of the conversation's input
-  items (up to and including the first user message), the same for every
-  turn whether the client chains by `previous_response_id` (the edge expands
-  the chain, which starts with its first turn's input) or resends the whole
-  conversation each turn; without a user message, the chain's first
-  response's id.
+- **responses** (`chain_session`): a chain by `previous_response_id` is
+  its first response's id, every turn of it; a conversation its client keeps
+  and resends whole each turn (``store: false``, or earlier turns in the
+  input: `keeps_its_own_history`) is the opening of its input items (up to
+  and including the first user message), as chat's.
 - **embeddings**, and requests with nothing stable (empty prompt, no user
   message, token-id prompts, batched prompts), form no session: they take
   the unpinned path.
@@ -238,6 +237,20 @@ def responses_opening(items: Sequence[Any]) -> str | None:
     return None
 
 
+def keeps_its_own_history(items: Sequence[Any], store: bool) -> bool:
+    """Whether a Responses request that names no previous response belongs to a conversation
+    its client keeps (and so resends whole each turn): it cannot start a chain (``store:
+    false``), or its input already holds earlier turns (an assistant message, a function call or
+    its output, a reasoning item)."""
+    if not store:
+        return True
+    return any(
+        isinstance(item, dict)
+        and (item.get("role") == "assistant" or item.get("type", "message") != "message")
+        for item in items
+    )
+
+
 def chain_session(
     root: str,
     model: str,
@@ -247,9 +260,10 @@ def chain_session(
     client: ClientKey | None = None,
 ) -> str:
     """The session of a Responses conversation, the same for each of its turns wherever it runs:
-    the session headers' (as for chat), else that of its opening (`responses_opening`), so a
-    chain by `previous_response_id` and a conversation resent whole each turn both keep one
-    session, as chat does; else (no user message) its first response's id, `root`."""
+    the session headers' (as for chat); else, for a conversation its client keeps and resends
+    whole (`keeps_its_own_history`: the caller passes its `opening`), that opening's, as chat's;
+    else its chain's first response's id, `root`: a chain by `previous_response_id` is a
+    conversation of its own even where it opens as another does."""
     if client is not None:
         return key_session(client.key, model, "responses")
     if header_key:

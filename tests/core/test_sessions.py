@@ -13,6 +13,7 @@ from llmgw.core.sessions import (
     SessionRule,
     chain_session,
     client_key,
+    keeps_its_own_history,
     responses_opening,
     session_id,
     session_rules,
@@ -261,10 +262,9 @@ def responses_session(items, root="resp_first"):
 
 
 @given(TEXT, LATER, LATER)
-def test_every_turn_of_a_responses_conversation_has_its_openings_session(first, one, other):
-    """Chained (the edge expands the chain: it starts with the first turn's input) or resent
-    whole each turn: whatever follows the first user message, and whichever response the chain
-    started with, the session is the opening's."""
+def test_every_turn_of_a_resent_responses_conversation_has_its_openings_session(first, one, other):
+    """A conversation its client resends whole each turn: whatever follows the first user
+    message, and whatever response id each turn gets, the session is the opening's."""
     opening = [DEVELOPER, user(first)]
     assert responses_session([*opening, *one], "resp_a") == responses_session(
         [*opening, *other], "resp_b"
@@ -311,3 +311,11 @@ def test_a_responses_session_is_not_the_chat_session_of_the_same_opening():
     assert responses_session(opening) != session_id(
         Feature.CHAT, "m", chat({"role": "user", "content": "hello"})
     )
+
+
+def test_a_responses_request_keeps_its_own_history_when_it_cannot_chain_or_carries_turns():
+    assert keeps_its_own_history([user("hi")], store=False)  # nothing to chain from
+    assert not keeps_its_own_history([DEVELOPER, user("hi")], store=True)  # may start a chain
+    assert keeps_its_own_history([user("hi"), said("hello"), user("and?")], store=True)
+    tool_output = {"type": "function_call_output", "call_id": "c", "output": "42"}
+    assert keeps_its_own_history([user("hi"), tool_output], store=True)

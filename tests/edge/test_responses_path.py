@@ -93,7 +93,8 @@ async def test_a_five_turn_chain_stays_on_its_replica_and_each_turn_carries_the_
 async def test_a_conversation_resent_whole_each_turn_keeps_one_session_and_replica(gateway):
     """Agents that keep their own history (``store: false``, no ``previous_response_id``: the
     whole conversation resent each turn) are one session, as chat's clients are: its opening's,
-    which a chain with the same opening shares; another opening is another session."""
+    which a stored conversation resent with earlier turns shares; a chain by
+    ``previous_response_id`` is a session of its own, and another opening another session."""
     client = AsyncOpenAI(base_url=gateway.url + "/v1", api_key="sk-one", max_retries=0)
     history: list[dict] = [{"role": "developer", "content": "be brief"}]
     sessions, endpoints = [], []
@@ -107,15 +108,20 @@ async def test_a_conversation_resent_whole_each_turn_keeps_one_session_and_repli
         history.append({"role": "assistant", "content": raw.parse().output_text})
     assert len(set(sessions)) == 1 and len(set(endpoints)) == 1, (sessions, endpoints)
 
-    chained = await client.responses.with_raw_response.create(
+    opening = [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "q0"}]
+    stored = await client.responses.with_raw_response.create(  # stored, with an earlier turn
         model="m1",
-        input=[{"role": "developer", "content": "be brief"}, {"role": "user", "content": "q0"}],
+        input=[*opening, {"role": "assistant", "content": "a0"}, {"role": "user", "content": "q1"}],
         max_output_tokens=3,
+    )
+    assert stored.headers["x-llmgw-session"] == sessions[0]
+    chained = await client.responses.with_raw_response.create(
+        model="m1", input=opening, max_output_tokens=3
     )
     follow = await client.responses.with_raw_response.create(
         model="m1", input="and?", max_output_tokens=3, previous_response_id=chained.parse().id
     )
-    assert chained.headers["x-llmgw-session"] == follow.headers["x-llmgw-session"] == sessions[0]
+    assert chained.headers["x-llmgw-session"] == follow.headers["x-llmgw-session"] != sessions[0]
     other = await client.responses.with_raw_response.create(
         model="m1", input="another opening", max_output_tokens=3, store=False
     )
