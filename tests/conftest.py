@@ -33,8 +33,10 @@ processes it starts), so two workers never start servers on one port.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import os
+import shutil
 import tempfile
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -56,7 +58,9 @@ TEST_MAX_FILE_STORE = "1TB"  # what the session's server may reserve for file st
 
 def _session_embedded_nats() -> EmbeddedNats:
     """The session's embedded server (not started): JetStream with `TEST_MAX_FILE_STORE`."""
-    conf = os.path.join(tempfile.mkdtemp(prefix="llmgw-test-nats-"), "nats.conf")
+    folder = tempfile.mkdtemp(prefix="llmgw-test-nats-")
+    atexit.register(shutil.rmtree, folder, True)
+    conf = os.path.join(folder, "nats.conf")
     with open(conf, "w") as file:
         file.write(f"jetstream {{ max_file_store: {TEST_MAX_FILE_STORE} }}\n")
     return EmbeddedNats(kill_with_parent=True, extra_args=("-c", conf))
@@ -185,19 +189,15 @@ def _on_a_thread_of_its_own(coroutine: Any) -> Any:
         return pool.submit(asyncio.run, coroutine).result()
 
 
-async def _stream_names(url: str) -> set[str]:
+async def _streams(url: str, keep: set[str] | None = None) -> set[str]:
+    """The names of the server's streams; with `keep`, every other one is deleted first."""
     client = await nats.connect(url, connect_timeout=2, max_reconnect_attempts=0)
     try:
-        return {info.config.name for info in await client.jetstream().streams_info()}
-    finally:
-        await client.close()
-
-
-async def _delete_streams(url: str, names: set[str]) -> None:
-    client = await nats.connect(url, connect_timeout=2, max_reconnect_attempts=0)
-    try:
-        for name in names:
-            await client.jetstream().delete_stream(name)
+        js = client.jetstream()
+        names = {info.config.name for info in await js.streams_info()}
+        for name in names - keep if keep is not None else ():
+            await js.delete_stream(name)
+        return names if keep is None else names & keep
     finally:
         await client.close()
 
@@ -209,14 +209,11 @@ def _streams_end_with_their_module() -> Iterator[None]:
     (autouse, this fixture is set up before the module's others and torn down after them). A
     server started during the module held nothing before it."""
     server = _running_session_nats()
-    before = _on_a_thread_of_its_own(_stream_names(server.url)) if server else set()
+    before = _on_a_thread_of_its_own(_streams(server.url)) if server else set()
     yield
     server = _running_session_nats()
-    if server is None:
-        return
-    left = _on_a_thread_of_its_own(_stream_names(server.url)) - before
-    if left:
-        _on_a_thread_of_its_own(_delete_streams(server.url, left))
+    if server is not None:
+        _on_a_thread_of_its_own(_streams(server.url, keep=before))
 
 
 @pytest.fixture(scope="session")
