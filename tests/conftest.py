@@ -15,17 +15,16 @@ allows 75% of the disk space free when it starts, and on a machine with little f
 streams of the default `max_bytes` (256 MiB each, reserved whole when created) exhaust it, while
 the tests write kilobytes.
 
-Workers: with `-n N` the suite runs on N pytest-xdist workers (the README), each with
-its own session fixtures (its own NATS server). Work goes out a test module at a time (a
-module's fixtures are set up once, on one worker), except that every module marked `latency`
-(figures measured on the wall clock: placement's cache hits and TTFT, the interference test,
-the balancer's evaluation), and every module marked `heavy` (hundreds of concurrent requests
-through several in-process instances against real timeouts: the mesh soaks), belongs to one
-unit, so those run one after another on one worker,
-never beside each other, while the other workers run the rest at a lower CPU priority (their
-NATS servers, started first, at the normal one) (`pytest_xdist_make_scheduler` and `pytest_runtest_setup` below; xdist's own `--dist
-loadgroup` reads its groups into node ids, which pytest 9 no longer lets a plugin rewrite, so it
-grouped nothing). Each worker draws the ports it hands out
+Workers: with `-n N` the suite runs on N pytest-xdist workers (the README), each with its own
+session fixtures (its own NATS server). Work goes out a test module at a time (a module's
+fixtures are set up once, on one worker), except that every module marked `latency` (figures
+measured on the wall clock: placement's cache hits and TTFT, the interference test, the
+balancer's evaluation) or `heavy` (hundreds of concurrent requests through several in-process
+instances against real timeouts: the mesh soaks) belongs to one unit, which goes out first and
+runs with at most `UNIT_COMPANIONS` (2) workers running modules beside it: the others wait at a
+gate until it has ended (`pytest_xdist_make_scheduler`, `LatencyGate`). xdist's own
+`--dist loadgroup` reads its groups into node ids, which pytest 9 no longer lets a plugin
+rewrite, so it grouped nothing. Each worker draws the ports it hands out
 (`llmgw.serving.free_port`) from a range of its own (`LLMGW_FREE_PORTS`, inherited by the
 processes it starts), so two workers never start servers on one port.
 """
@@ -35,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import fcntl
 import os
 import shutil
 import tempfile
@@ -67,8 +67,16 @@ def _session_embedded_nats() -> EmbeddedNats:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """On an xdist worker, its own slice of the ports `llmgw.serving.free_port` draws from (the
-    workers' processes, and their children, never hand out each other's ports)."""
+    """The run's gate folder (`LatencyGate`), made by the controller (or a lone process) and
+    inherited by the xdist workers it starts; on a worker, its gate and its own slice of the
+    ports `llmgw.serving.free_port` draws from (the workers' processes, and their children,
+    never hand out each other's ports)."""
+    if not hasattr(config, "workerinput"):
+        folder = tempfile.mkdtemp(prefix="llmgw-test-gate-")
+        atexit.register(shutil.rmtree, folder, True)
+        os.environ["LLMGW_TEST_GATE"] = folder
+    elif os.environ.get("LLMGW_TEST_GATE"):
+        _gate.append(LatencyGate(os.environ["LLMGW_TEST_GATE"]))
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
     if worker.startswith("gw") and worker[2:].isdigit() and count > 1:
@@ -106,8 +114,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
             return LATENCY_UNIT if is_latency(module) else module
 
         def _assign_work_unit(self, node: Any) -> None:
-            # The latency unit goes out first, so its worker runs it before any other module
-            # (`pytest_runtest_setup` below: the others yield the CPU to it).
+            # The latency unit goes out first: the other workers wait for it at the gate
+            # (`LatencyGate`) instead of starting modules it would then wait for.
             if LATENCY_UNIT in self.workqueue:
                 self.workqueue.move_to_end(LATENCY_UNIT, last=False)
             super()._assign_work_unit(node)
@@ -115,30 +123,103 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return ModulesWithOneLatencyUnit(config, log)
 
 
-OTHERS_NICENESS = 10  # a worker's niceness once it runs a test not marked `latency`
-_reniced: list[bool] = []
+# Workers that run their modules beside the latency unit. Run alone, the unit keeps about a third
+# of one core busy (2:34 of CPU in 7:05 on 2026-12-07) and the other modules about half of one
+# (8:43 in 15:30): two of them beside it leave the machine's 2 cores some room, where four
+# workers at once starved tests past their timeouts.
+UNIT_COMPANIONS = int(os.environ.get("LLMGW_TEST_UNIT_COMPANIONS", "2"))
 
 
-@pytest.hookimpl(tryfirst=True)  # before the fixtures it sets up start their processes
-def pytest_runtest_setup(item: pytest.Item) -> None:
-    """On an xdist worker, the first test marked neither `latency` nor `heavy` lowers the
-    worker's CPU priority (and that of every process it starts from then on) for good: on a
-    machine with fewer cores than workers, the latency tests' worker, which runs its unit first
-    at the normal priority, gets the CPU when it needs it (the scheduler weighs niceness 0 about 9 to 1 against 10),
-    while the others still use whatever it leaves idle."""
-    if _reniced or not os.environ.get("PYTEST_XDIST_WORKER"):
+class LatencyGate:
+    """An xdist worker's side of the rule that the latency unit runs with at most
+    `UNIT_COMPANIONS` other workers beside it (one gate per worker).
+
+    Files the workers lock (flock) in a folder the controller makes for the run
+    (`LLMGW_TEST_GATE`). The first `UNIT_COMPANIONS` workers to start a module outside the unit
+    each take a `companion-<i>` file for good and pass the gate freely. Any other worker holds
+    `room` shared while it runs a module outside the unit, from its first test's set-up to its
+    last test's teardown (the module's fixtures and the processes they start included); the
+    unit's worker holds `room` exclusively from the unit's first test to its last. The unit's
+    worker takes `turnstile` before it waits for `room`, and the others take `turnstile` for a
+    moment before they enter `room`: no module starts while the unit waits for those running to
+    end. A worker that dies drops its locks with its process."""
+
+    def __init__(self, folder: str) -> None:
+        self._folder = folder
+        self._turnstile = self._open("turnstile")
+        self._room = self._open("room")
+        self._companion: bool | None = None  # unknown until its first module outside the unit
+        self.holding: str | None = None  # "shared", "exclusive" or None
+
+    def _open(self, name: str) -> int:
+        return os.open(os.path.join(self._folder, name), os.O_RDWR | os.O_CREAT)
+
+    def _is_companion(self) -> bool:
+        if self._companion is None:
+            self._companion = False
+            for index in range(UNIT_COMPANIONS):
+                try:
+                    fcntl.flock(self._open(f"companion-{index}"), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue
+                self._companion = True  # the descriptor stays open: the lock lasts the run
+                break
+        return self._companion
+
+    def enter(self, how: str) -> None:
+        if self.holding == how:
+            return
+        self.leave()
+        if how == "shared" and self._is_companion():
+            pass
+        elif how == "exclusive":
+            fcntl.flock(self._turnstile, fcntl.LOCK_EX)
+            fcntl.flock(self._room, fcntl.LOCK_EX)
+        else:
+            fcntl.flock(self._turnstile, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(self._room, fcntl.LOCK_SH)
+            finally:
+                fcntl.flock(self._turnstile, fcntl.LOCK_UN)
+        self.holding = how
+
+    def leave(self) -> None:
+        if self.holding is None:
+            return
+        if self.holding == "exclusive" or not self._companion:
+            fcntl.flock(self._room, fcntl.LOCK_UN)
+        if self.holding == "exclusive":
+            fcntl.flock(self._turnstile, fcntl.LOCK_UN)
+        self.holding = None
+
+
+_gate: list[LatencyGate] = []  # this xdist worker's gate
+
+
+def _in_latency_unit(item: pytest.Item) -> bool:
+    return any(item.get_closest_marker(mark) is not None for mark in UNIT_MARKS)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """On an xdist worker: the latency unit's tests hold the gate exclusively, every other
+    module's tests share it, or pass it freely on a companion's worker (`LatencyGate`). On a
+    machine with fewer cores than workers, the wall-clock figures are measured beside at most
+    `UNIT_COMPANIONS` other modules, and no test misses its timeouts for want of the CPU."""
+    gate = _gate[0] if _gate else None
+    if gate is None:
+        yield
         return
-    if all(item.get_closest_marker(mark) is None for mark in UNIT_MARKS):
-        if _nats_mode() == "embedded" and not _worker_nats:
-            # The worker's NATS server starts before the worker yields: it answers every test
-            # here, and a KV write it answers late fails a test as a timeout, while the tests'
-            # own processes only run slower.
-            _worker_nats.append(_session_embedded_nats().start())
-        os.nice(OTHERS_NICENESS)
-        _reniced.append(True)
-
-
-_worker_nats: list[EmbeddedNats] = []  # an xdist worker's session NATS server, at niceness 0
+    unit = _in_latency_unit(item)
+    gate.enter("exclusive" if unit else "shared")
+    yield
+    if nextitem is None:
+        gate.leave()
+    elif unit:
+        if not _in_latency_unit(nextitem):
+            gate.leave()
+    elif nextitem.nodeid.split("::", 1)[0] != item.nodeid.split("::", 1)[0]:
+        gate.leave()  # the module's fixtures are down: the unit may go in
 
 
 def _nats_mode() -> str:
@@ -155,13 +236,6 @@ def nats_server() -> Iterator[EmbeddedNats | None]:
     if _nats_mode() != "embedded":
         yield None
         return
-    if _worker_nats:  # started by `pytest_runtest_setup`, before the worker lowered its priority
-        server = _worker_nats[0]
-        try:
-            yield server
-        finally:
-            server.stop()
-        return
     with _session_embedded_nats() as server:
         _session_nats.append(server)
         try:
@@ -174,9 +248,8 @@ _session_nats: list[EmbeddedNats] = []  # the session's embedded server while it
 
 
 def _running_session_nats() -> EmbeddedNats | None:
-    """The session's embedded server if it runs (started by `nats_server`, or by an xdist
-    worker's `pytest_runtest_setup`)."""
-    for server in (*_session_nats, *_worker_nats):
+    """The session's embedded server if it runs (started by `nats_server`)."""
+    for server in _session_nats:
         if server.process is not None:
             return server
     return None
