@@ -21,10 +21,10 @@ fixtures are set up once, on one worker), except that every module marked `laten
 measured on the wall clock: placement's cache hits and TTFT, the interference test, the
 balancer's evaluation) or `heavy` (hundreds of concurrent requests through several in-process
 instances against real timeouts: the mesh soaks) belongs to one unit, which goes out first and
-runs with at most `UNIT_COMPANIONS` (2) workers running modules beside it: the others wait at a
-gate until it has ended (`pytest_xdist_make_scheduler`, `LatencyGate`). xdist's own
-`--dist loadgroup` reads its groups into node ids, which pytest 9 no longer lets a plugin
-rewrite, so it grouped nothing. Each worker draws the ports it hands out
+runs with at most two workers running modules beside it: the others wait at a gate until it has
+ended (`pytest_xdist_make_scheduler` and `pytest_runtest_protocol` below, tests/latency_gate.py).
+xdist's own `--dist loadgroup` reads its groups into node ids, which pytest 9 no longer lets a
+plugin rewrite, so it grouped nothing. Each worker draws the ports it hands out
 (`llmgw.serving.free_port`) from a range of its own (`LLMGW_FREE_PORTS`, inherited by the
 processes it starts), so two workers never start servers on one port.
 """
@@ -34,17 +34,19 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
-import fcntl
+import functools
 import os
 import shutil
 import tempfile
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import nats
 import pytest
 import pytest_asyncio
+from latency_gate import LatencyGate
 from nats.aio.client import Client as NatsClient
 from nats.js.api import KeyValueConfig
 from nats.js.kv import KeyValue
@@ -99,19 +101,10 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     one unit."""
     from xdist.scheduler import LoadScopeScheduling
 
-    latency: dict[str, bool] = {}
-
-    def is_latency(module: str) -> bool:
-        if module not in latency:
-            path = config.rootpath / module
-            text = path.read_text() if path.is_file() else ""
-            latency[module] = any(f"pytest.mark.{mark}" in text for mark in UNIT_MARKS)
-        return latency[module]
-
     class ModulesWithOneLatencyUnit(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::", 1)[0]
-            return LATENCY_UNIT if is_latency(module) else module
+            return LATENCY_UNIT if _in_the_unit(config.rootpath / module) else module
 
         def _assign_work_unit(self, node: Any) -> None:
             # The latency unit goes out first: the other workers wait for it at the gate
@@ -123,81 +116,19 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return ModulesWithOneLatencyUnit(config, log)
 
 
-# Workers that run their modules beside the latency unit. Run alone, the unit keeps about a third
-# of one core busy (2:34 of CPU in 7:05 on 2026-12-07) and the other modules about half of one
-# (8:43 in 15:30): two of them beside it leave the machine's 2 cores some room, where four
-# workers at once starved tests past their timeouts.
-UNIT_COMPANIONS = int(os.environ.get("LLMGW_TEST_UNIT_COMPANIONS", "2"))
-
-
-class LatencyGate:
-    """An xdist worker's side of the rule that the latency unit runs with at most
-    `UNIT_COMPANIONS` other workers beside it (one gate per worker).
-
-    Files the workers lock (flock) in a folder the controller makes for the run
-    (`LLMGW_TEST_GATE`). The first `UNIT_COMPANIONS` workers to start a module outside the unit
-    each take a `companion-<i>` file for good and pass the gate freely. Any other worker holds
-    `room` shared while it runs a module outside the unit, from its first test's set-up to its
-    last test's teardown (the module's fixtures and the processes they start included); the
-    unit's worker holds `room` exclusively from the unit's first test to its last. The unit's
-    worker takes `turnstile` before it waits for `room`, and the others take `turnstile` for a
-    moment before they enter `room`: no module starts while the unit waits for those running to
-    end. A worker that dies drops its locks with its process."""
-
-    def __init__(self, folder: str) -> None:
-        self._folder = folder
-        self._turnstile = self._open("turnstile")
-        self._room = self._open("room")
-        self._companion: bool | None = None  # unknown until its first module outside the unit
-        self.holding: str | None = None  # "shared", "exclusive" or None
-
-    def _open(self, name: str) -> int:
-        return os.open(os.path.join(self._folder, name), os.O_RDWR | os.O_CREAT)
-
-    def _is_companion(self) -> bool:
-        if self._companion is None:
-            self._companion = False
-            for index in range(UNIT_COMPANIONS):
-                try:
-                    fcntl.flock(self._open(f"companion-{index}"), fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    continue
-                self._companion = True  # the descriptor stays open: the lock lasts the run
-                break
-        return self._companion
-
-    def enter(self, how: str) -> None:
-        if self.holding == how:
-            return
-        self.leave()
-        if how == "shared" and self._is_companion():
-            pass
-        elif how == "exclusive":
-            fcntl.flock(self._turnstile, fcntl.LOCK_EX)
-            fcntl.flock(self._room, fcntl.LOCK_EX)
-        else:
-            fcntl.flock(self._turnstile, fcntl.LOCK_EX)
-            try:
-                fcntl.flock(self._room, fcntl.LOCK_SH)
-            finally:
-                fcntl.flock(self._turnstile, fcntl.LOCK_UN)
-        self.holding = how
-
-    def leave(self) -> None:
-        if self.holding is None:
-            return
-        if self.holding == "exclusive" or not self._companion:
-            fcntl.flock(self._room, fcntl.LOCK_UN)
-        if self.holding == "exclusive":
-            fcntl.flock(self._turnstile, fcntl.LOCK_UN)
-        self.holding = None
-
-
 _gate: list[LatencyGate] = []  # this xdist worker's gate
 
 
+@functools.cache
+def _in_the_unit(module: Path) -> bool:
+    """Whether the test module at `module` belongs to the latency unit: its source names one of
+    `UNIT_MARKS` (on the module or on any of its tests: the whole module goes)."""
+    text = module.read_text() if module.is_file() else ""
+    return any(f"pytest.mark.{mark}" in text for mark in UNIT_MARKS)
+
+
 def _in_latency_unit(item: pytest.Item) -> bool:
-    return any(item.get_closest_marker(mark) is not None for mark in UNIT_MARKS)
+    return _in_the_unit(item.path)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -205,7 +136,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     """On an xdist worker: the latency unit's tests hold the gate exclusively, every other
     module's tests share it, or pass it freely on a companion's worker (`LatencyGate`). On a
     machine with fewer cores than workers, the wall-clock figures are measured beside at most
-    `UNIT_COMPANIONS` other modules, and no test misses its timeouts for want of the CPU."""
+    two other modules, and no test misses its timeouts for want of the CPU."""
     gate = _gate[0] if _gate else None
     if gate is None:
         yield
