@@ -608,13 +608,24 @@ async def scenario(
     once pinning.return_home_after has passed; not without `outage`), the one-shots, the
     mixes."""
     results: dict[str, Any] = {}
+    took: dict[str, float] = {}  # each measure's wall seconds
+    began = time.monotonic()
+
+    def lap(name: str) -> None:
+        nonlocal began
+        took[name] = round(time.monotonic() - began, 1)
+        began = time.monotonic()
+
     async with http_session() as http:
         client = Client(http, api)
         results["cold_start"] = await cold_start(client)
+        lap("cold_start")
         if outage:
             away = await pin_on_third_party(client, farm)
             early = await next_turn(client, away)  # engines healthy again, hysteresis not over
+            lap("outage")
         results["one_shots"] = await one_shots_then_session(client)
+        lap("one_shots")
         capacity = managed_capacity()
         for load in loads:
             phase = await client.mix(load * capacity, seconds, think)
@@ -622,11 +633,14 @@ async def scenario(
                 "rate": load * capacity,
                 **mix_figures(phase, farm.arrivals, limits),
             }
+            lap(f"mix_{round(load * 100)}")
         if outage:
             results["return_home"] = {
                 "before_return_home_after": [early.provider, early.route],
                 **await return_home(client, away),
             }
+            lap("return_home")
+    results["seconds"] = took
     return results
 
 
