@@ -69,15 +69,15 @@ def _session_embedded_nats() -> EmbeddedNats:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """The run's gate folder (`LatencyGate`), made by the controller (or a lone process) and
-    inherited by the xdist workers it starts; on a worker, its gate and its own slice of the
-    ports `llmgw.serving.free_port` draws from (the workers' processes, and their children,
-    never hand out each other's ports)."""
-    if not hasattr(config, "workerinput"):
+    """The run's gate folder (`LatencyGate`), made by the xdist controller (`-n N`) and
+    inherited by the workers it starts; on a worker, its gate and its own slice of the ports
+    `llmgw.serving.free_port` draws from (the workers' processes, and their children, never
+    hand out each other's ports)."""
+    if not hasattr(config, "workerinput") and getattr(config.option, "numprocesses", None):
         folder = tempfile.mkdtemp(prefix="llmgw-test-gate-")
         atexit.register(shutil.rmtree, folder, True)
         os.environ["LLMGW_TEST_GATE"] = folder
-    elif os.environ.get("LLMGW_TEST_GATE"):
+    elif hasattr(config, "workerinput") and os.environ.get("LLMGW_TEST_GATE"):
         _gate.append(LatencyGate(os.environ["LLMGW_TEST_GATE"]))
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
@@ -127,30 +127,25 @@ def _in_the_unit(module: Path) -> bool:
     return any(f"pytest.mark.{mark}" in text for mark in UNIT_MARKS)
 
 
-def _in_latency_unit(item: pytest.Item) -> bool:
-    return _in_the_unit(item.path)
-
-
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     """On an xdist worker: the latency unit's tests hold the gate exclusively, every other
     module's tests share it, or pass it freely on a companion's worker (`LatencyGate`). On a
     machine with fewer cores than workers, the wall-clock figures are measured beside at most
-    two other modules, and no test misses its timeouts for want of the CPU."""
+    two other modules, and no test misses its timeouts for want of the CPU. The gate is left
+    once the unit, or the module (its fixtures down by then), has no test next."""
     gate = _gate[0] if _gate else None
     if gate is None:
         yield
         return
-    unit = _in_latency_unit(item)
+    unit = _in_the_unit(item.path)
     gate.enter("exclusive" if unit else "shared")
     yield
-    if nextitem is None:
+    goes_on = nextitem is not None and (
+        _in_the_unit(nextitem.path) if unit else nextitem.path == item.path
+    )
+    if not goes_on:
         gate.leave()
-    elif unit:
-        if not _in_latency_unit(nextitem):
-            gate.leave()
-    elif nextitem.nodeid.split("::", 1)[0] != item.nodeid.split("::", 1)[0]:
-        gate.leave()  # the module's fixtures are down: the unit may go in
 
 
 def _nats_mode() -> str:

@@ -12,12 +12,12 @@ from __future__ import annotations
 import fcntl
 import os
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from latency_gate import LatencyGate
+from timing import eventually
 
 WAIT = 10.0  # seconds a thread may take to get through a gate that is open
 
@@ -32,14 +32,6 @@ def _free(folder: Path, name: str, how: int) -> bool:
     finally:
         os.close(descriptor)  # closing drops a lock it got
     return True
-
-
-def _until(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + WAIT
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {WAIT:g} s: {what}")
-        time.sleep(0.01)
 
 
 def _held_back(thread: threading.Thread) -> bool:
@@ -64,7 +56,7 @@ def started() -> Iterator[Callable[[Callable[[], None]], threading.Thread]]:
         thread.join(WAIT)
 
 
-def test_the_unit_waits_for_running_modules_and_no_module_starts_until_it_ends(
+async def test_the_unit_waits_for_running_modules_and_no_module_starts_until_it_ends(
     tmp_path: Path, started
 ) -> None:
     running = LatencyGate(str(tmp_path), companions=0)
@@ -75,7 +67,7 @@ def test_the_unit_waits_for_running_modules_and_no_module_starts_until_it_ends(
     assert not _free(tmp_path, "room", fcntl.LOCK_EX)
     unit_in = started(lambda: unit.enter("exclusive"))
     # The unit has the turnstile (no module may start) and waits for the module running.
-    _until(lambda: not _free(tmp_path, "turnstile", fcntl.LOCK_EX), "the unit at the turnstile")
+    await eventually(lambda: not _free(tmp_path, "turnstile", fcntl.LOCK_EX), WAIT, "the turnstile")
     assert unit.holding is None
     later_in = started(lambda: later.enter("shared"))
 
