@@ -243,13 +243,14 @@ class ProviderCatalog:
         strategy = self._strategy[provider]
         endpoints = []
         saturations = []
+        reachable = False  # some endpoint healthy with its breaker letting requests through
         for e in configs:
-            healthy = self._healthy(e, provider)
-            usable = healthy and e.id not in exclude and self._breakers.available(e.id, now)
+            healthy = not managed or self._health.is_healthy(e.id)
+            open_to_requests = healthy and self._breakers.available(e.id, now)
+            reachable = reachable or open_to_requests
+            usable = open_to_requests and e.id not in exclude
             if managed and self._load.knows(e.id):
-                inflight = self._load.inflight(e.id, now)
-                saturation = self._load.saturation(e.id, now)
-                capacity = self._load.capacity(e.id)
+                inflight, saturation, capacity = self._load.reading(e.id, now)
                 if healthy:
                     saturations.append(saturation)
             else:
@@ -300,7 +301,8 @@ class ProviderCatalog:
             id=provider,
             managed=managed,
             supports=self.supports(provider, model, feature),
-            degraded=self.degraded(provider, model, now),
+            # `degraded`, from the loop's readings
+            degraded=managed and ((provider, model) in self.forced_degraded or not reachable),
             endpoints=tuple(endpoints),
             room=room,
             strategy=strategy,

@@ -232,6 +232,8 @@ class FlowControl:
     def _ahead(self, model: str, band: BandPolicy, now: float) -> int:
         local = self.queues.waiting(model)
         remote = self._remote_waiting(model, now) if self._peers else {}
+        if not local and not remote:  # nobody waits for the model (most requests)
+            return 0
         return sum(
             local.get(b.name, 0) + remote.get(b.name, 0)
             for b in self.bands

@@ -303,6 +303,16 @@ class LoadBoard:
             self._loads[endpoint_id], now, self.settings, self.inflight(endpoint_id, now)
         )
 
+    def reading(self, endpoint_id: str, now: float) -> tuple[int, float, int]:
+        """`inflight`, `saturation` and `capacity` of a known endpoint, read at once."""
+        load = self._loads[endpoint_id]
+        inflight = self.inflight(endpoint_id, now)
+        return (
+            inflight,
+            endpoint_saturation(load, now, self.settings, inflight),
+            max(1, load.capacity),
+        )
+
     def scrape_age(self, endpoint_id: str, now: float) -> float | None:
         reported_at = self._loads[endpoint_id].reported_at
         return None if reported_at is None else max(0.0, now - reported_at)

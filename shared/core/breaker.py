@@ -75,12 +75,10 @@ class BreakerBoard:
     def available(self, endpoint: str, now: float) -> bool:
         """May a request go there now? (Does not take the half-open probe: see `take`.)"""
         e = self._endpoints.get(endpoint)
-        state = self.state(endpoint, now)
-        if state is BreakerState.CLOSED:
+        if e is None or e.open_until is None:  # closed (`state`, read inline: every request)
             return True
-        if state is BreakerState.OPEN:
+        if now < e.open_until:  # open
             return False
-        assert e is not None
         return e.probe_since is None or now - e.probe_since >= self.settings.probe_timeout
 
     def take(self, endpoint: str, now: float) -> None:

@@ -473,12 +473,18 @@ def _weighted(candidates: Sequence[EndpointState], draw: float) -> str:
     return next(e.id for e, w in zip(candidates, weights, strict=True) if w > 0)
 
 
-def _bound(endpoint: EndpointState, tier: Sequence[EndpointState], factor: float) -> int:
-    """Bounded loads by capacity: the most requests `endpoint` may hold with this one added,
-    ceil(factor * (tier's load + 1) * its share of the tier's batch slots)."""
+def _within_bound(
+    endpoints: Sequence[EndpointState],
+    factor: float,
+    tier: Sequence[EndpointState] | None = None,
+) -> list[EndpointState]:
+    """The endpoints of `endpoints` (of `tier`, by default themselves) within their bounded
+    load by capacity with this request added: inflight + 1 at most the most requests each may
+    hold, ceil(factor * (tier's load + 1) * its share of the tier's batch slots)."""
+    tier = endpoints if tier is None else tier
     load = sum(e.inflight for e in tier) + 1
     slots = sum(e.capacity for e in tier)
-    return math.ceil(factor * load * endpoint.capacity / slots)
+    return [e for e in endpoints if e.inflight + 1 <= math.ceil(factor * load * e.capacity / slots)]
 
 
 def _best(
@@ -528,41 +534,44 @@ def _managed_endpoint(
         top = max(e.priority for e in free)
         free = [e for e in free if e.priority == top]
     home: str | None = None
-    walk = provider.ring.walk(session) if session is not None and provider.ring else []
-    if session is not None and home_hint in {e.id for e in provider.endpoints}:
+    walk: list[str] | None = None  # the session's ring order, read only where it decides
+    if (
+        session is not None
+        and home_hint is not None
+        and any(e.id == home_hint for e in provider.endpoints)
+    ):
         home = home_hint  # where the session's last request ran: its prefix cache
-    elif pinned and walk:
-        home = walk[0]  # a pin whose endpoint is unknown (adopted)
+    elif pinned and session is not None and provider.ring:
+        walk = provider.ring.walk(session)
+        home = walk[0] if walk else None  # a pin whose endpoint is unknown (adopted)
     if home is None:
         # No conversation of its own here (no session, or its first request here): where its
         # prompt is cached, traded against room, so new work starts on its prefix and fills
         # free slots first.
+        if walk is None:
+            walk = provider.ring.walk(session) if session is not None and provider.ring else []
         pool = free if interactive and free else tier
         return _best(
             pool, walk, weight, settings.adapter_weight, queue, settings.parent_weight
         ).id, None
-    in_tier = {e.id: e for e in tier}
-    fits = [e for e in tier if e.inflight + 1 <= _bound(e, tier, settings.session_load_factor)]
-    fitting = {e.id for e in fits}
-    target = in_tier.get(home) if home is not None else None
+    target = next((e for e in tier if e.id == home), None)
+    # Within the load bound: what the session may leave home for (computed where asked).
+    fits = None if interactive and free else _within_bound(tier, settings.session_load_factor)
     brk: AffinityBreak | None = None
     if target is None:
         brk = AffinityBreak.HOME_UNUSABLE
-    elif _lost_its_prompt(target, free if interactive and free else fits, weight):
+    elif _lost_its_prompt(target, free if fits is None else fits, weight):
         brk = AffinityBreak.HOME_COLD
     elif target.has_room(queue):
         pass  # room at home (a free batch slot): staying costs nothing, leaving its cache
-    elif target.id not in fitting:
+    elif not _within_bound((target,), settings.session_load_factor, tier):
         brk = AffinityBreak.HOME_OVER_BOUND
     elif interactive and free:
         brk = AffinityBreak.HOME_BUSY
     if brk is None:
         assert target is not None
         return target.id, None
-    if interactive and free:
-        pool = free
-    else:
-        pool = fits or tier
+    pool = free if fits is None else (fits or tier)
     return _best(pool, (), weight, settings.adapter_weight, queue).id, brk
 
 

@@ -142,6 +142,11 @@ def _check_messages(messages: object) -> None:
             )
 
 
+def _fails(checks: dict[str, _Check], name: str, value: object) -> bool:
+    entry = checks.get(name)
+    return entry is not None and not entry[0](value)
+
+
 def parse_request(feature: Feature, raw: bytes) -> ParsedRequest:
     """Decode and validate `raw` for `feature`; raises InvalidRequest."""
     body = decode_json_object(raw)
@@ -157,13 +162,18 @@ def parse_request(feature: Feature, raw: bytes) -> ParsedRequest:
     elif "input" not in body or not _string_or_list(body["input"]) or body["input"] in ("", []):
         raise InvalidRequest("'input' is required and must be a non-empty string or list.", "input")
 
-    for name, (check, expected) in _CHECKS[feature].items():
-        value = body.get(name)
-        if value is not None and not check(value):
-            raise InvalidRequest(
-                f"Invalid type or value for '{name}': expected {expected}, got {json.dumps(value)[:80]}.",
-                name,
-            )
+    checks = _CHECKS[feature]
+    # The body's few fields against the many checks; the first failure in the checks' order.
+    failed = [
+        name for name, value in body.items() if value is not None and _fails(checks, name, value)
+    ]
+    if failed:
+        order = list(checks)
+        name = min(failed, key=order.index)
+        raise InvalidRequest(
+            f"Invalid type or value for '{name}': expected {checks[name][1]}, got {json.dumps(body[name])[:80]}.",
+            name,
+        )
 
     stream = bool(body.get("stream")) and feature is not Feature.EMBEDDINGS
     options = body.get("stream_options") or {}
