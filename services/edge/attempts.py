@@ -57,6 +57,7 @@ from llmgw.clock import SYSTEM, Clock
 from llmgw.contracts import AdmissionUnavailable
 from llmgw.core.context import refused_window, requested_output
 from llmgw.core.outcomes import REFUSAL_OUTCOMES, Outcome
+from llmgw.core.records import record
 from llmgw.core.requests import InvalidRequest
 from llmgw.core.spend import TokenUse
 from llmgw.core.usage import StreamUsage, Usage, usage_in
@@ -175,7 +176,7 @@ _PATHS = {
 }
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class RoutedRequest:
     """What the ingress learned about a request before asking admission."""
 

@@ -30,7 +30,6 @@ import asyncio
 import itertools
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -45,6 +44,7 @@ from llmgw.core.prefix import (
     token_chain,
     token_root,
 )
+from llmgw.core.records import record
 
 if TYPE_CHECKING:
     from llmgw.chat_tokenizer import ChatTokenizer
@@ -59,7 +59,7 @@ TOKENIZE_TIMEOUT = 0.5  # seconds an engine's /tokenize may take before the toke
 _REMEMBERED = 4096  # prompts whose engine tokens (tokenizer: engine) are kept, per model
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class PromptChain:
     """What an `AdmitRequest` carries of its prompt: the packed text chain and the canonical
     length; with a tokenizer, the packed token chain, the token count and the block size."""

@@ -35,6 +35,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
+from llmgw.core.records import record
+
 __all__ = [
     "BYTES_PER_TOKEN",
     "ContextNeed",
@@ -65,7 +67,7 @@ class ContextWindow:
     hold_output: bool = True
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class ContextNeed:
     """What a request needs of a window: its prompt's tokens (exact, or a lower bound when
     `exact` is False) and the output it asks for (0: none said)."""

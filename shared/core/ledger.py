@@ -46,6 +46,7 @@ from typing import TypeVar
 
 from llmgw.core.apikeys import KeyLimits, key_pair
 from llmgw.core.quota import NO_COUNTS, NO_QUOTA, PairLimits, Quota, QuotaCounts
+from llmgw.core.records import record
 
 K = TypeVar("K")
 
@@ -110,7 +111,7 @@ class PinRecord:
     parent: str | None = None  # a sub-agent's: its parent session (the client named it)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class LeaseRecord:
     """One granted request lease. ``unreserved``: it counts against the quota's ``u``."""
 
@@ -152,7 +153,7 @@ class PairUse:
         return QuotaCounts(self.leases, self.unreserved, self.pins)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Room:
     """What a pair can take at this instance right now."""
 

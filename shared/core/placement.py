@@ -100,6 +100,7 @@ from dataclasses import dataclass
 from llmgw.core.affinity import HashRing
 from llmgw.core.ledger import LeaseKind, Room
 from llmgw.core.outcomes import Refusal
+from llmgw.core.records import record
 
 __all__ = [
     "AffinityBreak",
@@ -153,7 +154,7 @@ FOLLOW_CACHE_MARGIN = 0.5
 CACHED_ENOUGH = 0.5
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class EndpointState:
     """One endpoint of a provider as placement sees it.
 
@@ -204,7 +205,7 @@ class EndpointState:
         )
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class ProviderState:
     """A provider for the request's model. ``degraded``: a managed provider none of whose
     endpoints is healthy with a closed (or probing) breaker. ``room``: what this admission
@@ -227,7 +228,7 @@ class ProviderState:
         return self.supports and not self.degraded
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class PinState:
     """The session's pin: where, whether its session is at its in-flight limit, since when it is
     where it is, and the endpoint its last request ran on (its prefix cache; None: unknown)."""
@@ -250,7 +251,7 @@ class PlacementSettings:
     parent_weight: float = 1.0  # `EndpointState.cost`: a new sub-agent's parent runs there
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Snapshot:
     providers: tuple[ProviderState, ...]  # managed first (by priority), then unlimited
     pin: PinState | None
@@ -258,7 +259,7 @@ class Snapshot:
     settings: PlacementSettings = PlacementSettings()
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class PlacementRequest:
     session: str | None = None
     interactive: bool = True
@@ -266,7 +267,7 @@ class PlacementRequest:
     draw: float = 0.0  # uniform in [0, 1): the randomness of weighted draws
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Placement:
     """Run on `provider`/`endpoint` under a lease of `lease_kind`; `pin_action` says what
     happens to the session's pin (`evict`: make room by evicting an idle pin of the provider).

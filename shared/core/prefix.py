@@ -31,10 +31,11 @@ import json
 import sys
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import xxhash
+
+from llmgw.core.records import record
 
 __all__ = [
     "ROOT",
@@ -197,7 +198,7 @@ def canonical_prompt(feature: str, body: Mapping[str, Any]) -> bytes | None:
     return None
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class PromptPrefix:
     """What placement knows of a request's prompt: its text chain and the length it covers of
     the canonical bytes (``length``: all of them, with the partial last block); with the

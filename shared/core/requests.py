@@ -10,8 +10,9 @@ from __future__ import annotations
 import enum
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, TypeGuard
+
+from llmgw.core.records import record
 
 
 class Feature(enum.StrEnum):
@@ -33,7 +34,7 @@ class InvalidRequest(ValueError):
         self.param = param
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class ParsedRequest:
     """The fields routing needs, plus the decoded body for forwarding."""
 

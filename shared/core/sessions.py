@@ -47,6 +47,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from llmgw.core.records import record
 from llmgw.core.requests import Feature
 
 STABLE_PROMPT_CHARS = 512
@@ -77,7 +78,7 @@ class SessionRule:
     parent: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class ClientKey:
     """What a request's session headers name: its session's key (the session header's value,
     and the agent's within it), its parent's key (a sub-agent's), and the key of the session

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+
+from llmgw.core.records import record
 
 __all__ = ["StreamUsage", "Usage", "usage_in"]
 
@@ -25,7 +26,7 @@ _TAIL = 4096  # bytes kept to find the usage chunk when it is forwarded, not rem
 _DECODER = json.JSONDecoder()  # stateless: one for every read (making one costs a microsecond)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Usage:
     input_tokens: int
     output_tokens: int

@@ -14,6 +14,7 @@ Then table-driven cases for each route.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import replace
 
@@ -154,6 +155,17 @@ def test_interactive_requests_never_queue_where_another_endpoint_has_a_free_slot
     if not chosen.free_slot and any(e.usable and e.free_slot for e in provider.endpoints):
         assert chosen.cached >= CACHED_ENOUGH, outcome
         assert chosen.inflight < chosen.capacity + queue, outcome
+
+
+@given(snapshot=snapshots(), request=requests)
+def test_placement_leaves_its_snapshot_and_request_as_it_found_them(snapshot, request):
+    """The snapshot's values are `record`s: frozen for the type checker, plain slotted
+    dataclasses at run time (llmgw.core.records). Placement only reads them."""
+    rings = {id(p.ring): p.ring for p in snapshot.providers}  # compared by identity: kept
+    snapshot_before, request_before = copy.deepcopy(snapshot, rings), copy.deepcopy(request)
+    place(snapshot, request)
+    assert snapshot == snapshot_before
+    assert request == request_before
 
 
 @given(snapshot=snapshots(), request=requests)
