@@ -81,6 +81,9 @@ async def start_server(
         # No X-Forwarded-* rewriting layer on every request: nothing here reads the client's
         # address (a proxy in front keeps its own access log).
         proxy_headers=False,
+        # No `server: uvicorn` on every answer: what serves is nobody's business, and one
+        # header less to write per response.
+        server_header=False,
     )
     server = uvicorn.Server(config)
     server.config.setup_event_loop = lambda: None  # type: ignore[method-assign]
