@@ -6,7 +6,9 @@
 One admission instance (flow control on, as shipped) on an embedded nats-server, a managed
 provider of two engines (each reported running nothing, capacity 64) with limits whose pin table
 is full, and a third party. The decision is `Intake._start` called directly, synchronously, as
-the colocated edge calls it; each lease ends (the ledger's release) before the next decision.
+the colocated edge calls it, with what the edge asks for a short chat request (an API key
+without a parallel limit, its band, the prompt's length and the output asked for, so the
+context-window check runs); each lease ends (the ledger's release) before the next decision.
 Two kinds of decision, interleaved in blocks of 200, median per round:
 
 - *known*: a request of one of `--conversations` pinned conversations, in turn;
@@ -149,6 +151,12 @@ async def _decide(service, config, decisions, rounds, conversations, profile, on
             feature="chat",
             shard=shard_of(session, shards),
             session=session,
+            request_id=uuid.uuid4().hex,
+            band="gold",
+            tenant="bench",
+            key="810b16ce0395bfe0",
+            prompt_bytes=11,
+            max_output=20,
         )
         started = time.perf_counter()
         reply = intake._start(request)
