@@ -31,7 +31,7 @@ from nats.js.api import DeliverPolicy
 from pydantic import ValidationError
 
 from llmgw.clock import SYSTEM, Clock, TimeSource, wall_of
-from llmgw.core.prefix import HeldIndex, PromptPrefix, SentIndex, pack, unpack
+from llmgw.core.prefix import HeldIndex, PlacementTally, PromptPrefix, SentIndex, pack, unpack
 from llmgw.prefix_stream import ensure_prefix_stream
 from llmgw.wire import (
     EndpointPrefixes,
@@ -95,7 +95,7 @@ class PrefixBoard:
         self._sub: Any = None
         self.received = {"sent": 0, "held": 0, "own": 0, "malformed": 0}
         # Per endpoint: placements by their chain's first block (`llmgw state`'s top prefixes).
-        self._top: dict[str, dict[int, list[float]]] = {}
+        self._top: dict[str, PlacementTally] = {}
         self.published = 0
 
     def reconfigure(self, config: Config) -> None:
@@ -256,16 +256,10 @@ class PrefixBoard:
     def _count(self, endpoint: str, chain: tuple[int, ...], at: float) -> None:
         """One more placement of a chain starting with `chain[0]` on `endpoint` (at most
         `TOP_KEPT` first blocks per endpoint: the least placed goes)."""
-        top = self._top.setdefault(endpoint, {})
-        entry = top.get(chain[0])
-        if entry is None:
-            if len(top) >= TOP_KEPT:
-                del top[min(top, key=lambda root: top[root][0])]
-            top[chain[0]] = [1, len(chain), at]
-            return
-        entry[0] += 1
-        entry[1] = max(entry[1], len(chain))
-        entry[2] = max(entry[2], at)
+        tally = self._top.get(endpoint)
+        if tally is None:
+            tally = self._top[endpoint] = PlacementTally(TOP_KEPT)
+        tally.add(chain[0], len(chain), at)
 
     def _capacity(self, endpoint: str) -> int:
         """The most blocks `endpoint`'s LRU keeps: its engine's KV cache, as its metrics say."""
@@ -303,7 +297,9 @@ class PrefixBoard:
         placements."""
         rows = []
         for endpoint in self.endpoints():
-            kept = sorted(self._top.get(endpoint, {}).items(), key=lambda item: -item[1][0])[:top]
+            tally = self._top.get(endpoint)
+            counted = tally.items() if tally is not None else []
+            kept = sorted(counted, key=lambda item: -item[1])[:top]
             rows.append(
                 EndpointPrefixes(
                     endpoint=endpoint,
@@ -317,7 +313,7 @@ class PrefixBoard:
                             blocks=int(blocks),
                             last_at=at,
                         )
-                        for root, (count, blocks, at) in kept
+                        for root, count, blocks, at in kept
                     ),
                 )
             )

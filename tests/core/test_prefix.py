@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from llmgw.core.prefix import (
     ROOT,
     HeldIndex,
+    PlacementTally,
     PromptPrefix,
     SentIndex,
     canonical_chat,
@@ -160,3 +161,34 @@ def test_a_block_costs_what_the_board_says_it_does():
         tracemalloc.stop()
     assert 0.7 * SENT_BYTES_PER_BLOCK <= sent_bytes / blocks <= 1.2 * SENT_BYTES_PER_BLOCK
     assert 0.5 * HELD_BYTES_PER_BLOCK <= held_bytes / blocks <= 1.2 * HELD_BYTES_PER_BLOCK
+
+
+def _naive_tally(keep: int, placements: list[tuple[int, int, float]]) -> list[tuple]:
+    """The tally written out: a new key in a full table evicts the least placed key, the
+    first counted of those tied (a scan over every key)."""
+    table: dict[int, list] = {}
+    for key, blocks, at in placements:
+        entry = table.get(key)
+        if entry is None:
+            if len(table) >= keep:
+                del table[min(table, key=lambda k: table[k][0])]
+            table[key] = [1, blocks, at]
+        else:
+            entry[0] += 1
+            entry[1] = max(entry[1], blocks)
+            entry[2] = max(entry[2], at)
+    return [(key, count, blocks, at) for key, (count, blocks, at) in table.items()]
+
+
+@given(
+    keep=st.integers(1, 6),
+    placements=st.lists(
+        st.tuples(st.integers(0, 9), st.integers(1, 50), st.floats(0, 100)), max_size=300
+    ),
+)
+def test_the_placement_tally_keeps_what_a_scan_for_the_least_placed_would_keep(keep, placements):
+    tally = PlacementTally(keep)
+    for key, blocks, at in placements:
+        tally.add(key, blocks, at)
+        assert len(tally) <= keep
+    assert tally.items() == _naive_tally(keep, placements)

@@ -12,7 +12,7 @@ from timing import eventually
 from llmgw.core.prefix import PromptPrefix, model_root, pack, text_chain, token_chain
 from llmgw.services.admission.health import HealthBoard
 from llmgw.services.admission.loadboard import LoadBoard
-from llmgw.services.admission.prefixes import DISAGREEMENT, PrefixBoard
+from llmgw.services.admission.prefixes import DISAGREEMENT, TOP_KEPT, PrefixBoard
 from llmgw.wire import PrefixHeld, prefix_held_subject
 
 TENANT_PROMPT = b"\x1esystem\x1f" + b"You answer as the support desk of Acme. " * 60
@@ -144,3 +144,22 @@ async def test_a_lora_adapters_requests_go_where_it_is_loaded(nats_url, unique_i
         assert admitted(third) and third.target.endpoint == "engine-1", third
     finally:
         await rig.close()
+
+
+def test_llmgw_state_shows_each_endpoints_most_placed_prefixes(nats_url, unique_id):
+    """The summary `llmgw state` prints: per endpoint, its prompts' first blocks by placements.
+    A board that placed more distinct prompts than it counts (`TOP_KEPT`) keeps the most
+    placed ones."""
+    config = rig_config(nats_url, unique_id)
+    board = PrefixBoard(config, LoadBoard(config, HealthBoard()), "i")
+    tenants = [_chain_of(config, f"You are tenant {t}'s agent. ".encode() * 100) for t in range(3)]
+    for placements, asked in zip((5, 3, 1), tenants, strict=True):
+        for n in range(placements):
+            board.placed("engine-1", MODEL, asked, float(n))
+    for n in range(TOP_KEPT + 50):  # one-shots of prompts never seen before
+        board.placed("engine-1", MODEL, _chain_of(config, f"one-shot {n}".encode() * 200), 9.0)
+    (row,) = [r for r in board.summary(top=3) if r.endpoint == "engine-1"]
+    most = [f"{asked.chain[0]:016x}" for asked in tenants[:2]]
+    assert [t.prefix for t in row.top[:2]] == most
+    assert [t.placements for t in row.top] == [5, 3, 1]  # the third: a one-shot
+    assert row.top[0].blocks == len(tenants[0].chain) and row.top[0].last_at == 4.0
