@@ -562,17 +562,35 @@ def upstream_request(
 def upstream_body(parsed: ParsedRequest, raw: bytes, target: Target, inject_usage: bool) -> bytes:
     """What an attempt of an OpenAI API sends `target`: the client's own bytes, or (only when
     something must change) its body with the target's model name, its priority, and with
-    `inject_usage` a stream's request for its usage."""
+    `inject_usage` a stream's request for its usage. Fields the body lacks are added to the
+    client's bytes as they are (a prompt is not encoded again); a field it has is changed in
+    a body encoded anew."""
     body = parsed.body
-    if not (inject_usage or parsed.model != target.upstream_model or target.priority is not None):
+    renamed = parsed.model != target.upstream_model
+    if not (inject_usage or renamed or target.priority is not None):
         return raw
-    body = dict(body)
+    added: dict[str, Any] = {}
     if inject_usage:  # ask for usage anyway; the usage event is removed on the way back
-        body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
-    body["model"] = target.upstream_model
+        added["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
     if target.priority is not None:
-        body["priority"] = target.priority
+        added["priority"] = target.priority
+    if not renamed and not any(name in body for name in added):
+        spliced = _with_added_fields(raw, added)
+        if spliced is not None:
+            return spliced
+    body = {**body, **added, "model": target.upstream_model}
     return json.dumps(body).encode()
+
+
+def _with_added_fields(raw: bytes, fields: dict[str, Any]) -> bytes | None:
+    """The JSON object `raw` with `fields` (names it does not have) written before its closing
+    brace; None when `raw` does not end as an object does."""
+    body = raw.rstrip()
+    if not body.endswith(b"}"):
+        return None
+    inside = body[:-1].rstrip()
+    comma = b"" if inside.endswith(b"{") else b","
+    return inside + comma + json.dumps(fields)[1:-1].encode() + b"}"
 
 
 # -- classify -----------------------------------------------------------------------------------

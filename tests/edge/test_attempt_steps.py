@@ -18,6 +18,8 @@ from typing import Any
 import httpx
 import pytest
 from fakes import FakeAdmission, FakeLeases, Queued, RecordingReporter, target
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from inproc import HeaderRecorder
 from timing import eventually
 
@@ -332,6 +334,51 @@ def test_the_body_sent_names_the_target_s_model_priority_and_usage() -> None:
     assert request.parsed.body["stream_options"] == {"continuous_usage_stats": 1}  # untouched
     renamed = json.loads(upstream_body(request.parsed, request.raw, THIRD_PARTY, False))
     assert renamed == {**request.parsed.body, "model": "tx/m1"}
+
+
+_FIELD_VALUES = st.one_of(
+    st.none(), st.booleans(), st.integers(-5, 5), st.text(max_size=5), st.lists(st.integers())
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    extra=st.dictionaries(
+        st.sampled_from(["stream_options", "priority", "metadata", "x", "y"]),
+        _FIELD_VALUES,
+        max_size=4,
+    ),
+    layout=st.sampled_from([{}, {"indent": 2}, {"separators": (",", ":")}]),
+    trailing=st.sampled_from(["", "\n", " \r\n "]),
+    inject_usage=st.booleans(),
+    priority=st.sampled_from([None, -5, 3]),
+    renamed=st.booleans(),
+)
+def test_the_body_sent_is_the_clients_with_what_the_target_needs_changed(
+    extra, layout, trailing, inject_usage, priority, renamed
+) -> None:
+    """The body sent decodes to the client's with the target's model, its priority and the
+    stream's request for usage, whether those were added to the client's bytes or the body
+    was encoded anew."""
+    if isinstance(extra.get("stream_options"), (bool, int, str, list)):
+        extra["stream_options"] = {"continuous_usage_stats": True}  # an object, as parsed
+    body = {**CHAT, "stream": True, **extra}
+    raw = (json.dumps(body, **layout) + trailing).encode()
+    parsed = parse_request(Feature.CHAT, raw)
+    goal = Target(
+        **{
+            **(THIRD_PARTY if renamed else ENGINE).model_dump(),
+            "priority": priority,
+        }
+    )
+    sent = json.loads(upstream_body(parsed, raw, goal, inject_usage))
+    expected = {**body, "model": goal.upstream_model}
+    if inject_usage:
+        expected["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+    if priority is not None:
+        expected["priority"] = priority
+    assert sent == expected
+    assert parsed.body == body  # untouched
 
 
 def test_the_answer_says_where_the_attempt_ran() -> None:
