@@ -21,6 +21,7 @@ __all__ = ["StreamUsage", "Usage", "usage_in"]
 
 _USAGE_KEY = b'"usage"'
 _EVENT_END = b"\n\n"
+_BLANK_LINES = b"\n\n\n"  # a blank line after an event's end: `split`'s bounds differ
 _DATA = b"data: {"
 _TAIL = 4096  # bytes kept to find the usage chunk when it is forwarded, not removed
 _DECODER = json.JSONDecoder()  # stateless: one for every read (making one costs a microsecond)
@@ -99,6 +100,8 @@ class StreamUsage:
         complete, self._buffer = self._buffer[: end + 2], self._buffer[end + 2 :]
         if _USAGE_KEY not in complete:
             return complete
+        if _BLANK_LINES not in complete:  # each event's bounds are the separators around it
+            return self._usage_events_cut(complete)
         kept = []
         for event in complete.split(_EVENT_END)[:-1]:
             if _is_usage_event(event):
@@ -110,6 +113,34 @@ class StreamUsage:
                     event = _with_fields(event, self.annotate(usage))
             kept.append(event + _EVENT_END)
         return b"".join(kept)
+
+    def _usage_events_cut(self, complete: bytes) -> bytes:
+        """`feed`'s answer for `complete` (whole events, no blank line between two): only the
+        events holding the usage key are looked at, the rest is forwarded as it came (a whole
+        stream in one chunk is one usage event, not a split and a join of every event)."""
+        parts = []
+        start = 0  # what is forwarded from `complete` next
+        at = complete.find(_USAGE_KEY)
+        while at >= 0:
+            begin = complete.rfind(_EVENT_END, 0, at)
+            begin = 0 if begin < 0 else begin + 2
+            stop = complete.find(_EVENT_END, at)  # `complete` ends with one
+            event = complete[begin:stop]
+            if _is_usage_event(event):
+                usage = _decode_usage(event)
+                self.usage = usage or self.usage
+                if self.remove:
+                    parts.append(complete[start:begin])
+                    start = stop + 2
+                elif usage is not None and self.annotate is not None:
+                    parts.append(complete[start:begin])
+                    parts.append(_with_fields(event, self.annotate(usage)))
+                    start = stop
+            at = complete.find(_USAGE_KEY, stop)
+        if not parts:
+            return complete
+        parts.append(complete[start:])
+        return b"".join(parts)
 
     def finish(self) -> bytes:
         """At the end of the stream: what is still held (forwarded), and the usage if seen."""

@@ -85,3 +85,73 @@ def test_a_kept_usage_event_can_carry_added_fields_and_the_rest_passes_byte_for_
     body = json.loads(event[len(b"data: ") :])
     assert body["usage"]["cost"] == "7.5" and body["usage"]["completion_tokens"] == 2
     assert stream.usage == Usage(7, 2, 3)
+
+
+def _feed_event_by_event(reader: StreamUsage, chunks: list[bytes]) -> bytes:
+    """What a reader that holds events forwards, written out event by event: each whole
+    chunk's events split off, checked and joined again (the reader's own way may differ)."""
+    from llmgw.core.usage import _decode_usage, _is_usage_event, _with_fields
+
+    out, buffer = [], b""
+    for chunk in chunks:
+        buffer += chunk
+        end = buffer.rfind(b"\n\n")
+        if end < 0:
+            continue
+        complete, buffer = buffer[: end + 2], buffer[end + 2 :]
+        if b'"usage"' not in complete:
+            out.append(complete)
+            continue
+        for event in complete.split(b"\n\n")[:-1]:
+            if _is_usage_event(event):
+                usage = _decode_usage(event)
+                reader.usage = usage or reader.usage
+                if reader.remove:
+                    continue
+                if usage is not None and reader.annotate is not None:
+                    event = _with_fields(event, reader.annotate(usage))
+            out.append(event + b"\n\n")
+    return b"".join(out) + buffer
+
+
+def _usage_event(prompt: int) -> bytes:
+    body = {"id": "c", "choices": [], "usage": {**USAGE, "prompt_tokens": prompt}}
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
+_EVENTS = st.sampled_from(
+    [
+        *(b"data: " + json.dumps(c).encode() + b"\n\n" for c in CHUNKS),
+        b"data: " + json.dumps({**CHUNKS[1], "usage": None}).encode() + b"\n\n",  # OpenAI's
+        b'data: {"id": "c", "choices": [], "usage": null}\n\n',
+        b'data: {"id": "c", "choices": [ ], "usage": {"prompt_tokens": 7}}\n\n',
+        b'event: chunk\ndata: {"id": "c", "choices": [], "usage": {"prompt_tokens": 8}}\n\n',
+        b"\n" + _usage_event(5),  # a blank line before an event
+        _usage_event(9),
+        _usage_event(11),
+        b": a comment\n\n",
+        b"data: [DONE]\n\n",
+    ]
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    events=st.lists(_EVENTS, max_size=12),
+    cuts=st.lists(st.integers(min_value=0, max_value=10_000), max_size=6),
+    mode=st.sampled_from(["remove", "annotate"]),
+)
+def test_the_reader_forwards_what_an_event_by_event_reading_forwards(events, cuts, mode):
+    """A reader that holds events (it removes the injected usage event, or adds fields to the
+    usage event) forwards the same bytes, and reads the same usage, as one that splits every
+    event off, checks it and joins it again."""
+
+    def reader() -> StreamUsage:
+        annotate = (lambda u: {"cost": str(u.input_tokens)}) if mode == "annotate" else None
+        return StreamUsage(remove=mode == "remove", annotate=annotate)
+
+    stream = b"".join(events)
+    fast, slow = reader(), reader()
+    forwarded = b"".join(fast.feed(piece) for piece in split(stream, cuts)) + fast.finish()
+    assert forwarded == _feed_event_by_event(slow, split(stream, cuts))
+    assert fast.usage == slow.usage
