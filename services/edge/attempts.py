@@ -789,7 +789,9 @@ def streamed_answer(
 
     upstream_headers.setdefault("content-type", "text/event-stream")
     upstream_headers["cache-control"] = "no-cache"
-    return StreamedAnswer(body_then_finish(), end_once, upstream, headers=upstream_headers), None
+    return StreamedAnswer(
+        body_then_finish(), end_once, upstream, headers=upstream_headers, drained=relay.drained
+    ), None
 
 
 class AttemptEnd:

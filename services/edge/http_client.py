@@ -217,6 +217,10 @@ class _Connection(asyncio.Protocol):
             self.transport.resume_reading()
         return data
 
+    def drained(self) -> bool:
+        """The whole body is in and was read: a read now answers b"" without waiting."""
+        return self.complete and not self._body and self.error is None
+
     def transport_closing(self) -> bool:
         return self.transport is None or self.transport.is_closing()
 
@@ -252,6 +256,10 @@ class UpstreamResponse:
         """What has arrived since the last read (waits for something until `deadline`, else
         UpstreamTimeout); b"" once it is all in."""
         return await self._connection.readany(deadline)
+
+    def drained(self) -> bool:
+        """The whole body is in and was read: `readany` answers b"" without waiting."""
+        return self._connection.drained()
 
     async def read(self, deadline: float | None = None) -> bytes:
         """The whole body, by `deadline` (else UpstreamTimeout)."""

@@ -212,6 +212,11 @@ class StreamRelay:
         self.outcome = Outcome.CLIENT_DISCONNECTED  # until the stream ends by itself
         self.first_chunk_at: float | None = None
 
+    def drained(self) -> bool:
+        """Whether the upstream sent all it will and the relay has read it: what it yields from
+        now on comes without waiting (the rest of the last read, and how the stream ended)."""
+        return self._response.drained()
+
     def _lost(self) -> bytes:
         self.outcome = Outcome.LEASE_LOST
         return sse_error_event(LEASE_LOST_MESSAGE, "lease_lost")

@@ -386,3 +386,37 @@ async def test_a_body_that_stalls_ends_at_its_deadline_and_what_came_is_read_at_
         await again.read(loop.time() + 0.2)
     again.close()
     await pool.close()
+
+
+async def test_a_response_is_drained_once_all_of_it_came_and_was_read():
+    """`drained`: nothing more will come and nothing is left to read (a stream's last read
+    needs no wait), not before."""
+    more = asyncio.Event()
+
+    async def serve_in_two(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+        await reader.readexactly(length)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+        await writer.drain()
+        await more.wait()
+        writer.write(b"4\r\nlast\r\n0\r\n\r\n")
+        await writer.drain()
+
+    server = await asyncio.start_server(serve_in_two, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    pool = UpstreamPool(dial=1)
+    try:
+        response = await pool.post(f"http://127.0.0.1:{port}/v1/x", b"{}", {})
+        assert await response.readany() == b"first"
+        assert not response.drained()  # the rest is still to come
+        more.set()
+        await eventually(lambda: response._connection.complete, what="the rest came")
+        assert not response.drained()  # in, but not read yet
+        assert await response.readany() == b"last"
+        assert response.drained()
+        assert await response.readany() == b""
+        response.release()
+    finally:
+        await pool.close()
+        server.close()
