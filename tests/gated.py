@@ -4,6 +4,7 @@ truth of how many requests the gateway runs at once on an engine (`running`, `pe
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,8 +26,12 @@ class GatedEngine:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return
-        while (await receive()).get("more_body"):
-            pass
+        raw = b""
+        while True:
+            message = await receive()
+            raw += message.get("body", b"")
+            if not message.get("more_body"):
+                break
         if scope["method"] == "GET":  # the scraper: healthy, and no load metrics at all
             status = 200 if scope["path"] == "/health" else 404
             await send({"type": "http.response.start", "status": status, "headers": []})
@@ -39,6 +44,16 @@ class GatedEngine:
         finally:
             self.running -= 1
         self.served += 1
+        if json.loads(raw or b"{}").get("stream"):  # one token, the usage, [DONE]: at once
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")],
+                }
+            )
+            await send({"type": "http.response.body", "body": _STREAM})
+            return
         body = chat_completion_body(model="m1")
         await send(
             {
@@ -48,6 +63,18 @@ class GatedEngine:
             }
         )
         await send({"type": "http.response.body", "body": body})
+
+
+_CHUNK = {"id": "x", "object": "chat.completion.chunk", "model": "m1"}
+_STREAM = (
+    b"data: "
+    + json.dumps({**_CHUNK, "choices": [{"index": 0, "delta": {"content": "ok"}}]}).encode()
+    + b"\n\ndata: "
+    + json.dumps(
+        {**_CHUNK, "choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 1}}
+    ).encode()
+    + b"\n\ndata: [DONE]\n\n"
+)
 
 
 def gated_config(

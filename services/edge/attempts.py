@@ -777,20 +777,20 @@ def streamed_answer(
         ending.finish(outcome)
         telemetry.ended(routed.record, outcome, 200)
 
-    async def body_then_finish() -> Any:
-        try:
-            async for chunk in relay:
-                if hold is not None and hold.cut_short:  # the drain deadline closed it
-                    yield sse_error_event(SHUTDOWN_MESSAGE, Outcome.SHUTTING_DOWN.value)
-                    break
-                yield chunk
-        finally:
-            end_once()
+    async def body() -> Any:
+        async for chunk in relay:
+            if hold is not None and hold.cut_short:  # the drain deadline closed it
+                yield sse_error_event(SHUTDOWN_MESSAGE, Outcome.SHUTTING_DOWN.value)
+                break
+            yield chunk
 
     upstream_headers.setdefault("content-type", "text/event-stream")
     upstream_headers["cache-control"] = "no-cache"
+    # The attempt ends once the stream's end is sent (`StreamedAnswer` calls `end_once` in the
+    # same turn, however the stream ended): off a sequential client's critical path, before
+    # its next request is read.
     return StreamedAnswer(
-        body_then_finish(), end_once, upstream, headers=upstream_headers, drained=relay.drained
+        body(), end_once, upstream, headers=upstream_headers, drained=relay.drained
     ), None
 
 

@@ -3,16 +3,18 @@
 `StreamedAnswer` sends the head and then each chunk of its body as it comes, and stops when the
 client hangs up. What the body yields once its upstream is drained (`drained`: all of it in
 and read, so nothing more is waited for) goes with the body's end, in one write: a whole
-stream an engine sent at once, or its last tokens and [DONE], are one send, not two. Starlette's `StreamingResponse` does the same with an anyio task group per
-response (two tasks, a cancel scope whose cancel message formats the task's repr): ~0.1 ms of
-CPU per stream on the reference machine. Here one small task waits for the client's
-``http.disconnect`` and cancels the response's task if it comes first.
+stream an engine sent at once, or its last tokens and [DONE], are one send, not two.
+Starlette's `StreamingResponse` does the same with an anyio task group per response (two
+tasks, a cancel scope whose cancel message formats the task's repr): ~0.1 ms of CPU per stream
+on the reference machine. Here one small task waits for the client's ``http.disconnect`` and
+cancels the response's task if it comes first.
 
 Invariants: `on_end` runs exactly once, however the response ends (completed, client gone before
-or after the head, an error in the body); the upstream response is closed afterwards; a client
-that hangs up ends the response quietly (its task is not left cancelled); once the last chunk is
-sent, a late ``http.disconnect`` (uvicorn reports one when the response completes) cancels
-nothing.
+or after the head, an error in the body), and after a completed response's end was sent, in
+the same turn (before the connection's next request is read); the upstream response is closed
+afterwards; a client that hangs up ends the response quietly (its task is not left cancelled);
+once the last chunk is sent, a late ``http.disconnect`` (uvicorn reports one when the response
+completes) cancels nothing.
 """
 
 from __future__ import annotations

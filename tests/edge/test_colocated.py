@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import pytest
 import pytest_asyncio
 from gated import GatedEngine, gated_config
 from inproc import Admission, Edge, before_any_lease, connect, start_admission
@@ -224,14 +225,16 @@ async def test_ends_are_applied_in_process_once_and_still_reach_the_other_instan
     assert edge.instance.service.rates.samples == before[0] + n + 1  # each end once, no echo
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 async def test_a_sequential_client_with_one_slot_per_session_finds_its_slot_free(
-    one_per_session_rig: Rig,
+    one_per_session_rig: Rig, stream: bool
 ):
     """max_per_session_in_flight_request_slots: 1. A client that sends its next request once
-    the last one's answer is in finds the last one's slot free: the lease of an instance in
-    the edge's process is released in the response's turn, before the next request is read
-    (services/edge/reporting.py). Every request is admitted on its pin at once: none waits in
-    a queue, none is sent elsewhere or refused."""
+    the last one's answer is in (a stream: its end) finds the last one's slot free: the lease
+    of an instance in the edge's process is released in the response's turn, before the next
+    request is read (services/edge/reporting.py; a stream's attempt ends in the turn its end
+    is sent, services/edge/streamed.py). Every request is admitted on its pin at once: none
+    waits in a queue, none is sent elsewhere or refused."""
     rig = one_per_session_rig
     rig.engine.gate.set()
     edge = rig.edges[0]
@@ -244,7 +247,7 @@ async def test_a_sequential_client_with_one_slot_per_session_finds_its_slot_free
     # work per request would give the edge time it does not get from a fast client).
     host, port = edge.edge.url.removeprefix("http://").split(":")
     reader, writer = await asyncio.open_connection(host, int(port))
-    body = json.dumps(chat(user)).encode()
+    body = json.dumps({**chat(user), "stream": stream}).encode()
     request = (
         b"POST /v1/chat/completions HTTP/1.1\r\nhost: edge\r\ncontent-type: application/json\r\n"
         b"content-length: %d\r\n\r\n%s" % (len(body), body)
@@ -316,11 +319,15 @@ def _observations(histogram: Any) -> float:
 
 
 async def _answer(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
-    """One HTTP/1.1 answer with a content-length: its status, headers and body."""
+    """One HTTP/1.1 answer, with a content-length or chunked: its status, headers and body."""
     head = (await reader.readuntil(b"\r\n\r\n")).decode().split("\r\n")
     headers = dict(line.lower().split(": ", 1) for line in head[1:] if line)
-    return (
-        int(head[0].split()[1]),
-        headers,
-        await reader.readexactly(int(headers["content-length"])),
-    )
+    status = int(head[0].split()[1])
+    if headers.get("transfer-encoding") != "chunked":
+        return status, headers, await reader.readexactly(int(headers["content-length"]))
+    body = b""
+    while size := int((await reader.readuntil(b"\r\n")).strip(), 16):
+        body += await reader.readexactly(size)
+        await reader.readexactly(2)
+    await reader.readexactly(2)  # the empty line after the last chunk
+    return status, headers, body
