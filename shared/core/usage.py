@@ -105,14 +105,23 @@ class StreamUsage:
         kept = []
         for event in complete.split(_EVENT_END)[:-1]:
             if _is_usage_event(event):
-                usage = _decode_usage(event)
-                self.usage = usage or self.usage
-                if self.remove:
+                forwarded = self._usage_event(event)
+                if forwarded is None:
                     continue
-                if usage is not None and self.annotate is not None:
-                    event = _with_fields(event, self.annotate(usage))
+                event = forwarded
             kept.append(event + _EVENT_END)
         return b"".join(kept)
+
+    def _usage_event(self, event: bytes) -> bytes | None:
+        """A usage event read: its usage kept, and what goes on in its place (None: nothing,
+        it is removed; else the event, with the annotation's fields when there is one)."""
+        usage = _decode_usage(event)
+        self.usage = usage or self.usage
+        if self.remove:
+            return None
+        if usage is not None and self.annotate is not None:
+            return _with_fields(event, self.annotate(usage))
+        return event
 
     def _usage_events_cut(self, complete: bytes) -> bytes:
         """`feed`'s answer for `complete` (whole events, no blank line between two): only the
@@ -127,15 +136,14 @@ class StreamUsage:
             stop = complete.find(_EVENT_END, at)  # `complete` ends with one
             event = complete[begin:stop]
             if _is_usage_event(event):
-                usage = _decode_usage(event)
-                self.usage = usage or self.usage
-                if self.remove:
+                forwarded = self._usage_event(event)
+                if forwarded is not event:  # removed, or annotated: cut out
                     parts.append(complete[start:begin])
-                    start = stop + 2
-                elif usage is not None and self.annotate is not None:
-                    parts.append(complete[start:begin])
-                    parts.append(_with_fields(event, self.annotate(usage)))
-                    start = stop
+                    if forwarded is None:
+                        start = stop + 2
+                    else:
+                        parts.append(forwarded)
+                        start = stop
             at = complete.find(_USAGE_KEY, stop)
         if not parts:
             return complete
